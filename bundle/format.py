@@ -1,0 +1,265 @@
+"""The bundle format: names, event types, data models, hashes and the run id.
+
+docs/bundle-format.md is the prose version of this module; bundle/schemas/ holds the JSON Schemas
+generated from the models here (`python -m bundle.schemas` rewrites them, a test checks they match).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bundle import canonical
+
+FORMAT_NAME = "evidence-bundle"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+EVENTS_NAME = "events.ndjson"
+MEMBERS = (MANIFEST_NAME, EVENTS_NAME)  # exactly these, in this order
+SPECVERSION = "1.0"
+DATACONTENTTYPE = "application/json"
+TYPE_PREFIX = "dev.evidence."
+
+# Verification limits (a bundle is untrusted input).
+MAX_COMPRESSED = 100 * 1024 * 1024
+MAX_DECOMPRESSED = 1024 * 1024 * 1024
+MAX_EVENTS = 2_000_000
+MAX_LINE = 1024 * 1024
+MAX_DEPTH = 64
+
+RUN_STARTED = "dev.evidence.run.started"
+RUN_FINISHED = "dev.evidence.run.finished"
+PROCESS_EXEC = "dev.evidence.process.exec"
+PROCESS_EXIT = "dev.evidence.process.exit"
+FILE_OPEN = "dev.evidence.file.open"
+NETWORK_CONNECT = "dev.evidence.network.connect"
+LOSS = "dev.evidence.loss"
+DEGRADATION = "dev.evidence.degradation"
+POLICY_DENIAL = "dev.evidence.policy.denial"
+INVENTORY = "dev.evidence.inventory"
+
+# A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
+Result = Literal[0] | str
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunStarted(BaseModel):
+    model_config = _FROZEN
+    session_id: str
+    command: list[str]
+    cwd: str
+    pid: int
+    cgroup: str
+    detail: Literal["summary", "full"]
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RunFinished(BaseModel):
+    model_config = _FROZEN
+    exit_code: int | None
+    signal: str | None = None
+    duration_ns: int
+    cut_short: bool = False
+
+
+class ProcessExec(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    depth: int
+    filename: str
+    argv: list[str]
+    argv_truncated: bool = False
+    cwd: str | None
+    result: Result
+    count: int = 1
+
+
+class ProcessExit(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    exit_code: int | None
+    signal: str | None = None
+
+
+class FileOpen(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    path: str
+    raw_path: str
+    dirfd: int | None = None
+    flags: list[str]
+    access: list[Literal["read", "write", "create", "exec"]]
+    mode: int | None = None
+    result: Result
+    count: int = 1
+    first_time: str
+    last_time: str
+
+
+class NetworkConnect(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    family: Literal["AF_INET", "AF_INET6", "AF_UNIX", "AF_UNSPEC", "OTHER"]
+    address: str
+    port: int | None = None
+    result: Result
+    count: int = 1
+    first_time: str
+    last_time: str
+
+
+class Loss(BaseModel):
+    model_config = _FROZEN
+    kind: str
+    count: int
+    where: Literal["kernel", "agent"] = "kernel"
+
+
+class Degradation(BaseModel):
+    model_config = _FROZEN
+    component: str
+    reason: str
+    impact: str
+
+
+class PolicyDenial(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    exe: str | None
+    operation: Literal["read", "write", "create", "exec", "connect", "sendmsg"]
+    target: str
+    rule: str
+    enforced: bool
+    result: Result
+    count: int = 1
+
+
+class Inventory(BaseModel):
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    argv: list[str]
+    cwd: str | None
+    exe: str | None
+    sockets: list[str] = Field(default_factory=list)
+
+
+DATA_MODELS: dict[str, type[BaseModel]] = {
+    RUN_STARTED: RunStarted,
+    RUN_FINISHED: RunFinished,
+    PROCESS_EXEC: ProcessExec,
+    PROCESS_EXIT: ProcessExit,
+    FILE_OPEN: FileOpen,
+    NETWORK_CONNECT: NetworkConnect,
+    LOSS: Loss,
+    DEGRADATION: Degradation,
+    POLICY_DENIAL: PolicyDenial,
+    INVENTORY: Inventory,
+}
+
+
+class LossCounts(BaseModel):
+    model_config = _FROZEN
+    total: int
+    by_kind: dict[str, int]
+
+
+class FileEntry(BaseModel):
+    model_config = _FROZEN
+    sha256: str
+    size: int
+
+
+class Manifest(BaseModel):
+    """manifest.json. Times are RFC 3339 UTC strings; hashes lowercase hex sha256."""
+
+    model_config = _FROZEN
+    format: Literal["evidence-bundle"]
+    format_version: int
+    producer: dict[str, str]
+    run_id: str
+    session_id: str
+    source: str
+    command: list[str]
+    cwd: str
+    started_at: str
+    finished_at: str
+    exit_code: int | None
+    signal: str | None = None
+    cut_short: bool = False
+    attached_late: bool = False
+    detail: Literal["summary", "full"]
+    host: dict[str, str]
+    capabilities: dict[str, Any]
+    headers: dict[str, Any]
+    counts: dict[str, int]
+    events: int
+    lost: LossCounts
+    labels: dict[str, str] = Field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+    files: dict[str, FileEntry]
+    root_hash: str
+
+
+def format_time(ns: int) -> str:
+    """RFC 3339 UTC with nanoseconds: 2026-11-22T01:43:44.123456789Z."""
+    secs, frac = divmod(ns, 1_000_000_000)
+    base = _dt.datetime.fromtimestamp(secs, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{base}.{frac:09d}Z"
+
+
+def parse_time(text: str) -> int:
+    """Inverse of format_time (accepts any RFC 3339 UTC 'Z' time with up to 9 fraction digits)."""
+    if not text.endswith("Z"):
+        raise ValueError(f"time {text!r} is not UTC ('Z')")
+    main, _, frac = text[:-1].partition(".")
+    if len(frac) > 9 or (frac and not frac.isdigit()):
+        raise ValueError(f"bad fraction in time {text!r}")
+    dt = _dt.datetime.strptime(main, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=_dt.UTC)
+    return int(dt.timestamp()) * 1_000_000_000 + int((frac or "0").ljust(9, "0"))
+
+
+def event_id(run_id: str, seq: int) -> str:
+    return f"{run_id}:{seq}"
+
+
+def source_for(run_id: str) -> str:
+    return f"urn:evidence:run:{run_id}"
+
+
+def content_hash(event: dict[str, Any]) -> str:
+    """sha256 over the canonical {specversion, type, datacontenttype, subject, data} of an event:
+    what happened, without when (time) or its place in this bundle (id, seq, run id)."""
+    core = {k: event.get(k) for k in ("specversion", "type", "datacontenttype", "subject", "data")}
+    return hashlib.sha256(canonical.dumps(core, check=False)).hexdigest()
+
+
+class RootHasher:
+    """root_hash = sha256 over each event's content hash (64 hex chars + '\\n'), in sequence order."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def add(self, chash: str) -> None:
+        self._h.update(chash.encode("ascii") + b"\n")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def root_hash(content_hashes: Iterable[str]) -> str:
+    h = RootHasher()
+    for c in content_hashes:
+        h.add(c)
+    return h.hexdigest()

@@ -1,0 +1,66 @@
+"""The spool: correlated records streamed to disk as zstandard-compressed JSON lines.
+
+The recorder appends records while the run goes on, so its memory stays flat however long the run;
+the bundle writer reads the spool (twice) when the run ends. A record is a flat dict with "k" (kind)
+and "t" (kernel time in ns since the epoch) plus the fields of its event's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import zstandard
+
+KINDS = ("exec", "exit", "open", "connect", "denial", "inventory", "degradation")
+
+
+class SpoolWriter:
+    def __init__(self, path: str | Path, level: int = 3) -> None:
+        self.path = Path(path)
+        self._raw: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._z = zstandard.ZstdCompressor(level=level).stream_writer(self._raw, closefd=False)
+        self.records = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._z.write(orjson.dumps(record) + b"\n")
+        self.records += 1
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            self._z.write(b"".join(orjson.dumps(r) + b"\n" for r in records))
+            self.records += len(records)
+
+    def flush(self) -> None:
+        self._z.flush(zstandard.FLUSH_BLOCK)
+        self._raw.flush()
+
+    def close(self) -> None:
+        if not self._raw.closed:
+            self._z.close()
+            self._raw.close()
+
+    def __enter__(self) -> SpoolWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_spool(path: str | Path) -> Iterator[dict[str, Any]]:
+    with open(path, "rb") as raw:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
+        tail = b""
+        while True:
+            chunk = reader.read(1 << 20)
+            if not chunk:
+                break
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            for line in lines:
+                if line:
+                    yield orjson.loads(line)
+        if tail.strip():
+            yield orjson.loads(tail)

@@ -1,0 +1,3 @@
+"""evidence: an eBPF run recorder."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,94 @@
+"""The `evidence` command line. `main(argv) -> int` is tested in-process.
+
+Subcommands live next to what they drive and are imported only when used, so `lint`, `diff`, `show`
+and `profile` never import BCC or need root. Each command module offers `configure(parser)` and
+`run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from evidence import __version__
+from evidence.errors import EXIT_ERROR, Error
+
+logger = logging.getLogger("evidence")
+
+# name -> (module, help). Modules under bundle/ and policy/ are pure; agent/ ones need root + BCC.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("agent.commands_run", "run a command and record what it does into a bundle"),
+    "doctor": ("agent.doctor", "check what this machine offers the recorder"),
+    "show": ("bundle.show", "print a readable summary of a bundle"),
+    "lint": ("bundle.lint", "verify a bundle and report problems"),
+    "diff": ("bundle.diff", "compare the behaviour of two runs"),
+    "profile": ("policy.profile", "write a policy that allows exactly what a run did"),
+    "agent": ("agent.daemon", "run the recording daemon (sidecar / DaemonSet)"),
+    "start": ("agent.client", "start recording a cgroup through a running agent"),
+    "finish": ("agent.client_finish", "finish a run started through a running agent"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    found = {}
+    for name, (mod, help_) in COMMANDS.items():
+        if importlib.util.find_spec(mod) is not None:
+            found[name] = (mod, help_)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="evidence", description="An eBPF run recorder.")
+    parser.add_argument("--version", action="version", version=f"evidence {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (mod, help_) in _available().items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=mod)
+        importlib.import_module(mod).configure(p)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    env = os.environ.get("EVIDENCE_LOG", "").upper()
+    level = logging.WARNING
+    if verbose == 1 or env == "INFO":
+        level = logging.INFO
+    if verbose >= 2 or env == "DEBUG":
+        level = logging.DEBUG
+    pkg_loggers = ["evidence", "agent", "bundle", "policy", "probes"]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("evidence: %(levelname)s %(name)s: %(message)s"))
+    for name in pkg_loggers:
+        lg = logging.getLogger(name)
+        lg.setLevel(level)
+        if not lg.handlers:
+            lg.addHandler(handler)
+        lg.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    _setup_logging(args.verbose)
+    if not getattr(args, "_module", None):
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        return int(importlib.import_module(args._module).run(args))
+    except Error as e:
+        print(f"evidence: {e.diagnostics()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("evidence: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def entry() -> None:
+    sys.exit(main())

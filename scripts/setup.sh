@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine (run as root): system packages, kernel headers
+# links for BCC, and a virtualenv at .venv that sees Debian's bcc module.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+/usr/bin/python3 -c 'import bcc' 2>/dev/null || need_apt+=(python3-bpfcc bpfcc-tools)
+/usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+command -v strace >/dev/null || need_apt+=(strace)
+command -v runc >/dev/null || need_apt+=(runc)
+[ -x /bin/busybox ] || need_apt+=(busybox-static)
+command -v ip >/dev/null || need_apt+=(iproute2)
+ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] \
+  || need_apt+=(linux-headers-cloud-amd64)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+  rm -f .venv/.installed-* && touch "$stamp"
+fi
+# Headers for BCC: `evidence doctor` explains; the agent links distro headers itself when the exact
+# ones are missing (and records the mismatch), so nothing else is needed here.
+echo "setup: ok (.venv/bin/evidence)" >&2
