@@ -104,7 +104,9 @@ def _subject(rec: dict[str, Any]) -> str:
     raise ValueError(f"unknown record kind {k!r}")
 
 
-def behaviour_digest(meta: RunMeta, records: Iterable[dict[str, Any]]) -> tuple[str, dict[tuple[Any, ...], list[int]]]:
+def behaviour_digest(
+    meta: RunMeta, records: Iterable[dict[str, Any]]
+) -> tuple[str, dict[tuple[Any, ...], list[int]]]:
     """First pass: (run id, summary aggregates {key: [count, first_t, last_t]})."""
     norm = Normalizer(meta.roots)
     execs: set[tuple[Any, ...]] = set()
@@ -189,17 +191,24 @@ class _EventSink:
         self.seq += 1
 
 
-def _iter_events(meta: RunMeta, records: Iterable[dict[str, Any]], agg: dict[tuple[Any, ...], list[int]]) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
+def _iter_events(
+    meta: RunMeta, records: Iterable[dict[str, Any]], agg: dict[tuple[Any, ...], list[int]]
+) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
     argv0 = meta.command[0] if meta.command else ""
-    yield fmt.RUN_STARTED, argv0, meta.started_ns, {
-        "session_id": meta.session_id,
-        "command": list(meta.command),
-        "cwd": meta.cwd,
-        "pid": meta.pid,
-        "cgroup": meta.cgroup,
-        "detail": meta.detail,
-        "labels": dict(meta.labels),
-    }
+    yield (
+        fmt.RUN_STARTED,
+        argv0,
+        meta.started_ns,
+        {
+            "session_id": meta.session_id,
+            "command": list(meta.command),
+            "cwd": meta.cwd,
+            "pid": meta.pid,
+            "cgroup": meta.cgroup,
+            "detail": meta.detail,
+            "labels": dict(meta.labels),
+        },
+    )
     for d in meta.degradations:
         yield fmt.DEGRADATION, d["component"], meta.started_ns, dict(d)
     emitted: set[tuple[Any, ...]] = set()
@@ -212,13 +221,23 @@ def _iter_events(meta: RunMeta, records: Iterable[dict[str, Any]], agg: dict[tup
         yield _KIND_TYPE[rec["k"]], _subject(rec), rec["t"], _data(rec, agg.get(key) if key else None)
     for kind in sorted(meta.lost):
         if meta.lost[kind]:
-            yield fmt.LOSS, kind, meta.finished_ns, {"kind": kind, "count": meta.lost[kind], "where": "kernel"}
-    yield fmt.RUN_FINISHED, argv0, meta.finished_ns, {
-        "exit_code": meta.exit_code,
-        "signal": meta.signal,
-        "duration_ns": max(0, meta.finished_ns - meta.started_ns),
-        "cut_short": meta.cut_short,
-    }
+            yield (
+                fmt.LOSS,
+                kind,
+                meta.finished_ns,
+                {"kind": kind, "count": meta.lost[kind], "where": "kernel"},
+            )
+    yield (
+        fmt.RUN_FINISHED,
+        argv0,
+        meta.finished_ns,
+        {
+            "exit_code": meta.exit_code,
+            "signal": meta.signal,
+            "duration_ns": max(0, meta.finished_ns - meta.started_ns),
+            "cut_short": meta.cut_short,
+        },
+    )
 
 
 def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
@@ -275,7 +294,9 @@ def write_bundle(out_path: str | Path, meta: RunMeta, records: Records) -> dict[
             with os.fdopen(fd, "wb") as raw:
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
                     with tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-                        tar.addfile(_tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+                        tar.addfile(
+                            _tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes)
+                        )
                         events_tmp.seek(0)
                         tar.addfile(_tarinfo(fmt.EVENTS_NAME, sink.size), events_tmp)
                 raw.flush()

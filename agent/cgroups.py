@@ -1,0 +1,125 @@
+"""cgroup v2: find the mount, make a run's cgroup, move processes, kill leftovers, remove it."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from evidence.errors import SetupError
+
+logger = logging.getLogger(__name__)
+
+EVIDENCE_DIR = "evidence"
+
+
+def find_cgroup2_mount(mountinfo: str | None = None) -> Path:
+    """The cgroup v2 mount point: /sys/fs/cgroup on a unified host, /sys/fs/cgroup/unified on a
+    hybrid one, or wherever /proc/self/mountinfo says."""
+    text = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
+    found: list[str] = []
+    for line in text.splitlines():
+        pre, _, post = line.partition(" - ")
+        fields = pre.split()
+        if post.split()[:1] == ["cgroup2"] and len(fields) >= 5:
+            found.append(fields[4].replace("\\040", " "))
+    if not found:
+        raise SetupError("no cgroup v2 mount found", "mount one: mount -t cgroup2 none /sys/fs/cgroup")
+    for preferred in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if preferred in found:
+            return Path(preferred)
+    return Path(found[0])
+
+
+def cgroup_id(path: str | Path) -> int:
+    """The kernel's cgroup id, as bpf_get_current_cgroup_id() returns it: the cgroup dir's inode."""
+    return os.stat(path).st_ino
+
+
+def cgroup_of_pid(pid: int, mount: Path) -> Path:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hier == "0" and controllers == "":
+            return mount / rel.lstrip("/")
+    raise SetupError(f"process {pid} has no cgroup v2 membership")
+
+
+class RunCgroup:
+    """A cgroup made for one run, below <mount>/evidence/."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.id = cgroup_id(path)
+
+    @classmethod
+    def create(cls, name: str, mount: Path | None = None) -> RunCgroup:
+        mount = mount or find_cgroup2_mount()
+        parent = mount / EVIDENCE_DIR
+        try:
+            parent.mkdir(exist_ok=True)
+            path = parent / name
+            path.mkdir()
+        except OSError as e:
+            raise SetupError(f"cannot create a cgroup under {parent}: {e.strerror}", "run as root") from e
+        return cls(path)
+
+    def procs_file(self) -> str:
+        return str(self.path / "cgroup.procs")
+
+    def pids(self) -> list[int]:
+        out: list[int] = []
+        for dirpath, _dirs, _files in os.walk(self.path):
+            try:
+                out += [int(x) for x in Path(dirpath, "cgroup.procs").read_text().split()]
+            except OSError:
+                continue
+        return out
+
+    def populated(self) -> bool:
+        try:
+            for line in (self.path / "cgroup.events").read_text().splitlines():
+                if line.startswith("populated "):
+                    return line.split()[1] == "1"
+        except OSError:
+            pass
+        return bool(self.pids())
+
+    def kill(self) -> int:
+        """Kill every process left in the cgroup (and below). Returns how many there were."""
+        left = self.pids()
+        if not left:
+            return 0
+        try:
+            (self.path / "cgroup.kill").write_text("1")
+        except OSError:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return len(left)
+
+    def wait_empty(self, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.populated():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def remove(self) -> None:
+        for dirpath, _dirs, _files in sorted(os.walk(self.path), key=lambda w: -len(w[0])):
+            for _ in range(50):
+                try:
+                    os.rmdir(dirpath)
+                    break
+                except OSError as e:
+                    if e.errno == errno.ENOENT:
+                        break
+                    if e.errno != errno.EBUSY:
+                        logger.warning("cannot remove cgroup %s: %s", dirpath, e.strerror)
+                        break
+                    time.sleep(0.02)

@@ -1,0 +1,274 @@
+"""Correlation: decoded probe records -> spool records, per run. Pure: no BCC, no root.
+
+It keeps the process tree (pid, ppid, depth from the run's root process, exe), each process's cwd and
+a table of its file descriptors (from successful opens, dup and chdir), so that relative paths are
+resolved against the cwd or the dirfd they were opened through. Enter records wait in `pending` for
+the result record of the same thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import posixpath
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from agent import decode as d
+
+logger = logging.getLogger(__name__)
+
+AT_FDCWD = -100
+
+_FLAG_NAMES = [
+    (getattr(os, name), name)
+    for name in (
+        "O_CREAT",
+        "O_EXCL",
+        "O_NOCTTY",
+        "O_TRUNC",
+        "O_APPEND",
+        "O_NONBLOCK",
+        "O_DSYNC",
+        "O_ASYNC",
+        "O_DIRECT",
+        "O_LARGEFILE",
+        "O_DIRECTORY",
+        "O_NOFOLLOW",
+        "O_NOATIME",
+        "O_CLOEXEC",
+        "O_PATH",
+    )
+    if hasattr(os, name)
+]
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
+_O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
+
+
+def errno_name(code: int) -> str:
+    return errno.errorcode.get(code, f"E{code}")
+
+
+def result_of(ret: int) -> int | str:
+    return 0 if ret >= 0 else errno_name(-ret)
+
+
+def decode_open_flags(flags: int) -> tuple[list[str], list[str]]:
+    """(flag names, access classes) of open(2) flags."""
+    acc = flags & os.O_ACCMODE
+    names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(acc, "O_ACCMODE3")]
+    rest = flags & ~os.O_ACCMODE
+    if rest & _O_TMPFILE == _O_TMPFILE:
+        names.append("O_TMPFILE")
+        rest &= ~_O_TMPFILE
+    if rest & _O_SYNC_ONLY:
+        names.append("O_SYNC")
+        rest &= ~_O_SYNC_ONLY
+    for bit, name in _FLAG_NAMES:
+        if rest & bit:
+            names.append(name)
+            rest &= ~bit
+    if rest:
+        names.append(f"0x{rest:x}")
+    access: list[str] = []
+    is_path = bool(flags & getattr(os, "O_PATH", 0))
+    if not is_path and acc in (os.O_RDONLY, os.O_RDWR):
+        access.append("read")
+    if not is_path and (acc in (os.O_WRONLY, os.O_RDWR) or flags & os.O_TRUNC):
+        access.append("write")
+    if flags & os.O_CREAT or flags & _O_TMPFILE == _O_TMPFILE:
+        access.append("create")
+    return names, access
+
+
+def split_status(status: int) -> tuple[int | None, str | None]:
+    """(exit code, signal name) from a wait status."""
+    sig = status & 0x7F
+    if sig:
+        try:
+            return None, signal.Signals(sig).name
+        except ValueError:
+            return None, f"SIG{sig}"
+    return (status >> 8) & 0xFF, None
+
+
+@dataclasses.dataclass
+class Proc:
+    pid: int
+    ppid: int
+    depth: int
+    exe: str | None
+    cwd: str | None
+    fds: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+# Looks a live process up in /proc (injected so correlation stays pure): (ppid, cwd, exe) or None.
+ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
+
+
+class Correlator:
+    def __init__(self, wall_offset_ns: int, proc_lookup: ProcLookup | None = None) -> None:
+        self.wall_offset_ns = wall_offset_ns
+        self.procs: dict[int, Proc] = {}
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.proc_lookup = proc_lookup
+        self.unpaired = 0  # result records whose enter record was lost
+
+    def add_root(self, pid: int, ppid: int, cwd: str, exe: str | None = None, depth: int = 0) -> None:
+        self.procs[pid] = Proc(pid=pid, ppid=ppid, depth=depth, exe=exe, cwd=cwd)
+
+    def _proc(self, tgid: int) -> Proc:
+        p = self.procs.get(tgid)
+        if p is None:
+            found = self.proc_lookup(tgid) if self.proc_lookup else None
+            ppid, cwd, exe = found if found else (0, None, None)
+            parent = self.procs.get(ppid)
+            p = Proc(pid=tgid, ppid=ppid, depth=parent.depth + 1 if parent else -1, exe=exe, cwd=cwd)
+            self.procs[tgid] = p
+        return p
+
+    def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD) -> str:
+        if path.startswith("/"):
+            return posixpath.normpath(path).replace("//", "/")
+        base = proc.cwd if dfd == AT_FDCWD else proc.fds.get(dfd)
+        if base is None:
+            where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
+            return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
+        return posixpath.normpath(posixpath.join(base, path)) if path else base
+
+    def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
+        """Consume one decoded record; return the spool records it completes."""
+        kind = ev["kind"]
+        t = ev["ts"] + self.wall_offset_ns
+        if kind in ("open", "exec", "connect", "chdir", "fchdir", "dup"):
+            self.pending[ev["tid"]] = ev
+            return []
+        if kind == "ret":
+            enter = self.pending.pop(ev["tid"], None)
+            if enter is None:
+                if ev["sc"] != d.SC_EXEC:  # a successful exec's result follows exec_ok, which took it
+                    self.unpaired += 1
+                return []
+            return self._complete(enter, ev["ret"], ev["ts"] + self.wall_offset_ns)
+        if kind == "exec_ok":
+            return self._exec_ok(ev, t)
+        if kind == "fork":
+            parent = self._proc(ev["tgid"])
+            self.procs[ev["child"]] = Proc(
+                pid=ev["child"],
+                ppid=parent.pid,
+                depth=parent.depth + 1 if parent.depth >= 0 else -1,
+                exe=parent.exe,
+                cwd=parent.cwd,
+                fds=dict(parent.fds),
+            )
+            return []
+        if kind == "exit":
+            p = self._proc(ev["tgid"])
+            code, sig = split_status(ev["status"])
+            self.procs.pop(ev["tgid"], None)
+            return [
+                {
+                    "k": "exit",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "exit_code": code,
+                    "signal": sig,
+                }
+            ]
+        return []
+
+    def _exec_record(
+        self, p: Proc, t: int, filename: str, argv: list[str], trunc: bool, result: int | str
+    ) -> dict[str, Any]:
+        return {
+            "k": "exec",
+            "t": t,
+            "pid": p.pid,
+            "ppid": p.ppid,
+            "depth": p.depth,
+            "filename": filename,
+            "argv": argv,
+            "argv_truncated": trunc,
+            "cwd": p.cwd,
+            "result": result,
+        }
+
+    def _exec_ok(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
+        old = ev["old_tid"] or ev["tid"]
+        enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
+        p = self._proc(ev["tgid"])
+        dfd = enter["dfd"] if enter else AT_FDCWD
+        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD)
+        trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
+        argv = ev["argv"]
+        if ev["flags"] & d.F_ARGS_FAULT and enter:
+            argv = enter["argv"]
+        p.exe = filename
+        return [self._exec_record(p, t, filename, argv, trunc, 0)]
+
+    def _complete(self, enter: dict[str, Any], ret: int, t_ret: int) -> list[dict[str, Any]]:
+        kind = enter["kind"]
+        p = self._proc(enter["tgid"])
+        t = enter["ts"] + self.wall_offset_ns
+        if kind == "open":
+            path = self._resolve(p, enter["path"], enter["dfd"])
+            if ret >= 0:
+                p.fds[ret] = path
+            names, access = decode_open_flags(enter["oflags"])
+            creates = "create" in access
+            return [
+                {
+                    "k": "open",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "path": path,
+                    "raw_path": enter["path"],
+                    "dirfd": None if enter["dfd"] == AT_FDCWD else enter["dfd"],
+                    "flags": names,
+                    "access": access,
+                    "mode": enter["mode"] if creates else None,
+                    "result": result_of(ret),
+                }
+            ]
+        if kind == "exec":
+            if ret == 0:
+                return []  # exec_ok already recorded it
+            filename = self._resolve(p, enter["filename"], enter["dfd"])
+            return [
+                self._exec_record(
+                    p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)
+                )
+            ]
+        if kind == "connect":
+            return [
+                {
+                    "k": "connect",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "family": enter["family"],
+                    "address": enter["address"],
+                    "port": enter["port"],
+                    "result": result_of(ret),
+                }
+            ]
+        if kind == "chdir" and ret == 0:
+            p.cwd = self._resolve(p, enter["path"] or "")
+        elif kind == "fchdir" and ret == 0:
+            p.cwd = p.fds.get(enter["fd"], p.cwd)
+        elif kind == "dup" and ret >= 0:
+            src = p.fds.get(enter["oldfd"])
+            if src is not None:
+                p.fds[ret] = src
+            else:
+                p.fds.pop(ret, None)
+        return []

@@ -1,0 +1,270 @@
+"""The long-lived recorder: probes loaded once, a ring-buffer poller, correlation, one spool per run.
+
+Threads:
+- poller: waits on the ring buffer (wakeups are batched by the probes, and it polls on a short timer),
+  collects raw records into a batch and hands whole batches to a bounded queue. When the queue is
+  full it stops reading, so back-pressure lands in the kernel's ring buffer, where every record that
+  does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
+- correlator: decodes each batch, routes records to their run by slot, correlates them and appends
+  the results to the run's zstandard spool on disk, so memory stays flat however long the run is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agent import decode as dec
+from agent.correlate import Correlator
+from agent.kernel import Headers
+from bundle.spool import SpoolWriter, read_spool
+from bundle.writer import RunMeta, write_bundle
+from evidence.errors import SetupError
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50
+QUEUE_BATCHES = 256
+
+
+def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
+    """(ppid, cwd, exe) of a live process, for processes first seen mid-life."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    cwd = exe = None
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        pass
+    return ppid, cwd, exe
+
+
+@dataclasses.dataclass
+class Session:
+    slot: int
+    session_id: str
+    cgroup_path: Path
+    cgroup_id: int
+    command: list[str]
+    cwd: str
+    detail: str
+    labels: dict[str, str]
+    spool: SpoolWriter
+    correlator: Correlator
+    started_ns: int
+    attached_late: bool = False
+    pid: int = 0
+    records: int = 0
+    policy: dict[str, Any] | None = None
+    degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    roots: dict[str, str] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+
+
+class Recorder:
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        headers: Headers | None = None,
+        capabilities: dict[str, Any] | None = None,
+    ) -> None:
+        from probes.loader import RecorderProbes
+
+        try:
+            self.probes = RecorderProbes()
+        except Exception as e:  # BCC raises bare Exception on compile/load failures
+            raise SetupError(
+                f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"
+            ) from e
+        self.spool_dir = Path(spool_dir)
+        self.headers = headers
+        self.capabilities = capabilities or {}
+        self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._sessions: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
+        self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._batch: list[bytes] = []
+        self._stop = threading.Event()
+        self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0}
+        self.probes.open_ring(self._batch.append)
+        self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
+        self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
+        self._poller.start()
+        self._worker.start()
+
+    # ---- runs -------------------------------------------------------------------------------
+    def start(
+        self,
+        cgroup_path: Path,
+        command: list[str],
+        cwd: str,
+        *,
+        detail: str = "summary",
+        labels: dict[str, str] | None = None,
+        attached_late: bool = False,
+        session_id: str | None = None,
+    ) -> Session:
+        from agent.cgroups import cgroup_id
+
+        with self._lock:
+            slot = next((s for s in range(1, self.probes.config.max_runs) if s not in self._sessions), None)
+            if slot is None:
+                raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
+            sid = session_id or uuid.uuid4().hex
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            session = Session(
+                slot=slot,
+                session_id=sid,
+                cgroup_path=cgroup_path,
+                cgroup_id=cgroup_id(cgroup_path),
+                command=list(command),
+                cwd=cwd,
+                detail=detail,
+                labels=dict(labels or {}),
+                spool=SpoolWriter(self.spool_dir / f"{sid}.spool.zst"),
+                correlator=Correlator(self.wall_offset_ns, proc_lookup),
+                started_ns=time.time_ns(),
+                attached_late=attached_late,
+            )
+            self._sessions[slot] = session
+            self.probes.reset_lost(slot)
+            self.probes.track(session.cgroup_id, slot)
+        logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
+        return session
+
+    def drain(self) -> None:
+        """Return once every record the kernel had written before this call is in its spool."""
+        ev = threading.Event()
+        self._barriers.put(ev)
+        if not ev.wait(timeout=30):
+            logger.warning("drain timed out: the consumer is stuck")
+
+    def finish(
+        self,
+        session: Session,
+        bundle_path: str | Path,
+        *,
+        exit_code: int | None,
+        signal: str | None = None,
+        cut_short: bool = False,
+    ) -> dict[str, Any]:
+        with self._lock:
+            self.probes.untrack(session.cgroup_id)
+        self.drain()  # everything the kernel wrote for this run before untrack is now spooled
+        finished_ns = time.time_ns()
+        with self._lock:
+            lost = self.probes.read_lost(session.slot)
+            session.finished = True
+            del self._sessions[session.slot]
+        if session.correlator.unpaired:
+            lost["unpaired_results"] = session.correlator.unpaired
+        session.spool.write_many(session.extra_records)
+        session.spool.close()
+        meta = RunMeta(
+            session_id=session.session_id,
+            command=session.command,
+            cwd=session.cwd,
+            pid=session.pid,
+            cgroup=str(session.cgroup_path),
+            started_ns=session.started_ns,
+            finished_ns=finished_ns,
+            exit_code=exit_code,
+            signal=signal,
+            cut_short=cut_short,
+            attached_late=session.attached_late,
+            detail=session.detail,
+            host=_host(),
+            capabilities=self.capabilities,
+            headers=self.headers.as_dict() if self.headers else {},
+            lost=lost,
+            labels=session.labels,
+            policy=session.policy,
+            degradations=session.degradations,
+            roots=session.roots,
+        )
+        spool_path = session.spool.path
+        try:
+            manifest = write_bundle(bundle_path, meta, lambda: read_spool(spool_path))
+        finally:
+            spool_path.unlink(missing_ok=True)
+        return manifest
+
+    def close(self, background: bool = False) -> None:
+        self._stop.set()
+        self._poller.join(timeout=2)
+        self._queue.put(None)
+        self._worker.join(timeout=5)
+        self.probes.close(background=background)
+
+    # ---- threads ------------------------------------------------------------------------------
+    def _flush_batch(self) -> None:
+        if self._batch:
+            batch = self._batch[:]
+            self._batch.clear()
+            self._queue.put(batch)  # blocks when full: back-pressure goes to the ring buffer
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.probes.poll(POLL_MS)
+                self._flush_batch()
+                if not self._barriers.empty():
+                    self.probes.consume()
+                    self._flush_batch()
+                    while not self._barriers.empty():
+                        self._queue.put(self._barriers.get())
+            except Exception:  # pragma: no cover - keep recording whatever happens
+                logger.exception("ring buffer poll failed")
+                time.sleep(0.1)
+
+    def _work_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            self._process(item)
+
+    def _process(self, batch: list[bytes]) -> None:
+        self.stats["batches"] += 1
+        self.stats["records"] += len(batch)
+        out: dict[int, list[dict[str, Any]]] = {}
+        for raw in batch:
+            try:
+                ev = dec.decode(raw)
+            except (dec.DecodeError, ValueError):
+                self.stats["decode_errors"] += 1
+                continue
+            session = self._sessions.get(ev["run"])
+            if session is None or session.finished:
+                self.stats["stray"] += 1
+                continue
+            recs = session.correlator.feed(ev)
+            if recs:
+                out.setdefault(ev["run"], []).extend(recs)
+        for slot, recs in out.items():
+            session = self._sessions.get(slot)
+            if session is not None and not session.finished:
+                session.spool.write_many(recs)
+                session.records += len(recs)
+
+
+def _host() -> dict[str, str]:
+    from agent.kernel import host_info
+
+    return host_info()

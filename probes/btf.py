@@ -1,0 +1,146 @@
+"""A small reader of kernel BTF (/sys/kernel/btf/vmlinux): struct member offsets at start-up.
+
+The installed kernel headers do not match the running kernel, so the probes never take a struct layout
+from them. The few offsets they need (task_struct.tgid, task_struct.exit_code, ...) come from here and
+are passed to the BPF C as -D macros.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+VMLINUX = Path("/sys/kernel/btf/vmlinux")
+
+_KIND_STRUCT, _KIND_UNION = 4, 5
+# Bytes that follow a btf_type, by kind: (fixed, per vlen item)
+_EXTRA = {
+    1: (4, 0),  # INT
+    2: (0, 0),  # PTR
+    3: (12, 0),  # ARRAY
+    4: (0, 12),  # STRUCT
+    5: (0, 12),  # UNION
+    6: (0, 8),  # ENUM
+    7: (0, 0),  # FWD
+    8: (0, 0),  # TYPEDEF
+    9: (0, 0),  # VOLATILE
+    10: (0, 0),  # CONST
+    11: (0, 0),  # RESTRICT
+    12: (0, 0),  # FUNC
+    13: (0, 8),  # FUNC_PROTO
+    14: (4, 0),  # VAR
+    15: (0, 12),  # DATASEC
+    16: (0, 0),  # FLOAT
+    17: (4, 0),  # DECL_TAG
+    18: (0, 0),  # TYPE_TAG
+    19: (0, 12),  # ENUM64
+}
+
+
+class BTFError(Exception):
+    pass
+
+
+class BTF:
+    def __init__(self, data: bytes) -> None:
+        if len(data) < 24:
+            raise BTFError("BTF blob too short")
+        magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from(
+            "<HBBIIIII", data, 0
+        )
+        if magic != 0xEB9F:
+            raise BTFError("not a BTF blob (bad magic)")
+        self._types = data[hdr_len + type_off : hdr_len + type_off + type_len]
+        self._strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+        self._index: list[int] = [0]  # type id -> offset in _types; id 0 is void
+        off = 0
+        n = len(self._types)
+        while off < n:
+            self._index.append(off)
+            info = struct.unpack_from("<I", self._types, off + 4)[0]
+            kind = (info >> 24) & 0x1F
+            vlen = info & 0xFFFF
+            fixed, per = _EXTRA.get(kind, (None, None))  # type: ignore[arg-type]
+            if fixed is None:
+                raise BTFError(f"unknown BTF kind {kind}")
+            off += 12 + fixed + per * vlen
+
+    @classmethod
+    def load(cls, path: Path = VMLINUX) -> BTF:
+        return cls(path.read_bytes())
+
+    def _name(self, off: int) -> str:
+        end = self._strings.index(b"\0", off)
+        return self._strings[off:end].decode()
+
+    def _find_struct(self, name: str) -> int:
+        key = b"\0" + name.encode() + b"\0"
+        pos = self._strings.find(key)
+        name_offs = set()
+        while pos != -1:
+            name_offs.add(pos + 1)
+            pos = self._strings.find(key, pos + 1)
+        for tid in range(1, len(self._index)):
+            off = self._index[tid]
+            name_off, info = struct.unpack_from("<II", self._types, off)
+            if name_off in name_offs and (info >> 24) & 0x1F == _KIND_STRUCT and info & 0xFFFF:
+                return tid
+        raise BTFError(f"struct {name} not found in BTF")
+
+    def _members(self, tid: int) -> Iterable[tuple[str, int, int]]:
+        off = self._index[tid]
+        info = struct.unpack_from("<I", self._types, off + 4)[0]
+        kflag = info >> 31
+        for i in range(info & 0xFFFF):
+            name_off, mtype, moff = struct.unpack_from("<III", self._types, off + 12 + 12 * i)
+            bits = moff & 0xFFFFFF if kflag else moff
+            yield self._name(name_off), mtype, bits
+
+    def _resolve(self, tid: int) -> tuple[int, int]:
+        """Follow typedefs/modifiers: (type id, kind)."""
+        while True:
+            off = self._index[tid]
+            info, ref = struct.unpack_from("<II", self._types, off + 4)
+            kind = (info >> 24) & 0x1F
+            if kind in (8, 9, 10, 11, 18):
+                tid = ref
+                continue
+            return tid, kind
+
+    def member_offset(self, struct_name: str, member: str) -> int:
+        """Byte offset of `member` in `struct struct_name`, looking through anonymous structs/unions."""
+        found = self._search(self._find_struct(struct_name), member, 0)
+        if found is None:
+            raise BTFError(f"struct {struct_name} has no member {member}")
+        if found % 8:
+            raise BTFError(f"{struct_name}.{member} is a bitfield")
+        return found // 8
+
+    def _search(self, tid: int, member: str, base_bits: int) -> int | None:
+        for name, mtype, bits in self._members(tid):
+            if name == member:
+                return base_bits + bits
+            if not name:
+                rt, kind = self._resolve(mtype)
+                if kind in (_KIND_STRUCT, _KIND_UNION):
+                    hit = self._search(rt, member, base_bits + bits)
+                    if hit is not None:
+                        return hit
+        return None
+
+
+# The offsets the recorder's probes need.
+NEEDED = {
+    "TASK_PID_OFF": ("task_struct", "pid"),
+    "TASK_TGID_OFF": ("task_struct", "tgid"),
+    "TASK_EXIT_CODE_OFF": ("task_struct", "exit_code"),
+    "TASK_MM_OFF": ("task_struct", "mm"),
+    "MM_ARG_START_OFF": ("mm_struct", "arg_start"),
+    "MM_ARG_END_OFF": ("mm_struct", "arg_end"),
+}
+
+
+def probe_offsets(btf: BTF | None = None) -> dict[str, int]:
+    btf = btf or BTF.load()
+    return {macro: btf.member_offset(s, m) for macro, (s, m) in NEEDED.items()}

@@ -1,0 +1,110 @@
+"""Compile and load the recorder probes with BCC, once per agent process.
+
+This is the only module of probes/ that needs BCC and root. One `RecorderProbes` serves any number
+of concurrent runs: a run is a slot number in the `tracked` map (cgroup id -> slot); nothing is
+recompiled per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from probes import btf
+from probes.render import ProbeConfig, render
+
+logger = logging.getLogger(__name__)
+
+TRACEFS = Path("/sys/kernel/tracing")
+EV_KINDS = 11
+KIND_NAMES = ["none", "exec", "exec_ok", "fork", "exit", "open", "connect", "chdir", "fchdir", "dup", "ret"]
+
+
+def detect_config(**overrides: Any) -> ProbeConfig:
+    """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here."""
+    events = TRACEFS / "events"
+    exit_fmt = (events / "sched/sched_process_exit/format").read_text()
+    values: dict[str, Any] = {
+        "offsets": btf.probe_offsets(),
+        "have_sys_open": (events / "syscalls/sys_enter_open").is_dir()
+        and (events / "syscalls/sys_enter_creat").is_dir(),
+        "have_group_dead": "group_dead" in exit_fmt,
+    }
+    values.update(overrides)
+    return ProbeConfig(**values)
+
+
+class RecorderProbes:
+    def __init__(self, config: ProbeConfig | None = None) -> None:
+        from bcc import BPF  # imported here: only the recorder needs BCC
+
+        self.config = config or detect_config()
+        self.source = render(self.config)
+        self.bpf = BPF(text=self.source)
+        self._tracked = self.bpf["tracked"]
+        self._cache = self.bpf["cgcache"]
+        self._lost = self.bpf["lost"]
+
+    def track(self, cgroup_id: int, slot: int) -> None:
+        self._tracked[ctypes.c_uint64(cgroup_id)] = ctypes.c_uint32(slot)
+        self.clear_cache()
+
+    def untrack(self, cgroup_id: int) -> None:
+        with contextlib.suppress(KeyError):
+            del self._tracked[ctypes.c_uint64(cgroup_id)]
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget cached cgroup -> run lookups (negative ones too), e.g. after attaching to a cgroup
+        that already has descendants, or after a run ends."""
+        self._cache.clear()
+
+    def reset_lost(self, slot: int) -> None:
+        for kind in range(EV_KINDS):
+            self._lost[ctypes.c_int(slot * EV_KINDS + kind)] = ctypes.c_uint64(0)
+
+    def read_lost(self, slot: int) -> dict[str, int]:
+        out = {}
+        for kind in range(1, EV_KINDS):
+            n = self._lost[ctypes.c_int(slot * EV_KINDS + kind)].value
+            if n:
+                out[KIND_NAMES[kind]] = int(n)
+        return out
+
+    def open_ring(self, on_record: Callable[[bytes], None]) -> None:
+        def _cb(_ctx: Any, data: Any, size: int) -> int:
+            on_record(ctypes.string_at(data, size))
+            return 0
+
+        self._cb = _cb  # keep a reference: BCC holds only a C pointer
+        self.bpf["events"].open_ring_buffer(_cb)
+
+    def poll(self, timeout_ms: int) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+
+    def consume(self) -> None:
+        self.bpf.ring_buffer_consume()
+
+    def close(self, background: bool = False) -> None:
+        """Detach and unload. Detaching a tracepoint waits for an RCU grace period (~80 ms each here,
+        about 2 s in all); with `background=True` a child process inherits the BPF descriptors and
+        releases them after we are gone, so the caller does not wait (the programs do nothing
+        meanwhile: no cgroup is tracked any more)."""
+        if background:
+            import os
+
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                try:
+                    devnull = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):
+                        os.dup2(devnull, fd)
+                    os.setsid()
+                finally:
+                    os._exit(0)
+            return
+        self.bpf.cleanup()

@@ -1,0 +1,82 @@
+"""Render the probes' BPF C: pure functions from a config to C text (no BCC, no root).
+
+The .bpf.c files are package data with UPPERCASE tokens; `render` replaces each one and fails if any
+is left unfilled, so a typo can never reach the compiler as an undefined macro.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from importlib import resources
+
+_TOKENS = (
+    "ARGS_BYTES",
+    "MAX_ARGS",
+    "MAX_RUNS",
+    "CGROUP_DEPTH",
+    "RINGBUF_PAGES",
+    "WAKEUP_EVERY",
+    "TASK_PID_OFF",
+    "TASK_TGID_OFF",
+    "TASK_EXIT_CODE_OFF",
+    "TASK_MM_OFF",
+    "MM_ARG_START_OFF",
+    "MM_ARG_END_OFF",
+)
+
+
+class RenderError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    offsets: dict[str, int]  # from probes.btf.probe_offsets()
+    args_bytes: int = 8192  # argv bytes captured per exec (power of two, <= 8192)
+    max_args: int = 128  # arguments read per failed exec attempt
+    max_runs: int = 1024  # concurrent run slots (slot 0 means "not tracked")
+    cgroup_depth: int = 32  # cgroup levels searched for a tracked ancestor
+    ringbuf_pages: int = 8192  # 32 MiB with 4 KiB pages (power of two)
+    wakeup_every: int = 64  # records per CPU between consumer wakeups
+    have_sys_open: bool = True  # legacy open/creat exist (x86_64)
+    have_group_dead: bool = True  # sched_process_exit has group_dead (6.16+)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def template(name: str = "record.bpf.c") -> str:
+    return resources.files("probes").joinpath(name).read_text()
+
+
+def render(config: ProbeConfig, source: str | None = None) -> str:
+    if not _power_of_two(config.args_bytes) or config.args_bytes > 8192:
+        raise RenderError("args_bytes must be a power of two <= 8192")
+    if not _power_of_two(config.ringbuf_pages):
+        raise RenderError("ringbuf_pages must be a power of two")
+    values = {
+        "ARGS_BYTES": config.args_bytes,
+        "MAX_ARGS": config.max_args,
+        "MAX_RUNS": config.max_runs,
+        "CGROUP_DEPTH": config.cgroup_depth,
+        "RINGBUF_PAGES": config.ringbuf_pages,
+        "WAKEUP_EVERY": config.wakeup_every,
+        **config.offsets,
+    }
+    missing = [t for t in _TOKENS if t not in values]
+    if missing:
+        raise RenderError(f"no value for {', '.join(missing)}")
+    text = source if source is not None else template()
+    text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)
+    defines = []
+    if config.have_sys_open:
+        defines += ["#define HAVE_SYS_OPEN 1", "#define HAVE_SYS_CREAT 1"]
+    if config.have_group_dead:
+        defines.append("#define HAVE_GROUP_DEAD 1")
+    text = "\n".join(defines) + "\n" + text
+    left = re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
+    if left:
+        raise RenderError(f"unfilled tokens: {sorted(set(left))}")
+    return text
