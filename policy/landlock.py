@@ -178,6 +178,32 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
+HARDLINK_SCAN_LIMIT = 10000  # entries looked at per denied tree
+
+
+def _hard_linked(root: str, costs: list[str]) -> list[tuple[str, int]]:
+    """Regular files in a denied path (a file or a tree) that have more than one link."""
+    st = _lstat(root)
+    if st is None:
+        return []
+    if stat.S_ISREG(st.st_mode):
+        return [(root, st.st_nlink)] if st.st_nlink > 1 else []
+    if not stat.S_ISDIR(st.st_mode):
+        return []
+    found, seen = [], 0
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: None):
+        for name in filenames:
+            seen += 1
+            fst = _lstat(os.path.join(dirpath, name))
+            if fst is not None and stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
+                found.append((os.path.join(dirpath, name), fst.st_nlink))
+        seen += len(dirnames)
+        if seen > HARDLINK_SCAN_LIMIT:
+            costs.append(f"{root}: more than {HARDLINK_SCAN_LIMIT} entries; not all were checked for hard links")
+            break
+    return found
+
+
 def _expand(rules: tuple[PathRule, ...]) -> tuple[list[str], list[PathRule]]:
     """Literal paths for a list: globs expanded to their current matches. Returns (paths, globs)."""
     out, globs = [], []
@@ -224,12 +250,11 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
         else:
             costs.append(f"fs.deny glob {g.text!r}: the files that match it at start are denied (nothing can create new ones)")
     for d in denies:
-        st = _lstat(d)
-        if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        for path, nlink in _hard_linked(d, costs):
             degradations.append(
                 {
                     "component": "landlock",
-                    "reason": f"denied file {d} has {st.st_nlink} hard links",
+                    "reason": f"denied file {path} has {nlink} hard links",
                     "impact": "Landlock rules are by path: its other links stay reachable where they are allowed",
                 }
             )
