@@ -51,27 +51,45 @@ class AgentSettings(BaseSettings):
 
     # The control API (Unix socket, HTTP+JSON)
     socket: Path = Field(DEFAULT_SOCKET, description="Unix socket of the control API (mode 0660)")
-    socket_gid: int | None = Field(None, ge=0, description="group that owns the socket (its members may connect)")
+    socket_gid: int | None = Field(
+        None, ge=0, description="group that owns the socket (its members may connect)"
+    )
     allowed_uids: IdList = Field(default_factory=list, description="peer uids allowed on the socket")
-    allowed_gids: IdList = Field(default_factory=list, description="peer gids (primary or supplementary) allowed")
-    allow_root: bool = Field(True, description="peers with uid 0 are allowed (they could read the bundles anyway)")
+    allowed_gids: IdList = Field(
+        default_factory=list, description="peer gids (primary or supplementary) allowed"
+    )
+    allow_root: bool = Field(
+        True, description="peers with uid 0 are allowed (they could read the bundles anyway)"
+    )
 
     # Bundles and their delivery
-    bundle_dir: Path = Field(DEFAULT_BUNDLE_DIR, description="where bundles are written (and kept until delivered)")
-    upload_url: str | None = Field(None, description="HTTP(S) endpoint bundles are uploaded to; none: keep on disk")
+    bundle_dir: Path = Field(
+        DEFAULT_BUNDLE_DIR, description="where bundles are written (and kept until delivered)"
+    )
+    upload_url: str | None = Field(
+        None, description="HTTP(S) endpoint bundles are uploaded to; none: keep on disk"
+    )
     upload_method: Literal["PUT", "POST"] = Field("PUT", description="PUT to <url>/<name>, or POST to <url>")
     upload_timeout: float = Field(30.0, gt=0)
-    retry_initial: float = Field(1.0, gt=0, description="first delay after a failed delivery (doubles each time)")
+    retry_initial: float = Field(
+        1.0, gt=0, description="first delay after a failed delivery (doubles each time)"
+    )
     retry_max: float = Field(300.0, gt=0, description="longest delay between delivery attempts")
 
     # Live stream of events (CloudEvents over HTTP)
     stream_url: str | None = Field(None, description="HTTP(S) endpoint for live CloudEvents; none: no stream")
-    stream_mode: Literal["batch", "structured"] = Field("batch", description="one request per batch or per event")
+    stream_mode: Literal["batch", "structured"] = Field(
+        "batch", description="one request per batch or per event"
+    )
     batch_size: int = Field(100, ge=1, le=10_000)
     batch_interval: float = Field(1.0, gt=0, description="longest wait before a partial batch is sent")
     stream_queue: int = Field(10_000, ge=1, description="events held in memory before they spill to disk")
-    spill_dir: Path | None = Field(None, description="undelivered live events; default <bundle_dir>/../stream-spill")
-    spill_max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="past this, events are dropped and counted")
+    spill_dir: Path | None = Field(
+        None, description="undelivered live events; default <bundle_dir>/../stream-spill"
+    )
+    spill_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="past this, events are dropped and counted"
+    )
 
     # Long-lived pods are cut into bundles, each naming the previous one's hash
     window_seconds: float = Field(3600.0, gt=0)
@@ -79,14 +97,17 @@ class AgentSettings(BaseSettings):
 
     # Kubernetes mode
     kubernetes: bool = Field(False, description="discover pods under the kubepods cgroups, one run per pod")
-    cgroup_root: Path = Field(Path("/sys/fs/cgroup"), description="the cgroup2 mount (host's, in a DaemonSet)")
+    cgroup_root: Path = Field(
+        Path("/sys/fs/cgroup"), description="the cgroup2 mount (host's, in a DaemonSet)"
+    )
     pod_logs: Path = Field(Path("/var/log/pods"), description="kubelet pod log dirs: namespace and pod name")
     poll_interval: float = Field(2.0, gt=0, description="seconds between scans of the kubepods tree")
 
     # Observability
     metrics: bool = Field(True, description="serve /metrics (Prometheus text format)")
     tcp_listen: str | None = Field(
-        None, description="HOST:PORT for a read-only listener: /healthz, /readyz, /metrics only; off by default"
+        None,
+        description="HOST:PORT for a read-only listener: /healthz, /readyz, /metrics only; off by default",
     )
 
     @field_validator("allowed_uids", "allowed_gids", mode="before")
@@ -170,11 +191,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
     known = AgentSettings.model_fields
     unknown = sorted(str(k) for k in data if str(k).replace("-", "_") not in known)
     if unknown:
-        raise UsageError(f"config file {path}: unknown setting(s) {', '.join(unknown)}", hint="see docs/deploy.md")
+        raise UsageError(
+            f"config file {path}: unknown setting(s) {', '.join(unknown)}", hint="see docs/deploy.md"
+        )
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def load_settings(config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> AgentSettings:
+def load_settings(
+    config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> AgentSettings:
     """Settings from (highest first) overrides (command-line flags; None values are ignored), the
     environment, the config file. Invalid values raise one UsageError naming every bad setting."""
     data = read_config_file(Path(config_file)) if config_file else {}
@@ -183,7 +208,11 @@ def load_settings(config_file: str | Path | None = None, overrides: Mapping[str,
     try:
         return AgentSettings(**init)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors())
-        raise UsageError(f"invalid agent settings: {problems}", hint="flags, EVIDENCE_* variables or --config") from None
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
+        )
+        raise UsageError(
+            f"invalid agent settings: {problems}", hint="flags, EVIDENCE_* variables or --config"
+        ) from None
     finally:
         _config_data.reset(token)

@@ -91,7 +91,11 @@ STATIC_UID = "d41d8cd98f00b204e9800998ecf8427e"
         (
             # static pods have a hash for a UID
             f"kubepods.slice/kubepods-pod{STATIC_UID}.slice",
-            PodRef(qos="guaranteed", pod_uid=STATIC_UID, pod_path=f"kubepods.slice/kubepods-pod{STATIC_UID}.slice"),
+            PodRef(
+                qos="guaranteed",
+                pod_uid=STATIC_UID,
+                pod_path=f"kubepods.slice/kubepods-pod{STATIC_UID}.slice",
+            ),
         ),
     ],
 )

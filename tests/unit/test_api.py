@@ -1,0 +1,479 @@
+"""agent.api + agent.client(_finish) over a real Unix socket, with a fake backend that writes real bundles."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent import metrics as m
+from agent.api import AgentAPI, PeerPolicy, RunConflict, RunInfo, UnknownRun, bundle_target, resolve_cgroup
+from agent.client import AgentClient
+from bundle.writer import RunMeta, write_bundle
+from evidence.cli import main
+from evidence.errors import SetupError, UsageError
+
+
+class FakeBackend:
+    """Records what the API asked; finish writes a real (empty) bundle with the bundle writer."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, RunInfo] = {}
+        self.started: list[tuple[Path, dict[str, str], int | None]] = []
+        self.not_ready: str | None = None
+        self.finished = 0
+        self.lock = threading.Lock()
+
+    def start(self, cgroup: Path, labels: Mapping[str, str], pid: int | None = None) -> RunInfo:
+        with self.lock:
+            if any(r.cgroup == str(cgroup) for r in self.active.values()):
+                raise RunConflict(f"{cgroup} is already being recorded")
+            sid = f"s{len(self.started) + 1:04d}"
+            self.started.append((cgroup, dict(labels), pid))
+            info = RunInfo(sid, str(cgroup), dict(labels), started_ns=1_700_000_000_000_000_000, pid=pid)
+            self.active[sid] = info
+            return info
+
+    def finish(self, session_id: str, bundle_path: Path) -> Mapping[str, Any]:
+        with self.lock:
+            info = self.active.pop(session_id, None)
+        if info is None:
+            raise UnknownRun(f"no run {session_id}")
+        meta = RunMeta(
+            session_id=session_id,
+            command=[],
+            cwd="/",
+            pid=info.pid or 0,
+            cgroup=info.cgroup,
+            started_ns=info.started_ns,
+            finished_ns=info.started_ns + 5,
+            exit_code=None,
+            attached_late=True,
+            labels=dict(info.labels),
+            lost={"open": 3},
+        )
+        manifest = write_bundle(bundle_path, meta, lambda: [])
+        self.finished += 1
+        return manifest
+
+    def runs(self) -> Sequence[RunInfo]:
+        with self.lock:
+            return list(self.active.values())
+
+    def metrics(self) -> m.MetricsSnapshot:
+        return m.MetricsSnapshot(
+            events_by_kind={"exec": 12, "open": 40, 'we"ird\\kind': 1},
+            lost_by_kind={"open": 3},
+            runs_active=len(self.active),
+            runs_started=len(self.started),
+            runs_finished=self.finished,
+            consumer_lag_seconds=0.25,
+            bundle_bytes=1234,
+            bundles_written=self.finished,
+        )
+
+    def ready(self) -> str | None:
+        return self.not_ready
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    # Not tmp_path: pytest makes that 0700, and the uid tests need another user to reach the socket.
+    d = Path(tempfile.mkdtemp(prefix="evidence-api-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def cgroup_root(workdir: Path) -> Path:
+    root = workdir / "cgroup"
+    (root / "ci" / "job-42").mkdir(parents=True)
+    (root / "cgroup.procs").write_text("")
+    (root / "ci" / "job-42" / "cgroup.procs").write_text("")
+    (root / "ci" / "cgroup.procs").write_text("")
+    return root
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def api(workdir: Path, cgroup_root: Path, backend: FakeBackend) -> Iterator[AgentAPI]:
+    server = AgentAPI(
+        backend,
+        workdir / "run" / "agent.sock",
+        workdir / "bundles",
+        cgroup_root=cgroup_root,
+        socket_gid=65534,
+        tcp_listen=("127.0.0.1", 0),
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def cli(*argv: str) -> int:
+    return main(list(argv))
+
+
+def test_socket_is_mode_0660_with_the_configured_group(api: AgentAPI) -> None:
+    st = os.stat(api.socket_path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    assert st.st_gid == 65534
+
+
+def test_start_and_finish_through_the_cli(
+    api: AgentAPI, backend: FakeBackend, cgroup_root: Path, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock = str(api.socket_path)
+    assert (
+        cli("start", "--agent", sock, "--cgroup", "/ci/job-42", "--label", "job=42", "--label", "repo=x/y")
+        == 0
+    )
+    sid = capsys.readouterr().out
+    assert sid == "s0001\n"  # the session id, alone on stdout
+    assert backend.started == [(cgroup_root / "ci" / "job-42", {"job": "42", "repo": "x/y"}, None)]
+
+    # the run is listed
+    runs = AgentClient(sock).runs()
+    assert [(r["session_id"], r["labels"]) for r in runs] == [("s0001", {"job": "42", "repo": "x/y"})]
+
+    out = workdir / "out" / "job.tar.gz"
+    out.parent.mkdir()
+    assert cli("finish", "--agent", sock, "s0001", "--bundle", str(out)) == 0
+    run_id, path = capsys.readouterr().out.rstrip("\n").split("\t")
+    assert path == str(out)
+    agent_copy = workdir / "bundles" / "s0001.tar.gz"
+    assert out.read_bytes() == agent_copy.read_bytes()  # downloaded over the socket, byte for byte
+    with tarfile.open(out) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+    assert manifest["run_id"] == run_id
+    assert manifest["labels"] == {"job": "42", "repo": "x/y"}
+    assert manifest["attached_late"] is True
+    assert AgentClient(sock).runs() == []
+
+    # finishing again: the run is gone -> exit 2, one line on stderr
+    assert cli("finish", "--agent", sock, "s0001") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run s0001" in err
+
+
+def test_start_by_pid_and_json_answers(
+    api: AgentAPI, backend: FakeBackend, cgroup_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # this process's /proc/self/cgroup path, mapped under the fake root, must be a "cgroup" there
+    own = Path(f"/proc/{os.getpid()}/cgroup").read_text().split("0::", 1)[1].splitlines()[0]
+    target = cgroup_root / own.lstrip("/")
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "cgroup.procs").write_text("")
+    assert cli("start", "--agent", str(api.socket_path), "--pid", str(os.getpid()), "--json") == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["pid"] == os.getpid()
+    assert answer["cgroup"] == str(target.resolve())
+    assert backend.started[0][2] == os.getpid()
+
+    assert (
+        cli(
+            "finish", "--agent", str(api.socket_path), answer["session_id"], "--name", "mine.tar.gz", "--json"
+        )
+        == 0
+    )
+    done = json.loads(capsys.readouterr().out)
+    assert done["name"] == "mine.tar.gz" and done["lost"] == 3 and done["run_id"].startswith("run-")
+    assert Path(done["path"]).stat().st_size == done["size"]
+
+
+def test_bad_requests_are_exit_2_with_one_line(
+    api: AgentAPI, backend: FakeBackend, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock = str(api.socket_path)
+    cases = [
+        (["start", "--agent", sock, "--cgroup", "/nope"], "is not a cgroup"),
+        (["start", "--agent", sock, "--cgroup", "/../../etc"], "outside the cgroup mount"),
+        (["start", "--agent", sock, "--cgroup", "/ci", "--label", "novalue"], "is not KEY=VALUE"),
+        (
+            ["start", "--agent", sock, "--cgroup", "/ci", "--label", "bad key=1"],
+            "label name 'bad key' is not valid",
+        ),
+        (["start", "--agent", sock, "--pid", "999999999"], "no process 999999999"),
+        (["start", "--agent", str(workdir / "missing.sock"), "--cgroup", "/ci"], "no agent socket at"),
+        (["finish", "--agent", sock, "../etc"], "is not a session id"),
+        (["finish", "--agent", sock, "s9999"], "no run s9999"),
+    ]
+    for argv, fragment in cases:
+        assert cli(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err, (argv, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert backend.started == []
+
+    # same cgroup twice: 409, still a one-line exit 2
+    assert cli("start", "--agent", sock, "--cgroup", "/ci") == 0
+    capsys.readouterr()
+    assert cli("start", "--agent", sock, "--cgroup", "/ci") == 2
+    assert "already being recorded" in capsys.readouterr().err
+
+
+def test_raw_http_errors(api: AgentAPI) -> None:
+    def raw(method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, Any]]:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(api.socket_path))
+        conn = http.client.HTTPConnection("localhost")
+        conn.sock = s
+        conn.request(method, path, body=body)
+        resp = conn.getresponse()
+        status, data = resp.status, json.loads(resp.read())
+        conn.close()
+        return status, data
+
+    assert raw("POST", "/runs", b"{not json")[0] == 400
+    assert raw("POST", "/runs", b"[1]")[0] == 400
+    assert raw("POST", "/runs", json.dumps({"cgroup": "/ci", "pid": 1}).encode())[1]["error"].startswith(
+        "give exactly one"
+    )
+    assert (
+        raw("POST", "/runs", json.dumps({"cgroup": "/ci", "extra": 1}).encode())[1]["error"]
+        == "unknown field(s) extra"
+    )
+    assert raw("POST", "/runs", json.dumps({"pid": True}).encode())[0] == 400
+    assert raw("GET", "/nowhere")[0] == 404
+    assert raw("GET", "/bundles/..%2Fagent.sock")[0] == 400
+    assert raw("GET", "/bundles/none.tar.gz")[0] == 404
+    assert raw("DELETE", "/runs")[0] == 404
+
+
+def test_readiness_and_health(
+    api: AgentAPI, backend: FakeBackend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = AgentClient(api.socket_path)
+    assert client.health() == {"status": "ready"}
+    assert client.request("GET", "/healthz") == {"status": "ok"}
+    backend.not_ready = "probes not loaded yet"
+    with pytest.raises(Exception, match="probes not loaded yet"):
+        client.health()
+    assert cli("start", "--agent", str(api.socket_path), "--cgroup", "/ci") == 70  # SetupError's exit code
+    assert "not ready: probes not loaded yet" in capsys.readouterr().err
+    assert backend.started == []
+
+
+def test_metrics_scrape_parses_as_prometheus_text(api: AgentAPI) -> None:
+    AgentClient(api.socket_path).request("GET", "/healthz")
+    conn = _unix_conn(api.socket_path)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.getheader("Content-Type", "").startswith("text/plain; version=0.0.4")
+    text = resp.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("evidence_events_total", (("kind", "exec"),))] == 12
+    assert samples[("evidence_events_total", (("kind", 'we"ird\\kind'),))] == 1  # escaping survives
+    assert samples[("evidence_events_lost_total", (("kind", "open"),))] == 3
+    assert samples[("evidence_consumer_lag_seconds", ())] == 0.25
+    assert samples[("evidence_runs_active", ())] == 0
+    assert samples[("evidence_bundle_bytes_total", ())] == 1234
+    assert samples[("evidence_api_requests_total", (("code", "200"), ("route", "/healthz")))] >= 1
+    types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+    assert types["evidence_events"] == "counter" and types["evidence_runs_active"] == "gauge"
+
+
+def test_tcp_listener_is_read_only(api: AgentAPI) -> None:
+    assert api.tcp_listen is not None
+    host, port = api.tcp_listen
+    for method, path, status in (
+        ("GET", "/healthz", 200),
+        ("GET", "/readyz", 200),
+        ("GET", "/metrics", 200),
+        ("POST", "/runs", 404),
+        ("GET", "/runs", 404),
+        ("POST", "/runs/s0001/finish", 404),
+        ("GET", "/bundles/a.tar.gz", 404),
+    ):
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+        conn.request(method, path, body=b"{}" if method == "POST" else None)
+        resp = conn.getresponse()
+        assert resp.status == status, path
+        resp.read()
+        conn.close()
+
+
+def _unix_conn(path: Path) -> http.client.HTTPConnection:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(path))
+    conn = http.client.HTTPConnection("localhost")
+    conn.sock = s
+    return conn
+
+
+_CHILD = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("EACCES"); sys.exit(0)
+s.sendall(b"POST /runs HTTP/1.0\r\nContent-Length: 17\r\n\r\n{\"cgroup\": \"/ci\"}")
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+print(data.split(b"\r\n", 1)[0].decode())
+print(data.rsplit(b"\r\n\r\n", 1)[1].decode())
+"""
+
+
+def _as_nobody(sock: Path, groups: bool = True) -> list[str]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as uid 65534")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(sock)],
+        user=65534,
+        group=65534 if groups else 1,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return proc.stdout.splitlines()
+
+
+def test_peer_with_a_wrong_uid_is_refused(api: AgentAPI, backend: FakeBackend) -> None:
+    # the socket's group (65534) lets uid 65534 connect; SO_PEERCRED then refuses it: not allowed
+    lines = _as_nobody(api.socket_path)
+    assert lines[0].endswith("403 Forbidden"), lines
+    assert "permission denied" in json.loads(lines[1])["error"]
+    assert backend.started == []
+    assert api.registry.counter("evidence_api_refused_peers", "").value() == 1
+
+
+def test_peer_outside_the_socket_group_cannot_even_connect(api: AgentAPI) -> None:
+    assert _as_nobody(api.socket_path, groups=False) == ["EACCES"]
+
+
+def test_allowed_uid_and_gid_are_let_in(workdir: Path, cgroup_root: Path, backend: FakeBackend) -> None:
+    for policy in (PeerPolicy(allowed_uids=frozenset({65534})), PeerPolicy(allowed_gids=frozenset({65534}))):
+        with AgentAPI(
+            backend,
+            workdir / "a.sock",
+            workdir / "bundles",
+            cgroup_root=cgroup_root,
+            socket_gid=65534,
+            policy=policy,
+        ):
+            lines = _as_nobody(workdir / "a.sock")
+        assert lines[0].endswith("201 Created"), lines
+        backend.active.clear()
+    assert len(backend.started) == 2
+
+
+def test_root_can_be_refused_too() -> None:
+    p = PeerPolicy(allow_root=False, own_uid=1234)
+    assert not p.allows(0, [0])
+    assert p.allows(1234, [])
+    assert not p.allows(1000, [1000])
+    assert PeerPolicy(allowed_gids=frozenset({10}), own_uid=1234).allows(1000, [1000, 10])
+
+
+def test_only_root_may_name_an_absolute_bundle_path(tmp_path: Path) -> None:
+    assert bundle_target(None, "s1", tmp_path, 1000) == tmp_path / "s1.tar.gz"
+    assert bundle_target("x.tar.gz", "s1", tmp_path, 1000) == tmp_path / "x.tar.gz"
+    assert bundle_target("/srv/x.tar.gz", "s1", tmp_path, 0) == Path("/srv/x.tar.gz")
+    for bad, uid in (("/etc/passwd", 1000), ("../x.tar.gz", 1000), ("x.zip", 0), ("", 0), (3, 0)):
+        with pytest.raises(UsageError):
+            bundle_target(bad, "s1", tmp_path, uid)
+
+
+def test_existing_bundle_is_not_overwritten(api: AgentAPI, backend: FakeBackend) -> None:
+    client = AgentClient(api.socket_path)
+    sid = client.start(cgroup="/ci")["session_id"]
+    (api.bundle_dir / "taken.tar.gz").write_bytes(b"precious")
+    with pytest.raises(UsageError, match="already exists"):
+        client.finish(sid, "taken.tar.gz")
+    assert (api.bundle_dir / "taken.tar.gz").read_bytes() == b"precious"
+    assert client.finish(sid, "other.tar.gz")["name"] == "other.tar.gz"
+
+
+def test_stale_socket_is_replaced_and_a_live_one_is_not(
+    workdir: Path, cgroup_root: Path, backend: FakeBackend
+) -> None:
+    path = workdir / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()  # bound, never listened: a leftover from a crash
+    with AgentAPI(backend, path, workdir / "b", cgroup_root=cgroup_root) as first:
+        assert AgentClient(path).request("GET", "/healthz") == {"status": "ok"}
+        with pytest.raises(SetupError, match="another agent is listening"):
+            AgentAPI(backend, path, workdir / "b", cgroup_root=cgroup_root).start()
+        assert first.socket_path.exists()
+    assert not path.exists()  # removed on stop
+    (workdir / "plain").write_text("x")
+    with pytest.raises(SetupError, match="not a socket"):
+        AgentAPI(backend, workdir / "plain", workdir / "b", cgroup_root=cgroup_root).start()
+
+
+def test_resolve_cgroup_in_a_cgroup_namespace(cgroup_root: Path, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "77").mkdir(parents=True)
+    (proc / "77" / "cgroup").write_text("0::/../job-42\n")  # a sibling, seen from inside a namespace
+    got = resolve_cgroup(None, 77, cgroup_root, proc_root=proc, ns_base="ci/agent")
+    assert got == (cgroup_root / "ci" / "job-42").resolve()
+    with pytest.raises(UsageError, match="outside the cgroup mount"):
+        resolve_cgroup(None, 77, cgroup_root, proc_root=proc, ns_base="")
+
+
+def test_metrics_rendering_rules() -> None:
+    reg = m.Registry()
+    c = reg.counter("x_things", "Things.\nSecond line", ("k",))
+    c.inc(k="a")
+    c.inc(2.5, k="a")
+    g = reg.gauge("x_level", "Level.")
+    g.set(float("inf"))
+    assert reg.counter("x_things", "again", ("k",)) is c
+    with pytest.raises(ValueError):
+        reg.gauge("x_things", "clash")
+    with pytest.raises(ValueError):
+        c.inc(-1, k="a")
+    with pytest.raises(ValueError):
+        c.inc(wrong="a")
+    text = m.render(reg.families())
+    assert text == (
+        "# HELP x_level Level.\n# TYPE x_level gauge\nx_level +Inf\n"
+        "# HELP x_things_total Things.\\nSecond line\n# TYPE x_things_total counter\n"
+        'x_things_total{k="a"} 3.5\n'
+    )
+    assert [f.name for f in text_string_to_metric_families(text)] == ["x_level", "x_things"]
+
+
+def test_cli_help_for_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    for command, flags in (
+        ("start", ("--cgroup", "--pid", "--label", "--agent")),
+        ("finish", ("--bundle", "RUN")),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli(command, "--help")
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert all(f in out for f in flags), out
+    with pytest.raises(SystemExit) as e:
+        cli("start", "--agent", "/x")  # neither --cgroup nor --pid: argparse's usage error, exit 2
+    assert e.value.code == 2
