@@ -204,11 +204,11 @@ class ConnectGuard:
         except ImportError as e:
             raise SetupError("BCC is not available (python3-bpfcc)", hint="install python3-bpfcc") from e
         try:
-            self._bpf = BPF(text=self.text)
+            self._bpf = BPF(text=self.text.encode())
         except Exception as e:
             raise SetupError(f"cannot load connect_guard: {e}") from e
-        self._fill(self._bpf["rules_v4"], self.v4)
-        self._fill(self._bpf["rules_v6"], self.v6)
+        self._fill(self._bpf[b"rules_v4"], self.v4)
+        self._fill(self._bpf[b"rules_v6"], self.v6)
         types = {
             "guard_connect4": BPFAttachType.CGROUP_INET4_CONNECT,
             "guard_connect6": BPFAttachType.CGROUP_INET6_CONNECT,
@@ -216,9 +216,9 @@ class ConnectGuard:
             "guard_sendmsg6": BPFAttachType.CGROUP_UDP6_SENDMSG,
         }
         for name in PROGRAMS:
-            fn = self._bpf.load_func(name, BPFProgType.CGROUP_SOCK_ADDR, attach_type=types[name])
+            fn = self._bpf.load_func(name.encode(), BPFProgType.CGROUP_SOCK_ADDR, attach_type=types[name])
             self._fns.append((fn, types[name]))
-        self._bpf["denials"].open_ring_buffer(self._on_record)
+        self._bpf[b"denials"].open_ring_buffer(self._on_record)
 
     def _fill(self, table: Any, entries: dict[tuple[bytes, int], list[Entry]]) -> None:
         for (packed, plen), rules in entries.items():
@@ -287,7 +287,7 @@ class ConnectGuard:
         """Records the kernel could not put in the ring buffer (it was full)."""
         if self._bpf is None:
             return 0
-        return int(sum(v.value for v in self._bpf["lost"].values()))
+        return int(sum(v.value for v in self._bpf[b"lost"].values()))
 
     def detach(self) -> None:
         """Detach from the cgroup. Records still in the ring buffer can be read with poll() until close()."""

@@ -8,7 +8,9 @@
 // contains it (user space copies the covering rules in), sorted most specific first: prefix length,
 // then a port, then a protocol, deny before allow on a tie. The first entry whose port and protocol
 // match decides; no match means the policy default. An IPv4-mapped IPv6 destination
-// (::ffff:a.b.c.d) is looked up in the IPv4 trie, so an IPv4 rule also catches it.
+// (::ffff:a.b.c.d) is looked up in the IPv4 trie, so an IPv4 rule also catches it (a UDP datagram
+// sent to a v4-mapped address never reaches sendmsg6: the kernel hands it to the IPv4 path, where
+// sendmsg4 sees the plain IPv4 address).
 //
 // Dry run: a deny is reported with enforced=0 and the call is allowed.
 
