@@ -1,0 +1,297 @@
+"""`evidence profile BUNDLE > policy.yaml`: a policy that allows exactly what a recorded run did.
+
+What counts as done: file opens, execs and connects whose result is not a permission refusal
+(EACCES/EPERM: the run did not do those), plus would-block denials of a dry run (the run did them).
+Failed lookups such as ENOENT are kept: programs probe paths, and the same probes happen again.
+
+Generalisation, so that an identical second run is not blocked by names that differ between runs:
+- anything under the workspace becomes `${WORKSPACE}`, under the run's private tmp `${TMPDIR}`;
+- reads and execs under a system tree (/usr, /lib, /etc, /opt, /proc, /sys, ...) allow the top of
+  that tree; device files are allowed one by one (/dev/pts and /dev/shm as directories);
+- other reads and writes allow their directory (`${HOME}/...` when under the home directory);
+- connects allow the exact address and port (`10.0.0.1/32:443`, `[2001:db8::1]/128:443`).
+When any program was executed, /lib and /lib64 join the exec list: the kernel opens the dynamic
+loader itself, which leaves no open event. The deny list is the shipped default's secret paths,
+except those the run did touch. The result is checked with the policy's own evaluation before it is
+printed: every recorded access must be allowed by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from evidence.errors import EXIT_OK, UsageError
+from policy.model import Policy, canonical_path, parse_policy, under
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_TREES = ("usr", "lib", "lib32", "lib64", "libx32", "bin", "sbin", "etc", "opt", "proc", "sys", "snap", "nix")
+DEVICE_DIRS = ("/dev/pts", "/dev/shm", "/dev/mqueue", "/dev/fd")
+REFUSED = ("EACCES", "EPERM")
+SECRET_DENY = (
+    "${HOME}/.ssh",
+    "${HOME}/.aws",
+    "${HOME}/.config/gcloud",
+    "${HOME}/.kube",
+    "${HOME}/.docker",
+    "${HOME}/.gnupg",
+    "${HOME}/.netrc",
+    "${HOME}/.git-credentials",
+    "/etc/shadow",
+    "/etc/gshadow",
+)
+
+FILE_OPEN = "dev.evidence.file.open"
+PROCESS_EXEC = "dev.evidence.process.exec"
+NETWORK_CONNECT = "dev.evidence.network.connect"
+POLICY_DENIAL = "dev.evidence.policy.denial"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", help="the bundle of a recorded run")
+    parser.add_argument("--workspace", help="the run's workspace (default: from the bundle's policy, else its cwd)")
+    parser.add_argument("--tmpdir", help="the run's private tmp (default: from the bundle's policy)")
+    parser.add_argument("--home", help="the home directory of the run (default: from the bundle's policy)")
+    parser.add_argument("-o", "--output", help="write the policy here instead of standard output")
+
+
+class Activity:
+    """What a run did, as paths per access and network targets."""
+
+    def __init__(self) -> None:
+        self.read: set[tuple[str, bool]] = set()  # (path, is a directory)
+        self.write: set[tuple[str, bool]] = set()
+        self.exec: set[str] = set()
+        self.connects: set[tuple[str, int | None]] = set()  # (address, port)
+
+    def accesses(self) -> Iterable[tuple[str, str]]:
+        for p, _ in self.read:
+            yield p, "read"
+        for p, _ in self.write:
+            yield p, "write"
+        for p in self.exec:
+            yield p, "exec"
+
+
+def collect(events: Iterable[dict[str, Any]]) -> Activity:
+    act = Activity()
+    for ev in events:
+        etype, data = ev.get("type"), ev.get("data") or {}
+        if etype == FILE_OPEN:
+            if data.get("result") in REFUSED:
+                continue
+            path = str(data["path"])
+            is_dir = "O_DIRECTORY" in (data.get("flags") or [])
+            access = data.get("access") or []
+            if "read" in access or not access:
+                act.read.add((path, is_dir))
+            if "write" in access or "create" in access:
+                act.write.add((path, is_dir))
+            if "exec" in access:
+                act.exec.add(path)
+        elif etype == PROCESS_EXEC:
+            if data.get("result") not in REFUSED:
+                act.exec.add(str(data["filename"]))
+        elif etype == NETWORK_CONNECT:
+            if data.get("result") in REFUSED or data.get("family") not in ("AF_INET", "AF_INET6"):
+                continue
+            act.connects.add((str(data["address"]), data.get("port")))
+        elif etype == POLICY_DENIAL and data.get("enforced") is False:
+            op, target = data.get("operation"), str(data.get("target"))
+            if op in ("connect", "sendmsg"):
+                act.connects.add(_split_target(target))
+            elif op == "read":
+                act.read.add((target, False))
+            elif op in ("write", "create"):
+                act.write.add((target, False))
+            elif op == "exec":
+                act.exec.add(target)
+    return act
+
+
+def _split_target(target: str) -> tuple[str, int | None]:
+    if target.startswith("["):
+        addr, _, rest = target[1:].partition("]")
+        return addr, int(rest[1:]) if rest.startswith(":") else None
+    if target.count(":") == 1:
+        addr, port = target.split(":")
+        return addr, int(port)
+    return target, None
+
+
+class _Generaliser:
+    def __init__(self, variables: dict[str, str]) -> None:
+        # longest root first, so a tmp inside the workspace maps to ${TMPDIR}
+        self.roots = sorted(((v, k) for k, v in variables.items() if v and v != "/"), key=lambda vk: -len(vk[0]))
+
+    def _subst(self, path: str) -> str:
+        for root, name in self.roots:
+            if name in ("WORKSPACE", "TMPDIR") and under(path, root):
+                return "${" + name + "}"
+        for root, name in self.roots:
+            if name == "HOME" and under(path, root):
+                return "${HOME}" + path[len(root) :]
+        return path
+
+    def entry(self, path: str, is_dir: bool, kind: str) -> str:
+        path = os.path.normpath(path)
+        for root, name in self.roots:
+            if name in ("WORKSPACE", "TMPDIR") and under(path, root):
+                return "${" + name + "}"
+        if path.startswith("/dev/"):
+            for d in DEVICE_DIRS:
+                if under(path, d):
+                    return d
+            return path
+        top = path.split("/")[1] if path.count("/") >= 1 else ""
+        if kind in ("read", "exec") and top in SYSTEM_TREES:
+            return "/" + top
+        directory = path if is_dir else os.path.dirname(path) or "/"
+        return self._subst(directory)
+
+
+def _minimal(entries: Iterable[str], variables: dict[str, str]) -> list[str]:
+    """Drop entries that another entry of the list already covers."""
+
+    def expand(text: str) -> str:
+        for k, v in variables.items():
+            text = text.replace("${" + k + "}", v)
+        return text
+
+    uniq = sorted(set(entries))
+    out = []
+    for e in uniq:
+        ex = expand(e)
+        if not any(o != e and under(ex, expand(o)) for o in uniq):
+            out.append(e)
+    return sorted(out, key=lambda t: (not t.startswith("/"), t))
+
+
+def _net_entry(address: str, port: int | None) -> str:
+    addr = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.version == 4:
+        return f"{addr}/32:{port}" if port else f"{addr}/32"
+    return f"[{addr}]/128:{port}" if port else f"{addr}/128"
+
+
+def render_policy(
+    fs: dict[str, list[str]], net_allow: list[str], env: dict[str, Any], header: list[str]
+) -> str:
+    lines = [f"# {h}" for h in header]
+    lines.append("version: 1")
+    lines.append("fs:")
+    for name in ("read", "write", "exec", "deny"):
+        items = fs.get(name, [])
+        if not items:
+            lines.append(f"  {name}: []")
+            continue
+        lines.append(f"  {name}:")
+        lines.extend(f"    - {json.dumps(i)}" for i in items)
+    lines.append("net:")
+    lines.append("  default: deny")
+    if net_allow:
+        lines.append("  allow:")
+        lines.extend(f"    - {json.dumps(a)}" for a in net_allow)
+    else:
+        lines.append("  allow: []")
+    lines.append("  deny: []")
+    lines.append("env:")
+    lines.append(f"  strip_secrets: {'true' if env.get('strip_secrets', True) else 'false'}")
+    lines.append(f"  strip_exec_influence: {'true' if env.get('strip_exec_influence') else 'false'}")
+    lines.append(f"  allow: {json.dumps(list(env.get('allow', [])))}")
+    if env.get("strip"):
+        lines.append(f"  strip: {json.dumps(list(env['strip']))}")
+    return "\n".join(lines) + "\n"
+
+
+def build_profile(
+    manifest: dict[str, Any],
+    events: Iterable[dict[str, Any]],
+    *,
+    workspace: str | None = None,
+    tmpdir: str | None = None,
+    home: str | None = None,
+) -> tuple[str, Policy]:
+    """(policy YAML text, the loaded policy) allowing what the run recorded in a bundle did."""
+    recorded = manifest.get("policy") or {}
+    rvars = recorded.get("variables") or {}
+    variables = {
+        "WORKSPACE": canonical_path(workspace or rvars.get("WORKSPACE") or manifest.get("cwd") or os.getcwd()),
+        "TMPDIR": canonical_path(tmpdir or rvars.get("TMPDIR") or "/nonexistent-tmpdir"),
+        "HOME": canonical_path(home or rvars.get("HOME") or os.path.expanduser("~")),
+    }
+    act = collect(events)
+    if not act.read and not act.write and not act.exec:
+        logger.warning("the bundle has no file or exec events: the profile allows no file access")
+    gen = _Generaliser(variables)
+    read = {gen.entry(p, d, "read") for p, d in act.read}
+    write = {gen.entry(p, d, "write") for p, d in act.write}
+    exe = {gen.entry(p, False, "exec") for p in act.exec}
+    if act.exec:
+        exe |= {"/lib", "/lib64"}
+    net_allow = sorted({_net_entry(a, p) for a, p in act.connects})
+    fs = {
+        "write": _minimal(write, variables),
+        "exec": _minimal(exe, variables),
+    }
+    # write and exec imply read: list only what they do not cover
+    covered = [e for e in fs["write"] + fs["exec"]]
+    fs["read"] = [r for r in _minimal(read, variables) if r not in covered]
+    deny = list(SECRET_DENY)
+    env = recorded.get("env") or {"strip_secrets": True, "strip_exec_influence": False, "allow": []}
+    header = [
+        f"Generated by `evidence profile` from run {manifest.get('run_id', '?')}: {' '.join(manifest.get('command', []))}"[:200],
+        "It allows what that run did; an identical run under it is not blocked. See docs/policy-format.md.",
+    ]
+    for _ in range(len(deny) + 1):
+        fs["deny"] = deny
+        text = render_policy(fs, net_allow, env, header)
+        policy = parse_policy(text, name="profile.yaml", variables=variables, resolve=None)
+        blocking = _blocking_denies(policy, act)
+        if not blocking:
+            return text, policy
+        deny = [d for i, d in enumerate(deny) if i not in blocking]
+    raise AssertionError("profile: could not build a policy that allows the run")  # pragma: no cover
+
+
+def _blocking_denies(policy: Policy, act: Activity) -> set[int]:
+    """Indexes of deny entries that refuse something the run did (the run touched a secret path)."""
+    out: set[int] = set()
+    for path, access in act.accesses():
+        d = policy.check_file(path, access)
+        if d is not None and d.rule.startswith("fs.deny["):
+            out.add(int(d.rule[len("fs.deny[") : d.rule.index("]")]))
+        elif d is not None:
+            raise AssertionError(f"profile does not allow {access} {path}: {d.rule}")  # pragma: no cover
+    for addr, port in act.connects:
+        d = policy.check_connect("AF_INET6" if ":" in addr else "AF_INET", addr, port)
+        if d is not None:  # pragma: no cover - every connect has its own allow entry
+            raise AssertionError(f"profile does not allow connect {addr}:{port}: {d.rule}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from bundle.reader import read_events, read_manifest
+
+    try:
+        manifest = read_manifest(args.bundle)
+    except OSError as e:
+        raise UsageError(f"{args.bundle}: {e.strerror or e}") from None
+    text, _ = build_profile(
+        manifest, read_events(args.bundle), workspace=args.workspace, tmpdir=args.tmpdir, home=args.home
+    )
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
