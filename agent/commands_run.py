@@ -118,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
     cwd = os.getcwd()
 
     caps: dict[str, Any] = {"recorder": "tracepoints+ringbuf", "enforcement": "none (observe only)"}
+    forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
     recorder = Recorder(spool_dir=bundle.parent, headers=headers, capabilities=caps)
     cg = RunCgroup.create(session_id)
-    forwarder = _SignalForwarder()
     try:
         session = recorder.start(
             cg.path, command, cwd, detail=args.detail, labels=labels, session_id=session_id

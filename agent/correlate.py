@@ -22,6 +22,7 @@ from agent import decode as d
 logger = logging.getLogger(__name__)
 
 AT_FDCWD = -100
+UNREADABLE = "<unreadable path>"
 
 _FLAG_NAMES = [
     (getattr(os, name), name)
@@ -146,6 +147,12 @@ class Correlator:
         if kind in ("open", "exec", "connect", "chdir", "fchdir", "dup"):
             self.pending[ev["tid"]] = ev
             return []
+        if kind == "pathfix":  # the path re-read at syscall exit, after a fault at entry
+            enter = self.pending.get(ev["tid"])
+            if enter is not None and not ev["flags"] & d.F_FNAME_FAULT:
+                enter["path"] = ev["path"]
+                enter["flags"] &= ~d.F_FNAME_FAULT
+            return []
         if kind == "ret":
             enter = self.pending.pop(ev["tid"], None)
             if enter is None:
@@ -217,7 +224,10 @@ class Correlator:
         p = self._proc(enter["tgid"])
         t = enter["ts"] + self.wall_offset_ns
         if kind == "open":
-            path = self._resolve(p, enter["path"], enter["dfd"])
+            if enter["flags"] & d.F_FNAME_FAULT:
+                path = enter["path"] = UNREADABLE
+            else:
+                path = self._resolve(p, enter["path"], enter["dfd"])
             if ret >= 0:
                 p.fds[ret] = path
             names, access = decode_open_flags(enter["oflags"])
@@ -262,7 +272,7 @@ class Correlator:
                 }
             ]
         if kind == "chdir" and ret == 0:
-            p.cwd = self._resolve(p, enter["path"] or "")
+            p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
         elif kind == "fchdir" and ret == 0:
             p.cwd = p.fds.get(enter["fd"], p.cwd)
         elif kind == "dup" and ret >= 0:

@@ -10,7 +10,19 @@ import socket
 import struct
 from typing import Any
 
-EV_EXEC, EV_EXEC_OK, EV_FORK, EV_EXIT, EV_OPEN, EV_CONNECT, EV_CHDIR, EV_FCHDIR, EV_DUP, EV_RET = range(1, 11)
+(
+    EV_EXEC,
+    EV_EXEC_OK,
+    EV_FORK,
+    EV_EXIT,
+    EV_OPEN,
+    EV_CONNECT,
+    EV_CHDIR,
+    EV_FCHDIR,
+    EV_DUP,
+    EV_RET,
+    EV_PATHFIX,
+) = range(1, 12)
 KIND_NAMES = {
     EV_EXEC: "exec",
     EV_EXEC_OK: "exec_ok",
@@ -22,8 +34,9 @@ KIND_NAMES = {
     EV_FCHDIR: "fchdir",
     EV_DUP: "dup",
     EV_RET: "ret",
+    EV_PATHFIX: "pathfix",
 }
-EV_KINDS = 11
+EV_KINDS = 12
 SC_OPEN, SC_EXEC, SC_CONNECT, SC_CHDIR, SC_FCHDIR, SC_DUP = range(1, 7)
 
 F_PATH_TRUNC = 0x1
@@ -120,7 +133,7 @@ def decode(raw: bytes) -> dict[str, Any]:
         fd, addrlen = _CONNECT.unpack_from(raw, o)
         family, address, port = decode_sockaddr(raw[CONNECT_ADDR_OFF : CONNECT_ADDR_OFF + 128], addrlen)
         ev.update(fd=fd, family=family, address=address, port=port)
-    elif kind in (EV_CHDIR, EV_FCHDIR):
+    elif kind in (EV_CHDIR, EV_FCHDIR, EV_PATHFIX):
         fd, plen, _ = _CHDIR.unpack_from(raw, o)
         ev.update(fd=fd, path=_cstr(raw[CHDIR_PATH_OFF : CHDIR_PATH_OFF + plen]) if plen else None)
     elif kind == EV_DUP:

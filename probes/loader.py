@@ -20,8 +20,21 @@ from probes.render import ProbeConfig, render
 logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
-EV_KINDS = 11
-KIND_NAMES = ["none", "exec", "exec_ok", "fork", "exit", "open", "connect", "chdir", "fchdir", "dup", "ret"]
+EV_KINDS = 12
+KIND_NAMES = [
+    "none",
+    "exec",
+    "exec_ok",
+    "fork",
+    "exit",
+    "open",
+    "connect",
+    "chdir",
+    "fchdir",
+    "dup",
+    "ret",
+    "pathfix",
+]
 
 
 def detect_config(**overrides: Any) -> ProbeConfig:

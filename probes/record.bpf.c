@@ -22,7 +22,8 @@
 #define EV_FCHDIR 8
 #define EV_DUP 9
 #define EV_RET 10
-#define EV_KINDS 11
+#define EV_PATHFIX 11
+#define EV_KINDS 12
 
 #define SC_OPEN 1
 #define SC_EXEC 2
@@ -126,6 +127,10 @@ BPF_PERCPU_ARRAY(scratch_exec, struct exec_ev, 1);
 BPF_PERCPU_ARRAY(scratch_path, struct open_ev, 1);
 BPF_PERCPU_ARRAY(wake_ctr, u32, 1);
 
+// Paths whose page was not resident at syscall entry (bpf_probe_read_user cannot fault it in):
+// thread id -> user pointer, read again at syscall exit, after the kernel has paged it in.
+BPF_HASH(refetch, u32, u64, 16384);
+
 // The run slot of the current task: its cgroup or the nearest tracked ancestor.
 static __always_inline u32 current_run(void) {
     u64 cg = bpf_get_current_cgroup_id();
@@ -186,6 +191,30 @@ static __always_inline int emit_ret(u32 sc, s64 ret) {
     u32 run = current_run();
     if (!run)
         return 0;
+    if (sc == SC_OPEN || sc == SC_CHDIR) {
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        u64 *ptr = refetch.lookup(&tid);
+        if (ptr) {
+            u64 p = *ptr;
+            refetch.delete(&tid);
+            u32 zero = 0;
+            struct open_ev *scratch = scratch_path.lookup(&zero);
+            if (scratch) {
+                struct chdir_ev *f = (struct chdir_ev *)scratch;
+                fill(&f->h, run, EV_PATHFIX);
+                f->fd = -1;
+                f->pad = 0;
+                int n = bpf_probe_read_user_str(f->path, sizeof(f->path), (const char *)p);
+                if (n < 0) {
+                    n = 1;
+                    f->path[0] = 0;
+                    f->h.flags |= F_FNAME_FAULT;
+                }
+                f->path_len = n;
+                emit(f, offsetof(struct chdir_ev, path) + (n & (PATH_MAX_ - 1)), run, EV_PATHFIX);
+            }
+        }
+    }
     struct ret_ev *e = events.ringbuf_reserve(sizeof(struct ret_ev));
     if (!e) {
         count_lost(run, EV_RET);
@@ -219,6 +248,8 @@ static __always_inline int emit_open(s32 dfd, const char *filename, u32 flags, u
         n = 1;
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
+        u64 ptr = (u64)filename;
+        refetch.update(&e->h.tid, &ptr);
     } else if (n == sizeof(e->path)) {
         e->h.flags |= F_PATH_TRUNC;
     }
@@ -486,6 +517,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_chdir) {
         n = 1;
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
+        u64 ptr = (u64)args->filename;
+        refetch.update(&e->h.tid, &ptr);
     }
     e->path_len = n;
     u64 size = offsetof(struct chdir_ev, path) + (n & (PATH_MAX_ - 1));

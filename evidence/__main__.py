@@ -1,0 +1,3 @@
+from evidence.cli import entry
+
+entry()

@@ -1,0 +1,278 @@
+"""`evidence run` end to end: real commands, real BPF, assertions on the bundle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from tests.kernel.util import PY, evidence, of_type, read_bundle, record
+
+
+def _execs(events):
+    return [e["data"] for e in of_type(events, "process.exec") if e["data"]["result"] == 0]
+
+
+def _opens(events, path):
+    return [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == str(path)]
+
+
+def test_nested_exec_chain_argv_and_parents(tmp_path: Path) -> None:
+    script = "import subprocess; subprocess.run(['/bin/cat', '/etc/hostname'], stdout=subprocess.DEVNULL)"
+    proc, manifest, events = record(tmp_path, "/bin/sh", "-c", f'{PY} -c "{script}"; true')
+    assert proc.returncode == 0, proc.stderr
+    execs = _execs(events)
+    sh = next(e for e in execs if e["filename"] == "/bin/sh")
+    py = next(e for e in execs if e["argv"][:1] == [PY])
+    cat = next(e for e in execs if e["filename"] == "/bin/cat")
+    assert sh["argv"] == ["/bin/sh", "-c", f'{PY} -c "{script}"; true']
+    assert py["argv"] == [PY, "-c", script]
+    assert cat["argv"] == ["/bin/cat", "/etc/hostname"]
+    assert py["ppid"] == sh["pid"] and cat["ppid"] == py["pid"]
+    assert (sh["depth"], py["depth"], cat["depth"]) == (0, 1, 2)
+    assert manifest["lost"]["total"] == 0
+    assert manifest["exit_code"] == 0
+    # every exec'd process also exits, with its code
+    exits = {e["data"]["pid"]: e["data"] for e in of_type(events, "process.exit")}
+    assert exits[cat["pid"]]["exit_code"] == 0 and exits[cat["pid"]]["exe"] == "/bin/cat"
+    # the summary line on stderr
+    assert (
+        "0 lost" in proc.stderr
+        and "process.exec" in proc.stderr
+        and str(tmp_path / "run.tar.gz") in proc.stderr
+    )
+
+
+def test_open_flags_failure_relative_and_dirfd(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "x.txt").write_text("x")
+    (work / "rel.txt").write_text("r")
+    code = textwrap.dedent(
+        f"""
+        import os
+        fd = os.open({str(work / "new.txt")!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640); os.close(fd)
+        try:
+            open({str(work / "missing.txt")!r})
+        except FileNotFoundError:
+            pass
+        os.chdir({str(work)!r})
+        open('rel.txt').close()
+        d = os.open('sub', os.O_RDONLY | os.O_DIRECTORY)
+        os.close(os.open('x.txt', os.O_RDONLY, dir_fd=d))
+        """
+    )
+    proc, manifest, events = record(tmp_path, PY, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    new = _opens(events, work / "new.txt")
+    assert len(new) == 1
+    assert {"O_WRONLY", "O_CREAT", "O_TRUNC", "O_CLOEXEC"} <= set(new[0]["flags"])
+    assert new[0]["access"] == ["write", "create"] and new[0]["mode"] == 0o640 and new[0]["result"] == 0
+    missing = _opens(events, work / "missing.txt")
+    assert [m["result"] for m in missing] == ["ENOENT"]
+    rel = _opens(events, work / "rel.txt")
+    assert rel and rel[0]["raw_path"] == "rel.txt" and rel[0]["access"] == ["read"]
+    via_fd = _opens(events, work / "sub" / "x.txt")
+    assert via_fd and via_fd[0]["raw_path"] == "x.txt" and via_fd[0]["dirfd"] is not None
+
+
+def test_connects_loopback_refused_and_ipv6(tmp_path: Path) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    srv6 = socket.socket(socket.AF_INET6)
+    srv6.bind(("::1", 0))
+    srv6.listen(8)
+    port6 = srv6.getsockname()[1]
+    code = textwrap.dedent(
+        f"""
+        import socket
+        s = socket.create_connection(('127.0.0.1', {port})); s.close()
+        try:
+            socket.create_connection(('127.0.0.1', {dead_port}))
+        except ConnectionRefusedError:
+            pass
+        s = socket.socket(socket.AF_INET6); s.connect(('::1', {port6})); s.close()
+        """
+    )
+    try:
+        proc, manifest, events = record(tmp_path, PY, "-c", code)
+    finally:
+        srv.close()
+        srv6.close()
+    assert proc.returncode == 0, proc.stderr
+    conns = [e for e in of_type(events, "network.connect")]
+    by_port = {(c["data"]["family"], c["data"]["port"]): c for c in conns}
+    ok = by_port[("AF_INET", port)]
+    assert ok["data"]["address"] == "127.0.0.1" and ok["data"]["result"] == 0
+    assert ok["subject"] == f"127.0.0.1:{port}"
+    assert by_port[("AF_INET", dead_port)]["data"]["result"] == "ECONNREFUSED"
+    v6 = by_port[("AF_INET6", port6)]
+    assert v6["data"]["address"] == "::1" and v6["data"]["result"] == 0 and v6["subject"] == f"[::1]:{port6}"
+
+
+def test_process_in_child_cgroup_is_recorded(tmp_path: Path) -> None:
+    marker = tmp_path / "from-child-cgroup.txt"
+    marker.write_text("m")
+    code = textwrap.dedent(
+        f"""
+        import os
+        mount = '/sys/fs/cgroup' if os.path.exists('/sys/fs/cgroup/cgroup.procs') else '/sys/fs/cgroup/unified'
+        rel = [l for l in open('/proc/self/cgroup').read().splitlines() if l.startswith('0::')][0][3:]
+        child = os.path.join(mount + rel, 'nested')
+        os.mkdir(child)
+        with open(os.path.join(child, 'cgroup.procs'), 'w') as f:
+            f.write(str(os.getpid()))
+        open({str(marker)!r}).close()
+        print(open('/proc/self/cgroup').read().strip().split('::')[-1])
+        """
+    )
+    proc, manifest, events = record(tmp_path, PY, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("/nested")
+    assert _opens(events, marker), "open from the nested cgroup is missing"
+
+
+def test_exit_codes_pass_through(tmp_path: Path) -> None:
+    proc, manifest, _ = record(tmp_path, "/bin/true", name="ok.tar.gz")
+    assert proc.returncode == 0 and manifest["exit_code"] == 0
+    proc, manifest, events = record(tmp_path, "/bin/sh", "-c", "exit 3", name="three.tar.gz")
+    assert proc.returncode == 3 and manifest["exit_code"] == 3
+    assert of_type(events, "run.finished")[0]["data"]["exit_code"] == 3
+    proc, manifest, events = record(tmp_path, "/bin/sh", "-c", "kill -TERM $$", name="term.tar.gz")
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert manifest["exit_code"] is None and manifest["signal"] == "SIGTERM"
+    sh_exit = [e["data"] for e in of_type(events, "process.exit")]
+    assert any(x["signal"] == "SIGTERM" for x in sh_exit)
+
+
+def test_stdio_passes_through(tmp_path: Path) -> None:
+    bundle = tmp_path / "io.tar.gz"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evidence",
+            "run",
+            "--bundle",
+            str(bundle),
+            "--",
+            "/bin/sh",
+            "-c",
+            "cat; echo err >&2",
+        ],
+        input="hello from stdin\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert proc.stdout == "hello from stdin\n"
+    assert proc.stderr.startswith("err\n")
+
+
+def test_sigterm_to_evidence_reaches_the_command(tmp_path: Path) -> None:
+    bundle = tmp_path / "fwd.tar.gz"
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "evidence",
+            "run",
+            "--bundle",
+            str(bundle),
+            "--",
+            "/bin/sh",
+            "-c",
+            f"touch {ready}; sleep 30",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=30)
+    assert rc == 128 + signal.SIGTERM
+    manifest, _ = read_bundle(bundle)
+    assert manifest["signal"] == "SIGTERM"
+
+
+def test_argv_truncation_is_marked(tmp_path: Path) -> None:
+    many = [f"arg{i:04d}-" + "y" * 100 for i in range(100)]  # 100 args, ~10 KiB
+    proc, _, events = record(tmp_path, "/bin/echo", *many)
+    echo = next(e for e in _execs(events) if e["filename"] == "/bin/echo")
+    assert echo["argv_truncated"] is True
+    assert echo["argv"][:65] == ["/bin/echo", *many[:64]]  # at least 64 arguments and 4 KiB kept
+    assert len("\0".join(echo["argv"])) >= 4096
+
+
+def test_two_runs_at_once_are_isolated(tmp_path: Path) -> None:
+    a, b = tmp_path / "a-only.txt", tmp_path / "b-only.txt"
+    a.write_text("a")
+    b.write_text("b")
+    results = {}
+
+    def go(name: str, path: Path) -> None:
+        results[name] = record(
+            tmp_path,
+            "/bin/sh",
+            "-c",
+            f"for i in 1 2 3 4 5; do cat {path} >/dev/null; sleep 0.2; done",
+            name=f"{name}.tar.gz",
+        )
+
+    threads = [threading.Thread(target=go, args=("a", a)), threading.Thread(target=go, args=("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for mine, other in (("a", b), ("b", a)):
+        _, _, events = results[mine]
+        own = a if mine == "a" else b
+        assert _opens(events, own)[0]["count"] == 5
+        assert not _opens(events, other)
+
+
+def test_same_command_twice_gives_same_run_id(tmp_path: Path) -> None:
+    cmd = ("/bin/sh", "-c", "cat /etc/hostname > /dev/null; ls / > /dev/null")
+    _, m1, _ = record(tmp_path, *cmd, name="1.tar.gz")
+    _, m2, _ = record(tmp_path, *cmd, name="2.tar.gz")
+    assert m1["run_id"] == m2["run_id"]
+    assert m1["session_id"] != m2["session_id"]
+    _, m3, _ = record(tmp_path, "/bin/sh", "-c", "cat /etc/passwd > /dev/null", name="3.tar.gz")
+    assert m3["run_id"] != m1["run_id"]
+
+
+def test_no_cgroup_left_behind(tmp_path: Path) -> None:
+    from agent.cgroups import find_cgroup2_mount
+
+    base = find_cgroup2_mount() / "evidence"
+    before = set(os.listdir(base)) if base.exists() else set()
+    record(tmp_path, "/bin/sh", "-c", "sleep 100 & exit 0")  # a leftover background process is killed
+    after = {d for d in os.listdir(base) if os.path.isdir(base / d)} if base.exists() else set()
+    assert after <= before
+
+
+def test_command_not_found(tmp_path: Path) -> None:
+    bundle = tmp_path / "nf.tar.gz"
+    proc = evidence("run", "--bundle", str(bundle), "--", "/nonexistent/tool")
+    assert proc.returncode == 127
+    assert "cannot run" in proc.stderr and "Traceback" not in proc.stderr
+    manifest, events = read_bundle(bundle)
+    failed = [e["data"] for e in of_type(events, "process.exec")]
+    assert failed and failed[0]["result"] == "ENOENT" and failed[0]["filename"] == "/nonexistent/tool"
