@@ -8,7 +8,8 @@ Generalisation, so that an identical second run is not blocked by names that dif
 - anything under the workspace becomes `${WORKSPACE}`, under the run's private tmp `${TMPDIR}`;
 - reads and execs under a system tree (/usr, /lib, /etc, /opt, /proc, /sys, ...) allow the top of
   that tree; device files are allowed one by one (/dev/pts and /dev/shm as directories);
-- other reads and writes allow their directory (`${HOME}/...` when under the home directory);
+- other reads, and file creations, allow their directory (`${HOME}/...` under the home directory);
+  a write to an existing file outside those roots allows that file only;
 - connects allow the exact address and port (`10.0.0.1/32:443`, `[2001:db8::1]/128:443`).
 When any program was executed, /lib and /lib64 join the exec list: the kernel opens the dynamic
 loader itself, which leaves no open event. The deny list is the shipped default's secret paths,
@@ -67,7 +68,7 @@ class Activity:
 
     def __init__(self) -> None:
         self.read: set[tuple[str, bool]] = set()  # (path, is a directory)
-        self.write: set[tuple[str, bool]] = set()
+        self.write: set[tuple[str, bool]] = set()  # (path, created: the directory must allow it)
         self.exec: set[str] = set()
         self.connects: set[tuple[str, int | None]] = set()  # (address, port)
 
@@ -93,7 +94,7 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
             if "read" in access or not access:
                 act.read.add((path, is_dir))
             if "write" in access or "create" in access:
-                act.write.add((path, is_dir))
+                act.write.add((path, "create" in access or is_dir))
             if "exec" in access:
                 act.exec.add(path)
         elif etype == PROCESS_EXEC:
@@ -141,6 +142,8 @@ class _Generaliser:
         return path
 
     def entry(self, path: str, is_dir: bool, kind: str) -> str:
+        """The allow entry for a path. For reads is_dir says the path is a directory; for writes it
+        says the file was created (so its directory must allow it), else the file itself is enough."""
         path = os.path.normpath(path)
         for root, name in self.roots:
             if name in ("WORKSPACE", "TMPDIR") and under(path, root):
@@ -153,6 +156,8 @@ class _Generaliser:
         top = path.split("/")[1] if path.count("/") >= 1 else ""
         if kind in ("read", "exec") and top in SYSTEM_TREES:
             return "/" + top
+        if kind == "write":
+            return self._subst(os.path.dirname(path) or "/" if is_dir else path)
         directory = path if is_dir else os.path.dirname(path) or "/"
         return self._subst(directory)
 
