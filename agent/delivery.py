@@ -385,9 +385,11 @@ class EventStreamer:
         backoff: Backoff | None = None,
         timeout: float = 10.0,
         registry: m.Registry | None = None,
+        headers: Mapping[str, str] | None = None,
         send: Callable[[str, ce_http.HTTPMessage, float], None] = _post,
     ) -> None:
         self.url = url
+        self.headers = dict(headers or {})
         self.mode: Literal["batch", "structured"] = mode
         self.batch_size = batch_size
         self.batch_interval = batch_interval
@@ -450,6 +452,8 @@ class EventStreamer:
         done = 0
         try:
             for msg in encode(batch, self.mode):
+                if self.headers:
+                    msg = ce_http.HTTPMessage(headers={**msg.headers, **self.headers}, body=msg.body)
                 self._send(self.url, msg, self.timeout)
                 done += 1 if self.mode == "structured" else len(batch)
         except (OSError, http.client.HTTPException, ValueError) as e:

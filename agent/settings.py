@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -71,6 +71,9 @@ class AgentSettings(BaseSettings):
     )
     upload_method: Literal["PUT", "POST"] = Field("PUT", description="PUT to <url>/<name>, or POST to <url>")
     upload_timeout: float = Field(30.0, gt=0)
+    delivery_token: SecretStr | None = Field(
+        None, description="sent as 'Authorization: Bearer <token>' to the upload and stream endpoints"
+    )
     retry_initial: float = Field(
         1.0, gt=0, description="first delay after a failed delivery (doubles each time)"
     )
@@ -141,6 +144,12 @@ class AgentSettings(BaseSettings):
         if self.retry_max < self.retry_initial:
             raise ValueError("retry_max must be >= retry_initial")
         return self
+
+    @property
+    def delivery_headers(self) -> dict[str, str]:
+        if self.delivery_token is None:
+            return {}
+        return {"Authorization": f"Bearer {self.delivery_token.get_secret_value()}"}
 
     @property
     def stream_spill_dir(self) -> Path:

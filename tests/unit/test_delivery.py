@@ -235,12 +235,13 @@ def test_stream_loses_nothing_while_the_endpoint_is_down(tmp_path: Path, sink: S
     st = EventStreamer(
         sink.url,
         tmp_path / "spill",
-        mode=mode,
+        mode=mode,  # type: ignore[arg-type]
         batch_size=10,
-        batch_interval=0.05,  # type: ignore[arg-type]
+        batch_interval=0.05,
         queue_size=25,
         backoff=FAST,
         registry=reg,
+        headers={"Authorization": "Bearer t"},
     )
     st.start()
     events = _events(120)
@@ -253,6 +254,7 @@ def test_stream_loses_nothing_while_the_endpoint_is_down(tmp_path: Path, sink: S
         assert wait_until(lambda: st.sent.value() >= 120)
     finally:
         st.close()
+    assert all(h["Authorization"] == "Bearer t" for _m, _p, h, _b in sink.requests)
     ids = _received_ids(sink)
     assert sorted(set(ids), key=lambda i: int(i.split(":")[1])) == [e["id"] for e in events]
     assert st.dropped.value() == 0

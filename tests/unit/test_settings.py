@@ -35,7 +35,10 @@ def test_env_vars_with_comma_or_json_lists(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("EVIDENCE_KUBERNETES", "true")
     monkeypatch.setenv("EVIDENCE_UPLOAD_URL", "https://bundles.example.test/in")
     monkeypatch.setenv("EVIDENCE_BATCH_SIZE", "7")
+    monkeypatch.setenv("EVIDENCE_DELIVERY_TOKEN", "s3cret")
     s = load_settings()
+    assert s.delivery_headers == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in repr(s)  # a secret is never logged with the settings
     assert s.allowed_uids == [1000, 1001]
     assert s.allowed_gids == [42]
     assert s.kubernetes is True
