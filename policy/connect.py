@@ -14,6 +14,7 @@ A denied call fails with EPERM in the process; each deny (or would-block in dry-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.resources
 import ipaddress
@@ -31,7 +32,14 @@ from policy.model import NetPolicy
 
 logger = logging.getLogger(__name__)
 
-TOKENS = ("__MAX_ENTRIES__", "__DEFAULT_ALLOW__", "__DRY_RUN__", "__V4_CAPACITY__", "__V6_CAPACITY__", "__RINGBUF_PAGES__")
+TOKENS = (
+    "__MAX_ENTRIES__",
+    "__DEFAULT_ALLOW__",
+    "__DRY_RUN__",
+    "__V4_CAPACITY__",
+    "__V6_CAPACITY__",
+    "__RINGBUF_PAGES__",
+)
 _TOKEN_RE = re.compile(r"__[A-Z][A-Z0-9_]*__")
 PROGRAMS = ("guard_connect4", "guard_connect6", "guard_sendmsg4", "guard_sendmsg6")
 RULE_DEFAULT = 0xFFFFFFFF
@@ -86,7 +94,9 @@ def render(config: GuardConfig, text: str | None = None) -> str:
 Entry = tuple[int, int, int, int]  # (port or 0, protocol number or 0, action, rule id)
 
 
-def build_tables(net: NetPolicy, max_entries: int = 16) -> tuple[dict[tuple[bytes, int], list[Entry]], dict[tuple[bytes, int], list[Entry]]]:
+def build_tables(
+    net: NetPolicy, max_entries: int = 16
+) -> tuple[dict[tuple[bytes, int], list[Entry]], dict[tuple[bytes, int], list[Entry]]]:
     """LPM contents: {(network bytes, prefix length): entries}, for IPv4 and for IPv6.
 
     Each prefix carries every rule whose CIDR contains it, most specific first, so that the single
@@ -94,17 +104,27 @@ def build_tables(net: NetPolicy, max_entries: int = 16) -> tuple[dict[tuple[byte
     back to a covering /8 for other ports)."""
     flat = net.entries()
     tables: tuple[dict[tuple[bytes, int], list[Entry]], dict[tuple[bytes, int], list[Entry]]] = ({}, {})
-    prefixes = sorted({(n.version, n) for n, *_ in flat}, key=lambda vn: (vn[0], vn[1].network_address.packed, vn[1].prefixlen))
+    prefixes = sorted(
+        {(n.version, n) for n, *_ in flat},
+        key=lambda vn: (vn[0], vn[1].network_address.packed, vn[1].prefixlen),
+    )
     for version, prefix in prefixes:
         covering = []
         for n, port, proto, deny, rid in flat:
             if n.version != version or not prefix.subnet_of(n):  # type: ignore[arg-type]
                 continue
-            covering.append(((n.prefixlen, port is not None, proto is not None, deny), (port or 0, proto or 0, ACTION_DENY if deny else ACTION_ALLOW, rid)))
+            covering.append(
+                (
+                    (n.prefixlen, port is not None, proto is not None, deny),
+                    (port or 0, proto or 0, ACTION_DENY if deny else ACTION_ALLOW, rid),
+                )
+            )
         covering.sort(key=lambda c: (c[0], -c[1][3]), reverse=True)
         entries = [e for _, e in covering]
         if len(entries) > max_entries:
-            raise PolicyError(f"net: {len(entries)} rules apply to {prefix}; at most {max_entries} are supported")
+            raise PolicyError(
+                f"net: {len(entries)} rules apply to {prefix}; at most {max_entries} are supported"
+            )
         tables[0 if version == 4 else 1][(prefix.network_address.packed, prefix.prefixlen)] = entries
     return tables
 
@@ -260,15 +280,18 @@ class ConnectGuard:
                 attached.append((fn, atype))
         except Exception as e:
             for fn, atype in attached:
-                try:
+                with contextlib.suppress(Exception):  # best effort while failing
                     BPF.detach_func(fn, fd, atype)
-                except Exception:  # noqa: BLE001 - best effort while failing
-                    pass
             os.close(fd)
             raise SetupError(f"cannot attach connect_guard to {cgroup_path}: {e}") from e
         self._cgroup_fd = fd
-        logger.info("connect_guard attached to %s (%s, default %s, %d rules)", cgroup_path,
-                    "dry-run" if self.dry_run else "enforce", self.net.default, len(self.labels))
+        logger.info(
+            "connect_guard attached to %s (%s, default %s, %d rules)",
+            cgroup_path,
+            "dry-run" if self.dry_run else "enforce",
+            self.net.default,
+            len(self.labels),
+        )
 
     def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
         """Denial records since the last poll (waits up to timeout_ms for the first one)."""
@@ -317,7 +340,9 @@ class ConnectGuard:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m policy.connect", description="print connect_guard's C for a policy")
+    parser = argparse.ArgumentParser(
+        prog="python -m policy.connect", description="print connect_guard's C for a policy"
+    )
     parser.add_argument("policy", nargs="?", help="policy file (default: an empty default-allow policy)")
     parser.add_argument("--ebpf", action="store_true", help="print the rendered C")
     parser.add_argument("--dry-run", action="store_true")

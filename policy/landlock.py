@@ -108,8 +108,20 @@ def group_rights(group: str, abi: int) -> int:
         rights = read | EXECUTE
     elif group == "write":
         rights = (
-            read | WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO | MAKE_SYM
-        ) | REFER | TRUNCATE
+            (
+                read
+                | WRITE_FILE
+                | REMOVE_DIR
+                | REMOVE_FILE
+                | MAKE_DIR
+                | MAKE_REG
+                | MAKE_SOCK
+                | MAKE_FIFO
+                | MAKE_SYM
+            )
+            | REFER
+            | TRUNCATE
+        )
     else:
         raise ValueError(f"unknown group {group!r}")
     return rights & handled_fs(abi)
@@ -151,7 +163,11 @@ class LandlockPlan:
             "abi": self.abi,
             "enforced": self.enforced,
             "handled_fs": rights_names(self.handled_fs),
-            "scoped": [n for b, n in ((SCOPE_ABSTRACT_UNIX_SOCKET, "abstract_unix_socket"), (SCOPE_SIGNAL, "signal")) if self.scoped & b],
+            "scoped": [
+                n
+                for b, n in ((SCOPE_ABSTRACT_UNIX_SOCKET, "abstract_unix_socket"), (SCOPE_SIGNAL, "signal"))
+                if self.scoped & b
+            ],
             "rules": len(self.rules),
             "expanded_directories": sorted(self.intermediates),
             "costs": list(self.costs),
@@ -162,7 +178,11 @@ class LandlockPlan:
         """Why Landlock may refuse an access the policy allows: the cost of a sibling expansion."""
         path = os.path.normpath(path)
         parent = os.path.dirname(path)
-        if access in ("write", "create") and parent in self.intermediates and "write" in self.intermediates[parent]:
+        if (
+            access in ("write", "create")
+            and parent in self.intermediates
+            and "write" in self.intermediates[parent]
+        ):
             return f"landlock: {parent} is expanded entry by entry (a denied path lies beneath it): no new entries in it"
         if path in self.intermediates:
             return f"landlock: {path} is expanded entry by entry (a denied path lies beneath it): it cannot be listed"
@@ -190,7 +210,8 @@ def _hard_linked(root: str, costs: list[str]) -> list[tuple[str, int]]:
         return [(root, st.st_nlink)] if st.st_nlink > 1 else []
     if not stat.S_ISDIR(st.st_mode):
         return []
-    found, seen = [], 0
+    found: list[tuple[str, int]] = []
+    seen = 0
     for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: None):
         for name in filenames:
             seen += 1
@@ -199,14 +220,17 @@ def _hard_linked(root: str, costs: list[str]) -> list[tuple[str, int]]:
                 found.append((os.path.join(dirpath, name), fst.st_nlink))
         seen += len(dirnames)
         if seen > HARDLINK_SCAN_LIMIT:
-            costs.append(f"{root}: more than {HARDLINK_SCAN_LIMIT} entries; not all were checked for hard links")
+            costs.append(
+                f"{root}: more than {HARDLINK_SCAN_LIMIT} entries; not all were checked for hard links"
+            )
             break
     return found
 
 
 def _expand(rules: tuple[PathRule, ...]) -> tuple[list[str], list[PathRule]]:
     """Literal paths for a list: globs expanded to their current matches. Returns (paths, globs)."""
-    out, globs = [], []
+    out: list[str] = []
+    globs: list[PathRule] = []
     for r in rules:
         if r.glob:
             globs.append(r)
@@ -248,7 +272,9 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
                 }
             )
         else:
-            costs.append(f"fs.deny glob {g.text!r}: the files that match it at start are denied (nothing can create new ones)")
+            costs.append(
+                f"fs.deny glob {g.text!r}: the files that match it at start are denied (nothing can create new ones)"
+            )
     for d in denies:
         for path, nlink in _hard_linked(d, costs):
             degradations.append(
@@ -354,7 +380,11 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -371,10 +401,20 @@ _prctl.restype = ctypes.c_int
 
 def abi_version() -> int:
     """The Landlock ABI the kernel offers; 0 when Landlock is missing or disabled."""
-    res = _syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    res = _syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        None,
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION),
+    )
     if res < 0:
         return 0
     return int(res)
+
+
+def _errno_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def _attr_size(abi: int) -> int:
@@ -394,11 +434,13 @@ def apply(plan: LandlockPlan) -> None:
         return
     attr = _RulesetAttr(plan.handled_fs, 0, plan.scoped)
     ruleset = _syscall(
-        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(_attr_size(plan.abi)), ctypes.c_uint32(0)
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        ctypes.byref(attr),
+        ctypes.c_size_t(_attr_size(plan.abi)),
+        ctypes.c_uint32(0),
     )
     if ruleset < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"landlock_create_ruleset: {os.strerror(e)}")
+        raise _errno_error("landlock_create_ruleset")
     try:
         pb = _PathBeneathAttr(0, -1)
         flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -415,18 +457,23 @@ def apply(plan: LandlockPlan) -> None:
                     continue
                 pb.allowed_access = rule.access if stat.S_ISDIR(mode) else rule.access & FILE_RIGHTS
                 pb.parent_fd = fd
-                if pb.allowed_access and _syscall(
-                    ctypes.c_long(SYS_LANDLOCK_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(pb), ctypes.c_uint32(0)
-                ) < 0:
-                    e = ctypes.get_errno()
-                    raise OSError(e, f"landlock_add_rule {rule.path}: {os.strerror(e)}")
+                if (
+                    pb.allowed_access
+                    and _syscall(
+                        ctypes.c_long(SYS_LANDLOCK_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                        ctypes.byref(pb),
+                        ctypes.c_uint32(0),
+                    )
+                    < 0
+                ):
+                    raise _errno_error(f"landlock_add_rule {rule.path}")
             finally:
                 os.close(fd)
         if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
+            raise _errno_error("prctl(PR_SET_NO_NEW_PRIVS)")
         if _syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"landlock_restrict_self: {os.strerror(e)}")
+            raise _errno_error("landlock_restrict_self")
     finally:
         os.close(ruleset)

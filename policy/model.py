@@ -164,7 +164,9 @@ def _path_rule(value: Any, info: ValidationInfo) -> Any:
     variables = (info.context or {}).get("variables", {})
     expanded = expand_variables(value, variables)
     if not expanded.startswith("/"):
-        raise ValueError(f"{value!r}: paths must be absolute (or start with ${{WORKSPACE}}, ${{HOME}}, ${{TMPDIR}})")
+        raise ValueError(
+            f"{value!r}: paths must be absolute (or start with ${{WORKSPACE}}, ${{HOME}}, ${{TMPDIR}})"
+        )
     glob = is_glob(expanded)
     path = _canonical_glob(expanded) if glob else canonical_path(expanded)
     plain = os.path.normpath(expanded)
@@ -218,7 +220,9 @@ class FsPolicy(BaseModel):
 
 PROTOCOLS = {"tcp": 6, "udp": 17}
 _PROTO_RE = re.compile(r"^(tcp|udp)://(.*)$|^(.*?)/(tcp|udp)$", re.IGNORECASE)
-_HOST_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?$")
+_HOST_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?$"
+)
 
 
 def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
@@ -302,7 +306,13 @@ def parse_net_rule(text: str, resolve: Resolver | None = None) -> dict[str, Any]
     if not addresses:
         raise ValueError(f"{text!r}: host {addr!r} resolved to no address")
     nets = sorted({str(_network(a)) for a in addresses}, key=lambda n: (":" in n, n))
-    return {"text": text, "host": addr.rstrip(".").lower(), "networks": tuple(nets), "port": port, "protocol": protocol}
+    return {
+        "text": text,
+        "host": addr.rstrip(".").lower(),
+        "networks": tuple(nets),
+        "port": port,
+        "protocol": protocol,
+    }
 
 
 def system_resolver(host: str) -> list[str]:
@@ -314,7 +324,9 @@ def _net_rule(value: Any, info: ValidationInfo) -> Any:
     if isinstance(value, NetRule):
         return value
     if not isinstance(value, str):
-        raise ValueError("must be a string such as '10.0.0.0/8', '127.0.0.1:8080', '[::1]:443' or 'example.com:443'")
+        raise ValueError(
+            "must be a string such as '10.0.0.0/8', '127.0.0.1:8080', '[::1]:443' or 'example.com:443'"
+        )
     return parse_net_rule(value, (info.context or {}).get("resolve"))
 
 
@@ -333,7 +345,9 @@ class NetPolicy(BaseModel):
             f"net.deny[{i}]: {r.text}" for i, r in enumerate(self.deny)
         ]
 
-    def entries(self) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None, int | None, bool, int]]:
+    def entries(
+        self,
+    ) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None, int | None, bool, int]]:
         """Flattened rules: (network, port, protocol number, is_deny, rule id into labels())."""
         out = []
         for rid, (rule, deny) in enumerate([(r, False) for r in self.allow] + [(r, True) for r in self.deny]):
@@ -403,7 +417,9 @@ class Policy(BaseModel):
             return None
         return self.fs.check(path, access)
 
-    def check_connect(self, family: str, address: str, port: int | None, protocol: str = "tcp") -> Decision | None:
+    def check_connect(
+        self, family: str, address: str, port: int | None, protocol: str = "tcp"
+    ) -> Decision | None:
         """The rule that refuses a connect/sendmsg, or None. IPv4-mapped IPv6 is checked as IPv4."""
         if self.net is None:
             return None
@@ -468,7 +484,9 @@ class _Located:
             for knode, vnode in node.value:
                 key = _LOADER.construct_object(knode) if isinstance(knode, yaml.ScalarNode) else None
                 if not isinstance(key, str):
-                    raise _FileError(knode.start_mark.line + 1, _fmt_loc(loc) or "top level", "keys must be plain names")
+                    raise _FileError(
+                        knode.start_mark.line + 1, _fmt_loc(loc) or "top level", "keys must be plain names"
+                    )
                 if key in out:
                     raise _FileError(knode.start_mark.line + 1, _fmt_loc(loc + (key,)), "duplicate key")
                 out[key] = self.build(vnode, loc + (key,))
@@ -502,7 +520,7 @@ def _line_for(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int:
     return lines.get(loc, 1)
 
 
-def _clean_msg(err: dict[str, Any]) -> str:
+def _clean_msg(err: Any) -> str:
     msg = str(err.get("msg", "invalid"))
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
@@ -530,7 +548,9 @@ def parse_policy(
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = mark.line + 1 if mark is not None else 1
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise PolicyError(f"{name}:{line}: not valid YAML: {problem}", hint="see docs/policy-format.md") from None
+        raise PolicyError(
+            f"{name}:{line}: not valid YAML: {problem}", hint="see docs/policy-format.md"
+        ) from None
     if node is None:
         raise PolicyError(f"{name}:1: empty policy file", hint="a policy starts with 'version: 1'")
     located = _Located()
@@ -557,7 +577,11 @@ def parse_policy(
             hint="see docs/policy-format.md",
         ) from None
     return policy.model_copy(
-        update={"source": name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "variables": dict(variables)}
+        update={
+            "source": name,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "variables": dict(variables),
+        }
     )
 
 

@@ -53,7 +53,9 @@ class PrivateNetns:
         try:
             netns.create(self.name)
         except OSError as e:
-            raise SetupError(f"cannot create network namespace {self.name}: {e}", hint="needs CAP_SYS_ADMIN") from e
+            raise SetupError(
+                f"cannot create network namespace {self.name}: {e}", hint="needs CAP_SYS_ADMIN"
+            ) from e
         try:
             if self.mode == "loopback":
                 with NetNS(self.name) as ns:

@@ -9,6 +9,7 @@ No traffic leaves the machine: every address is on the test's veth pair.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -205,10 +206,8 @@ def cgroup() -> Iterator[Path]:
 def _evacuate(cg: Path, mount: Path) -> None:
     procs = (cg / "cgroup.procs").read_text().split()
     for pid in procs:
-        try:
+        with contextlib.suppress(OSError):
             (mount / "cgroup.procs").write_text(pid)
-        except OSError:
-            pass
 
 
 POLICY = """\

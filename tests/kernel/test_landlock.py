@@ -60,11 +60,13 @@ def box(tmp_path: Path, abi: int) -> dict[str, Path]:
 
 
 def _plan(box: dict[str, Path], abi: int) -> landlock.LandlockPlan:
-    policy = load_policy(box["root"] / "policy.yaml", workspace=str(box["ws"]), tmpdir=str(box["tmp"]), home=str(box["home"]))
+    policy = load_policy(
+        box["root"] / "policy.yaml", workspace=str(box["ws"]), tmpdir=str(box["tmp"]), home=str(box["home"])
+    )
     return landlock.plan(policy, abi)
 
 
-ATTEMPTS = r'''
+ATTEMPTS = r"""
 import errno, json, os, subprocess, sys
 home, ws, outside = sys.argv[1], sys.argv[2], sys.argv[3]
 secret = home + "/.ssh/id_rsa"
@@ -101,7 +103,7 @@ attempt("exec_ws", lambda: "rc=%d" % subprocess.run([ws + "/bin/true"]).returnco
 attempt("exec_outside", lambda: "rc=%d" % subprocess.run([home + "/bin/true"]).returncode)
 attempt("exec_via_interpreter_dir", lambda: "rc=%d" % subprocess.run(["/usr/bin/true"]).returncode)
 print(json.dumps(out))
-'''
+"""
 
 
 def _run_attempts(box: dict[str, Path], plan: landlock.LandlockPlan) -> dict[str, str]:
@@ -165,7 +167,9 @@ def test_apply_in_child_cannot_be_broken(box: dict[str, Path], abi: int) -> None
 
 
 def test_denials_are_attributed_by_check_file(box: dict[str, Path], abi: int) -> None:
-    policy = load_policy(box["root"] / "policy.yaml", workspace=str(box["ws"]), tmpdir=str(box["tmp"]), home=str(box["home"]))
+    policy = load_policy(
+        box["root"] / "policy.yaml", workspace=str(box["ws"]), tmpdir=str(box["tmp"]), home=str(box["home"])
+    )
     secret = str(box["home"] / ".ssh" / "id_rsa")
     assert policy.check_file(secret, "read").rule == "fs.deny[0]: ${HOME}/.ssh"
     assert policy.check_file(str(box["outside"] / "new.txt"), "create").rule == "fs.write: not allowed"
@@ -195,8 +199,13 @@ def test_preexisting_hardlink_is_a_degradation(box: dict[str, Path], abi: int) -
     assert any("hard links" in d["reason"] for d in plan.degradations)
     # and it is what Landlock cannot stop: the other link is inside an allowed tree
     code = "import sys; print(open(sys.argv[1]).read().strip())"
-    proc = subprocess.run([PYTHON, "-I", "-S", "-c", code, str(box["ws"] / "old_link")],
-                          preexec_fn=lambda: landlock.apply(plan), capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [PYTHON, "-I", "-S", "-c", code, str(box["ws"] / "old_link")],
+        preexec_fn=lambda: landlock.apply(plan),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.stdout.strip() == "SECRET-KEY"
 
 
@@ -214,6 +223,11 @@ def test_scoped_signals_cannot_leave_the_domain(box: dict[str, Path], abi: int) 
             print(errno.errorcode[e.errno])
         """
     )
-    proc = subprocess.run([PYTHON, "-I", "-S", "-c", code, str(os.getpid())],
-                          preexec_fn=lambda: landlock.apply(plan), capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [PYTHON, "-I", "-S", "-c", code, str(os.getpid())],
+        preexec_fn=lambda: landlock.apply(plan),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.stdout.strip() == "EPERM"

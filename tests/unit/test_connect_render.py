@@ -85,14 +85,33 @@ def test_tables_copy_covering_rules_most_specific_first() -> None:
     net = parse_policy(POLICY, name="p", variables={}).net
     assert net is not None
     v4, v6 = build_tables(net)
-    key = lambda cidr: (ipaddress.ip_network(cidr).network_address.packed, ipaddress.ip_network(cidr).prefixlen)  # noqa: E731
+
+    def key(cidr: str) -> tuple[bytes, int]:
+        net = ipaddress.ip_network(cidr)
+        return net.network_address.packed, net.prefixlen
+
     labels = net.labels()
-    assert labels == ["net.allow[0]: 10.0.0.0/8", "net.allow[1]: 10.1.2.3/32:443", "net.allow[2]: udp://10.1.0.0/16:53",
-                      "net.allow[3]: [2001:db8::/32]:443", "net.deny[0]: 10.1.0.0/16", "net.deny[1]: 2001:db8::1"]
+    assert labels == [
+        "net.allow[0]: 10.0.0.0/8",
+        "net.allow[1]: 10.1.2.3/32:443",
+        "net.allow[2]: udp://10.1.0.0/16:53",
+        "net.allow[3]: [2001:db8::/32]:443",
+        "net.deny[0]: 10.1.0.0/16",
+        "net.deny[1]: 2001:db8::1",
+    ]
     assert v4[key("10.0.0.0/8")] == [(0, 0, ACTION_ALLOW, 0)]
     # /16: the udp port-53 allow (more specific than the plain /16 deny at the same length), then the deny, then the /8
-    assert v4[key("10.1.0.0/16")] == [(53, 17, ACTION_ALLOW, 2), (0, 0, ACTION_DENY, 4), (0, 0, ACTION_ALLOW, 0)]
-    assert v4[key("10.1.2.3/32")] == [(443, 0, ACTION_ALLOW, 1), (53, 17, ACTION_ALLOW, 2), (0, 0, ACTION_DENY, 4), (0, 0, ACTION_ALLOW, 0)]
+    assert v4[key("10.1.0.0/16")] == [
+        (53, 17, ACTION_ALLOW, 2),
+        (0, 0, ACTION_DENY, 4),
+        (0, 0, ACTION_ALLOW, 0),
+    ]
+    assert v4[key("10.1.2.3/32")] == [
+        (443, 0, ACTION_ALLOW, 1),
+        (53, 17, ACTION_ALLOW, 2),
+        (0, 0, ACTION_DENY, 4),
+        (0, 0, ACTION_ALLOW, 0),
+    ]
     assert v6[key("2001:db8::1/128")] == [(0, 0, ACTION_DENY, 5), (443, 0, ACTION_ALLOW, 3)]
     assert v6[key("2001:db8::/32")] == [(443, 0, ACTION_ALLOW, 3)]
 
@@ -108,8 +127,17 @@ def _first_match(entries: list[tuple[int, int, int, int]], port: int, proto: int
 
 @pytest.mark.parametrize(
     ("addr", "port", "proto"),
-    [("10.1.2.3", 443, 6), ("10.1.2.3", 80, 6), ("10.1.9.9", 53, 17), ("10.1.9.9", 53, 6), ("10.200.0.1", 1, 6),
-     ("11.0.0.1", 1, 6), ("2001:db8::1", 443, 6), ("2001:db8::2", 443, 6), ("2001:db8::2", 80, 6)],
+    [
+        ("10.1.2.3", 443, 6),
+        ("10.1.2.3", 80, 6),
+        ("10.1.9.9", 53, 17),
+        ("10.1.9.9", 53, 6),
+        ("10.200.0.1", 1, 6),
+        ("11.0.0.1", 1, 6),
+        ("2001:db8::1", 443, 6),
+        ("2001:db8::2", 443, 6),
+        ("2001:db8::2", 80, 6),
+    ],
 )
 def test_tables_decide_like_check_connect(addr: str, port: int, proto: int) -> None:
     policy = parse_policy(POLICY, name="p", variables={})
@@ -118,11 +146,15 @@ def test_tables_decide_like_check_connect(addr: str, port: int, proto: int) -> N
     ip = ipaddress.ip_address(addr)
     table = v4 if ip.version == 4 else v6
     # longest prefix match, as the kernel's LPM trie does
-    match = max((k for k in table if ip in ipaddress.ip_network((k[0], k[1]))), key=lambda k: k[1], default=None)
+    match = max(
+        (k for k in table if ip in ipaddress.ip_network((k[0], k[1]))), key=lambda k: k[1], default=None
+    )
     result = _first_match(table[match], port, proto) if match else None
     labels = policy.net.labels()
     kernel = None if result == -1 else ("net.default: deny" if result is None else labels[result])
-    expected = policy.check_connect("AF_INET" if ip.version == 4 else "AF_INET6", addr, port, "udp" if proto == 17 else "tcp")
+    expected = policy.check_connect(
+        "AF_INET" if ip.version == 4 else "AF_INET6", addr, port, "udp" if proto == 17 else "tcp"
+    )
     assert kernel == (expected.rule if expected else None)
 
 
@@ -149,14 +181,28 @@ def test_decode_saved_records() -> None:
     rec = decode_record(RAW_MAPPED)
     assert (rec.cgroup_id, rec.tgid, rec.tid, rec.protocol, rec.mapped) == (443, 4242, 4243, 6, True)
     assert to_denial(rec, labels, "deny", 1_000) == {
-        "k": "denial", "t": 123456789 + 1_000, "pid": 4242, "exe": None, "operation": "connect",
-        "target": "[::ffff:10.1.2.3]:9090", "rule": "net.deny[0]: 10.0.0.0/8:9090", "enforced": True, "result": "EPERM",
+        "k": "denial",
+        "t": 123456789 + 1_000,
+        "pid": 4242,
+        "exe": None,
+        "operation": "connect",
+        "target": "[::ffff:10.1.2.3]:9090",
+        "rule": "net.deny[0]: 10.0.0.0/8:9090",
+        "enforced": True,
+        "result": "EPERM",
     }
     rec = decode_record(RAW_UDP)
     assert rec.rule_id == RULE_DEFAULT
     assert to_denial(rec, labels, "deny", 0) == {
-        "k": "denial", "t": 5, "pid": 10, "exe": None, "operation": "sendmsg", "target": "192.0.2.1:53",
-        "rule": "net.default: deny", "enforced": False, "result": 0,
+        "k": "denial",
+        "t": 5,
+        "pid": 10,
+        "exe": None,
+        "operation": "sendmsg",
+        "target": "192.0.2.1:53",
+        "rule": "net.default: deny",
+        "enforced": False,
+        "result": 0,
     }
     with pytest.raises(ValueError):
         decode_record(RAW_UDP[:20])

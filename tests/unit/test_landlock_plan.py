@@ -24,7 +24,11 @@ def tree(tmp_path: Path) -> Path:
 
 
 def _policy(tree: Path, fs: str):  # noqa: ANN202
-    return parse_policy("version: 1\nfs:\n" + fs, name="p.yaml", variables={"HOME": str(tree / "home"), "WORKSPACE": str(tree / "home" / "ws")})
+    return parse_policy(
+        "version: 1\nfs:\n" + fs,
+        name="p.yaml",
+        variables={"HOME": str(tree / "home"), "WORKSPACE": str(tree / "home" / "ws")},
+    )
 
 
 def _rules(plan: ll.LandlockPlan) -> dict[str, int]:
@@ -58,7 +62,9 @@ def test_simple_allow_is_one_rule_per_root(tree: Path) -> None:
 
 def test_deny_inside_allow_expands_siblings_along_the_path(tree: Path) -> None:
     home = tree / "home"
-    plan = ll.plan(_policy(tree, '  read: ["${HOME}"]\n  deny: ["${HOME}/.ssh", "${HOME}/.config/gcloud"]\n'), 7)
+    plan = ll.plan(
+        _policy(tree, '  read: ["${HOME}"]\n  deny: ["${HOME}/.ssh", "${HOME}/.config/gcloud"]\n'), 7
+    )
     rules = _rules(plan)
     # the denied paths and the intermediate directories get no rule
     for p in (home, home / ".ssh", home / ".config", home / ".config" / "gcloud"):
@@ -71,7 +77,10 @@ def test_deny_inside_allow_expands_siblings_along_the_path(tree: Path) -> None:
     # a symlink sibling is not a rule (a rule on it would not follow it; its target is denied)
     assert str(home / "link-to-ssh") not in rules
     assert set(plan.intermediates) == {str(home), str(home / ".config")}
-    assert any(c.startswith(f"{home}: read granted entry by entry because .config/gcloud, .ssh is denied") for c in plan.costs)
+    assert any(
+        c.startswith(f"{home}: read granted entry by entry because .config/gcloud, .ssh is denied")
+        for c in plan.costs
+    )
     assert plan.degradations == ()
 
 
@@ -100,7 +109,9 @@ def test_same_path_denied_and_allowed_is_denied(tree: Path) -> None:
 def test_missing_allow_paths_are_a_cost_not_a_rule(tree: Path) -> None:
     plan = ll.plan(_policy(tree, '  read: ["${HOME}/nope", "${HOME}/a"]\n'), 7)
     assert list(_rules(plan)) == [str(tree / "home" / "a")]
-    assert any(c.startswith("not granted because they do not exist at start: ") and "nope" in c for c in plan.costs)
+    assert any(
+        c.startswith("not granted because they do not exist at start: ") and "nope" in c for c in plan.costs
+    )
 
 
 def test_rights_merge_per_path(tree: Path) -> None:
@@ -118,7 +129,10 @@ def test_degradations(tree: Path) -> None:
     # truncate cannot be controlled below ABI 3
     plan = ll.plan(_policy(tree, '  write: ["${WORKSPACE}"]\n'), 2)
     assert any("truncate" in d["reason"] for d in plan.degradations)
-    assert not any("truncate" in d["reason"] for d in ll.plan(_policy(tree, '  write: ["${WORKSPACE}"]\n'), 3).degradations)
+    assert not any(
+        "truncate" in d["reason"]
+        for d in ll.plan(_policy(tree, '  write: ["${WORKSPACE}"]\n'), 3).degradations
+    )
     # a deny glob in a writable tree cannot cover files created later
     plan = ll.plan(_policy(tree, '  write: ["${HOME}"]\n  deny: ["${HOME}/**/*.pem"]\n'), 7)
     assert any("glob" in d["reason"] for d in plan.degradations)

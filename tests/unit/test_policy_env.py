@@ -40,8 +40,18 @@ ENV = {
 def test_default_strips_secrets_only() -> None:
     env, removed = scrub(ENV, None)
     assert removed == sorted(
-        ["GITHUB_TOKEN", "GITHUB_SHA", "GITHUB_WORKSPACE", "NPM_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_REGION",
-         "DB_PASSWORD", "my_api_key", "CLIENT_SECRET_VALUE", "SSH_AUTH_SOCK"]
+        [
+            "GITHUB_TOKEN",
+            "GITHUB_SHA",
+            "GITHUB_WORKSPACE",
+            "NPM_TOKEN",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_REGION",
+            "DB_PASSWORD",
+            "my_api_key",
+            "CLIENT_SECRET_VALUE",
+            "SSH_AUTH_SOCK",
+        ]
     )
     assert env["LD_PRELOAD"] == "/tmp/evil.so" and env["PATH"] == "/usr/bin" and env["KEYBOARD"] == "us"
     assert all(v not in removed for v in env)
@@ -63,11 +73,22 @@ def test_names_only_never_values() -> None:
 
 
 def test_extra_strip_and_no_secret_stripping() -> None:
-    env, removed = scrub({"FOO": "1", "GITHUB_TOKEN": "x", "BAR": "2"}, EnvPolicy(strip_secrets=False, strip=("FOO",)))
+    env, removed = scrub(
+        {"FOO": "1", "GITHUB_TOKEN": "x", "BAR": "2"}, EnvPolicy(strip_secrets=False, strip=("FOO",))
+    )
     assert removed == ["FOO"] and env == {"GITHUB_TOKEN": "x", "BAR": "2"}
 
 
-@pytest.mark.parametrize("name", ["ACTIONS_RUNTIME_TOKEN", "ACTIONS_ID_TOKEN_REQUEST_URL", "GOOGLE_APPLICATION_CREDENTIALS", "VAULT_ADDR", "gh_pat"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ACTIONS_RUNTIME_TOKEN",
+        "ACTIONS_ID_TOKEN_REQUEST_URL",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "VAULT_ADDR",
+        "gh_pat",
+    ],
+)
 def test_secret_names(name: str) -> None:
     assert is_secret_name(name)
 
@@ -77,7 +98,18 @@ def test_not_secret_names(name: str) -> None:
     assert not is_secret_name(name)
 
 
-@pytest.mark.parametrize("name", ["LD_LIBRARY_PATH", "PYTHONSTARTUP", "PERL5OPT", "RUBYOPT", "JAVA_TOOL_OPTIONS", "GLIBC_TUNABLES", "BASH_FUNC_ls%%"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LD_LIBRARY_PATH",
+        "PYTHONSTARTUP",
+        "PERL5OPT",
+        "RUBYOPT",
+        "JAVA_TOOL_OPTIONS",
+        "GLIBC_TUNABLES",
+        "BASH_FUNC_ls%%",
+    ],
+)
 def test_exec_influence_names(name: str) -> None:
     assert is_exec_influence_name(name)
 
@@ -107,6 +139,9 @@ def test_netns_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="--net must be one of none, loopback"):
         PrivateNetns("host")  # type: ignore[arg-type]
     ns = PrivateNetns("loopback", name="evidence-test")
-    assert ns.path == "/run/netns/evidence-test" and ns.summary() == {"mode": "loopback", "name": "evidence-test"}
+    assert ns.path == "/run/netns/evidence-test" and ns.summary() == {
+        "mode": "loopback",
+        "name": "evidence-test",
+    }
     with pytest.raises(OSError):
         ns.enter()  # not created

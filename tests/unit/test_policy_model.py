@@ -66,7 +66,11 @@ def test_issue_example_loads_and_expands(dirs: dict[str, Path]) -> None:
     assert p.fs is not None and p.net is not None
     assert p.fs.read[3].text == "${WORKSPACE}" and p.fs.read[3].path == str(dirs["ws"])
     assert p.fs.deny[0].path == str(dirs["home"] / ".ssh")
-    assert p.variables == {"WORKSPACE": str(dirs["ws"]), "TMPDIR": str(dirs["tmp"]), "HOME": str(dirs["home"])}
+    assert p.variables == {
+        "WORKSPACE": str(dirs["ws"]),
+        "TMPDIR": str(dirs["tmp"]),
+        "HOME": str(dirs["home"]),
+    }
     assert p.env.strip_exec_influence and p.env.allow == ("CI", "GITHUB_SHA")
     assert len(p.sha256) == 64
 
@@ -83,7 +87,12 @@ def test_paths_are_canonicalised_through_symlinks(dirs: dict[str, Path]) -> None
 
 def test_workspace_is_canonical_too(dirs: dict[str, Path]) -> None:
     (dirs["root"] / "wsl").symlink_to(dirs["ws"])
-    p = load_policy(_write(dirs, ISSUE_POLICY), workspace=str(dirs["root"] / "wsl"), tmpdir=str(dirs["tmp"]), home=str(dirs["home"]))
+    p = load_policy(
+        _write(dirs, ISSUE_POLICY),
+        workspace=str(dirs["root"] / "wsl"),
+        tmpdir=str(dirs["tmp"]),
+        home=str(dirs["home"]),
+    )
     assert p.variables["WORKSPACE"] == str(dirs["ws"])
 
 
@@ -96,15 +105,30 @@ def _write(dirs: dict[str, Path], text: str) -> Path:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("version: 1\nnet:\n  default: deny\n  allow: [\"10.0.0.0/8\", \"10.0.0.1/33\"]\n", "policy.yaml:4: net.allow[1]: '10.0.0.1/33': not a CIDR"),
+        (
+            'version: 1\nnet:\n  default: deny\n  allow: ["10.0.0.0/8", "10.0.0.1/33"]\n',
+            "policy.yaml:4: net.allow[1]: '10.0.0.1/33': not a CIDR",
+        ),
         ("version: 2\n", "policy.yaml:1: version: 2: Input should be 1"),
-        ("version: 1\nfs:\n  read: [\"/usr\"]\n  raed: [\"/etc\"]\n", "policy.yaml:4: fs.raed: unknown field"),
-        ("version: 1\nfs:\n  read:\n    - /usr\n    - relative/path\n", "policy.yaml:5: fs.read[1]: 'relative/path': paths must be absolute"),
-        ("version: 1\nfs:\n  read: [\"${NOPE}/x\"]\n", "policy.yaml:3: fs.read[0]: unknown variable ${NOPE}"),
+        ('version: 1\nfs:\n  read: ["/usr"]\n  raed: ["/etc"]\n', "policy.yaml:4: fs.raed: unknown field"),
+        (
+            "version: 1\nfs:\n  read:\n    - /usr\n    - relative/path\n",
+            "policy.yaml:5: fs.read[1]: 'relative/path': paths must be absolute",
+        ),
+        ('version: 1\nfs:\n  read: ["${NOPE}/x"]\n', "policy.yaml:3: fs.read[0]: unknown variable ${NOPE}"),
         ("version: 1\nnet:\n  allow: []\n", "policy.yaml:3: net.default: required field missing"),
-        ("version: 1\nnet:\n  default: maybe\n", "policy.yaml:3: net.default: 'maybe': Input should be 'allow' or 'deny'"),
-        ("version: 1\nnet:\n  default: deny\n  allow: [\"10.0.0.1:99999\"]\n", "policy.yaml:4: net.allow[0]: '99999' is not a port"),
-        ("version: 1\nnet:\n  default: deny\n  deny:\n    - no.such.host.invalid:443\n", "policy.yaml:5: net.deny[0]: 'no.such.host.invalid:443': cannot resolve host"),
+        (
+            "version: 1\nnet:\n  default: maybe\n",
+            "policy.yaml:3: net.default: 'maybe': Input should be 'allow' or 'deny'",
+        ),
+        (
+            'version: 1\nnet:\n  default: deny\n  allow: ["10.0.0.1:99999"]\n',
+            "policy.yaml:4: net.allow[0]: '99999' is not a port",
+        ),
+        (
+            "version: 1\nnet:\n  default: deny\n  deny:\n    - no.such.host.invalid:443\n",
+            "policy.yaml:5: net.deny[0]: 'no.such.host.invalid:443': cannot resolve host",
+        ),
         ("version: 1\nfs:\n  read: [1, 2]\n", "policy.yaml:3: fs.read[0]: must be a path"),
         ("version: 1\nversion: 1\n", "policy.yaml:2: version: duplicate key"),
         ("version: 1\nfs: [\n", "policy.yaml:3: not valid YAML"),
@@ -113,7 +137,9 @@ def _write(dirs: dict[str, Path], text: str) -> Path:
         ("version: 1\nsource: x\n", "policy.yaml:2: source: unknown field"),
     ],
 )
-def test_bad_files_give_one_line_with_file_line_and_field(dirs: dict[str, Path], text: str, expected: str) -> None:
+def test_bad_files_give_one_line_with_file_line_and_field(
+    dirs: dict[str, Path], text: str, expected: str
+) -> None:
     assert _error(dirs, text).startswith(expected)
 
 
@@ -133,7 +159,9 @@ def test_check_file_most_specific_wins(dirs: dict[str, Path]) -> None:
     assert p.check_file(f"{home}/notes", "read") == Decision(rule="fs.read: not allowed")
     assert p.check_file(f"{ws}/src/a.py", "write") is None
     assert p.check_file(f"{ws}/../ws/a.py", "write") is None  # normalised
-    assert p.check_file(f"{ws}x/a.py", "write") == Decision(rule="fs.write: not allowed")  # component boundary
+    assert p.check_file(f"{ws}x/a.py", "write") == Decision(
+        rule="fs.write: not allowed"
+    )  # component boundary
     assert p.check_file(f"{ws}/tool", "exec") == Decision(rule="fs.exec: not allowed")
     assert p.check_file("/usr/bin/python3", "exec") is None
     # write and exec imply read
@@ -197,7 +225,9 @@ def test_check_connect(dirs: dict[str, Path]) -> None:
     assert p.check_connect("AF_INET6", "::ffff:10.2.3.4", 22) is None
     assert p.check_connect("AF_INET6", "2001:db8::1", 443) is None
     assert p.check_connect("AF_INET6", "2001:db8::1", 80) == Decision(rule="net.default: deny")
-    assert p.check_connect("AF_INET6", "[2001:db8:bad::1]", 443) == Decision(rule="net.deny[2]: 2001:db8:bad::/48")
+    assert p.check_connect("AF_INET6", "[2001:db8:bad::1]", 443) == Decision(
+        rule="net.deny[2]: 2001:db8:bad::/48"
+    )
     # protocol
     assert p.check_connect("AF_INET", "10.1.0.53", 53, "udp") is None
     assert p.check_connect("AF_INET", "192.168.1.10", 8080, "udp") == Decision(rule="net.default: deny")
@@ -212,7 +242,7 @@ def test_check_connect(dirs: dict[str, Path]) -> None:
 
 
 def test_default_allow(dirs: dict[str, Path]) -> None:
-    p = _load(dirs, "version: 1\nnet:\n  default: allow\n  deny: [\"::1/128\", \"127.0.0.0/8:22\"]\n")
+    p = _load(dirs, 'version: 1\nnet:\n  default: allow\n  deny: ["::1/128", "127.0.0.0/8:22"]\n')
     assert p.check_connect("AF_INET", "127.0.0.1", 80) is None
     assert p.check_connect("AF_INET", "127.0.0.1", 22) == Decision(rule="net.deny[1]: 127.0.0.0/8:22")
     assert p.check_connect("AF_INET6", "::1", 80) == Decision(rule="net.deny[0]: ::1/128")
@@ -225,7 +255,12 @@ def test_summary_is_canonical_json_with_resolved_addresses(dirs: dict[str, Path]
     s = p.summary()
     canonical.dumps(s)  # no floats, string keys
     host = s["net"]["allow"][4]
-    assert host == {"rule": "build.example:443", "host": "build.example", "networks": ["198.51.100.7/32", "2001:db8:1::7/128"], "port": 443}
+    assert host == {
+        "rule": "build.example:443",
+        "host": "build.example",
+        "networks": ["198.51.100.7/32", "2001:db8:1::7/128"],
+        "port": 443,
+    }
     assert s["variables"]["WORKSPACE"] == str(dirs["ws"])
     assert json.loads(json.dumps(s)) == s
 
@@ -233,7 +268,13 @@ def test_summary_is_canonical_json_with_resolved_addresses(dirs: dict[str, Path]
 def test_shipped_default_policy(dirs: dict[str, Path]) -> None:
     home = str(dirs["home"])
     p = load_policy(default_policy_path(), workspace=str(dirs["ws"]), tmpdir=str(dirs["tmp"]), home=home)
-    for secret in (".ssh/id_rsa", ".aws/credentials", ".config/gcloud/x", ".kube/config", ".docker/config.json"):
+    for secret in (
+        ".ssh/id_rsa",
+        ".aws/credentials",
+        ".config/gcloud/x",
+        ".kube/config",
+        ".docker/config.json",
+    ):
         assert p.check_file(f"{home}/{secret}", "read") is not None, secret
     assert p.check_file("/etc/shadow", "read") is not None
     assert p.check_file("/root/.bashrc", "read") is not None

@@ -25,17 +25,60 @@ def dirs(tmp_path: Path) -> dict[str, str]:
     return out
 
 
-def _open(t: int, path: str, access: list[str], result: Any = 0, flags: list[str] | None = None) -> dict[str, Any]:
+def _open(
+    t: int, path: str, access: list[str], result: Any = 0, flags: list[str] | None = None
+) -> dict[str, Any]:
     flags = flags or (["O_WRONLY", "O_CREAT"] if "write" in access or "create" in access else ["O_RDONLY"])
-    return dict(k="open", t=T0 + t, pid=101, ppid=100, exe="/usr/bin/python3", path=path, raw_path=path, flags=flags, access=access, result=result)
+    return dict(
+        k="open",
+        t=T0 + t,
+        pid=101,
+        ppid=100,
+        exe="/usr/bin/python3",
+        path=path,
+        raw_path=path,
+        flags=flags,
+        access=access,
+        result=result,
+    )
 
 
 def _records(d: dict[str, str]) -> list[dict[str, Any]]:
     ws, tmp, home = d["ws"], d["tmp"], d["home"]
     return [
-        dict(k="exec", t=T0, pid=101, ppid=100, depth=1, filename="/usr/bin/python3.11", argv=["python3", "-m", "compileall", "."], cwd=ws, result=0),
-        dict(k="exec", t=T0 + 1, pid=102, ppid=101, depth=2, filename=f"{ws}/tools/gen.sh", argv=["gen.sh"], cwd=ws, result=0),
-        dict(k="exec", t=T0 + 2, pid=103, ppid=101, depth=2, filename="/opt/secret/tool", argv=["tool"], cwd=ws, result="EACCES"),
+        dict(
+            k="exec",
+            t=T0,
+            pid=101,
+            ppid=100,
+            depth=1,
+            filename="/usr/bin/python3.11",
+            argv=["python3", "-m", "compileall", "."],
+            cwd=ws,
+            result=0,
+        ),
+        dict(
+            k="exec",
+            t=T0 + 1,
+            pid=102,
+            ppid=101,
+            depth=2,
+            filename=f"{ws}/tools/gen.sh",
+            argv=["gen.sh"],
+            cwd=ws,
+            result=0,
+        ),
+        dict(
+            k="exec",
+            t=T0 + 2,
+            pid=103,
+            ppid=101,
+            depth=2,
+            filename="/opt/secret/tool",
+            argv=["tool"],
+            cwd=ws,
+            result="EACCES",
+        ),
         _open(3, "/usr/lib/python3.11/os.py", ["read"]),
         _open(4, "/etc/ld.so.cache", ["read"]),
         _open(5, "/proc/101/status", ["read"]),
@@ -50,14 +93,94 @@ def _records(d: dict[str, str]) -> list[dict[str, Any]]:
         _open(14, "/var/lib/thing/db", ["read"], result="ENOENT"),
         _open(15, "/etc/shadow", ["read"], result="EACCES"),  # refused: the run did not do it
         _open(16, "/srv/data/blob", ["read"]),
-        dict(k="connect", t=T0 + 20, pid=102, ppid=101, exe="/usr/bin/curl", family="AF_INET", address="127.0.0.1", port=8080, result=0),
-        dict(k="connect", t=T0 + 21, pid=102, ppid=101, exe="/usr/bin/curl", family="AF_INET6", address="::1", port=9000, result="ECONNREFUSED"),
-        dict(k="connect", t=T0 + 22, pid=102, ppid=101, exe="/usr/bin/curl", family="AF_INET6", address="::ffff:10.0.0.7", port=443, result=0),
-        dict(k="connect", t=T0 + 23, pid=102, ppid=101, exe="/usr/bin/curl", family="AF_INET", address="192.0.2.9", port=22, result="EPERM"),
-        dict(k="connect", t=T0 + 24, pid=102, ppid=101, exe=None, family="AF_UNIX", address="/run/x.sock", port=None, result=0),
-        dict(k="denial", t=T0 + 25, pid=102, exe=None, operation="sendmsg", target="198.51.100.1:53", rule="net.default: deny", enforced=False, result=0),
-        dict(k="denial", t=T0 + 26, pid=102, exe=None, operation="connect", target="[2001:db8::5]:443", rule="net.default: deny", enforced=True, result="EPERM"),
-        dict(k="denial", t=T0 + 27, pid=102, exe=None, operation="write", target="/etc/motd", rule="fs.write: not allowed", enforced=False, result=0),
+        dict(
+            k="connect",
+            t=T0 + 20,
+            pid=102,
+            ppid=101,
+            exe="/usr/bin/curl",
+            family="AF_INET",
+            address="127.0.0.1",
+            port=8080,
+            result=0,
+        ),
+        dict(
+            k="connect",
+            t=T0 + 21,
+            pid=102,
+            ppid=101,
+            exe="/usr/bin/curl",
+            family="AF_INET6",
+            address="::1",
+            port=9000,
+            result="ECONNREFUSED",
+        ),
+        dict(
+            k="connect",
+            t=T0 + 22,
+            pid=102,
+            ppid=101,
+            exe="/usr/bin/curl",
+            family="AF_INET6",
+            address="::ffff:10.0.0.7",
+            port=443,
+            result=0,
+        ),
+        dict(
+            k="connect",
+            t=T0 + 23,
+            pid=102,
+            ppid=101,
+            exe="/usr/bin/curl",
+            family="AF_INET",
+            address="192.0.2.9",
+            port=22,
+            result="EPERM",
+        ),
+        dict(
+            k="connect",
+            t=T0 + 24,
+            pid=102,
+            ppid=101,
+            exe=None,
+            family="AF_UNIX",
+            address="/run/x.sock",
+            port=None,
+            result=0,
+        ),
+        dict(
+            k="denial",
+            t=T0 + 25,
+            pid=102,
+            exe=None,
+            operation="sendmsg",
+            target="198.51.100.1:53",
+            rule="net.default: deny",
+            enforced=False,
+            result=0,
+        ),
+        dict(
+            k="denial",
+            t=T0 + 26,
+            pid=102,
+            exe=None,
+            operation="connect",
+            target="[2001:db8::5]:443",
+            rule="net.default: deny",
+            enforced=True,
+            result="EPERM",
+        ),
+        dict(
+            k="denial",
+            t=T0 + 27,
+            pid=102,
+            exe=None,
+            operation="write",
+            target="/etc/motd",
+            rule="fs.write: not allowed",
+            enforced=False,
+            result=0,
+        ),
     ]
 
 
@@ -68,8 +191,15 @@ def _bundle(d: dict[str, str], records: list[dict[str, Any]], with_policy: bool 
         p.write_text("version: 1\nenv:\n  strip_exec_influence: true\n  allow: [CI]\n")
         summary = load_policy(p, workspace=d["ws"], tmpdir=d["tmp"], home=d["home"]).summary()
     meta = RunMeta(
-        session_id="s1", command=["python3", "-m", "compileall", "."], cwd=d["ws"], pid=100, cgroup="/evidence/s1",
-        started_ns=T0, finished_ns=T0 + 10**9, exit_code=0, policy=summary,
+        session_id="s1",
+        command=["python3", "-m", "compileall", "."],
+        cwd=d["ws"],
+        pid=100,
+        cgroup="/evidence/s1",
+        started_ns=T0,
+        finished_ns=T0 + 10**9,
+        exit_code=0,
+        policy=summary,
         roots={"${WORKSPACE}": d["ws"], "${TMPDIR}": d["tmp"]},
     )
     out = Path(d["root"]) / "run.tar.gz"
@@ -77,7 +207,9 @@ def _bundle(d: dict[str, str], records: list[dict[str, Any]], with_policy: bool 
     return out
 
 
-def test_profile_cli_output_loads_and_blocks_nothing(dirs: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_cli_output_loads_and_blocks_nothing(
+    dirs: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     records = _records(dirs)
     bundle = _bundle(dirs, records)
     assert main(["profile", str(bundle)]) == 0
@@ -149,16 +281,29 @@ def test_without_a_recorded_policy_the_cwd_is_the_workspace(dirs: dict[str, str]
     text, _ = build_profile(read_manifest(bundle), read_events(bundle), tmpdir=dirs["tmp"], home=dirs["home"])
     assert '"${WORKSPACE}"' in text
     assert "strip_exec_influence: false" in text
-    parse_policy(text, name="p", variables={"WORKSPACE": dirs["ws"], "TMPDIR": dirs["tmp"], "HOME": dirs["home"]})
+    parse_policy(
+        text, name="p", variables={"WORKSPACE": dirs["ws"], "TMPDIR": dirs["tmp"], "HOME": dirs["home"]}
+    )
 
 
 def test_collect_skips_refusals() -> None:
-    act = collect([
-        {"type": "dev.evidence.file.open", "data": {"path": "/a", "access": ["read"], "result": "EACCES", "flags": []}},
-        {"type": "dev.evidence.process.exec", "data": {"filename": "/b", "result": "EPERM"}},
-        {"type": "dev.evidence.policy.denial", "data": {"operation": "exec", "target": "/c", "enforced": True}},
-        {"type": "dev.evidence.policy.denial", "data": {"operation": "exec", "target": "/d", "enforced": False}},
-    ])
+    act = collect(
+        [
+            {
+                "type": "dev.evidence.file.open",
+                "data": {"path": "/a", "access": ["read"], "result": "EACCES", "flags": []},
+            },
+            {"type": "dev.evidence.process.exec", "data": {"filename": "/b", "result": "EPERM"}},
+            {
+                "type": "dev.evidence.policy.denial",
+                "data": {"operation": "exec", "target": "/c", "enforced": True},
+            },
+            {
+                "type": "dev.evidence.policy.denial",
+                "data": {"operation": "exec", "target": "/d", "enforced": False},
+            },
+        ]
+    )
     assert act.read == set() and act.exec == {"/d"}
 
 
