@@ -1,0 +1,77 @@
+"""Regenerate tests/data/raw_records.json: real ring-buffer records captured from the probes
+(run as root: `.venv/bin/python tests/data/capture_raw.py`). The unit tests decode the saved bytes and
+compare with the decoded JSON saved beside them, which a person checked once by eye."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from agent.cgroups import RunCgroup
+from agent.decode import decode
+from agent.kernel import ensure_headers, mount_tracefs
+from probes.loader import RecorderProbes
+
+SCRIPT = r"""
+import os, socket
+os.chdir('/etc')
+open('hostname').close()
+try:
+    open('/nonexistent/file')
+except OSError:
+    pass
+d = os.open('/etc', os.O_RDONLY | os.O_DIRECTORY)
+os.close(os.open('passwd', os.O_RDONLY, dir_fd=d))
+os.dup2(d, 50)
+os.fchdir(50)
+s = socket.socket(); s.settimeout(1)
+try:
+    s.connect(('127.0.0.1', 9))
+except OSError:
+    pass
+s6 = socket.socket(socket.AF_INET6)
+try:
+    s6.connect(('::ffff:127.0.0.1', 9))
+except OSError:
+    pass
+u = socket.socket(socket.AF_UNIX)
+try:
+    u.connect('/nonexistent.sock')
+except OSError:
+    pass
+os.execv('/bin/sh', ['sh', '-c', 'exit 7'])
+"""
+
+
+def main() -> None:
+    mount_tracefs()
+    ensure_headers()
+    probes = RecorderProbes()
+    raw: list[bytes] = []
+    probes.open_ring(raw.append)
+    cg = RunCgroup.create(f"capture-{os.getpid()}")
+    probes.track(cg.id, 1)
+    procs = cg.procs_file()
+
+    def pre() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    subprocess.run(["/usr/bin/python3", "-S", "-c", SCRIPT], preexec_fn=pre, check=False)
+    time.sleep(0.2)
+    probes.consume()
+    probes.untrack(cg.id)
+    cg.wait_empty()
+    cg.remove()
+    wanted = [{"hex": r.hex(), "decoded": decode(r)} for r in raw]
+    out = Path(__file__).with_name("raw_records.json")
+    out.write_text(json.dumps(wanted, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(wanted)} records to {out}")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

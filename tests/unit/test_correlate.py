@@ -1,0 +1,139 @@
+"""Correlation over decoded records: the process tree, cwd and dirfd resolution, results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from agent import decode as d
+from agent.correlate import Correlator, decode_open_flags, split_status
+
+RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
+
+
+def ev(kind: str, tgid: int = 10, tid: int | None = None, ts: int = 1, **kw):  # a decoded record
+    return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **kw}
+
+
+def ret(sc: int, value: int, tgid: int = 10, **kw):
+    return ev("ret", tgid, sc=sc, ret=value, **kw)
+
+
+def feed(c: Correlator, *evs):
+    out = []
+    for e in evs:
+        out += c.feed(e)
+    return out
+
+
+def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
+    c = Correlator(wall_offset_ns=1000)
+    c.add_root(10, 1, "/home/u")
+    out = feed(
+        c,
+        ev("open", path="a.txt", dfd=-100, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, 3),
+        ev("chdir", path="../v", fd=-100),
+        ret(d.SC_CHDIR, 0),
+        ev("open", path="b.txt", dfd=-100, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, -2),
+        ev("open", path="/srv", dfd=-100, oflags=0o200000, mode=0, sc=0),
+        ret(d.SC_OPEN, 4),
+        ev("open", path="c/d", dfd=4, oflags=0o101, mode=0o600, sc=0),
+        ret(d.SC_OPEN, 5),
+        ev("dup", oldfd=4, newfd=9),
+        ret(d.SC_DUP, 9),
+        ev("fchdir", fd=9, path=None),
+        ret(d.SC_FCHDIR, 0),
+        ev("open", path="e", dfd=-100, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, 6),
+        ev("open", path="f", dfd=77, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, -9),
+    )
+    assert [(o["path"], o["result"]) for o in out] == [
+        ("/home/u/a.txt", 0),
+        ("/home/v/b.txt", "ENOENT"),
+        ("/srv", 0),
+        ("/srv/c/d", 0),
+        ("/srv/e", 0),
+        ("<unknown fd 77>/f", "EBADF"),
+    ]
+    assert out[3]["access"] == ["write", "create"] and out[3]["mode"] == 0o600 and out[3]["dirfd"] == 4
+    assert out[0]["t"] == 1001
+
+
+def test_fork_exec_exit_tree_and_depth() -> None:
+    c = Correlator(0)
+    c.add_root(10, 1, "/w")
+    out = feed(
+        c,
+        ev("fork", tgid=10, child=11),
+        ev("exec", tgid=11, filename="./tool", argv=["./tool", "x"], dfd=-100, at_flags=0, old_tid=0, argc=2),
+        ev(
+            "exec_ok", tgid=11, filename="./tool", argv=["./tool", "x"], dfd=0, at_flags=0, old_tid=11, argc=0
+        ),
+        ret(d.SC_EXEC, 0, tgid=11),
+        ev("fork", tgid=11, child=12),
+        ev("exec", tgid=12, filename="/nope", argv=["/nope"], dfd=-100, at_flags=0, old_tid=0, argc=1),
+        ret(d.SC_EXEC, -2, tgid=12),
+        ev("exit", tgid=12, status=0x0009),
+        ev("exit", tgid=11, status=3 << 8),
+    )
+    execs = [o for o in out if o["k"] == "exec"]
+    assert execs[0] == {
+        **execs[0],
+        "pid": 11,
+        "ppid": 10,
+        "depth": 1,
+        "filename": "/w/tool",
+        "argv": ["./tool", "x"],
+        "result": 0,
+    }
+    assert execs[1]["result"] == "ENOENT" and execs[1]["depth"] == 2 and execs[1]["ppid"] == 11
+    exits = [o for o in out if o["k"] == "exit"]
+    assert exits[0]["signal"] == "SIGKILL" and exits[0]["exit_code"] is None and exits[0]["exe"] == "/w/tool"
+    assert exits[1]["exit_code"] == 3 and exits[1]["signal"] is None
+    assert c.unpaired == 0
+
+
+def test_pathfix_replaces_a_faulted_path_and_unfixed_ones_are_marked() -> None:
+    c = Correlator(0)
+    c.add_root(10, 1, "/w")
+    out = feed(
+        c,
+        {**ev("open", path="", dfd=-100, oflags=0, mode=0, sc=0), "flags": d.F_FNAME_FAULT},
+        ev("pathfix", path="/etc/locale", fd=-1),
+        ret(d.SC_OPEN, 3),
+        {**ev("open", path="", dfd=-100, oflags=0, mode=0, sc=0), "flags": d.F_FNAME_FAULT},
+        ret(d.SC_OPEN, 4),
+    )
+    assert [o["path"] for o in out] == ["/etc/locale", "<unreadable path>"]
+
+
+def test_result_without_enter_is_counted() -> None:
+    c = Correlator(0)
+    assert c.feed(ret(d.SC_OPEN, 3)) == []
+    assert c.unpaired == 1
+
+
+def test_captured_kernel_records_correlate() -> None:
+    c = Correlator(0)
+    first = RAW[0]["decoded"]
+    c.add_root(first["tgid"], 1, "/work/main")
+    out = []
+    for r in RAW:
+        out += c.feed(r["decoded"])
+    paths = {o["path"] for o in out if o["k"] == "open"}
+    assert {"/etc/hostname", "/etc/passwd", "/nonexistent/file"} <= paths
+    conns = {(o["family"], o["address"]) for o in out if o["k"] == "connect"}
+    assert ("AF_INET6", "::ffff:127.0.0.1") in conns and ("AF_UNIX", "/nonexistent.sock") in conns
+
+
+def test_flags_and_access_classes() -> None:
+    assert decode_open_flags(0) == (["O_RDONLY"], ["read"])
+    names, access = decode_open_flags(0o2 | 0o100 | 0o2000000)
+    assert names == ["O_RDWR", "O_CREAT", "O_CLOEXEC"] and access == ["read", "write", "create"]
+    assert decode_open_flags(0o1000)[1] == ["read", "write"]  # O_RDONLY|O_TRUNC truncates
+    assert decode_open_flags(0o10000000)[1] == []  # O_PATH reads nothing
+    assert "O_TMPFILE" in decode_open_flags(0o20200002)[0]
+    assert split_status(0x8B00) == (0x8B, None) and split_status(15) == (None, "SIGTERM")

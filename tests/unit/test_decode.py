@@ -1,0 +1,57 @@
+"""Decoding: real ring-buffer records captured from the probes (tests/data/capture_raw.py), with the
+decoded JSON saved beside them."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from agent import decode as d
+
+RECORDS = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=lambda r: f"{r['decoded']['kind']}")
+def test_saved_records_decode_to_saved_json(rec: dict) -> None:
+    assert d.decode(bytes.fromhex(rec["hex"])) == rec["decoded"]
+
+
+def test_capture_covers_every_kind_we_rely_on() -> None:
+    kinds = {r["decoded"]["kind"] for r in RECORDS}
+    assert {"exec", "exec_ok", "open", "chdir", "fchdir", "dup", "connect", "exit", "ret"} <= kinds
+
+
+def test_short_and_unknown_records_raise_decode_error() -> None:
+    with pytest.raises(d.DecodeError):
+        d.decode(b"\0" * 10)
+    with pytest.raises(d.DecodeError):
+        d.decode(d.HDR.pack(1, 1, 1, 1, 99, 0))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            struct.pack("<H", 2) + struct.pack(">H", 443) + bytes([10, 0, 0, 1]) + b"\0" * 8,
+            ("AF_INET", "10.0.0.1", 443),
+        ),
+        (
+            struct.pack("<H", 10) + struct.pack(">H", 80) + b"\0" * 4 + bytes(15) + b"\1" + b"\0" * 4,
+            ("AF_INET6", "::1", 80),
+        ),
+        (struct.pack("<H", 1) + b"\0abstract\0", ("AF_UNIX", "@abstract", None)),
+        (struct.pack("<H", 1) + b"/run/x.sock\0", ("AF_UNIX", "/run/x.sock", None)),
+        (struct.pack("<H", 0), ("AF_UNSPEC", "", None)),
+        (struct.pack("<H", 17) + b"\0" * 14, ("OTHER", "family=17", None)),
+    ],
+)
+def test_sockaddr(raw: bytes, expected: tuple) -> None:
+    assert d.decode_sockaddr(raw, len(raw)) == expected
+
+
+def test_non_utf8_paths_are_escaped_not_lost() -> None:
+    raw = d.HDR.pack(1, 1, 2, 2, d.EV_OPEN, 0) + struct.pack("<iIIHH", -100, 0, 0, 0, 5) + b"a\xffb\0\0"
+    assert d.decode(raw)["path"] == "a\\xffb"

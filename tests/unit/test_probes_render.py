@@ -1,0 +1,85 @@
+"""The probes' C is rendered by a pure function; a snapshot keeps its changes visible in review.
+Regenerate with: EVIDENCE_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/unit/test_probes_render.py"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from probes.btf import BTF, BTFError
+from probes.render import ProbeConfig, RenderError, render
+
+SNAPSHOT = Path(__file__).parent.parent / "data" / "record.rendered.bpf.c"
+OFFSETS = {
+    "TASK_PID_OFF": 1264,
+    "TASK_TGID_OFF": 1268,
+    "TASK_EXIT_CODE_OFF": 1164,
+    "TASK_MM_OFF": 1136,
+    "MM_ARG_START_OFF": 480,
+    "MM_ARG_END_OFF": 488,
+}
+
+
+def test_render_matches_snapshot() -> None:
+    text = render(ProbeConfig(offsets=OFFSETS))
+    if os.environ.get("EVIDENCE_UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text()
+    assert "#define HAVE_GROUP_DEAD 1" in text and "+ 1268" in text
+
+
+def test_render_refuses_missing_and_unfilled_tokens() -> None:
+    with pytest.raises(RenderError, match="TASK_MM_OFF"):
+        render(ProbeConfig(offsets={k: v for k, v in OFFSETS.items() if k != "TASK_MM_OFF"}))
+    with pytest.raises(RenderError, match="power of two"):
+        render(ProbeConfig(offsets=OFFSETS, args_bytes=3000))
+
+
+def test_render_optional_tracepoints() -> None:
+    text = render(ProbeConfig(offsets=OFFSETS, have_sys_open=False, have_group_dead=False))
+    assert "HAVE_SYS_OPEN" not in text.split("\n", 3)[0] and "#define HAVE_GROUP_DEAD" not in text
+
+
+def _btf_blob() -> bytes:
+    """struct outer { int a; union { long b; struct { int c; int d; }; }; }; with a typedef."""
+    strings = b"\0int\0outer\0a\0b\0c\0d\0long\0"
+    off = {
+        name: strings.index(b"\0" + name.encode() + b"\0") + 1
+        for name in ("int", "outer", "a", "b", "c", "d", "long")
+    }
+    types = b""
+    types += struct.pack("<III", off["int"], 1 << 24, 4) + struct.pack("<I", 32)  # 1: int
+    types += struct.pack("<III", off["long"], 1 << 24, 8) + struct.pack("<I", 64)  # 2: long
+    types += struct.pack("<III", 0, (4 << 24) | 2, 8)  # 3: anon struct {int c; int d;}
+    types += struct.pack("<III", off["c"], 1, 0) + struct.pack("<III", off["d"], 1, 32)
+    types += struct.pack("<III", 0, (5 << 24) | 2, 8)  # 4: anon union {long b; struct 3;}
+    types += struct.pack("<III", off["b"], 2, 0) + struct.pack("<III", 0, 3, 0)
+    types += struct.pack("<III", off["outer"], (4 << 24) | 2, 16)  # 5: struct outer
+    types += struct.pack("<III", off["a"], 1, 0) + struct.pack("<III", 0, 4, 64)
+    hdr = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
+    return hdr + types + strings
+
+
+def test_btf_offsets_through_anonymous_members() -> None:
+    btf = BTF(_btf_blob())
+    assert btf.member_offset("outer", "a") == 0
+    assert btf.member_offset("outer", "b") == 8
+    assert btf.member_offset("outer", "d") == 12
+    with pytest.raises(BTFError, match="no member"):
+        btf.member_offset("outer", "zz")
+    with pytest.raises(BTFError, match="not found"):
+        btf.member_offset("nope", "a")
+    with pytest.raises(BTFError, match="magic"):
+        BTF(b"\0" * 32)
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/btf/vmlinux").exists(), reason="no kernel BTF on this machine")
+def test_real_kernel_btf_has_the_offsets_we_need() -> None:
+    from probes.btf import probe_offsets
+
+    offs = probe_offsets()
+    assert offs["TASK_TGID_OFF"] == offs["TASK_PID_OFF"] + 4  # pid_t pid; pid_t tgid; side by side
+    assert offs["MM_ARG_END_OFF"] == offs["MM_ARG_START_OFF"] + 8
