@@ -7,6 +7,8 @@ import json
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from bundle import format as fmt
 from bundle.spool import SpoolWriter, read_spool
 from bundle.writer import RunMeta, write_bundle
@@ -181,10 +183,8 @@ def test_failed_write_leaves_no_partial_file(tmp_path: Path) -> None:
         yield RECORDS[0]
         raise OSError("disk gone")
 
-    try:
+    with pytest.raises(OSError, match="disk gone"):
         write_bundle(out, META, broken)
-    except OSError:
-        pass
     assert out.read_bytes() == b"previous bundle"
     assert [p.name for p in tmp_path.iterdir()] == ["x.tar.gz"]
 
