@@ -117,7 +117,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write the bundle: {bundle.parent} is not a directory")
     cwd = os.getcwd()
 
-    caps: dict[str, Any] = {"recorder": "tracepoints+ringbuf", "enforcement": "none (observe only)"}
+    from agent.doctor import capabilities_in_force
+
+    caps: dict[str, Any] = {
+        **capabilities_in_force(),
+        "recorder": "tracepoints+ringbuf",
+        "enforcement": "none (observe only)",
+    }
     forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
     recorder = Recorder(spool_dir=bundle.parent, headers=headers, capabilities=caps)
     cg = RunCgroup.create(session_id)

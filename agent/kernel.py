@@ -157,6 +157,8 @@ def landlock_abi() -> int:
 
 def lockdown_mode() -> str:
     p = Path("/sys/kernel/security/lockdown")
+    if not p.exists() and os.geteuid() == 0 and not Path("/sys/kernel/security/lsm").exists():
+        _libc.mount(b"securityfs", b"/sys/kernel/security", b"securityfs", 0, None)
     try:
         m = re.search(r"\[(\w+)\]", p.read_text())
         return m.group(1) if m else "unknown"

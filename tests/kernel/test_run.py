@@ -276,3 +276,26 @@ def test_command_not_found(tmp_path: Path) -> None:
     manifest, events = read_bundle(bundle)
     failed = [e["data"] for e in of_type(events, "process.exec")]
     assert failed and failed[0]["result"] == "ENOENT" and failed[0]["filename"] == "/nonexistent/tool"
+
+
+def test_doctor_reports_capabilities_as_json() -> None:
+    import json
+
+    proc = evidence("doctor", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    by_name = {c["name"]: c for c in doc["checks"]}
+    assert doc["ready"] is True
+    for name in (
+        "cgroup v2",
+        "tracefs",
+        "BTF",
+        "kernel headers",
+        "bpf prog tracepoint",
+        "bpf ringbuf",
+        "landlock",
+        "lockdown",
+    ):
+        assert name in by_name, name
+    assert by_name["bpf prog tracepoint"]["ok"] and by_name["bpf ringbuf"]["ok"]
+    assert by_name["landlock"]["detail"].startswith("ABI ")
