@@ -357,3 +357,126 @@ def test_detach_removes_the_programs(peer: dict[str, str], cgroup: Path) -> None
     got = _run_client(cgroup, peer)
     guard.close()
     assert got["tcp4_denied_rule"] == "hi"
+
+
+NET_PROBE = r"""
+import errno, json, socket
+out = {}
+with open("/proc/net/dev") as f:
+    out["interfaces"] = sorted(line.split(":")[0].strip() for line in f.readlines()[2:])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+c = socket.socket(); c.settimeout(2)
+try:
+    c.connect(srv.getsockname()); out["loopback"] = "ok"
+except OSError as e:
+    out["loopback"] = errno.errorcode[e.errno]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(("mode", "loopback"), [("none", "ENETUNREACH"), ("loopback", "ok")])
+def test_private_netns(peer: dict[str, str], mode: str, loopback: str) -> None:
+    from policy.netns import PrivateNetns
+
+    with PrivateNetns(mode) as ns:  # type: ignore[arg-type]
+        assert os.path.exists(ns.path)
+        proc = subprocess.run(
+            [sys.executable, "-c", NET_PROBE], preexec_fn=ns.enter, capture_output=True, text=True, timeout=30
+        )
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        # only lo: the host's interfaces (and the test's veth) are not there
+        assert got["interfaces"] == ["lo"]
+        assert got["loopback"] == loopback
+    assert not os.path.exists(ns.path)
+
+
+# A minimal io_uring client (ctypes + mmap, no liburing), run inside the client.
+IO_URING = r'''
+import ctypes, mmap, socket, struct
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+def uring_op(opcode, fd, addr, length, off, op_flags):
+    """Run one io_uring request and return its result (negative errno), or None when io_uring is refused."""
+    params = ctypes.create_string_buffer(120)
+    ring = _libc.syscall(425, 4, params)
+    if ring < 0:
+        return None
+    sq_entries, cq_entries, _, _, _, features = struct.unpack_from("6I", params, 0)
+    sq_head, sq_tail, sq_mask, _, _, _, sq_array = struct.unpack_from("7I", params, 40)
+    cq_head, cq_tail, cq_mask, _, _, cq_cqes = struct.unpack_from("6I", params, 80)
+    size = max(sq_array + sq_entries * 4, cq_cqes + cq_entries * 16)
+    rings = mmap.mmap(ring, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+    sqes = mmap.mmap(ring, sq_entries * 64, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=0x10000000)
+    # opcode, flags, ioprio, fd, off/addr2, addr, len, op flags, user_data
+    struct.pack_into("BBHiQQIIQ", sqes, 0, opcode, 0, 0, fd, off, addr, length, op_flags, 7)
+    tail = struct.unpack_from("I", rings, sq_tail)[0]
+    struct.pack_into("I", rings, sq_array + (tail & struct.unpack_from("I", rings, sq_mask)[0]) * 4, 0)
+    struct.pack_into("I", rings, sq_tail, tail + 1)
+    if _libc.syscall(426, ring, 1, 1, 1, None, 0) < 0:
+        return None
+    head = struct.unpack_from("I", rings, cq_head)[0]
+    _, res, _ = struct.unpack_from("QiI", rings, cq_cqes + (head & struct.unpack_from("I", rings, cq_mask)[0]) * 16)
+    struct.pack_into("I", rings, cq_head, head + 1)
+    return res
+def uring_openat(path):
+    buf = ctypes.create_string_buffer(path.encode())
+    return uring_op(18, -100, ctypes.addressof(buf), 0, 0, 0)  # IORING_OP_OPENAT, AT_FDCWD, O_RDONLY
+def uring_connect(sock, host, port):
+    if sock.family == socket.AF_INET:
+        sa = struct.pack("!HH4s8x", socket.AF_INET, port, socket.inet_pton(socket.AF_INET, host))
+        sa = struct.pack("H", socket.AF_INET) + sa[2:]
+    else:
+        sa = struct.pack("H", socket.AF_INET6) + struct.pack("!HI16sI", port, 0, socket.inet_pton(socket.AF_INET6, host), 0)
+    buf = ctypes.create_string_buffer(sa, len(sa))
+    return uring_op(16, sock.fileno(), ctypes.addressof(buf), 0, len(sa), 0)  # IORING_OP_CONNECT, addr2 = addrlen
+'''
+
+
+URING_CLIENT = (
+    IO_URING
+    + r"""
+import errno, json, socket, sys
+v4, v6 = sys.argv[1], sys.argv[2]
+out = {}
+for name, fam, host, port in (
+    ("v4_allowed", socket.AF_INET, v4, 8080),
+    ("v4_denied", socket.AF_INET, v4, 9090),
+    ("v6_denied", socket.AF_INET6, v6, 9090),
+    ("mapped_denied", socket.AF_INET6, "::ffff:" + v4, 9090),
+):
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    res = uring_connect(s, host, port)
+    out[name] = None if res is None else ("ok" if res == 0 else errno.errorcode[-res])
+    s.close()
+print(json.dumps(out))
+"""
+)
+
+
+def test_io_uring_connect_is_denied_too(peer: dict[str, str], cgroup: Path) -> None:
+    from policy.connect import ConnectGuard
+
+    def enter() -> None:
+        with open(cgroup / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+
+    guard = ConnectGuard(_policy(peer).net, dry_run=False)
+    try:
+        guard.attach(str(cgroup))
+        proc = subprocess.run(
+            [sys.executable, "-c", URING_CLIENT, peer["v4"], peer["v6"]],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        records = _collect(guard, 3)
+    finally:
+        guard.close()
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    if got["v4_allowed"] is None:
+        pytest.skip("io_uring is refused on this kernel (io_uring_setup failed)")
+    assert got == {"v4_allowed": "ok", "v4_denied": "EPERM", "v6_denied": "EPERM", "mapped_denied": "EPERM"}
+    assert len(records) == 3 and all(r["enforced"] for r in records)
