@@ -331,7 +331,8 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
             if cst is None:
                 continue
             if stat.S_ISLNK(cst.st_mode):
-                # A rule on a symlink does not follow it; its target needs a rule of its own.
+                # Opening through a symlink is decided by its target's rules; a rule on the link
+                # itself would grant nothing (and must not grant the target).
                 continue
             if any(under(d, child) for d in inner):
                 grant(child, group, depth + 1)
@@ -352,7 +353,7 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
             what += ", and nothing can be created, renamed or removed directly in it"
         costs.append(
             f"{path}: {'/'.join(sorted(groups))} granted entry by entry because {beneath} is denied beneath it: "
-            f"{path} itself {what}; entries added to it after the start get no access; symlinks in it are not followed"
+            f"{path} itself {what}; entries added to it after the start get no access"
         )
     if missing:
         costs.append("not granted because they do not exist at start: " + ", ".join(sorted(missing)))
