@@ -1,0 +1,67 @@
+// Benchmark workloads for bench/bench.py. Each prints its own loop time in ns on stdout, so the
+// ratios compare the work itself, not the recorder's start-up.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s open|exec|connect N\n", argv[0]);
+        return 2;
+    }
+    long n = atol(argv[2]);
+    long long t0 = now_ns();
+    if (!strcmp(argv[1], "open")) {
+        for (long i = 0; i < n; i++) {
+            int fd = open("/etc/hostname", O_RDONLY);
+            if (fd >= 0)
+                close(fd);
+        }
+    } else if (!strcmp(argv[1], "exec")) {
+        for (long i = 0; i < n; i++) {
+            pid_t p = fork();
+            if (p == 0) {
+                char *args[] = {"/bin/true", "bench-arg", NULL};
+                execv("/bin/true", args);
+                _exit(127);
+            }
+            int st;
+            waitpid(p, &st, 0);
+        }
+    } else if (!strcmp(argv[1], "connect")) {
+        int srv = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int one = 1;
+        setsockopt(srv, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        bind(srv, (struct sockaddr *)&a, sizeof(a));
+        listen(srv, 128);
+        socklen_t len = sizeof(a);
+        getsockname(srv, (struct sockaddr *)&a, &len);
+        t0 = now_ns();
+        for (long i = 0; i < n; i++) {
+            int c = socket(AF_INET, SOCK_STREAM, 0);
+            if (connect(c, (struct sockaddr *)&a, sizeof(a)) == 0) {
+                int s = accept(srv, NULL, NULL);
+                if (s >= 0)
+                    close(s);
+            }
+            close(c);
+        }
+    }
+    printf("%lld\n", now_ns() - t0);
+    return 0;
+}
