@@ -11,10 +11,11 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from evidence.errors import EXIT_SETUP, SetupError, UsageError
+from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,29 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a label carried into the manifest and run events",
+    )
+    p.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="enforce this policy (docs/policy-format.md); 'default' is the shipped CI policy",
+    )
+    p.add_argument(
+        "--workspace", metavar="DIR", help="the policy's ${WORKSPACE} (default: the current directory)"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --policy: enforce nothing, record what would be blocked; exit 4 if anything would",
+    )
+    p.add_argument(
+        "--fail-closed",
+        action="store_true",
+        help="with --policy: exit 2 before starting if anything in it cannot be enforced here",
+    )
+    p.add_argument(
+        "--net",
+        choices=("none", "loopback"),
+        help="run the command in a network namespace of its own: empty, or loopback only",
     )
     p.add_argument("--ebpf", action="store_true", help="print the rendered BPF C and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
@@ -76,6 +100,14 @@ class _SignalForwarder:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
+def _policy_path(value: str) -> str:
+    if value == "default":
+        from policy.model import default_policy_path
+
+        return str(default_policy_path())
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -90,15 +122,25 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not command:
         raise UsageError("no command given", "usage: evidence run [options] -- COMMAND [ARGS...]")
+    if (args.dry_run or args.fail_closed) and not args.policy:
+        raise UsageError("--dry-run and --fail-closed need --policy")
+    if args.dry_run and args.fail_closed:
+        raise UsageError("--dry-run and --fail-closed exclude each other")
     labels = _labels(args.label)
     if os.geteuid() != 0:
-        raise SetupError(
-            "evidence run needs root (BPF and cgroups)",
-            "run it with sudo, or use an agent: evidence run --agent SOCKET",
-        )
+        raise SetupError("evidence run needs root (BPF and cgroups)", "run it with sudo, or through an agent")
+    session_id = uuid.uuid4().hex
+    bundle = Path(args.bundle or f"evidence-{session_id[:12]}.tar.gz").absolute()
+    if not bundle.parent.is_dir():
+        raise UsageError(f"cannot write the bundle: {bundle.parent} is not a directory")
+    cwd = os.getcwd()
+    workspace = args.workspace or cwd
+    if args.workspace and not os.path.isdir(args.workspace):
+        raise UsageError(f"--workspace {args.workspace}: not a directory")
 
     from agent import kernel
     from agent.cgroups import RunCgroup
+    from agent.doctor import capabilities_in_force
     from agent.recorder import Recorder
 
     if not kernel.mount_tracefs():
@@ -109,49 +151,72 @@ def run(args: argparse.Namespace) -> int:
     if headers.path is None:
         raise SetupError(
             "no kernel headers for BCC",
-            "apt-get install linux-headers-$(uname -r) (or the distro's generic headers package)",
+            "apt-get install linux-headers-$(uname -r) (or the distro's generic headers)",
         )
-    session_id = uuid.uuid4().hex
-    bundle = Path(args.bundle or f"evidence-{session_id[:12]}.tar.gz").absolute()
-    if not bundle.parent.is_dir():
-        raise UsageError(f"cannot write the bundle: {bundle.parent} is not a directory")
-    cwd = os.getcwd()
 
-    from agent.doctor import capabilities_in_force
-
-    caps: dict[str, Any] = {
-        **capabilities_in_force(),
-        "recorder": "tracepoints+ringbuf",
-        "enforcement": "none (observe only)",
-    }
     forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
-    recorder = Recorder(spool_dir=bundle.parent, headers=headers, capabilities=caps)
-    cg = RunCgroup.create(session_id)
+    enforcement = None
+    environ: dict[str, str] = dict(os.environ)
+    if args.policy:
+        from agent.enforce import Enforcement
+
+        # the policy is loaded, planned and checked before anything runs: a bad policy never starts
+        # the command unprotected
+        enforcement = Enforcement(
+            _policy_path(args.policy),
+            workspace=workspace,
+            dry_run=args.dry_run,
+            fail_closed=args.fail_closed,
+            net_mode=args.net,
+            environ=os.environ,
+        )
+        environ = enforcement.environ
+    elif args.net:
+        from policy.netns import PrivateNetns
+
+        netns = PrivateNetns(args.net)
+        netns.create()
+    caps: dict[str, Any] = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf"}
+    caps["enforcement"] = "none (observe only)" if enforcement is None else enforcement.mode
+    recorder = None
+    cg = None
     try:
+        recorder = Recorder(spool_dir=bundle.parent, headers=headers, capabilities=caps)
+        cg = RunCgroup.create(session_id)
         session = recorder.start(
             cg.path, command, cwd, detail=args.detail, labels=labels, session_id=session_id
         )
+        if enforcement is not None:
+            session.policy = enforcement.manifest_policy()
+            session.degradations = list(enforcement.degradations)
+            session.roots = {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace}
+            session.observer = enforcement.observe
+            enforcement.attach(str(cg.path))
         procs_file = cg.procs_file()
+        enter_netns = enforcement.preexec if enforcement is not None else (netns.enter if args.net else None)
 
         def _preexec() -> None:
             with open(procs_file, "w") as f:
                 f.write(str(os.getpid()))
             _SignalForwarder.unblock_in_child()
+            if enter_netns is not None:
+                enter_netns()
 
         exit_code: int | None
         sig_name: str | None = None
+        child = None
         try:
-            child = subprocess.Popen(command, preexec_fn=_preexec, close_fds=False)  # noqa: PLW1509
+            child = subprocess.Popen(command, preexec_fn=_preexec, close_fds=False, env=environ)  # noqa: PLW1509
         except (FileNotFoundError, PermissionError) as e:
             print(f"evidence: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
-            rc = 127 if isinstance(e, FileNotFoundError) else 126
-            exit_code = rc
-            child = None
+            exit_code = rc = 127 if isinstance(e, FileNotFoundError) else 126
+        except subprocess.SubprocessError as e:  # the policy could not be applied in the child
+            raise PolicyError(f"the policy could not be applied, the command was not started: {e}") from e
         if child is not None:
             session.pid = child.pid
             session.correlator.add_root(child.pid, os.getpid(), cwd)
             forwarder.child = child
-            status = child.wait()
+            status = _wait(child, session, enforcement)
             if status < 0:
                 sig_name = signal.Signals(-status).name
                 exit_code = None
@@ -162,16 +227,44 @@ def run(args: argparse.Namespace) -> int:
         if left:
             logger.warning("killed %d process(es) the command left behind", left)
         cg.wait_empty()
+        if enforcement is not None:
+            session.extra_records += enforcement.poll_denials(_exe_of(session), timeout_ms=0)
         manifest = recorder.finish(session, bundle, exit_code=exit_code, signal=sig_name)
     except OSError as e:
         raise SetupError(f"recording failed: {e}") from e
     finally:
-        recorder.close(background=True)  # the process exits next: let a child pay for detaching
-        cg.remove()
+        if enforcement is not None:
+            enforcement.close()
+        elif args.net:
+            netns.remove()
+        if recorder is not None:
+            recorder.close(background=True)  # the process exits next: let a child pay for detaching
+        if cg is not None:
+            cg.remove()
     _summary(manifest, bundle)
     if manifest["lost"]["total"]:
         logger.warning("%d events were lost: the bundle says which kinds", manifest["lost"]["total"])
-    return rc if rc is not None else EXIT_SETUP
+    denials = manifest["counts"].get("dev.evidence.policy.denial", 0)
+    if enforcement is not None and enforcement.mode == "dry-run" and denials:
+        print(f"evidence: dry run: {denials} operation(s) would have been blocked", file=sys.stderr)
+        return EXIT_WOULD_BLOCK
+    return rc
+
+
+def _exe_of(session: Any) -> Callable[[int], str | None]:
+    return session.correlator.exe_of  # type: ignore[no-any-return]
+
+
+def _wait(child: subprocess.Popen[bytes], session: Any, enforcement: Any) -> int:
+    """Wait for the command, collecting connect-guard denials meanwhile."""
+    if enforcement is None or enforcement.guard is None:
+        return child.wait()
+    exe_of = _exe_of(session)
+    while True:
+        try:
+            return child.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            session.extra_records += enforcement.poll_denials(exe_of)
 
 
 def _summary(manifest: dict[str, Any], bundle: Path) -> None:

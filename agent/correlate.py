@@ -117,6 +117,11 @@ class Correlator:
         self.pending: dict[int, dict[str, Any]] = {}
         self.proc_lookup = proc_lookup
         self.unpaired = 0  # result records whose enter record was lost
+        self._exited: dict[int, str | None] = {}  # pid -> exe of recently exited processes
+
+    def exe_of(self, pid: int) -> str | None:
+        p = self.procs.get(pid)
+        return p.exe if p else self._exited.get(pid)
 
     def add_root(self, pid: int, ppid: int, cwd: str, exe: str | None = None, depth: int = 0) -> None:
         self.procs[pid] = Proc(pid=pid, ppid=ppid, depth=depth, exe=exe, cwd=cwd)
@@ -177,6 +182,9 @@ class Correlator:
             p = self._proc(ev["tgid"])
             code, sig = split_status(ev["status"])
             self.procs.pop(ev["tgid"], None)
+            if len(self._exited) >= 4096:
+                self._exited.pop(next(iter(self._exited)))
+            self._exited[p.pid] = p.exe
             return [
                 {
                     "k": "exit",

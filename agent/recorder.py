@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,8 @@ class Session:
     extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     finished: bool = False
+    # Called with each batch of correlated records; returns records to add (policy denials).
+    observer: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
 
 
 class Recorder:
@@ -260,6 +263,8 @@ class Recorder:
         for slot, recs in out.items():
             session = self._sessions.get(slot)
             if session is not None and not session.finished:
+                if session.observer is not None:
+                    recs += session.observer(recs)
                 session.spool.write_many(recs)
                 session.records += len(recs)
 

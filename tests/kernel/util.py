@@ -17,7 +17,7 @@ PY = "/usr/bin/python3"  # Debian's python: no pyenv shims in the recorded proce
 def evidence(
     *args: str, cwd: str | Path | None = None, timeout: float = 120, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
+    env = dict(kw.pop("env", None) or os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.run(
         [sys.executable, "-m", "evidence", *args],
