@@ -223,7 +223,7 @@ def test_bad_policy_exits_2_and_never_starts(tmp_path: Path) -> None:
     proc = evidence("run", "--policy", str(bad), "--bundle", str(bundle), "--", "/bin/touch", str(marker))
     assert proc.returncode == 2
     assert not marker.exists() and not bundle.exists()
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "bad.yaml:4" in lines[0] and "Traceback" not in proc.stderr
     proc = evidence("run", "--policy", str(tmp_path / "missing.yaml"), "--", "/bin/touch", str(marker))
     assert proc.returncode == 2 and not marker.exists()
