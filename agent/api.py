@@ -58,7 +58,7 @@ MAX_BODY = 1024 * 1024
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 _SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,200}\.tar\.gz$")
+_BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz$")  # k8s: <ns>_<pod>_<uid>-<n>
 
 
 class UnknownRun(UsageError):

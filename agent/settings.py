@@ -94,6 +94,12 @@ class AgentSettings(BaseSettings):
         64 * 1024 * 1024, ge=0, description="past this, events are dropped and counted"
     )
 
+    spool_dir: Path | None = Field(
+        None,
+        description="spools of runs being recorded (recovered into cut-short bundles after a crash); "
+        "default <bundle_dir>/../spool",
+    )
+
     # Long-lived pods are cut into bundles, each naming the previous one's hash
     window_seconds: float = Field(3600.0, gt=0)
     window_bytes: int = Field(256 * 1024 * 1024, gt=0, description="spooled bytes that close a window early")
@@ -150,6 +156,10 @@ class AgentSettings(BaseSettings):
         if self.delivery_token is None:
             return {}
         return {"Authorization": f"Bearer {self.delivery_token.get_secret_value()}"}
+
+    @property
+    def run_spool_dir(self) -> Path:
+        return self.spool_dir or self.bundle_dir.parent / "spool"
 
     @property
     def stream_spill_dir(self) -> Path:
