@@ -703,6 +703,7 @@ class PodRuns:
         self.window_bytes = window_bytes
         self.watcher = k8s.KubeWatcher(self.cgroup_root, poll_interval)
         self.pods: dict[str, _PodRun] = {}  # pod cgroup path (relative) -> run
+        self._container_info: dict[str, dict[str, Any]] = {}  # container id -> label data
 
     # names and labels
 
@@ -732,13 +733,17 @@ class PodRuns:
         return labels
 
     def _container_label(self, ref: k8s.PodRef) -> str:
+        """The container's cgroup (path, id), runtime and name, as canonical JSON. The cgroup id is
+        read when the container is first seen (it is gone by the time its pod's bundle is written)."""
         cid = ref.container_id or ""
-        info: dict[str, Any] = {"runtime": ref.runtime, "cgroup": ref.container_path}
-        try:
-            info["cgroup_id"] = os.stat(self.cgroup_root / (ref.container_path or "")).st_ino
-        except OSError:
-            info["cgroup_id"] = None
-        info["name"] = k8s.container_name(cid, self.container_logs)
+        info = self._container_info.setdefault(cid, {"runtime": ref.runtime, "cgroup": ref.container_path})
+        if "cgroup_id" not in info:
+            try:
+                info["cgroup_id"] = os.stat(self.cgroup_root / (ref.container_path or "")).st_ino
+            except OSError:
+                info["cgroup_id"] = None
+        if info.get("name") is None:
+            info["name"] = k8s.container_name(cid, self.container_logs)
         return json.dumps(info, sort_keys=True, separators=(",", ":"))
 
     def _next_window(self, uid: str) -> int:
@@ -782,6 +787,8 @@ class PodRuns:
             gone = self.pods.pop(ref.pod_path, None)
             if gone is not None:
                 self._finish(gone)
+                for cid in gone.containers:
+                    self._container_info.pop(cid, None)
 
     def _finish(self, pod: _PodRun) -> Path:
         name = self._bundle_name(pod)
