@@ -570,8 +570,9 @@ def unique_path(path: Path) -> Path:
 # --- recovery after a crash --------------------------------------------------------------------------
 
 
-def _tolerant_records(path: Path) -> Callable[[], Iterator[dict[str, Any]]]:
-    """The records of a spool whose writer died: everything up to the first unreadable byte."""
+def _tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator[dict[str, Any]]]:
+    """The records of a spool whose writer died: everything up to the first unreadable byte
+    (state["error"] says what stopped the reading, if anything did)."""
     from bundle.spool import read_spool
 
     def gen() -> Iterator[dict[str, Any]]:
@@ -581,7 +582,8 @@ def _tolerant_records(path: Path) -> Callable[[], Iterator[dict[str, Any]]]:
                 rec = next(it)
             except StopIteration:
                 return
-            except Exception:  # truncated frame or a half-written line: the end of what survived
+            except Exception as e:  # truncated frame or a half-written line: the end of what survived
+                state["error"] = str(e) or type(e).__name__
                 return
             if isinstance(rec, dict) and isinstance(rec.get("k"), str) and isinstance(rec.get("t"), int):
                 yield rec
@@ -613,13 +615,17 @@ def recover_spools(spool_dir: Path, bundle_dir: Path) -> list[Path]:
         except (OSError, ValueError) as e:
             logger.warning("recovery record %s is unreadable (%s): recovering with less", meta_path, e)
             info = {}
-        records = _tolerant_records(spool)
-        last_t = 0
-        first_t = 0
+        state: dict[str, Any] = {}
+        records = _tolerant_records(spool, state)
+        last_t = first_t = count = 0
         for r in records():
+            count += 1
             last_t = max(last_t, r["t"])
             first_t = r["t"] if not first_t else min(first_t, r["t"])
         mtime = spool.stat().st_mtime_ns
+        if count == 0 and state.get("error"):
+            _move_aside(spool, meta_path, spool_dir, state["error"])
+            continue
         started = int(info.get("started_ns") or first_t or mtime)
         name = info.get("bundle_name") or f"{sid}.tar.gz"
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz", str(name)):
@@ -652,12 +658,7 @@ def recover_spools(spool_dir: Path, bundle_dir: Path) -> list[Path]:
         try:
             write_bundle(target, meta, records)
         except Exception as e:
-            failed = spool_dir / "failed"
-            failed.mkdir(exist_ok=True)
-            shutil.move(str(spool), failed / spool.name)
-            if meta_path.exists():
-                shutil.move(str(meta_path), failed / meta_path.name)
-            logger.error("cannot recover %s (%s): moved to %s", spool, e, failed)
+            _move_aside(spool, meta_path, spool_dir, str(e))
             continue
         spool.unlink(missing_ok=True)
         meta_path.unlink(missing_ok=True)
@@ -667,6 +668,15 @@ def recover_spools(spool_dir: Path, bundle_dir: Path) -> list[Path]:
         if not (spool_dir / orphan.name.replace(RUN_META_SUFFIX, SPOOL_SUFFIX)).exists():
             orphan.unlink(missing_ok=True)
     return out
+
+
+def _move_aside(spool: Path, meta_path: Path, spool_dir: Path, why: str) -> None:
+    failed = spool_dir / "failed"
+    failed.mkdir(exist_ok=True)
+    shutil.move(str(spool), failed / spool.name)
+    if meta_path.exists():
+        shutil.move(str(meta_path), failed / meta_path.name)
+    logger.error("cannot recover %s (%s): moved to %s", spool, why, failed)
 
 
 # --- Kubernetes: one run per pod ---------------------------------------------------------------------

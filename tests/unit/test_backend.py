@@ -1,0 +1,125 @@
+"""agent.backend pieces that need no kernel: the observed spool, the untrack handover, process depths,
+bundle names, and recovery of spools left by an agent that died."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agent.backend import HandoverProbes, ObservedSpool, _depths, recover_spools, unique_path
+from bundle.spool import SpoolWriter, read_spool
+from tests.kernel.util import read_bundle
+
+
+def test_observed_spool_writes_the_prelude_first_and_counts(tmp_path: Path) -> None:
+    seen: list[str] = []
+    spool = ObservedSpool(
+        SpoolWriter(tmp_path / "s.spool.zst"), lambda recs: seen.extend(r["k"] for r in recs)
+    )
+    spool.write_many([{"k": "open", "t": 2}])  # arrives while the inventory is being taken
+    assert seen == []
+    spool.set_prelude([{"k": "inventory", "t": 1}])
+    spool.write({"k": "exec", "t": 3})
+    spool.flush()
+    spool.close()
+    spool.close()
+    spool.flush()  # after close: nothing, no error
+    assert [r["k"] for r in read_spool(tmp_path / "s.spool.zst")] == ["inventory", "open", "exec"]
+    assert seen == ["inventory", "open", "exec"]
+
+
+def test_observed_spool_without_prelude_still_writes_what_it_held(tmp_path: Path) -> None:
+    spool = ObservedSpool(SpoolWriter(tmp_path / "s.spool.zst"), lambda recs: None)
+    spool.write_many([{"k": "open", "t": 2}])
+    spool.close()
+    assert [r["k"] for r in read_spool(tmp_path / "s.spool.zst")] == ["open"]
+
+
+class FakeProbes:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def untrack(self, cg: int) -> None:
+        self.calls.append(("untrack", cg))
+
+    def clear_cache(self) -> None:
+        self.calls.append(("clear", None))
+
+    def poll(self, ms: int) -> None:
+        self.calls.append(("poll", ms))
+
+
+def test_handover_skips_exactly_one_untrack() -> None:
+    inner = FakeProbes()
+    p = HandoverProbes(inner)
+    p.keep(7)
+    p.untrack(7)  # the old window's finish: the new window keeps the cgroup
+    p.untrack(7)  # the new window's own finish later: a real untrack
+    p.untrack(8)
+    p.poll(50)  # everything else passes through
+    assert inner.calls == [("clear", None), ("untrack", 7), ("untrack", 8), ("poll", 50)]
+
+
+def test_depths_follow_parents_inside_the_inventory() -> None:
+    inv = [{"pid": 10, "ppid": 1}, {"pid": 11, "ppid": 10}, {"pid": 12, "ppid": 11}, {"pid": 20, "ppid": 5}]
+    assert _depths(inv) == {10: 0, 11: 1, 12: 2, 20: 0}
+    assert _depths([{"pid": 3, "ppid": 4}, {"pid": 4, "ppid": 3}]).keys() == {3, 4}  # a cycle ends
+
+
+def test_unique_path(tmp_path: Path) -> None:
+    p = tmp_path / "ns_pod_uid-1.tar.gz"
+    assert unique_path(p) == p
+    p.touch()
+    (tmp_path / "ns_pod_uid-1-2.tar.gz").touch()
+    assert unique_path(p) == tmp_path / "ns_pod_uid-1-3.tar.gz"
+
+
+def _dead_agent_spool(spool_dir: Path, sid: str, n: int, meta: dict[str, Any] | None) -> None:
+    spool_dir.mkdir(exist_ok=True)
+    w = SpoolWriter(spool_dir / f"{sid}.spool.zst")
+    w.write(
+        {
+            "k": "inventory",
+            "t": 1_000,
+            "pid": 5,
+            "ppid": 1,
+            "argv": ["sh"],
+            "cwd": "/",
+            "exe": "/bin/sh",
+            "sockets": [],
+        }
+    )
+    for i in range(n):
+        w.write({"k": "exec", "t": 2_000 + i, "pid": 100 + i, "ppid": 5, "depth": 1, "filename": "/bin/true",
+                 "argv": ["true"], "argv_truncated": False, "cwd": "/", "result": 0})  # fmt: skip
+    w.flush()
+    w.write({"k": "exec", "t": 9_999, "pid": 1, "ppid": 1, "depth": 0, "filename": "/lost"})  # never flushed
+    w._raw.flush()  # the process dies here: no close, the zstd frame is unfinished
+    if meta is not None:
+        (spool_dir / f"{sid}.run.json").write_text(json.dumps(meta))
+
+
+def test_recover_spools_of_a_dead_agent(tmp_path: Path) -> None:
+    spool_dir, bundles = tmp_path / "spool", tmp_path / "bundles"
+    meta = {"session_id": "s1", "cgroup": "/sys/fs/cgroup/x", "started_ns": 500, "labels": {"job": "1"},
+            "bundle_name": "ns_pod_uid-2.tar.gz", "attached_late": True, "command": [], "cwd": ""}  # fmt: skip
+    _dead_agent_spool(spool_dir, "s1", 3, meta)
+    _dead_agent_spool(spool_dir, "s2", 1, None)  # no recovery record: still a bundle
+    (spool_dir / "gone.run.json").write_text("{}")  # a run whose spool never existed
+    (spool_dir / "bad.spool.zst").write_bytes(b"not zstd at all")
+    bundles.mkdir()
+    (bundles / ".evidence-abc.tmp").write_bytes(b"half a bundle")
+    out = recover_spools(spool_dir, bundles)
+    assert [p.name for p in out] == ["ns_pod_uid-2.tar.gz", "s2.tar.gz"]
+    manifest, events = read_bundle(bundles / "ns_pod_uid-2.tar.gz")
+    assert (
+        manifest["cut_short"] is True
+        and manifest["labels"] == {"job": "1"}
+        and manifest["session_id"] == "s1"
+    )
+    assert [e["type"].rsplit(".", 1)[-1] for e in events].count("exec") == 3  # up to the last flush
+    assert [e["data"]["component"] for e in events if e["type"] == "dev.evidence.degradation"] == ["agent"]
+    assert sorted(p.name for p in spool_dir.iterdir()) == ["failed"]
+    assert sorted(p.name for p in (spool_dir / "failed").iterdir()) == ["bad.spool.zst"]  # kept, not lost
+    assert sorted(p.name for p in bundles.iterdir()) == ["ns_pod_uid-2.tar.gz", "s2.tar.gz"]
