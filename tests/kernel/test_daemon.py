@@ -320,3 +320,81 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert (
         missing.returncode == 2 and "no agent socket" in missing.stderr and "Traceback" not in missing.stderr
     )
+
+
+class _Receiver:
+    """A loopback HTTP endpoint that records every request (bundle uploads, live event batches)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def _take(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.requests.append((self.command, self.path, dict(self.headers), body))
+                self.send_response(201)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_PUT = do_POST = _take
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_bundles_uploaded_and_events_streamed(tmp_path: Path, cgroups: Path, listener: int) -> None:
+    import hashlib
+    import json
+
+    rx = _Receiver()
+    env = {
+        "EVIDENCE_UPLOAD_URL": f"{rx.url}/bundles",
+        "EVIDENCE_STREAM_URL": f"{rx.url}/events",
+        "EVIDENCE_BATCH_INTERVAL": "0.2",
+        "EVIDENCE_DELIVERY_TOKEN": "t0ken",
+    }
+    agent = Agent(tmp_path, env=env)
+    job = Job(cgroups / "job", tmp_path, "u", listener)
+    try:
+        sid = start(agent, job.cgroup, "job=up")
+        job.run()
+        finish(agent, sid, tmp_path / "u.tar.gz")
+        name = f"{sid}.tar.gz"
+        put = _wait_for(lambda: [r for r in rx.requests if r[0] == "PUT"], agent)
+        marker = agent.bundles / f"{name}.delivered"
+        _wait_for(marker.exists, agent)
+    finally:
+        job.end()
+        assert agent.stop() == 0, agent.output()
+        rx.close()
+    method, path, headers, body = put[0]
+    assert path == f"/bundles/{name}" and headers["Authorization"] == "Bearer t0ken"
+    assert body == (agent.bundles / name).read_bytes()
+    assert headers["X-Evidence-Sha256"] == hashlib.sha256(body).hexdigest()
+    live = [e for m, p, _h, b in rx.requests if m == "POST" and p == "/events" for e in json.loads(b)]
+    assert live and {e["sessionid"] for e in live} == {sid}
+    assert any(e["type"] == "dev.evidence.file.open" and e["subject"] == str(job.marker) for e in live)
+    assert any(e["type"] == "dev.evidence.inventory" and e["data"]["pid"] == job.proc.pid for e in live)
+    assert len({e["id"] for e in live}) == len(live)
+
+
+def _wait_for(check, agent: Agent, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out\n{agent.output()}")
