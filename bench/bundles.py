@@ -1,0 +1,205 @@
+"""Large synthetic bundles, and how long `evidence lint` / `evidence diff` take on them.
+
+    .venv/bin/python bench/bundles.py [--events 1000000] [--dir DIR] [--keep]
+
+Writes two --detail full style bundles with the real writer (B differs from A a little: a few new
+paths, a new destination, different counts), then runs `evidence lint A`, `evidence diff A B` and
+`evidence show A` each in a fresh subprocess, timing it and reading the child's peak RSS with
+resource.getrusage(RUSAGE_CHILDREN). Targets (1M events): lint <= 5 s, diff <= 10 s, < 200 MB RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bundle.writer import RunMeta, write_bundle  # noqa: E402
+
+T0 = 1_700_000_000_000_000_000
+WS = "/home/ci/work"
+TARGETS = {"lint": (5.0, 200), "diff": (10.0, 200), "show": (None, 200)}
+
+
+def records(n: int, variant: int) -> Iterator[dict[str, Any]]:
+    """n spool records of a busy build: mostly opens, some execs/exits/connects/denials."""
+    rnd = random.Random(42)
+    n_paths = 20_000
+    paths = [f"{WS}/src/pkg{i % 200}/mod{i}.py" for i in range(n_paths)]
+    libs = [f"/usr/lib/python3/dist-packages/lib{i}/__init__.py" for i in range(2_000)]
+    t = T0
+    pid = 1000
+    for i in range(n):
+        t += rnd.randrange(1_000, 20_000)
+        r = rnd.random()
+        if r < 0.70:
+            if rnd.random() < 0.2:
+                path = f"{WS}/build/out{rnd.randrange(5_000)}.o"
+                access = ["write", "create"]
+            else:
+                path = rnd.choice(paths) if rnd.random() < 0.8 else rnd.choice(libs)
+                access = ["read"]
+            if variant and i % 50_000 == 7:
+                path = f"{WS}/new/extra{i}.txt"
+            result: Any = 0 if rnd.random() < 0.95 else "ENOENT"
+            yield {
+                "k": "open",
+                "t": t,
+                "pid": pid,
+                "ppid": pid - 1,
+                "exe": "/usr/bin/python3.11",
+                "path": path,
+                "raw_path": path.removeprefix(WS + "/"),
+                "dirfd": -100,
+                "flags": ["O_RDONLY", "O_CLOEXEC"],
+                "access": access,
+                "mode": None,
+                "result": result,
+            }
+        elif r < 0.80:
+            pid += 1
+            tool = rnd.choice(["cc", "ld", "python3", "sh", "git"])
+            yield {
+                "k": "exec",
+                "t": t,
+                "pid": pid,
+                "ppid": pid - 1,
+                "depth": 1 + pid % 5,
+                "filename": f"/usr/bin/{tool}",
+                "argv": [
+                    tool,
+                    "-c",
+                    f"{WS}/src/pkg{pid % 200}/mod{pid % n_paths}.py",
+                    "--flag",
+                    str(pid % 17),
+                ],
+                "cwd": WS,
+                "result": 0,
+            }
+        elif r < 0.90:
+            yield {"k": "exit", "t": t, "pid": pid, "ppid": pid - 1, "exe": "/usr/bin/cc", "exit_code": 0}
+        elif r < 0.98:
+            port = 443 if rnd.random() < 0.9 else 80
+            addr = f"10.0.{rnd.randrange(4)}.{rnd.randrange(50)}"
+            if variant and i % 100_000 == 11:
+                addr = "203.0.113.9"
+            yield {
+                "k": "connect",
+                "t": t,
+                "pid": pid,
+                "ppid": pid - 1,
+                "exe": "/usr/bin/git",
+                "family": "AF_INET",
+                "address": addr,
+                "port": port,
+                "result": 0,
+            }
+        else:
+            yield {
+                "k": "denial",
+                "t": t,
+                "pid": pid,
+                "exe": "/bin/sh",
+                "operation": "write",
+                "target": f"/etc/conf{rnd.randrange(20)}",
+                "rule": "workspace-only",
+                "enforced": False,
+                "result": 0,
+            }
+
+
+def make(path: Path, n: int, variant: int) -> float:
+    meta = RunMeta(
+        session_id=f"bench-{variant}",
+        command=["make", "-j8", "all"],
+        cwd=WS,
+        pid=999,
+        cgroup="/evidence/bench",
+        started_ns=T0,
+        finished_ns=T0 + n * 20_000,
+        exit_code=0,
+        detail="full",
+        host={"kernel": "bench"},
+        capabilities={},
+        headers={},
+        roots={"${WORKSPACE}": WS},
+    )
+    start = time.perf_counter()
+    write_bundle(path, meta, lambda: records(n, variant))
+    return time.perf_counter() - start
+
+
+_CHILD = """
+import resource, sys, time
+sys.argv = ["evidence"] + sys.argv[1:]
+from evidence.cli import main
+t = time.perf_counter()
+rc = main(sys.argv[1:])
+print("BENCH", rc, time.perf_counter() - t, file=sys.stderr)
+"""
+
+
+def timed(args: list[str]) -> tuple[int, float, float]:
+    """(exit code, seconds, peak RSS in MB) of `evidence ARGS` run in a fresh subprocess."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    elapsed = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if rss <= before:
+        print("  (peak RSS not above an earlier child's; figure is an upper bound)")
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("BENCH")]
+    if errors:
+        print("  stderr:", *errors[:5], sep="\n    ")
+    return proc.returncode, elapsed, rss / 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the bundles (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="reuse bundles already in --dir")
+    args = ap.parse_args()
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="evidence-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    a, b = directory / "a.tar.gz", directory / "b.tar.gz"
+    for path, variant in ((a, 0), (b, 1)):
+        if args.keep and path.exists():
+            continue
+        secs = make(path, args.events, variant)
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) in {secs:.1f} s")
+    results = []
+    for name, cmd in (
+        ("lint", ["lint", str(a)]),
+        ("diff", ["diff", str(a), str(b)]),
+        ("show", ["show", str(a)]),
+    ):
+        rc, secs, rss = timed(cmd)
+        limit_s, limit_mb = TARGETS[name]
+        ok = (limit_s is None or secs <= limit_s) and rss < limit_mb
+        results.append(ok)
+        target = f"target <= {limit_s} s, < {limit_mb} MB" if limit_s else f"target < {limit_mb} MB"
+        print(
+            f"{name:5} {args.events} events: {secs:6.2f} s, peak RSS {rss:6.1f} MB, exit {rc}  ({target}: {'ok' if ok else 'MISSED'})"
+        )
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

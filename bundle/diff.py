@@ -1,0 +1,410 @@
+"""`evidence diff A B`: compare what two runs did, not their bytes.
+
+Each bundle is verified and reduced, in one streaming pass, to behaviour keys (only the keys and
+their counts are kept, never the events):
+- exec: the program and its argv (normalised) -> count, successes, failures;
+- file: the path (normalised) -> per access class (read, write, create, exec): count, successes,
+  failures;
+- network: (family, address, port) -> count, successes, failures;
+- denial: (operation, target, rule, enforced) -> count;
+- exit: the run's exit code (and signal); loss: events lost, by kind.
+
+Normalisation (bundle/normalize.py, applied to programs, argv, paths, addresses and targets): each
+bundle's own roots become placeholders (its workspace, manifest.policy.workspace or else the cwd of
+run.started, becomes ${WORKSPACE}; its manifest.policy.tmpdir, if any, becomes ${TMPDIR}); /proc/<n>
+becomes /proc/<pid>; random temp names become <rand>; every `--ignore PATTERN` (a Python regular
+expression) match becomes <ignored>.
+
+Then keys only in B are "added", keys only in A "removed", and keys in both whose counts differ, that
+gained an access class, or that went from success to failure are "changed". Absence in B means
+that no event was observed: if either side lost events, the report says so, with both loss counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bundle import format as fmt
+from bundle import reader
+from bundle.normalize import Normalizer
+from evidence.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("exec", "file", "network", "denial", "exit")
+FAIL_ON = ("added", "removed", "changed", "any", "none")
+ACCESS = ("read", "write", "create", "exec")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+BASELINE_SUFFIX = ".bundle.tar.gz"
+
+
+@dataclasses.dataclass
+class Behaviour:
+    """What one run did, reduced to normalised keys. Values are [count, ok, failed]."""
+
+    path: str
+    run_id: str
+    events: int
+    lost: int
+    lost_by_kind: dict[str, int]
+    detail: str
+    execs: dict[tuple[str, ...], list[int]] = dataclasses.field(default_factory=dict)
+    files: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    network: dict[tuple[str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    exit: str = "unknown"
+
+
+def roots(manifest: dict[str, Any]) -> dict[str, str]:
+    policy = manifest.get("policy") or {}
+    out = {"${WORKSPACE}": str(policy.get("workspace") or manifest["cwd"])}
+    if policy.get("tmpdir"):
+        out["${TMPDIR}"] = str(policy["tmpdir"])
+    return out
+
+
+def _bump(table: dict[Any, list[int]], key: Any, count: int, ok: bool) -> None:
+    v = table.get(key)
+    if v is None:
+        table[key] = [count, count if ok else 0, 0 if ok else count]
+    else:
+        v[0] += count
+        v[1 if ok else 2] += count
+
+
+def behaviour(path: str, ignore: Iterable[str] = ()) -> Behaviour:
+    """Verify the bundle at `path` and reduce it to its behaviour (raises VerificationError)."""
+    bundle = reader.open_bundle(path)
+    m = bundle.manifest
+    norm = Normalizer(roots(m), ignore)
+    text = norm.text
+    cache: dict[str, str] = {}
+
+    def n(value: str) -> str:
+        out = cache.get(value)
+        if out is None:
+            out = text(value)
+            if len(cache) < 200_000:
+                cache[value] = out
+        return out
+
+    b = Behaviour(path, m["run_id"], m["events"], m["lost"]["total"], dict(m["lost"]["by_kind"]), m["detail"])
+    loss_events = 0
+    for ev in bundle.events():
+        t = ev["type"]
+        d = ev["data"]
+        if t == fmt.FILE_OPEN:
+            per = b.files.get(n(d["path"]))
+            if per is None:
+                per = b.files[n(d["path"])] = {}
+            ok = d["result"] == 0
+            for a in d["access"]:
+                _bump(per, a, d.get("count", 1), ok)
+        elif t == fmt.PROCESS_EXEC:
+            key = (n(d["filename"]), *[n(a) for a in d["argv"]])
+            _bump(b.execs, key, d.get("count", 1), d["result"] == 0)
+        elif t == fmt.NETWORK_CONNECT:
+            port = "" if d.get("port") is None else str(d["port"])
+            _bump(b.network, (d["family"], n(d["address"]), port), d.get("count", 1), d["result"] == 0)
+        elif t == fmt.POLICY_DENIAL:
+            key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
+            _bump(b.denials, key4, d.get("count", 1), True)
+        elif t == fmt.RUN_FINISHED:
+            b.exit = f"signal {d['signal']}" if d.get("signal") else str(d["exit_code"])
+        elif t == fmt.LOSS:
+            loss_events += d.get("count", 1)
+    b.lost = max(b.lost, loss_events)
+    return b
+
+
+@dataclasses.dataclass
+class Change:
+    kind: str  # exec | file | network | denial | exit
+    what: str  # added | removed | changed
+    key: str
+    detail: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def _fmt_counts(v: list[int]) -> str:
+    if v[2] == 0:
+        return f"x{v[0]}"
+    if v[1] == 0:
+        return f"x{v[0]}, all failed"
+    return f"x{v[0]}, {v[2]} failed"
+
+
+def _compare_simple(kind: str, a: dict[Any, list[int]], b: dict[Any, list[int]], show: Any) -> list[Change]:
+    out = []
+    for key in sorted(b.keys() - a.keys(), key=repr):
+        out.append(Change(kind, "added", show(key), _fmt_counts(b[key])))
+    for key in sorted(a.keys() - b.keys(), key=repr):
+        out.append(Change(kind, "removed", show(key), _fmt_counts(a[key])))
+    for key in sorted(a.keys() & b.keys(), key=repr):
+        va, vb = a[key], b[key]
+        if va[1] > 0 and vb[1] == 0:
+            out.append(
+                Change(
+                    kind,
+                    "changed",
+                    show(key),
+                    f"succeeded before, now fails ({_fmt_counts(va)} -> {_fmt_counts(vb)})",
+                )
+            )
+        elif va[0] != vb[0]:
+            out.append(Change(kind, "changed", show(key), f"count {va[0]} -> {vb[0]}"))
+    return out
+
+
+def compare(a: Behaviour, b: Behaviour) -> list[Change]:
+    changes = _compare_simple(
+        "exec", a.execs, b.execs, lambda k: " ".join([k[0], "--", *k[1:]]) if k[1:] else k[0]
+    )
+    for path in sorted(b.files.keys() - a.files.keys()):
+        per = b.files[path]
+        changes.append(
+            Change(
+                "file",
+                "added",
+                path,
+                "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per),
+            )
+        )
+    for path in sorted(a.files.keys() - b.files.keys()):
+        per = a.files[path]
+        changes.append(
+            Change(
+                "file",
+                "removed",
+                path,
+                "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per),
+            )
+        )
+    for path in sorted(a.files.keys() & b.files.keys()):
+        pa, pb = a.files[path], b.files[path]
+        notes = []
+        new = [acc for acc in ACCESS if acc in pb and acc not in pa]
+        gone = [acc for acc in ACCESS if acc in pa and acc not in pb]
+        if new:
+            notes.append("new access " + "+".join(new))
+        if gone:
+            notes.append("no longer " + "+".join(gone))
+        for acc in ACCESS:
+            if acc in pa and acc in pb:
+                if pa[acc][1] > 0 and pb[acc][1] == 0:
+                    notes.append(f"{acc} succeeded before, now fails")
+                elif pa[acc][0] != pb[acc][0]:
+                    notes.append(f"{acc} count {pa[acc][0]} -> {pb[acc][0]}")
+        if notes:
+            changes.append(Change("file", "changed", path, "; ".join(notes)))
+
+    def dest(k: tuple[str, str, str]) -> str:
+        family, addr, port = k
+        host = f"[{addr}]" if family == "AF_INET6" else addr
+        return f"{host}:{port}" if port else f"{addr} ({family})"
+
+    changes += _compare_simple("network", a.network, b.network, dest)
+    changes += _compare_simple(
+        "denial", a.denials, b.denials, lambda k: f"{k[0]} {k[1]} (rule {k[2]}, {k[3]})"
+    )
+    if a.exit != b.exit:
+        changes.append(Change("exit", "changed", "exit code", f"{a.exit} -> {b.exit}"))
+    return changes
+
+
+def behaviours(a_path: str, b_path: str, ignore: list[str]) -> tuple[Behaviour, Behaviour]:
+    """Both sides, A in a forked worker process while this one reads B when there is a spare CPU
+    (each side is a long single-threaded pass). A's verification error is reported first."""
+    if (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return behaviour(a_path, ignore), behaviour(b_path, ignore)
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        future = pool.submit(behaviour, a_path, ignore)
+        try:
+            b = behaviour(b_path, ignore)
+        except Exception:
+            future.result()  # A's error, if any, comes first
+            raise
+        return future.result(), b
+
+
+def reaches(changes: list[Change], fail_on: str) -> bool:
+    if fail_on == "none":
+        return False
+    return any(fail_on == "any" or c.what == fail_on for c in changes)
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def _loss_note(a: Behaviour, b: Behaviour) -> str | None:
+    if not a.lost and not b.lost:
+        return None
+    return (
+        f"events were lost (A: {a.lost}, B: {b.lost}): something absent from a side may have happened "
+        "without being recorded"
+    )
+
+
+def _side(tag: str, x: Behaviour) -> str:
+    lost = f"{x.lost} lost" if x.lost else "none lost"
+    return f"{tag}: {x.path} (run {x.run_id}, {x.events} events, {lost}, exit {x.exit})"
+
+
+def render_text(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
+    out = [_side("A", a), _side("B", b)]
+    note = _loss_note(a, b)
+    if not changes:
+        out.append("No behaviour differences observed." + (f" Note: {note}." if note else ""))
+        return "\n".join(out) + "\n"
+    counts = {w: sum(1 for c in changes if c.what == w) for w in ("added", "removed", "changed")}
+    out.append(f"{len(changes)} differences: " + ", ".join(f"{n} {w}" for w, n in counts.items()))
+    out.append("Absence in B means no event was observed in B." + (f" Note: {note}." if note else ""))
+    sign = {"added": "+", "removed": "-", "changed": "~"}
+    for kind in KINDS:
+        group = [c for c in changes if c.kind == kind]
+        if group:
+            out.append(f"{kind}:")
+            out += [f"  {sign[c.what]} {c.key}  ({c.detail})" for c in group]
+    return "\n".join(out) + "\n"
+
+
+def render_json(a: Behaviour, b: Behaviour, changes: list[Change], code: int, ignore: list[str]) -> str:
+    def side(x: Behaviour) -> dict[str, Any]:
+        return {
+            "bundle": x.path,
+            "run_id": x.run_id,
+            "events": x.events,
+            "lost": x.lost,
+            "lost_by_kind": x.lost_by_kind,
+            "exit": x.exit,
+        }
+
+    doc = {
+        "a": side(a),
+        "b": side(b),
+        "normalisation": {"roots": ["${WORKSPACE}", "${TMPDIR}"], "ignore": ignore},
+        "note": "absence in B is absence of observed events"
+        + (f"; {_loss_note(a, b)}" if _loss_note(a, b) else ""),
+        "differences": len(changes),
+        "added": [c.as_dict() for c in changes if c.what == "added"],
+        "removed": [c.as_dict() for c in changes if c.what == "removed"],
+        "changed": [c.as_dict() for c in changes if c.what == "changed"],
+        "exit_code": code,
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def render_markdown(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
+    out = ["## evidence diff", "", "| | bundle | run | events | lost | exit |", "|---|---|---|---|---|---|"]
+    for tag, x in (("A", a), ("B", b)):
+        out.append(f"| {tag} | `{_md(x.path)}` | `{x.run_id}` | {x.events} | {x.lost} | {x.exit} |")
+    out.append("")
+    note = _loss_note(a, b)
+    if note:
+        out += [f"> **Warning:** {note}.", ""]
+    if not changes:
+        out.append("No behaviour differences observed.")
+        return "\n".join(out) + "\n"
+    out += ["_Absence in B means no event was observed in B._", ""]
+    for kind in KINDS:
+        group = [c for c in changes if c.kind == kind]
+        if group:
+            out += [f"### {kind}", "", "| | what | detail |", "|---|---|---|"]
+            out += [f"| {c.what} | `{_md(c.key)}` | {_md(c.detail)} |" for c in group]
+            out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# --- command -------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "bundles", nargs="+", metavar="BUNDLE", help="A B (or, with --baseline, just the new bundle)"
+    )
+    parser.add_argument("--format", choices=("text", "json", "markdown"), default="text")
+    parser.add_argument(
+        "--fail-on", choices=FAIL_ON, default="added",
+        help="exit 1 when a difference of this kind exists (default: added; any; none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="regular expression replaced by <ignored> before comparing (repeatable)",
+    )
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="compare against (or store) a named baseline kept in DIR"
+    )
+    parser.add_argument("--name", default="default", help="baseline name (default: default)")
+    parser.add_argument(
+        "--update", action="store_true", help="store the bundle as the baseline (replacing it)"
+    )
+
+
+def _store(bundle: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".evidence-baseline-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, open(bundle, "rb") as src:
+            shutil.copyfileobj(src, out)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    for p in args.ignore:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise UsageError(f"--ignore {p!r} is not a valid regular expression: {e}") from None
+    if args.baseline:
+        if len(args.bundles) != 1:
+            raise UsageError("with --baseline, diff takes one bundle (the new run)")
+        if not _NAME.fullmatch(args.name):
+            raise UsageError(f"baseline name {args.name!r} must be letters, digits, '.', '_' or '-'")
+        new = args.bundles[0]
+        stored = Path(args.baseline) / (args.name + BASELINE_SUFFIX)
+        if args.update or not stored.exists():
+            reader.open_bundle(new).verify()
+            _store(new, stored)
+            print(f"stored {new} as baseline {args.name!r} ({stored})")
+            return EXIT_OK
+        a_path, b_path = str(stored), new
+    else:
+        if len(args.bundles) != 2:
+            raise UsageError("diff takes two bundles: A B (or one with --baseline DIR)")
+        a_path, b_path = args.bundles
+    a, b = behaviours(a_path, b_path, args.ignore)
+    changes = compare(a, b)
+    code = EXIT_FINDINGS if reaches(changes, args.fail_on) else EXIT_OK
+    if args.format == "json":
+        sys.stdout.write(render_json(a, b, changes, code, args.ignore))
+    elif args.format == "markdown":
+        sys.stdout.write(render_markdown(a, b, changes))
+    else:
+        sys.stdout.write(render_text(a, b, changes))
+    return code

@@ -1,0 +1,537 @@
+"""`evidence lint BUNDLE`: verify a bundle, then report what in the run deserves a look.
+
+Verification comes first (bundle/reader.py); a bundle that fails it exits 2 with the first reason
+(every reason with --format json). Then every rule sees every event, findings are collected (the same
+finding on many events is reported once, with a count), and only then reported: text, JSON or
+SARIF 2.1.0 for GitHub code scanning. Exit 1 when a finding reaches --fail-on, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import ipaddress
+import json
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from bundle import format as fmt
+from bundle import reader
+from bundle.normalize import Normalizer
+from evidence import __version__
+from evidence.errors import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, UsageError
+
+logger = logging.getLogger(__name__)
+
+SEVERITIES = ("error", "warning", "note")  # SARIF levels, most severe first
+_FAIL_ON = {"error": 0, "warn": 1, "info": 2, "none": -1}  # index into SEVERITIES reached
+MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
+CLOCK_TOLERANCE_NS = 1_000_000_000
+TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+WRITE_OK = (
+    "/tmp", "/var/tmp", "/dev/shm", "/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/dev/ptmx",
+    "/dev/pts", "/dev/stdout", "/dev/stderr", "/dev/fd", "/proc/self/fd", "/proc/thread-self/fd",
+)  # fmt: skip
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+HELP_URI = "https://github.com/evidence-dev/evidence/blob/main/docs/bundle-format.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: str  # error | warning | note
+    short: str
+    explain: str
+
+
+RULES: dict[str, Rule] = {
+    r.code: r
+    for r in (
+        Rule("EV001", "events-lost", "warning", "The recorder lost events",
+             "The kernel ring buffer or the agent dropped events (manifest lost.total > 0, or "
+             "dev.evidence.loss events). The bundle is then a lower bound of what the run did: an "
+             "operation that is absent may simply not have been recorded. Re-run with a larger "
+             "buffer or less detail (--detail summary) if you need complete evidence."),
+        Rule("EV002", "enforcement-degraded", "warning", "Recording or enforcement was degraded",
+             "A dev.evidence.degradation event says that a component (a probe, Landlock, the "
+             "connect filter) could not do all it should, e.g. because the kernel lacks a feature. "
+             "What the event's 'impact' names was not recorded or not enforced."),
+        Rule("EV003", "secret-exposed", "error", "A secret or token appears in argv, a path or a subject",
+             "A string that looks like a credential (GitHub token ghp_/github_pat_, AWS key AKIA, "
+             "API key sk-, Slack token xox[bp]-, 'Bearer ...', a PEM private key header, or "
+             "password=/token=/secret=...) appears in a command line, a path or an event subject. "
+             "Command lines are visible to every process on the host and now sit in this bundle: "
+             "rotate the secret and pass it through a file or the environment instead. The finding "
+             "shows only the kind of secret and its first characters."),
+        Rule("EV004", "write-outside-workspace", "warning", "A file was written outside the workspace",
+             "A file.open that succeeded with write or create access names a path outside the "
+             "workspace (manifest.policy.workspace, else the run's cwd), outside the run's TMPDIR "
+             "and outside the usual scratch places (/tmp, /var/tmp, /dev/shm, /dev/null, ttys, "
+             "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
+             "not hermetic and may tamper with the machine. Relative paths are not judged."),
+        Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
+             "The run had no policy (manifest.policy is null), and a process connected (or tried "
+             "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
+             "the run should be offline, record it with a policy that denies connects."),
+        Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory",
+             "A process.exec that succeeded ran a binary under /tmp, /var/tmp, /dev/shm or the "
+             "run's TMPDIR (but not inside the workspace). Droppers and downloaded tools run from "
+             "there; check where the binary came from."),
+        Rule("EV007", "run-not-finished", "error", "The run was not recorded to its end",
+             "There is no dev.evidence.run.finished event, or the manifest says cut_short: the "
+             "recorder stopped before the run ended (killed, timeout, agent restart). Anything the "
+             "run did afterwards is missing from the bundle."),
+        Rule("EV008", "clock-backwards", "note", "Event times go backwards",
+             "An event's time (for summary-mode opens and connects, its first_time) is earlier "
+             "than an earlier event's by more than one second. Events from different CPUs can be "
+             "slightly out of order; more than a second suggests a clock jump (NTP step, VM "
+             "migration) and makes durations in this bundle unreliable."),
+    )
+}  # fmt: skip
+_BY_NAME = {r.name: r for r in RULES.values()}
+
+# Secrets: (kind, pattern). Patterns are anchored on the token shape so ordinary words don't match.
+_SECRETS = [
+    ("GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})")),
+    ("AWS access key id", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("API key", re.compile(r"\bsk-[A-Za-z0-9_-]{16,}")),
+    ("Slack token", re.compile(r"\bxox[bpas]-[A-Za-z0-9-]{10,}")),
+    ("bearer token", re.compile(r"\bBearer\s+[A-Za-z0-9._~+/=-]{8,}")),
+    ("private key", re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")),
+    ("password", re.compile(r"(?i)\b(?:password|passwd|pwd|secret|token|api[_-]?key)=[^\s&;]{3,}")),
+]
+
+
+def _maybe_secret(s: str) -> bool:
+    """A cheap pre-check (a regex search per string costs too much at a million events)."""
+    return (
+        "=" in s
+        or "gh" in s
+        or "sk-" in s
+        or "AKIA" in s
+        or "ASIA" in s
+        or "xox" in s
+        or "earer" in s
+        or "PRIVATE" in s
+    )
+
+
+@dataclasses.dataclass
+class Finding:
+    rule: Rule
+    message: str
+    key: str  # what makes this finding itself, normalised (stable across runs)
+    event_id: str | None = None
+    seq: int | None = None
+    count: int = 1
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(f"{self.rule.code}\0{self.key}".encode()).hexdigest()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule.code,
+            "name": self.rule.name,
+            "severity": self.rule.severity,
+            "message": self.message,
+            "event_id": self.event_id,
+            "seq": self.seq,
+            "count": self.count,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in roots if r)
+
+
+def _redact(secret: str) -> str:
+    return secret[:6] + "..." if len(secret) > 8 else "..."
+
+
+class Linter:
+    """Feed it a verified bundle's manifest and events; `findings()` when done."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.manifest = manifest
+        policy = manifest.get("policy") or {}
+        self.observe_only = manifest.get("policy") is None
+        self.workspace = str(policy.get("workspace") or manifest["cwd"]).rstrip("/") or "/"
+        self.tmpdir = str(policy.get("tmpdir") or "").rstrip("/")
+        roots = {"${WORKSPACE}": self.workspace}
+        if self.tmpdir:
+            roots["${TMPDIR}"] = self.tmpdir
+        self.norm = Normalizer(roots)
+        self._found: dict[tuple[str, str], Finding] = {}
+        self.dropped = 0
+        self.finished = False
+        self.lost_events = 0
+        self.max_time = ""
+        self.backwards: list[Any] = []
+        self._ips: dict[str, bool] = {}
+        self._dispatch: dict[str, list[Callable[[dict[str, Any]], None]]] = {
+            fmt.RUN_STARTED: [self._started],
+            fmt.RUN_FINISHED: [self._finished],
+            fmt.PROCESS_EXEC: [self._exec],
+            fmt.FILE_OPEN: [self._open],
+            fmt.NETWORK_CONNECT: [self._connect],
+            fmt.LOSS: [self._loss],
+            fmt.DEGRADATION: [self._degradation],
+            fmt.POLICY_DENIAL: [self._denial],
+            fmt.INVENTORY: [self._inventory],
+        }
+
+    # -- collection
+
+    def add(self, code: str, message: str, key: str, ev: dict[str, Any] | None) -> None:
+        k = (code, key)
+        f = self._found.get(k)
+        if f is not None:
+            f.count += 1
+            return
+        if len(self._found) >= MAX_FINDINGS:
+            self.dropped += 1
+            return
+        self._found[k] = Finding(
+            RULES[code], message, key, ev["id"] if ev else None, ev["seq"] if ev else None
+        )
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        t = ev["time"]
+        data = ev["data"]
+        first = data.get("first_time", t) if type(data) is dict else t
+        if first >= self.max_time:  # canonical times are fixed width: text order is time order
+            self.max_time = first
+        else:
+            self._clock(ev, first)
+        subject = ev["subject"]
+        if _maybe_secret(subject):
+            self._secrets(subject, "subject", ev)
+        for handler in self._dispatch.get(ev["type"], ()):
+            handler(ev)
+
+    def findings(self) -> list[Finding]:
+        m = self.manifest
+        if m["lost"]["total"] > 0 or self.lost_events:
+            total = max(m["lost"]["total"], self.lost_events)
+            kinds = ", ".join(f"{k}: {v}" for k, v in m["lost"]["by_kind"].items() if v) or "see loss events"
+            self.add(
+                "EV001",
+                f"{total} events were lost ({kinds}); absence of an operation proves nothing",
+                "lost",
+                None,
+            )
+        if not self.finished or m.get("cut_short"):
+            why = (
+                "the manifest says cut_short"
+                if m.get("cut_short")
+                else f"there is no {fmt.RUN_FINISHED} event"
+            )
+            self.add("EV007", f"the run was not recorded to its end: {why}", "not-finished", None)
+        if self.backwards:
+            n = len(self.backwards)
+            worst = max(self.backwards, key=lambda b: b[0])
+            self.add(
+                "EV008",
+                f"event times go backwards {n} time(s), by up to {worst[0] / 1e9:.3f} s (first at event {worst[1]['seq']})",
+                "clock",
+                worst[1],
+            )
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        return sorted(self._found.values(), key=lambda f: (order[f.rule.severity], f.rule.code, f.seq or 0))
+
+    # -- rules
+
+    def _clock(self, ev: dict[str, Any], t: str) -> None:
+        try:
+            delta = reader.time_ns(self.max_time) - reader.time_ns(t)
+        except ValueError:
+            return
+        if delta > CLOCK_TOLERANCE_NS and len(self.backwards) < 10_000:
+            self.backwards.append((delta, ev))
+
+    def _secrets(self, text: str, where: str, ev: dict[str, Any]) -> None:
+        for kind, rx in _SECRETS:
+            m = rx.search(text)
+            if m:
+                shown = _redact(m.group())
+                key = f"{kind}\0{where}\0{ev['type']}\0{self.norm.text(text.replace(m.group(), '<secret>'))[:200]}"
+                self.add(
+                    "EV003",
+                    f"{kind} in {where} of {ev['type'].removeprefix(fmt.TYPE_PREFIX)} ({shown})",
+                    key,
+                    ev,
+                )
+                return
+
+    def _argv(self, argv: list[str], where: str, ev: dict[str, Any]) -> None:
+        joined = " ".join(argv)
+        if _maybe_secret(joined):
+            self._secrets(joined, where, ev)
+
+    def _started(self, ev: dict[str, Any]) -> None:
+        self._argv(ev["data"]["command"], "the run's command", ev)
+
+    def _finished(self, ev: dict[str, Any]) -> None:
+        self.finished = True
+        if ev["data"].get("cut_short"):
+            self.manifest = {**self.manifest, "cut_short": True}
+
+    def _exec(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        self._argv(d["argv"], "argv", ev)
+        filename = d["filename"]
+        if filename != ev["subject"] and _maybe_secret(filename):
+            self._secrets(filename, "path", ev)
+        if d["result"] == 0 and filename.startswith("/"):
+            temps = (*TEMP_DIRS, self.tmpdir)
+            if _under(filename, temps) and not _under(filename, (self.workspace,)):
+                name = self.norm.text(filename)
+                self.add("EV006", f"executed {filename} from a temp directory", name, ev)
+
+    def _open(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        path = d["path"]
+        if path != ev["subject"] and _maybe_secret(path):
+            self._secrets(path, "path", ev)
+        raw = d["raw_path"]
+        if raw != path and _maybe_secret(raw):
+            self._secrets(raw, "path", ev)
+        if d["result"] != 0 or not path.startswith("/"):
+            return
+        access = d["access"]
+        if ("write" in access or "create" in access) and not _under(
+            path, (self.workspace, self.tmpdir, *WRITE_OK)
+        ):
+            exe = d.get("exe") or "?"
+            self.add(
+                "EV004",
+                f"{exe} wrote {path} ({'+'.join(access)}) outside the workspace {self.workspace}",
+                self.norm.text(path),
+                ev,
+            )
+
+    def _connect(self, ev: dict[str, Any]) -> None:
+        if not self.observe_only:
+            return
+        d = ev["data"]
+        if d["family"] not in ("AF_INET", "AF_INET6"):
+            return
+        addr = d["address"]
+        remote = self._ips.get(addr)
+        if remote is None:
+            try:
+                ip = ipaddress.ip_address(addr)
+                if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+                    ip = ip.ipv4_mapped
+                remote = not (ip.is_loopback or ip.is_unspecified)
+            except ValueError:
+                remote = True
+            if len(self._ips) < 100_000:
+                self._ips[addr] = remote
+        if remote:
+            dest = ev["subject"]
+            result = "" if d["result"] == 0 else f", {d['result']}"
+            self.add(
+                "EV005",
+                f"{d.get('exe') or '?'} connected to {dest}{result} with no policy in force",
+                f"{d['family']}\0{dest}",
+                ev,
+            )
+
+    def _loss(self, ev: dict[str, Any]) -> None:
+        self.lost_events += ev["data"]["count"]
+
+    def _degradation(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        self.add(
+            "EV002",
+            f"{d['component']} degraded: {d['reason']} (impact: {d['impact']})",
+            f"{d['component']}\0{d['reason']}",
+            ev,
+        )
+
+    def _denial(self, ev: dict[str, Any]) -> None:
+        target = ev["data"]["target"]
+        if target != ev["subject"] and _maybe_secret(target):
+            self._secrets(target, "path", ev)
+
+    def _inventory(self, ev: dict[str, Any]) -> None:
+        self._argv(ev["data"]["argv"], "argv", ev)
+
+
+def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
+    """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS).
+    Raises reader.VerificationError (exit 2) if the bundle fails verification."""
+    bundle = reader.open_bundle(path)
+    linter = Linter(bundle.manifest)
+    feed = linter.feed
+    for ev in bundle.events():
+        feed(ev)
+    return bundle.manifest, linter.findings(), linter.dropped
+
+
+def exit_code(findings: list[Finding], fail_on: str) -> int:
+    reach = _FAIL_ON[fail_on]
+    if reach < 0:
+        return EXIT_OK
+    worst = min((SEVERITIES.index(f.rule.severity) for f in findings), default=99)
+    return EXIT_FINDINGS if worst <= reach else EXIT_OK
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def render_text(path: str, manifest: dict[str, Any], findings: list[Finding], dropped: int) -> str:
+    out = [
+        f"{path}: verified: run {manifest['run_id']}, {manifest['events']} events, root hash {manifest['root_hash'][:16]}"
+    ]
+    for f in findings:
+        where = f" [event {f.seq}]" if f.seq is not None else ""
+        times = f" (x{f.count})" if f.count > 1 else ""
+        out.append(f"{f.rule.severity:7} {f.rule.code} {f.rule.name}: {f.message}{times}{where}")
+    counts = {s: sum(1 for f in findings if f.rule.severity == s) for s in SEVERITIES}
+    summary = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
+    out.append(f"{len(findings)} findings: {summary}" + (f" ({dropped} more not listed)" if dropped else ""))
+    return "\n".join(out) + "\n"
+
+
+def render_json(
+    path: str,
+    manifest: dict[str, Any] | None,
+    findings: list[Finding],
+    dropped: int,
+    problems: list[str],
+    code: int,
+) -> str:
+    doc = {
+        "bundle": path,
+        "verified": not problems,
+        "problems": problems,
+        "run_id": manifest["run_id"] if manifest else None,
+        "events": manifest["events"] if manifest else None,
+        "findings": [f.as_dict() for f in findings],
+        "findings_not_listed": dropped,
+        "exit_code": code,
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def sarif_rules() -> list[dict[str, Any]]:
+    return [
+        {
+            "id": r.code,
+            "name": r.name,
+            "shortDescription": {"text": r.short},
+            "fullDescription": {"text": r.explain},
+            "help": {"text": r.explain, "markdown": f"**{r.code} {r.name}**\n\n{r.explain}"},
+            "helpUri": f"{HELP_URI}#lint-rules",
+            "defaultConfiguration": {"level": r.severity},
+            "properties": {"tags": ["evidence", "security"] if r.severity == "error" else ["evidence"]},
+        }
+        for r in RULES.values()
+    ]
+
+
+def render_sarif(path: str, findings: list[Finding], problems: list[str]) -> str:
+    uri = path.lstrip("/") if path.startswith("/") else path
+    results = []
+    for f in findings:
+        loc: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri}}}
+        if f.event_id is not None:
+            loc["logicalLocations"] = [
+                {"name": f.event_id, "fullyQualifiedName": f"{path}#{f.event_id}", "kind": "object"}
+            ]
+        results.append(
+            {
+                "ruleId": f.rule.code,
+                "ruleIndex": list(RULES).index(f.rule.code),
+                "level": f.rule.severity,
+                "message": {"text": f.message + (f" (x{f.count})" if f.count > 1 else "")},
+                "locations": [loc],
+                "partialFingerprints": {"evidenceFinding/v1": f.fingerprint},
+            }
+        )
+    invocation: dict[str, Any] = {"executionSuccessful": not problems}
+    if problems:
+        invocation["toolExecutionNotifications"] = [
+            {"level": "error", "message": {"text": p}} for p in problems
+        ]
+    doc = {
+        "$schema": SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "evidence-lint",
+                        "version": __version__,
+                        "semanticVersion": __version__,
+                        "informationUri": HELP_URI,
+                        "rules": sarif_rules(),
+                    }
+                },
+                "invocations": [invocation],
+                "results": results,
+            }
+        ],
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def explain(which: str) -> str:
+    rule = RULES.get(which.upper()) or _BY_NAME.get(which.lower())
+    if rule is None:
+        raise UsageError(
+            f"no lint rule {which!r}",
+            hint="rules: " + ", ".join(f"{r.code} {r.name}" for r in RULES.values()),
+        )
+    return f"{rule.code} {rule.name} (default severity: {rule.severity})\n{rule.short}.\n\n{rule.explain}\n"
+
+
+# --- command -------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", nargs="?", help="the bundle (.tar.gz) to verify and lint")
+    parser.add_argument(
+        "--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)"
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=tuple(_FAIL_ON),
+        default="error",
+        help="exit 1 when a finding of this severity or worse is found (default: error; warn, info, none)",
+    )
+    parser.add_argument("--explain", metavar="RULE", help="explain a rule (code like EV003 or name) and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.explain:
+        sys.stdout.write(explain(args.explain))
+        return EXIT_OK
+    if not args.bundle:
+        raise UsageError("lint needs a BUNDLE (or --explain RULE)")
+    path = args.bundle
+    try:
+        manifest, findings, dropped = lint(path)
+    except reader.VerificationError as e:
+        if args.format == "json":
+            sys.stdout.write(render_json(path, None, [], 0, e.problems, EXIT_ERROR))
+        elif args.format == "sarif":
+            sys.stdout.write(render_sarif(path, [], e.problems))
+        raise
+    code = exit_code(findings, args.fail_on)
+    if args.format == "json":
+        sys.stdout.write(render_json(path, manifest, findings, dropped, [], code))
+    elif args.format == "sarif":
+        sys.stdout.write(render_sarif(path, findings, []))
+    else:
+        sys.stdout.write(render_text(path, manifest, findings, dropped))
+    return code

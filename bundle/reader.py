@@ -1,0 +1,714 @@
+"""The safe, streaming bundle reader: every byte of a bundle is untrusted until verified.
+
+Nothing is extracted to disk and nothing is held whole in memory except the manifest: the gzip
+stream is inflated chunk by chunk (counting decompressed bytes, so a gzip bomb stops at the limit),
+tar headers are parsed by hand (only regular files, only `manifest.json` then `events.ndjson`), and
+events are checked line by line as they stream past.
+
+API:
+- `open_bundle(path) -> Bundle`: reads and checks the manifest; `Bundle.events()` streams the
+  events, verifying as it goes (structure, limits, every event's envelope and data, sequence, run
+  id, hashes, counts). An integrity problem that can only be known at the end (a file hash, the
+  root hash, the counts) raises when the iterator is exhausted, so a consumer that acts on events
+  before that must be ready to throw its work away. `Bundle.verify()` runs the same pass, yielding
+  nothing.
+- `read_manifest(path) -> dict` and `read_events(path) -> Iterator[dict]`: verify the whole bundle
+  first, then return the manifest / stream the events (in a second verifying pass).
+
+Every failure is a `VerificationError` (a `BundleError`, exit code 2) whose message is one line;
+`.problems` lists every reason found before the reader gave up (at most MAX_PROBLEMS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import pydantic
+
+from bundle import canonical, schemas
+from bundle import format as fmt
+from evidence.errors import BundleError
+
+logger = logging.getLogger(__name__)
+
+MAX_PROBLEMS = 20
+MAX_MANIFEST = fmt.MAX_LINE  # manifest.json is one canonical JSON document, held in memory
+_BLOCK = 512
+_READ = 1 << 18  # compressed bytes read at a time
+_CHUNK = 1 << 20  # decompressed bytes produced at a time
+_TRAILER_ZEROS = 64 * 1024  # zero bytes allowed after the tar end-of-archive marker (record padding)
+_ENVELOPE_KEYS = frozenset(
+    ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "runid", "seq", "data")
+)
+_TIME = schemas.py_regex(schemas.TIME_PATTERN).match
+_RUN_ID = schemas.py_regex(schemas.RUN_ID_PATTERN).match
+_HEX64 = schemas.py_regex(schemas.HEX64_PATTERN).match
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+_TAR_TYPES = {
+    b"1": "a hard link",
+    b"2": "a symbolic link",
+    b"3": "a character device",
+    b"4": "a block device",
+    b"5": "a directory",
+    b"6": "a FIFO",
+    b"7": "a contiguous file",
+    b"x": "a pax extended header",
+    b"g": "a pax global header",
+    b"L": "a GNU long name",
+    b"K": "a GNU long link name",
+    b"S": "a GNU sparse file",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    compressed: int = fmt.MAX_COMPRESSED
+    decompressed: int = fmt.MAX_DECOMPRESSED
+    events: int = fmt.MAX_EVENTS
+    line: int = fmt.MAX_LINE
+    depth: int = fmt.MAX_DEPTH
+    manifest: int = MAX_MANIFEST
+
+
+class VerificationError(BundleError):
+    """The bundle is not a valid evidence bundle (or has been tampered with)."""
+
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        super().__init__(f"{path}: verification failed: {problems[0]}{more}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (diff reads A in a worker)
+        return (VerificationError, (self.path, self.problems))
+
+
+class _Fatal(Exception):
+    """A problem after which nothing further can be read."""
+
+
+class _Stop(Exception):
+    """Ends the pass after problems were recorded (adds none of its own)."""
+
+
+# --- gzip and tar ------------------------------------------------------------------------------
+
+
+def _inflate(f: IO[bytes], limits: Limits) -> Iterator[bytes]:
+    """Decompressed chunks of one gzip member, counting both sides against the limits."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    read = 0
+    produced = 0
+    while not d.eof:
+        chunk = f.read(_READ)
+        if not chunk:
+            raise _Fatal("truncated gzip stream (the file ends before the gzip trailer)")
+        read += len(chunk)
+        if read > limits.compressed:
+            raise _Fatal(f"compressed size exceeds the limit of {limits.compressed} bytes")
+        while chunk and not d.eof:
+            try:
+                out = d.decompress(chunk, _CHUNK)
+            except zlib.error as e:
+                raise _Fatal(f"corrupt gzip stream: {e}") from None
+            chunk = d.unconsumed_tail
+            produced += len(out)
+            if produced > limits.decompressed:
+                raise _Fatal(
+                    f"decompressed size exceeds the limit of {limits.decompressed} bytes (gzip bomb?)"
+                )
+            if out:
+                yield out
+    if d.unused_data or f.read(1):
+        raise _Fatal("unexpected data after the end of the gzip stream")
+
+
+class _Ahead:
+    """Runs a chunk generator in a thread, a few chunks ahead of the consumer: zlib releases the
+    GIL, so inflating overlaps with checking events. Exceptions reach the consumer in order."""
+
+    _END = object()
+
+    def __init__(self, chunks: Iterator[bytes], depth: int = 8) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, args=(chunks,), name="bundle-inflate", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, chunks: Iterator[bytes]) -> None:
+        try:
+            for chunk in chunks:
+                if not self._put(chunk):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # handed to the consumer
+            self._put(e)
+        finally:
+            closer = getattr(chunks, "close", None)
+            if closer is not None:
+                closer()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._ended:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._END:
+            self._ended = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        chunk: bytes = item
+        return chunk
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _Stream:
+    """Exact reads over the decompressed chunks."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._buf = b""
+        self._pos = 0
+
+    def _fill(self) -> bool:
+        for chunk in self._chunks:
+            self._buf = self._buf[self._pos :] + chunk if self._pos < len(self._buf) else chunk
+            self._pos = 0
+            return True
+        return False
+
+    def read_some(self, n: int) -> bytes:
+        """Up to n bytes (at least one unless the stream has ended)."""
+        if self._pos >= len(self._buf) and not self._fill():
+            return b""
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def read(self, n: int) -> bytes:
+        """Exactly n bytes, fewer only at the end of the stream."""
+        parts = []
+        while n > 0:
+            b = self.read_some(n)
+            if not b:
+                break
+            parts.append(b)
+            n -= len(b)
+        return b"".join(parts)
+
+
+@dataclasses.dataclass
+class _Member:
+    name: str
+    size: int
+
+
+def _octal(field: bytes, what: str) -> int:
+    if field[:1] and field[0] & 0x80:
+        raise _Fatal(f"tar header {what} uses base-256 encoding")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if not re.fullmatch(rb"[0-7]+", text):
+        raise _Fatal(f"tar header {what} is not an octal number")
+    return int(text, 8)
+
+
+def _header(block: bytes) -> _Member | None:
+    """The member a 512-byte header describes, or None for an all-zero (end-of-archive) block."""
+    if len(block) < _BLOCK:
+        raise _Fatal("truncated tar archive (a header is cut short)")
+    if block == bytes(_BLOCK):
+        return None
+    stored = _octal(block[148:156], "checksum")
+    if stored != sum(block[:148]) + 8 * 32 + sum(block[156:]):
+        raise _Fatal("tar header checksum mismatch (not a tar archive, or corrupt)")
+    if block[257:262] != b"ustar":
+        raise _Fatal("not a ustar tar archive")
+    raw_name = block[0:100].split(b"\0", 1)[0]
+    prefix = block[345:500].split(b"\0", 1)[0]
+    if prefix:
+        raw_name = prefix + b"/" + raw_name
+    try:
+        name = raw_name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Fatal(f"member name {raw_name!r} is not valid UTF-8") from None
+    shown = json.dumps(name)
+    if name.startswith("/"):
+        raise _Fatal(f"member name {shown} is an absolute path")
+    if ".." in name.replace("\\", "/").split("/"):
+        raise _Fatal(f"member name {shown} escapes the archive ('..')")
+    kind = block[156:157]
+    if kind not in (b"0", b"\0"):
+        what = _TAR_TYPES.get(kind, f"of unsupported type {kind!r}")
+        raise _Fatal(f"member {shown} is {what}; a bundle holds only regular files")
+    return _Member(name, _octal(block[124:136], "size"))
+
+
+# --- JSON ----------------------------------------------------------------------------------------
+
+
+def _depth(line: bytes) -> int:
+    depth = top = 0
+    for m in _BRACKETS.finditer(_STRING.sub(b"", line)):
+        depth += 1 if m.group() in (b"[", b"{") else -1
+        top = max(top, depth)
+    return top
+
+
+def _duplicate_key(line: bytes) -> str | None:
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen = set()
+        for k, _ in items:
+            if k in seen and not found:
+                found.append(k)
+            seen.add(k)
+        return dict(items)
+
+    try:
+        json.loads(line, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return found[0] if found else None
+
+
+def _parse(line: bytes, what: str, limits: Limits) -> Any:
+    """Decode one canonical JSON document; raises _Fatal with the reason."""
+    if line.count(b"[") + line.count(b"{") > limits.depth and _depth(line) > limits.depth:
+        raise _Fatal(f"{what}: JSON nested deeper than {limits.depth} levels")
+    try:
+        value = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as u:
+            raise _Fatal(f"{what}: invalid UTF-8 at byte {u.start}") from None
+        raise _Fatal(f"{what}: invalid JSON: {e}") from None
+    try:
+        again = canonical.dumps(value)
+    except canonical.CanonicalError as e:
+        raise _Fatal(f"{what}: not canonical JSON: {e}") from None
+    if again != line:
+        dup = _duplicate_key(line)
+        if dup is not None:
+            raise _Fatal(f"{what}: duplicate JSON key {json.dumps(dup)}")
+        raise _Fatal(f"{what}: not canonical JSON (sorted keys, no whitespace, minimal escapes)")
+    return value
+
+
+# --- the verifier --------------------------------------------------------------------------------
+
+_epoch_days: dict[str, int] = {}
+
+
+def time_ns(text: str) -> int:
+    """ns since the epoch of a canonical bundle time (format.format_time); ValueError if it is not one."""
+    if not isinstance(text, str) or not _TIME(text):
+        raise ValueError(f"not an RFC 3339 UTC time with nine fraction digits: {text!r}")
+    day = text[:10]
+    days = _epoch_days.get(day)
+    if days is None:
+        days = (_dt.date.fromisoformat(day) - _dt.date(1970, 1, 1)).days
+        if len(_epoch_days) > 4096:
+            _epoch_days.clear()
+        _epoch_days[day] = days
+    h, m, s = int(text[11:13]), int(text[14:16]), int(text[17:19])
+    if h > 23 or m > 59 or s > 60:
+        raise ValueError(f"time out of range: {text!r}")
+    return ((days * 86400 + h * 3600 + m * 60 + s) * 1_000_000_000) + int(text[20:29])
+
+
+def _check_manifest(m: Any) -> list[str]:
+    problems = []
+    try:
+        fmt.Manifest.model_validate(m, strict=True)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(top)"
+        return [f"manifest.json: {loc}: {err['msg']}"]
+    if m["format_version"] != fmt.FORMAT_VERSION:
+        problems.append(
+            f"manifest.json: unsupported format_version {m['format_version']} (this reader: {fmt.FORMAT_VERSION})"
+        )
+    if not _RUN_ID(m["run_id"]):
+        problems.append(f"manifest.json: run_id {json.dumps(m['run_id'])} is not a valid run id")
+    if m["source"] != fmt.source_for(m["run_id"]):
+        problems.append("manifest.json: source does not match run_id")
+    for field in ("started_at", "finished_at"):
+        try:
+            time_ns(m[field])
+        except ValueError as e:
+            problems.append(f"manifest.json: {field}: {e}")
+    if not _HEX64(m["root_hash"]):
+        problems.append("manifest.json: root_hash is not a lowercase hex sha256")
+    if set(m["files"]) != {fmt.EVENTS_NAME}:
+        problems.append(
+            f"manifest.json: files must list exactly {fmt.EVENTS_NAME}, found {sorted(m['files'])}"
+        )
+    else:
+        entry = m["files"][fmt.EVENTS_NAME]
+        if not _HEX64(entry["sha256"]):
+            problems.append(f"manifest.json: files.{fmt.EVENTS_NAME}.sha256 is not a lowercase hex sha256")
+        if entry["size"] < 0:
+            problems.append(f"manifest.json: files.{fmt.EVENTS_NAME}.size is negative")
+    if m["events"] < 0 or any(v < 0 for v in m["counts"].values()):
+        problems.append("manifest.json: negative event count")
+    if m["lost"]["total"] != sum(m["lost"]["by_kind"].values()) or m["lost"]["total"] < 0:
+        problems.append("manifest.json: lost.total is not the sum of lost.by_kind")
+    return problems
+
+
+class _Verifier:
+    """One pass over a bundle. `events()` yields each event once it has been checked."""
+
+    def __init__(self, path: str, limits: Limits) -> None:
+        self.path = path
+        self.limits = limits
+        self.problems: list[str] = []
+        self.manifest: dict[str, Any] = {}
+        self.finished_at = -1
+
+    def fail(self, why: str) -> None:
+        self.problems.append(why)
+        if len(self.problems) >= MAX_PROBLEMS:
+            raise _Stop()
+
+    def _open(self) -> IO[bytes]:
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 - closed by the caller
+            size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            raise BundleError(f"cannot read bundle {self.path}: {e.strerror or e}") from None
+        if not Path(self.path).is_file():
+            f.close()
+            raise BundleError(f"cannot read bundle {self.path}: not a regular file")
+        if size > self.limits.compressed:
+            f.close()
+            raise VerificationError(
+                self.path, [f"file size {size} exceeds the limit of {self.limits.compressed} bytes"]
+            )
+        return f
+
+    def run(self, *, manifest_only: bool = False) -> Iterator[dict[str, Any]]:
+        f = self._open()
+        chunks = _Ahead(_inflate(f, self.limits)) if not manifest_only else _inflate(f, self.limits)
+        try:
+            yield from self._walk(_Stream(chunks), manifest_only)
+        except _Stop:
+            pass
+        except _Fatal as e:
+            self.problems.append(str(e))
+        except RecursionError:
+            self.problems.append("JSON nested too deeply")
+        finally:
+            chunks.close()
+            f.close()
+        if self.problems:
+            raise VerificationError(self.path, self.problems)
+
+    def _walk(self, s: _Stream, manifest_only: bool) -> Iterator[dict[str, Any]]:
+        first = _header(s.read(_BLOCK))
+        if first is None:
+            raise _Fatal("empty archive: no manifest.json")
+        if first.name != fmt.MANIFEST_NAME:
+            if first.name == fmt.EVENTS_NAME:
+                raise _Fatal(f"{fmt.MANIFEST_NAME} must be the first member, found {fmt.EVENTS_NAME}")
+            raise _Fatal(
+                f"unexpected member {json.dumps(first.name)} (a bundle holds only {', '.join(fmt.MEMBERS)})"
+            )
+        if first.size > self.limits.manifest:
+            raise _Fatal(f"{fmt.MANIFEST_NAME} is larger than the limit of {self.limits.manifest} bytes")
+        raw = s.read(first.size)
+        if len(raw) < first.size:
+            raise _Fatal(f"truncated tar archive (inside {fmt.MANIFEST_NAME})")
+        s.read((-first.size) % _BLOCK)
+        manifest = _parse(raw, fmt.MANIFEST_NAME, self.limits)
+        bad = _check_manifest(manifest)
+        if bad:
+            self.problems.extend(bad)
+            raise _Stop()
+        self.manifest = manifest
+        if manifest_only:
+            return
+        second = _header(s.read(_BLOCK))
+        if second is None:
+            raise _Fatal(f"archive has no {fmt.EVENTS_NAME}")
+        if second.name != fmt.EVENTS_NAME:
+            if second.name == fmt.MANIFEST_NAME:
+                raise _Fatal(f"duplicate member {fmt.MANIFEST_NAME}")
+            raise _Fatal(
+                f"unexpected member {json.dumps(second.name)} (a bundle holds only {', '.join(fmt.MEMBERS)})"
+            )
+        declared = manifest["files"][fmt.EVENTS_NAME]["size"]
+        if second.size > self.limits.decompressed:
+            raise _Fatal(f"{fmt.EVENTS_NAME} is larger than the limit of {self.limits.decompressed} bytes")
+        if second.size != declared:
+            raise _Fatal(f"{fmt.EVENTS_NAME} is {second.size} bytes, the manifest says {declared}")
+        yield from self._events(s, second.size)
+        s.read((-second.size) % _BLOCK)
+        self._trailer(s)
+
+    def _trailer(self, s: _Stream) -> None:
+        zeros = 0
+        while True:
+            block = s.read(_BLOCK)
+            if not block:
+                break
+            if block != bytes(len(block)):
+                if zeros < 2 * _BLOCK and len(block) == _BLOCK:
+                    member = _header(block)
+                    name = json.dumps(member.name) if member else "?"
+                    if member and member.name in fmt.MEMBERS:
+                        raise _Fatal(f"duplicate member {name}")
+                    raise _Fatal(f"unexpected member {name} (a bundle holds only {', '.join(fmt.MEMBERS)})")
+                raise _Fatal("unexpected data after the end of the tar archive")
+            zeros += len(block)
+            if zeros > _TRAILER_ZEROS:
+                raise _Fatal("unexpected data after the end of the tar archive (too much padding)")
+        if zeros < 2 * _BLOCK:
+            raise _Fatal("truncated tar archive (no end-of-archive marker)")
+
+    def _events(self, s: _Stream, size: int) -> Iterator[dict[str, Any]]:
+        """Stream, check and yield the events. The loop is the fast path for valid events (a
+        million of them must pass in a few seconds); anything unusual goes to _reason()."""
+        m = self.manifest
+        limits = self.limits
+        run_id = m["run_id"]
+        source = m["source"]
+        id_prefix = run_id + ":"
+        checkers = schemas.DATA_CHECKERS
+        envelope_keys = _ENVELOPE_KEYS
+        specversion = fmt.SPECVERSION
+        ctype = fmt.DATACONTENTTYPE
+        special = (fmt.RUN_STARTED, fmt.RUN_FINISHED)
+        loads = orjson.loads
+        dumps = orjson.dumps
+        sort = orjson.OPT_SORT_KEYS
+        json_errors = (orjson.JSONDecodeError, orjson.JSONEncodeError)
+        is_time = _TIME
+        sha256 = hashlib.sha256
+        file_hash = sha256()
+        root = sha256()
+        counts: dict[str, int] = {}
+        seq = 0
+        self.finished_at = -1
+        ok = True  # stop yielding after the first problem, keep looking for more
+        leftover = b""
+        remaining = size
+        while remaining:
+            chunk = s.read_some(min(remaining, _CHUNK))
+            if not chunk:
+                raise _Fatal(f"truncated tar archive (inside {fmt.EVENTS_NAME})")
+            remaining -= len(chunk)
+            file_hash.update(chunk)
+            lines = (leftover + chunk).split(b"\n") if leftover else chunk.split(b"\n")
+            leftover = lines.pop()
+            if len(leftover) > limits.line or (lines and max(map(len, lines)) > limits.line):
+                raise _Fatal(f"{fmt.EVENTS_NAME}: a line is longer than {limits.line} bytes")
+            if seq + len(lines) > limits.events:
+                raise _Fatal(f"{fmt.EVENTS_NAME}: more than {limits.events} events")
+            for line in lines:
+                why = None
+                try:
+                    ev = loads(line)
+                    good = (
+                        dumps(ev, option=sort) == line
+                        and ev.keys() == envelope_keys
+                        and ev["id"] == id_prefix + str(seq)
+                        and ev["seq"] == seq
+                        and type(ev["seq"]) is int
+                        and ev["runid"] == run_id
+                        and ev["source"] == source
+                        and ev["specversion"] == specversion
+                        and ev["datacontenttype"] == ctype
+                        and type(ev["subject"]) is str
+                        and type(ev["time"]) is str
+                        and is_time(ev["time"]) is not None
+                        and checkers[ev["type"]](ev["data"]) is None
+                    )
+                except (*json_errors, AttributeError, KeyError, TypeError):
+                    good = False
+                if good:
+                    etype = ev["type"]
+                    if seq == 0 or etype in special or self.finished_at >= 0:
+                        why = self._position(ev, seq)
+                else:
+                    why = self._reason(line, seq)  # raises _Fatal if the line cannot be parsed
+                if why is not None:
+                    self.fail(f"event {seq}: {why}")
+                    ok = False
+                    got = ev.get("seq") if good or type(ev) is dict else None
+                    if type(got) is int and got > seq:
+                        seq = got  # report a gap once, not on every later event
+                    seq += 1
+                    continue
+                core = {
+                    "data": ev["data"],
+                    "datacontenttype": ctype,
+                    "specversion": specversion,
+                    "subject": ev["subject"],
+                    "type": etype,
+                }
+                root.update(sha256(dumps(core, option=sort)).hexdigest().encode() + b"\n")
+                counts[etype] = counts.get(etype, 0) + 1
+                seq += 1
+                if ok:
+                    yield ev
+        if leftover:
+            raise _Fatal(f"{fmt.EVENTS_NAME} does not end with a newline")
+        if file_hash.hexdigest() != m["files"][fmt.EVENTS_NAME]["sha256"]:
+            self.fail(f"{fmt.EVENTS_NAME}: sha256 does not match the manifest (tampered?)")
+        if ok and root.hexdigest() != m["root_hash"]:
+            self.fail("root hash over the event content hashes does not match the manifest (tampered?)")
+        if ok and seq != m["events"]:
+            self.fail(f"manifest says {m['events']} events, the bundle holds {seq}")
+        if ok and counts != m["counts"]:
+            self.fail(f"manifest counts {m['counts']} do not match the events {counts}")
+
+    def _reason(self, line: bytes, seq: int) -> str:
+        """Why line `seq` is not a valid event (the slow path). Raises _Fatal for lines that are not
+        canonical JSON at all: after such a line nothing can be trusted."""
+        where = f"{fmt.EVENTS_NAME} line {seq + 1}"
+        ev = _parse(line, where, self.limits)
+        if type(ev) is not dict:
+            return "is not a JSON object"
+        keys = ev.keys()
+        if keys != _ENVELOPE_KEYS:
+            missing = _ENVELOPE_KEYS - keys
+            if missing:
+                return f"lacks attribute {sorted(missing)[0]!r}"
+            return f"has unknown attribute {json.dumps(sorted(keys - _ENVELOPE_KEYS)[0])}"
+        got = ev["seq"]
+        if type(got) is not int:
+            return f"seq is {_show(got)}, not an integer"
+        if got < seq:
+            return f"seq {got} repeats or goes back (expected {seq})"
+        if got > seq:
+            return f"seq {got} leaves a gap (expected {seq})"
+        run_id = self.manifest["run_id"]
+        if ev["runid"] != run_id:
+            return f"runid {_show(ev['runid'])} differs from the manifest's run_id"
+        if ev["id"] != fmt.event_id(run_id, seq):
+            return f"id {_show(ev['id'])} is not '{run_id}:{seq}'"
+        if ev["source"] != self.manifest["source"]:
+            return f"source {_show(ev['source'])} differs from the manifest's source"
+        if ev["specversion"] != fmt.SPECVERSION:
+            return f"specversion {_show(ev['specversion'])} is not '1.0'"
+        if ev["datacontenttype"] != fmt.DATACONTENTTYPE:
+            return f"datacontenttype {_show(ev['datacontenttype'])} is not {fmt.DATACONTENTTYPE!r}"
+        if type(ev["subject"]) is not str:
+            return "subject is not a string"
+        if type(ev["time"]) is not str or not _TIME(ev["time"]):
+            return f"time {_show(ev['time'])} is not an RFC 3339 UTC time with nine fraction digits"
+        etype = ev["type"]
+        check = schemas.DATA_CHECKERS.get(etype) if type(etype) is str else None
+        if check is None:
+            return f"unknown event type {_show(etype)}"
+        bad = check(ev["data"])
+        if bad is not None:
+            return f"{etype} data {bad}"
+        return self._position(ev, seq) or "is not a valid event"
+
+    def _position(self, ev: dict[str, Any], seq: int) -> str | None:
+        """run.started first and only once; nothing after run.finished."""
+        etype = ev["type"]
+        if seq == 0:
+            if etype != fmt.RUN_STARTED:
+                return f"the first event must be {fmt.RUN_STARTED}, not {etype}"
+            return self._match_started(ev["data"])
+        if etype == fmt.RUN_STARTED:
+            return f"a second {fmt.RUN_STARTED}"
+        if self.finished_at >= 0:
+            return f"event after {fmt.RUN_FINISHED} (event {self.finished_at})"
+        if etype == fmt.RUN_FINISHED:
+            self.finished_at = seq
+        return None
+
+    def _match_started(self, data: dict[str, Any]) -> str | None:
+        m = self.manifest
+        for field in ("session_id", "command", "cwd", "detail"):
+            if data[field] != m[field]:
+                return f"{fmt.RUN_STARTED} {field} differs from the manifest"
+        return None
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Bundle:
+    """An opened bundle: its checked manifest, and a verifying event stream."""
+
+    def __init__(self, path: str | os.PathLike[str], limits: Limits | None = None) -> None:
+        self.path = str(path)
+        self.limits = limits or Limits()
+        v = _Verifier(self.path, self.limits)
+        for _ in v.run(manifest_only=True):
+            pass
+        self.manifest: dict[str, Any] = v.manifest
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """Every event, in sequence order, verifying as it goes; raises VerificationError (at the
+        latest when exhausted) if anything is wrong."""
+        return _Verifier(self.path, self.limits).run()
+
+    def verify(self) -> None:
+        for _ in self.events():
+            pass
+
+    @property
+    def run_id(self) -> str:
+        return str(self.manifest["run_id"])
+
+
+def open_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
+    return Bundle(path, limits)
+
+
+def read_manifest(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, Any]:
+    """The manifest of a bundle that passes full verification."""
+    b = Bundle(path, limits)
+    b.verify()
+    return b.manifest
+
+
+def read_events(path: str | os.PathLike[str], limits: Limits | None = None) -> Iterator[dict[str, Any]]:
+    """The events of a bundle that passes full verification (checked in a first pass, then streamed
+    in a second pass that verifies again, so a file changed in between is caught too)."""
+    b = Bundle(path, limits)
+    b.verify()
+    return b.events()

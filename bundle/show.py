@@ -1,0 +1,179 @@
+"""`evidence show BUNDLE`: a readable summary of a verified bundle, in plain text.
+
+The process tree (from process.exec pid/ppid), files grouped by access, network destinations,
+denials, loss and the exit code. Sections list at most --limit entries (0: all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from bundle import format as fmt
+from bundle import reader
+
+logger = logging.getLogger(__name__)
+
+MAX_TRACKED = 100_000  # distinct processes / paths / destinations kept in memory
+
+
+@dataclasses.dataclass
+class Summary:
+    manifest: dict[str, Any]
+    started: dict[str, Any] | None = None
+    finished: dict[str, Any] | None = None
+    procs: dict[int, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # pid -> execs
+    files: dict[str, dict[str, list[Any]]] = dataclasses.field(
+        default_factory=dict
+    )  # class -> path -> [count, failure]
+    network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    denials: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    degradations: list[str] = dataclasses.field(default_factory=list)
+    lost: dict[str, int] = dataclasses.field(default_factory=dict)
+    untracked: int = 0
+
+
+def summarise(path: str) -> Summary:
+    bundle = reader.open_bundle(path)
+    s = Summary(bundle.manifest)
+    for ev in bundle.events():
+        t, d = ev["type"], ev["data"]
+        if t == fmt.PROCESS_EXEC:
+            if d["pid"] in s.procs or len(s.procs) < MAX_TRACKED:
+                s.procs.setdefault(d["pid"], []).append(d)
+            else:
+                s.untracked += 1
+        elif t == fmt.FILE_OPEN:
+            failed = d["result"] != 0
+            klass = "failed" if failed else "+".join(sorted(set(d["access"]) - {"read"})) or "read"
+            group = s.files.setdefault(klass, {})
+            key = f"{d['path']} ({d['result']})" if failed else d["path"]
+            if key in group or len(group) < MAX_TRACKED:
+                group.setdefault(key, [0])[0] += d.get("count", 1)
+            else:
+                s.untracked += 1
+        elif t == fmt.NETWORK_CONNECT:
+            dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
+            if dest in s.network or len(s.network) < MAX_TRACKED:
+                s.network.setdefault(dest, [0, d.get("exe")])[0] += d.get("count", 1)
+        elif t == fmt.POLICY_DENIAL:
+            how = "denied" if d["enforced"] else "would deny"
+            key = f"{how} {d['operation']} {d['target']} (rule {d['rule']}, by {d.get('exe') or '?'})"
+            if key in s.denials or len(s.denials) < MAX_TRACKED:
+                s.denials.setdefault(key, [0])[0] += d.get("count", 1)
+        elif t == fmt.LOSS:
+            s.lost[d["kind"]] = s.lost.get(d["kind"], 0) + d["count"]
+        elif t == fmt.DEGRADATION:
+            s.degradations.append(f"{d['component']}: {d['reason']} (impact: {d['impact']})")
+        elif t == fmt.RUN_STARTED:
+            s.started = d
+        elif t == fmt.RUN_FINISHED:
+            s.finished = d
+    return s
+
+
+def _argv(argv: list[str], width: int = 160) -> str:
+    text = " ".join(a if a and " " not in a else repr(a) for a in argv)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _limited(lines: list[str], limit: int) -> list[str]:
+    if limit and len(lines) > limit:
+        return lines[:limit] + [f"  ... {len(lines) - limit} more (--limit 0 shows all)"]
+    return lines
+
+
+def _tree(s: Summary, limit: int) -> list[str]:
+    children: dict[int, list[int]] = {}
+    for pid, execs in s.procs.items():
+        children.setdefault(execs[0]["ppid"], []).append(pid)
+    roots = sorted(pid for pid, execs in s.procs.items() if execs[0]["ppid"] not in s.procs)
+    out: list[str] = []
+    seen: set[int] = set()
+
+    def walk(pid: int, prefix: str, last: bool, top: bool) -> None:
+        if pid in seen:  # pid reuse can make a loop
+            return
+        seen.add(pid)
+        branch = "" if top else ("`- " if last else "|- ")
+        for i, d in enumerate(s.procs[pid]):
+            status = "" if d["result"] == 0 else f"  [failed: {d['result']}]"
+            lead = prefix + branch if i == 0 else prefix + ("   " if last or top else "|  ") + "-> exec "
+            out.append(f"{lead}{pid} {_argv(d['argv']) or d['filename']}{status}")
+        kids = sorted(children.get(pid, []))
+        for j, kid in enumerate(kids):
+            walk(kid, prefix + ("" if top else ("   " if last else "|  ")), j == len(kids) - 1, False)
+
+    for r in roots:
+        walk(r, "  ", True, True)
+    return _limited(out, limit)
+
+
+def render(s: Summary, limit: int = 50) -> str:
+    m = s.manifest
+    out = [
+        f"Run {m['run_id']}  ({m['detail']} detail, {m['events']} events, evidence {m['producer'].get('version', '?')})"
+    ]
+    out.append(f"  command: {_argv(m['command'])}")
+    out.append(f"  cwd:     {m['cwd']}")
+    duration = ""
+    if s.finished:
+        duration = f"  ({s.finished['duration_ns'] / 1e9:.3f} s)"
+    out.append(f"  time:    {m['started_at']} .. {m['finished_at']}{duration}")
+    if s.finished is None:
+        exit_text = "unknown (no run.finished event)"
+    elif s.finished.get("signal"):
+        exit_text = f"killed by {s.finished['signal']}"
+    else:
+        exit_text = str(s.finished["exit_code"])
+    out.append(f"  exit:    {exit_text}" + ("  (cut short)" if m.get("cut_short") else ""))
+    lost = m["lost"]["total"]
+    kinds = ", ".join(f"{k} {v}" for k, v in m["lost"]["by_kind"].items() if v)
+    out.append(
+        f"  lost:    {lost} events ({kinds}): what is absent may not have been recorded"
+        if lost
+        else "  lost:    none"
+    )
+    out.append(f"  policy:  {'observe only' if m.get('policy') is None else 'enforced'}")
+    for d in s.degradations:
+        out.append(f"  degraded: {d}")
+    n_exec = sum(len(v) for v in s.procs.values())
+    out += ["", f"Processes ({n_exec} execs):"] + (_tree(s, limit) or ["  none"])
+    out += ["", f"Files ({sum(len(g) for g in s.files.values())} paths):"]
+    order = sorted(s.files, key=lambda k: (k == "failed", k == "read", k))
+    for klass in order:
+        group = s.files[klass]
+        out.append(f"  {klass}:")
+        lines = [f"    {p}" + (f" (x{c[0]})" if c[0] > 1 else "") for p, c in sorted(group.items())]
+        out += _limited(lines, limit)
+    if not s.files:
+        out.append("  none")
+    out += ["", f"Network ({len(s.network)} destinations):"]
+    lines = [
+        f"  {dest}  by {v[1] or '?'}" + (f" (x{v[0]})" if v[0] > 1 else "")
+        for dest, v in sorted(s.network.items())
+    ]
+    out += _limited(lines, limit) or ["  none"]
+    out += ["", f"Denials ({len(s.denials)}):"]
+    lines = [f"  {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.denials.items())]
+    out += _limited(lines, limit) or ["  none"]
+    if s.untracked:
+        out += [
+            "",
+            f"({s.untracked} events beyond {MAX_TRACKED} distinct entries per section are not listed)",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", help="the bundle (.tar.gz) to summarise")
+    parser.add_argument("--limit", type=int, default=50, help="entries per section (default 50, 0: all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = summarise(args.bundle)
+    sys.stdout.write(render(summary, max(0, args.limit)))
+    return 0
