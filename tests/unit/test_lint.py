@@ -1,0 +1,240 @@
+"""evidence lint: each rule fires on the run that deserves it and stays quiet otherwise; output
+formats; --fail-on; --explain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from bundle import lint
+from evidence.cli import main
+from tests.unit.conftest_bundles import WS, connect, exec_, open_, records, write
+
+
+def _lint(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
+    code = main(["lint", "--format", "json", *extra, str(path)])
+    return code, orjson.loads(capsys.readouterr().out)
+
+
+def _codes(doc: dict[str, Any]) -> list[str]:
+    return sorted({f["rule"] for f in doc["findings"]})
+
+
+def test_clean_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = _lint(write(tmp_path / "a.tar.gz"), capsys)
+    assert code == 0 and doc["verified"] and doc["findings"] == []
+
+
+@pytest.mark.parametrize(
+    ("recs", "over", "rule"),
+    [
+        ([], {"lost": {"ringbuf": 7}}, "EV001"),
+        (
+            [],
+            {
+                "degradations": [
+                    {
+                        "component": "landlock",
+                        "reason": "kernel lacks ABI 3",
+                        "impact": "truncate not enforced",
+                    }
+                ]
+            },
+            "EV002",
+        ),
+        (
+            [
+                exec_(
+                    9100,
+                    200,
+                    101,
+                    "/usr/bin/curl",
+                    ["curl", "-H", "Authorization: Bearer abcdefghijkl0123", "https://x"],
+                )
+            ],
+            {},
+            "EV003",
+        ),
+        (
+            [
+                exec_(
+                    9100,
+                    200,
+                    101,
+                    "/usr/bin/git",
+                    ["git", "push", "https://ghp_" + "a" * 36 + "@github.com/x"],
+                )
+            ],
+            {},
+            "EV003",
+        ),
+        ([exec_(9100, 200, 101, "/usr/bin/aws", ["aws", "--key", "AKIAABCDEFGHIJKLMNOP"])], {}, "EV003"),
+        ([exec_(9100, 200, 101, "/usr/bin/x", ["x", "--password=hunter22"])], {}, "EV003"),
+        ([open_(9100, "/home/ci/sk-abcdefghijklmnopqrstu.txt", ["read"])], {}, "EV003"),
+        ([], {"command": ["deploy", "xoxb-1234567890-abcdef"]}, "EV003"),
+        ([open_(9100, "/home/ci/.bashrc", ["write"])], {}, "EV004"),
+        ([open_(9100, "/usr/local/bin/tool", ["create", "write"])], {}, "EV004"),
+        ([connect(9100, "140.82.112.3", 443)], {}, "EV005"),
+        ([connect(9100, "2606:4700::1111", 443, family="AF_INET6", result="ECONNREFUSED")], {}, "EV005"),
+        ([exec_(9100, 200, 101, "/tmp/dropper", ["/tmp/dropper"])], {}, "EV006"),
+        ([exec_(9100, 200, 101, "/dev/shm/x", ["x"])], {}, "EV006"),
+        ([], {"cut_short": True}, "EV007"),
+        ([open_(-2_000_000_000, WS + "/late", ["read"])], {}, "EV008"),
+    ],
+)
+def test_rule_fires(
+    recs: list[dict[str, Any]],
+    over: dict[str, Any],
+    rule: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = write(tmp_path / "a.tar.gz", [*records(), *recs], **over)
+    _, doc = _lint(path, capsys, "--fail-on", "none")
+    assert rule in _codes(doc), doc["findings"]
+    f = next(f for f in doc["findings"] if f["rule"] == rule)
+    assert f["severity"] == lint.RULES[rule].severity and f["message"]
+
+
+def test_secret_is_redacted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    token = "ghp_" + "Z" * 36
+    path = write(tmp_path / "a.tar.gz", [*records(), exec_(9100, 200, 101, "/usr/bin/git", ["git", token])])
+    code = main(["lint", str(path)])
+    out = capsys.readouterr().out
+    assert code == 1 and "EV003" in out and token not in out and "ghp_ZZ..." in out
+
+
+@pytest.mark.parametrize(
+    ("recs", "over"),
+    [
+        (
+            [
+                open_(9100, "/tmp/scratch", ["write", "create"]),
+                open_(9100, "/dev/null", ["write"]),
+                open_(9100, WS + "/out", ["write"]),
+            ],
+            {},
+        ),
+        (
+            [open_(9100, "/etc/passwd", ["write"], result="EACCES"), open_(9100, "rel/path", ["write"])],
+            {},
+        ),  # failed / relative: not judged
+        ([open_(9100, "/srv/ws/out", ["write"])], {"policy": {"workspace": "/srv/ws"}}),
+        (
+            [
+                connect(9100, "127.0.0.1", 80),
+                connect(9100, "::1", 80, family="AF_INET6"),
+                connect(9100, "/run/x.sock", None, family="AF_UNIX"),
+            ],
+            {},
+        ),
+        ([connect(9100, "140.82.112.3", 443)], {"policy": {"workspace": WS}}),  # a policy was in force
+        ([exec_(9100, 200, 101, "/tmp/x", ["x"], result="ENOENT")], {}),  # failed exec
+        (
+            [exec_(9100, 200, 101, "/tmp/build/bin/tool", ["tool"])],
+            {"cwd": "/tmp/build", "policy": None},
+        ),  # inside the workspace
+        ([exec_(9100, 200, 101, "/usr/bin/env", ["env", "FOO=bar", "--token"])], {}),
+    ],
+)
+def test_rules_stay_quiet(
+    recs: list[dict[str, Any]], over: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reads_only = [r for r in records() if "write" not in r.get("access", ())]
+    path = write(tmp_path / "a.tar.gz", [*reads_only, *recs], **over)
+    _, doc = _lint(path, capsys, "--fail-on", "none")
+    assert _codes(doc) == [], doc["findings"]
+
+
+def test_fail_on_thresholds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "a.tar.gz", [*records(), connect(9100, "140.82.112.3", 443)])  # one warning
+    assert main(["lint", str(path)]) == 0
+    assert main(["lint", "--fail-on", "warn", str(path)]) == 1
+    assert main(["lint", "--fail-on", "info", str(path)]) == 1
+    assert main(["lint", "--fail-on", "none", str(path)]) == 0
+    capsys.readouterr()
+
+
+def test_findings_are_deduplicated_with_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = [*records(), *[exec_(9100 + i, 300 + i, 101, "/tmp/x", ["x"]) for i in range(5)]]
+    _, doc = _lint(write(tmp_path / "a.tar.gz", recs), capsys)
+    ev6 = [f for f in doc["findings"] if f["rule"] == "EV006"]
+    assert len(ev6) == 1 and ev6[0]["count"] == 5
+
+
+def test_sarif_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(
+        tmp_path / "a.tar.gz",
+        [*records(), connect(9100, "140.82.112.3", 443), open_(9200, "/etc/x", ["write"])],
+    )
+    assert main(["lint", "--format", "sarif", str(path)]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["version"] == "2.1.0"
+    run = doc["runs"][0]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == list(lint.RULES)
+    for r in rules:
+        assert {
+            "id",
+            "name",
+            "shortDescription",
+            "fullDescription",
+            "help",
+            "defaultConfiguration",
+        } <= r.keys()
+        assert r["defaultConfiguration"]["level"] in ("error", "warning", "note")
+    assert {res["ruleId"] for res in run["results"]} == {"EV004", "EV005"}
+    for res in run["results"]:
+        assert res["level"] in ("error", "warning", "note")
+        loc = res["locations"][0]
+        assert loc["physicalLocation"]["artifactLocation"]["uri"].endswith("a.tar.gz")
+        assert loc["logicalLocations"][0]["name"].startswith("run-")
+        assert len(res["partialFingerprints"]["evidenceFinding/v1"]) == 64
+    # stable across runs: a second bundle of a run that did the same thing gives the same fingerprints
+    other = write(
+        tmp_path / "b.tar.gz",
+        [*records(), connect(9100, "140.82.112.3", 443), open_(9200, "/etc/x", ["write"])],
+        session_id="other",
+    )
+    main(["lint", "--format", "sarif", str(other)])
+    again = orjson.loads(capsys.readouterr().out)["runs"][0]["results"]
+    assert sorted(r["partialFingerprints"]["evidenceFinding/v1"] for r in again) == sorted(
+        r["partialFingerprints"]["evidenceFinding/v1"] for r in run["results"]
+    )
+
+
+def test_sarif_validates_against_the_sarif_schema_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the parts of SARIF 2.1.0 that GitHub code scanning requires
+    path = write(tmp_path / "a.tar.gz", [*records(), open_(9200, "/etc/x", ["write"])])
+    main(["lint", "--format", "sarif", str(path)])
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["$schema"].endswith("sarif-2.1.0.json")
+    driver = doc["runs"][0]["tool"]["driver"]
+    assert driver["name"] and driver["version"]
+    res = doc["runs"][0]["results"][0]
+    assert res["message"]["text"] and res["ruleIndex"] == list(lint.RULES).index(res["ruleId"])
+
+
+def test_text_output_and_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "a.tar.gz", [*records(), open_(9200, "/etc/x", ["write"])])
+    assert main(["lint", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "verified" in out and "warning EV004 write-outside-workspace" in out and "1 findings" in out
+    for code, rule in lint.RULES.items():
+        assert main(["lint", "--explain", code]) == 0
+        assert rule.explain in capsys.readouterr().out
+    assert main(["lint", "--explain", "secret-exposed"]) == 0
+    capsys.readouterr()
+    assert main(["lint", "--explain", "EV999"]) == 2
+    assert "no lint rule" in capsys.readouterr().err
+    assert main(["lint"]) == 2
+
+
+def test_run_without_finished_event_is_flagged() -> None:
+    linter = lint.Linter({"cwd": WS, "policy": None, "lost": {"total": 0, "by_kind": {}}, "cut_short": False})
+    assert [f.rule.code for f in linter.findings()] == ["EV007"]

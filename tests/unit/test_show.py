@@ -1,0 +1,53 @@
+"""evidence show: process tree, files by access, network, denials, loss, exit code; plain text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evidence.cli import main
+from tests.unit.conftest_bundles import WS, denial, exec_, records, write
+
+
+def test_show_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = [
+        *records(),
+        denial(9000, "/etc/shadow"),
+        exec_(9100, 104, 101, "/usr/bin/ld", ["ld", "-o", "app"], depth=1),
+    ]
+    path = write(tmp_path / "a.tar.gz", recs, lost={"ringbuf": 4}, exit_code=2)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("Run run-")
+    assert "  exit:    2" in lines and any(
+        line.startswith("  lost:    4 events (ringbuf 4)") for line in lines
+    )
+    tree = lines[lines.index("Processes (4 execs):") + 1 :]
+    assert tree[:4] == [
+        "  101 make test",
+        "  |- 102 sh -c 'cc -o app app.c'",
+        "  |  `- 103 cc -o app app.c",
+        "  `- 104 ld -o app",
+    ]
+    assert f"    {WS}/Makefile (x2)" in lines
+    assert "  create+write:" in lines and "  failed:" in lines and "    /etc/missing.conf (ENOENT)" in lines
+    assert "  127.0.0.1:8080  by /usr/bin/curl" in lines
+    assert "  denied write /etc/shadow (rule workspace-only, by /bin/sh)" in lines
+    assert out.isascii()
+
+
+def test_show_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = [*records(), *[exec_(9100 + i, 200 + i, 101, "/bin/true", ["true", str(i)]) for i in range(10)]]
+    path = write(tmp_path / "a.tar.gz", recs)
+    main(["show", "--limit", "3", str(path)])
+    assert "more (--limit 0 shows all)" in capsys.readouterr().out
+    main(["show", "--limit", "0", str(path)])
+    assert "true 9" in capsys.readouterr().out
+
+
+def test_show_bad_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(tmp_path / "missing.tar.gz")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
