@@ -86,17 +86,26 @@ def _limited(lines: list[str], limit: int) -> list[str]:
     return lines
 
 
+MAX_INDENT = 32  # deeper levels are drawn at this indentation (a hostile bundle may nest 1M deep)
+
+
 def _tree(s: Summary, limit: int) -> list[str]:
+    """The process tree, drawn iteratively (no recursion: depth is attacker-controlled)."""
     children: dict[int, list[int]] = {}
     for pid, execs in s.procs.items():
         children.setdefault(execs[0]["ppid"], []).append(pid)
     roots = sorted(pid for pid, execs in s.procs.items() if execs[0]["ppid"] not in s.procs)
+    roots += sorted(set(s.procs) - set(roots) - {k for v in children.values() for k in v})
     out: list[str] = []
     seen: set[int] = set()
-
-    def walk(pid: int, prefix: str, last: bool, top: bool) -> None:
+    # (pid, prefix, last, top)
+    stack = [(r, "  ", True, True) for r in reversed(roots)]
+    while stack:
+        if limit and len(out) > limit:
+            return out[:limit] + ["  ... more (--limit 0 shows all)"]
+        pid, prefix, last, top = stack.pop()
         if pid in seen:  # pid reuse can make a loop
-            return
+            continue
         seen.add(pid)
         branch = "" if top else ("`- " if last else "|- ")
         for i, d in enumerate(s.procs[pid]):
@@ -104,12 +113,12 @@ def _tree(s: Summary, limit: int) -> list[str]:
             lead = prefix + branch if i == 0 else prefix + ("   " if last or top else "|  ") + "-> exec "
             out.append(f"{lead}{pid} {_argv(d['argv']) or d['filename']}{status}")
         kids = sorted(children.get(pid, []))
-        for j, kid in enumerate(kids):
-            walk(kid, prefix + ("" if top else ("   " if last else "|  ")), j == len(kids) - 1, False)
-
-    for r in roots:
-        walk(r, "  ", True, True)
-    return _limited(out, limit)
+        inner = prefix if top else prefix + ("   " if last else "|  ")
+        if len(inner) > 2 + 3 * MAX_INDENT:
+            inner = prefix
+        for j in range(len(kids) - 1, -1, -1):
+            stack.append((kids[j], inner, j == len(kids) - 1, False))
+    return out
 
 
 def render(s: Summary, limit: int = 50) -> str:

@@ -51,3 +51,12 @@ def test_show_bad_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["show", str(tmp_path / "missing.tar.gz")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
+
+
+def test_show_deep_process_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chain = [exec_(1000 + i, 1000 + i, 999 + i, "/bin/sh", ["sh", str(i)], depth=i) for i in range(5000)]
+    path = write(tmp_path / "deep.tar.gz", chain)
+    assert main(["show", "--limit", "0", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1000 sh 0" in out and "5999 sh 4999" in out
+    assert max(len(line) for line in out.splitlines()) < 200
