@@ -251,6 +251,7 @@ class RecorderBackend:
         self._lost_done: dict[str, int] = {}
         self._started = 0
         self._finished = 0
+        self._bundles = 0
         self._bundle_bytes = 0
         self._lag = 0.0
         self._lag_probe_since: float | None = None
@@ -451,6 +452,7 @@ class RecorderBackend:
         with self._lock:
             self._runs.pop(sid, None)
             self._finished += 1
+            self._bundles += 1
             self._bundle_bytes += size
             for k, v in by_kind.items():
                 self._lost_done[k] = self._lost_done.get(k, 0) + int(v)
@@ -496,6 +498,16 @@ class RecorderBackend:
         sha, _ = _file_sha256(bundle_path)
         self.update_labels(new.session.session_id, {"previous_bundle_sha256": sha})
         return new, sha
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait for finishes in progress (API requests) to end; True when no run is left."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._runs:
+                    return True
+            time.sleep(0.05)
+        return False
 
     # state
 
@@ -552,7 +564,7 @@ class RecorderBackend:
                 runs_finished=self._finished,
                 consumer_lag_seconds=lag,
                 bundle_bytes=self._bundle_bytes,
-                bundles_written=self._finished,
+                bundles_written=self._bundles,
             )
 
 

@@ -189,6 +189,8 @@ class Daemon:
                 written = backend.finish_all(cut_short=True)
                 if written:
                     logger.info("wrote %d bundle(s) of runs cut short", len(written))
+                if not backend.wait_idle(60):
+                    logger.warning("a run was still being finished when the agent stopped")
             if uploader is not None:
                 uploader.stop()
             if streamer is not None:

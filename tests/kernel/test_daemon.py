@@ -207,12 +207,16 @@ def test_attach_late_two_runs_metrics(tmp_path: Path, cgroups: Path, listener: i
 
         a.run()
         b.run()
-        metrics = agent.metrics()
+        kinds = ("inventory", "open", "exec", "connect")
+
+        def counted() -> dict[str, float] | None:  # the consumer is asynchronous: wait for it
+            got = agent.metrics()
+            return (
+                got if all(got.get(f'evidence_events_total{{kind="{k}"}}', 0) >= 2 for k in kinds) else None
+            )
+
+        metrics = _wait_for(counted, agent)
         assert metrics["evidence_runs_active"] == 2
-        assert metrics['evidence_events_total{kind="inventory"}'] >= 2
-        assert metrics['evidence_events_total{kind="open"}'] >= 2
-        assert metrics['evidence_events_total{kind="exec"}'] >= 2
-        assert metrics['evidence_events_total{kind="connect"}'] >= 2
         assert metrics["evidence_consumer_lag_seconds"] >= 0
 
         manifest, events = finish(agent, sid_a, tmp_path / "a.tar.gz")

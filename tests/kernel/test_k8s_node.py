@@ -236,14 +236,11 @@ def test_long_lived_pod_is_cut_into_chained_windows(node: Node) -> None:
         out = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and out.count(b"t\n") == n, out
         node.remove_pod(pod)
-        last = _wait(
-            "the last window",
-            lambda: uid not in _pod_runs(agent) and sorted(agent.bundles.glob(f"batch_loop_{uid}-*.tar.gz")),
-            agent=agent,
-        )
+        _wait("the pod's run to end", lambda: uid not in _pod_runs(agent), agent=agent)
     finally:
-        assert agent.stop() == 0, agent.output()
-    bundles = sorted(last, key=lambda p: int(p.name.removesuffix(".tar.gz").rsplit("-", 1)[1]))
+        assert agent.stop() == 0, agent.output()  # waits for the last window's bundle
+    found = list(agent.bundles.glob(f"batch_loop_{uid}-*.tar.gz"))
+    bundles = sorted(found, key=lambda p: int(p.name.removesuffix(".tar.gz").rsplit("-", 1)[1]))
     assert len(bundles) >= 3, [b.name for b in bundles]
     cats = 0
     previous = None
