@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import zlib
 from collections.abc import Iterator
@@ -178,7 +179,14 @@ class _Ahead:
     def __next__(self) -> bytes:
         if self._ended:
             raise StopIteration
-        item = self._queue.get()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._ended = True
+                    raise _Fatal("the decompressing thread stopped without a result") from None
         if item is self._END:
             self._ended = True
             raise StopIteration
@@ -408,6 +416,8 @@ class _Verifier:
 
     def _open(self) -> IO[bytes]:
         try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):  # never block on a FIFO or a device
+                raise BundleError(f"cannot read bundle {self.path}: not a regular file")
             f = open(self.path, "rb")  # noqa: SIM115 - closed by the caller
             size = os.fstat(f.fileno()).st_size
         except OSError as e:
