@@ -99,10 +99,9 @@ class Recorder:
         self._lock = threading.Lock()
         self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
         self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
-        self._batch: list[bytes] = []
         self._stop = threading.Event()
         self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0}
-        self.probes.open_ring(self._batch.append)
+        self._ring = self.probes.ring()
         self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
         self._poller.start()
@@ -213,22 +212,30 @@ class Recorder:
         self.probes.close(background=background)
 
     # ---- threads ------------------------------------------------------------------------------
-    def _flush_batch(self) -> None:
-        if self._batch:
-            batch = self._batch[:]
-            self._batch.clear()
+    def queue_depth(self) -> int:
+        """Batches read from the ring buffer and not yet correlated (consumer lag)."""
+        return self._queue.qsize()
+
+    def _drain_ring(self) -> None:
+        while True:
+            batch = self._ring.read()
+            if not batch:
+                return
             self._queue.put(batch)  # blocks when full: back-pressure goes to the ring buffer
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.probes.poll(POLL_MS)
-                self._flush_batch()
+                if self._barriers.empty():
+                    self._ring.wait(POLL_MS)
+                self._drain_ring()
                 if not self._barriers.empty():
-                    self.probes.consume()
-                    self._flush_batch()
+                    barriers = []
                     while not self._barriers.empty():
-                        self._queue.put(self._barriers.get())
+                        barriers.append(self._barriers.get())
+                    self._drain_ring()  # everything written before the barrier was asked for
+                    for b in barriers:
+                        self._queue.put(b)
             except Exception:  # pragma: no cover - keep recording whatever happens
                 logger.exception("ring buffer poll failed")
                 time.sleep(0.1)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from collections.abc import Callable
+import mmap
 from pathlib import Path
 from typing import Any
 
 from probes import btf
 from probes.render import ProbeConfig, render
+from probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class RecorderProbes:
         self._tracked = self.bpf["tracked"]
         self._cache = self.bpf["cgcache"]
         self._lost = self.bpf["lost"]
+        self._ring: RingBuffer | None = None
 
     def track(self, cgroup_id: int, slot: int) -> None:
         self._tracked[ctypes.c_uint64(cgroup_id)] = ctypes.c_uint32(slot)
@@ -88,19 +90,11 @@ class RecorderProbes:
                 out[KIND_NAMES[kind]] = int(n)
         return out
 
-    def open_ring(self, on_record: Callable[[bytes], None]) -> None:
-        def _cb(_ctx: Any, data: Any, size: int) -> int:
-            on_record(ctypes.string_at(data, size))
-            return 0
-
-        self._cb = _cb  # keep a reference: BCC holds only a C pointer
-        self.bpf["events"].open_ring_buffer(_cb)
-
-    def poll(self, timeout_ms: int) -> None:
-        self.bpf.ring_buffer_poll(timeout_ms)
-
-    def consume(self) -> None:
-        self.bpf.ring_buffer_consume()
+    def ring(self) -> RingBuffer:
+        """The events ring buffer, read in bulk over mmap (see probes/ringbuf.py)."""
+        if self._ring is None:
+            self._ring = RingBuffer(self.bpf["events"].map_fd, self.config.ringbuf_pages * mmap.PAGESIZE)
+        return self._ring
 
     def close(self, background: bool = False) -> None:
         """Detach and unload. Detaching a tracepoint waits for an RCU grace period (~80 ms each here,

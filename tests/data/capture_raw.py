@@ -50,8 +50,7 @@ def main() -> None:
     mount_tracefs()
     ensure_headers()
     probes = RecorderProbes()
-    raw: list[bytes] = []
-    probes.open_ring(raw.append)
+    ring = probes.ring()
     cg = RunCgroup.create(f"capture-{os.getpid()}")
     probes.track(cg.id, 1)
     procs = cg.procs_file()
@@ -62,7 +61,7 @@ def main() -> None:
 
     subprocess.run(["/usr/bin/python3", "-S", "-c", SCRIPT], preexec_fn=pre, check=False)
     time.sleep(0.2)
-    probes.consume()
+    raw = ring.read()
     probes.untrack(cg.id)
     cg.wait_empty()
     cg.remove()
