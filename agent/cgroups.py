@@ -123,3 +123,33 @@ class RunCgroup:
                         logger.warning("cannot remove cgroup %s: %s", dirpath, e.strerror)
                         break
                     time.sleep(0.02)
+
+
+class CgroupNames:
+    """cgroup id -> path relative to a run's cgroup (None for the run's own), for the records of
+    processes in nested cgroups (containers, a job's own sub-cgroups). Unknown ids are looked up by
+    walking the run's subtree once per miss; a cgroup already gone is named by its id."""
+
+    def __init__(self, root: Path, root_id: int, limit: int = 65536) -> None:
+        self.root = root
+        self.root_id = root_id
+        self.limit = limit
+        self._names: dict[int, str | None] = {root_id: None}
+
+    def __call__(self, cgid: int) -> str | None:
+        try:
+            return self._names[cgid]
+        except KeyError:
+            pass
+        for dirpath, _dirs, _files in os.walk(self.root):
+            try:
+                ino = os.stat(dirpath).st_ino
+            except OSError:
+                continue
+            if len(self._names) < self.limit:
+                self._names.setdefault(ino, os.path.relpath(dirpath, self.root))
+        if cgid not in self._names:
+            if len(self._names) >= self.limit:
+                return f"cgroup-id:{cgid}"
+            self._names[cgid] = f"cgroup-id:{cgid}"
+        return self._names[cgid]

@@ -111,8 +111,15 @@ ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
 
 
 class Correlator:
-    def __init__(self, wall_offset_ns: int, proc_lookup: ProcLookup | None = None) -> None:
+    def __init__(
+        self,
+        wall_offset_ns: int,
+        proc_lookup: ProcLookup | None = None,
+        cgroup_name: Callable[[int], str | None] | None = None,
+    ) -> None:
         self.wall_offset_ns = wall_offset_ns
+        # cgroup id -> the name a record carries ("cgroup"), None for the run's own cgroup
+        self.cgroup_name = cgroup_name
         self.procs: dict[int, Proc] = {}
         self.pending: dict[int, dict[str, Any]] = {}
         self.proc_lookup = proc_lookup
@@ -147,6 +154,15 @@ class Correlator:
 
     def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         """Consume one decoded record; return the spool records it completes."""
+        out = self._feed(ev)
+        if out and self.cgroup_name is not None:
+            name = self.cgroup_name(ev.get("cgid", 0))
+            if name is not None:
+                for rec in out:
+                    rec["cgroup"] = name
+        return out
+
+    def _feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         kind = ev["kind"]
         t = ev["ts"] + self.wall_offset_ns
         if kind in ("open", "exec", "connect", "chdir", "fchdir", "dup"):

@@ -44,7 +44,7 @@ F_ARGS_TRUNC = 0x2
 F_ARGS_FAULT = 0x4
 F_FNAME_FAULT = 0x8
 
-HDR = struct.Struct("<QIIIHH")  # ts, run, tgid, tid, kind, flags
+HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 _OPEN = struct.Struct("<iIIHH")  # dfd, flags, mode, sc, path_len
 _EXEC = struct.Struct("<iIIHHI")  # dfd, at_flags, old_tid, fname_len, args_len, argc
 _FORK = struct.Struct("<II")
@@ -53,10 +53,10 @@ _CONNECT = struct.Struct("<iI")
 _CHDIR = struct.Struct("<iHH")
 _DUP = struct.Struct("<ii")
 _RET = struct.Struct("<IIq")
-OPEN_PATH_OFF = HDR.size + _OPEN.size  # 40
-EXEC_BUF_OFF = HDR.size + _EXEC.size  # 44
-CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 32
-CHDIR_PATH_OFF = HDR.size + _CHDIR.size  # 32
+OPEN_PATH_OFF = HDR.size + _OPEN.size  # 48
+EXEC_BUF_OFF = HDR.size + _EXEC.size  # 52
+CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 40
+CHDIR_PATH_OFF = HDR.size + _CHDIR.size  # 40
 
 
 class DecodeError(ValueError):
@@ -99,10 +99,11 @@ def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int | None]:
 def decode(raw: bytes) -> dict[str, Any]:
     if len(raw) < HDR.size:
         raise DecodeError(f"record of {len(raw)} bytes is shorter than its header")
-    ts, run, tgid, tid, kind, flags = HDR.unpack_from(raw, 0)
+    ts, cgid, run, tgid, tid, kind, flags = HDR.unpack_from(raw, 0)
     ev: dict[str, Any] = {
         "kind": KIND_NAMES.get(kind, kind),
         "ts": ts,
+        "cgid": cgid,
         "run": run,
         "tgid": tgid,
         "tid": tid,

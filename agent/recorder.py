@@ -72,6 +72,7 @@ class Session:
     extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     finished: bool = False
+    cgroup_names: Any = None  # agent.cgroups.CgroupNames for this run's subtree
     # Called with each batch of correlated records; returns records to add (policy denials).
     observer: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
 
@@ -119,7 +120,7 @@ class Recorder:
         attached_late: bool = False,
         session_id: str | None = None,
     ) -> Session:
-        from agent.cgroups import cgroup_id
+        from agent.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
             slot = next((s for s in range(1, self.probes.config.max_runs) if s not in self._sessions), None)
@@ -138,9 +139,11 @@ class Recorder:
                 labels=dict(labels or {}),
                 spool=SpoolWriter(self.spool_dir / f"{sid}.spool.zst"),
                 correlator=Correlator(self.wall_offset_ns, proc_lookup),
+                cgroup_names=CgroupNames(cgroup_path, cgroup_id(cgroup_path)),
                 started_ns=time.time_ns(),
                 attached_late=attached_late,
             )
+            session.correlator.cgroup_name = session.cgroup_names
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.track(session.cgroup_id, slot)

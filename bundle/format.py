@@ -77,6 +77,8 @@ class ProcessExec(BaseModel):
     cwd: str | None
     result: Result
     count: int = 1
+    cgroup: str | None = None  # the cgroup below the run's, when not the run's own
+    container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
 
 
 class ProcessExit(BaseModel):
@@ -86,6 +88,8 @@ class ProcessExit(BaseModel):
     exe: str | None
     exit_code: int | None
     signal: str | None = None
+    cgroup: str | None = None
+    container: str | None = None
 
 
 class FileOpen(BaseModel):
@@ -103,6 +107,8 @@ class FileOpen(BaseModel):
     count: int = 1
     first_time: str
     last_time: str
+    cgroup: str | None = None
+    container: str | None = None
 
 
 class NetworkConnect(BaseModel):
@@ -117,6 +123,8 @@ class NetworkConnect(BaseModel):
     count: int = 1
     first_time: str
     last_time: str
+    cgroup: str | None = None
+    container: str | None = None
 
 
 class Loss(BaseModel):

@@ -55,8 +55,8 @@ class RunMeta:
 
 # Kinds aggregated in summary mode, with the fields that make a record distinct.
 _SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "open": ("exe", "path", "access", "result"),
-    "connect": ("exe", "family", "address", "port", "result"),
+    "open": ("exe", "path", "access", "result", "cgroup", "container"),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
 }
 _KIND_TYPE = {

@@ -51,6 +51,7 @@
 
 struct hdr {
     u64 ts;
+    u64 cgid;  // the task's own cgroup (a descendant of the run's, e.g. a container)
     u32 run;
     u32 tgid;
     u32 tid;
@@ -163,6 +164,7 @@ static __always_inline void count_lost(u32 run, u32 kind) {
 static __always_inline void fill(struct hdr *h, u32 run, u16 kind) {
     u64 id = bpf_get_current_pid_tgid();
     h->ts = bpf_ktime_get_ns();
+    h->cgid = bpf_get_current_cgroup_id();
     h->run = run;
     h->tgid = id >> 32;
     h->tid = (u32)id;

@@ -141,7 +141,11 @@ def test_process_in_child_cgroup_is_recorded(tmp_path: Path) -> None:
     proc, manifest, events = record(tmp_path, PY, "-c", code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("/nested")
-    assert _opens(events, marker), "open from the nested cgroup is missing"
+    opens = _opens(events, marker)
+    assert opens, "open from the nested cgroup is missing"
+    assert opens[0]["cgroup"] == "nested"  # attributed to the sub-cgroup it came from
+    execs = _execs(events)
+    assert "cgroup" not in execs[0]  # the run's own cgroup is not named
 
 
 def test_exit_codes_pass_through(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def test_short_and_unknown_records_raise_decode_error() -> None:
     with pytest.raises(d.DecodeError):
         d.decode(b"\0" * 10)
     with pytest.raises(d.DecodeError):
-        d.decode(d.HDR.pack(1, 1, 1, 1, 99, 0))
+        d.decode(d.HDR.pack(1, 7, 1, 1, 1, 99, 0))
 
 
 @pytest.mark.parametrize(
@@ -53,5 +53,5 @@ def test_sockaddr(raw: bytes, expected: tuple) -> None:
 
 
 def test_non_utf8_paths_are_escaped_not_lost() -> None:
-    raw = d.HDR.pack(1, 1, 2, 2, d.EV_OPEN, 0) + struct.pack("<iIIHH", -100, 0, 0, 0, 5) + b"a\xffb\0\0"
+    raw = d.HDR.pack(1, 7, 1, 2, 2, d.EV_OPEN, 0) + struct.pack("<iIIHH", -100, 0, 0, 0, 5) + b"a\xffb\0\0"
     assert d.decode(raw)["path"] == "a\\xffb"
