@@ -203,8 +203,11 @@ class Recorder:
         spool_path = session.spool.path
         try:
             manifest = write_bundle(bundle_path, meta, lambda: read_spool(spool_path))
-        finally:
-            spool_path.unlink(missing_ok=True)
+        except BaseException:
+            # never lose what was recorded: the spool stays for a retry or for recovery
+            logger.error("run %s: bundle not written; its records stay in %s", session.session_id, spool_path)
+            raise
+        spool_path.unlink(missing_ok=True)
         return manifest
 
     def close(self, background: bool = False) -> None:

@@ -8,6 +8,7 @@ no user names), gzip header mtime 0 and no file name, canonical JSON everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -291,32 +292,26 @@ def write_bundle(out_path: str | Path, meta: RunMeta, records: Records) -> dict[
         manifest_bytes = canonical.dumps(manifest)
         fd, tmp_name = tempfile.mkstemp(prefix=".evidence-", suffix=".tmp", dir=out_dir)
         try:
-            with os.fdopen(fd, "wb") as raw:
-                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
-                    with tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-                        tar.addfile(
-                            _tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes)
-                        )
-                        events_tmp.seek(0)
-                        tar.addfile(_tarinfo(fmt.EVENTS_NAME, sink.size), events_tmp)
+            with (
+                os.fdopen(fd, "wb") as raw,
+                gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz,
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+            ):
+                tar.addfile(_tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+                events_tmp.seek(0)
+                tar.addfile(_tarinfo(fmt.EVENTS_NAME, sink.size), events_tmp)
+                tar.close()
+                gz.close()
                 raw.flush()
                 os.fsync(raw.fileno())
             os.chmod(tmp_name, 0o644)
             os.replace(tmp_name, out_path)
         except BaseException:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
             raise
     logger.info("wrote %s: %d events, run id %s", out_path, sink.seq, run_id)
     return manifest
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 def _version() -> str:
