@@ -39,7 +39,7 @@ class SpoolWriter:
 
     def close(self) -> None:
         if not self._raw.closed:
-            self._z.close()
+            self._z.close()  # type: ignore[no-untyped-call]
             self._raw.close()
 
     def __enter__(self) -> SpoolWriter:

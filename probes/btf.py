@@ -61,9 +61,9 @@ class BTF:
             info = struct.unpack_from("<I", self._types, off + 4)[0]
             kind = (info >> 24) & 0x1F
             vlen = info & 0xFFFF
-            fixed, per = _EXTRA.get(kind, (None, None))  # type: ignore[arg-type]
-            if fixed is None:
+            if kind not in _EXTRA:
                 raise BTFError(f"unknown BTF kind {kind}")
+            fixed, per = _EXTRA[kind]
             off += 12 + fixed + per * vlen
 
     @classmethod
