@@ -116,7 +116,11 @@ class Correlator:
         wall_offset_ns: int,
         proc_lookup: ProcLookup | None = None,
         cgroup_name: Callable[[int], str | None] | None = None,
+        abi_of: Callable[[int, str], str | None] | None = None,
     ) -> None:
+        # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
+        # not fire for its system calls, so its exec is flagged as a degradation
+        self.abi_of = abi_of
         self.wall_offset_ns = wall_offset_ns
         # cgroup id -> the name a record carries ("cgroup"), None for the run's own cgroup
         self.cgroup_name = cgroup_name
@@ -241,7 +245,19 @@ class Correlator:
         if ev["flags"] & d.F_ARGS_FAULT and enter:
             argv = enter["argv"]
         p.exe = filename
-        return [self._exec_record(p, t, filename, argv, trunc, 0)]
+        out = [self._exec_record(p, t, filename, argv, trunc, 0)]
+        abi = self.abi_of(p.pid, filename) if self.abi_of else None
+        if abi:
+            out.append(
+                {
+                    "k": "degradation",
+                    "t": t,
+                    "component": "recorder",
+                    "reason": f"{filename} (pid {p.pid}) is a {abi} program: the kernel's syscall tracepoints do not see its system calls",
+                    "impact": "its opens, connects and execs are not recorded (a policy's Landlock and connect rules still apply to it)",
+                }
+            )
+        return out
 
     def _complete(self, enter: dict[str, Any], ret: int, t_ret: int) -> list[dict[str, Any]]:
         kind = enter["kind"]

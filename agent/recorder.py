@@ -51,6 +51,22 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     return ppid, cwd, exe
 
 
+def elf_abi(pid: int, filename: str) -> str | None:
+    """ "ia32" when the program a process runs is a 32-bit x86 ELF (read from /proc/<pid>/exe, the
+    very file it runs, or from its path if it is gone already), else None."""
+    head = b""
+    for path in (f"/proc/{pid}/exe", filename):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(20)
+            break
+        except OSError:
+            continue
+    if len(head) >= 20 and head[:4] == b"\x7fELF" and head[4] == 1 and head[18:20] == b"\x03\x00":
+        return "ia32"
+    return None
+
+
 @dataclasses.dataclass
 class Session:
     slot: int
@@ -138,7 +154,7 @@ class Recorder:
                 detail=detail,
                 labels=dict(labels or {}),
                 spool=SpoolWriter(self.spool_dir / f"{sid}.spool.zst"),
-                correlator=Correlator(self.wall_offset_ns, proc_lookup),
+                correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi),
                 cgroup_names=CgroupNames(cgroup_path, cgroup_id(cgroup_path)),
                 started_ns=time.time_ns(),
                 attached_late=attached_late,

@@ -303,3 +303,46 @@ def test_doctor_reports_capabilities_as_json() -> None:
         assert name in by_name, name
     assert by_name["bpf prog tracepoint"]["ok"] and by_name["bpf ringbuf"]["ok"]
     assert by_name["landlock"]["detail"].startswith("ABI ")
+
+
+def _ia32_elf(path: Path) -> None:
+    """A tiny 32-bit x86 program: open("/etc/hostname") with int 0x80, then exit(7)."""
+    import struct
+
+    base, code_off = 0x08048000, 0x54
+    code_len = 26
+    target = b"/etc/hostname\0"
+    code = (
+        b"\xb8"
+        + struct.pack("<I", 5)
+        + b"\xbb"
+        + struct.pack("<I", base + code_off + code_len)
+        + b"\x31\xc9\xcd\x80"
+        + b"\xb8"
+        + struct.pack("<I", 1)
+        + b"\xbb"
+        + struct.pack("<I", 7)
+        + b"\xcd\x80"
+    )
+    body = code + target
+    size = code_off + len(body)
+    ehdr = b"\x7fELF" + bytes([1, 1, 1, 0]) + b"\0" * 8
+    ehdr += struct.pack("<HHIIIIIHHHHHH", 2, 3, 1, base + code_off, 52, 0, 0, 52, 32, 1, 0, 0, 0)
+    phdr = struct.pack("<IIIIIIII", 1, 0, base, base, size, size, 5, 0x1000)
+    path.write_bytes(ehdr + phdr + body)
+    path.chmod(0o755)
+
+
+def test_a_32bit_program_is_flagged_not_silently_missed(tmp_path: Path) -> None:
+    prog = tmp_path / "open32"
+    _ia32_elf(prog)
+    if subprocess.run([str(prog)], check=False).returncode != 7:
+        import pytest
+
+        pytest.fail(
+            "this kernel cannot run ia32 programs (CONFIG_IA32_EMULATION off): the test cannot prove anything"
+        )
+    proc, manifest, events = record(tmp_path, str(prog))
+    assert proc.returncode == 7
+    deg = [e["data"] for e in of_type(events, "degradation")]
+    assert deg and "ia32" in deg[0]["reason"] and str(prog) in deg[0]["reason"]
