@@ -72,6 +72,33 @@ def _labels(items: list[str]) -> dict[str, str]:
     return out
 
 
+class _InThread:
+    """Runs a function in a thread; result() joins it and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(fn,), name="evidence-load", daemon=True)
+        self._t.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._t.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def discard(self, cleanup: Callable[[Any], None]) -> None:
+        self._t.join()
+        if self._error is None and self._value is not None:
+            cleanup(self._value)
+
+
 class _SignalForwarder:
     """Forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT sent to evidence (kill, a supervisor) to the command.
     A terminal's Ctrl-C already reaches the command (same process group), so signals that come from
@@ -155,33 +182,43 @@ def run(args: argparse.Namespace) -> int:
         )
 
     forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
+    # BCC compiles the probes (about a second) in a thread while the policy is loaded and planned
+    # here (BCC itself is not thread-safe: the policy's own programs are compiled afterwards)
+    loading = _InThread(lambda: Recorder(spool_dir=bundle.parent, headers=headers))
     enforcement = None
     environ: dict[str, str] = dict(os.environ)
-    if args.policy:
-        from agent.enforce import Enforcement
+    try:
+        if args.policy:
+            from agent.enforce import Enforcement
 
-        # the policy is loaded, planned and checked before anything runs: a bad policy never starts
-        # the command unprotected
-        enforcement = Enforcement(
-            _policy_path(args.policy),
-            workspace=workspace,
-            dry_run=args.dry_run,
-            fail_closed=args.fail_closed,
-            net_mode=args.net,
-            environ=os.environ,
-        )
-        environ = enforcement.environ
-    elif args.net:
-        from policy.netns import PrivateNetns
+            # the policy is loaded, planned and checked before anything runs: a bad policy never
+            # starts the command unprotected
+            enforcement = Enforcement(
+                _policy_path(args.policy),
+                workspace=workspace,
+                dry_run=args.dry_run,
+                fail_closed=args.fail_closed,
+                net_mode=args.net,
+                environ=os.environ,
+            )
+            environ = enforcement.environ
+        elif args.net:
+            from policy.netns import PrivateNetns
 
-        netns = PrivateNetns(args.net)
-        netns.create()
+            netns = PrivateNetns(args.net)
+            netns.create()
+    except BaseException:
+        loading.discard(lambda r: r.close(background=True))
+        raise
     caps: dict[str, Any] = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf"}
     caps["enforcement"] = "none (observe only)" if enforcement is None else enforcement.mode
     recorder = None
     cg = None
     try:
-        recorder = Recorder(spool_dir=bundle.parent, headers=headers, capabilities=caps)
+        recorder = loading.result()
+        recorder.capabilities = caps
+        if enforcement is not None:
+            enforcement.load_programs()
         cg = RunCgroup.create(session_id)
         session = recorder.start(
             cg.path, command, cwd, detail=args.detail, labels=labels, session_id=session_id

@@ -58,9 +58,22 @@ class Enforcement:
                 )
             env, self.env_removed = penv.scrub(environ, self.policy.env)
             self.environ = ptmp.tmp_environ(env, self.tmpdir)
+            self._dry_run = dry_run
+            self._fail_closed = fail_closed
+            if net_mode:
+                self.netns = PrivateNetns(net_mode)  # type: ignore[arg-type]
+                self.netns.create()
+        except BaseException:
+            self.close()
+            raise
+
+    def load_programs(self) -> None:
+        """Compile the connect guard (BCC: never while another BPF compile runs in this process),
+        then refuse to go on under --fail-closed if anything cannot be enforced."""
+        try:
             if self.policy.net is not None:
                 try:
-                    self.guard = ConnectGuard(self.policy.net, dry_run=dry_run)
+                    self.guard = ConnectGuard(self.policy.net, dry_run=self._dry_run)
                     self.guard.load()
                 except SetupError as e:
                     self.guard = None
@@ -71,15 +84,12 @@ class Enforcement:
                             "impact": "network rules are recorded but not enforced",
                         }
                     )
-            if fail_closed and self.degradations and not dry_run:
+            if self._fail_closed and self.degradations and not self._dry_run:
                 first = self.degradations[0]
                 raise PolicyError(
                     f"the policy cannot be fully enforced here: {first['component']}: {first['reason']} ({first['impact']})",
                     f"{len(self.degradations)} problem(s); drop --fail-closed to run with them recorded",
                 )
-            if net_mode:
-                self.netns = PrivateNetns(net_mode)  # type: ignore[arg-type]
-                self.netns.create()
         except BaseException:
             self.close()
             raise

@@ -110,7 +110,7 @@ class Recorder:
             ) from e
         self.spool_dir = Path(spool_dir)
         self.headers = headers
-        self.capabilities = capabilities or {}
+        self.capabilities: dict[str, Any] = capabilities or {}
         self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
