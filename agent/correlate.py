@@ -124,6 +124,8 @@ class Correlator:
         self.wall_offset_ns = wall_offset_ns
         # cgroup id -> the name a record carries ("cgroup"), None for the run's own cgroup
         self.cgroup_name = cgroup_name
+        # that name -> a container id (runc/containerd/CRI-O/docker scope names), or None
+        self.container_of: Callable[[str], str | None] | None = None
         self.procs: dict[int, Proc] = {}
         self.pending: dict[int, dict[str, Any]] = {}
         self.proc_lookup = proc_lookup
@@ -162,8 +164,11 @@ class Correlator:
         if out and self.cgroup_name is not None:
             name = self.cgroup_name(ev.get("cgid", 0))
             if name is not None:
+                container = self.container_of(name) if self.container_of else None
                 for rec in out:
                     rec["cgroup"] = name
+                    if container:
+                        rec["container"] = container
         return out
 
     def _feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:

@@ -51,6 +51,26 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     return ppid, cwd, exe
 
 
+def _container_namer(cgroup_path: Path) -> Any:
+    """A nested cgroup's name (relative to the run's) -> the container id its scope name carries."""
+    from agent.cgroups import find_cgroup2_mount
+    from agent.k8s import parse_cgroup_path
+
+    try:
+        base = str(cgroup_path.relative_to(find_cgroup2_mount()))
+    except (ValueError, OSError, SetupError):
+        return None
+    cache: dict[str, str | None] = {}
+
+    def container_of(rel: str) -> str | None:
+        if rel not in cache:
+            ref = None if rel.startswith("cgroup-id:") else parse_cgroup_path(f"{base}/{rel}")
+            cache[rel] = ref.container_id if ref else None
+        return cache[rel]
+
+    return container_of
+
+
 def elf_abi(pid: int, filename: str) -> str | None:
     """ "ia32" when the program a process runs is a 32-bit x86 ELF (read from /proc/<pid>/exe, the
     very file it runs, or from its path if it is gone already), else None."""
@@ -160,6 +180,7 @@ class Recorder:
                 attached_late=attached_late,
             )
             session.correlator.cgroup_name = session.cgroup_names
+            session.correlator.container_of = _container_namer(cgroup_path)
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.track(session.cgroup_id, slot)

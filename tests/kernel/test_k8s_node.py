@@ -202,14 +202,19 @@ def test_one_bundle_per_pod_with_its_own_container(node: Node) -> None:
 
     manifest_a, events_a = read_bundle(bundle_a)
     manifest_b, events_b = read_bundle(bundle_b)
-    for manifest, events, mine, other in (
-        (manifest_a, events_a, "/etc/pod-a.txt", "/etc/pod-b.txt"),
-        (manifest_b, events_b, "/etc/pod-b.txt", "/etc/pod-a.txt"),
+    for manifest, events, mine, other, cid in (
+        (manifest_a, events_a, "/etc/pod-a.txt", "/etc/pod-b.txt", cid_a),
+        (manifest_b, events_b, "/etc/pod-b.txt", "/etc/pod-a.txt", cid_b),
     ):
         assert manifest["cut_short"] is False and manifest["lost"]["total"] == 0
         execs = [e["data"] for e in of_type(events, "process.exec") if e["data"]["result"] == 0]
         assert any(x["filename"] == "/bin/sh" and x["argv"][:2] == ["/bin/sh", "-c"] for x in execs)
         assert ["cat", mine] in [x["argv"] for x in execs]
+        # every event of the container names it
+        cat = next(x for x in execs if x["argv"] == ["cat", mine])
+        assert cat["container"] == cid, cat
+        opened = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == mine]
+        assert opened and all(o["container"] == cid for o in opened)
         assert mine in _opens(events)
         assert other not in _opens(events) and ["cat", other] not in [x["argv"] for x in execs]
 
