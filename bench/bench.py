@@ -50,11 +50,6 @@ def bundle_facts(path: Path) -> tuple[dict, list[dict]]:
     return manifest, events
 
 
-def median_of(fn, n: int) -> tuple[int, ...]:
-    runs = [fn() for _ in range(n)]
-    return tuple(int(statistics.median(col)) for col in zip(*runs, strict=True))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller loops (a smoke test, not the targets)")
@@ -67,42 +62,71 @@ def main() -> int:
     exe = compile_workloads(work)
     rows = []
     checks = []
-    cases = [("open", 300_000 // scale, "300k open/close"), ("exec", 5_000 // scale, "5k fork+exec /bin/true"), ("connect", 20_000 // scale, "20k loopback connects")]
+    cases = [
+        ("open", 300_000 // scale, "300k open/close"),
+        ("exec", 5_000 // scale, "5k fork+exec /bin/true"),
+        ("connect", 20_000 // scale, "20k loopback connects"),
+    ]
     for mode, n, label in cases:
-        base = median_of(lambda: (loop_ns([str(exe), mode, str(n)])[0],), args.repeat)[0]
-        traced = []
+        # untraced and traced runs alternate, so drift in a noisy VM hits both alike
+        bases, traced = [], []
         for i in range(args.repeat):
+            bases.append(loop_ns([str(exe), mode, str(n)])[0])
             bundle = work / f"{mode}-{i}.tar.gz"
-            ns, wall, err = loop_ns([*EVIDENCE, "run", "--bundle", str(bundle), "--", str(exe), mode, str(n)])
+            ns, wall, _err = loop_ns(
+                [*EVIDENCE, "run", "--bundle", str(bundle), "--", str(exe), mode, str(n)]
+            )
             traced.append((ns, wall))
+        base = int(statistics.median(bases))
         t_ns = int(statistics.median(t[0] for t in traced))
         t_wall = statistics.median(t[1] for t in traced)
         manifest, events = bundle_facts(bundle)
         # strace on a tenth of the loop (it is ~50x slower), compared per operation
         sn = max(1, n // 10)
-        s_ns = loop_ns(["strace", "-f", "-qq", "-o", "/dev/null", str(exe), mode, str(sn)])[0] if shutil.which("strace") else 0
+        s_ns = (
+            loop_ns(["strace", "-f", "-qq", "-o", "/dev/null", str(exe), mode, str(sn)])[0]
+            if shutil.which("strace")
+            else 0
+        )
         s_ratio = (s_ns / sn) / (base / n) if s_ns else float("nan")
         rows.append((label, base / 1e9, t_ns / 1e9, t_ns / base, t_wall, s_ratio, manifest["lost"]["total"]))
         if mode == "open":
-            hits = [e for e in events if e["type"] == "dev.evidence.file.open" and e["subject"] == "/etc/hostname"]
+            hits = [
+                e for e in events if e["type"] == "dev.evidence.file.open" and e["subject"] == "/etc/hostname"
+            ]
             got = sum(e["data"]["count"] for e in hits)
             checks.append((f"{label}: opens of /etc/hostname counted", got, n))
         elif mode == "exec":
-            execs = [e for e in events if e["type"] == "dev.evidence.process.exec" and e["data"]["argv"] == ["/bin/true", "bench-arg"] and e["data"]["result"] == 0]
+            execs = [
+                e
+                for e in events
+                if e["type"] == "dev.evidence.process.exec"
+                and e["data"]["argv"] == ["/bin/true", "bench-arg"]
+                and e["data"]["result"] == 0
+            ]
             checks.append((f"{label}: execs captured with argv", len(execs), n))
         else:
-            conns = [e for e in events if e["type"] == "dev.evidence.network.connect" and e["data"]["result"] == 0]
+            conns = [
+                e for e in events if e["type"] == "dev.evidence.network.connect" and e["data"]["result"] == 0
+            ]
             checks.append((f"{label}: connects counted", sum(e["data"]["count"] for e in conns), n))
         checks.append((f"{label}: events lost", manifest["lost"]["total"], 0))
     # fixed cost of a recorded run
     true_base = statistics.median(loop_wall(["/bin/true"]) for _ in range(args.repeat))
-    true_rec = statistics.median(loop_wall([*EVIDENCE, "run", "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"]) for _ in range(args.repeat))
+    true_rec = statistics.median(
+        loop_wall([*EVIDENCE, "run", "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"])
+        for _ in range(args.repeat)
+    )
     py_start = statistics.median(loop_wall([*EVIDENCE, "--version"]) for _ in range(args.repeat))
 
-    print(f"\n{'workload':<28}{'untraced s':>11}{'evidence s':>11}{'ratio':>8}{'run wall s':>11}{'strace ratio':>13}{'lost':>6}")
+    print(
+        f"\n{'workload':<28}{'untraced s':>11}{'evidence s':>11}{'ratio':>8}{'run wall s':>11}{'strace ratio':>13}{'lost':>6}"
+    )
     for label, b, t, r, w, s, lost in rows:
         print(f"{label:<28}{b:>11.3f}{t:>11.3f}{r:>7.2f}x{w:>11.2f}{s:>12.1f}x{lost:>6}")
-    print(f"\n`evidence run -- true` adds {true_rec - true_base:.2f} s (of which {py_start:.2f} s is starting Python)")
+    print(
+        f"\n`evidence run -- true` adds {true_rec - true_base:.2f} s (of which {py_start:.2f} s is starting Python)"
+    )
     print("\nchecks:")
     ok = True
     for name, got, want in checks:
