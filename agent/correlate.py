@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -49,6 +50,7 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
 _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
 
 
+@functools.lru_cache(maxsize=512)
 def errno_name(code: int) -> str:
     return errno.errorcode.get(code, f"E{code}")
 
@@ -57,8 +59,10 @@ def result_of(ret: int) -> int | str:
     return 0 if ret >= 0 else errno_name(-ret)
 
 
-def decode_open_flags(flags: int) -> tuple[list[str], list[str]]:
-    """(flag names, access classes) of open(2) flags."""
+@functools.lru_cache(maxsize=4096)
+def decode_open_flags(flags: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(flag names, access classes) of open(2) flags. Cached: a run uses few distinct values, and
+    the tuples are shared by the records (never mutate them)."""
     acc = flags & os.O_ACCMODE
     names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(acc, "O_ACCMODE3")]
     rest = flags & ~os.O_ACCMODE
@@ -82,7 +86,7 @@ def decode_open_flags(flags: int) -> tuple[list[str], list[str]]:
         access.append("write")
     if flags & os.O_CREAT or flags & _O_TMPFILE == _O_TMPFILE:
         access.append("create")
-    return names, access
+    return tuple(names), tuple(access)
 
 
 def split_status(status: int) -> tuple[int | None, str | None]:

@@ -43,6 +43,7 @@ class Enforcement:
         self.guard: ConnectGuard | None = None
         self.netns: PrivateNetns | None = None
         self.degradations: list[dict[str, str]] = []
+        self._rules: dict[tuple[str, str], str | None] = {}
         try:
             self.policy: Policy = load_policy(policy_path, workspace=self.workspace, tmpdir=self.tmpdir)
             self.abi = landlock.abi_version()
@@ -143,8 +144,7 @@ class Enforcement:
             if target.startswith("<") or (result != 0 and result not in _REFUSED):
                 continue
             for access in accesses:
-                decision = self.policy.check_file(target, access)
-                rule = decision.rule if decision else None
+                rule = self._file_rule(target, access)
                 if rule is None and result in _REFUSED and self.mode == "enforce":
                     rule = self.plan.explain(target, access)
                 if rule is None:
@@ -165,6 +165,18 @@ class Enforcement:
                 )
                 break
         return out
+
+    def _file_rule(self, path: str, access: str) -> str | None:
+        key = (path, access)
+        try:
+            return self._rules[key]
+        except KeyError:
+            pass
+        decision = self.policy.check_file(path, access)
+        rule = decision.rule if decision else None
+        if len(self._rules) < 65536:  # a build opens the same files again and again
+            self._rules[key] = rule
+        return rule
 
     def manifest_policy(self) -> dict[str, Any]:
         return {

@@ -58,7 +58,7 @@ def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
         ("/srv/e", 0),
         ("<unknown fd 77>/f", "EBADF"),
     ]
-    assert out[3]["access"] == ["write", "create"] and out[3]["mode"] == 0o600 and out[3]["dirfd"] == 4
+    assert out[3]["access"] == ("write", "create") and out[3]["mode"] == 0o600 and out[3]["dirfd"] == 4
     assert out[0]["t"] == 1001
 
 
@@ -130,10 +130,10 @@ def test_captured_kernel_records_correlate() -> None:
 
 
 def test_flags_and_access_classes() -> None:
-    assert decode_open_flags(0) == (["O_RDONLY"], ["read"])
+    assert decode_open_flags(0) == (("O_RDONLY",), ("read",))
     names, access = decode_open_flags(0o2 | 0o100 | 0o2000000)
-    assert names == ["O_RDWR", "O_CREAT", "O_CLOEXEC"] and access == ["read", "write", "create"]
-    assert decode_open_flags(0o1000)[1] == ["read", "write"]  # O_RDONLY|O_TRUNC truncates
-    assert decode_open_flags(0o10000000)[1] == []  # O_PATH reads nothing
+    assert names == ("O_RDWR", "O_CREAT", "O_CLOEXEC") and access == ("read", "write", "create")
+    assert decode_open_flags(0o1000)[1] == ("read", "write")  # O_RDONLY|O_TRUNC truncates
+    assert decode_open_flags(0o10000000)[1] == ()  # O_PATH reads nothing
     assert "O_TMPFILE" in decode_open_flags(0o20200002)[0]
     assert split_status(0x8B00) == (0x8B, None) and split_status(15) == (None, "SIGTERM")
