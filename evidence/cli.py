@@ -42,7 +42,8 @@ def _available() -> dict[str, tuple[str, str]]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, just that subcommand is configured (its module alone imported)."""
     parser = argparse.ArgumentParser(prog="evidence", description="An eBPF run recorder.")
     parser.add_argument("--version", action="version", version=f"evidence {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
@@ -50,8 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (mod, help_) in _available().items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=mod)
-        importlib.import_module(mod).configure(p)
+        if only is None or name == only:
+            importlib.import_module(mod).configure(p)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    for arg in argv:
+        if arg in COMMANDS:
+            return arg
+        if not arg.startswith("-"):
+            return None
+    return None
 
 
 def _setup_logging(verbose: int) -> None:
@@ -73,8 +84,9 @@ def _setup_logging(verbose: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    parser = build_parser(_command_of(argv))
+    args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     if not getattr(args, "_module", None):
         parser.print_help(sys.stderr)

@@ -22,6 +22,16 @@ logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
 EV_KINDS = 12
+# Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
+# and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
+SYSCALL_HANDLERS = {
+    "on_enter_open": ("openat", "openat2", "open", "creat"),
+    "on_enter_exec": ("execve", "execveat"),
+    "on_enter_connect": ("connect",),
+    "on_enter_chdir": ("chdir",),
+    "on_enter_fchdir": ("fchdir",),
+    "on_enter_dup": ("dup", "dup2", "dup3"),
+}
 KIND_NAMES = [
     "none",
     "exec",
@@ -44,8 +54,6 @@ def detect_config(**overrides: Any) -> ProbeConfig:
     exit_fmt = (events / "sched/sched_process_exit/format").read_text()
     values: dict[str, Any] = {
         "offsets": btf.probe_offsets(),
-        "have_sys_open": (events / "syscalls/sys_enter_open").is_dir()
-        and (events / "syscalls/sys_enter_creat").is_dir(),
         "have_group_dead": "group_dead" in exit_fmt,
     }
     values.update(overrides)
@@ -59,6 +67,14 @@ class RecorderProbes:
         self.config = config or detect_config()
         self.source = render(self.config)
         self.bpf = BPF(text=self.source)
+        self.attached: list[str] = []
+        for fn, syscalls in SYSCALL_HANDLERS.items():
+            for name in syscalls:
+                if not (TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
+                    continue
+                self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
+                self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit")
+                self.attached.append(name)
         self._tracked = self.bpf["tracked"]
         self._cache = self.bpf["cgcache"]
         self._lost = self.bpf["lost"]
@@ -104,14 +120,19 @@ class RecorderProbes:
         if background:
             import os
 
+            r, w = os.pipe()  # the write end stays open in this process until it exits
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:
+                    os.close(w)
                     devnull = os.open(os.devnull, os.O_RDWR)
                     for fd in (0, 1, 2):
                         os.dup2(devnull, fd)
                     os.setsid()
+                    os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
                 finally:
                     os._exit(0)
+            os.close(r)
+            self._keepalive = w
             return
         self.bpf.cleanup()

@@ -12,6 +12,8 @@
 
 
 
+#include <asm/unistd.h>  // syscall numbers (ABI: the same in any kernel's headers)
+
 #define EV_EXEC 1
 #define EV_EXEC_OK 2
 #define EV_FORK 3
@@ -119,6 +121,31 @@ struct ret_ev {
     u32 pad;
     s64 ret;
 };
+
+// Every syscalls:sys_enter_* / sys_exit_* tracepoint has this layout (see its tracefs format):
+// common fields, the syscall number, then each argument (or the result) in an 8-byte slot. One
+// handler serves several tracepoints and switches on the number (x86_64 numbers are ABI).
+struct sys_enter_ctx {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    u64 args[6];
+};
+
+struct sys_exit_ctx {
+    u64 common;
+    s32 nr;
+    u32 pad;
+    s64 ret;
+};
+
+// An argument that not every tracepoint sharing a handler has: the kernel refuses to attach a
+// program that reads past a tracepoint's record, so such slots are read with a helper instead.
+static __always_inline u64 arg_beyond(struct sys_enter_ctx *ctx, int i) {
+    u64 v = 0;
+    bpf_probe_read_kernel(&v, sizeof(v), (void *)ctx + offsetof(struct sys_enter_ctx, args) + i * 8);
+    return v;
+}
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_HASH(tracked, u64, u32, MAX_RUNS_);          // cgroup id -> run slot (set by user space)
@@ -262,32 +289,28 @@ static __always_inline int emit_open(s32 dfd, const char *filename, u32 flags, u
     return emit(e, size, run, EV_OPEN);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_openat) {
-    return emit_open((s32)args->dfd, args->filename, (u32)args->flags, (u32)args->mode, 0);
-}
-TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return emit_ret(SC_OPEN, args->ret); }
-
-TRACEPOINT_PROBE(syscalls, sys_enter_openat2) {
-    u64 how[2] = {};
-    bpf_probe_read_user(how, sizeof(how), args->how);
-    return emit_open((s32)args->dfd, args->filename, (u32)how[0], (u32)how[1], 1);
-}
-TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return emit_ret(SC_OPEN, args->ret); }
-
-#ifdef HAVE_SYS_OPEN
-TRACEPOINT_PROBE(syscalls, sys_enter_open) {
-    return emit_open(-100, args->filename, (u32)args->flags, (u32)args->mode, 2);
-}
-TRACEPOINT_PROBE(syscalls, sys_exit_open) { return emit_ret(SC_OPEN, args->ret); }
+int on_enter_open(struct sys_enter_ctx *ctx) {
+    switch (ctx->nr) {
+    // attached to openat, openat2 (4 arguments), open (3) and creat (2)
+    case __NR_openat:
+        return emit_open((s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0);
+    case __NR_openat2: {
+        u64 how[2] = {};
+        bpf_probe_read_user(how, sizeof(how), (void *)arg_beyond(ctx, 2));
+        return emit_open((s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1);
+    }
+#ifdef __NR_open
+    case __NR_open:
+        return emit_open(-100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2);
 #endif
-
-#ifdef HAVE_SYS_CREAT
-TRACEPOINT_PROBE(syscalls, sys_enter_creat) {
-    // creat(path, mode) == open(path, O_CREAT|O_WRONLY|O_TRUNC, mode)
-    return emit_open(-100, args->pathname, 01 | 0100 | 01000, (u32)args->mode, 3);
-}
-TRACEPOINT_PROBE(syscalls, sys_exit_creat) { return emit_ret(SC_OPEN, args->ret); }
+#ifdef __NR_creat
+    case __NR_creat:
+        // creat(path, mode) == open(path, O_CREAT|O_WRONLY|O_TRUNC, mode)
+        return emit_open(-100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3);
 #endif
+    }
+    return 0;
+}
 
 // ---- exec --------------------------------------------------------------------------------
 
@@ -366,15 +389,12 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     return emit(e, size, run, EV_EXEC);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_execve) {
-    return emit_exec(-100, args->filename, args->argv, 0);
+int on_enter_exec(struct sys_enter_ctx *ctx) {
+    // attached to execve (3 arguments) and execveat (5)
+    if (ctx->nr == __NR_execveat)
+        return emit_exec((s32)ctx->args[0], (const char *)ctx->args[1], (const char *const *)ctx->args[2], (u32)arg_beyond(ctx, 4));
+    return emit_exec(-100, (const char *)ctx->args[0], (const char *const *)ctx->args[1], 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_execve) { return emit_ret(SC_EXEC, args->ret); }
-
-TRACEPOINT_PROBE(syscalls, sys_enter_execveat) {
-    return emit_exec((s32)args->fd, args->filename, args->argv, (u32)args->flags);
-}
-TRACEPOINT_PROBE(syscalls, sys_exit_execveat) { return emit_ret(SC_EXEC, args->ret); }
 
 // A successful exec: the new image's filename and its argv, read from the new mm's argument
 // area (already in memory, so never "(fault)"), with offsets from BTF.
@@ -477,7 +497,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
-TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
+int on_enter_connect(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
         return 0;
@@ -487,22 +507,21 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
         return 0;
     }
     fill(&e->h, run, EV_CONNECT);
-    e->fd = (s32)args->fd;
-    u32 len = (u32)args->addrlen;
+    e->fd = (s32)ctx->args[0];
+    u32 len = (u32)ctx->args[2];
     e->addrlen = len;
     if (len > sizeof(e->addr) - 1)
         len = sizeof(e->addr) - 1;  // 127 bytes: more than any sockaddr we decode (sockaddr_un: 110)
     __builtin_memset(e->addr, 0, sizeof(e->addr));
-    if (len > 0 && bpf_probe_read_user(e->addr, len & 0x7F, args->uservaddr) != 0)
+    if (len > 0 && bpf_probe_read_user(e->addr, len & 0x7F, (void *)ctx->args[1]) != 0)
         e->h.flags |= F_FNAME_FAULT;
     events.ringbuf_submit(e, wakeup_flags());
     return 0;
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_connect) { return emit_ret(SC_CONNECT, args->ret); }
 
 // ---- cwd and descriptors (for resolving relative paths and dirfds) -----------------------
 
-TRACEPOINT_PROBE(syscalls, sys_enter_chdir) {
+int on_enter_chdir(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
         return 0;
@@ -514,21 +533,21 @@ TRACEPOINT_PROBE(syscalls, sys_enter_chdir) {
     fill(&e->h, run, EV_CHDIR);
     e->fd = -100;
     e->pad = 0;
-    int n = bpf_probe_read_user_str(e->path, sizeof(e->path), args->filename);
+    const char *filename = (const char *)ctx->args[0];
+    int n = bpf_probe_read_user_str(e->path, sizeof(e->path), filename);
     if (n < 0) {
         n = 1;
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
-        u64 ptr = (u64)args->filename;
+        u64 ptr = (u64)filename;
         refetch.update(&e->h.tid, &ptr);
     }
     e->path_len = n;
     u64 size = offsetof(struct chdir_ev, path) + (n & (PATH_MAX_ - 1));
     return emit(e, size, run, EV_CHDIR);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_chdir) { return emit_ret(SC_CHDIR, args->ret); }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_fchdir) {
+int on_enter_fchdir(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
         return 0;
@@ -538,13 +557,12 @@ TRACEPOINT_PROBE(syscalls, sys_enter_fchdir) {
         return 0;
     }
     fill(&e->h, run, EV_FCHDIR);
-    e->fd = (s32)args->fd;
+    e->fd = (s32)ctx->args[0];
     e->path_len = 0;
     e->pad = 0;
     events.ringbuf_submit(e, wakeup_flags());
     return 0;
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_fchdir) { return emit_ret(SC_FCHDIR, args->ret); }
 
 static __always_inline int emit_dup(s32 oldfd, s32 newfd) {
     u32 run = current_run();
@@ -561,9 +579,48 @@ static __always_inline int emit_dup(s32 oldfd, s32 newfd) {
     events.ringbuf_submit(e, wakeup_flags());
     return 0;
 }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return emit_dup((s32)args->fildes, -1); }
-TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return emit_ret(SC_DUP, args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return emit_dup((s32)args->oldfd, (s32)args->newfd); }
-TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return emit_ret(SC_DUP, args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_dup3) { return emit_dup((s32)args->oldfd, (s32)args->newfd); }
-TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return emit_ret(SC_DUP, args->ret); }
+int on_enter_dup(struct sys_enter_ctx *ctx) {
+    // attached to dup (1 argument), dup2 (2) and dup3 (3)
+    if (ctx->nr == __NR_dup)
+        return emit_dup((s32)ctx->args[0], -1);
+    return emit_dup((s32)ctx->args[0], (s32)arg_beyond(ctx, 1));
+}
+
+// ---- results -----------------------------------------------------------------------------
+
+int on_exit(struct sys_exit_ctx *ctx) {
+    u32 sc;
+    switch (ctx->nr) {
+    case __NR_openat:
+    case __NR_openat2:
+#ifdef __NR_open
+    case __NR_open:
+#endif
+#ifdef __NR_creat
+    case __NR_creat:
+#endif
+        sc = SC_OPEN;
+        break;
+    case __NR_execve:
+    case __NR_execveat:
+        sc = SC_EXEC;
+        break;
+    case __NR_connect:
+        sc = SC_CONNECT;
+        break;
+    case __NR_chdir:
+        sc = SC_CHDIR;
+        break;
+    case __NR_fchdir:
+        sc = SC_FCHDIR;
+        break;
+    case __NR_dup:
+    case __NR_dup2:
+    case __NR_dup3:
+        sc = SC_DUP;
+        break;
+    default:
+        return 0;
+    }
+    return emit_ret(sc, ctx->ret);
+}

@@ -37,9 +37,8 @@ class ProbeConfig:
     max_args: int = 128  # arguments read per failed exec attempt
     max_runs: int = 1024  # concurrent run slots (slot 0 means "not tracked")
     cgroup_depth: int = 32  # cgroup levels searched for a tracked ancestor
-    ringbuf_pages: int = 8192  # 32 MiB with 4 KiB pages (power of two)
+    ringbuf_pages: int = 16384  # 64 MiB with 4 KiB pages (power of two): a 300k-open burst fits
     wakeup_every: int = 64  # records per CPU between consumer wakeups
-    have_sys_open: bool = True  # legacy open/creat exist (x86_64)
     have_group_dead: bool = True  # sched_process_exit has group_dead (6.16+)
 
 
@@ -71,8 +70,6 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     text = source if source is not None else template()
     text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)
     defines = []
-    if config.have_sys_open:
-        defines += ["#define HAVE_SYS_OPEN 1", "#define HAVE_SYS_CREAT 1"]
     if config.have_group_dead:
         defines.append("#define HAVE_GROUP_DEAD 1")
     text = "\n".join(defines) + "\n" + text
