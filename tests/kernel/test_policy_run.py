@@ -289,3 +289,37 @@ def test_profile_of_a_run_blocks_nothing_on_a_second_run(tmp_path: Path, world) 
     assert proc.returncode == 0, proc.stderr
     assert _denials(events) == []
     assert m2["policy"]["mode"] == "enforce"
+
+
+def test_net_none_and_loopback_namespaces(tmp_path: Path) -> None:
+    host = _listener()
+    port = host.getsockname()[1]
+    code = textwrap.dedent(
+        f"""
+        import socket, json
+        out = {{}}
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2).close(); out["host"] = "ok"
+        except OSError as e:
+            out["host"] = e.errno
+        try:
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+            socket.create_connection(s.getsockname(), timeout=2).close(); out["own"] = "ok"
+        except OSError as e:
+            out["own"] = e.errno
+        print(json.dumps(out))
+        """
+    )
+    import json
+
+    try:
+        proc, _, _ = record(tmp_path, PY, "-c", code, extra=("--net", "loopback"), name="lo.tar.gz")
+        got = json.loads(proc.stdout)
+        assert got["host"] != "ok" and got["own"] == "ok"  # its own loopback only
+        proc, _, events = record(tmp_path, PY, "-c", code, extra=("--net", "none"), name="none.tar.gz")
+        got = json.loads(proc.stdout)
+        assert got["host"] != "ok" and got["own"] != "ok"  # no network at all, not even loopback
+        conns = [e["data"] for e in of_type(events, "network.connect") if e["data"]["port"] == port]
+        assert conns and conns[0]["result"] != 0
+    finally:
+        host.close()
