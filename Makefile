@@ -24,7 +24,9 @@ lint: setup
 	.venv/bin/mypy
 
 bench: setup
+	@command -v cc >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q gcc >/dev/null)
 	$(PY) bench/bench.py
+	$(PY) bench/bundles.py
 
 clean:
 	rm -rf .venv build *.egg-info demo-out

@@ -11,12 +11,19 @@ command -v strace >/dev/null || need_apt+=(strace)
 command -v runc >/dev/null || need_apt+=(runc)
 [ -x /bin/busybox ] || need_apt+=(busybox-static)
 command -v ip >/dev/null || need_apt+=(iproute2)
-ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] \
-  || need_apt+=(linux-headers-cloud-amd64)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  echo "setup: installing ${need_apt[*]}" >&2
+need_headers=
+ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] || need_headers=1
+if [ ${#need_apt[@]} -gt 0 ] || [ -n "$need_headers" ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q >/dev/null
+  if [ -n "$need_headers" ]; then
+    # the running kernel's own headers when the distro has them; else the distro's generic ones
+    # (the probes take no struct layout from headers: see docs/architecture.md)
+    for pkg in "linux-headers-$(uname -r)" linux-headers-cloud-amd64 linux-headers-amd64; do
+      if apt-cache show "$pkg" >/dev/null 2>&1; then need_apt+=("$pkg"); break; fi
+    done
+  fi
+  echo "setup: installing ${need_apt[*]}" >&2
   apt-get install -y -q --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
