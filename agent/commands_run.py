@@ -58,6 +58,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         choices=("none", "loopback"),
         help="run the command in a network namespace of its own: empty, or loopback only",
     )
+    p.add_argument(
+        "--agent",
+        metavar="SOCKET",
+        help="record through a running `evidence agent` instead of loading probes here",
+    )
     p.add_argument("--ebpf", action="store_true", help="print the rendered BPF C and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
@@ -154,6 +159,15 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run and args.fail_closed:
         raise UsageError("--dry-run and --fail-closed exclude each other")
     labels = _labels(args.label)
+    if args.agent:
+        if args.policy or args.net:
+            raise UsageError(
+                "--policy and --net are not available with --agent yet",
+                "run evidence run as root without --agent",
+            )
+        from agent.run_via_agent import run_via_agent
+
+        return run_via_agent(args, command, labels)
     if os.geteuid() != 0:
         raise SetupError("evidence run needs root (BPF and cgroups)", "run it with sudo, or through an agent")
     session_id = uuid.uuid4().hex
