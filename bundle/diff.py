@@ -85,9 +85,10 @@ def _bump(table: dict[Any, list[int]], key: Any, count: int, ok: bool) -> None:
         v[1 if ok else 2] += count
 
 
-def behaviour(path: str, ignore: Iterable[str] = ()) -> Behaviour:
-    """Verify the bundle at `path` and reduce it to its behaviour (raises VerificationError)."""
-    bundle = reader.open_bundle(path)
+def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -> Behaviour:
+    """Verify the bundle at `path` and reduce it to its behaviour (raises VerificationError).
+    `parallel`: the reader may check the events on a second CPU (reader.Bundle)."""
+    bundle = reader.open_bundle(path, parallel=parallel)
     m = bundle.manifest
     norm = Normalizer(roots(m), ignore)
     text = norm.text
@@ -234,9 +235,9 @@ def behaviours(a_path: str, b_path: str, ignore: list[str]) -> tuple[Behaviour, 
         return behaviour(a_path, ignore), behaviour(b_path, ignore)
     ctx = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        future = pool.submit(behaviour, a_path, ignore)
+        future = pool.submit(behaviour, a_path, ignore, parallel=False)
         try:
-            b = behaviour(b_path, ignore)
+            b = behaviour(b_path, ignore, parallel=False)
         except Exception:
             future.result()  # A's error, if any, comes first
             raise

@@ -21,18 +21,22 @@ Every failure is a `VerificationError` (a `BundleError`, exit code 2) whose mess
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as _dt
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import queue
 import re
+import signal
 import stat
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,7 +53,10 @@ MAX_PROBLEMS = 20
 MAX_MANIFEST = fmt.MAX_LINE  # manifest.json is one canonical JSON document, held in memory
 _BLOCK = 512
 _READ = 1 << 18  # compressed bytes read at a time
-_CHUNK = 1 << 20  # decompressed bytes produced at a time
+_CHUNK = 1 << 20  # decompressed bytes produced at a time (and about the size of a piece of events)
+_PARALLEL_MIN = 1 << 20  # compressed bytes: a smaller bundle is checked in this process alone
+_IN_FLIGHT = 2  # pieces with the helper process, not answered yet
+_AHEAD = 8  # pieces read ahead of the consumer (bounds the memory)
 _TRAILER_ZEROS = 64 * 1024  # zero bytes allowed after the tar end-of-archive marker (record padding)
 _ENVELOPE_KEYS = frozenset(
     ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "runid", "seq", "data")
@@ -109,7 +116,7 @@ class _Stop(Exception):
 # --- gzip and tar ------------------------------------------------------------------------------
 
 
-def _inflate(f: IO[bytes], limits: Limits) -> Iterator[bytes]:
+def _inflate(f: IO[bytes], limits: Limits) -> Generator[bytes, None, None]:
     """Decompressed chunks of one gzip member, counting both sides against the limits."""
     d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     read = 0
@@ -337,6 +344,259 @@ def _parse(line: bytes, what: str, limits: Limits) -> Any:
     return value
 
 
+# --- the fast path -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What the fast path needs to know about a bundle (picklable, small)."""
+
+    run_id: str
+    source: str
+    line: int  # the line length limit
+
+    @property
+    def id_prefix(self) -> str:
+        return self.run_id + ":"
+
+
+@dataclasses.dataclass
+class _Passed:
+    """What passed the fast path, in order: the root hash and the counts take it in."""
+
+    n: int = 0  # events
+    hashes: list[str] = dataclasses.field(default_factory=list)  # their content hashes (hex)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # by type
+
+    def root_bytes(self) -> bytes:
+        return ("\n".join(self.hashes) + "\n").encode() if self.hashes else b""
+
+
+# In a canonical event line the keys come sorted, so the line is
+#   {"data":D,"datacontenttype":"application/json","id":"<runid>:<seq>","runid":"<runid>",
+#    "seq":<seq>,"source":"<source>","specversion":"1.0","subject":S,"time":"<time>","type":"<type>"}
+# and the content hash covers the canonical {"data":D,"datacontenttype":...,"specversion":"1.0",
+# "subject":S,"type":"<type>"}: the same bytes for D and S, so it is put together from slices of
+# the line instead of serialising the event again. tests/unit/test_reader_fast.py checks that this
+# agrees with format.content_hash.
+_AFTER_DATA = b',"datacontenttype":'
+_SUBJECT_KEY = b',"subject":'
+_CORE_MIDDLE = b',"datacontenttype":"application/json","specversion":"1.0","subject":'
+
+
+def _middle_length(ctx: _Context) -> int:
+    """Bytes between D and S in an event line, less twice the length of the seq's digits."""
+    dumps = orjson.dumps
+    return len(
+        _AFTER_DATA + dumps(fmt.DATACONTENTTYPE)
+        + b',"id":' + dumps(ctx.id_prefix)
+        + b',"runid":' + dumps(ctx.run_id)
+        + b',"seq":'
+        + b',"source":' + dumps(ctx.source)
+        + b',"specversion":' + dumps(fmt.SPECVERSION)
+        + _SUBJECT_KEY
+    )  # fmt: skip
+
+
+def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Iterator[dict[str, Any]]:
+    """The fast path over `lines`, the first of which is event `seq`: makes every check the careful
+    path makes, yields each event that passes (adding it to `passed`) and stops at the first that
+    does not, without saying why; and at the first event whose place in the run needs checking (the
+    first event, run.started, run.finished). The caller goes on from there with the careful path."""
+    run_id = ctx.run_id
+    source = ctx.source
+    id_prefix = ctx.id_prefix
+    middle = _middle_length(ctx)
+    checkers = schemas.DATA_CHECKERS
+    envelope_keys = _ENVELOPE_KEYS
+    specversion = fmt.SPECVERSION
+    ctype = fmt.DATACONTENTTYPE
+    special = (fmt.RUN_STARTED, fmt.RUN_FINISHED)
+    loads = orjson.loads
+    dumps = orjson.dumps
+    sort = orjson.OPT_SORT_KEYS
+    is_time = _TIME
+    sha256 = hashlib.sha256
+    join = b"".join
+    hashes = passed.hashes
+    counts = passed.counts
+    if seq == 0:
+        return
+    for line in lines:
+        digits = str(seq)
+        try:
+            ev = loads(line)
+            etype = ev["type"]
+            good = (
+                dumps(ev, option=sort) == line  # canonical, which rules out duplicate keys too
+                and ev.keys() == envelope_keys
+                and ev["id"] == id_prefix + digits
+                and ev["seq"] == seq
+                and type(ev["seq"]) is int
+                and ev["runid"] == run_id
+                and ev["source"] == source
+                and ev["specversion"] == specversion
+                and ev["datacontenttype"] == ctype
+                and type(ev["subject"]) is str
+                and type(ev["time"]) is str
+                and is_time(ev["time"]) is not None
+                and etype not in special
+                and checkers[etype](ev["data"]) is None
+            )
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError):
+            good = False
+        if not good:
+            return
+        # the content hash, from slices of the (now known canonical) line
+        subject = dumps(ev["subject"])
+        type_at = len(line) - len(etype) - 11  # ,"type":"<type>"}
+        subject_at = type_at - len(ev["time"]) - 10 - len(subject)  # S,"time":"<time>"
+        data_end = subject_at - middle - 2 * len(digits)
+        if not (line.startswith(_AFTER_DATA, data_end) and line.startswith(_SUBJECT_KEY, subject_at - 11)):
+            return  # cannot happen in a canonical line; the careful path will tell
+        hashes.append(sha256(join((line[:data_end], _CORE_MIDDLE, subject, line[type_at:]))).hexdigest())
+        counts[etype] = counts.get(etype, 0) + 1
+        passed.n += 1
+        seq += 1
+        yield ev
+
+
+def _check_all(lines: list[bytes], seq: int, ctx: _Context) -> _Passed | None:
+    """The fast path over all of `lines`: what passed if everything did, else None."""
+    passed = _Passed()
+    for _ in _fast(lines, seq, ctx, passed):
+        pass
+    return passed if passed.n == len(lines) else None
+
+
+# --- a second core -------------------------------------------------------------------------------
+
+
+def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection]) -> None:
+    """The helper process: runs the fast path on the pieces it is sent, answers each in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and closes the pipes
+    for end in parent_ends:
+        end.close()
+    try:
+        ctx = _Context(*orjson.loads(inbox.recv_bytes()))
+        while True:
+            seq = int.from_bytes(inbox.recv_bytes(), "little")
+            lines = inbox.recv_bytes().split(b"\n")
+            lines.pop()
+            passed = _check_all(lines, seq, ctx)
+            outbox.send((seq, None if passed is None else (passed.root_bytes(), passed.counts)))
+    except (EOFError, OSError):  # the parent is done, or gone
+        return
+
+
+class _Helper:
+    """A forked process that runs the fast path over some of the pieces, on another CPU. Only an
+    accelerator: the parent keeps every piece it hands over and checks it itself if the helper
+    fails in any way. A thread sends the pieces, so that this process never waits for the helper
+    to read one (the helper may be waiting for this one to take its answer)."""
+
+    def __init__(self) -> None:
+        mp = multiprocessing.get_context("fork")
+        inbox, self._send = mp.Pipe(duplex=False)
+        self._recv, outbox = mp.Pipe(duplex=False)
+        self._proc = mp.Process(
+            target=_serve,
+            args=(inbox, outbox, [self._send, self._recv]),
+            name="bundle-verify",
+            daemon=True,
+        )
+        self._proc.start()
+        inbox.close()
+        outbox.close()
+        self._outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_all, name="bundle-verify-send", daemon=True)
+        self._sender.start()
+        self.in_flight: collections.deque[_Piece] = collections.deque()
+        self.broken = False
+
+    def _send_all(self) -> None:
+        try:
+            while (message := self._outgoing.get()) is not None:
+                self._send.send_bytes(message)
+        except OSError:  # the helper is gone: wait() finds out
+            pass
+        finally:
+            self._send.close()
+
+    @staticmethod
+    def usable() -> bool:
+        """A second CPU, fork, and no other thread in this process (forking a threaded process can
+        leave the child with a lock that is never released)."""
+        return (
+            len(os.sched_getaffinity(0)) >= 2
+            and "fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1
+        )
+
+    def start(self, ctx: _Context) -> None:
+        """What the helper checks against (sent once the manifest is known)."""
+        self._outgoing.put(orjson.dumps([ctx.run_id, ctx.source, ctx.line]))
+
+    def submit(self, piece: _Piece) -> None:
+        self._outgoing.put(piece.seq.to_bytes(8, "little"))
+        self._outgoing.put(piece.data)
+        piece.remote = True
+        self.in_flight.append(piece)
+
+    def collect(self) -> None:
+        """Takes in the answers that have come."""
+        while self.in_flight and not self.broken and self._recv.poll(0):
+            self.wait()
+
+    def wait(self) -> None:
+        """Takes in the next answer, waiting for it."""
+        try:
+            while not self._recv.poll(1.0):
+                if not self._proc.is_alive():
+                    raise EOFError
+            seq, result = self._recv.recv()
+            if seq != self.in_flight[0].seq:
+                raise EOFError
+        except (EOFError, OSError, IndexError, TypeError, ValueError):
+            self._fail()
+            return
+        piece = self.in_flight.popleft()
+        piece.remote = False
+        piece.answer = result
+
+    def _fail(self) -> None:
+        """The helper is gone: the pieces it had are checked here."""
+        if not self.broken:
+            logger.debug("bundle-verify helper failed; checking in this process")
+        self.broken = True
+        for piece in self.in_flight:
+            piece.remote = False
+        self.in_flight.clear()
+        self.close()
+
+    def close(self) -> None:
+        self.broken = True
+        self._outgoing.put(None)  # the sender closes its end: the helper ends when it has read all
+        self._recv.close()  # and a helper blocked answering gets EPIPE
+        self._sender.join(2.0)
+        self._proc.join(2.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Whole lines of events.ndjson (or a problem found while reading them), on their way."""
+
+    data: bytes
+    lines: list[bytes]
+    seq: int  # line number of the first line (0-based)
+    fatal: _Fatal | None = None
+    remote: bool = False  # with the helper, not answered yet
+    answer: tuple[bytes, dict[str, int]] | None = None  # the helper's, if all lines passed
+
+
 # --- the verifier --------------------------------------------------------------------------------
 
 _epoch_days: dict[str, int] = {}
@@ -402,12 +662,20 @@ def _check_manifest(m: Any) -> list[str]:
 class _Verifier:
     """One pass over a bundle. `events()` yields each event once it has been checked."""
 
-    def __init__(self, path: str, limits: Limits) -> None:
+    def __init__(self, path: str, limits: Limits, *, parallel: bool = False) -> None:
         self.path = path
         self.limits = limits
         self.problems: list[str] = []
         self.manifest: dict[str, Any] = {}
-        self.finished_at = -1
+        self.parallel = parallel
+        self.helper: _Helper | None = None
+        # the state of the pass over the events
+        self.seq = 0  # the next event's expected seq
+        self.ok = True  # no problem so far: events are yielded
+        self.finished_at = -1  # seq of run.finished, once seen
+        self.counts: dict[str, int] = {}
+        self.root = hashlib.sha256()
+        self.file_hash = hashlib.sha256()
 
     def fail(self, why: str) -> None:
         self.problems.append(why)
@@ -434,6 +702,13 @@ class _Verifier:
 
     def run(self, *, manifest_only: bool = False) -> Iterator[dict[str, Any]]:
         f = self._open()
+        if (
+            self.parallel
+            and not manifest_only
+            and os.fstat(f.fileno()).st_size >= _PARALLEL_MIN
+            and _Helper.usable()
+        ):
+            self.helper = _Helper()  # forked before the inflating thread starts
         chunks = _Ahead(_inflate(f, self.limits)) if not manifest_only else _inflate(f, self.limits)
         try:
             yield from self._walk(_Stream(chunks), manifest_only)
@@ -446,6 +721,8 @@ class _Verifier:
         finally:
             chunks.close()
             f.close()
+            if self.helper is not None:
+                self.helper.close()
         if self.problems:
             raise VerificationError(self.path, self.problems)
 
@@ -511,31 +788,9 @@ class _Verifier:
         if zeros < 2 * _BLOCK:
             raise _Fatal("truncated tar archive (no end-of-archive marker)")
 
-    def _events(self, s: _Stream, size: int) -> Iterator[dict[str, Any]]:
-        """Stream, check and yield the events. The loop is the fast path for valid events (a
-        million of them must pass in a few seconds); anything unusual goes to _reason()."""
-        m = self.manifest
+    def _pieces(self, s: _Stream, size: int) -> Iterator[bytes]:
+        """events.ndjson in pieces of whole lines, hashing its bytes as they pass."""
         limits = self.limits
-        run_id = m["run_id"]
-        source = m["source"]
-        id_prefix = run_id + ":"
-        checkers = schemas.DATA_CHECKERS
-        envelope_keys = _ENVELOPE_KEYS
-        specversion = fmt.SPECVERSION
-        ctype = fmt.DATACONTENTTYPE
-        special = (fmt.RUN_STARTED, fmt.RUN_FINISHED)
-        loads = orjson.loads
-        dumps = orjson.dumps
-        sort = orjson.OPT_SORT_KEYS
-        json_errors = (orjson.JSONDecodeError, orjson.JSONEncodeError)
-        is_time = _TIME
-        sha256 = hashlib.sha256
-        file_hash = sha256()
-        root = sha256()
-        counts: dict[str, int] = {}
-        seq = 0
-        self.finished_at = -1
-        ok = True  # stop yielding after the first problem, keep looking for more
         leftover = b""
         remaining = size
         while remaining:
@@ -543,70 +798,158 @@ class _Verifier:
             if not chunk:
                 raise _Fatal(f"truncated tar archive (inside {fmt.EVENTS_NAME})")
             remaining -= len(chunk)
-            file_hash.update(chunk)
-            lines = (leftover + chunk).split(b"\n") if leftover else chunk.split(b"\n")
-            leftover = lines.pop()
-            if len(leftover) > limits.line or (lines and max(map(len, lines)) > limits.line):
+            self.file_hash.update(chunk)
+            cut = chunk.rfind(b"\n") + 1
+            if cut:
+                piece = leftover + chunk[:cut] if leftover or cut < len(chunk) else chunk
+                leftover = chunk[cut:]
+            else:
+                piece, leftover = b"", leftover + chunk
+            if len(leftover) > limits.line:
                 raise _Fatal(f"{fmt.EVENTS_NAME}: a line is longer than {limits.line} bytes")
-            if seq + len(lines) > limits.events:
-                raise _Fatal(f"{fmt.EVENTS_NAME}: more than {limits.events} events")
-            for line in lines:
-                why = None
-                try:
-                    ev = loads(line)
-                    good = (
-                        dumps(ev, option=sort) == line
-                        and ev.keys() == envelope_keys
-                        and ev["id"] == id_prefix + str(seq)
-                        and ev["seq"] == seq
-                        and type(ev["seq"]) is int
-                        and ev["runid"] == run_id
-                        and ev["source"] == source
-                        and ev["specversion"] == specversion
-                        and ev["datacontenttype"] == ctype
-                        and type(ev["subject"]) is str
-                        and type(ev["time"]) is str
-                        and is_time(ev["time"]) is not None
-                        and checkers[ev["type"]](ev["data"]) is None
-                    )
-                except (*json_errors, AttributeError, KeyError, TypeError):
-                    good = False
-                if good:
-                    etype = ev["type"]
-                    if seq == 0 or etype in special or self.finished_at >= 0:
-                        why = self._position(ev, seq)
-                else:
-                    why = self._reason(line, seq)  # raises _Fatal if the line cannot be parsed
-                if why is not None:
-                    self.fail(f"event {seq}: {why}")
-                    ok = False
-                    got = ev.get("seq") if good or type(ev) is dict else None
-                    if type(got) is int and got > seq:
-                        seq = got  # report a gap once, not on every later event
-                    seq += 1
-                    continue
-                core = {
-                    "data": ev["data"],
-                    "datacontenttype": ctype,
-                    "specversion": specversion,
-                    "subject": ev["subject"],
-                    "type": etype,
-                }
-                root.update(sha256(dumps(core, option=sort)).hexdigest().encode() + b"\n")
-                counts[etype] = counts.get(etype, 0) + 1
-                seq += 1
-                if ok:
-                    yield ev
+            if piece:
+                yield piece
         if leftover:
             raise _Fatal(f"{fmt.EVENTS_NAME} does not end with a newline")
-        if file_hash.hexdigest() != m["files"][fmt.EVENTS_NAME]["sha256"]:
+
+    def _events(self, s: _Stream, size: int) -> Iterator[dict[str, Any]]:
+        """Stream, check and yield the events, a piece (about _CHUNK bytes of whole lines) at a time.
+
+        Each event goes through the fast path (_fast), which passes it or gives up at it, and from
+        there the careful path (_careful) takes over, which explains. Once a problem was found or
+        run.finished seen, only the careful path is taken. With a helper process, the fast path
+        runs on two CPUs: pieces read ahead go to the helper while it has room, the others are
+        checked here, in order. A problem found while reading waits in line, so that the events
+        before it are checked first, as in one pass."""
+        m = self.manifest
+        ctx = _Context(m["run_id"], m["source"], self.limits.line)
+        helper = self.helper
+        if helper is not None:
+            helper.start(ctx)
+        pieces = self._pieces(s, size)
+        pending: collections.deque[_Piece] = collections.deque()
+        lines_read = 0
+
+        def take() -> _Piece | None:
+            nonlocal pieces, lines_read
+            try:
+                data = next(pieces)
+            except StopIteration:
+                return None
+            except _Fatal as e:
+                piece = _Piece(b"", [], lines_read, fatal=e)
+                pieces = iter(())
+            else:
+                lines = data.split(b"\n")
+                lines.pop()
+                piece = _Piece(data, lines, lines_read)
+                lines_read += len(lines)
+            pending.append(piece)
+            return piece
+
+        while True:
+            if helper is not None and not helper.broken and self._fast():
+                helper.collect()
+                while len(pending) < _AHEAD and (piece := take()) is not None:
+                    if len(helper.in_flight) < _IN_FLIGHT and piece.fatal is None:
+                        helper.submit(piece)
+            if not pending and take() is None:
+                break
+            piece = pending.popleft()
+            while piece.remote:
+                assert helper is not None
+                helper.wait()
+            if piece.fatal is not None:
+                raise piece.fatal
+            lines = piece.lines
+            if lines and max(map(len, lines)) > self.limits.line:
+                raise _Fatal(f"{fmt.EVENTS_NAME}: a line is longer than {self.limits.line} bytes")
+            if self.seq + len(lines) > self.limits.events:
+                raise _Fatal(f"{fmt.EVENTS_NAME}: more than {self.limits.events} events")
+            if self._fast() and piece.answer is not None:  # the helper passed every event
+                self.root.update(piece.answer[0])
+                self._count(piece.answer[1])
+                self.seq += len(lines)
+                yield from map(orjson.loads, lines)
+                continue
+            done = 0
+            if self._fast():
+                passed = _Passed()
+                yield from _fast(lines, self.seq, ctx, passed)
+                self.root.update(passed.root_bytes())
+                self._count(passed.counts)
+                self.seq += passed.n
+                done = passed.n
+            if done < len(lines):
+                yield from self._careful(lines[done:] if done else lines)
+        self._finish()
+
+    def _fast(self) -> bool:
+        """Whether the fast path may be taken: no problem so far and no run.finished yet."""
+        return self.ok and self.finished_at < 0
+
+    def _count(self, counts: dict[str, int]) -> None:
+        for etype, n in counts.items():
+            self.counts[etype] = self.counts.get(etype, 0) + n
+
+    def _careful(self, lines: list[bytes]) -> Iterator[dict[str, Any]]:
+        """The careful path: line by line, saying what is wrong with each bad event."""
+        m = self.manifest
+        run_id = m["run_id"]
+        id_prefix = run_id + ":"
+        for line in lines:
+            seq = self.seq
+            why = None
+            try:
+                ev = orjson.loads(line)
+                good = (
+                    orjson.dumps(ev, option=orjson.OPT_SORT_KEYS) == line
+                    and ev.keys() == _ENVELOPE_KEYS
+                    and ev["id"] == id_prefix + str(seq)
+                    and ev["seq"] == seq
+                    and type(ev["seq"]) is int
+                    and ev["runid"] == run_id
+                    and ev["source"] == m["source"]
+                    and ev["specversion"] == fmt.SPECVERSION
+                    and ev["datacontenttype"] == fmt.DATACONTENTTYPE
+                    and type(ev["subject"]) is str
+                    and type(ev["time"]) is str
+                    and _TIME(ev["time"]) is not None
+                    and schemas.DATA_CHECKERS[ev["type"]](ev["data"]) is None
+                )
+            except (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError):
+                good = False
+            if good:
+                etype = ev["type"]
+                if seq == 0 or etype in (fmt.RUN_STARTED, fmt.RUN_FINISHED) or self.finished_at >= 0:
+                    why = self._position(ev, seq)
+            else:
+                why = self._reason(line, seq)  # raises _Fatal if the line cannot be parsed
+            if why is not None:
+                self.fail(f"event {seq}: {why}")
+                self.ok = False
+                got = ev.get("seq") if good or type(ev) is dict else None
+                if type(got) is int and got > seq:
+                    seq = got  # report a gap once, not on every later event
+                self.seq = seq + 1
+                continue
+            self.root.update(fmt.content_hash(ev).encode() + b"\n")
+            self.counts[etype] = self.counts.get(etype, 0) + 1
+            self.seq = seq + 1
+            if self.ok:
+                yield ev
+
+    def _finish(self) -> None:
+        """The checks that can only be made at the end of the events."""
+        m = self.manifest
+        if self.file_hash.hexdigest() != m["files"][fmt.EVENTS_NAME]["sha256"]:
             self.fail(f"{fmt.EVENTS_NAME}: sha256 does not match the manifest (tampered?)")
-        if ok and root.hexdigest() != m["root_hash"]:
+        if self.ok and self.root.hexdigest() != m["root_hash"]:
             self.fail("root hash over the event content hashes does not match the manifest (tampered?)")
-        if ok and seq != m["events"]:
-            self.fail(f"manifest says {m['events']} events, the bundle holds {seq}")
-        if ok and counts != m["counts"]:
-            self.fail(f"manifest counts {m['counts']} do not match the events {counts}")
+        if self.ok and self.seq != m["events"]:
+            self.fail(f"manifest says {m['events']} events, the bundle holds {self.seq}")
+        if self.ok and self.counts != m["counts"]:
+            self.fail(f"manifest counts {m['counts']} do not match the events {self.counts}")
 
     def _reason(self, line: bytes, seq: int) -> str:
         """Why line `seq` is not a valid event (the slow path). Raises _Fatal for lines that are not
@@ -681,11 +1024,18 @@ def _show(value: Any) -> str:
 
 
 class Bundle:
-    """An opened bundle: its checked manifest, and a verifying event stream."""
+    """An opened bundle: its checked manifest, and a verifying event stream.
 
-    def __init__(self, path: str | os.PathLike[str], limits: Limits | None = None) -> None:
+    `parallel`: the events may be checked on two CPUs, by a helper process forked for each pass
+    (only for bundles of at least _PARALLEL_MIN compressed bytes, with a second CPU, and when this
+    process runs no other thread). Pass False when the caller keeps the CPUs busy itself."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], limits: Limits | None = None, *, parallel: bool = True
+    ) -> None:
         self.path = str(path)
         self.limits = limits or Limits()
+        self.parallel = parallel
         v = _Verifier(self.path, self.limits)
         for _ in v.run(manifest_only=True):
             pass
@@ -694,7 +1044,7 @@ class Bundle:
     def events(self) -> Iterator[dict[str, Any]]:
         """Every event, in sequence order, verifying as it goes; raises VerificationError (at the
         latest when exhausted) if anything is wrong."""
-        return _Verifier(self.path, self.limits).run()
+        return _Verifier(self.path, self.limits, parallel=self.parallel).run()
 
     def verify(self) -> None:
         for _ in self.events():
@@ -705,8 +1055,10 @@ class Bundle:
         return str(self.manifest["run_id"])
 
 
-def open_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
-    return Bundle(path, limits)
+def open_bundle(
+    path: str | os.PathLike[str], limits: Limits | None = None, *, parallel: bool = True
+) -> Bundle:
+    return Bundle(path, limits, parallel=parallel)
 
 
 def read_manifest(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, Any]:
