@@ -55,7 +55,7 @@ _BLOCK = 512
 _READ = 1 << 18  # compressed bytes read at a time
 _CHUNK = 1 << 20  # decompressed bytes produced at a time (and about the size of a piece of events)
 _PARALLEL_MIN = 1 << 20  # compressed bytes: a smaller bundle is checked in this process alone
-_IN_FLIGHT = 2  # pieces with the helper process, not answered yet
+_IN_FLIGHT = 4  # pieces with the helper process, not answered yet
 _AHEAD = 8  # pieces read ahead of the consumer (bounds the memory)
 _TRAILER_ZEROS = 64 * 1024  # zero bytes allowed after the tar end-of-archive marker (record padding)
 _ENVELOPE_KEYS = frozenset(
@@ -700,7 +700,7 @@ class _Verifier:
             )
         return f
 
-    def run(self, *, manifest_only: bool = False) -> Iterator[dict[str, Any]]:
+    def run(self, *, manifest_only: bool = False) -> Generator[dict[str, Any], None, None]:
         f = self._open()
         if (
             self.parallel
@@ -1041,9 +1041,9 @@ class Bundle:
             pass
         self.manifest: dict[str, Any] = v.manifest
 
-    def events(self) -> Iterator[dict[str, Any]]:
+    def events(self) -> Generator[dict[str, Any], None, None]:
         """Every event, in sequence order, verifying as it goes; raises VerificationError (at the
-        latest when exhausted) if anything is wrong."""
+        latest when exhausted) if anything is wrong. Close it to stop early."""
         return _Verifier(self.path, self.limits, parallel=self.parallel).run()
 
     def verify(self) -> None:

@@ -33,7 +33,8 @@ def _events(lines: list[bytes]) -> bytes:
 
 
 def _ev(lines: list[bytes], i: int) -> dict[str, Any]:
-    return orjson.loads(lines[i])
+    ev: dict[str, Any] = orjson.loads(lines[i])
+    return ev
 
 
 def _with(lines: list[bytes], i: int, **changes: Any) -> list[bytes]:

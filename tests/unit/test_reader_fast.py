@@ -1,0 +1,168 @@
+"""The reader's fast path and its helper process check exactly what the careful path checks.
+
+The fast path (reader._fast) computes content hashes from slices of the canonical line and checks
+pieces of events on a second CPU (reader._Helper). Small bundles never take it (their one piece
+holds the first event), so these tests shrink the pieces to a line or so and force the helper.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from bundle import format as fmt
+from bundle import reader, schemas
+from tests.unit.conftest_bundles import members, write
+from tests.unit.test_hostile import HOSTILE
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(events yielded, problems) of one verifying pass."""
+    seen: list[dict[str, Any]] = []
+    try:
+        for ev in reader.open_bundle(path).events():
+            seen.append(ev)
+    except reader.VerificationError as e:
+        return seen, e.problems
+    return seen, []
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pieces of about one line, and the helper process for any bundle."""
+    monkeypatch.setattr(reader, "_CHUNK", 200)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    yield
+    assert multiprocessing.active_children() == []  # every helper was ended
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[bytes]]:
+    return members(write(tmp_path_factory.mktemp("valid") / "a.tar.gz"))
+
+
+def test_a_valid_bundle_reads_the_same(tmp_path: Path, small_pieces: None) -> None:
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    events, problems = _read(path)
+    assert problems == []
+    assert events == [orjson.loads(x) for x in lines]
+
+
+def test_pieces_of_many_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader, "_CHUNK", 2000)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    assert _read(path) == ([orjson.loads(x) for x in lines], [])
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_bundles_give_the_same_problems(
+    case: str, valid: tuple[dict[str, Any], list[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, _ = HOSTILE[case]
+    manifest, lines = valid
+    path = make(tmp_path / f"{case}.tar.gz", dict(manifest), list(lines))
+    with monkeypatch.context() as m:
+        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        one_pass = _read(path)
+    assert one_pass[1], "a hostile bundle must fail"
+    monkeypatch.setattr(reader, "_CHUNK", 200)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    assert _read(path) == one_pass
+    assert multiprocessing.active_children() == []
+
+
+def _dead_helper(*args: Any) -> None:
+    os._exit(3)
+
+
+def test_a_helper_that_dies_changes_nothing(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "_serve", _dead_helper)
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    assert _read(path) == ([orjson.loads(x) for x in lines], [])
+
+
+def test_stopping_early_ends_the_helper(tmp_path: Path, small_pieces: None) -> None:
+    path = write(tmp_path / "a.tar.gz")
+    stream = reader.open_bundle(path).events()
+    next(stream)
+    next(stream)
+    stream.close()  # the fixture checks that no helper is left
+
+
+# --- the content hash from slices ------------------------------------------------------------------
+
+_RUN_IDS = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_TEXT = st.text(max_size=40)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    run_id=_RUN_IDS,
+    seq=st.integers(min_value=1, max_value=10**12),
+    which=st.integers(min_value=1),
+    subject=_TEXT,
+    strings=st.lists(_TEXT, min_size=1, max_size=4),
+    labels=st.dictionaries(_TEXT, _TEXT, max_size=3),
+)
+def test_fast_content_hash_is_format_content_hash(
+    valid: tuple[dict[str, Any], list[bytes]],
+    run_id: str,
+    seq: int,
+    which: int,
+    subject: str,
+    strings: list[str],
+    labels: dict[str, str],
+) -> None:
+    """Any valid event (any run id, seq, subject, strings in its data, including quotes,
+    backslashes, control characters, non-ASCII and the text of other attributes) passes the fast
+    path with the content hash that format.content_hash gives."""
+    _, lines = valid
+    ev = orjson.loads(lines[which % len(lines)])
+    source = fmt.source_for(run_id)
+    ev.update(id=fmt.event_id(run_id, seq), runid=run_id, seq=seq, source=source, subject=subject)
+    data = ev["data"]
+    for key, value in zip(
+        sorted(k for k, v in data.items() if type(v) is str and "time" not in k), strings, strict=False
+    ):
+        data[key] = value
+    if "argv" in data:
+        data["argv"] = strings + [',"subject":', '","datacontenttype":"application/json","id":"']
+    if "labels" in data:
+        data["labels"] = labels
+    assume(schemas.DATA_CHECKERS[ev["type"]](data) is None)  # e.g. a literal field took a string
+    line = orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)  # as the writer has it
+    passed = reader._Passed()
+    out = list(reader._fast([line], seq, reader._Context(run_id, source, fmt.MAX_LINE), passed))
+    if ev["type"] in (fmt.RUN_STARTED, fmt.RUN_FINISHED):  # left to the careful path
+        assert out == [] and passed.hashes == []
+        return
+    assert out == [ev]
+    assert passed.hashes == [fmt.content_hash(ev)]
+    assert passed.counts == {ev["type"]: 1}
+
+
+@given(garbage=st.binary(max_size=300))
+def test_fast_path_refuses_what_it_cannot_prove(garbage: bytes) -> None:
+    """A line that is not a valid event never passes the fast path (it says no; the careful path
+    says why)."""
+    passed = reader._Passed()
+    ctx = reader._Context("run-x", fmt.source_for("run-x"), fmt.MAX_LINE)
+    assert list(reader._fast([garbage], 1, ctx, passed)) == []
+    assert passed.n == 0
