@@ -1,9 +1,11 @@
 """The agent's control API: HTTP + JSON on a Unix socket, for `evidence start` / `evidence finish`.
 
     POST /runs                   {"cgroup": PATH} or {"pid": N}, "labels": {..}  -> 201 run
+    POST /runs                   {"isolate_pid": N, "labels", "command", "detail"}  -> 201 run (isolated)
     GET  /runs                   -> {"runs": [run, ...]}
     GET  /runs/<session>         -> run
-    POST /runs/<session>/finish  {"bundle": NAME?}  -> {"session_id", "run_id", "path", "name", "sha256", ...}
+    POST /runs/<session>/finish  {"bundle": NAME?, "exit_code"?, "signal"?}
+                                 -> {"session_id", "run_id", "path", "name", "sha256", "counts", ...}
     GET  /bundles/<name>         -> the bundle's bytes (application/gzip)
     GET  /healthz                -> 200 while the server answers
     GET  /readyz                 -> 200 once the recorder is ready (probes loaded), else 503 and why
@@ -14,6 +16,15 @@ every connection's peer is checked with SO_PEERCRED: allowed when its uid is in 
 primary or a supplementary gid in `allowed_gids`, it is the agent's own uid, or it is root (uid 0)
 while `allow_root` is on (root could read the bundle directory and the kernel's state anyway).
 Anyone else gets 403 and nothing is done for them.
+
+Isolated runs (`evidence run --agent`): the client forks its command, which waits before exec; it
+asks for `isolate_pid`. The agent makes a fresh cgroup under `<cgroup mount>/evidence/`, starts
+tracking it, then moves that process in, so the run holds the command from its first instruction and
+nothing else of the client's. Only a process the peer owns may be moved: root, or a peer whose uid
+is the process's real, effective, saved and filesystem uid (the rule ptrace uses); anything else is
+403. A peer in a child pid namespace names the pid as it sees it: the agent looks for it among the
+peer's own children. Finishing an isolated run kills what is left in its cgroup and removes it; the
+client may report the command's exit code or signal, which the manifest then carries.
 
 Where bundles go: always into the agent's bundle directory, under the name the client asks for (a
 plain file name) or `<session>.tar.gz`. Only a root peer may name an absolute path: the agent runs
@@ -58,6 +69,8 @@ MAX_BODY = 1024 * 1024
 MAX_LABELS = 64
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 _SESSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_SIGNAL = re.compile(r"^SIG[A-Z0-9+-]{2,12}$")
+MAX_COMMAND_BYTES = 128 * 1024
 _BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz$")  # k8s: <ns>_<pod>_<uid>-<n>
 
 
@@ -73,6 +86,10 @@ class NotReady(SetupError):
     """The recorder cannot take runs yet (or any more)."""
 
 
+class Forbidden(UsageError):
+    """The peer may use the agent, but not on that process (someone else's, or out of its sight)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunInfo:
     """A run the backend is recording."""
@@ -83,6 +100,7 @@ class RunInfo:
     started_ns: int = 0
     attached_late: bool = True
     pid: int | None = None  # the pid the client named, if it named one
+    isolated: bool = False  # the agent made the cgroup for this run (isolate_pid) and removes it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -92,6 +110,7 @@ class RunInfo:
             "started_ns": self.started_ns,
             "attached_late": self.attached_late,
             "pid": self.pid,
+            "isolated": self.isolated,
         }
 
 
@@ -107,8 +126,30 @@ class Backend(Protocol):
         """Start recording an existing cgroup (attached late: take an inventory of what is there)."""
         ...
 
-    def finish(self, session_id: str, bundle_path: Path) -> Mapping[str, Any]:
-        """Drain the run's events, write its bundle to bundle_path (atomically), return its manifest."""
+    def isolate(
+        self,
+        pid: int,
+        labels: Mapping[str, str],
+        mount: Path,
+        *,
+        command: Sequence[str] = (),
+        detail: str = "summary",
+        pidfd: int | None = None,
+    ) -> RunInfo:
+        """Make a cgroup under mount/evidence/, start recording it, then move `pid` into it
+        (the caller checked the peer owns it; `pidfd` tells whether it is still the same process)."""
+        ...
+
+    def finish(
+        self,
+        session_id: str,
+        bundle_path: Path,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> Mapping[str, Any]:
+        """Drain the run's events, write its bundle to bundle_path (atomically), return its manifest.
+        An isolated run's leftover processes are killed first and its cgroup removed after."""
         ...
 
     def runs(self) -> Sequence[RunInfo]:
@@ -183,6 +224,18 @@ def parse_labels(raw: Any) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def parse_command(raw: Any) -> list[str]:
+    """The argv a client says its isolated process will exec (for the manifest; the exec event is
+    what the kernel saw)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(a, str) and "\x00" not in a for a in raw):
+        raise UsageError('"command" must be a list of strings')
+    if sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in raw) > MAX_COMMAND_BYTES:
+        raise UsageError(f'"command" is over {MAX_COMMAND_BYTES} bytes')
+    return list(raw)
+
+
 def resolve_cgroup(
     cgroup: str | None,
     pid: int | None,
@@ -228,6 +281,76 @@ def resolve_cgroup(
     if not (candidate / "cgroup.procs").is_file():
         raise UsageError(f"{candidate} is not a cgroup (no cgroup.procs)")
     return candidate
+
+
+def _proc_status(pid: int, proc_root: Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in (proc_root / str(pid) / "status").read_text(errors="replace").splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.split()
+    return out
+
+
+def _child_in_namespace(parent: int, nspid: int, depth: int, proc_root: Path) -> int | None:
+    """The child of `parent` whose pid in its own (depth-th) pid namespace is nspid."""
+    try:
+        tasks = list((proc_root / str(parent) / "task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for c in children:
+            try:
+                ns = _proc_status(int(c), proc_root).get("NSpid", [])
+            except (OSError, ValueError):
+                continue
+            if len(ns) == depth and ns[-1] == str(nspid):
+                return int(c)
+    return None
+
+
+def claim_pid(pid: Any, peer: Peer, proc_root: Path = Path("/proc"), agent_pid: int | None = None) -> int:
+    """The pid, as the agent sees it, of the process a peer asks to isolate, checked to be the peer's.
+
+    A peer in a child pid namespace (its NSpid line has more than one entry) names the pid as it
+    sees it: the process is looked for among the peer's own children. The process must belong to
+    the peer: root may name any, anyone else only one whose real, effective, saved and filesystem
+    uids are all the peer's (the rule ptrace uses). Raises Forbidden (403) otherwise."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise UsageError('"isolate_pid" must be a positive integer')
+    if peer.pid <= 0:
+        raise Forbidden(
+            "the agent cannot see your processes (they are in a pid namespace it does not share)",
+            hint="share the process namespace with the agent (shareProcessNamespace, or hostPID)",
+        )
+    try:
+        depth = len(_proc_status(peer.pid, proc_root).get("NSpid", ["-"]))
+    except OSError:
+        raise Forbidden(f"the agent cannot read your process {peer.pid} in /proc") from None
+    target = pid
+    if depth > 1:
+        found = _child_in_namespace(peer.pid, pid, depth, proc_root)
+        if found is None:
+            raise Forbidden(f"process {pid} is not a child of yours", hint="isolate a process you forked")
+        target = found
+    try:
+        uids = _proc_status(target, proc_root).get("Uid", [])
+    except FileNotFoundError:
+        raise UsageError(f"no process {pid}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read process {pid}: {e.strerror}") from None
+    if target == (agent_pid if agent_pid is not None else os.getpid()):
+        raise Forbidden("the agent does not isolate itself")
+    if peer.uid != 0 and (len(uids) != 4 or any(u != str(peer.uid) for u in uids)):
+        raise Forbidden(
+            f"process {pid} is not yours: uid {peer.uid} may only isolate its own processes",
+            hint="run the command as the user that talks to the agent",
+        )
+    return target
 
 
 def find_cgroup_by_inode(root: Path, inode: int, max_depth: int = 8) -> Path | None:
@@ -293,6 +416,7 @@ class AgentAPI:
         socket_gid: int | None = None,
         cgroup_root: str | Path = Path("/sys/fs/cgroup"),
         ns_base: str = "",
+        proc_root: str | Path = Path("/proc"),
         metrics_enabled: bool = True,
         registry: m.Registry | None = None,
         tcp_listen: tuple[str, int] | None = None,
@@ -304,6 +428,7 @@ class AgentAPI:
         self.socket_gid = socket_gid
         self.cgroup_root = Path(cgroup_root)
         self.ns_base = ns_base
+        self.proc_root = Path(proc_root)
         self.metrics_enabled = metrics_enabled
         self.registry = registry or m.Registry()
         self.tcp_listen = tcp_listen
@@ -448,6 +573,8 @@ class AgentAPI:
         return _Response.error(404, f"no route {method} {urlsplit(path).path}", "other")
 
     def _start(self, body: dict[str, Any], peer: Peer) -> _Response:
+        if "isolate_pid" in body:
+            return self._isolate(body, peer)
         unknown = sorted(set(body) - {"cgroup", "pid", "labels"})
         if unknown:
             raise UsageError(f"unknown field(s) {', '.join(unknown)}")
@@ -463,13 +590,56 @@ class AgentAPI:
         logger.info("run %s started on %s for uid %d (labels %s)", info.session_id, cgroup, peer.uid, labels)
         return _Response.json(201, info.to_json(), "/runs")
 
+    def _isolate(self, body: dict[str, Any], peer: Peer) -> _Response:
+        unknown = sorted(set(body) - {"isolate_pid", "labels", "command", "detail"})
+        if unknown:
+            raise UsageError(f"unknown field(s) {', '.join(unknown)} (with isolate_pid)")
+        labels = parse_labels(body.get("labels"))
+        command = parse_command(body.get("command"))
+        detail = body.get("detail", "summary")
+        if detail not in ("summary", "full"):
+            raise UsageError('"detail" must be "summary" or "full"')
+        pid = claim_pid(body.get("isolate_pid"), peer, self.proc_root)
+        reason = self.backend.ready()
+        if reason is not None:
+            raise NotReady(f"the recorder is not ready: {reason}")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise UsageError(f"process {body['isolate_pid']} has exited") from None
+        try:
+            info = self.backend.isolate(
+                pid, labels, self.cgroup_root, command=command, detail=detail, pidfd=pidfd
+            )
+        finally:
+            os.close(pidfd)
+        logger.info(
+            "run %s started on %s for pid %d of uid %d (labels %s)",
+            info.session_id,
+            info.cgroup,
+            pid,
+            peer.uid,
+            labels,
+        )
+        return _Response.json(201, info.to_json(), "/runs")
+
     def _finish(self, sid: str, body: dict[str, Any], peer: Peer) -> _Response:
-        unknown = sorted(set(body) - {"bundle"})
+        unknown = sorted(set(body) - {"bundle", "exit_code", "signal"})
         if unknown:
             raise UsageError(f"unknown field(s) {', '.join(unknown)}")
         target = bundle_target(body.get("bundle"), sid, self.bundle_dir, peer.uid)
-        if all(r.session_id != sid for r in self.backend.runs()):
+        run = next((r for r in self.backend.runs() if r.session_id == sid), None)
+        if run is None:
             raise UnknownRun(f"no run {sid}")
+        exit_code, sig = body.get("exit_code"), body.get("signal")
+        if (exit_code is not None or sig is not None) and not run.isolated:
+            raise UsageError('"exit_code" and "signal" are only for isolated runs (the agent ran nothing)')
+        if exit_code is not None and (
+            not isinstance(exit_code, int) or isinstance(exit_code, bool) or not 0 <= exit_code <= 255
+        ):
+            raise UsageError('"exit_code" must be an integer from 0 to 255')
+        if sig is not None and (not isinstance(sig, str) or not _SIGNAL.match(sig)):
+            raise UsageError('"signal" must be a signal name such as SIGTERM')
         with self._lock:
             if sid in self._finishing:
                 raise RunConflict(f"run {sid} is already being finished")
@@ -477,7 +647,10 @@ class AgentAPI:
                 raise RunConflict(f"{target} already exists", hint="give another bundle name")
             self._finishing.add(sid)
         try:
-            manifest = self.backend.finish(sid, target)
+            if exit_code is None and sig is None:
+                manifest = self.backend.finish(sid, target)
+            else:
+                manifest = self.backend.finish(sid, target, exit_code=exit_code, signal=sig)
         finally:
             with self._lock:
                 self._finishing.discard(sid)
@@ -494,6 +667,7 @@ class AgentAPI:
             "lost": lost.get("total", 0) if isinstance(lost, dict) else lost,
             "cut_short": manifest.get("cut_short", False),
             "root_hash": manifest.get("root_hash"),
+            "counts": manifest.get("counts") or {},
         }
         logger.info("run %s finished: %s (%d bytes, run id %s)", sid, target, size, result["run_id"])
         return _Response.json(200, result, "/runs/{id}/finish")
@@ -547,6 +721,8 @@ class _Response:
 def _error_status(e: Error) -> int:
     if isinstance(e, UnknownRun):
         return 404
+    if isinstance(e, Forbidden):
+        return 403
     if isinstance(e, RunConflict):
         return 409
     if isinstance(e, SetupError):

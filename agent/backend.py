@@ -14,6 +14,10 @@
   degradation event saying so; a spool that cannot be read is moved to `<spool_dir>/failed/`.
 - Windows. `rotate` cuts a long-lived run in two with no gap: the new run is tracked before the old
   one is finished, and the old one's untrack is skipped (`HandoverProbes`).
+- Isolated runs (`isolate`, for `evidence run --agent`): the agent makes a cgroup of its own for
+  the run, starts tracking it, then moves the client's waiting child in; finishing such a run kills
+  what the command left in it and removes the cgroup (a run cut short at shutdown is not killed: its
+  cgroup is removed only once empty).
 - Kubernetes (`PodRuns`): one run per pod cgroup; containers are child cgroups, covered by the
   pod's run; their ids are recorded as labels (events carry no container id: see docs/deploy.md).
 """
@@ -27,6 +31,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import tempfile
 import threading
@@ -43,6 +48,7 @@ from agent.inventory import cgroup_pids, read_process, take_inventory
 from evidence.errors import UsageError
 
 if TYPE_CHECKING:
+    from agent.cgroups import RunCgroup
     from agent.delivery import BundleUploader, EventStreamer
     from agent.recorder import Recorder, Session
     from bundle.spool import SpoolWriter
@@ -170,6 +176,7 @@ class _Run:
     finishing: bool = False
     lost: dict[str, int] = dataclasses.field(default_factory=dict)  # last read, while active
     seq: int = 0
+    cgroup: RunCgroup | None = None  # made by the agent for this run (isolated): removed at finish
 
     @property
     def info(self) -> RunInfo:
@@ -181,7 +188,15 @@ class _Run:
             started_ns=s.started_ns,
             attached_late=s.attached_late,
             pid=self.pid,
+            isolated=self.cgroup is not None,
         )
+
+
+def _exited(pidfd: int) -> bool:
+    """True once the process behind pidfd has exited (its pidfd polls readable)."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def _file_sha256(path: Path) -> tuple[str, int]:
@@ -289,6 +304,9 @@ class RecorderBackend:
         bundle_name: str | None = None,
         extensions: Mapping[str, str] | None = None,
         replacing: str | None = None,
+        session_id: str | None = None,
+        detail: str = "summary",
+        command: list[str] | None = None,
     ) -> _Run:
         rec = self._require_recorder()
         cgroup = Path(cgroup)
@@ -305,7 +323,9 @@ class RecorderBackend:
                     )
             self._starting.add(cgroup)
         try:
-            return self._start_locked_out(rec, cgroup, labels, pid, bundle_name, extensions)
+            return self._start_locked_out(
+                rec, cgroup, labels, pid, bundle_name, extensions, session_id, detail, command
+            )
         finally:
             with self._lock:
                 self._starting.discard(cgroup)
@@ -318,19 +338,30 @@ class RecorderBackend:
         pid: int | None,
         bundle_name: str | None,
         extensions: Mapping[str, str] | None,
+        session_id: str | None = None,
+        detail: str = "summary",
+        command: list[str] | None = None,
     ) -> _Run:
         before = cgroup_pids(cgroup)
-        command: list[str] = []
+        argv: list[str] = []
         cwd = ""
         if pid is not None:
             proc = read_process(pid)
             if proc is not None:
-                command, cwd = list(proc["argv"]), proc["cwd"] or ""
-        sid = uuid.uuid4().hex
+                argv, cwd = list(proc["argv"]), proc["cwd"] or ""
+        if command is not None:
+            argv = list(command)
+        sid = session_id or uuid.uuid4().hex
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         try:
             session = rec.start(
-                cgroup, command, cwd, labels=dict(labels), attached_late=bool(before), session_id=sid
+                cgroup,
+                argv,
+                cwd,
+                detail=detail,
+                labels=dict(labels),
+                attached_late=bool(before),
+                session_id=sid,
             )
         except FileNotFoundError:
             raise UsageError(f"{cgroup} is gone") from None
@@ -374,6 +405,55 @@ class RecorderBackend:
             f", labels {dict(labels)}" if labels else "",
         )
         return run
+
+    def isolate(
+        self,
+        pid: int,
+        labels: Mapping[str, str],
+        mount: Path,
+        *,
+        command: Sequence[str] = (),
+        detail: str = "summary",
+        pidfd: int | None = None,
+    ) -> RunInfo:
+        """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
+        tracked first, then the process is moved in, so nothing it does from then on is missed.
+        The caller (agent/api.py claim_pid) has checked that the peer owns the process."""
+        from agent.cgroups import RunCgroup
+
+        self._require_recorder()
+        sid = uuid.uuid4().hex
+        cg = RunCgroup.create(sid, Path(mount))
+        try:
+            run = self.start_run(
+                cg.path, labels, pid=pid, session_id=sid, detail=detail, command=list(command)
+            )
+        except BaseException:
+            cg.remove()
+            raise
+        run.cgroup = cg
+        proc = read_process(pid)
+        if proc is not None:
+            run.session.correlator.add_root(pid, int(proc["ppid"]), cast(str, proc["cwd"] or ""))
+        try:
+            if proc is None or (pidfd is not None and _exited(pidfd)):
+                raise ProcessLookupError
+            (cg.path / "cgroup.procs").write_text(str(pid))
+        except OSError as e:
+            self._abandon(run)
+            why = "it has exited" if isinstance(e, ProcessLookupError) else e.strerror
+            raise UsageError(f"cannot move process {pid} into {cg.path}: {why}") from None
+        logger.info("run %s: process %d moved into its own cgroup %s", sid, pid, cg.path)
+        return run.info
+
+    def _abandon(self, run: _Run) -> None:
+        """Finish a run that never got its process, and throw the bundle away."""
+        tmp = self.spool_dir / f".abandoned-{run.session.session_id}.tar.gz"
+        try:
+            self.finish(run.session.session_id, tmp)
+        except Exception as e:
+            logger.warning("run %s: could not be abandoned cleanly: %s", run.session.session_id, e)
+        tmp.unlink(missing_ok=True)
 
     def _observe(self, run: _Run, recs: list[dict[str, Any]]) -> None:
         counts: dict[str, int] = {}
@@ -427,7 +507,15 @@ class RecorderBackend:
 
     # finishing
 
-    def finish(self, session_id: str, bundle_path: Path, *, cut_short: bool = False) -> Mapping[str, Any]:
+    def finish(
+        self,
+        session_id: str,
+        bundle_path: Path,
+        *,
+        cut_short: bool = False,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> Mapping[str, Any]:
         rec = self._require_recorder() if not cut_short else self.recorder
         if rec is None:
             raise NotReady("the recorder is not ready")
@@ -437,8 +525,16 @@ class RecorderBackend:
                 raise UnknownRun(f"no run {session_id}")
             run.finishing = True
         sid = session_id
+        if run.cgroup is not None and not cut_short:
+            left = run.cgroup.kill()
+            if left:
+                logger.info("run %s: killed %d process(es) the command left behind", sid, left)
+            if not run.cgroup.wait_empty():
+                logger.warning("run %s: %s is still populated after SIGKILL", sid, run.cgroup.path)
         try:
-            manifest = rec.finish(run.session, bundle_path, exit_code=None, cut_short=cut_short)
+            manifest = rec.finish(
+                run.session, bundle_path, exit_code=exit_code, signal=signal, cut_short=cut_short
+            )
         except BaseException:
             logger.exception("run %s: writing its bundle %s failed", sid, bundle_path)
             with self._lock:
@@ -446,7 +542,9 @@ class RecorderBackend:
                 self._finished += 1
             with contextlib.suppress(FileNotFoundError):
                 (self.spool_dir / f"{sid}{RUN_META_SUFFIX}").unlink()
+            self._remove_cgroup(run)
             raise
+        self._remove_cgroup(run)
         _sha, size = _file_sha256(Path(bundle_path))
         by_kind = manifest.get("lost", {}).get("by_kind", {})
         with self._lock:
@@ -461,6 +559,17 @@ class RecorderBackend:
         if self.uploader is not None and Path(bundle_path).parent == self.bundle_dir:
             self.uploader.enqueue(bundle_path)
         return manifest
+
+    def _remove_cgroup(self, run: _Run) -> None:
+        cg = run.cgroup
+        if cg is None:
+            return
+        if cg.populated():
+            logger.warning(
+                "run %s: %s still holds processes; it is left in place", run.session.session_id, cg.path
+            )
+            return
+        cg.remove()
 
     def default_bundle_path(self, run: _Run) -> Path:
         return unique_path(self.bundle_dir / (run.bundle_name or f"{run.session.session_id}.tar.gz"))

@@ -146,8 +146,35 @@ class AgentClient:
         result: dict[str, Any] = self.request("POST", "/runs", body)
         return result
 
-    def finish(self, session_id: str, bundle: str | None = None) -> dict[str, Any]:
-        body = {"bundle": bundle} if bundle else {}
+    def isolate(
+        self,
+        pid: int,
+        *,
+        labels: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        detail: str = "summary",
+    ) -> dict[str, Any]:
+        """Have the agent move `pid` (a child of ours, waiting before exec) into a cgroup made for a
+        new run: the answer's "cgroup" is that cgroup, "session_id" the run."""
+        body: dict[str, Any] = {"isolate_pid": pid, "labels": labels or {}, "detail": detail}
+        if command is not None:
+            body["command"] = command
+        result: dict[str, Any] = self.request("POST", "/runs", body)
+        return result
+
+    def finish(
+        self,
+        session_id: str,
+        bundle: str | None = None,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"bundle": bundle} if bundle else {}
+        if exit_code is not None:
+            body["exit_code"] = exit_code
+        if signal is not None:
+            body["signal"] = signal
         result: dict[str, Any] = self.request("POST", f"/runs/{quote(session_id, safe='')}/finish", body)
         return result
 

@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 from urllib.parse import quote
 
 from agent.client import AgentClient, AgentError, add_agent_argument
@@ -49,7 +49,8 @@ class _HashingWriter:
         return self.out.write(data)
 
 
-def _check_target(path: Path, force: bool) -> None:
+def check_target(path: Path, force: bool) -> None:
+    """Fail before anything is recorded when the bundle could not be written to path."""
     if path.exists() and not force:
         raise UsageError(f"{path} exists", hint="choose another --bundle or pass --force")
     if not path.parent.is_dir():
@@ -79,21 +80,29 @@ def download_bundle(client: AgentClient, name: str, sha256: str, target: Path) -
     return size
 
 
+def fetch_bundle(client: AgentClient, result: dict[str, Any], target: Path) -> int:
+    """Download the bundle a finish answer names to target (also used by `evidence run --agent`)."""
+    name = result.get("name")
+    if not name:
+        raise AgentError(
+            f"the agent wrote {result.get('path')} outside its bundle directory; it cannot be downloaded"
+        )
+    size = download_bundle(client, name, result["sha256"], target)
+    logger.info("downloaded %s (%d bytes) to %s", name, size, target)
+    return size
+
+
 def run(args: argparse.Namespace) -> int:
     target = Path(args.bundle) if args.bundle else None
     if target is not None:
         if not target.name.endswith(".tar.gz"):
             raise UsageError(f"--bundle {target} should end in .tar.gz")
-        _check_target(target, args.force)
+        check_target(target, args.force)
     client = AgentClient(args.agent)
     result = client.finish(args.session, args.name)
     path = result["path"]
     if target is not None:
-        name = result.get("name")
-        if not name:
-            raise AgentError(f"the agent wrote {path} outside its bundle directory; it cannot be downloaded")
-        size = download_bundle(client, name, result["sha256"], target)
-        logger.info("downloaded %s (%d bytes) to %s", name, size, target)
+        fetch_bundle(client, result, target)
         path = str(target)
         result = {**result, "local_path": path}
     if result.get("lost"):

@@ -1,0 +1,216 @@
+"""`evidence run --agent SOCKET -- COMMAND...`: record a command through a running agent.
+
+No probes are loaded here and no privilege is needed: the agent (typically a privileged sidecar)
+records, this client only runs the command.
+
+1. The command is forked; the child waits on a pipe before it execs.
+2. The agent is asked to isolate that child (POST /runs {"isolate_pid": N}): it makes a cgroup for
+   the run, starts tracking it, then moves the waiting child in (agent/api.py, agent/backend.py).
+3. The child is released and execs: the run holds the command from its first instruction, in a
+   cgroup of its own, and nothing of this client's (which stays where it was, with the job's other
+   processes).
+4. stdin, stdout and stderr are the client's own. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the
+   client are forwarded to the command (a terminal's Ctrl-C already reaches it: not sent twice).
+5. When the command exits, the run is finished with its exit code (the agent kills what it left
+   behind and removes the cgroup), the bundle is downloaded to --bundle with the client's own
+   credentials (as `evidence finish --bundle` does), and the summary line of `evidence run` is
+   printed on stderr. The exit code is the command's, 128+N when signal N killed it.
+
+When the agent cannot be reached, refuses, or is not ready, nothing is started: one line on stderr,
+exit 70 (2 for bad input, such as a label the agent rejects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agent.client import AgentClient
+from agent.client_finish import check_target, fetch_bundle
+from evidence.errors import EXIT_SETUP, Error, SetupError, UsageError
+
+logger = logging.getLogger(__name__)
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_SI_KERNEL = 0x80  # si_code of a signal the terminal generated
+_GO = b"g"
+
+
+class _CannotRun(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _resolve(name: str) -> str:
+    """The file execve() will run, found the way a shell would (PATH), before anything starts."""
+    path = name if "/" in name else shutil.which(name)
+    if path is None or not os.path.exists(path):
+        raise _CannotRun(127, os.strerror(errno.ENOENT))
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        raise _CannotRun(126, os.strerror(errno.EACCES))
+    return path
+
+
+def _child(go: int, go_w: int, err_r: int, err_w: int, path: str, argv: list[str]) -> NoReturn:
+    """In the forked child: wait for the agent to have moved us, then exec. Never returns."""
+    code = 127
+    try:
+        os.close(go_w)
+        os.close(err_r)
+        # what the command inherits: default dispositions (Python ignores SIGPIPE), no blocked signals
+        for s in (*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(s, signal.SIG_DFL)
+        if os.read(go, 1) != _GO:  # the client gave up (the agent refused): run nothing
+            os._exit(EXIT_SETUP)
+        os.close(go)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.execve(path, argv, os.environ)
+    except OSError as e:
+        code = 126 if e.errno in (errno.EACCES, errno.ENOEXEC, errno.EPERM) else 127
+        with contextlib.suppress(OSError):
+            os.write(err_w, str(e.errno or 0).encode())
+    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+        pass
+    os._exit(code)
+
+
+class _Forwarder:
+    """Forwards FORWARDED signals sent to the client to the command, through a pidfd (never to a
+    recycled pid). Once the command has exited, a signal stops the client: the agent finishes the
+    run on its own and keeps the bundle in its bundle directory."""
+
+    def __init__(self, pidfd: int, session: list[str]) -> None:
+        self._pidfd = pidfd
+        self._session = session
+        self._lock = threading.Lock()
+        self._done = False
+        self.received: list[int] = []
+        threading.Thread(target=self._loop, name="evidence-signals", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            info = signal.sigwaitinfo(FORWARDED)
+            self.received.append(info.si_signo)
+            with self._lock:
+                if self._done:
+                    sid = self._session[0] if self._session else "?"
+                    print(
+                        f"evidence: interrupted while finishing run {sid}; the agent keeps its bundle",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(128 + info.si_signo)
+                if info.si_code == _SI_KERNEL:  # the terminal sent it to the command too
+                    continue
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(self._pidfd, info.si_signo)
+
+    def close(self) -> None:
+        with self._lock:
+            self._done = True
+            os.close(self._pidfd)
+
+
+def _as_setup(e: Error) -> Error:
+    """An agent that cannot be reached or refuses: nothing was run (70); bad input stays 2."""
+    if isinstance(e, UsageError) or e.exit_code == EXIT_SETUP:
+        return e
+    return SetupError(e.message, e.hint)
+
+
+def _bundle_target(args: argparse.Namespace) -> Path | None:
+    if args.bundle:
+        target = Path(args.bundle).absolute()
+        check_target(target, force=True)
+        return target
+    if not os.access(".", os.W_OK):
+        raise UsageError("cannot write the bundle into the current directory", hint="give --bundle")
+    return None
+
+
+def run_via_agent(args: argparse.Namespace, command: list[str], labels: dict[str, str]) -> int:
+    target = _bundle_target(args)
+    try:
+        path = _resolve(command[0])
+    except _CannotRun as e:
+        print(f"evidence: cannot run {command[0]!r}: {e.reason}; nothing was recorded", file=sys.stderr)
+        return e.code
+    client = AgentClient(args.agent)
+
+    go_r, go_w = os.pipe()
+    err_r, err_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # inherited by the child until it execs
+    pid = os.fork()
+    if pid == 0:
+        _child(go_r, go_w, err_r, err_w, path, command)
+    os.close(go_r)
+    os.close(err_w)
+    session: list[str] = []
+    forwarder = _Forwarder(os.pidfd_open(pid), session)
+    try:
+        started = client.isolate(pid, labels=labels, command=command, detail=args.detail)
+    except Error as e:
+        os.close(go_w)  # the child reads EOF and exits without running anything
+        os.close(err_r)
+        os.waitpid(pid, 0)
+        forwarder.close()
+        raise _as_setup(e) from None
+    sid = str(started["session_id"])
+    session.append(sid)
+    logger.info("run %s: the agent moved process %d into %s", sid, pid, started.get("cgroup"))
+    os.write(go_w, _GO)
+    os.close(go_w)
+    failed = b""
+    while chunk := os.read(err_r, 64):  # EOF when execve succeeded (the pipe is close-on-exec)
+        failed += chunk
+    os.close(err_r)
+    _, status = os.waitpid(pid, 0)
+    forwarder.close()
+    rc = os.waitstatus_to_exitcode(status)
+    exit_code: int | None = rc
+    sig_name: str | None = None
+    if failed:
+        print(f"evidence: cannot run {command[0]!r}: {os.strerror(int(failed))}", file=sys.stderr)
+    if rc < 0:
+        sig_name = signal.Signals(-rc).name
+        exit_code = None
+        rc = 128 - rc
+    bundle = target or Path(f"evidence-{sid[:12]}.tar.gz").absolute()
+    try:
+        result = client.finish(sid, exit_code=exit_code, signal=sig_name)
+        fetch_bundle(client, result, bundle)
+    except Error as e:
+        raise SetupError(
+            f"the command ran (exit {rc}) but its recording failed: {e.message}", e.hint
+        ) from None
+    _summary(result, bundle)
+    if result.get("lost"):
+        logger.warning("%d events were lost: the bundle says which kinds", result["lost"])
+    return rc
+
+
+def _summary(result: dict[str, Any], bundle: Path) -> None:
+    """The line `evidence run` prints (agent/commands_run.py), from the agent's finish answer."""
+    counts: dict[str, int] = result.get("counts") or {}
+    short = {
+        k.removeprefix("dev.evidence."): v for k, v in counts.items() if not k.startswith("dev.evidence.run.")
+    }
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(short.items())) or "none"
+    print(
+        f"evidence: {result.get('events')} events ({parts}); {result.get('lost') or 0} lost; "
+        f"run {result.get('run_id')}; bundle {bundle}",
+        file=sys.stderr,
+    )
