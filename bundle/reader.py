@@ -527,8 +527,10 @@ class _Helper:
     def usable() -> bool:
         """A second CPU, fork, and no other thread in this process (forking a threaded process can
         leave the child with a lock that is never released)."""
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux
+        cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
         return (
-            len(os.sched_getaffinity(0)) >= 2
+            cpus >= 2
             and "fork" in multiprocessing.get_all_start_methods()
             and threading.active_count() == 1
         )
