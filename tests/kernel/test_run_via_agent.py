@@ -93,9 +93,7 @@ def run_cgroup(events: list[dict[str, Any]]) -> Path:
     return Path(of_type(events, "run.started")[0]["data"]["cgroup"])
 
 
-def test_command_recorded_from_its_first_instruction_in_a_cgroup_of_its_own(
-    agent: Agent, out: Path
-) -> None:
+def test_command_recorded_from_its_first_instruction_in_a_cgroup_of_its_own(agent: Agent, out: Path) -> None:
     bundle = out / "out.tar.gz"
     proc = client(
         agent.socket, bundle, "/bin/sh", "-c", "cat /etc/hostname; exit 3", labels=("job=7",), cwd=out
@@ -167,9 +165,7 @@ print(json.loads(r.read())["error"])
 """
 
 
-def test_another_users_process_cannot_be_isolated_and_refusals_start_nothing(
-    agent: Agent, out: Path
-) -> None:
+def test_another_users_process_cannot_be_isolated_and_refusals_start_nothing(agent: Agent, out: Path) -> None:
     victim = subprocess.Popen(["/bin/sleep", "60"])
     try:
         before = Path(f"/proc/{victim.pid}/cgroup").read_text()

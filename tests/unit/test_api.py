@@ -21,7 +21,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent import metrics as m
-from agent.api import AgentAPI, PeerPolicy, RunConflict, RunInfo, UnknownRun, bundle_target, resolve_cgroup
+from agent.api import (
+    AgentAPI,
+    Forbidden,
+    Peer,
+    PeerPolicy,
+    RunConflict,
+    RunInfo,
+    UnknownRun,
+    bundle_target,
+    claim_pid,
+    resolve_cgroup,
+)
 from agent.client import AgentClient
 from bundle.writer import RunMeta, write_bundle
 from evidence.cli import main
@@ -34,6 +45,8 @@ class FakeBackend:
     def __init__(self) -> None:
         self.active: dict[str, RunInfo] = {}
         self.started: list[tuple[Path, dict[str, str], int | None]] = []
+        self.isolated: list[tuple[int, dict[str, str], list[str], str, Path]] = []
+        self.finished_with: list[tuple[int | None, str | None]] = []
         self.not_ready: str | None = None
         self.finished = 0
         self.lock = threading.Lock()
@@ -48,7 +61,35 @@ class FakeBackend:
             self.active[sid] = info
             return info
 
-    def finish(self, session_id: str, bundle_path: Path) -> Mapping[str, Any]:
+    def isolate(
+        self,
+        pid: int,
+        labels: Mapping[str, str],
+        mount: Path,
+        *,
+        command: Sequence[str] = (),
+        detail: str = "summary",
+        pidfd: int | None = None,
+    ) -> RunInfo:
+        assert pidfd is not None
+        with self.lock:
+            sid = f"i{len(self.isolated) + 1:04d}"
+            self.isolated.append((pid, dict(labels), list(command), detail, mount))
+            info = RunInfo(
+                sid, str(mount / "evidence" / sid), dict(labels), started_ns=1, pid=pid, isolated=True
+            )
+            self.active[sid] = info
+            return info
+
+    def finish(
+        self,
+        session_id: str,
+        bundle_path: Path,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> Mapping[str, Any]:
+        self.finished_with.append((exit_code, signal))
         with self.lock:
             info = self.active.pop(session_id, None)
         if info is None:
@@ -61,8 +102,9 @@ class FakeBackend:
             cgroup=info.cgroup,
             started_ns=info.started_ns,
             finished_ns=info.started_ns + 5,
-            exit_code=None,
-            attached_late=True,
+            exit_code=exit_code,
+            signal=signal,
+            attached_late=not info.isolated,
             labels=dict(info.labels),
             lost={"open": 3},
         )
@@ -477,3 +519,154 @@ def test_cli_help_for_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli("start", "--agent", "/x")  # neither --cgroup nor --pid: argparse's usage error, exit 2
     assert e.value.code == 2
+
+
+# --- isolated runs (`evidence run --agent`) -----------------------------------------------------------
+
+
+def test_isolate_a_process_of_ones_own_then_finish_with_its_exit_code(
+    api: AgentAPI, backend: FakeBackend, cgroup_root: Path
+) -> None:
+    client = AgentClient(api.socket_path)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        got = client.isolate(child.pid, labels={"job": "7"}, command=["make", "test"], detail="full")
+    finally:
+        child.kill()
+        child.wait()
+    assert got["isolated"] is True and got["pid"] == child.pid
+    assert backend.isolated == [(child.pid, {"job": "7"}, ["make", "test"], "full", cgroup_root)]
+    assert backend.started == []  # not an ordinary start
+    done = client.finish(got["session_id"], exit_code=3)
+    assert backend.finished_with == [(3, None)]
+    assert done["counts"] == {
+        "dev.evidence.loss": 1,
+        "dev.evidence.run.finished": 1,
+        "dev.evidence.run.started": 1,
+    }
+
+    # an ordinary run has no exit code to report: the agent ran nothing
+    sid = client.start(cgroup="/ci")["session_id"]
+    with pytest.raises(UsageError, match="only for isolated runs"):
+        client.finish(sid, exit_code=0)
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        sid2 = client.isolate(other.pid)["session_id"]
+    finally:
+        other.kill()
+        other.wait()
+    for bad, why in (({"exit_code": 256}, "0 to 255"), ({"signal": "TERM; rm"}, "signal name")):
+        with pytest.raises(UsageError, match=why):
+            client.request("POST", f"/runs/{sid2}/finish", bad)
+    assert client.finish(sid2, signal="SIGTERM")["run_id"]
+    assert backend.finished_with[-1] == (None, "SIGTERM")
+
+
+def test_isolate_request_checks(api: AgentAPI, backend: FakeBackend) -> None:
+    client = AgentClient(api.socket_path)
+    cases = [
+        ({"isolate_pid": os.getpid(), "cgroup": "/ci"}, "unknown field(s) cgroup"),
+        ({"isolate_pid": True}, "positive integer"),
+        ({"isolate_pid": -4}, "positive integer"),
+        ({"isolate_pid": 999999999}, "no process 999999999"),
+        ({"isolate_pid": os.getpid(), "command": "make test"}, "list of strings"),
+        ({"isolate_pid": os.getpid(), "command": ["x" * 200_000]}, "over"),
+        ({"isolate_pid": os.getpid(), "detail": "all"}, '"detail"'),
+        ({"isolate_pid": os.getpid(), "labels": {"bad key": "1"}}, "label name"),
+    ]
+    for body, fragment in cases:
+        with pytest.raises(UsageError) as e:
+            client.request("POST", "/runs", body)
+        assert fragment in e.value.message, (body, e.value.message)
+    backend.not_ready = "loading"
+    with pytest.raises(Exception, match="not ready: loading"):
+        client.isolate(os.getppid())
+    assert backend.isolated == []
+
+
+def _fake_proc(root: Path, pid: int, uids: str, nspid: str, children: str = "") -> None:
+    d = root / str(pid)
+    (d / "task" / str(pid)).mkdir(parents=True)
+    (d / "status").write_text(f"Name:\tx\nUid:\t{uids}\nNSpid:\t{nspid}\n")
+    (d / "task" / str(pid) / "children").write_text(children)
+
+
+def test_claim_pid_ownership_and_pid_namespaces(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _fake_proc(proc, 100, "1000 1000 1000 1000", "100", "101 ")
+    _fake_proc(proc, 101, "1000 1000 1000 1000", "101")
+    _fake_proc(proc, 102, "0 0 0 0", "102")
+    _fake_proc(proc, 103, "1000 0 1000 1000", "103")  # setuid-root: effective uid 0
+    peer = Peer(pid=100, uid=1000, gid=1000)
+    assert claim_pid(101, peer, proc, agent_pid=1) == 101
+    assert claim_pid(102, Peer(100, 0, 0), proc, agent_pid=1) == 102  # root may move anyone's
+    for pid in (102, 103):
+        with pytest.raises(Forbidden, match=f"process {pid} is not yours"):
+            claim_pid(pid, peer, proc, agent_pid=1)
+    with pytest.raises(Forbidden, match="does not isolate itself"):
+        claim_pid(102, Peer(100, 0, 0), proc, agent_pid=102)
+    with pytest.raises(Forbidden, match="pid namespace"):
+        claim_pid(101, Peer(0, 1000, 1000), proc, agent_pid=1)  # SO_PEERCRED: pid not visible
+
+    # a peer in a child pid namespace names its child as it sees it (pid 5 there is 201 here)
+    _fake_proc(proc, 200, "1000 1000 1000 1000", "200 1", "201 202")
+    _fake_proc(proc, 201, "1000 1000 1000 1000", "201 5")
+    _fake_proc(proc, 202, "1000 1000 1000 1000", "202 6")
+    _fake_proc(proc, 5, "0 0 0 0", "5")  # the agent's own pid 5: someone else entirely
+    nested = Peer(pid=200, uid=1000, gid=1000)
+    assert claim_pid(5, nested, proc, agent_pid=1) == 201
+    with pytest.raises(Forbidden, match="not a child of yours"):
+        claim_pid(7, nested, proc, agent_pid=1)
+
+
+def _run_agent(sock: Path, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(sock), *argv],
+        cwd=cwd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_run_via_agent_against_the_fake(api: AgentAPI, backend: FakeBackend, workdir: Path) -> None:
+    """The client's whole path without a kernel: fork, isolate, release, wait, finish, download."""
+    sock = api.socket_path
+    done = _run_agent(sock, "--label", "job=7", "--", "/bin/sh", "-c", "echo hi; exit 3", cwd=workdir)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "hi\n"
+    sid = "i0001"
+    assert backend.isolated[0][1:3] == ({"job": "7"}, ["/bin/sh", "-c", "echo hi; exit 3"])
+    assert backend.finished_with == [(3, None)]
+    bundle = workdir / f"evidence-{sid}.tar.gz"  # the default name, in the current directory
+    assert bundle.read_bytes() == (api.bundle_dir / f"{sid}.tar.gz").read_bytes()
+    summary, warning = done.stderr.splitlines()  # the lines `evidence run` prints
+    assert summary == f"evidence: 3 events (loss 1); 3 lost; run {_run_id(bundle)}; bundle {bundle}"
+    assert warning.endswith("3 events were lost: the bundle says which kinds")
+
+    killed = _run_agent(
+        sock, "--bundle", str(workdir / "k.tar.gz"), "--", "/bin/sh", "-c", "kill -TERM $$", cwd=workdir
+    )
+    assert killed.returncode == 143 and backend.finished_with[-1] == (None, "SIGTERM"), killed.stderr
+
+
+def _run_id(bundle: Path) -> str:
+    with tarfile.open(bundle) as tar:
+        return str(json.loads(tar.extractfile("manifest.json").read())["run_id"])  # type: ignore[union-attr]
+
+
+def test_run_via_agent_starts_nothing_when_it_cannot_record(
+    api: AgentAPI, backend: FakeBackend, workdir: Path
+) -> None:
+    marker = workdir / "ran"
+    touch = ("--", "/usr/bin/touch", str(marker))
+    backend.not_ready = "the probes are loading"
+    for argv, code, fragment in (
+        (touch, 70, "not ready: the probes are loading"),
+        (("--bundle", str(workdir / "no" / "x.tar.gz"), *touch), 2, "does not exist"),
+        (("--", "no-such-command-here"), 127, "cannot run 'no-such-command-here'"),
+        (("--", str(workdir)), 126, "Permission denied"),
+    ):
+        done = _run_agent(api.socket_path, *argv, cwd=workdir)
+        assert done.returncode == code, (argv, done.stderr)
+        assert done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr
+    missing = _run_agent(workdir / "none.sock", *touch, cwd=workdir)
+    assert missing.returncode == 70 and "no agent socket" in missing.stderr
+    assert not marker.exists() and backend.isolated == []
