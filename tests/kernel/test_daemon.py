@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,7 +177,7 @@ def start(agent: Agent, cgroup: Path, *labels: str) -> str:
     return sid
 
 
-def finish(agent: Agent, sid: str, bundle: Path) -> tuple[dict, list[dict]]:
+def finish(agent: Agent, sid: str, bundle: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     proc = evidence("finish", "--agent", str(agent.socket), sid, "--bundle", str(bundle))
     assert proc.returncode == 0, proc.stderr + agent.output()
     run_id, path = proc.stdout.strip().split("\t")
@@ -186,7 +187,7 @@ def finish(agent: Agent, sid: str, bundle: Path) -> tuple[dict, list[dict]]:
     return manifest, events
 
 
-def _paths(events: list[dict]) -> set[str]:
+def _paths(events: list[dict[str, Any]]) -> set[str]:
     return {e["data"]["path"] for e in of_type(events, "file.open")}
 
 

@@ -564,7 +564,7 @@ def test_isolate_a_process_of_ones_own_then_finish_with_its_exit_code(
 
 def test_isolate_request_checks(api: AgentAPI, backend: FakeBackend) -> None:
     client = AgentClient(api.socket_path)
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"isolate_pid": os.getpid(), "cgroup": "/ci"}, "unknown field(s) cgroup"),
         ({"isolate_pid": True}, "positive integer"),
         ({"isolate_pid": -4}, "positive integer"),
