@@ -238,6 +238,15 @@ def parse_time(text: str) -> int:
     return int(dt.timestamp()) * 1_000_000_000 + int((frac or "0").ljust(9, "0"))
 
 
+def labels_attribute(labels: dict[str, str] | None) -> str | None:
+    """The `labels` extension attribute every event of a run with labels carries: the canonical
+    JSON of the manifest's labels, as a string (CloudEvents extension values are scalars). None,
+    and no attribute, when the run has no labels."""
+    if not labels or type(labels) is not dict:
+        return None
+    return canonical.dumps(labels).decode()
+
+
 def event_id(run_id: str, seq: int) -> str:
     return f"{run_id}:{seq}"
 

@@ -354,10 +354,15 @@ class _Context:
     run_id: str
     source: str
     line: int  # the line length limit
+    labels: str | None = None  # the `labels` attribute every event carries, when the run has labels
 
     @property
     def id_prefix(self) -> str:
         return self.run_id + ":"
+
+    @property
+    def envelope_keys(self) -> frozenset[str]:
+        return _ENVELOPE_KEYS | {"labels"} if self.labels is not None else _ENVELOPE_KEYS
 
 
 @dataclasses.dataclass
@@ -387,9 +392,11 @@ _CORE_MIDDLE = b',"datacontenttype":"application/json","specversion":"1.0","subj
 def _middle_length(ctx: _Context) -> int:
     """Bytes between D and S in an event line, less twice the length of the seq's digits."""
     dumps = orjson.dumps
+    labels = b',"labels":' + dumps(ctx.labels) if ctx.labels is not None else b""
     return len(
         _AFTER_DATA + dumps(fmt.DATACONTENTTYPE)
         + b',"id":' + dumps(ctx.id_prefix)
+        + labels
         + b',"runid":' + dumps(ctx.run_id)
         + b',"seq":'
         + b',"source":' + dumps(ctx.source)
@@ -408,7 +415,8 @@ def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Itera
     id_prefix = ctx.id_prefix
     middle = _middle_length(ctx)
     checkers = schemas.DATA_CHECKERS
-    envelope_keys = _ENVELOPE_KEYS
+    envelope_keys = ctx.envelope_keys
+    labels = ctx.labels
     specversion = fmt.SPECVERSION
     ctype = fmt.DATACONTENTTYPE
     special = (fmt.RUN_STARTED, fmt.RUN_FINISHED)
@@ -435,6 +443,7 @@ def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Itera
                 and type(ev["seq"]) is int
                 and ev["runid"] == run_id
                 and ev["source"] == source
+                and ev.get("labels") == labels
                 and ev["specversion"] == specversion
                 and ev["datacontenttype"] == ctype
                 and type(ev["subject"]) is str
@@ -478,7 +487,7 @@ def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection])
     for end in parent_ends:
         end.close()
     try:
-        ctx = _Context(*orjson.loads(inbox.recv_bytes()))
+        ctx = _Context(*orjson.loads(inbox.recv_bytes()))  # run_id, source, line, labels
         while True:
             seq = int.from_bytes(inbox.recv_bytes(), "little")
             lines = inbox.recv_bytes().split(b"\n")
@@ -530,14 +539,12 @@ class _Helper:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux
         cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
         return (
-            cpus >= 2
-            and "fork" in multiprocessing.get_all_start_methods()
-            and threading.active_count() == 1
+            cpus >= 2 and "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
         )
 
     def start(self, ctx: _Context) -> None:
         """What the helper checks against (sent once the manifest is known)."""
-        self._outgoing.put(orjson.dumps([ctx.run_id, ctx.source, ctx.line]))
+        self._outgoing.put(orjson.dumps([ctx.run_id, ctx.source, ctx.line, ctx.labels]))
 
     def submit(self, piece: _Piece) -> None:
         self._outgoing.put(piece.seq.to_bytes(8, "little"))
@@ -824,7 +831,7 @@ class _Verifier:
         checked here, in order. A problem found while reading waits in line, so that the events
         before it are checked first, as in one pass."""
         m = self.manifest
-        ctx = _Context(m["run_id"], m["source"], self.limits.line)
+        ctx = _Context(m["run_id"], m["source"], self.limits.line, fmt.labels_attribute(m.get("labels")))
         helper = self.helper
         if helper is not None:
             helper.start(ctx)
@@ -899,6 +906,8 @@ class _Verifier:
         m = self.manifest
         run_id = m["run_id"]
         id_prefix = run_id + ":"
+        labels = fmt.labels_attribute(m.get("labels"))
+        envelope_keys = _ENVELOPE_KEYS | {"labels"} if labels is not None else _ENVELOPE_KEYS
         for line in lines:
             seq = self.seq
             why = None
@@ -906,7 +915,8 @@ class _Verifier:
                 ev = orjson.loads(line)
                 good = (
                     orjson.dumps(ev, option=orjson.OPT_SORT_KEYS) == line
-                    and ev.keys() == _ENVELOPE_KEYS
+                    and ev.keys() == envelope_keys
+                    and ev.get("labels") == labels
                     and ev["id"] == id_prefix + str(seq)
                     and ev["seq"] == seq
                     and type(ev["seq"]) is int
@@ -961,11 +971,15 @@ class _Verifier:
         if type(ev) is not dict:
             return "is not a JSON object"
         keys = ev.keys()
-        if keys != _ENVELOPE_KEYS:
-            missing = _ENVELOPE_KEYS - keys
+        labels = fmt.labels_attribute(self.manifest.get("labels"))
+        expected = _ENVELOPE_KEYS | {"labels"} if labels is not None else _ENVELOPE_KEYS
+        if keys != expected:
+            missing = expected - keys
             if missing:
                 return f"lacks attribute {sorted(missing)[0]!r}"
-            return f"has unknown attribute {json.dumps(sorted(keys - _ENVELOPE_KEYS)[0])}"
+            return f"has unknown attribute {json.dumps(sorted(keys - expected)[0])}"
+        if labels is not None and ev["labels"] != labels:
+            return f"labels {_show(ev['labels'])} differ from the manifest's labels"
         got = ev["seq"]
         if type(got) is not int:
             return f"seq is {_show(got)}, not an integer"

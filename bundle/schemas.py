@@ -104,6 +104,10 @@ def _envelope_schema(data_schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "datacontenttype": {"const": fmt.DATACONTENTTYPE},
             "runid": {"type": "string", "pattern": RUN_ID_PATTERN},
             "seq": {"type": "integer", "minimum": 0},
+            "labels": {
+                "type": "string",
+                "description": "present when the run has labels: the canonical JSON of the manifest's labels",
+            },
             "data": {"type": "object"},
         },
         "allOf": branches,

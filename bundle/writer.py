@@ -160,9 +160,10 @@ def _data(rec: dict[str, Any], agg: list[int] | None) -> dict[str, Any]:
 class _EventSink:
     """Writes events as canonical JSON lines, keeping counts, file hash and root hash."""
 
-    def __init__(self, out: io.BufferedWriter, run_id: str) -> None:
+    def __init__(self, out: io.BufferedWriter, run_id: str, labels: dict[str, str] | None = None) -> None:
         self.out = out
         self.run_id = run_id
+        self.labels = fmt.labels_attribute(labels)
         self.source = fmt.source_for(run_id)
         self.seq = 0
         self.size = 0
@@ -183,6 +184,8 @@ class _EventSink:
             "seq": self.seq,
             "data": data,
         }
+        if self.labels is not None:
+            event["labels"] = self.labels
         self.root.add(fmt.content_hash(event))
         line = canonical.dumps(event, check=False) + b"\n"
         self.out.write(line)
@@ -258,7 +261,7 @@ def write_bundle(out_path: str | Path, meta: RunMeta, records: Records) -> dict[
     run_id, agg = behaviour_digest(meta, records())
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
     with tempfile.TemporaryFile(dir=out_dir) as events_tmp:
-        sink = _EventSink(events_tmp, run_id)  # type: ignore[arg-type]
+        sink = _EventSink(events_tmp, run_id, meta.labels)  # type: ignore[arg-type]
         for etype, subject, t_ns, data in _iter_events(meta, records(), agg):
             sink.emit(etype, subject, t_ns, data)
         lost_total = sum(meta.lost.values())

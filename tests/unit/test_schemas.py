@@ -36,14 +36,17 @@ def test_every_schema_is_a_valid_draft_2020_12_schema() -> None:
         jsonschema.Draft202012Validator.check_schema(schemas.load(name))
 
 
-@pytest.mark.parametrize("detail", ["summary", "full"])
-def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail: str) -> None:
+@pytest.mark.parametrize(
+    ("detail", "labels"), [("summary", {}), ("full", {}), ("summary", {"job": "7", "k8s/pod": "web"})]
+)
+def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail: str, labels: dict) -> None:
     recs = [*records(), connect(8500, "::1", 22, family="AF_INET6"), denial(8600, "/etc/shadow")]
     path = tmp_path / "a.tar.gz"
     write_bundle(
         path,
         meta(
             detail=detail,
+            labels=labels,
             lost={"ringbuf": 2},
             degradations=[{"component": "landlock", "reason": "ABI 1", "impact": "no truncate"}],
         ),
@@ -65,6 +68,10 @@ def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail:
         assert sdk.get_id() == ev["id"] and sdk.get_type() == ev["type"] and sdk.get_source() == ev["source"]
         assert sdk.get_data() == ev["data"]
         assert sdk.get_extension("runid") == ev["runid"] and sdk.get_extension("seq") == ev["seq"]
+        if labels:  # labels ride on every event, as one extension attribute
+            assert orjson.loads(sdk.get_extension("labels")) == labels == manifest["labels"]
+        else:
+            assert "labels" not in ev
         seen.add(ev["type"])
     assert seen == set(fmt.DATA_MODELS) - {fmt.INVENTORY}  # the writer emits no inventory without records
 
