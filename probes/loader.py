@@ -75,9 +75,9 @@ class RecorderProbes:
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit")
                 self.attached.append(name)
-        self._tracked = self.bpf["tracked"]
-        self._cache = self.bpf["cgcache"]
-        self._lost = self.bpf["lost"]
+        self._tracked = self.bpf[b"tracked"]
+        self._cache = self.bpf[b"cgcache"]
+        self._lost = self.bpf[b"lost"]
         self._ring: RingBuffer | None = None
 
     def track(self, cgroup_id: int, slot: int) -> None:
@@ -109,7 +109,7 @@ class RecorderProbes:
     def ring(self) -> RingBuffer:
         """The events ring buffer, read in bulk over mmap (see probes/ringbuf.py)."""
         if self._ring is None:
-            self._ring = RingBuffer(self.bpf["events"].map_fd, self.config.ringbuf_pages * mmap.PAGESIZE)
+            self._ring = RingBuffer(self.bpf[b"events"].map_fd, self.config.ringbuf_pages * mmap.PAGESIZE)
         return self._ring
 
     def close(self, background: bool = False) -> None:
