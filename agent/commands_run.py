@@ -77,6 +77,12 @@ def _labels(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _load_probes() -> Any:
+    from probes.loader import load_probes
+
+    return load_probes()
+
+
 class _InThread:
     """Runs a function in a thread; result() joins it and returns its value or raises its error."""
 
@@ -180,9 +186,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workspace {args.workspace}: not a directory")
 
     from agent import kernel
-    from agent.cgroups import RunCgroup
-    from agent.doctor import capabilities_in_force
-    from agent.recorder import Recorder
 
     if not kernel.mount_tracefs():
         raise SetupError(
@@ -196,9 +199,14 @@ def run(args: argparse.Namespace) -> int:
         )
 
     forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
-    # BCC compiles the probes (about a second) in a thread while the policy is loaded and planned
-    # here (BCC itself is not thread-safe: the policy's own programs are compiled afterwards)
-    loading = _InThread(lambda: Recorder(spool_dir=bundle.parent, headers=headers))
+    # BCC compiles the probes (about a second) in a thread while the rest is imported and the
+    # policy loaded and planned here (BCC itself is not thread-safe: the policy's own programs are
+    # compiled afterwards)
+    loading = _InThread(_load_probes)
+    from agent.cgroups import RunCgroup
+    from agent.doctor import capabilities_in_force
+    from agent.recorder import Recorder
+
     enforcement = None
     environ: dict[str, str] = dict(os.environ)
     try:
@@ -222,15 +230,16 @@ def run(args: argparse.Namespace) -> int:
             netns = PrivateNetns(args.net)
             netns.create()
     except BaseException:
-        loading.discard(lambda r: r.close(background=True))
+        loading.discard(lambda probes: probes.close(background=True))
         raise
     caps: dict[str, Any] = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf"}
     caps["enforcement"] = "none (observe only)" if enforcement is None else enforcement.mode
     recorder = None
     cg = None
     try:
-        recorder = loading.result()
-        recorder.capabilities = caps
+        recorder = Recorder(
+            spool_dir=bundle.parent, headers=headers, capabilities=caps, probes=loading.result()
+        )
         if enforcement is not None:
             enforcement.load_programs()
         cg = RunCgroup.create(session_id)

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import decode as dec
 from agent.correlate import Correlator
@@ -28,6 +28,9 @@ from agent.kernel import Headers
 from bundle.spool import SpoolWriter, read_spool
 from bundle.writer import RunMeta, write_bundle
 from evidence.errors import SetupError
+
+if TYPE_CHECKING:
+    from probes.loader import RecorderProbes
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,18 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     except OSError:
         pass
     return ppid, cwd, exe
+
+
+def load_probes() -> Any:
+    """Compile and load the recorder's probes (probes.loader.RecorderProbes): about a second."""
+    from probes.loader import RecorderProbes
+
+    try:
+        return RecorderProbes()
+    except Exception as e:  # BCC raises bare Exception on compile/load failures
+        raise SetupError(
+            f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"
+        ) from e
 
 
 def _container_namer(cgroup_path: Path) -> Any:
@@ -119,15 +134,13 @@ class Recorder:
         spool_dir: str | Path,
         headers: Headers | None = None,
         capabilities: dict[str, Any] | None = None,
+        probes: RecorderProbes | None = None,
     ) -> None:
-        from probes.loader import RecorderProbes
+        if probes is None:
+            from probes.loader import load_probes
 
-        try:
-            self.probes = RecorderProbes()
-        except Exception as e:  # BCC raises bare Exception on compile/load failures
-            raise SetupError(
-                f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"
-            ) from e
+            probes = load_probes()
+        self.probes: RecorderProbes = probes
         self.spool_dir = Path(spool_dir)
         self.headers = headers
         self.capabilities: dict[str, Any] = capabilities or {}

@@ -136,3 +136,15 @@ class RecorderProbes:
             self._keepalive = w
             return
         self.bpf.cleanup()
+
+
+def load_probes() -> RecorderProbes:
+    """Compile and load the recorder's probes (about a second), or raise SetupError."""
+    from evidence.errors import SetupError
+
+    try:
+        return RecorderProbes()
+    except Exception as e:  # BCC raises bare Exception on compile/load failures
+        raise SetupError(
+            f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"
+        ) from e
