@@ -7,6 +7,8 @@ are passed to the BPF C as -D macros.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -141,6 +143,34 @@ NEEDED = {
 }
 
 
-def probe_offsets(btf: BTF | None = None) -> dict[str, int]:
-    btf = btf or BTF.load()
+def probe_offsets(btf: BTF | None = None, cache_dir: Path | None = Path("/run/evidence")) -> dict[str, int]:
+    """The offsets the probes need. Parsing the kernel's BTF takes about 0.1 s, so the result is
+    kept in cache_dir (a root-owned tmpfs directory: it lives as long as the boot), keyed by the
+    kernel release and the BTF file's size and mtime."""
+    if btf is not None:
+        return _offsets(btf)
+    cache = None
+    if cache_dir is not None:
+        st = VMLINUX.stat()
+        key = f"{os.uname().release}-{st.st_size}-{st.st_mtime_ns}"
+        cache = cache_dir / f"btf-offsets-{key}.json"
+        try:
+            cached = json.loads(cache.read_text())
+            if set(cached) == set(NEEDED) and all(type(v) is int for v in cached.values()):
+                return {k: int(v) for k, v in cached.items()}
+        except (OSError, ValueError):
+            pass
+    offsets = _offsets(BTF.load())
+    if cache is not None:
+        try:
+            cache.parent.mkdir(mode=0o755, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(offsets))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return offsets
+
+
+def _offsets(btf: BTF) -> dict[str, int]:
     return {macro: btf.member_offset(s, m) for macro, (s, m) in NEEDED.items()}

@@ -83,3 +83,15 @@ def test_real_kernel_btf_has_the_offsets_we_need() -> None:
     offs = probe_offsets()
     assert offs["TASK_TGID_OFF"] == offs["TASK_PID_OFF"] + 4  # pid_t pid; pid_t tgid; side by side
     assert offs["MM_ARG_END_OFF"] == offs["MM_ARG_START_OFF"] + 8
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/btf/vmlinux").exists(), reason="no kernel BTF on this machine")
+def test_btf_offsets_are_cached_and_a_bad_cache_is_ignored(tmp_path: Path) -> None:
+    from probes.btf import probe_offsets
+
+    first = probe_offsets(cache_dir=tmp_path)
+    (cached,) = tmp_path.glob("btf-offsets-*.json")
+    assert probe_offsets(cache_dir=tmp_path) == first
+    cached.write_text('{"TASK_PID_OFF": "not a number"}')
+    assert probe_offsets(cache_dir=tmp_path) == first  # recomputed, not trusted
+    assert probe_offsets(cache_dir=None) == first
