@@ -204,6 +204,7 @@ class Recorder:
         """Return once every record the kernel had written before this call is in its spool."""
         ev = threading.Event()
         self._barriers.put(ev)
+        self._ring.wake()
         if not ev.wait(timeout=30):
             logger.warning("drain timed out: the consumer is stuck")
 
@@ -262,6 +263,7 @@ class Recorder:
 
     def close(self, background: bool = False) -> None:
         self._stop.set()
+        self._ring.wake()
         self._poller.join(timeout=2)
         self._queue.put(None)
         self._worker.join(timeout=5)

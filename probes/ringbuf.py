@@ -13,7 +13,9 @@ BUSY (bit 31) and DISCARD (bit 30) flags, u32 page offset. Records are 8-byte al
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import select
 import struct
 
@@ -37,10 +39,19 @@ class RingBuffer:
         self._page = page
         self._epoll = select.epoll()
         self._epoll.register(map_fd, select.EPOLLIN)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake, select.EPOLLIN)
 
     def wait(self, timeout_ms: int) -> None:
-        """Sleep until the kernel signals data (or the timeout ends)."""
-        self._epoll.poll(timeout_ms / 1000.0, 1)
+        """Sleep until the kernel signals data, wake() is called, or the timeout ends."""
+        for fd, _ in self._epoll.poll(timeout_ms / 1000.0, 2):
+            if fd == self._wake:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake)
+
+    def wake(self) -> None:
+        """Make a wait() in another thread return now (a drain or a shutdown is waiting)."""
+        os.eventfd_write(self._wake, 1)
 
     def read(self, max_records: int = 65536) -> list[bytes]:
         """Every committed record available now (up to max_records), oldest first."""
@@ -66,6 +77,7 @@ class RingBuffer:
 
     def close(self) -> None:
         self._epoll.close()
+        os.close(self._wake)
         self._data.release()
         self._prod.close()
         self._cons.close()
