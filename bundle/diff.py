@@ -49,6 +49,7 @@ FAIL_ON = ("added", "removed", "changed", "any", "none")
 ACCESS = ("read", "write", "create", "exec")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 BASELINE_SUFFIX = ".bundle.tar.gz"
+_CACHE = 200_000  # entries per memo of normalised values
 
 
 @dataclasses.dataclass
@@ -98,34 +99,50 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
         out = cache.get(value)
         if out is None:
             out = text(value)
-            if len(cache) < 200_000:
+            if len(cache) < _CACHE:
                 cache[value] = out
         return out
 
     b = Behaviour(path, m["run_id"], m["events"], m["lost"]["total"], dict(m["lost"]["by_kind"]), m["detail"])
     loss_events = 0
+    files = b.files
+    file_of: dict[str, dict[str, list[int]]] = {}  # a path as recorded -> its entry in b.files
+    file_open, process_exec, network_connect = fmt.FILE_OPEN, fmt.PROCESS_EXEC, fmt.NETWORK_CONNECT
+    policy_denial, run_finished, loss = fmt.POLICY_DENIAL, fmt.RUN_FINISHED, fmt.LOSS
     for ev in bundle.events():
         t = ev["type"]
         d = ev["data"]
-        if t == fmt.FILE_OPEN:
-            per = b.files.get(n(d["path"]))
+        if t == file_open:  # most events: _bump inlined
+            raw = d["path"]
+            per = file_of.get(raw)
             if per is None:
-                per = b.files[n(d["path"])] = {}
+                key = n(raw)
+                per = files.get(key)
+                if per is None:
+                    per = files[key] = {}
+                if len(file_of) < _CACHE:
+                    file_of[raw] = per
+            count = d.get("count", 1)
             ok = d["result"] == 0
             for a in d["access"]:
-                _bump(per, a, d.get("count", 1), ok)
-        elif t == fmt.PROCESS_EXEC:
-            key = (n(d["filename"]), *[n(a) for a in d["argv"]])
-            _bump(b.execs, key, d.get("count", 1), d["result"] == 0)
-        elif t == fmt.NETWORK_CONNECT:
+                v = per.get(a)
+                if v is None:
+                    per[a] = [count, count, 0] if ok else [count, 0, count]
+                else:
+                    v[0] += count
+                    v[1 if ok else 2] += count
+        elif t == process_exec:
+            cmd = (n(d["filename"]), *map(n, d["argv"]))
+            _bump(b.execs, cmd, d.get("count", 1), d["result"] == 0)
+        elif t == network_connect:
             port = "" if d.get("port") is None else str(d["port"])
             _bump(b.network, (d["family"], n(d["address"]), port), d.get("count", 1), d["result"] == 0)
-        elif t == fmt.POLICY_DENIAL:
+        elif t == policy_denial:
             key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
             _bump(b.denials, key4, d.get("count", 1), True)
-        elif t == fmt.RUN_FINISHED:
+        elif t == run_finished:
             b.exit = f"signal {d['signal']}" if d.get("signal") else str(d["exit_code"])
-        elif t == fmt.LOSS:
+        elif t == loss:
             loss_events += d.get("count", 1)
     b.lost = max(b.lost, loss_events)
     return b

@@ -360,10 +360,6 @@ class _Context:
     def id_prefix(self) -> str:
         return self.run_id + ":"
 
-    @property
-    def envelope_keys(self) -> frozenset[str]:
-        return _ENVELOPE_KEYS | {"labels"} if self.labels is not None else _ENVELOPE_KEYS
-
 
 @dataclasses.dataclass
 class _Passed:
@@ -378,31 +374,39 @@ class _Passed:
 
 
 # In a canonical event line the keys come sorted, so the line is
-#   {"data":D,"datacontenttype":"application/json","id":"<runid>:<seq>","runid":"<runid>",
-#    "seq":<seq>,"source":"<source>","specversion":"1.0","subject":S,"time":"<time>","type":"<type>"}
-# and the content hash covers the canonical {"data":D,"datacontenttype":...,"specversion":"1.0",
-# "subject":S,"type":"<type>"}: the same bytes for D and S, so it is put together from slices of
-# the line instead of serialising the event again. tests/unit/test_reader_fast.py checks that this
-# agrees with format.content_hash.
-_AFTER_DATA = b',"datacontenttype":'
-_SUBJECT_KEY = b',"subject":'
+#   {"data":D,"datacontenttype":"application/json","id":"<runid>:<seq>"[,"labels":"<labels>"],
+#    "runid":"<runid>","seq":<seq>,"source":"<source>","specversion":"1.0","subject":S,
+#    "time":"<time>","type":"<type>"}
+# Everything but D, S, <seq>, <time> and <type> is known from the manifest, so the fast path puts
+# the line it expects together from constants, orjson's canonical dump of D and of S, the seq's
+# digits, the time (once it matches TIME_PATTERN it needs no escaping) and the type (one of the
+# known types), and compares it with the line: equal means canonical with exactly the envelope
+# attributes and values the careful path demands. The content hash covers the canonical
+# {"data":D,"datacontenttype":...,"specversion":"1.0","subject":S,"type":"<type>"}, put together
+# from the same pieces. tests/unit/test_reader_fast.py checks that this agrees with
+# format.content_hash and with the careful path.
 _CORE_MIDDLE = b',"datacontenttype":"application/json","specversion":"1.0","subject":'
 
 
-def _middle_length(ctx: _Context) -> int:
-    """Bytes between D and S in an event line, less twice the length of the seq's digits."""
+def _envelope_parts(ctx: _Context) -> tuple[bytes, bytes, bytes]:
+    """The constant bytes of an event line: before the seq's digits in the id, between those and
+    the seq, and between the seq and S."""
     dumps = orjson.dumps
     labels = b',"labels":' + dumps(ctx.labels) if ctx.labels is not None else b""
-    return len(
-        _AFTER_DATA + dumps(fmt.DATACONTENTTYPE)
-        + b',"id":' + dumps(ctx.id_prefix)
-        + labels
-        + b',"runid":' + dumps(ctx.run_id)
-        + b',"seq":'
-        + b',"source":' + dumps(ctx.source)
-        + b',"specversion":' + dumps(fmt.SPECVERSION)
-        + _SUBJECT_KEY
-    )  # fmt: skip
+    return (
+        b',"datacontenttype":' + dumps(fmt.DATACONTENTTYPE) + b',"id":' + dumps(ctx.id_prefix)[:-1],
+        b'"' + labels + b',"runid":' + dumps(ctx.run_id) + b',"seq":',
+        b',"source":' + dumps(ctx.source) + b',"specversion":' + dumps(fmt.SPECVERSION) + b',"subject":',
+    )
+
+
+# the tail of an event line and of its hashed core after S, by type (run.started and run.finished
+# are left to the careful path, which checks their place in the run)
+_TYPES = {
+    etype: (b'","type":' + orjson.dumps(etype) + b"}", b',"type":' + orjson.dumps(etype) + b"}", check)
+    for etype, check in schemas.DATA_CHECKERS.items()
+    if etype not in (fmt.RUN_STARTED, fmt.RUN_FINISHED)
+}
 
 
 def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Iterator[dict[str, Any]]:
@@ -410,60 +414,47 @@ def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Itera
     path makes, yields each event that passes (adding it to `passed`) and stops at the first that
     does not, without saying why; and at the first event whose place in the run needs checking (the
     first event, run.started, run.finished). The caller goes on from there with the careful path."""
-    run_id = ctx.run_id
-    source = ctx.source
-    id_prefix = ctx.id_prefix
-    middle = _middle_length(ctx)
-    checkers = schemas.DATA_CHECKERS
-    envelope_keys = ctx.envelope_keys
-    labels = ctx.labels
-    specversion = fmt.SPECVERSION
-    ctype = fmt.DATACONTENTTYPE
-    special = (fmt.RUN_STARTED, fmt.RUN_FINISHED)
+    before_id, before_seq, before_subject = _envelope_parts(ctx)
+    types = _TYPES
     loads = orjson.loads
     dumps = orjson.dumps
     sort = orjson.OPT_SORT_KEYS
     is_time = _TIME
     sha256 = hashlib.sha256
     join = b"".join
-    hashes = passed.hashes
+    add_hash = passed.hashes.append
     counts = passed.counts
+    errors = (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError)
     if seq == 0:
         return
     for line in lines:
-        digits = str(seq)
         try:
             ev = loads(line)
             etype = ev["type"]
-            good = (
-                dumps(ev, option=sort) == line  # canonical, which rules out duplicate keys too
-                and ev.keys() == envelope_keys
-                and ev["id"] == id_prefix + digits
-                and ev["seq"] == seq
-                and type(ev["seq"]) is int
-                and ev["runid"] == run_id
-                and ev["source"] == source
-                and ev.get("labels") == labels
-                and ev["specversion"] == specversion
-                and ev["datacontenttype"] == ctype
-                and type(ev["subject"]) is str
-                and type(ev["time"]) is str
-                and is_time(ev["time"]) is not None
-                and etype not in special
-                and checkers[etype](ev["data"]) is None
-            )
-        except (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError):
-            good = False
-        if not good:
+            line_tail, core_tail, check = types[etype]  # a known type, not run.started/finished
+            data = ev["data"]
+            time = ev["time"]
+            subject = ev["subject"]
+            if not (
+                type(subject) is str
+                and check(data) is None
+                and type(time) is str
+                # a valid time (so ASCII, nothing to escape): often the data's last_time, checked
+                and (time == data.get("last_time") or is_time(time) is not None)
+            ):
+                return
+            digits = str(seq).encode()
+            d = dumps(data, option=sort)
+            s = dumps(subject)
+            # canonical, exactly the envelope's attributes, each with the value it must have
+            if line != join(
+                (b'{"data":', d, before_id, digits, before_seq, digits, before_subject, s,
+                 b',"time":"', time.encode(), line_tail)
+            ):  # fmt: skip
+                return
+        except errors:
             return
-        # the content hash, from slices of the (now known canonical) line
-        subject = dumps(ev["subject"])
-        type_at = len(line) - len(etype) - 11  # ,"type":"<type>"}
-        subject_at = type_at - len(ev["time"]) - 10 - len(subject)  # S,"time":"<time>"
-        data_end = subject_at - middle - 2 * len(digits)
-        if not (line.startswith(_AFTER_DATA, data_end) and line.startswith(_SUBJECT_KEY, subject_at - 11)):
-            return  # cannot happen in a canonical line; the careful path will tell
-        hashes.append(sha256(join((line[:data_end], _CORE_MIDDLE, subject, line[type_at:]))).hexdigest())
+        add_hash(sha256(join((b'{"data":', d, _CORE_MIDDLE, s, core_tail))).hexdigest())
         counts[etype] = counts.get(etype, 0) + 1
         passed.n += 1
         seq += 1

@@ -201,6 +201,13 @@ def _expr(ann: Any, var: str, depth: int = 0) -> str:
     item = f"_x{depth}"
     if origin is list and get_args(ann)[0] in (str, int, bool):  # the common case, made fast
         return f"(type({var}) is list and set(map(type, {var})) <= {{{get_args(ann)[0].__name__}}})"
+    if (
+        origin is list
+        and get_origin(get_args(ann)[0]) is Literal
+        and all(type(a) is str for a in get_args(get_args(ann)[0]))
+    ):  # a list of string literals: all strings (hence hashable), and each one of the literals
+        allowed = ", ".join(repr(a) for a in get_args(get_args(ann)[0]))
+        return f"(type({var}) is list and set(map(type, {var})) <= {{str}} and set({var}) <= {{{allowed}}})"
     if origin is list:
         inner = _expr(get_args(ann)[0], item, depth + 1)
         return f"(type({var}) is list and all({inner} for {item} in {var}))"
@@ -216,15 +223,25 @@ def _expr(ann: Any, var: str, depth: int = 0) -> str:
     raise TypeError(f"no fast check for {ann!r}")
 
 
+MAX_SHAPES = 64  # key tuples remembered per checker (a hostile bundle may show any number)
+
+
 def compile_checker(model: type[BaseModel]) -> Checker:
     """A function data -> None when `data` is a valid instance of `model`, else a one-line reason.
 
     Supported field types: str, int, bool, None, Literal of those, unions, list[...] and
-    dict[str, ...] of supported types. Anything else raises TypeError when compiling."""
-    required = [n for n, f in model.model_fields.items() if f.is_required()]
-    optional = [n for n, f in model.model_fields.items() if not f.is_required()]
+    dict[str, ...] of supported types. Anything else raises TypeError when compiling.
+
+    The general check looks the fields up one by one. As the keys of canonical JSON come sorted,
+    the objects of one type come in few shapes (exact key tuples): for each shape seen (up to
+    MAX_SHAPES) a function is generated that unpacks the values in that order and tests them all in
+    one expression (no set operations on the keys, no lookups). It only says "valid": whenever it
+    does not, or the shape is not a valid one, the general check runs and gives the reason."""
+    fields = model.model_fields
+    required = [n for n, f in fields.items() if f.is_required()]
+    optional = [n for n, f in fields.items() if not f.is_required()]
     lines = [
-        "def check(d):",
+        "def general(d):",
         "    if type(d) is not dict:",
         "        return 'is not an object'",
         "    keys = d.keys()",
@@ -233,14 +250,11 @@ def compile_checker(model: type[BaseModel]) -> Checker:
         "    if not (keys <= ALLOWED):",
         "        return 'has unknown field ' + repr(sorted(keys - ALLOWED)[0])",
     ]
-    for name, field in model.model_fields.items():
+    for name, field in fields.items():
         ann = field.annotation
         why = f"{name}: expected {_describe(ann)}"
-        test = _expr(ann, "v")
+        test = _field_test(name, ann, "v")
         if name in TIME_FIELDS:
-            if ann is not str:
-                raise TypeError(f"time field {name} is not a string")
-            test = f"({test} and TIME(v) is not None)"
             why = f"{name}: expected an RFC 3339 UTC time with nine fraction digits"
         if name in required:
             lines.append(f"    v = d[{name!r}]")
@@ -250,15 +264,71 @@ def compile_checker(model: type[BaseModel]) -> Checker:
             lines.append(f"    if v is not MISSING and not {test}:")
         lines.append(f"        return {why!r}")
     lines.append("    return None")
+    lines += [
+        "def check(d):",
+        "    if type(d) is dict:",
+        "        shape = tuple(d)",
+        "        valid = SHAPES.get(shape)",
+        "        if valid is None:",
+        "            valid = learn(shape)",
+        "        if valid(d):",
+        "            return None",
+        "    return general(d)",
+    ]
     namespace: dict[str, Any] = {
         "REQUIRED": frozenset(required),
         "ALLOWED": frozenset(required + optional),
         "MISSING": object(),
         "TIME": py_regex(TIME_PATTERN).match,
     }
+    shapes: dict[tuple[Any, ...], Callable[[dict[str, Any]], bool]] = {}
+
+    def never(d: dict[str, Any]) -> bool:
+        return False
+
+    def learn(shape: tuple[Any, ...]) -> Callable[[dict[str, Any]], bool]:
+        """The "valid" test for dicts whose keys are exactly `shape`, in this order."""
+        if not (namespace["REQUIRED"] <= set(shape) <= namespace["ALLOWED"]):
+            valid = never  # the general check says what is wrong
+        else:
+            names = [f"v{i}" for i in range(len(shape))]
+            var = dict(zip(shape, names, strict=True))
+            terms = []
+            known_time = None  # a time field tested before (true by then, as `and` goes left to right)
+            for k, f in fields.items():
+                if k not in var:
+                    continue
+                if k in TIME_FIELDS and known_time is not None:  # often the same time again
+                    v = var[k]
+                    terms.append(f"(type({v}) is str and ({v} == {known_time} or TIME({v}) is not None))")
+                else:
+                    terms.append(_field_test(k, f.annotation, var[k]))
+                if k in TIME_FIELDS:
+                    known_time = var[k]
+            unpack = f"    ({', '.join(names)},) = d.values()\n" if names else ""
+            src = f"def valid(d):\n{unpack}    return {' and '.join(terms) or 'True'}\n"
+            ns = {"TIME": namespace["TIME"]}
+            exec(compile(src, f"<check {model.__name__} {shape!r}>", "exec"), ns)  # noqa: S102
+            valid = ns["valid"]
+        if len(shapes) < MAX_SHAPES:
+            shapes[shape] = valid
+        return valid
+
+    namespace["SHAPES"] = shapes
+    namespace["learn"] = learn
     exec(compile("\n".join(lines), f"<check {model.__name__}>", "exec"), namespace)  # noqa: S102
     checker: Checker = namespace["check"]
     return checker
+
+
+def _field_test(name: str, ann: Any, var: str) -> str:
+    """An expression that is true when `var`, the value of field `name`, is valid."""
+    test = _expr(ann, var)
+    if name in TIME_FIELDS:
+        if ann is not str:
+            raise TypeError(f"time field {name} is not a string")
+        test = f"({test} and TIME({var}) is not None)"
+    return test
 
 
 DATA_CHECKERS: dict[str, Checker] = {etype: compile_checker(m) for etype, m in fmt.DATA_MODELS.items()}

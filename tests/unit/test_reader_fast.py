@@ -166,3 +166,41 @@ def test_fast_path_refuses_what_it_cannot_prove(garbage: bytes) -> None:
     ctx = reader._Context("run-x", fmt.source_for("run-x"), fmt.MAX_LINE)
     assert list(reader._fast([garbage], 1, ctx, passed)) == []
     assert passed.n == 0
+
+
+# --- the time attribute ----------------------------------------------------------------------------
+
+_GOOD_TIME = "2023-11-14T22:13:20.000000000Z"
+_TIMES = st.one_of(
+    st.from_regex(schemas.py_regex(schemas.TIME_PATTERN)),
+    st.sampled_from([_GOOD_TIME, _GOOD_TIME + "\n", _GOOD_TIME[:-1], "2023-11-14T22:13:20.00000000\u0663Z"]),
+    st.builds(
+        lambda i, c: _GOOD_TIME[:i] + c + _GOOD_TIME[i + 1 :],
+        st.integers(min_value=0, max_value=29),
+        st.characters(),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(min_value=1), time=_TIMES, last=_TIMES, same=st.booleans())
+def test_fast_path_time_agrees_with_the_pattern(
+    valid: tuple[dict[str, Any], list[bytes]], which: int, time: str, last: str, same: bool
+) -> None:
+    """The event's time passes the fast path exactly when it matches TIME_PATTERN, also when it
+    equals the data's last_time (which the data check has matched by then)."""
+    _, lines = valid
+    ev = orjson.loads(lines[which % len(lines)])
+    assume(ev["type"] not in (fmt.RUN_STARTED, fmt.RUN_FINISHED))
+    data = ev["data"]
+    if "last_time" in data:
+        data["last_time"] = time if same else last
+    ev["time"] = time
+    expected = reader._TIME(time) is not None and schemas.DATA_CHECKERS[ev["type"]](data) is None
+    line = orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)
+    passed = reader._Passed()
+    ctx = reader._Context(ev["runid"], ev["source"], fmt.MAX_LINE, ev.get("labels"))
+    out = list(reader._fast([line], ev["seq"], ctx, passed))
+    assert out == ([ev] if expected else [])
+    if expected:
+        assert passed.hashes == [fmt.content_hash(ev)]

@@ -160,3 +160,90 @@ def test_python_regex_matches_ecma_end_anchor() -> None:
     rx = schemas.py_regex(schemas.TIME_PATTERN)
     assert rx.match("2023-11-14T22:13:20.000000000Z")
     assert not rx.match("2023-11-14T22:13:20.000000000Z\n")
+
+
+# --- the checks specialised by shape ------------------------------------------------------------------
+
+_TIME_OK = "2023-11-14T22:13:20.000000000Z"
+_times = st.one_of(
+    st.from_regex(schemas.py_regex(schemas.TIME_PATTERN)),
+    st.sampled_from([_TIME_OK, _TIME_OK + "\n", _TIME_OK[:-1], "2023-11-14T22:13:20.00000000\u0663Z", ""]),
+    st.builds(
+        lambda i, c: _TIME_OK[:i] + c + _TIME_OK[i + 1 :],
+        st.integers(min_value=0, max_value=29),
+        st.characters(),
+    ),
+    st.integers(),
+    st.none(),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(
+        sorted(e for e, m in fmt.DATA_MODELS.items() if schemas.TIME_FIELDS & m.model_fields.keys())
+    ),
+    st.data(),
+    _times,
+    _times,
+    st.booleans(),
+)
+def test_time_fields_agree_with_jsonschema(
+    etype: str, data: st.DataObject, first: Any, last: Any, same: bool
+) -> None:
+    """The second time field of a shape is accepted without the regex when it equals the first (by
+    then checked): that changes nothing. Times from the pattern, near misses, equal or not."""
+    value = _example(fmt.DATA_MODELS[etype], data)
+    value.update(first_time=first, last_time=first if same else last)
+    fast_ok = schemas.DATA_CHECKERS[etype](value) is None
+    schema_ok = jsonschema.Draft202012Validator(schemas.load(f"{etype}.schema.json")).is_valid(value)
+    assert fast_ok == schema_ok, value
+
+
+def test_shape_checks_give_the_general_reasons() -> None:
+    check = schemas.compile_checker(fmt.FileOpen)
+    good = {
+        "access": ["read"],
+        "exe": None,
+        "first_time": _TIME_OK,
+        "flags": [],
+        "last_time": _TIME_OK,
+        "path": "/a",
+        "pid": 1,
+        "ppid": 0,
+        "raw_path": "a",
+        "result": 0,
+    }
+    for _ in range(2):  # the shape is learnt, then known
+        assert check(good) is None
+        assert check({**good, "pid": True}) == "pid: expected an integer"
+        assert check({**good, "last_time": _TIME_OK + "\n"}) is not None
+        assert check({**good, "first_time": "x", "last_time": "x"}) is not None
+        assert check({**good, "access": ["read", 1]}) is not None
+        assert check({**good, "access": [["read"]]}) is not None  # unhashable: no error, just no
+        assert check({**good, "access": ["read", "bogus"]}) is not None
+        assert check({**good, "access": []}) is None
+        assert check(list(good)) == "is not an object"  # a list of the keys is not that shape
+        assert check({k: v for k, v in good.items() if k != "pid"}) == "lacks field 'pid'"
+        assert check({**good, "zzz": 1}) == "has unknown field 'zzz'"
+        assert check(dict(reversed(good.items()))) is None  # any key order
+
+
+def test_shapes_beyond_the_cap_are_checked_alike() -> None:
+    check = schemas.compile_checker(fmt.Loss)
+    for i in range(3 * schemas.MAX_SHAPES):
+        assert check({"kind": "k", "count": 1, f"x{i}": 1}) == f"has unknown field 'x{i}'"
+        assert check(dict(kind="k", count=i)) is None
+        assert check({"count": i, "kind": i}) == "kind: expected a string"
+
+
+def test_a_model_without_required_fields_accepts_the_empty_shape() -> None:
+    class Optional(pydantic.BaseModel):
+        a: int = 1
+
+    check = schemas.compile_checker(Optional)
+    for _ in range(2):
+        assert check({}) is None
+        assert check({"a": 2}) is None
+        assert check({"a": "x"}) == "a: expected an integer"
+        assert check({"b": 1}) == "has unknown field 'b'"
