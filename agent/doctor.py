@@ -77,7 +77,7 @@ def checks() -> list[Check]:
                 False,
                 "cannot import bcc",
                 True,
-                "apt-get install python3-bpfcc (never pip install bcc)",
+                "apt-get install python3-bpfcc (the PyPI package named bcc is an unrelated project)",
             )
         )
     if root:
