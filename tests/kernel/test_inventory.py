@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from agent import inventory
+from agent.cgroups import find_cgroup2_mount
 from bundle.format import Inventory
+from evidence.errors import SetupError
 
 pytestmark = pytest.mark.kernel
 
@@ -33,12 +35,10 @@ sys.stdin.read()
 
 
 def _cgroup2_mount() -> Path | None:
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and fields[2] == "cgroup2":
-                return Path(fields[1])
-    return None
+    try:
+        return find_cgroup2_mount()
+    except SetupError:
+        return None
 
 
 @pytest.fixture

@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 
 from agent import k8s
+from agent.cgroups import find_cgroup2_mount
 from agent.k8s import KubeWatcher
+from evidence.errors import SetupError
 
 pytestmark = pytest.mark.kernel
 
 
 def _cgroup2_mount() -> Path | None:
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and fields[2] == "cgroup2":
-                return Path(fields[1])
-    return None
+    try:
+        return find_cgroup2_mount()
+    except SetupError:
+        return None
 
 
 @pytest.fixture

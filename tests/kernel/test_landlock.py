@@ -17,6 +17,7 @@ import pytest
 
 from policy import landlock
 from policy.model import load_policy
+from tests.kernel.util import IO_URING
 
 pytestmark = pytest.mark.kernel
 
@@ -234,45 +235,6 @@ def test_scoped_signals_cannot_leave_the_domain(box: dict[str, Path], abi: int) 
 
 
 # A minimal io_uring client (ctypes + mmap, no liburing), run inside the child.
-IO_URING = r'''
-import ctypes, mmap, socket, struct
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-def uring_op(opcode, fd, addr, length, off, op_flags):
-    """Run one io_uring request and return its result (negative errno), or None when io_uring is refused."""
-    params = ctypes.create_string_buffer(120)
-    ring = _libc.syscall(425, 4, params)
-    if ring < 0:
-        return None
-    sq_entries, cq_entries, _, _, _, features = struct.unpack_from("6I", params, 0)
-    sq_head, sq_tail, sq_mask, _, _, _, sq_array = struct.unpack_from("7I", params, 40)
-    cq_head, cq_tail, cq_mask, _, _, cq_cqes = struct.unpack_from("6I", params, 80)
-    size = max(sq_array + sq_entries * 4, cq_cqes + cq_entries * 16)
-    rings = mmap.mmap(ring, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-    sqes = mmap.mmap(ring, sq_entries * 64, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=0x10000000)
-    # opcode, flags, ioprio, fd, off/addr2, addr, len, op flags, user_data
-    struct.pack_into("BBHiQQIIQ", sqes, 0, opcode, 0, 0, fd, off, addr, length, op_flags, 7)
-    tail = struct.unpack_from("I", rings, sq_tail)[0]
-    struct.pack_into("I", rings, sq_array + (tail & struct.unpack_from("I", rings, sq_mask)[0]) * 4, 0)
-    struct.pack_into("I", rings, sq_tail, tail + 1)
-    if _libc.syscall(426, ring, 1, 1, 1, None, 0) < 0:
-        return None
-    head = struct.unpack_from("I", rings, cq_head)[0]
-    _, res, _ = struct.unpack_from("QiI", rings, cq_cqes + (head & struct.unpack_from("I", rings, cq_mask)[0]) * 16)
-    struct.pack_into("I", rings, cq_head, head + 1)
-    return res
-def uring_openat(path):
-    buf = ctypes.create_string_buffer(path.encode())
-    return uring_op(18, -100, ctypes.addressof(buf), 0, 0, 0)  # IORING_OP_OPENAT, AT_FDCWD, O_RDONLY
-def uring_connect(sock, host, port):
-    if sock.family == socket.AF_INET:
-        sa = struct.pack("!HH4s8x", socket.AF_INET, port, socket.inet_pton(socket.AF_INET, host))
-        sa = struct.pack("H", socket.AF_INET) + sa[2:]
-    else:
-        sa = struct.pack("H", socket.AF_INET6) + struct.pack("!HI16sI", port, 0, socket.inet_pton(socket.AF_INET6, host), 0)
-    buf = ctypes.create_string_buffer(sa, len(sa))
-    return uring_op(16, sock.fileno(), ctypes.addressof(buf), 0, len(sa), 0)  # IORING_OP_CONNECT, addr2 = addrlen
-'''
 
 
 URING_ATTEMPTS = (
