@@ -328,12 +328,18 @@ def _wait(child: subprocess.Popen[bytes], session: Any, enforcement: Any) -> int
 
 
 def _summary(manifest: dict[str, Any], bundle: Path) -> None:
-    counts = manifest["counts"]
+    print(
+        summary_line(
+            manifest["events"], manifest["counts"], manifest["lost"]["total"], manifest["run_id"], bundle
+        ),
+        file=sys.stderr,
+    )
+
+
+def summary_line(events: Any, counts: dict[str, int], lost: Any, run_id: Any, bundle: Path) -> str:
+    """The last line `evidence run` prints (directly or through an agent): events by kind, loss, bundle."""
     short = {
         k.removeprefix("dev.evidence."): v for k, v in counts.items() if not k.startswith("dev.evidence.run.")
     }
     parts = ", ".join(f"{k} {v}" for k, v in sorted(short.items())) or "none"
-    print(
-        f"evidence: {manifest['events']} events ({parts}); {manifest['lost']['total']} lost; run {manifest['run_id']}; bundle {bundle}",
-        file=sys.stderr,
-    )
+    return f"evidence: {events} events ({parts}); {lost} lost; run {run_id}; bundle {bundle}"

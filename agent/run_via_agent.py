@@ -203,14 +203,11 @@ def run_via_agent(args: argparse.Namespace, command: list[str], labels: dict[str
 
 
 def _summary(result: dict[str, Any], bundle: Path) -> None:
-    """The line `evidence run` prints (agent/commands_run.py), from the agent's finish answer."""
+    """The line `evidence run` prints, from the agent's finish answer."""
+    from agent.commands_run import summary_line
+
     counts: dict[str, int] = result.get("counts") or {}
-    short = {
-        k.removeprefix("dev.evidence."): v for k, v in counts.items() if not k.startswith("dev.evidence.run.")
-    }
-    parts = ", ".join(f"{k} {v}" for k, v in sorted(short.items())) or "none"
     print(
-        f"evidence: {result.get('events')} events ({parts}); {result.get('lost') or 0} lost; "
-        f"run {result.get('run_id')}; bundle {bundle}",
+        summary_line(result.get("events"), counts, result.get("lost") or 0, result.get("run_id"), bundle),
         file=sys.stderr,
     )
