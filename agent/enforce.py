@@ -124,7 +124,6 @@ class Enforcement:
             self.netns = None
         if self.tmpdir:
             ptmp.remove_private_tmp(self.tmpdir)
-            self.tmpdir_removed = True
 
     # ---- what the policy says about recorded operations ----------------------------------------
     def observe(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
