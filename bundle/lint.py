@@ -156,67 +156,64 @@ def _redact(secret: str) -> str:
 
 
 class Linter:
-    """Feed it a verified bundle's manifest and events; `findings()` when done."""
+    """Lints a verified bundle: `start` makes the fold of a piece of its events (what
+    reader.Bundle.fold needs), `take` takes the folds in order, `findings()` when done.
+
+    The per-event rules run in the folds (_Part), on whichever CPU verifies the piece; what depends
+    on the events before a piece is settled in `take`: a finding seen before only gains a count, and
+    the clock rule compares each event's time with the latest time before it in the whole run."""
 
     def __init__(self, manifest: dict[str, Any]) -> None:
         self.manifest = manifest
-        policy = manifest.get("policy") or {}
-        self.observe_only = manifest.get("policy") is None
-        self.workspace = str(policy.get("workspace") or manifest["cwd"]).rstrip("/") or "/"
-        self.tmpdir = str(policy.get("tmpdir") or "").rstrip("/")
-        roots = {"${WORKSPACE}": self.workspace}
-        if self.tmpdir:
-            roots["${TMPDIR}"] = self.tmpdir
-        self.norm = Normalizer(roots)
+        self.rules = _Rules(manifest)
+        self.start: Callable[[int], _Part] = self.rules.part
         self._found: dict[tuple[str, str], Finding] = {}
         self.dropped = 0
         self.finished = False
         self.lost_events = 0
         self.max_time = ""
-        self.backwards: list[Any] = []
-        self._ips: dict[str, bool] = {}
-        self._dispatch: dict[str, list[Callable[[dict[str, Any]], None]]] = {
-            fmt.RUN_STARTED: [self._started],
-            fmt.RUN_FINISHED: [self._finished],
-            fmt.PROCESS_EXEC: [self._exec],
-            fmt.FILE_OPEN: [self._open],
-            fmt.NETWORK_CONNECT: [self._connect],
-            fmt.LOSS: [self._loss],
-            fmt.DEGRADATION: [self._degradation],
-            fmt.POLICY_DENIAL: [self._denial],
-            fmt.INVENTORY: [self._inventory],
-        }
+        self.backwards: list[tuple[int, int]] = []  # (how far back in ns, seq)
 
-    # -- collection
-
-    def add(self, code: str, message: str, key: str, ev: dict[str, Any] | None) -> None:
-        k = (code, key)
-        f = self._found.get(k)
-        if f is not None:
-            f.count += 1
-            return
-        if len(self._found) >= MAX_FINDINGS:
-            self.dropped += 1
-            return
-        self._found[k] = Finding(
-            RULES[code], message, key, ev["id"] if ev else None, ev["seq"] if ev else None
-        )
+    def take(self, part: _Part) -> None:
+        """Folds in the part that comes next."""
+        found = self._found
+        for k, f in part.found.items():
+            mine = found.get(k)
+            if mine is not None:
+                mine.count += f.count
+            elif len(found) >= MAX_FINDINGS:
+                self.dropped += f.count
+            else:
+                found[k] = f
+        high = self.max_time
+        for i, t in enumerate(part.times):
+            if t >= high:  # canonical times are fixed width: text order is time order
+                high = t
+            else:
+                self._clock(part.seq + i, high, t)
+        self.max_time = high
+        self.finished = self.finished or part.finished
+        self.lost_events += part.lost_events
+        if part.cut_short:
+            self.manifest = {**self.manifest, "cut_short": True}
 
     def feed(self, ev: dict[str, Any]) -> None:
-        t = ev["time"]
-        data = ev["data"]
-        first = data.get("first_time", t) if type(data) is dict else t
-        if first >= self.max_time:  # canonical times are fixed width: text order is time order
-            self.max_time = first
+        """One event (a fold of one)."""
+        part = self.start(ev["seq"])
+        part.feed(ev)
+        self.take(part)
+
+    def add(self, code: str, message: str, key: str, seq: int | None) -> None:
+        """A finding about the whole run: never dropped by the cap on findings."""
+        k = (code, key)
+        if k in self._found:
+            self._found[k].count += 1
         else:
-            self._clock(ev, first)
-        subject = ev["subject"]
-        if _maybe_secret(subject):
-            self._secrets(subject, "subject", ev)
-        for handler in self._dispatch.get(ev["type"], ()):
-            handler(ev)
+            event_id = None if seq is None else fmt.event_id(self.manifest["run_id"], seq)
+            self._found[k] = Finding(RULES[code], message, key, event_id, seq)
 
     def findings(self) -> list[Finding]:
+        """Every finding, worst first; call once, when every part was taken."""
         m = self.manifest
         if m["lost"]["total"] > 0 or self.lost_events:
             total = max(m["lost"]["total"], self.lost_events)
@@ -236,36 +233,101 @@ class Linter:
             self.add("EV007", f"the run was not recorded to its end: {why}", "not-finished", None)
         if self.backwards:
             n = len(self.backwards)
-            worst = max(self.backwards, key=lambda b: b[0])
+            delta, seq = max(self.backwards, key=lambda b: b[0])
             self.add(
                 "EV008",
-                f"event times go backwards {n} time(s), by up to {worst[0] / 1e9:.3f} s (first at event {worst[1]['seq']})",
+                f"event times go backwards {n} time(s), by up to {delta / 1e9:.3f} s (first at event {seq})",
                 "clock",
-                worst[1],
+                seq,
             )
         order = {s: i for i, s in enumerate(SEVERITIES)}
         return sorted(self._found.values(), key=lambda f: (order[f.rule.severity], f.rule.code, f.seq or 0))
 
-    # -- rules
-
-    def _clock(self, ev: dict[str, Any], t: str) -> None:
+    def _clock(self, seq: int, high: str, t: str) -> None:
         try:
-            delta = reader.time_ns(self.max_time) - reader.time_ns(t)
+            delta = reader.time_ns(high) - reader.time_ns(t)
         except ValueError:
             return
         if delta > CLOCK_TOLERANCE_NS and len(self.backwards) < 10_000:
-            self.backwards.append((delta, ev))
+            self.backwards.append((delta, seq))
+
+
+class _Rules:
+    """What the per-event rules need to know of the run (it pickles: the reader may send it to its
+    helper process)."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        policy = manifest.get("policy") or {}
+        self.observe_only = manifest.get("policy") is None
+        self.workspace = str(policy.get("workspace") or manifest["cwd"]).rstrip("/") or "/"
+        self.tmpdir = str(policy.get("tmpdir") or "").rstrip("/")
+        roots = {"${WORKSPACE}": self.workspace}
+        if self.tmpdir:
+            roots["${TMPDIR}"] = self.tmpdir
+        self.norm = Normalizer(roots)
+        self.ips: dict[str, bool] = {}  # address -> not loopback
+
+    def part(self, seq: int) -> _Part:
+        return _Part(self, seq)
+
+
+class _Part:
+    """The per-event rules over consecutive events, from event `seq` on: what they found, and what
+    Linter.take needs to settle the rest (each event's time, for the clock rule)."""
+
+    def __init__(self, rules: _Rules, seq: int) -> None:
+        self.rules = rules
+        self.seq = seq
+        self.found: dict[tuple[str, str], Finding] = {}  # in the order first seen
+        self.times: list[str] = []  # each event's time (first_time if it has one), in order
+        self.finished = False
+        self.cut_short = False
+        self.lost_events = 0
+        self._dispatch: dict[str, Callable[[dict[str, Any]], None]] = {
+            fmt.RUN_STARTED: self._started,
+            fmt.RUN_FINISHED: self._finished,
+            fmt.PROCESS_EXEC: self._exec,
+            fmt.FILE_OPEN: self._open,
+            fmt.NETWORK_CONNECT: self._connect,
+            fmt.LOSS: self._loss,
+            fmt.DEGRADATION: self._degradation,
+            fmt.POLICY_DENIAL: self._denial,
+            fmt.INVENTORY: self._inventory,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:  # what goes back from the helper: the results
+        return {k: v for k, v in self.__dict__.items() if k not in ("rules", "_dispatch")}
+
+    def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
+        k = (code, key)
+        f = self.found.get(k)
+        if f is not None:
+            f.count += 1
+        else:
+            self.found[k] = Finding(RULES[code], message, key, ev["id"], ev["seq"])
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        data = ev["data"]
+        self.times.append(data.get("first_time", ev["time"]) if type(data) is dict else ev["time"])
+        subject = ev["subject"]
+        if _maybe_secret(subject):
+            self._secrets(subject, "subject", ev)
+        handler = self._dispatch.get(ev["type"])
+        if handler is not None:
+            handler(ev)
+
+    # -- rules
 
     def _secrets(self, text: str, where: str, ev: dict[str, Any]) -> None:
         for kind, rx in _SECRETS:
             m = rx.search(text)
             if m:
                 shown = _redact(m.group())
-                key = f"{kind}\0{where}\0{ev['type']}\0{self.norm.text(text.replace(m.group(), '<secret>'))[:200]}"
+                normal = self.rules.norm.text(text.replace(m.group(), "<secret>"))[:200]
                 self.add(
                     "EV003",
                     f"{kind} in {where} of {ev['type'].removeprefix(fmt.TYPE_PREFIX)} ({shown})",
-                    key,
+                    f"{kind}\0{where}\0{ev['type']}\0{normal}",
                     ev,
                 )
                 return
@@ -281,7 +343,7 @@ class Linter:
     def _finished(self, ev: dict[str, Any]) -> None:
         self.finished = True
         if ev["data"].get("cut_short"):
-            self.manifest = {**self.manifest, "cut_short": True}
+            self.cut_short = True
 
     def _exec(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -290,10 +352,9 @@ class Linter:
         if filename != ev["subject"] and _maybe_secret(filename):
             self._secrets(filename, "path", ev)
         if d["result"] == 0 and filename.startswith("/"):
-            temps = (*TEMP_DIRS, self.tmpdir)
-            if _under(filename, temps) and not _under(filename, (self.workspace,)):
-                name = self.norm.text(filename)
-                self.add("EV006", f"executed {filename} from a temp directory", name, ev)
+            rules = self.rules
+            if _under(filename, (*TEMP_DIRS, rules.tmpdir)) and not _under(filename, (rules.workspace,)):
+                self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
 
     def _open(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -306,25 +367,27 @@ class Linter:
         if d["result"] != 0 or not path.startswith("/"):
             return
         access = d["access"]
+        rules = self.rules
         if ("write" in access or "create" in access) and not _under(
-            path, (self.workspace, self.tmpdir, *WRITE_OK)
+            path, (rules.workspace, rules.tmpdir, *WRITE_OK)
         ):
             exe = d.get("exe") or "?"
             self.add(
                 "EV004",
-                f"{exe} wrote {path} ({'+'.join(access)}) outside the workspace {self.workspace}",
-                self.norm.text(path),
+                f"{exe} wrote {path} ({'+'.join(access)}) outside the workspace {rules.workspace}",
+                rules.norm.text(path),
                 ev,
             )
 
     def _connect(self, ev: dict[str, Any]) -> None:
-        if not self.observe_only:
+        rules = self.rules
+        if not rules.observe_only:
             return
         d = ev["data"]
         if d["family"] not in ("AF_INET", "AF_INET6"):
             return
         addr = d["address"]
-        remote = self._ips.get(addr)
+        remote = rules.ips.get(addr)
         if remote is None:
             try:
                 ip = ipaddress.ip_address(addr)
@@ -333,8 +396,8 @@ class Linter:
                 remote = not (ip.is_loopback or ip.is_unspecified)
             except ValueError:
                 remote = True
-            if len(self._ips) < 100_000:
-                self._ips[addr] = remote
+            if len(rules.ips) < 100_000:
+                rules.ips[addr] = remote
         if remote:
             dest = ev["subject"]
             result = "" if d["result"] == 0 else f", {d['result']}"
@@ -371,9 +434,9 @@ def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
     Raises reader.VerificationError (exit 2) if the bundle fails verification."""
     bundle = reader.open_bundle(path)
     linter = Linter(bundle.manifest)
-    feed = linter.feed
-    for ev in bundle.events():
-        feed(ev)
+    take = linter.take
+    for part in bundle.fold(linter.start):
+        take(part)
     return bundle.manifest, linter.findings(), linter.dropped
 
 

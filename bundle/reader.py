@@ -12,6 +12,8 @@ API:
   root hash, the counts) raises when the iterator is exhausted, so a consumer that acts on events
   before that must be ready to throw its work away. `Bundle.verify()` runs the same pass, yielding
   nothing.
+  `Bundle.fold(start)` makes the same pass, folding each piece's events into a fresh start(seq) in
+  whichever process checks the piece (lint's rules run on both CPUs that way).
 - `read_manifest(path) -> dict` and `read_events(path) -> Iterator[dict]`: verify the whole bundle
   first, then return the manifest / stream the events (in a second verifying pass).
 
@@ -29,16 +31,17 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import re
 import signal
 import stat
 import threading
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 import orjson
 import pydantic
@@ -373,6 +376,11 @@ class _Passed:
         return ("\n".join(self.hashes) + "\n").encode() if self.hashes else b""
 
 
+# a piece all of whose events passed the fast path: what they add to the root hash, their counts by
+# type, and the fold of them (None when the pass folds nothing)
+_Answer = tuple[bytes, dict[str, int], Any]
+
+
 # In a canonical event line the keys come sorted, so the line is
 #   {"data":D,"datacontenttype":"application/json","id":"<runid>:<seq>"[,"labels":"<labels>"],
 #    "runid":"<runid>","seq":<seq>,"source":"<source>","specversion":"1.0","subject":S,
@@ -461,30 +469,49 @@ def _fast(lines: list[bytes], seq: int, ctx: _Context, passed: _Passed) -> Itera
         yield ev
 
 
-def _check_all(lines: list[bytes], seq: int, ctx: _Context) -> _Passed | None:
-    """The fast path over all of `lines`: what passed if everything did, else None."""
+class Fold(Protocol):
+    """What `Bundle.fold` folds the events of one piece of the stream into."""
+
+    def feed(self, ev: dict[str, Any], /) -> None: ...
+
+
+F = TypeVar("F", bound=Fold)
+Start = Callable[[int], Fold]  # the fold for the events from seq on
+
+
+def _check_piece(lines: list[bytes], seq: int, ctx: _Context, start: Start | None) -> _Answer | None:
+    """The fast path over all of `lines`, folding the events into start(seq) when given: the answer
+    if every event passed, else None (the careful path then says why)."""
     passed = _Passed()
-    for _ in _fast(lines, seq, ctx, passed):
-        pass
-    return passed if passed.n == len(lines) else None
+    events = _fast(lines, seq, ctx, passed)
+    folded = None
+    if start is None:
+        collections.deque(events, maxlen=0)
+    else:
+        folded = start(seq)
+        collections.deque(map(folded.feed, events), maxlen=0)
+    if passed.n != len(lines):
+        return None
+    return passed.root_bytes(), passed.counts, folded
 
 
 # --- a second core -------------------------------------------------------------------------------
 
 
 def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection]) -> None:
-    """The helper process: runs the fast path on the pieces it is sent, answers each in order."""
+    """The helper process: runs the fast path (and the fold, if any) on the pieces it is sent,
+    answers each in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and closes the pipes
     for end in parent_ends:
         end.close()
     try:
         ctx = _Context(*orjson.loads(inbox.recv_bytes()))  # run_id, source, line, labels
+        start = pickle.loads(inbox.recv_bytes())  # noqa: S301 - our parent's own object, not the bundle's
         while True:
             seq = int.from_bytes(inbox.recv_bytes(), "little")
             lines = inbox.recv_bytes().split(b"\n")
             lines.pop()
-            passed = _check_all(lines, seq, ctx)
-            outbox.send((seq, None if passed is None else (passed.root_bytes(), passed.counts)))
+            outbox.send((seq, _check_piece(lines, seq, ctx, start)))
     except (EOFError, OSError):  # the parent is done, or gone
         return
 
@@ -533,9 +560,11 @@ class _Helper:
             cpus >= 2 and "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
         )
 
-    def start(self, ctx: _Context) -> None:
-        """What the helper checks against (sent once the manifest is known)."""
+    def start(self, ctx: _Context, start: bytes) -> None:
+        """What the helper checks against (sent once the manifest is known), and the pickled
+        start of the fold it runs (a pickled None: none)."""
         self._outgoing.put(orjson.dumps([ctx.run_id, ctx.source, ctx.line, ctx.labels]))
+        self._outgoing.put(start)
 
     def submit(self, piece: _Piece) -> None:
         self._outgoing.put(piece.seq.to_bytes(8, "little"))
@@ -562,6 +591,7 @@ class _Helper:
             return
         piece = self.in_flight.popleft()
         piece.remote = False
+        piece.checked = True
         piece.answer = result
 
     def _fail(self) -> None:
@@ -594,7 +624,8 @@ class _Piece:
     seq: int  # line number of the first line (0-based)
     fatal: _Fatal | None = None
     remote: bool = False  # with the helper, not answered yet
-    answer: tuple[bytes, dict[str, int]] | None = None  # the helper's, if all lines passed
+    checked: bool = False  # the fast path has run over it (in the helper or here)
+    answer: _Answer | None = None  # the fast path's, if all lines passed
 
 
 # --- the verifier --------------------------------------------------------------------------------
@@ -662,13 +693,23 @@ def _check_manifest(m: Any) -> list[str]:
 class _Verifier:
     """One pass over a bundle. `events()` yields each event once it has been checked."""
 
-    def __init__(self, path: str, limits: Limits, *, parallel: bool = False) -> None:
+    def __init__(
+        self, path: str, limits: Limits, *, parallel: bool = False, start: Start | None = None
+    ) -> None:
         self.path = path
         self.limits = limits
         self.problems: list[str] = []
         self.manifest: dict[str, Any] = {}
         self.parallel = parallel
         self.helper: _Helper | None = None
+        self.start = start  # the pass folds each piece's events into start(seq), and yields the folds
+        self._start_pickled = b""
+        if parallel:
+            try:
+                self._start_pickled = pickle.dumps(start)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                logger.debug("the fold cannot go to a helper process (%s); one process checks all", e)
+                self.parallel = False
         # the state of the pass over the events
         self.seq = 0  # the next event's expected seq
         self.ok = True  # no problem so far: events are yielded
@@ -700,7 +741,9 @@ class _Verifier:
             )
         return f
 
-    def run(self, *, manifest_only: bool = False) -> Generator[dict[str, Any], None, None]:
+    def run(self, *, manifest_only: bool = False) -> Generator[Any, None, None]:
+        """The pass: yields the events (or, with a start, the folds) once checked; raises
+        VerificationError at the end if anything was wrong."""
         f = self._open()
         if (
             self.parallel
@@ -812,20 +855,24 @@ class _Verifier:
         if leftover:
             raise _Fatal(f"{fmt.EVENTS_NAME} does not end with a newline")
 
-    def _events(self, s: _Stream, size: int) -> Iterator[dict[str, Any]]:
-        """Stream, check and yield the events, a piece (about _CHUNK bytes of whole lines) at a time.
+    def _events(self, s: _Stream, size: int) -> Iterator[Any]:
+        """Stream, check and yield the events (or the folds), a piece (about _CHUNK bytes of whole
+        lines) at a time.
 
         Each event goes through the fast path (_fast), which passes it or gives up at it, and from
         there the careful path (_careful) takes over, which explains. Once a problem was found or
         run.finished seen, only the careful path is taken. With a helper process, the fast path
         runs on two CPUs: pieces read ahead go to the helper while it has room, the others are
-        checked here, in order. A problem found while reading waits in line, so that the events
-        before it are checked first, as in one pass."""
+        checked here, in order. When folding, this process does not wait idle for the helper's
+        answer about the next piece in line: it checks (and folds) a later piece meanwhile, the
+        results then taken in order. A problem found while reading waits in line, so that the
+        events before it are checked first, as in one pass."""
         m = self.manifest
         ctx = _Context(m["run_id"], m["source"], self.limits.line, fmt.labels_attribute(m.get("labels")))
+        start = self.start
         helper = self.helper
         if helper is not None:
-            helper.start(ctx)
+            helper.start(ctx, self._start_pickled)
         pieces = self._pieces(s, size)
         pending: collections.deque[_Piece] = collections.deque()
         lines_read = 0
@@ -855,7 +902,15 @@ class _Verifier:
                         helper.submit(piece)
             if not pending and take() is None:
                 break
-            piece = pending.popleft()
+            piece = pending[0]
+            if piece.remote and start is not None and self._fast():
+                ahead = next((p for p in pending if not p.remote and not p.checked and p.fatal is None), None)
+                if ahead is not None:  # rather than wait for the helper
+                    ahead.answer = _check_piece(ahead.lines, ahead.seq, ctx, start)
+                    ahead.checked = True
+                    ahead.data = b""
+                    continue
+            pending.popleft()
             while piece.remote:
                 assert helper is not None
                 helper.wait()
@@ -866,23 +921,37 @@ class _Verifier:
                 raise _Fatal(f"{fmt.EVENTS_NAME}: a line is longer than {self.limits.line} bytes")
             if self.seq + len(lines) > self.limits.events:
                 raise _Fatal(f"{fmt.EVENTS_NAME}: more than {self.limits.events} events")
-            if self._fast() and piece.answer is not None:  # the helper passed every event
-                self.root.update(piece.answer[0])
-                self._count(piece.answer[1])
+            if self._fast() and piece.answer is not None:  # every event passed the fast path
+                root, counts, folded = piece.answer
+                self.root.update(root)
+                self._count(counts)
                 self.seq += len(lines)
-                yield from map(orjson.loads, lines)
+                if start is None:
+                    yield from map(orjson.loads, lines)
+                else:
+                    yield folded
                 continue
-            done = 0
-            if self._fast():
-                passed = _Passed()
-                yield from _fast(lines, self.seq, ctx, passed)
-                self.root.update(passed.root_bytes())
-                self._count(passed.counts)
-                self.seq += passed.n
-                done = passed.n
-            if done < len(lines):
-                yield from self._careful(lines[done:] if done else lines)
+            events = self._checked(lines, ctx)
+            if start is None:
+                yield from events
+            else:
+                folded = start(piece.seq)
+                collections.deque(map(folded.feed, events), maxlen=0)
+                yield folded
         self._finish()
+
+    def _checked(self, lines: list[bytes], ctx: _Context) -> Iterator[dict[str, Any]]:
+        """The events of `lines` that pass, in order: the fast path while it can, then the careful."""
+        done = 0
+        if self._fast():
+            passed = _Passed()
+            yield from _fast(lines, self.seq, ctx, passed)
+            self.root.update(passed.root_bytes())
+            self._count(passed.counts)
+            self.seq += passed.n
+            done = passed.n
+        if done < len(lines):
+            yield from self._careful(lines[done:] if done else lines)
 
     def _fast(self) -> bool:
         """Whether the fast path may be taken: no problem so far and no run.finished yet."""
@@ -1052,6 +1121,15 @@ class Bundle:
         """Every event, in sequence order, verifying as it goes; raises VerificationError (at the
         latest when exhausted) if anything is wrong. Close it to stop early."""
         return _Verifier(self.path, self.limits, parallel=self.parallel).run()
+
+    def fold(self, start: Callable[[int], F]) -> Generator[F, None, None]:
+        """The events, verified as by events(), folded a piece at a time: each piece's events go,
+        in order, to the `feed` of a fresh start(seq) (seq: the piece's first event), which is then
+        yielded; the folds come in order and together cover every event once. The pieces may be
+        folded in a helper process (when `start` pickles and the pass is parallel): `start` and the
+        folds it makes must then pickle, and must not depend on anything but the events they are
+        fed. Raises VerificationError as events() does: a fold that came before it is worthless."""
+        return _Verifier(self.path, self.limits, parallel=self.parallel, start=start).run()
 
     def verify(self) -> None:
         for _ in self.events():

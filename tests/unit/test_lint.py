@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bundle import lint
+from bundle import lint, reader
 from evidence.cli import main
 from tests.unit.conftest_bundles import WS, connect, exec_, open_, records, write
 
@@ -238,3 +238,27 @@ def test_text_output_and_explain(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_run_without_finished_event_is_flagged() -> None:
     linter = lint.Linter({"cwd": WS, "policy": None, "lost": {"total": 0, "by_kind": {}}, "cut_short": False})
     assert [f.rule.code for f in linter.findings()] == ["EV007"]
+
+
+def test_lint_on_two_cpus_finds_exactly_what_one_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules run in the reader's folds, some in its helper process: findings seen in several
+    pieces are counted once each, the first kept; the clock rule compares across pieces; the cap on
+    distinct findings drops the same ones."""
+    recs = [*records()]
+    for i in range(30):
+        recs.append(open_(10_000 + i * 100, f"/etc/conf{i % 7}", ["write"]))  # EV004, 7 distinct
+        recs.append(exec_(10_050 + i * 100, 300 + i, 101, "/usr/bin/x", ["x", f"--token=abc{i % 3}def"]))
+    recs.append(open_(20_000, WS + "/late", ["read"]))
+    recs.append(open_(-3_000_000_000, WS + "/early", ["read"]))  # EV008, across pieces from the last
+    path = write(tmp_path / "a.tar.gz", recs)
+    monkeypatch.setattr(lint, "MAX_FINDINGS", 5)
+    with monkeypatch.context() as m:
+        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        _, one, dropped_one = lint.lint(str(path))
+    monkeypatch.setattr(reader, "_CHUNK", 300)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    _, two, dropped_two = lint.lint(str(path))
+    assert [f.as_dict() for f in two] == [f.as_dict() for f in one]
+    assert dropped_two == dropped_one > 0
+    assert {f.rule.code for f in one} >= {"EV003", "EV004", "EV008"}

@@ -204,3 +204,75 @@ def test_fast_path_time_agrees_with_the_pattern(
     assert out == ([ev] if expected else [])
     if expected:
         assert passed.hashes == [fmt.content_hash(ev)]
+
+
+# --- folding -------------------------------------------------------------------------------------
+
+
+class _Collect:
+    """A fold that keeps what it is fed, and where it ran."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.pid = os.getpid()
+        self.events: list[dict[str, Any]] = []
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+
+
+def _fold(path: Path, start: Any = _Collect) -> tuple[list[_Collect], list[str]]:
+    folds: list[_Collect] = []
+    try:
+        for f in reader.open_bundle(path).fold(start):
+            folds.append(f)
+    except reader.VerificationError as e:
+        return folds, e.problems
+    return folds, []
+
+
+def test_folds_cover_every_event_once_in_order_on_both_cpus(tmp_path: Path, small_pieces: None) -> None:
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    folds, problems = _fold(path)
+    assert problems == []
+    assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
+    assert all(f.events[0]["seq"] == f.seq for f in folds)
+    assert len({f.pid for f in folds}) == 2  # some folded by the helper, some here
+
+
+def test_a_fold_that_does_not_pickle_runs_here(tmp_path: Path, small_pieces: None) -> None:
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    folds, problems = _fold(path, lambda seq: _Collect(seq))
+    assert problems == []
+    assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
+    assert {f.pid for f in folds} == {os.getpid()}
+
+
+def test_a_helper_that_dies_while_folding_changes_nothing(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "_serve", _dead_helper)
+    path = write(tmp_path / "a.tar.gz")
+    _, lines = members(path)
+    folds, problems = _fold(path)
+    assert problems == []
+    assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_bundles_fail_the_same_when_folded(
+    case: str, valid: tuple[dict[str, Any], list[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, _ = HOSTILE[case]
+    manifest, lines = valid
+    path = make(tmp_path / f"{case}.tar.gz", dict(manifest), list(lines))
+    with monkeypatch.context() as m:
+        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        expected = _read(path)[1]
+    monkeypatch.setattr(reader, "_CHUNK", 200)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    assert _fold(path)[1] == expected
+    assert multiprocessing.active_children() == []
