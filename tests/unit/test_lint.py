@@ -240,7 +240,9 @@ def test_run_without_finished_event_is_flagged() -> None:
     assert [f.rule.code for f in linter.findings()] == ["EV007"]
 
 
-def test_lint_on_two_cpus_finds_exactly_what_one_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lint_on_two_cpus_finds_exactly_what_one_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rules run in the reader's folds, some in its helper process: findings seen in several
     pieces are counted once each, the first kept; the clock rule compares across pieces; the cap on
     distinct findings drops the same ones."""
