@@ -29,6 +29,7 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -36,6 +37,7 @@ import queue
 import re
 import signal
 import stat
+import struct
 import threading
 import zlib
 from collections.abc import Callable, Generator, Iterator
@@ -59,7 +61,7 @@ _READ = 1 << 18  # compressed bytes read at a time
 _CHUNK = 1 << 20  # decompressed bytes produced at a time (and about the size of a piece of events)
 _PARALLEL_MIN = 1 << 20  # compressed bytes: a smaller bundle is checked in this process alone
 _IN_FLIGHT = 4  # pieces with the helper process, not answered yet
-_AHEAD = 8  # pieces read ahead of the consumer (bounds the memory)
+_AHEAD = 12  # pieces read ahead of the consumer (bounds the memory)
 _TRAILER_ZEROS = 64 * 1024  # zero bytes allowed after the tar end-of-archive marker (record padding)
 _ENVELOPE_KEYS = frozenset(
     ("specversion", "id", "source", "type", "subject", "time", "datacontenttype", "runid", "seq", "data")
@@ -482,6 +484,8 @@ Start = Callable[[int], Fold]  # the fold for the events from seq on
 def _check_piece(lines: list[bytes], seq: int, ctx: _Context, start: Start | None) -> _Answer | None:
     """The fast path over all of `lines`, folding the events into start(seq) when given: the answer
     if every event passed, else None (the careful path then says why)."""
+    if lines and max(map(len, lines)) > ctx.line:
+        return None
     passed = _Passed()
     events = _fast(lines, seq, ctx, passed)
     folded = None
@@ -498,9 +502,9 @@ def _check_piece(lines: list[bytes], seq: int, ctx: _Context, start: Start | Non
 # --- a second core -------------------------------------------------------------------------------
 
 
-def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection]) -> None:
+def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection], shared: mmap.mmap) -> None:
     """The helper process: runs the fast path (and the fold, if any) on the pieces it is sent,
-    answers each in order."""
+    answers each in order. A piece's bytes are in `shared`; the pipe says where."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and closes the pipes
     for end in parent_ends:
         end.close()
@@ -508,47 +512,53 @@ def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection])
         ctx = _Context(*orjson.loads(inbox.recv_bytes()))  # run_id, source, line, labels
         start = pickle.loads(inbox.recv_bytes())  # noqa: S301 - our parent's own object, not the bundle's
         while True:
-            seq = int.from_bytes(inbox.recv_bytes(), "little")
-            lines = inbox.recv_bytes().split(b"\n")
+            seq, offset, size = _WHERE.unpack(inbox.recv_bytes())
+            lines = shared[offset : offset + size].split(b"\n")
             lines.pop()
             outbox.send((seq, _check_piece(lines, seq, ctx, start)))
     except (EOFError, OSError):  # the parent is done, or gone
         return
 
 
+_ANSWERS_PIPE = 1 << 20  # bytes: an answer carries a piece's content hashes (about 100 KiB)
+_WHERE = struct.Struct("<QQQ")  # a piece for the helper: its seq, its offset and size in the shared map
+
+
 class _Helper:
     """A forked process that runs the fast path over some of the pieces, on another CPU. Only an
     accelerator: the parent keeps every piece it hands over and checks it itself if the helper
-    fails in any way. A thread sends the pieces, so that this process never waits for the helper
-    to read one (the helper may be waiting for this one to take its answer)."""
+    fails in any way.
+
+    A piece travels through a memory map shared with the helper (a slot per piece in flight), and
+    the pipe carries only where it is: copying a gigabyte through a pipe costs more CPU than
+    checking a good part of it. The messages to the helper are that small and there are at most
+    _IN_FLIGHT of them unread, so sending never waits for the helper (which may be waiting for this
+    process to take an answer)."""
 
     def __init__(self) -> None:
+        self._slot = _CHUNK + fmt.MAX_LINE  # a piece is at most a chunk and the rest of a line
+        self._shared = mmap.mmap(-1, self._slot * _IN_FLIGHT)  # shared with the child after fork
+        self._free = list(range(_IN_FLIGHT))
         mp = multiprocessing.get_context("fork")
         inbox, self._send = mp.Pipe(duplex=False)
         self._recv, outbox = mp.Pipe(duplex=False)
         self._proc = mp.Process(
             target=_serve,
-            args=(inbox, outbox, [self._send, self._recv]),
+            args=(inbox, outbox, [self._send, self._recv], self._shared),
             name="bundle-verify",
             daemon=True,
         )
+        try:  # room for every answer in flight, so that the helper never waits for this process
+            import fcntl  # noqa: PLC0415 - POSIX only; the reader also runs where there is none
+
+            fcntl.fcntl(self._recv.fileno(), fcntl.F_SETPIPE_SZ, _ANSWERS_PIPE)
+        except (ImportError, OSError, AttributeError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+            pass
         self._proc.start()
         inbox.close()
         outbox.close()
-        self._outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_all, name="bundle-verify-send", daemon=True)
-        self._sender.start()
-        self.in_flight: collections.deque[_Piece] = collections.deque()
+        self.in_flight: collections.deque[tuple[_Piece, int]] = collections.deque()  # with its slot
         self.broken = False
-
-    def _send_all(self) -> None:
-        try:
-            while (message := self._outgoing.get()) is not None:
-                self._send.send_bytes(message)
-        except OSError:  # the helper is gone: wait() finds out
-            pass
-        finally:
-            self._send.close()
 
     @staticmethod
     def usable() -> bool:
@@ -560,17 +570,34 @@ class _Helper:
             cpus >= 2 and "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
         )
 
+    def _message(self, message: bytes) -> bool:
+        try:
+            self._send.send_bytes(message)
+        except OSError:  # the helper is gone
+            self._fail()
+            return False
+        return True
+
     def start(self, ctx: _Context, start: bytes) -> None:
         """What the helper checks against (sent once the manifest is known), and the pickled
         start of the fold it runs (a pickled None: none)."""
-        self._outgoing.put(orjson.dumps([ctx.run_id, ctx.source, ctx.line, ctx.labels]))
-        self._outgoing.put(start)
+        if self._message(orjson.dumps([ctx.run_id, ctx.source, ctx.line, ctx.labels])):
+            self._message(start)
+
+    def takes(self, piece: _Piece) -> bool:
+        """Whether the helper can take this piece now."""
+        return bool(self._free) and not self.broken and piece.fatal is None and len(piece.data) <= self._slot
 
     def submit(self, piece: _Piece) -> None:
-        self._outgoing.put(piece.seq.to_bytes(8, "little"))
-        self._outgoing.put(piece.data)
-        piece.remote = True
-        self.in_flight.append(piece)
+        slot = self._free.pop()
+        offset = slot * self._slot
+        self._shared[offset : offset + len(piece.data)] = piece.data
+        if self._message(_WHERE.pack(piece.seq, offset, len(piece.data))):
+            piece.remote = True
+            piece.drop_lines()  # the helper has its own, and this process may never need them
+            self.in_flight.append((piece, slot))
+        else:
+            self._free.append(slot)
 
     def collect(self) -> None:
         """Takes in the answers that have come."""
@@ -584,12 +611,13 @@ class _Helper:
                 if not self._proc.is_alive():
                     raise EOFError
             seq, result = self._recv.recv()
-            if seq != self.in_flight[0].seq:
+            if seq != self.in_flight[0][0].seq:
                 raise EOFError
-        except (EOFError, OSError, IndexError, TypeError, ValueError):
+        except (EOFError, OSError, IndexError, TypeError, ValueError, pickle.UnpicklingError):
             self._fail()
             return
-        piece = self.in_flight.popleft()
+        piece, slot = self.in_flight.popleft()
+        self._free.append(slot)
         piece.remote = False
         piece.checked = True
         piece.answer = result
@@ -599,20 +627,20 @@ class _Helper:
         if not self.broken:
             logger.debug("bundle-verify helper failed; checking in this process")
         self.broken = True
-        for piece in self.in_flight:
+        for piece, _ in self.in_flight:
             piece.remote = False
         self.in_flight.clear()
         self.close()
 
     def close(self) -> None:
         self.broken = True
-        self._outgoing.put(None)  # the sender closes its end: the helper ends when it has read all
+        self._send.close()  # the helper ends when it has read all
         self._recv.close()  # and a helper blocked answering gets EPIPE
-        self._sender.join(2.0)
         self._proc.join(2.0)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
+        self._shared.close()
 
 
 @dataclasses.dataclass
@@ -620,12 +648,22 @@ class _Piece:
     """Whole lines of events.ndjson (or a problem found while reading them), on their way."""
 
     data: bytes
-    lines: list[bytes]
     seq: int  # line number of the first line (0-based)
     fatal: _Fatal | None = None
     remote: bool = False  # with the helper, not answered yet
     checked: bool = False  # the fast path has run over it (in the helper or here)
     answer: _Answer | None = None  # the fast path's, if all lines passed
+    _lines: list[bytes] | None = None
+
+    @property
+    def lines(self) -> list[bytes]:
+        if self._lines is None:
+            self._lines = self.data.split(b"\n")
+            self._lines.pop()
+        return self._lines
+
+    def drop_lines(self) -> None:
+        self._lines = None
 
 
 # --- the verifier --------------------------------------------------------------------------------
@@ -884,21 +922,23 @@ class _Verifier:
             except StopIteration:
                 return None
             except _Fatal as e:
-                piece = _Piece(b"", [], lines_read, fatal=e)
+                piece = _Piece(b"", lines_read, fatal=e)
                 pieces = iter(())
             else:
-                lines = data.split(b"\n")
-                lines.pop()
-                piece = _Piece(data, lines, lines_read)
-                lines_read += len(lines)
+                piece = _Piece(data, lines_read)
+                lines_read += len(piece.lines)  # (bytes.count is slower than split)
             pending.append(piece)
             return piece
 
         while True:
             if helper is not None and not helper.broken and self._fast():
                 helper.collect()
-                while len(pending) < _AHEAD and (piece := take()) is not None:
-                    if len(helper.in_flight) < _IN_FLIGHT and piece.fatal is None:
+                while len(pending) < _AHEAD and take() is not None:
+                    pass
+                for piece in pending:  # the helper is kept busy: this process has more to do
+                    if len(helper.in_flight) >= _IN_FLIGHT:
+                        break
+                    if not piece.remote and not piece.checked and helper.takes(piece):
                         helper.submit(piece)
             if not pending and take() is None:
                 break
@@ -908,7 +948,6 @@ class _Verifier:
                 if ahead is not None:  # rather than wait for the helper
                     ahead.answer = _check_piece(ahead.lines, ahead.seq, ctx, start)
                     ahead.checked = True
-                    ahead.data = b""
                     continue
             pending.popleft()
             while piece.remote:
@@ -916,21 +955,24 @@ class _Verifier:
                 helper.wait()
             if piece.fatal is not None:
                 raise piece.fatal
+            if self._fast() and piece.answer is not None:  # every event passed the fast path
+                root, counts, folded = piece.answer
+                n = sum(counts.values())
+                if self.seq + n > self.limits.events:
+                    raise _Fatal(f"{fmt.EVENTS_NAME}: more than {self.limits.events} events")
+                self.root.update(root)
+                self._count(counts)
+                self.seq += n
+                if start is None:
+                    yield from map(orjson.loads, piece.lines)
+                else:
+                    yield folded
+                continue
             lines = piece.lines
             if lines and max(map(len, lines)) > self.limits.line:
                 raise _Fatal(f"{fmt.EVENTS_NAME}: a line is longer than {self.limits.line} bytes")
             if self.seq + len(lines) > self.limits.events:
                 raise _Fatal(f"{fmt.EVENTS_NAME}: more than {self.limits.events} events")
-            if self._fast() and piece.answer is not None:  # every event passed the fast path
-                root, counts, folded = piece.answer
-                self.root.update(root)
-                self._count(counts)
-                self.seq += len(lines)
-                if start is None:
-                    yield from map(orjson.loads, lines)
-                else:
-                    yield folded
-                continue
             events = self._checked(lines, ctx)
             if start is None:
                 yield from events

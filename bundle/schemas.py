@@ -200,14 +200,14 @@ def _expr(ann: Any, var: str, depth: int = 0) -> str:
         return "(" + " or ".join(_expr(a, var, depth) for a in get_args(ann)) + ")"
     item = f"_x{depth}"
     if origin is list and get_args(ann)[0] in (str, int, bool):  # the common case, made fast
-        return f"(type({var}) is list and set(map(type, {var})) <= {{{get_args(ann)[0].__name__}}})"
+        return f"(type({var}) is list and ONLY_{get_args(ann)[0].__name__}.issuperset(map(type, {var})))"
     if (
         origin is list
         and get_origin(get_args(ann)[0]) is Literal
         and all(type(a) is str for a in get_args(get_args(ann)[0]))
     ):  # a list of string literals: all strings (hence hashable), and each one of the literals
-        allowed = ", ".join(repr(a) for a in get_args(get_args(ann)[0]))
-        return f"(type({var}) is list and set(map(type, {var})) <= {{str}} and set({var}) <= {{{allowed}}})"
+        name = _constant(frozenset(get_args(get_args(ann)[0])))
+        return f"(type({var}) is list and ONLY_str.issuperset(map(type, {var})) and {name}.issuperset({var}))"
     if origin is list:
         inner = _expr(get_args(ann)[0], item, depth + 1)
         return f"(type({var}) is list and all({inner} for {item} in {var}))"
@@ -221,6 +221,24 @@ def _expr(ann: Any, var: str, depth: int = 0) -> str:
             f"and all({inner} for {item} in {var}.values()))"
         )
     raise TypeError(f"no fast check for {ann!r}")
+
+
+# constants the generated checks name (frozensets built once, not on every call)
+_CONSTANTS: dict[str, Any] = {
+    "ONLY_str": frozenset((str,)),
+    "ONLY_int": frozenset((int,)),
+    "ONLY_bool": frozenset((bool,)),
+}
+
+
+def _constant(value: frozenset[Any]) -> str:
+    """The name under which the generated checks see `value`."""
+    for name, known in _CONSTANTS.items():
+        if known == value:
+            return name
+    name = f"CONST_{len(_CONSTANTS)}"
+    _CONSTANTS[name] = value
+    return name
 
 
 MAX_SHAPES = 64  # key tuples remembered per checker (a hostile bundle may show any number)
@@ -307,7 +325,7 @@ def compile_checker(model: type[BaseModel]) -> Checker:
                     known_time = var[k]
             unpack = f"    ({', '.join(names)},) = d.values()\n" if names else ""
             src = f"def valid(d):\n{unpack}    return {' and '.join(terms) or 'True'}\n"
-            ns = {"TIME": namespace["TIME"]}
+            ns = {"TIME": namespace["TIME"], **_CONSTANTS}
             exec(compile(src, f"<check {model.__name__} {shape!r}>", "exec"), ns)  # noqa: S102
             valid = ns["valid"]
         if len(shapes) < MAX_SHAPES:
@@ -316,6 +334,7 @@ def compile_checker(model: type[BaseModel]) -> Checker:
 
     namespace["SHAPES"] = shapes
     namespace["learn"] = learn
+    namespace.update(_CONSTANTS)
     exec(compile("\n".join(lines), f"<check {model.__name__}>", "exec"), namespace)  # noqa: S102
     checker: Checker = namespace["check"]
     return checker
