@@ -185,13 +185,17 @@ class Linter:
                 self.dropped += f.count
             else:
                 found[k] = f
-        high = self.max_time
-        for i, t in enumerate(part.times):
-            if t >= high:  # canonical times are fixed width: text order is time order
-                high = t
-            else:
-                self._clock(part.seq + i, high, t)
-        self.max_time = high
+        low, last, ordered, times = part.clock()
+        if ordered and low >= self.max_time:  # the common case: nothing in it goes back
+            self.max_time = max(self.max_time, last)
+        else:
+            high = self.max_time
+            for i, t in enumerate(times()):
+                if t >= high:  # canonical times are fixed width: text order is time order
+                    high = t
+                else:
+                    self._clock(part.seq + i, high, t)
+            self.max_time = high
         self.finished = self.finished or part.finished
         self.lost_events += part.lost_events
         if part.cut_short:
@@ -296,7 +300,24 @@ class _Part:
         }
 
     def __getstate__(self) -> dict[str, Any]:  # what goes back from the helper: the results
-        return {k: v for k, v in self.__dict__.items() if k not in ("rules", "_dispatch")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("rules", "_dispatch", "times")}
+        low, last, ordered, _ = self.clock()
+        state["times"] = []
+        state["_clock"] = (low, last, ordered, "\n".join(self.times))  # one string pickles fast
+        return state
+
+    def clock(self) -> tuple[str, str, bool, Callable[[], list[str]]]:
+        """(earliest time, latest time, whether the times are in order, the times): what the clock
+        rule needs. Only a part whose times are out of order, or that starts before the parts
+        before it ended, needs its times one by one."""
+        known = self.__dict__.get("_clock")
+        if known is not None:
+            low, last, ordered, joined = known
+            return low, last, ordered, lambda: joined.split("\n") if joined else []
+        times = self.times
+        if not times:
+            return "", "", True, lambda: times
+        return min(times), max(times), times == sorted(times), lambda: times
 
     def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
         k = (code, key)

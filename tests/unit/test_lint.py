@@ -240,8 +240,9 @@ def test_run_without_finished_event_is_flagged() -> None:
     assert [f.rule.code for f in linter.findings()] == ["EV007"]
 
 
+@pytest.mark.parametrize("chunk", [300, 2000])  # pieces of one line, of a few
 def test_lint_on_two_cpus_finds_exactly_what_one_finds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    chunk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rules run in the reader's folds, some in its helper process: findings seen in several
     pieces are counted once each, the first kept; the clock rule compares across pieces; the cap on
@@ -251,13 +252,14 @@ def test_lint_on_two_cpus_finds_exactly_what_one_finds(
         recs.append(open_(10_000 + i * 100, f"/etc/conf{i % 7}", ["write"]))  # EV004, 7 distinct
         recs.append(exec_(10_050 + i * 100, 300 + i, 101, "/usr/bin/x", ["x", f"--token=abc{i % 3}def"]))
     recs.append(open_(20_000, WS + "/late", ["read"]))
-    recs.append(open_(-3_000_000_000, WS + "/early", ["read"]))  # EV008, across pieces from the last
+    recs.append(open_(-3_000_000_000, WS + "/early", ["read"]))  # EV008
+    recs.append(open_(-2_000_000_000, WS + "/early2", ["read"]))  # the same, within a piece or across
     path = write(tmp_path / "a.tar.gz", recs)
     monkeypatch.setattr(lint, "MAX_FINDINGS", 5)
     with monkeypatch.context() as m:
         m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
         _, one, dropped_one = lint.lint(str(path))
-    monkeypatch.setattr(reader, "_CHUNK", 300)
+    monkeypatch.setattr(reader, "_CHUNK", chunk)
     monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
     monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
     _, two, dropped_two = lint.lint(str(path))
