@@ -168,24 +168,20 @@ def _fmt_counts(v: list[int]) -> str:
 
 
 def _compare_simple(kind: str, a: dict[Any, list[int]], b: dict[Any, list[int]], show: Any) -> list[Change]:
-    out = []
-    for key in sorted(b.keys() - a.keys(), key=repr):
-        out.append(Change(kind, "added", show(key), _fmt_counts(b[key])))
-    for key in sorted(a.keys() - b.keys(), key=repr):
-        out.append(Change(kind, "removed", show(key), _fmt_counts(a[key])))
-    for key in sorted(a.keys() & b.keys(), key=repr):
-        va, vb = a[key], b[key]
-        if va[1] > 0 and vb[1] == 0:
-            out.append(
-                Change(
-                    kind,
-                    "changed",
-                    show(key),
-                    f"succeeded before, now fails ({_fmt_counts(va)} -> {_fmt_counts(vb)})",
-                )
-            )
+    removed, changed = [], []
+    for key, va in a.items():  # one pass over each side: no key sets, only the differences sorted
+        vb = b.get(key)
+        if vb is None:
+            removed.append(key)
+        elif va[1] > 0 and vb[1] == 0:
+            changed.append((key, f"succeeded before, now fails ({_fmt_counts(va)} -> {_fmt_counts(vb)})"))
         elif va[0] != vb[0]:
-            out.append(Change(kind, "changed", show(key), f"count {va[0]} -> {vb[0]}"))
+            changed.append((key, f"count {va[0]} -> {vb[0]}"))
+    added = [key for key in b if key not in a]
+    out = [Change(kind, "added", show(k), _fmt_counts(b[k])) for k in sorted(added, key=repr)]
+    out += [Change(kind, "removed", show(k), _fmt_counts(a[k])) for k in sorted(removed, key=repr)]
+    changed.sort(key=lambda kd: repr(kd[0]))
+    out += [Change(kind, "changed", show(k), detail) for k, detail in changed]
     return out
 
 
