@@ -22,56 +22,106 @@ MAX_TRACKED = 100_000  # distinct processes / paths / destinations kept in memor
 
 @dataclasses.dataclass
 class Summary:
+    """What show reports. As a fold (reader.Bundle.fold) it sums up a piece of the events, and
+    `take` adds the pieces that follow, in order: a capped section keeps the entries first seen in
+    the whole run, whichever process summed up which piece."""
+
     manifest: dict[str, Any]
+    seq: int = 0
     started: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
-    procs: dict[int, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # pid -> execs
-    files: dict[str, dict[str, list[Any]]] = dataclasses.field(
+    procs: dict[int, list[Exec]] = dataclasses.field(default_factory=dict)  # pid -> its execs
+    files: dict[str, dict[str, list[int]]] = dataclasses.field(
         default_factory=dict
-    )  # class -> path -> [count, failure]
-    network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
-    denials: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    )  # class -> path -> [count]
+    network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # dest -> [count, exe]
+    denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     degradations: list[str] = dataclasses.field(default_factory=list)
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
     untracked: int = 0
 
+    def part(self, seq: int) -> Summary:
+        """An empty summary of the events from `seq` on (what Bundle.fold folds into)."""
+        return Summary({}, seq)
 
-def summarise(path: str) -> Summary:
-    bundle = reader.open_bundle(path)
-    s = Summary(bundle.manifest)
-    for ev in bundle.events():
+    def feed(self, ev: dict[str, Any]) -> None:
         t, d = ev["type"], ev["data"]
-        if t == fmt.PROCESS_EXEC:
-            if d["pid"] in s.procs or len(s.procs) < MAX_TRACKED:
-                s.procs.setdefault(d["pid"], []).append(d)
-            else:
-                s.untracked += 1
-        elif t == fmt.FILE_OPEN:
+        if t == fmt.FILE_OPEN:
             failed = d["result"] != 0
             klass = "failed" if failed else "+".join(sorted(set(d["access"]) - {"read"})) or "read"
-            group = s.files.setdefault(klass, {})
+            group = self.files.get(klass)
+            if group is None:
+                group = self.files[klass] = {}
             key = f"{d['path']} ({d['result']})" if failed else d["path"]
-            if key in group or len(group) < MAX_TRACKED:
-                group.setdefault(key, [0])[0] += d.get("count", 1)
+            entry = group.get(key)
+            if entry is None:
+                group[key] = [d.get("count", 1)]
             else:
-                s.untracked += 1
+                entry[0] += d.get("count", 1)
+        elif t == fmt.PROCESS_EXEC:
+            self.procs.setdefault(d["pid"], []).append(
+                (d["ppid"], _argv(d["argv"]) or d["filename"], d["result"])
+            )
         elif t == fmt.NETWORK_CONNECT:
             dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
-            if dest in s.network or len(s.network) < MAX_TRACKED:
-                s.network.setdefault(dest, [0, d.get("exe")])[0] += d.get("count", 1)
+            self.network.setdefault(dest, [0, d.get("exe")])[0] += d.get("count", 1)
         elif t == fmt.POLICY_DENIAL:
             how = "denied" if d["enforced"] else "would deny"
             key = f"{how} {d['operation']} {d['target']} (rule {d['rule']}, by {d.get('exe') or '?'})"
-            if key in s.denials or len(s.denials) < MAX_TRACKED:
-                s.denials.setdefault(key, [0])[0] += d.get("count", 1)
+            self.denials.setdefault(key, [0])[0] += d.get("count", 1)
         elif t == fmt.LOSS:
-            s.lost[d["kind"]] = s.lost.get(d["kind"], 0) + d["count"]
+            self.lost[d["kind"]] = self.lost.get(d["kind"], 0) + d["count"]
         elif t == fmt.DEGRADATION:
-            s.degradations.append(f"{d['component']}: {d['reason']} (impact: {d['impact']})")
+            self.degradations.append(f"{d['component']}: {d['reason']} (impact: {d['impact']})")
         elif t == fmt.RUN_STARTED:
-            s.started = d
+            self.started = d
         elif t == fmt.RUN_FINISHED:
-            s.finished = d
+            self.finished = d
+
+    def take(self, part: Summary) -> None:
+        """Adds the summary of the events that come next."""
+        for pid, execs in part.procs.items():
+            mine = self.procs.get(pid)
+            if mine is not None:
+                mine += execs
+            elif len(self.procs) < MAX_TRACKED:
+                self.procs[pid] = execs
+            else:
+                self.untracked += len(execs)
+        for klass, group in part.files.items():
+            self.untracked += _add_counts(self.files.setdefault(klass, {}), group)
+        self.untracked += _add_counts(self.network, part.network)
+        self.untracked += _add_counts(self.denials, part.denials)
+        for kind, n in part.lost.items():
+            self.lost[kind] = self.lost.get(kind, 0) + n
+        self.degradations += part.degradations
+        self.started = part.started or self.started
+        self.finished = part.finished or self.finished
+
+
+Exec = tuple[int, str, Any]  # (ppid, command line as shown, result)
+
+
+def _add_counts(mine: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> int:
+    """Adds their [count, ...] entries to mine (at most MAX_TRACKED keys); the count not kept."""
+    dropped = 0
+    for key, entry in theirs.items():
+        have = mine.get(key)
+        if have is not None:
+            have[0] += entry[0]
+        elif len(mine) < MAX_TRACKED:
+            mine[key] = entry
+        else:
+            dropped += entry[0]
+    return dropped
+
+
+def summarise(path: str) -> Summary:
+    """Verify the bundle and sum it up (raises reader.VerificationError)."""
+    bundle = reader.open_bundle(path)
+    s = Summary(bundle.manifest)
+    for part in bundle.fold(s.part):
+        s.take(part)
     return s
 
 
@@ -93,8 +143,8 @@ def _tree(s: Summary, limit: int) -> list[str]:
     """The process tree, drawn iteratively (no recursion: depth is attacker-controlled)."""
     children: dict[int, list[int]] = {}
     for pid, execs in s.procs.items():
-        children.setdefault(execs[0]["ppid"], []).append(pid)
-    roots = sorted(pid for pid, execs in s.procs.items() if execs[0]["ppid"] not in s.procs)
+        children.setdefault(execs[0][0], []).append(pid)
+    roots = sorted(pid for pid, execs in s.procs.items() if execs[0][0] not in s.procs)
     roots += sorted(set(s.procs) - set(roots) - {k for v in children.values() for k in v})
     out: list[str] = []
     seen: set[int] = set()
@@ -108,10 +158,10 @@ def _tree(s: Summary, limit: int) -> list[str]:
             continue
         seen.add(pid)
         branch = "" if top else ("`- " if last else "|- ")
-        for i, d in enumerate(s.procs[pid]):
-            status = "" if d["result"] == 0 else f"  [failed: {d['result']}]"
+        for i, (_, shown, result) in enumerate(s.procs[pid]):
+            status = "" if result == 0 else f"  [failed: {result}]"
             lead = prefix + branch if i == 0 else prefix + ("   " if last or top else "|  ") + "-> exec "
-            out.append(f"{lead}{pid} {_argv(d['argv']) or d['filename']}{status}")
+            out.append(f"{lead}{pid} {shown}{status}")
         kids = sorted(children.get(pid, []))
         inner = prefix if top else prefix + ("   " if last else "|  ")
         if len(inner) > 2 + 3 * MAX_INDENT:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from bundle import reader, show
 from evidence.cli import main
-from tests.unit.conftest_bundles import WS, denial, exec_, records, write
+from tests.unit.conftest_bundles import WS, denial, exec_, open_, records, write
 
 
 def test_show_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,3 +61,27 @@ def test_show_deep_process_chain(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "1000 sh 0" in out and "5999 sh 4999" in out
     assert max(len(line) for line in out.splitlines()) < 200
+
+
+def test_show_on_two_cpus_says_what_one_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """show sums up pieces of the run in the reader's helper process too: the pieces add up in
+    order, the entries kept under the cap are the first seen in the run."""
+    recs = [*records()]
+    for i in range(40):
+        recs.append(exec_(9000 + i * 10, 300 + i % 9, 101, "/bin/true", ["true", str(i)]))
+        recs.append(open_(9005 + i * 10, f"{WS}/f{i % 11}", ["read"]))
+        recs.append(denial(9006 + i * 10, f"/etc/x{i % 5}"))
+    path = write(tmp_path / "a.tar.gz", recs, lost={"ringbuf": 3})
+    monkeypatch.setattr(show, "MAX_TRACKED", 4)
+    with monkeypatch.context() as m:
+        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        assert main(["show", "--limit", "0", str(path)]) == 0
+        one = capsys.readouterr().out
+    monkeypatch.setattr(reader, "_CHUNK", 700)
+    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    assert main(["show", "--limit", "0", str(path)]) == 0
+    assert capsys.readouterr().out == one
+    assert "events beyond 4 distinct entries" in one
