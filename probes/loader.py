@@ -66,7 +66,7 @@ class RecorderProbes:
 
         self.config = config or detect_config()
         self.source = render(self.config)
-        self.bpf = BPF(text=self.source)
+        self.bpf = BPF(text=self.source.encode())
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
