@@ -82,6 +82,7 @@ def test_hostile_bundles_give_the_same_problems(
     monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
     monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
     assert _read(path) == one_pass
+    assert _fold(path)[1] == one_pass[1]  # folding, the same problems
     assert multiprocessing.active_children() == []
 
 
@@ -96,6 +97,9 @@ def test_a_helper_that_dies_changes_nothing(
     path = write(tmp_path / "a.tar.gz")
     _, lines = members(path)
     assert _read(path) == ([orjson.loads(x) for x in lines], [])
+    folds, problems = _fold(path)  # and folding
+    assert problems == []
+    assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
 
 
 def test_stopping_early_ends_the_helper(tmp_path: Path, small_pieces: None) -> None:
@@ -248,31 +252,3 @@ def test_a_fold_that_does_not_pickle_runs_here(tmp_path: Path, small_pieces: Non
     assert problems == []
     assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
     assert {f.pid for f in folds} == {os.getpid()}
-
-
-def test_a_helper_that_dies_while_folding_changes_nothing(
-    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(reader, "_serve", _dead_helper)
-    path = write(tmp_path / "a.tar.gz")
-    _, lines = members(path)
-    folds, problems = _fold(path)
-    assert problems == []
-    assert [ev for f in folds for ev in f.events] == [orjson.loads(x) for x in lines]
-
-
-@pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_bundles_fail_the_same_when_folded(
-    case: str, valid: tuple[dict[str, Any], list[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    make, _ = HOSTILE[case]
-    manifest, lines = valid
-    path = make(tmp_path / f"{case}.tar.gz", dict(manifest), list(lines))
-    with monkeypatch.context() as m:
-        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
-        expected = _read(path)[1]
-    monkeypatch.setattr(reader, "_CHUNK", 200)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
-    assert _fold(path)[1] == expected
-    assert multiprocessing.active_children() == []
