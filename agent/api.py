@@ -18,9 +18,10 @@ while `allow_root` is on (root could read the bundle directory and the kernel's 
 Anyone else gets 403 and nothing is done for them.
 
 Isolated runs (`evidence run --agent`): the client forks its command, which waits before exec; it
-asks for `isolate_pid`. The agent makes a fresh cgroup under `<cgroup mount>/evidence/`, starts
-tracking it, then moves that process in, so the run holds the command from its first instruction and
-nothing else of the client's. Only a process the peer owns may be moved: root, or a peer whose uid
+asks for `isolate_pid`. The agent makes a fresh cgroup below the process's own (so the job's cgroup
+limits keep applying; `<cgroup mount>/evidence/` when that cannot be), starts tracking it, then moves
+that process in, so the run holds the command from its first instruction and nothing else of the
+client's. A process already recorded by a run is refused (409): moving it would hide it from that run. Only a process the peer owns may be moved: root, or a peer whose uid
 is the process's real, effective, saved and filesystem uid (the rule ptrace uses); anything else is
 403. A peer in a child pid namespace names the pid as it sees it: the agent looks for it among the
 peer's own children. Finishing an isolated run kills what is left in its cgroup and removes it; the
@@ -136,8 +137,9 @@ class Backend(Protocol):
         detail: str = "summary",
         pidfd: int | None = None,
     ) -> RunInfo:
-        """Make a cgroup under mount/evidence/, start recording it, then move `pid` into it
-        (the caller checked the peer owns it; `pidfd` tells whether it is still the same process)."""
+        """Make a cgroup below the one `pid` is in (else under mount/evidence/), start recording it,
+        then move `pid` into it (the caller checked the peer owns it; `pidfd` tells whether it is
+        still the same process). RunConflict when a run already records the process."""
         ...
 
     def finish(

@@ -45,7 +45,7 @@ from agent import k8s
 from agent import metrics as m
 from agent.api import NotReady, RunConflict, RunInfo, UnknownRun
 from agent.inventory import cgroup_pids, read_process, take_inventory
-from evidence.errors import UsageError
+from evidence.errors import SetupError, UsageError
 
 if TYPE_CHECKING:
     from agent.cgroups import RunCgroup
@@ -418,12 +418,31 @@ class RecorderBackend:
     ) -> RunInfo:
         """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
         tracked first, then the process is moved in, so nothing it does from then on is missed.
-        The caller (agent/api.py claim_pid) has checked that the peer owns the process."""
-        from agent.cgroups import RunCgroup
+        The caller (agent/api.py claim_pid) has checked that the peer owns the process.
+
+        The cgroup is made below the one the process is in (evidence-<session>), so that the
+        limits of the client's cgroup (a CI job's, a pod's) keep applying to the command; when it
+        cannot go there, under <mount>/evidence/, and the run says so with a degradation event. A
+        process that a run already records is refused: a run of its own would take it out of
+        that recording."""
+        from agent.cgroups import RunCgroup, isolation_home
 
         self._require_recorder()
         sid = uuid.uuid4().hex
-        cg = RunCgroup.create(sid, Path(mount))
+        home, why_not = isolation_home(pid, Path(mount))
+        if home is not None:
+            recorded = self._recording(home)
+            if recorded is not None:
+                raise RunConflict(
+                    f"process {pid} is already recorded, by run {recorded[1]} of {recorded[0]}",
+                    hint="a run of its own would take it out of that recording; use that run's bundle",
+                )
+            try:
+                cg = RunCgroup.create_in(home, f"evidence-{sid}")
+            except SetupError as e:
+                home, why_not = None, e.message
+        if home is None:
+            cg = RunCgroup.create(sid, Path(mount))
         try:
             run = self.start_run(
                 cg.path, labels, pid=pid, session_id=sid, detail=detail, command=list(command)
@@ -431,6 +450,14 @@ class RecorderBackend:
         except BaseException:
             cg.remove()
             raise
+        if why_not is not None:
+            run.session.degradations.append(
+                {
+                    "component": "cgroup",
+                    "reason": f"the run's cgroup could not be made below the client's: {why_not}",
+                    "impact": "the limits of the client's cgroup (memory, pids, cpu) did not apply to the command",
+                }
+            )
         run.cgroup = cg
         proc = read_process(pid)
         if proc is not None:
@@ -445,6 +472,15 @@ class RecorderBackend:
             raise UsageError(f"cannot move process {pid} into {cg.path}: {why}") from None
         logger.info("run %s: process %d moved into its own cgroup %s", sid, pid, cg.path)
         return run.info
+
+    def _recording(self, cgroup: Path) -> tuple[Path, str] | None:
+        """(cgroup, session) of the run that records `cgroup` (it or an ancestor), if any."""
+        with self._lock:
+            for r in self._runs.values():
+                path = r.session.cgroup_path
+                if path == cgroup or path in cgroup.parents:
+                    return path, r.session.session_id
+        return None
 
     def _abandon(self, run: _Run) -> None:
         """Finish a run that never got its process, and throw the bundle away."""

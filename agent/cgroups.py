@@ -49,6 +49,28 @@ def cgroup_of_pid(pid: int, mount: Path) -> Path:
     raise SetupError(f"process {pid} has no cgroup v2 membership")
 
 
+def isolation_home(pid: int, mount: Path) -> tuple[Path | None, str | None]:
+    """Where a cgroup made for process `pid` alone should go: below the cgroup the process is in,
+    so that the limits set there and above (memory, pids, cpu) go on applying to it. Returns
+    (that cgroup, None); (None, None) when the process is in the root cgroup (there are no limits
+    to keep); (None, why) when a cgroup below its own cannot hold it."""
+    try:
+        home = Path(os.path.normpath(cgroup_of_pid(pid, mount)))
+    except (OSError, SetupError) as e:
+        return None, f"the cgroup of process {pid} cannot be read: {getattr(e, 'strerror', None) or e}"
+    if home == mount:
+        return None, None
+    if mount not in home.parents:  # a path with '..': the process is outside our cgroup namespace
+        return None, f"the cgroup of process {pid} is outside this agent's view of the hierarchy"
+    try:
+        kind = (home / "cgroup.type").read_text().strip()
+    except OSError as e:
+        return None, f"the cgroup of process {pid} ({home}) cannot be read: {e.strerror}"
+    if kind != "domain":
+        return None, f"the cgroup of process {pid} ({home}) is {kind}: a process cannot move below it"
+    return home, None
+
+
 class RunCgroup:
     """A cgroup made for one run, below <mount>/evidence/."""
 
@@ -58,11 +80,20 @@ class RunCgroup:
 
     @classmethod
     def create(cls, name: str, mount: Path | None = None) -> RunCgroup:
+        """<mount>/evidence/<name>, made for a run."""
         mount = mount or find_cgroup2_mount()
         parent = mount / EVIDENCE_DIR
         try:
             parent.mkdir(exist_ok=True)
-            path = parent / name
+        except OSError as e:
+            raise SetupError(f"cannot create a cgroup under {parent}: {e.strerror}", "run as root") from e
+        return cls.create_in(parent, name)
+
+    @classmethod
+    def create_in(cls, parent: Path, name: str) -> RunCgroup:
+        """<parent>/<name>, made for a run (the parent exists)."""
+        path = parent / name
+        try:
             path.mkdir()
         except OSError as e:
             raise SetupError(f"cannot create a cgroup under {parent}: {e.strerror}", "run as root") from e

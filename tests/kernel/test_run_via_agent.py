@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from agent.cgroups import find_cgroup2_mount
 from tests.kernel.test_daemon import Agent
 from tests.kernel.util import of_type, read_bundle
 
@@ -248,3 +249,84 @@ def test_two_clients_at_once_each_get_only_their_own_events(agent: Agent, out: P
         assert not pids_in(events) & pids_in(bundles[other][1])
         assert run_cgroup(events) != run_cgroup(bundles[other][1])
     assert json.dumps(agent.client.runs()) == "[]"
+
+
+@pytest.fixture
+def job_cgroup() -> Iterator[Path]:
+    """A CI job's cgroup, made for the test (removed after, with anything left below it)."""
+    mount = find_cgroup2_mount()
+    job = mount / f"evidence-test-job-{os.getpid()}"
+    job.mkdir()
+    yield job
+    for sub in sorted(job.rglob("*"), key=lambda p: -len(p.parts)):
+        if sub.is_dir():
+            sub.rmdir()
+    job.rmdir()
+
+
+def _cgroup_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("0::"))
+
+
+def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
+    agent: Agent, out: Path, job_cgroup: Path
+) -> None:
+    mount = find_cgroup2_mount()
+
+    def enter_job() -> None:
+        (job_cgroup / "cgroup.procs").write_text("0")
+
+    bundle = out / "job.tar.gz"
+    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=enter_job)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr + agent.output()
+    # the command ran in a cgroup of its own below the job's: what limits the job limits it
+    rel = "/" + str(job_cgroup.relative_to(mount))
+    assert _cgroup_line(stdout).startswith(f"0::{rel}/evidence-"), stdout
+    manifest, events = read_bundle(bundle)
+    cg = run_cgroup(events)
+    assert cg.parent == job_cgroup and cg.name == f"evidence-{manifest['session_id']}"
+    assert not cg.exists() and job_cgroup.exists()  # the run's cgroup is gone, the job's stays
+    assert not of_type(events, "degradation")
+    assert [e["data"]["argv"] for e in of_type(events, "process.exec")] == [["/bin/cat", "/proc/self/cgroup"]]
+
+    # while a run records the job's cgroup, a run of its own is refused: it would take the command
+    # out of that recording
+    outer = agent.client.start(cgroup=str(job_cgroup))
+    try:
+        marker = out / "ran"
+        refused = client(
+            agent.socket, out / "r.tar.gz", "/usr/bin/touch", str(marker), cwd=out, preexec_fn=enter_job
+        )
+        _, stderr = refused.communicate(timeout=60)
+        assert refused.returncode == 2 and stderr.count("\n") == 1, stderr
+        assert f"is already recorded, by run {outer['session_id']}" in stderr, stderr
+        assert not marker.exists()
+    finally:
+        agent.client.finish(outer["session_id"])
+    assert [r["session_id"] for r in agent.client.runs()] == []
+
+
+def test_a_client_whose_cgroup_cannot_hold_the_command_gets_a_degradation(
+    agent: Agent, out: Path, job_cgroup: Path
+) -> None:
+    threaded = job_cgroup / "threads"
+    threaded.mkdir()
+    (threaded / "cgroup.type").write_text("threaded")  # a whole process may not move below it
+
+    def enter() -> None:
+        (threaded / "cgroup.procs").write_text("0")
+
+    bundle = out / "threaded.tar.gz"
+    proc = client(agent.socket, bundle, "/bin/true", cwd=out, preexec_fn=enter)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr + agent.output()
+    _, events = read_bundle(bundle)
+    assert run_cgroup(events).parent.name == "evidence"  # the agent's own place
+    (d,) = [e["data"] for e in of_type(events, "degradation")]
+    assert d["component"] == "cgroup" and "is threaded" in d["reason"] and "limits" in d["impact"]
+    lint = subprocess.run(
+        [sys.executable, "-m", "evidence", "lint", "--format", "json", str(bundle)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "EV002" in {f["rule"] for f in json.loads(lint.stdout)["findings"]}, lint.stdout
