@@ -994,10 +994,14 @@ class PodRuns:
             logger.info("pod %s: window %d in %s (sha256 %s)", pod.ref.pod_uid, pod.window, path, sha)
 
     def loop(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                self.poll()
-            except Exception:
-                logger.exception("kubernetes scan failed")
-            stop.wait(max(0.0, self.watcher.poll_interval - (time.monotonic() - started)))
+        """Scan, then wait for the next scan: poll_interval, or less when the tree changes."""
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    self.poll()
+                except Exception:
+                    logger.exception("kubernetes scan failed")
+                self.watcher.wait(max(0.0, self.watcher.poll_interval - (time.monotonic() - started)), stop)
+        finally:
+            self.watcher.close()

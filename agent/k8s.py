@@ -17,16 +17,20 @@ Namespace and pod name come from the kubelet's log directory /var/log/pods/<ns>_
 (neither a namespace nor a pod name may contain `_`), and a container's name from the
 /var/log/containers/<pod>_<ns>_<container>-<id>.log links.
 
-Everything here is pure apart from `scan_tree`, `pod_metadata`, `container_name` and `KubeWatcher`,
-which read directories they are given (tests pass a tree under tmp_path).
+Everything here is pure apart from `scan_tree`, `pod_metadata`, `container_name`, `DirWatch` and
+`KubeWatcher`, which read (and watch) directories they are given (tests pass a tree under tmp_path).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import re
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -237,31 +241,114 @@ def diff(before: dict[str, PodRef], after: dict[str, PodRef]) -> list[KubeEvent]
     return events
 
 
-class KubeWatcher:
-    """Polls the cgroup tree and reports pods and containers as they appear and go away.
+def watch_dirs(cgroup_root: Path, found: dict[str, PodRef]) -> set[Path]:
+    """The directories in which a pod or a container cgroup appears or goes away: cgroup_root,
+    the parents of kubepods roots, the kubepods roots, their QoS directories, and every pod's."""
+    dirs = {cgroup_root}
+    for kp in _kubepods_roots(cgroup_root):
+        dirs.add(kp)
+        dirs.add(kp.parent)
+        dirs.update(d for d in _subdirs(kp) if _QOS_DIR.match(d.name))
+    dirs.update(d for d in _subdirs(cgroup_root) if d.name.startswith("kubelet"))
+    dirs.update(cgroup_root / ref.pod_path for ref in found.values() if ref.container_id is None)
+    return dirs
 
-    Polling (default every 2 s) rather than inotify: cgroupfs does deliver IN_CREATE/IN_DELETE, but a
-    watch per directory across three levels is more state than a scan of a few hundred directories,
-    and a missed inotify event would silently lose a pod; a scan cannot. The first `poll()` reports
-    everything already there as appeared.
+
+# inotify(7)
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
+_IN_ONLYDIR = 0x01000000
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+
+
+class DirWatch:
+    """inotify on a set of directories: `wait` returns as soon as an entry is made or removed in
+    one of them. cgroupfs delivers these for mkdir and rmdir, which is how runtimes make and remove
+    pod and container cgroups. Only a trigger: where inotify is missing or full, waits just time out
+    (the periodic scan stays the ground truth)."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        try:
+            self._libc = ctypes.CDLL(None, use_errno=True)
+            fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        except (OSError, AttributeError) as e:
+            logger.warning("no inotify (%s): pods are found by the periodic scan only", e)
+            return
+        if fd < 0:
+            logger.warning(
+                "no inotify (%s): pods are found by the periodic scan only", os.strerror(ctypes.get_errno())
+            )
+            return
+        self._fd = fd
+
+    def watch(self, dirs: set[Path]) -> None:
+        """Watch these directories too (watching one again costs a system call and changes nothing;
+        a directory removed is no longer watched)."""
+        if self._fd < 0:
+            return
+        mask = _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_ONLYDIR
+        for d in dirs:
+            if self._libc.inotify_add_watch(self._fd, os.fsencode(d), mask) < 0:
+                err = ctypes.get_errno()
+                if err not in (errno.ENOENT, errno.ENOTDIR):  # gone meanwhile: nothing to watch
+                    logger.debug("cannot watch %s: %s", d, os.strerror(err))
+
+    def wait(self, timeout: float) -> bool:
+        """True as soon as something changed (the events are read and dropped), False at timeout."""
+        if self._fd < 0:
+            time.sleep(timeout)
+            return False
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return False
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._fd, 65536):
+                pass
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class KubeWatcher:
+    """Scans the cgroup tree and reports pods and containers as they appear and go away.
+
+    A scan of the tree (a few hundred directories) is the ground truth: a missed inotify event
+    cannot lose a pod. It runs every `poll_interval` seconds, and at once when inotify says that a
+    directory where pods or containers live gained or lost an entry (`wait`), so that a pod is
+    recorded from its start and a pod that lives less than the interval is not missed. The first
+    `poll()` reports everything already there as appeared.
     """
 
     def __init__(self, cgroup_root: str | Path, poll_interval: float = 2.0) -> None:
         self.cgroup_root = Path(cgroup_root)
         self.poll_interval = poll_interval
         self._known: dict[str, PodRef] = {}
+        self._dirs = DirWatch()
 
     @property
     def known(self) -> dict[str, PodRef]:
         return dict(self._known)
 
     def poll(self) -> list[KubeEvent]:
+        self._dirs.watch({self.cgroup_root})  # before the scan: what appears during it wakes the next
         current = scan_tree(self.cgroup_root)
+        self._dirs.watch(watch_dirs(self.cgroup_root, current))
         events = diff(self._known, current)
         self._known = current
         for ev in events:
             logger.debug("%s %s", ev.kind, ev.ref.path)
         return events
+
+    def wait(self, timeout: float, stop: threading.Event) -> None:
+        """Until the next scan is due: `timeout` seconds, a change in the tree, or `stop`."""
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._dirs.wait(min(left, 0.25)):
+                return
 
     def watch(self, stop: threading.Event) -> Iterator[KubeEvent]:
         """Yield events until `stop` is set; on stop, nothing more is reported (open runs are the
@@ -269,4 +356,7 @@ class KubeWatcher:
         while not stop.is_set():
             started = time.monotonic()
             yield from self.poll()
-            stop.wait(max(0.0, self.poll_interval - (time.monotonic() - started)))
+            self.wait(max(0.0, self.poll_interval - (time.monotonic() - started)), stop)
+
+    def close(self) -> None:
+        self._dirs.close()

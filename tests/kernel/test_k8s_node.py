@@ -272,3 +272,30 @@ def test_long_lived_pod_is_cut_into_chained_windows(node: Node) -> None:
         assert manifest["lost"]["total"] == 0
         previous = path
     assert cats == n  # no exec lost or counted twice across the cuts
+
+
+def test_a_pod_shorter_than_the_scan_interval_is_recorded_from_its_start(node: Node) -> None:
+    """inotify wakes the scan when a pod's cgroup is made or removed: with scans 60 s apart, a pod
+    that lives a second is still recorded, from its container's first exec, and its bundle is
+    written as soon as the kubelet removes it."""
+    agent = _agent(node, poll_interval="60")
+    try:
+        _wait("the first scan", lambda: agent.client.health().get("status") == "ready", agent=agent)
+        uid, pod = node.pod("ci", "job-7", "systemd")
+        # the kubelet makes the pod's cgroup, then its sandbox and containers: some time passes
+        # before the first container runs; the agent must be recording by then
+        _wait("the pod's run", lambda: uid in _pod_runs(agent), timeout=5.0, agent=agent)
+        _cid, proc = node.run_container(pod, {"/etc/job.txt": "J\n"}, "cat /etc/job.txt")
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0 and out == b"J\n", out
+        node.remove_pod(pod)
+        bundle = agent.bundles / f"ci_job-7_{uid}-1.tar.gz"
+        _wait("the pod's bundle", bundle.exists, timeout=5.0, agent=agent)
+    finally:
+        assert agent.stop() == 0, agent.output()
+    manifest, events = read_bundle(bundle)
+    assert manifest["attached_late"] is False and manifest["lost"]["total"] == 0
+    execs = [e["data"] for e in of_type(events, "process.exec") if e["data"]["result"] == 0]
+    assert execs[0]["argv"] == ["/bin/sh", "-c", "cat /etc/job.txt"]  # from the container's first exec
+    assert ["cat", "/etc/job.txt"] in [x["argv"] for x in execs]
+    assert "/etc/job.txt" in _opens(events)

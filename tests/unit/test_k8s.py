@@ -219,3 +219,34 @@ def test_watch_stops_when_asked(tmp_path: Path) -> None:
         if len(seen) == 2:
             stop.set()
     assert seen == ["pod-appeared", "container-appeared"]
+
+
+def test_dir_watch_wakes_on_a_directory_made_or_removed(tmp_path: Path) -> None:
+    qos = tmp_path / "kubepods" / "burstable"
+    qos.mkdir(parents=True)
+    w = k8s.DirWatch()
+    try:
+        w.watch({qos})
+        assert w.wait(0.05) is False  # nothing happened
+        (qos / "podx").mkdir()
+        assert w.wait(5.0) is True
+        assert w.wait(0.05) is False  # the events were read
+        (qos / "podx").rmdir()
+        assert w.wait(5.0) is True
+        w.watch({tmp_path / "gone"})  # a directory that is not there: nothing to watch, no error
+        assert w.wait(0.05) is False
+    finally:
+        w.close()
+
+
+def test_watch_dirs_are_where_pods_and_containers_appear(tmp_path: Path) -> None:
+    pod = "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0123abcd_0123_4567_89ab_0123456789ab.slice"
+    (tmp_path / pod).mkdir(parents=True)
+    (tmp_path / "system.slice").mkdir()
+    found = k8s.scan_tree(tmp_path)
+    assert k8s.watch_dirs(tmp_path, found) == {
+        tmp_path,
+        tmp_path / "kubepods.slice",
+        tmp_path / "kubepods.slice/kubepods-burstable.slice",
+        tmp_path / pod,
+    }
