@@ -268,6 +268,7 @@ class DirWatch:
 
     def __init__(self) -> None:
         self._fd = -1
+        self._full = False
         try:
             self._libc = ctypes.CDLL(None, use_errno=True)
             fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
@@ -290,7 +291,14 @@ class DirWatch:
         for d in dirs:
             if self._libc.inotify_add_watch(self._fd, os.fsencode(d), mask) < 0:
                 err = ctypes.get_errno()
-                if err not in (errno.ENOENT, errno.ENOTDIR):  # gone meanwhile: nothing to watch
+                if err == errno.ENOSPC and not self._full:
+                    self._full = True
+                    logger.warning(
+                        "inotify watch limit reached (fs.inotify.max_user_watches): some pods are "
+                        "found by the periodic scan only, and one that comes and goes between two "
+                        "scans is missed"
+                    )
+                elif err not in (errno.ENOENT, errno.ENOTDIR, errno.ENOSPC):  # ENOENT: gone meanwhile
                     logger.debug("cannot watch %s: %s", d, os.strerror(err))
 
     def wait(self, timeout: float) -> bool:
