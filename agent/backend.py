@@ -353,6 +353,11 @@ class RecorderBackend:
             argv = list(command)
         sid = session_id or uuid.uuid4().hex
         self.spool_dir.mkdir(parents=True, exist_ok=True)
+        runs: list[_Run] = []  # the run, once made (the spool holds every record back until then)
+
+        def observed(inner: SpoolWriter) -> ObservedSpool:
+            return ObservedSpool(inner, lambda recs: self._observe(runs[0], recs))
+
         try:
             session = rec.start(
                 cgroup,
@@ -362,13 +367,14 @@ class RecorderBackend:
                 labels=dict(labels),
                 attached_late=bool(before),
                 session_id=sid,
+                wrap_spool=observed,
             )
         except FileNotFoundError:
             raise UsageError(f"{cgroup} is gone") from None
-        run = _Run(session=session, spool=None, pid=pid, bundle_name=bundle_name)  # type: ignore[arg-type]
+        spool = cast(ObservedSpool, session.spool)
+        run = _Run(session=session, spool=spool, pid=pid, bundle_name=bundle_name)
+        runs.append(run)
         run.extensions = dict(extensions or {})
-        run.spool = ObservedSpool(session.spool, lambda recs: self._observe(run, recs))
-        session.spool = run.spool  # type: ignore[assignment]
         if pid is not None:
             session.pid = pid
         with self._lock:

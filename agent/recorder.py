@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent import decode as dec
 from agent.correlate import Correlator
@@ -102,6 +102,17 @@ def elf_abi(pid: int, filename: str) -> str | None:
     return None
 
 
+class Spool(Protocol):
+    """Where a run's records go: a SpoolWriter, or something wrapping one (Recorder.start)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def write_many(self, recs: list[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclasses.dataclass
 class Session:
     slot: int
@@ -112,7 +123,7 @@ class Session:
     cwd: str
     detail: str
     labels: dict[str, str]
-    spool: SpoolWriter
+    spool: Spool
     correlator: Correlator
     started_ns: int
     attached_late: bool = False
@@ -168,7 +179,10 @@ class Recorder:
         labels: dict[str, str] | None = None,
         attached_late: bool = False,
         session_id: str | None = None,
+        wrap_spool: Callable[[SpoolWriter], Spool] | None = None,
     ) -> Session:
+        """Start recording `cgroup_path` (a new run slot). `wrap_spool` wraps the run's spool before
+        the cgroup is tracked, so that the wrapper sees every record the run gets."""
         from agent.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
@@ -177,6 +191,8 @@ class Recorder:
                 raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
             sid = session_id or uuid.uuid4().hex
             self.spool_dir.mkdir(parents=True, exist_ok=True)
+            raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst")
+            spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
             session = Session(
                 slot=slot,
                 session_id=sid,
@@ -186,7 +202,7 @@ class Recorder:
                 cwd=cwd,
                 detail=detail,
                 labels=dict(labels or {}),
-                spool=SpoolWriter(self.spool_dir / f"{sid}.spool.zst"),
+                spool=spool,
                 correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi),
                 cgroup_names=CgroupNames(cgroup_path, cgroup_id(cgroup_path)),
                 started_ns=time.time_ns(),
