@@ -427,22 +427,23 @@ class RecorderBackend:
         The caller (agent/api.py claim_pid) has checked that the peer owns the process.
 
         The cgroup is made below the one the process is in (evidence-<session>), so that the
-        limits of the client's cgroup (a CI job's, a pod's) keep applying to the command; when it
-        cannot go there, under <mount>/evidence/, and the run says so with a degradation event. A
+        limits of the client's cgroup (a CI job's, a pod's) keep applying to the command, when the
+        command could not move itself out of it from there (agent/cgroups.py isolation_home);
+        otherwise under <mount>/evidence/, and the run says why with a degradation event. A
         process that a run already records is refused: a run of its own would take it out of
         that recording."""
         from agent.cgroups import RunCgroup, isolation_home
 
         self._require_recorder()
         sid = uuid.uuid4().hex
-        home, why_not = isolation_home(pid, Path(mount))
+        cgroup, home, why_not = isolation_home(pid, Path(mount))
+        recorded = self._recording(cgroup) if cgroup is not None else None
+        if recorded is not None:
+            raise RunConflict(
+                f"process {pid} is already recorded, by run {recorded[1]} of {recorded[0]}",
+                hint="a run of its own would take it out of that recording; use that run's bundle",
+            )
         if home is not None:
-            recorded = self._recording(home)
-            if recorded is not None:
-                raise RunConflict(
-                    f"process {pid} is already recorded, by run {recorded[1]} of {recorded[0]}",
-                    hint="a run of its own would take it out of that recording; use that run's bundle",
-                )
             try:
                 cg = RunCgroup.create_in(home, f"evidence-{sid}")
             except SetupError as e:
@@ -460,7 +461,7 @@ class RecorderBackend:
             run.session.degradations.append(
                 {
                     "component": "cgroup",
-                    "reason": f"the run's cgroup could not be made below the client's: {why_not}",
+                    "reason": f"the run's cgroup is not below the client's: {why_not}",
                     "impact": "the limits of the client's cgroup (memory, pids, cpu) did not apply to the command",
                 }
             )
@@ -1006,8 +1007,11 @@ class PodRuns:
                 started = time.monotonic()
                 try:
                     self.poll()
+                    self.watcher.wait(
+                        max(0.0, self.watcher.poll_interval - (time.monotonic() - started)), stop
+                    )
                 except Exception:
                     logger.exception("kubernetes scan failed")
-                self.watcher.wait(max(0.0, self.watcher.poll_interval - (time.monotonic() - started)), stop)
+                    stop.wait(max(0.0, self.watcher.poll_interval - (time.monotonic() - started)))
         finally:
             self.watcher.close()

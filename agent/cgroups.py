@@ -49,26 +49,75 @@ def cgroup_of_pid(pid: int, mount: Path) -> Path:
     raise SetupError(f"process {pid} has no cgroup v2 membership")
 
 
-def isolation_home(pid: int, mount: Path) -> tuple[Path | None, str | None]:
-    """Where a cgroup made for process `pid` alone should go: below the cgroup the process is in,
-    so that the limits set there and above (memory, pids, cpu) go on applying to it. Returns
-    (that cgroup, None); (None, None) when the process is in the root cgroup (there are no limits
-    to keep); (None, why) when a cgroup below its own cannot hold it."""
+def isolation_home(pid: int, mount: Path) -> tuple[Path | None, Path | None, str | None]:
+    """Where a cgroup made for process `pid` alone should go, as (its cgroup, home, why not):
+
+    - `home` is the cgroup below which the run's cgroup goes: the one the process is in, so that
+      the limits set there and above (memory, pids, cpu) go on applying to it;
+    - home is None when the process is in the root cgroup (no limits to keep: why is None), or
+      when a cgroup below its own could not hold the command, or would not hold it: a process may
+      move itself to any cgroup it can write to below the nearest ancestor whose cgroup.procs it
+      can write, so below a cgroup delegated to the job (not root's, or writable by group or
+      others), below one in a cgroup namespace of the job's own, or for a job running as root, the
+      command could leave the run's cgroup, and the recording with it. Then `why` says which, and
+      the caller uses a cgroup outside the client's (which the job cannot reach) instead.
+
+    `cgroup` is the process's cgroup (None if it cannot be read), for the caller's checks."""
     try:
-        home = Path(os.path.normpath(cgroup_of_pid(pid, mount)))
+        cgroup = Path(os.path.normpath(cgroup_of_pid(pid, mount)))
     except (OSError, SetupError) as e:
-        return None, f"the cgroup of process {pid} cannot be read: {getattr(e, 'strerror', None) or e}"
-    if home == mount:
-        return None, None
-    if mount not in home.parents:  # a path with '..': the process is outside our cgroup namespace
-        return None, f"the cgroup of process {pid} is outside this agent's view of the hierarchy"
+        return None, None, f"the cgroup of process {pid} cannot be read: {getattr(e, 'strerror', None) or e}"
+    if cgroup == mount:
+        return cgroup, None, None
+    if mount not in cgroup.parents:  # a path with '..': the process is outside our cgroup namespace
+        return cgroup, None, f"the cgroup of process {pid} is outside this agent's view of the hierarchy"
     try:
-        kind = (home / "cgroup.type").read_text().strip()
+        kind = (cgroup / "cgroup.type").read_text().strip()
+        uids = _uids(pid)
+        same_ns = os.stat(f"/proc/{pid}/ns/cgroup").st_ino == os.stat("/proc/self/ns/cgroup").st_ino
     except OSError as e:
-        return None, f"the cgroup of process {pid} ({home}) cannot be read: {e.strerror}"
+        return cgroup, None, f"process {pid} or its cgroup cannot be read: {e.strerror}"
     if kind != "domain":
-        return None, f"the cgroup of process {pid} ({home}) is {kind}: a process cannot move below it"
-    return home, None
+        return cgroup, None, f"its cgroup {cgroup} is {kind}: a process cannot move below it"
+    if 0 in uids:
+        return (
+            cgroup,
+            None,
+            "the client runs as root: it could move the command out of a cgroup below its own",
+        )
+    if not same_ns:
+        return (
+            cgroup,
+            None,
+            (
+                "the client has a cgroup namespace of its own: inside it, the command could leave a cgroup below its own"
+            ),
+        )
+    for d in (cgroup, *cgroup.parents):
+        if d == mount.parent:
+            break
+        try:
+            st = os.stat(d / "cgroup.procs")
+        except OSError as e:
+            return cgroup, None, f"{d} cannot be read: {e.strerror}"
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return (
+                cgroup,
+                None,
+                (
+                    f"{d} is delegated (its cgroup.procs is uid {st.st_uid}'s, mode {st.st_mode & 0o777:o}): "
+                    "the command could leave a cgroup below it"
+                ),
+            )
+    return cgroup, cgroup, None
+
+
+def _uids(pid: int) -> set[int]:
+    """The real, effective, saved and filesystem uids of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return {int(u) for u in line.split()[1:]}
+    raise FileNotFoundError(f"no Uid line for process {pid}")
 
 
 class RunCgroup:

@@ -306,8 +306,9 @@ class DirWatch:
         if self._fd < 0:
             time.sleep(timeout)
             return False
-        ready, _, _ = select.select([self._fd], [], [], timeout)
-        if not ready:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             return False
         with contextlib.suppress(BlockingIOError):
             while os.read(self._fd, 65536):
@@ -361,10 +362,13 @@ class KubeWatcher:
     def watch(self, stop: threading.Event) -> Iterator[KubeEvent]:
         """Yield events until `stop` is set; on stop, nothing more is reported (open runs are the
         caller's to finish)."""
-        while not stop.is_set():
-            started = time.monotonic()
-            yield from self.poll()
-            self.wait(max(0.0, self.poll_interval - (time.monotonic() - started)), stop)
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                yield from self.poll()
+                self.wait(max(0.0, self.poll_interval - (time.monotonic() - started)), stop)
+        finally:
+            self.close()
 
     def close(self) -> None:
         self._dirs.close()

@@ -190,6 +190,8 @@ class Recorder:
             if slot is None:
                 raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
             sid = session_id or uuid.uuid4().hex
+            cgid = cgroup_id(cgroup_path)  # first: a cgroup already gone leaves no spool behind
+            names = CgroupNames(cgroup_path, cgid)
             self.spool_dir.mkdir(parents=True, exist_ok=True)
             raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst")
             spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
@@ -197,14 +199,14 @@ class Recorder:
                 slot=slot,
                 session_id=sid,
                 cgroup_path=cgroup_path,
-                cgroup_id=cgroup_id(cgroup_path),
+                cgroup_id=cgid,
                 command=list(command),
                 cwd=cwd,
                 detail=detail,
                 labels=dict(labels or {}),
                 spool=spool,
                 correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi),
-                cgroup_names=CgroupNames(cgroup_path, cgroup_id(cgroup_path)),
+                cgroup_names=names,
                 started_ns=time.time_ns(),
                 attached_late=attached_late,
             )

@@ -383,8 +383,7 @@ class _Part:
         if path != ev["subject"] and _maybe_secret(path):
             self._secrets(path, "path", ev)
         raw = d["raw_path"]
-        # a relative path is most often the tail of the path, looked at already
-        if raw != path and not path.endswith(raw) and _maybe_secret(raw):
+        if raw != path and _maybe_secret(raw):
             self._secrets(raw, "path", ev)
         if d["result"] != 0 or not path.startswith("/"):
             return

@@ -518,6 +518,9 @@ def _serve(inbox: Connection, outbox: Connection, parent_ends: list[Connection],
             outbox.send((seq, _check_piece(lines, seq, ctx, start)))
     except (EOFError, OSError):  # the parent is done, or gone
         return
+    except Exception as e:  # a fold that fails, an answer that does not pickle: the parent checks
+        logger.debug("bundle-verify helper: %r", e)  # the piece itself (and raises in order)
+        return
 
 
 _ANSWERS_PIPE = 1 << 20  # bytes: an answer carries a piece's content hashes (about 100 KiB)
@@ -745,7 +748,7 @@ class _Verifier:
         if parallel:
             try:
                 self._start_pickled = pickle.dumps(start)
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
+            except Exception as e:  # PicklingError, TypeError, RecursionError...
                 logger.debug("the fold cannot go to a helper process (%s); one process checks all", e)
                 self.parallel = False
         # the state of the pass over the events

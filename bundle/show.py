@@ -31,11 +31,13 @@ class Summary:
     started: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
     procs: dict[int, list[Exec]] = dataclasses.field(default_factory=dict)  # pid -> its execs
+    # entries are [count, ..., events]: the operations' count (summary events count many), and the
+    # events behind them (what "not listed" counts when a section is full)
     files: dict[str, dict[str, list[int]]] = dataclasses.field(
         default_factory=dict
-    )  # class -> path -> [count]
-    network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # dest -> [count, exe]
-    denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    )  # class -> path -> [count, events]
+    network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # dest -> [count, exe, events]
+    denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # what -> [count, events]
     degradations: list[str] = dataclasses.field(default_factory=list)
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
     untracked: int = 0
@@ -55,20 +57,25 @@ class Summary:
             key = f"{d['path']} ({d['result']})" if failed else d["path"]
             entry = group.get(key)
             if entry is None:
-                group[key] = [d.get("count", 1)]
+                group[key] = [d.get("count", 1), 1]
             else:
                 entry[0] += d.get("count", 1)
+                entry[1] += 1
         elif t == fmt.PROCESS_EXEC:
             self.procs.setdefault(d["pid"], []).append(
                 (d["ppid"], _argv(d["argv"]) or d["filename"], d["result"])
             )
         elif t == fmt.NETWORK_CONNECT:
             dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
-            self.network.setdefault(dest, [0, d.get("exe")])[0] += d.get("count", 1)
+            entry = self.network.setdefault(dest, [0, d.get("exe"), 0])
+            entry[0] += d.get("count", 1)
+            entry[2] += 1
         elif t == fmt.POLICY_DENIAL:
             how = "denied" if d["enforced"] else "would deny"
             key = f"{how} {d['operation']} {d['target']} (rule {d['rule']}, by {d.get('exe') or '?'})"
-            self.denials.setdefault(key, [0])[0] += d.get("count", 1)
+            entry = self.denials.setdefault(key, [0, 0])
+            entry[0] += d.get("count", 1)
+            entry[1] += 1
         elif t == fmt.LOSS:
             self.lost[d["kind"]] = self.lost.get(d["kind"], 0) + d["count"]
         elif t == fmt.DEGRADATION:
@@ -103,16 +110,18 @@ Exec = tuple[int, str, Any]  # (ppid, command line as shown, result)
 
 
 def _add_counts(mine: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> int:
-    """Adds their [count, ...] entries to mine (at most MAX_TRACKED keys); the count not kept."""
+    """Adds their [count, ..., events] entries to mine (at most MAX_TRACKED keys); returns how many
+    events were not kept."""
     dropped = 0
     for key, entry in theirs.items():
         have = mine.get(key)
         if have is not None:
             have[0] += entry[0]
+            have[-1] += entry[-1]
         elif len(mine) < MAX_TRACKED:
             mine[key] = entry
         else:
-            dropped += entry[0]
+            dropped += entry[-1]
     return dropped
 
 

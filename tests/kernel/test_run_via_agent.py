@@ -268,16 +268,25 @@ def _cgroup_line(text: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("0::"))
 
 
+def _in(cgroup: Path, uid: int | None = NOBODY) -> Any:
+    """A preexec_fn: the client starts in `cgroup`, as `uid` (None: as root), like a CI job's."""
+
+    def enter() -> None:
+        (cgroup / "cgroup.procs").write_text("0")
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    return enter
+
+
 def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
     agent: Agent, out: Path, job_cgroup: Path
 ) -> None:
     mount = find_cgroup2_mount()
-
-    def enter_job() -> None:
-        (job_cgroup / "cgroup.procs").write_text("0")
-
     bundle = out / "job.tar.gz"
-    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=enter_job)
+    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=_in(job_cgroup))
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr + agent.output()
     # the command ran in a cgroup of its own below the job's: what limits the job limits it
@@ -296,7 +305,7 @@ def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
     try:
         marker = out / "ran"
         refused = client(
-            agent.socket, out / "r.tar.gz", "/usr/bin/touch", str(marker), cwd=out, preexec_fn=enter_job
+            agent.socket, out / "r.tar.gz", "/usr/bin/touch", str(marker), cwd=out, preexec_fn=_in(job_cgroup)
         )
         _, stderr = refused.communicate(timeout=60)
         assert refused.returncode == 2 and stderr.count("\n") == 1, stderr
@@ -307,24 +316,33 @@ def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
     assert [r["session_id"] for r in agent.client.runs()] == []
 
 
-def test_a_client_whose_cgroup_cannot_hold_the_command_gets_a_degradation(
-    agent: Agent, out: Path, job_cgroup: Path
+@pytest.mark.parametrize("case", ["root", "delegated", "threaded"])
+def test_where_the_command_could_leave_a_cgroup_below_the_clients_it_goes_elsewhere(
+    case: str, agent: Agent, out: Path, job_cgroup: Path
 ) -> None:
-    threaded = job_cgroup / "threads"
-    threaded.mkdir()
-    (threaded / "cgroup.type").write_text("threaded")  # a whole process may not move below it
-
-    def enter() -> None:
-        (threaded / "cgroup.procs").write_text("0")
-
-    bundle = out / "threaded.tar.gz"
-    proc = client(agent.socket, bundle, "/bin/true", cwd=out, preexec_fn=enter)
-    _, stderr = proc.communicate(timeout=60)
+    """Below a cgroup the job may write to (delegated to it, or any, for a job running as root), the
+    command could move itself out of the run's cgroup, and out of the recording: the agent puts it
+    in a cgroup of its own outside the client's, and the bundle says that the job's limits did
+    not apply. So it does where the client's cgroup cannot hold a process below it (threaded)."""
+    home = job_cgroup
+    if case == "delegated":
+        os.chown(job_cgroup / "cgroup.procs", NOBODY, NOBODY)
+    elif case == "threaded":
+        home = job_cgroup / "threads"
+        home.mkdir()
+        (home / "cgroup.type").write_text("threaded")
+    bundle = out / f"{case}.tar.gz"
+    uid = None if case == "root" else NOBODY
+    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=_in(home, uid))
+    stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr + agent.output()
     _, events = read_bundle(bundle)
-    assert run_cgroup(events).parent.name == "evidence"  # the agent's own place
+    cg = run_cgroup(events)
+    assert cg.parent.name == "evidence" and cg.parent.parent == find_cgroup2_mount()  # the agent's place
+    assert _cgroup_line(stdout) == f"0::/evidence/{cg.name}", stdout
     (d,) = [e["data"] for e in of_type(events, "degradation")]
-    assert d["component"] == "cgroup" and "is threaded" in d["reason"] and "limits" in d["impact"]
+    why = {"root": "runs as root", "delegated": "is delegated", "threaded": "is threaded"}[case]
+    assert d["component"] == "cgroup" and why in d["reason"] and "limits" in d["impact"], d
     lint = subprocess.run(
         [sys.executable, "-m", "evidence", "lint", "--format", "json", str(bundle)],
         capture_output=True, text=True, timeout=60,
