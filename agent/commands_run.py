@@ -19,6 +19,9 @@ from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageErro
 
 logger = logging.getLogger(__name__)
 
+# where a run's records wait for the bundle: root's alone (0700), out of the recorded job's reach
+RUN_SPOOL_DIR = Path("/var/lib/evidence/run-spool")
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", "-o", help="where to write the bundle (default: evidence-<session>.tar.gz)")
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.cgroups import RunCgroup
     from agent.doctor import capabilities_in_force
     from agent.recorder import Recorder
+    from bundle.spool import private_dir
 
     enforcement = None
     environ: dict[str, str] = dict(os.environ)
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     cg = None
     try:
         recorder = Recorder(
-            spool_dir=bundle.parent, headers=headers, capabilities=caps, probes=loading.result()
+            spool_dir=private_dir(RUN_SPOOL_DIR), headers=headers, capabilities=caps, probes=loading.result()
         )
         if enforcement is not None:
             enforcement.load_programs()

@@ -86,6 +86,7 @@ class Daemon:
         from agent.backend import PodRuns, RecorderBackend, recover_spools
         from agent.delivery import Backoff, BundleUploader, EventStreamer
         from agent.settings import parse_host_port
+        from bundle.spool import private_dir
 
         s = self.settings
         cgroup_root = _cgroup_root(s)
@@ -93,9 +94,9 @@ class Daemon:
         spool_dir = s.run_spool_dir
         try:
             bundle_dir.mkdir(parents=True, exist_ok=True)
-            spool_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(spool_dir)  # the recorded jobs must not reach their spools
         except OSError as e:
-            raise SetupError(f"cannot create {e.filename}: {e.strerror}") from None
+            raise SetupError(f"cannot use {e.filename}: {e.strerror}") from None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 

@@ -7,6 +7,9 @@ and "t" (kernel time in ns since the epoch) plus the fields of its event's data.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -15,6 +18,21 @@ import orjson
 import zstandard
 
 KINDS = ("exec", "exit", "open", "connect", "denial", "inventory", "degradation")
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can enter (made 0700 if need be): where a run's spool
+    waits, out of the recorded job's reach (a job that could replace the spool would write the
+    bundle). Refuses a symlink or another user's directory (OSError)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory", str(path))
+    if st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"belongs to uid {st.st_uid}, not to this user", str(path))
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
 
 
 class SpoolWriter:

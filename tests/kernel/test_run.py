@@ -346,3 +346,21 @@ def test_a_32bit_program_is_flagged_not_silently_missed(tmp_path: Path) -> None:
     assert proc.returncode == 7
     deg = [e["data"] for e in of_type(events, "degradation")]
     assert deg and "ia32" in deg[0]["reason"] and str(prog) in deg[0]["reason"]
+
+
+def test_the_job_cannot_reach_its_runs_spool(tmp_path: Path) -> None:
+    """The records wait in root's 0700 spool directory, not beside the bundle (where a job that can
+    write its workspace could swap them and so write the bundle): the job sees no spool, and an
+    unprivileged job cannot even list where it is."""
+    from agent.commands_run import RUN_SPOOL_DIR
+
+    tmp_path.chmod(0o777)
+    script = f"ls -a {tmp_path}; ls {RUN_SPOOL_DIR} 2>&1; echo done"
+    proc, _, events = record(
+        tmp_path, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert ".spool.zst" not in proc.stdout and "Permission denied" in proc.stdout, proc.stdout
+    assert (RUN_SPOOL_DIR.stat().st_mode & 0o777) == 0o700 and RUN_SPOOL_DIR.stat().st_uid == 0
+    assert not list(RUN_SPOOL_DIR.glob("*.spool.zst"))  # removed once the bundle is written
+    assert any(e["data"].get("argv", [None])[:1] == ["ls"] for e in of_type(events, "process.exec"))

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.backend import HandoverProbes, ObservedSpool, _depths, recover_spools, unique_path
-from bundle.spool import SpoolWriter, read_spool
+from bundle.spool import SpoolWriter, private_dir, read_spool
 from tests.kernel.util import read_bundle
 
 
@@ -123,3 +125,17 @@ def test_recover_spools_of_a_dead_agent(tmp_path: Path) -> None:
     assert sorted(p.name for p in spool_dir.iterdir()) == ["failed"]
     assert sorted(p.name for p in (spool_dir / "failed").iterdir()) == ["bad.spool.zst"]  # kept, not lost
     assert sorted(p.name for p in bundles.iterdir()) == ["ns_pod_uid-2.tar.gz", "s2.tar.gz"]
+
+
+def test_spools_wait_in_a_directory_only_the_recorder_can_enter(tmp_path: Path) -> None:
+    """A job that could replace its run's spool would write the bundle: the spool directory is
+    0700 and the recorder's own, never a symlink."""
+    d = tmp_path / "lib" / "spool"
+    assert private_dir(d) == d and (d.stat().st_mode & 0o777) == 0o700
+    d.chmod(0o777)
+    private_dir(d)
+    assert (d.stat().st_mode & 0o777) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(OSError, match="not a directory"):
+        private_dir(link)
