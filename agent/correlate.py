@@ -130,6 +130,10 @@ class Correlator:
         self.cgroup_name = cgroup_name
         # that name -> a container id (runc/containerd/CRI-O/docker scope names), or None
         self.container_of: Callable[[str], str | None] | None = None
+        # the cgroup2 mount and the run's cgroup (absolute paths): opening cgroup.procs outside the
+        # run's cgroup for writing is flagged (a way out of the recording)
+        self.cgroup_mount: str | None = None
+        self.run_cgroup: str | None = None
         self.procs: dict[int, Proc] = {}
         self.pending: dict[int, dict[str, Any]] = {}
         self.proc_lookup = proc_lookup
@@ -243,12 +247,49 @@ class Correlator:
             "result": result,
         }
 
+    @staticmethod
+    def _via_fd(p: Proc, filename: str) -> str:
+        """/dev/fd/N[/name] (the kernel's name for execveat of a descriptor, or of a name relative
+        to one) as the path descriptor N was opened with, when known; else unchanged."""
+        if not filename.startswith("/dev/fd/"):
+            return filename
+        num, _, rest = filename.removeprefix("/dev/fd/").partition("/")
+        base = p.fds.get(int(num)) if num.isdigit() else None
+        if base is None:
+            return filename
+        return posixpath.normpath(posixpath.join(base, rest)) if rest else base
+
+    def _leaving(self, p: Proc, path: str, t: int) -> list[dict[str, Any]]:
+        """A degradation when a process opens for writing the cgroup.procs or cgroup.threads of a
+        cgroup outside the run's: it can move processes out of the run's cgroup, and what they do
+        there is not recorded (only root, or a job a cgroup is delegated to, may)."""
+        mount, run = self.cgroup_mount, self.run_cgroup
+        name = posixpath.basename(path)
+        if mount is None or run is None or name not in ("cgroup.procs", "cgroup.threads"):
+            return []
+        where = posixpath.dirname(path)
+        if (
+            not (where == mount or where.startswith(mount + "/"))
+            or where == run
+            or where.startswith(run + "/")
+        ):
+            return []
+        return [
+            {
+                "k": "degradation",
+                "t": t,
+                "component": "cgroup",
+                "reason": f"{p.exe or '?'} (pid {p.pid}) opened {path} for writing: it can move processes out of the run's cgroup",
+                "impact": "what a process moved out of the run's cgroup does afterwards is not recorded",
+            }
+        ]
+
     def _exec_ok(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
         old = ev["old_tid"] or ev["tid"]
         enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
         p = self._proc(ev["tgid"])
         dfd = enter["dfd"] if enter else AT_FDCWD
-        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD)
+        filename = self._via_fd(p, self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD))
         trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
         argv = ev["argv"]
         if ev["flags"] & d.F_ARGS_FAULT and enter:
@@ -281,7 +322,8 @@ class Correlator:
                 p.fds[ret] = path
             names, access = decode_open_flags(enter["oflags"])
             creates = "create" in access
-            return [
+            out = self._leaving(p, path, t) if ret >= 0 and "write" in access else []
+            return out + [
                 {
                     "k": "open",
                     "t": t,
@@ -323,7 +365,7 @@ class Correlator:
         if kind == "chdir" and ret == 0:
             p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
         elif kind == "fchdir" and ret == 0:
-            p.cwd = p.fds.get(enter["fd"], p.cwd)
+            p.cwd = p.fds.get(enter["fd"])  # a directory we never saw opened: the cwd is unknown
         elif kind == "dup" and ret >= 0:
             src = p.fds.get(enter["oldfd"])
             if src is not None:

@@ -113,6 +113,18 @@ class Spool(Protocol):
     def close(self) -> None: ...
 
 
+def _cgroup_mount_of(path: Path) -> str | None:
+    """The cgroup2 mount `path` is under (the nearest ancestor whose parent is another filesystem)."""
+    try:
+        dev = os.stat(path).st_dev
+        mount = path
+        while mount.parent != mount and os.stat(mount.parent).st_dev == dev:
+            mount = mount.parent
+    except OSError:
+        return None
+    return str(mount)
+
+
 @dataclasses.dataclass
 class Session:
     slot: int
@@ -211,6 +223,8 @@ class Recorder:
                 attached_late=attached_late,
             )
             session.correlator.cgroup_name = session.cgroup_names
+            session.correlator.run_cgroup = str(cgroup_path)
+            session.correlator.cgroup_mount = _cgroup_mount_of(cgroup_path)
             session.correlator.container_of = _container_namer(cgroup_path)
             self._sessions[slot] = session
             self.probes.reset_lost(slot)

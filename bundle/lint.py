@@ -78,10 +78,12 @@ RULES: dict[str, Rule] = {
              "The run had no policy (manifest.policy is null), and a process connected (or tried "
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
              "the run should be offline, record it with a policy that denies connects."),
-        Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory",
+        Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory or a file descriptor",
              "A process.exec that succeeded ran a binary under /tmp, /var/tmp, /dev/shm or the "
-             "run's TMPDIR (but not inside the workspace). Droppers and downloaded tools run from "
-             "there; check where the binary came from."),
+             "run's TMPDIR (but not inside the workspace), or from a file descriptor the recorder "
+             "did not see opened (/dev/fd/N: a memfd, or a descriptor passed in), which leaves no "
+             "file to inspect. Droppers and downloaded tools run from there; check where the "
+             "binary came from."),
         Rule("EV007", "run-not-finished", "error", "The run was not recorded to its end",
              "There is no dev.evidence.run.finished event, or the manifest says cut_short: the "
              "recorder stopped before the run ended (killed, timeout, agent restart). Anything the "
@@ -374,7 +376,14 @@ class _Part:
             self._secrets(filename, "path", ev)
         if d["result"] == 0 and filename.startswith("/"):
             rules = self.rules
-            if _under(filename, (*TEMP_DIRS, rules.tmpdir)) and not _under(filename, (rules.workspace,)):
+            if filename.startswith(("/dev/fd/", "/proc/self/fd/")):
+                self.add(
+                    "EV006",
+                    f"executed {filename}: a program from a file descriptor (a memfd?), with no file behind it",
+                    rules.norm.text(filename),
+                    ev,
+                )
+            elif _under(filename, (*TEMP_DIRS, rules.tmpdir)) and not _under(filename, (rules.workspace,)):
                 self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
 
     def _open(self, ev: dict[str, Any]) -> None:

@@ -364,3 +364,17 @@ def test_the_job_cannot_reach_its_runs_spool(tmp_path: Path) -> None:
     assert (RUN_SPOOL_DIR.stat().st_mode & 0o777) == 0o700 and RUN_SPOOL_DIR.stat().st_uid == 0
     assert not list(RUN_SPOOL_DIR.glob("*.spool.zst"))  # removed once the bundle is written
     assert any(e["data"].get("argv", [None])[:1] == ["ls"] for e in of_type(events, "process.exec"))
+
+
+def test_a_job_that_moves_itself_out_of_the_runs_cgroup_is_flagged(tmp_path: Path) -> None:
+    """Root in the job can move itself out of the run's cgroup (a stated limit); what it does after
+    that is not recorded, but the bundle says that it could: a degradation, and lint warns."""
+    from agent.cgroups import find_cgroup2_mount
+
+    procs = find_cgroup2_mount() / "cgroup.procs"
+    proc, _, events = record(tmp_path, "sh", "-c", f"echo $$ > {procs}; cat /etc/hostname")
+    assert proc.returncode == 0, proc.stderr
+    (d,) = [e["data"] for e in of_type(events, "degradation")]
+    assert d["component"] == "cgroup" and str(procs) in d["reason"] and "not recorded" in d["impact"]
+    lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+    assert "EV002" in lint.stdout

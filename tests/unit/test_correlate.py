@@ -137,3 +137,41 @@ def test_flags_and_access_classes() -> None:
     assert decode_open_flags(0o10000000)[1] == ()  # O_PATH reads nothing
     assert "O_TMPFILE" in decode_open_flags(0o20200002)[0]
     assert split_status(0x8B00) == (0x8B, None) and split_status(15) == (None, "SIGTERM")
+
+
+def test_what_a_job_could_hide_behind_is_named() -> None:
+    """fchdir to a directory never seen opened leaves the cwd unknown (not the old one); an exec of
+    /dev/fd/N is named by the path N was opened with; opening another cgroup's cgroup.procs for
+    writing (a way out of the recording) is a degradation."""
+    c = Correlator(0)
+    c.cgroup_mount, c.run_cgroup = "/sys/fs/cgroup", "/sys/fs/cgroup/evidence/s1"
+    c.add_root(10, 1, "/w")
+    out = feed(
+        c,
+        ev("fchdir", fd=7, path=None),
+        ret(d.SC_FCHDIR, 0),
+        ev("open", path="secret.txt", dfd=-100, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, 3),
+        ev("open", path="/usr/bin", dfd=-100, oflags=0o200000, mode=0, sc=0),
+        ret(d.SC_OPEN, 5),
+        ev(
+            "exec_ok",
+            tgid=10,
+            filename="/dev/fd/5/id",
+            argv=["make", "all"],
+            dfd=0,
+            at_flags=0,
+            old_tid=10,
+            argc=0,
+        ),
+        ev("open", path="/sys/fs/cgroup/evidence/s1/sub/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0),
+        ret(d.SC_OPEN, 6),
+        ev("open", path="/sys/fs/cgroup/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0),
+        ret(d.SC_OPEN, 7),
+    )
+    opens = [o["path"] for o in out if o["k"] == "open"]
+    assert opens[0] == "<unknown cwd>/secret.txt"
+    (exe,) = [o for o in out if o["k"] == "exec"]
+    assert exe["filename"] == "/usr/bin/id" and exe["argv"] == ["make", "all"]
+    (deg,) = [o for o in out if o["k"] == "degradation"]
+    assert deg["component"] == "cgroup" and "/sys/fs/cgroup/cgroup.procs" in deg["reason"]
