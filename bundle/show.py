@@ -63,7 +63,7 @@ class Summary:
                 entry[1] += 1
         elif t == fmt.PROCESS_EXEC:
             self.procs.setdefault(d["pid"], []).append(
-                (d["ppid"], _argv(d["argv"]) or d["filename"], d["result"])
+                (d["ppid"], _shown(d["filename"], d["argv"]), d["result"])
             )
         elif t == fmt.NETWORK_CONNECT:
             dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
@@ -132,6 +132,17 @@ def summarise(path: str) -> Summary:
     for part in bundle.fold(s.part):
         s.take(part)
     return s
+
+
+def _shown(filename: str, argv: list[str]) -> str:
+    """An exec as shown: its argv, and the program too when argv[0] does not name it (argv is the
+    caller's to choose: `exec -a make id` runs /usr/bin/id as "make")."""
+    text = _argv(argv)
+    if not text:
+        return filename
+    if argv[0].rsplit("/", 1)[-1] != filename.rsplit("/", 1)[-1]:
+        return f"{filename} (argv: {text})"
+    return text
 
 
 def _argv(argv: list[str], width: int = 160) -> str:

@@ -85,3 +85,13 @@ def test_show_on_two_cpus_says_what_one_says(
     assert main(["show", "--limit", "0", str(path)]) == 0
     assert capsys.readouterr().out == one
     assert "events beyond 4 distinct entries" in one
+
+
+def test_show_names_the_program_when_argv_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recs = [*records(), exec_(9100, 104, 101, "/usr/bin/id", ["make", "all"], depth=1)]
+    path = write(tmp_path / "a.tar.gz", recs)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "104 /usr/bin/id (argv: make all)" in out and "101 make test" in out
