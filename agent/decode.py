@@ -43,6 +43,7 @@ F_PATH_TRUNC = 0x1
 F_ARGS_TRUNC = 0x2
 F_ARGS_FAULT = 0x4
 F_FNAME_FAULT = 0x8
+F_SEND = 0x10  # a connect record that is a send to an explicit address (sendto/sendmsg/sendmmsg)
 
 HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 _OPEN = struct.Struct("<iIIHH")  # dfd, flags, mode, sc, path_len

@@ -28,6 +28,7 @@ SYSCALL_HANDLERS = {
     "on_enter_open": ("openat", "openat2", "open", "creat"),
     "on_enter_exec": ("execve", "execveat"),
     "on_enter_connect": ("connect",),
+    "on_enter_send": ("sendto", "sendmsg", "sendmmsg"),
     "on_enter_chdir": ("chdir",),
     "on_enter_fchdir": ("fchdir",),
     "on_enter_dup": ("dup", "dup2", "dup3"),

@@ -50,6 +50,7 @@
 #define F_ARGS_TRUNC 0x2
 #define F_ARGS_FAULT 0x4
 #define F_FNAME_FAULT 0x8
+#define F_SEND 0x10  // EV_CONNECT: a send to an explicit address, not a connect()
 
 struct hdr {
     u64 ts;
@@ -497,6 +498,55 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
+// Data sent to an explicit address without connect(): UDP sendto/sendmsg/sendmmsg, TCP Fast Open
+// (sendto with MSG_FASTOPEN). Recorded as a connect to that address (the same record, with F_SEND);
+// a send on a connected socket (no address) is not. Sends are frequent, so the result is emitted
+// only for a send recorded here: `sending` marks the thread in between.
+BPF_TABLE("lru_hash", u32, u8, sending, 16384);
+
+static __always_inline int emit_send(s32 fd, const void *addr, u32 len) {
+    if (!addr || len == 0)
+        return 0;
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    struct connect_ev *e = events.ringbuf_reserve(sizeof(struct connect_ev));
+    if (!e) {
+        count_lost(run, EV_CONNECT);
+        return 0;
+    }
+    fill(&e->h, run, EV_CONNECT);
+    e->h.flags |= F_SEND;
+    e->fd = fd;
+    e->addrlen = len;
+    u32 n = len > sizeof(e->addr) - 1 ? sizeof(e->addr) - 1 : len;
+    barrier_var(n);  // the verifier needs the bound on the value passed
+    n &= 0x7F;
+    __builtin_memset(e->addr, 0, sizeof(e->addr));
+    if (n > 0 && bpf_probe_read_user(e->addr, n, addr) != 0)
+        e->h.flags |= F_FNAME_FAULT;
+    events.ringbuf_submit(e, wakeup_flags());
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u8 one = 1;
+    sending.update(&tid, &one);
+    return 0;
+}
+
+int on_enter_send(struct sys_enter_ctx *ctx) {
+    // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
+    if (ctx->nr == __NR_sendto)
+        return emit_send((s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
+    // struct user_msghdr (and struct mmsghdr, which starts with one): void *msg_name; int msg_namelen
+    struct {
+        u64 name;
+        u32 namelen;
+        u32 pad;
+    } h = {};
+    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctx->args[1]) != 0)
+        return 0;
+    return emit_send((s32)ctx->args[0], (const void *)h.name, h.namelen);
+}
+
 int on_enter_connect(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
@@ -608,6 +658,16 @@ int on_exit(struct sys_exit_ctx *ctx) {
     case __NR_connect:
         sc = SC_CONNECT;
         break;
+    case __NR_sendto:
+    case __NR_sendmsg:
+    case __NR_sendmmsg: {
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        if (!sending.lookup(&tid))
+            return 0;  // a send not recorded (no address): no result either
+        sending.delete(&tid);
+        sc = SC_CONNECT;
+        break;
+    }
     case __NR_chdir:
         sc = SC_CHDIR;
         break;

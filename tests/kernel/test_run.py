@@ -378,3 +378,50 @@ def test_a_job_that_moves_itself_out_of_the_runs_cgroup_is_flagged(tmp_path: Pat
     assert d["component"] == "cgroup" and str(procs) in d["reason"] and "not recorded" in d["impact"]
     lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
     assert "EV002" in lint.stdout
+
+
+def test_sends_to_an_address_without_connect_are_recorded(tmp_path: Path) -> None:
+    """UDP sendto/sendmsg/sendmmsg to an explicit address reach the network as surely as a
+    connect: each is a network.connect to that address. Sends on a connected socket are not
+    repeated (its connect is recorded)."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    port = rx.getsockname()[1]
+    code = textwrap.dedent(
+        f"""
+        import ctypes, socket, struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b'a', ('127.0.0.1', {port}))
+        s.sendmsg([b'b'], [], 0, ('127.0.0.2', {port}))
+        # sendmmsg (no Python wrapper): one message to 127.0.0.3
+        libc = ctypes.CDLL(None, use_errno=True)
+        sin = struct.pack('=H', socket.AF_INET) + struct.pack('!H', {port}) + socket.inet_aton('127.0.0.3')
+        addr = ctypes.create_string_buffer(sin + bytes(8))  # struct sockaddr_in
+        data = ctypes.create_string_buffer(b'c')
+        iov = (ctypes.c_void_p * 2)(ctypes.addressof(data), 1)
+        msg = struct.pack('=QI4xQQQQi4xI4x', ctypes.addressof(addr), 16, ctypes.addressof(iov), 1, 0, 0, 0, 0)
+        buf = ctypes.create_string_buffer(msg)
+        assert libc.sendmmsg(s.fileno(), buf, 1, 0) == 1, ctypes.get_errno()
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        c.connect(('127.0.0.1', {port}))
+        for _ in range(5):
+            c.send(b'd')
+        """
+    )
+    try:
+        proc, _, events = record(tmp_path, PY, "-c", code, extra=("--detail", "full"))
+        got = sorted(rx.recv(10) for _ in range(6))
+    finally:
+        rx.close()
+    assert proc.returncode == 0, proc.stderr
+    assert got == [b"a"] + [b"d"] * 5  # 127.0.0.2 and .3 are not where rx listens
+    dests = [
+        (c["data"]["address"], c["data"]["port"], c["data"]["result"])
+        for c in of_type(events, "network.connect")
+    ]
+    assert sorted(dests) == [
+        ("127.0.0.1", port, 0),  # sendto
+        ("127.0.0.1", port, 0),  # connect (its sends are not repeated)
+        ("127.0.0.2", port, 0),  # sendmsg
+        ("127.0.0.3", port, 0),  # sendmmsg
+    ], dests
