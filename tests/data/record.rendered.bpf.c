@@ -499,6 +499,28 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
+// A connect record for socket fd and the sockaddr at addr (of len bytes): 1 when recorded.
+static __always_inline int emit_sockaddr(u32 run, u16 flags, s32 fd, const void *addr, u32 len) {
+    struct connect_ev *e = events.ringbuf_reserve(sizeof(struct connect_ev));
+    if (!e) {
+        count_lost(run, EV_CONNECT);
+        return 0;
+    }
+    fill(&e->h, run, EV_CONNECT);
+    e->h.flags |= flags;
+    e->fd = fd;
+    e->addrlen = len;
+    // 127 bytes at most: more than any sockaddr we decode (sockaddr_un: 110)
+    u32 n = len > sizeof(e->addr) - 1 ? sizeof(e->addr) - 1 : len;
+    barrier_var(n);  // the verifier needs the bound on the value passed
+    n &= 0x7F;
+    __builtin_memset(e->addr, 0, sizeof(e->addr));
+    if (n > 0 && bpf_probe_read_user(e->addr, n, addr) != 0)
+        e->h.flags |= F_FNAME_FAULT;
+    events.ringbuf_submit(e, wakeup_flags());
+    return 1;
+}
+
 // Data sent to an explicit address without connect(): UDP sendto/sendmsg/sendmmsg, TCP Fast Open
 // (sendto with MSG_FASTOPEN). Recorded as a connect to that address (the same record, with F_SEND);
 // a send on a connected socket (no address) is not. Sends are frequent, so the result is emitted
@@ -511,25 +533,11 @@ static __always_inline int emit_send(s32 fd, const void *addr, u32 len) {
     u32 run = current_run();
     if (!run)
         return 0;
-    struct connect_ev *e = events.ringbuf_reserve(sizeof(struct connect_ev));
-    if (!e) {
-        count_lost(run, EV_CONNECT);
-        return 0;
+    if (emit_sockaddr(run, F_SEND, fd, addr, len)) {
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        u8 one = 1;
+        sending.update(&tid, &one);
     }
-    fill(&e->h, run, EV_CONNECT);
-    e->h.flags |= F_SEND;
-    e->fd = fd;
-    e->addrlen = len;
-    u32 n = len > sizeof(e->addr) - 1 ? sizeof(e->addr) - 1 : len;
-    barrier_var(n);  // the verifier needs the bound on the value passed
-    n &= 0x7F;
-    __builtin_memset(e->addr, 0, sizeof(e->addr));
-    if (n > 0 && bpf_probe_read_user(e->addr, n, addr) != 0)
-        e->h.flags |= F_FNAME_FAULT;
-    events.ringbuf_submit(e, wakeup_flags());
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    u8 one = 1;
-    sending.update(&tid, &one);
     return 0;
 }
 
@@ -550,23 +558,8 @@ int on_enter_send(struct sys_enter_ctx *ctx) {
 
 int on_enter_connect(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
-    if (!run)
-        return 0;
-    struct connect_ev *e = events.ringbuf_reserve(sizeof(struct connect_ev));
-    if (!e) {
-        count_lost(run, EV_CONNECT);
-        return 0;
-    }
-    fill(&e->h, run, EV_CONNECT);
-    e->fd = (s32)ctx->args[0];
-    u32 len = (u32)ctx->args[2];
-    e->addrlen = len;
-    if (len > sizeof(e->addr) - 1)
-        len = sizeof(e->addr) - 1;  // 127 bytes: more than any sockaddr we decode (sockaddr_un: 110)
-    __builtin_memset(e->addr, 0, sizeof(e->addr));
-    if (len > 0 && bpf_probe_read_user(e->addr, len & 0x7F, (void *)ctx->args[1]) != 0)
-        e->h.flags |= F_FNAME_FAULT;
-    events.ringbuf_submit(e, wakeup_flags());
+    if (run)
+        emit_sockaddr(run, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);
     return 0;
 }
 
