@@ -52,11 +52,13 @@ class Rule:
 RULES: dict[str, Rule] = {
     r.code: r
     for r in (
-        Rule("EV001", "events-lost", "warning", "The recorder lost events",
+        Rule("EV001", "events-lost", "error", "The recorder lost events",
              "The kernel ring buffer or the agent dropped events (manifest lost.total > 0, or "
              "dev.evidence.loss events). The bundle is then a lower bound of what the run did: an "
-             "operation that is absent may simply not have been recorded. Re-run with a larger "
-             "buffer or less detail (--detail summary) if you need complete evidence."),
+             "operation that is absent may simply not have been recorded. An error by default, "
+             "since a job can cause loss on purpose (a flood of system calls) to hide something in "
+             "it. Re-run with a larger buffer or less detail (--detail summary) if you need "
+             "complete evidence; --fail-on none reports it without failing."),
         Rule("EV002", "enforcement-degraded", "warning", "Recording or enforcement was degraded",
              "A dev.evidence.degradation event says that a component (a probe, Landlock, the "
              "connect filter) could not do all it should, e.g. because the kernel lacks a feature. "
