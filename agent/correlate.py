@@ -50,9 +50,14 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
 _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
 
 
+# the kernel's own codes for a system call interrupted by a signal and restarted (include/linux/errno.h):
+# the restarted call is recorded again, with its own result
+_RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
+
+
 @functools.lru_cache(maxsize=512)
 def errno_name(code: int) -> str:
-    return errno.errorcode.get(code, f"E{code}")
+    return errno.errorcode.get(code) or _RESTART.get(code) or f"E{code}"
 
 
 def result_of(ret: int) -> int | str:
@@ -247,18 +252,6 @@ class Correlator:
             "result": result,
         }
 
-    @staticmethod
-    def _via_fd(p: Proc, filename: str) -> str:
-        """/dev/fd/N[/name] (the kernel's name for execveat of a descriptor, or of a name relative
-        to one) as the path descriptor N was opened with, when known; else unchanged."""
-        if not filename.startswith("/dev/fd/"):
-            return filename
-        num, _, rest = filename.removeprefix("/dev/fd/").partition("/")
-        base = p.fds.get(int(num)) if num.isdigit() else None
-        if base is None:
-            return filename
-        return posixpath.normpath(posixpath.join(base, rest)) if rest else base
-
     def _leaving(self, p: Proc, path: str, t: int) -> list[dict[str, Any]]:
         """A degradation when a process opens for writing the cgroup.procs or cgroup.threads of a
         cgroup outside the run's: it can move processes out of the run's cgroup, and what they do
@@ -289,7 +282,7 @@ class Correlator:
         enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
         p = self._proc(ev["tgid"])
         dfd = enter["dfd"] if enter else AT_FDCWD
-        filename = self._via_fd(p, self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD))
+        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD)
         trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
         argv = ev["argv"]
         if ev["flags"] & d.F_ARGS_FAULT and enter:

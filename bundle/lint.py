@@ -52,13 +52,13 @@ class Rule:
 RULES: dict[str, Rule] = {
     r.code: r
     for r in (
-        Rule("EV001", "events-lost", "error", "The recorder lost events",
+        Rule("EV001", "events-lost", "warning", "The recorder lost events",
              "The kernel ring buffer or the agent dropped events (manifest lost.total > 0, or "
              "dev.evidence.loss events). The bundle is then a lower bound of what the run did: an "
-             "operation that is absent may simply not have been recorded. An error by default, "
-             "since a job can cause loss on purpose (a flood of system calls) to hide something in "
-             "it. Re-run with a larger buffer or less detail (--detail summary) if you need "
-             "complete evidence; --fail-on none reports it without failing."),
+             "operation that is absent may simply not have been recorded, and a job can cause "
+             "loss on purpose (a flood of system calls) to hide something in it. Gates that need "
+             "complete evidence should use --fail-on warn. Re-run with a larger buffer or less "
+             "detail (--detail summary) if you need complete evidence."),
         Rule("EV002", "enforcement-degraded", "warning", "Recording or enforcement was degraded",
              "A dev.evidence.degradation event says that a component (a probe, Landlock, the "
              "connect filter) could not do all it should, e.g. because the kernel lacks a feature. "
@@ -109,6 +109,9 @@ _SECRETS = [
     ("private key", re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")),
     ("password", re.compile(r"(?i)\b(?:password|passwd|pwd|secret|token|api[_-]?key)=[^\s&;]{3,}")),
 ]
+
+
+_FD_PATH = re.compile(r"/dev/fd/\d|/proc/(?:self|thread-self|\d+)/fd/\d")  # a program run from a descriptor
 
 
 def _maybe_secret(s: str) -> bool:
@@ -378,7 +381,7 @@ class _Part:
             self._secrets(filename, "path", ev)
         if d["result"] == 0 and filename.startswith("/"):
             rules = self.rules
-            if filename.startswith(("/dev/fd/", "/proc/self/fd/")):
+            if _FD_PATH.match(filename):
                 self.add(
                     "EV006",
                     f"executed {filename}: a program from a file descriptor (a memfd?), with no file behind it",

@@ -134,15 +134,23 @@ def summarise(path: str) -> Summary:
     return s
 
 
+_PATH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def _on_path(name: str) -> tuple[str, ...]:
+    """Where a bare argv[0] usually names a program: the standard PATH directories."""
+    return tuple(f"{d}/{name}" for d in _PATH_DIRS)
+
+
 def _shown(filename: str, argv: list[str]) -> str:
     """An exec as shown: its argv, and the program too when argv[0] does not name it (argv is the
     caller's to choose: `exec -a make id` runs /usr/bin/id as "make")."""
     text = _argv(argv)
     if not text:
         return filename
-    if argv[0].rsplit("/", 1)[-1] != filename.rsplit("/", 1)[-1]:
-        return f"{filename} (argv: {text})"
-    return text
+    if argv[0] == filename or ("/" not in argv[0] and filename in _on_path(argv[0])):
+        return text
+    return f"{filename} (argv: {text})"
 
 
 def _argv(argv: list[str], width: int = 160) -> str:

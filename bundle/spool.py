@@ -7,6 +7,7 @@ and "t" (kernel time in ns since the epoch) plus the fields of its event's data.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -21,24 +22,30 @@ KINDS = ("exec", "exit", "open", "connect", "denial", "inventory", "degradation"
 
 
 def private_dir(path: Path) -> Path:
-    """`path` as a directory only this user can enter (made 0700 if need be): where a run's spool
-    waits, out of the recorded job's reach (a job that could replace the spool would write the
-    bundle). Refuses a symlink or another user's directory (OSError)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """`path` as a directory only this user may write to (made 0700 when it is made here): where a
+    run's spool waits, out of the recorded job's reach (a job that could replace the spool would
+    write the bundle). Refuses (OSError) a symlink, another user's directory, or one that group or
+    others may write to; never changes an existing directory's mode."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(parents=True, mode=0o700)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ENOTDIR, "not a directory", str(path))
     if st.st_uid != os.geteuid():
         raise OSError(errno.EPERM, f"belongs to uid {st.st_uid}, not to this user", str(path))
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    if st.st_mode & 0o022:
+        raise OSError(
+            errno.EPERM, f"is writable by others (mode {st.st_mode & 0o7777:o}): make it 0700", str(path)
+        )
     return path
 
 
 class SpoolWriter:
     def __init__(self, path: str | Path, level: int = 3) -> None:
         self.path = Path(path)
-        self._raw: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        # a new file, never through a symlink or over one already there
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._raw: IO[bytes] = os.fdopen(fd, "wb")
         self._z = zstandard.ZstdCompressor(level=level).stream_writer(self._raw, closefd=False)
         self.records = 0
 

@@ -545,14 +545,20 @@ int on_enter_send(struct sys_enter_ctx *ctx) {
     // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
     if (ctx->nr == __NR_sendto)
         return emit_send((s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
+    if (ctx->nr == __NR_sendmmsg && (u32)arg_beyond(ctx, 2) == 0)
+        return 0;  // no message: nothing is sent
     // struct user_msghdr (and struct mmsghdr, which starts with one): void *msg_name; int msg_namelen
     struct {
         u64 name;
         u32 namelen;
         u32 pad;
     } h = {};
-    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctx->args[1]) != 0)
+    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctx->args[1]) != 0) {
+        u32 run = current_run();
+        if (run)
+            count_lost(run, EV_CONNECT);  // a message header not in memory yet: counted, not guessed
         return 0;
+    }
     return emit_send((s32)ctx->args[0], (const void *)h.name, h.namelen);
 }
 

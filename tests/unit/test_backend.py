@@ -133,9 +133,16 @@ def test_spools_wait_in_a_directory_only_the_recorder_can_enter(tmp_path: Path) 
     d = tmp_path / "lib" / "spool"
     assert private_dir(d) == d and (d.stat().st_mode & 0o777) == 0o700
     d.chmod(0o777)
-    private_dir(d)
-    assert (d.stat().st_mode & 0o777) == 0o700
+    with pytest.raises(OSError, match="writable by others"):
+        private_dir(d)  # and its mode is left alone (it may be a shared directory like /tmp)
+    assert (d.stat().st_mode & 0o777) == 0o777
+    d.chmod(0o755)
+    assert private_dir(d) == d
     link = tmp_path / "link"
     link.symlink_to(d)
     with pytest.raises(OSError, match="not a directory"):
         private_dir(link)
+    (d / "s.spool.zst").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError):  # a spool is always a new file, never through a link
+        SpoolWriter(d / "s.spool.zst")
+    assert not (tmp_path / "elsewhere").exists()

@@ -141,8 +141,8 @@ def test_flags_and_access_classes() -> None:
 
 def test_what_a_job_could_hide_behind_is_named() -> None:
     """fchdir to a directory never seen opened leaves the cwd unknown (not the old one); an exec of
-    /dev/fd/N is named by the path N was opened with; opening another cgroup's cgroup.procs for
-    writing (a way out of the recording) is a degradation."""
+    /dev/fd/N keeps that name (lint flags it); opening another cgroup's cgroup.procs for writing (a
+    way out of the recording) is a degradation."""
     c = Correlator(0)
     c.cgroup_mount, c.run_cgroup = "/sys/fs/cgroup", "/sys/fs/cgroup/evidence/s1"
     c.add_root(10, 1, "/w")
@@ -172,6 +172,7 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
     opens = [o["path"] for o in out if o["k"] == "open"]
     assert opens[0] == "<unknown cwd>/secret.txt"
     (exe,) = [o for o in out if o["k"] == "exec"]
-    assert exe["filename"] == "/usr/bin/id" and exe["argv"] == ["make", "all"]
+    # close is not traced, so fd 5 may name something else by now (a memfd): kept as the kernel says
+    assert exe["filename"] == "/dev/fd/5/id" and exe["argv"] == ["make", "all"]
     (deg,) = [o for o in out if o["k"] == "degradation"]
     assert deg["component"] == "cgroup" and "/sys/fs/cgroup/cgroup.procs" in deg["reason"]

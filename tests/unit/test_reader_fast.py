@@ -181,7 +181,7 @@ _TIMES = st.one_of(
     st.builds(
         lambda i, c: _GOOD_TIME[:i] + c + _GOOD_TIME[i + 1 :],
         st.integers(min_value=0, max_value=29),
-        st.characters(),
+        st.characters(codec="utf-8"),  # no lone surrogates: a bundle line is UTF-8
     ),
 )
 
