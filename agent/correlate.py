@@ -53,6 +53,9 @@ _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o1000
 # the kernel's own codes for a system call interrupted by a signal and restarted (include/linux/errno.h):
 # the restarted call is recorded again, with its own result
 _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
+# not a kernel code: the result of a call whose result never came (lost, or still in progress at the end)
+NO_RESULT = -1_000_000
+_RESTART[-NO_RESULT] = "NO_RESULT"
 
 
 @functools.lru_cache(maxsize=512)
@@ -173,7 +176,19 @@ class Correlator:
 
     def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         """Consume one decoded record; return the spool records it completes."""
-        out = self._feed(ev)
+        return self._named(self._feed(ev), ev)
+
+    def flush(self) -> list[dict[str, Any]]:
+        """The operations still waiting for their result when the run ends (a call in progress, or
+        a result the ring buffer lost): recorded with the result NO_RESULT, not dropped."""
+        out: list[dict[str, Any]] = []
+        for enter in list(self.pending.values()):
+            out += self._named(self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter)
+        self.pending.clear()
+        return out
+
+    def _named(self, out: list[dict[str, Any]], ev: dict[str, Any]) -> list[dict[str, Any]]:
+        """The records, with the cgroup (and container) of the record `ev` when not the run's own."""
         if out and self.cgroup_name is not None:
             name = self.cgroup_name(ev.get("cgid", 0))
             if name is not None:
@@ -188,8 +203,12 @@ class Correlator:
         kind = ev["kind"]
         t = ev["ts"] + self.wall_offset_ns
         if kind in ("open", "exec", "connect", "chdir", "fchdir", "dup"):
+            stale = self.pending.get(ev["tid"])
             self.pending[ev["tid"]] = ev
-            return []
+            if stale is None:
+                return []
+            # the thread's previous call returned, but its result was lost: recorded, not dropped
+            return self._complete(stale, NO_RESULT, stale["ts"] + self.wall_offset_ns)
         if kind == "pathfix":  # the path re-read at syscall exit, after a fault at entry
             enter = self.pending.get(ev["tid"])
             if enter is not None and not ev["flags"] & d.F_FNAME_FAULT:

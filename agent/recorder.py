@@ -259,6 +259,7 @@ class Recorder:
             del self._sessions[session.slot]
         if session.correlator.unpaired:
             lost["unpaired_results"] = session.correlator.unpaired
+        session.spool.write_many(session.correlator.flush())  # calls whose result never came
         session.spool.write_many(session.extra_records)
         session.spool.close()
         meta = RunMeta(

@@ -176,3 +176,25 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
     assert exe["filename"] == "/dev/fd/5/id" and exe["argv"] == ["make", "all"]
     (deg,) = [o for o in out if o["k"] == "degradation"]
     assert deg["component"] == "cgroup" and "/sys/fs/cgroup/cgroup.procs" in deg["reason"]
+
+
+def test_a_call_whose_result_never_came_is_recorded_not_dropped() -> None:
+    """An open whose result the ring buffer lost (the thread's next call arrives first), and a
+    connect still in progress when the run ends: both are recorded, with the result NO_RESULT."""
+    c = Correlator(0)
+    c.add_root(10, 1, "/w")
+    out = feed(
+        c,
+        ev("open", path="secret", dfd=-100, oflags=0, mode=0, sc=0),
+        # its result was lost: the next call of the same thread comes
+        ev("open", path="next", dfd=-100, oflags=0, mode=0, sc=0),
+        ret(d.SC_OPEN, 3),
+        ev("connect", family="AF_INET", address="127.0.0.1", port=80, fd=3),
+    )
+    out += c.flush()
+    assert [(o["k"], o.get("path") or o.get("address"), o["result"]) for o in out] == [
+        ("open", "/w/secret", "NO_RESULT"),
+        ("open", "/w/next", 0),
+        ("connect", "127.0.0.1", "NO_RESULT"),
+    ]
+    assert c.flush() == [] and c.pending == {}
