@@ -54,18 +54,6 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     return ppid, cwd, exe
 
 
-def load_probes() -> Any:
-    """Compile and load the recorder's probes (probes.loader.RecorderProbes): about a second."""
-    from probes.loader import RecorderProbes
-
-    try:
-        return RecorderProbes()
-    except Exception as e:  # BCC raises bare Exception on compile/load failures
-        raise SetupError(
-            f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"
-        ) from e
-
-
 def _container_namer(cgroup_path: Path) -> Any:
     """A nested cgroup's name (relative to the run's) -> the container id its scope name carries."""
     from agent.cgroups import find_cgroup2_mount

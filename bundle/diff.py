@@ -189,26 +189,11 @@ def compare(a: Behaviour, b: Behaviour) -> list[Change]:
     changes = _compare_simple(
         "exec", a.execs, b.execs, lambda k: " ".join([k[0], "--", *k[1:]]) if k[1:] else k[0]
     )
-    for path in sorted(b.files.keys() - a.files.keys()):
-        per = b.files[path]
-        changes.append(
-            Change(
-                "file",
-                "added",
-                path,
-                "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per),
-            )
-        )
-    for path in sorted(a.files.keys() - b.files.keys()):
-        per = a.files[path]
-        changes.append(
-            Change(
-                "file",
-                "removed",
-                path,
-                "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per),
-            )
-        )
+    for what, side, other in (("added", b.files, a.files), ("removed", a.files, b.files)):
+        for path in sorted(side.keys() - other.keys()):
+            per = side[path]
+            detail = "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per)
+            changes.append(Change("file", what, path, detail))
     for path in sorted(a.files.keys() & b.files.keys()):
         pa, pb = a.files[path], b.files[path]
         notes = []

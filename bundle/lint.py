@@ -208,12 +208,6 @@ class Linter:
         if part.cut_short:
             self.manifest = {**self.manifest, "cut_short": True}
 
-    def feed(self, ev: dict[str, Any]) -> None:
-        """One event (a fold of one)."""
-        part = self.start(ev["seq"])
-        part.feed(ev)
-        self.take(part)
-
     def add(self, code: str, message: str, key: str, seq: int | None) -> None:
         """A finding about the whole run: never dropped by the cap on findings."""
         k = (code, key)

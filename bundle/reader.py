@@ -939,8 +939,6 @@ class _Verifier:
                 while len(pending) < _AHEAD and take() is not None:
                     pass
                 for piece in pending:  # the helper is kept busy: this process has more to do
-                    if len(helper.in_flight) >= _IN_FLIGHT:
-                        break
                     if not piece.remote and not piece.checked and helper.takes(piece):
                         helper.submit(piece)
             if not pending and take() is None:

@@ -27,7 +27,6 @@ class Summary:
     the whole run, whichever process summed up which piece."""
 
     manifest: dict[str, Any]
-    seq: int = 0
     started: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
     procs: dict[int, list[Exec]] = dataclasses.field(default_factory=dict)  # pid -> its execs
@@ -43,8 +42,8 @@ class Summary:
     untracked: int = 0
 
     def part(self, seq: int) -> Summary:
-        """An empty summary of the events from `seq` on (what Bundle.fold folds into)."""
-        return Summary({}, seq)
+        """An empty summary for the events from `seq` on (what Bundle.fold folds into)."""
+        return Summary({})
 
     def feed(self, ev: dict[str, Any]) -> None:
         t, d = ev["type"], ev["data"]
