@@ -29,8 +29,8 @@ COPY probes/ probes/
 # A venv that also sees Debian's bcc module (--system-site-packages); the project's own dependencies
 # come pinned by pyproject's lower bounds from PyPI.
 RUN python3 -m venv --system-site-packages /opt/evidence/venv \
-    && /opt/evidence/venv/bin/pip install --no-cache-dir --disable-pip-version-check /opt/evidence/src \
-    && /opt/evidence/venv/bin/python -c "import bcc, agent, bundle" \
+    && /opt/evidence/venv/bin/pip install --no-cache-dir --disable-pip-version-check "/opt/evidence/src[agent]" \
+    && /opt/evidence/venv/bin/python -c "import bcc, evidence.agent.daemon.service, evidence.bundle.reader" \
     && mkdir -p /var/lib/evidence/bundles /run/evidence
 
 ENV PATH=/opt/evidence/venv/bin:$PATH \

@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Recorder overhead, measured side by side in one run: untraced vs `evidence run` vs `strace -f`.
 
-Each workload (bench/workloads.c, compiled here) times its own loop, so ratios compare the work
-itself; `evidence run -- true` is timed whole to show the fixed cost of a recorded run. Run as root:
-`make bench` (or `.venv/bin/python bench/bench.py [--quick]`). Prints a table and the checks:
-events captured exactly and lost = 0.
+The headline is what a user waits for: the whole `evidence run` process's wall time against the
+untraced command's (and the same after subtracting `evidence run -- true`, the fixed start cost),
+with peak RSS. Beside it, the in-loop ratio: each workload (bench/workloads.c, compiled here) times its
+own loop. Floods: 1M opens of one path, 2 processes x 1M opens of distinct paths. Run as root:
+`make bench` (or `.venv/bin/python bench/bench.py [--quick] [--cases open,open1m] [--python PY]`;
+`--python` runs another checkout's interpreter, for before/after figures from one session). Prints a
+table and the checks: events captured exactly, lost = 0, every bundle verifies.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -22,7 +26,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EVIDENCE = [sys.executable, "-m", "evidence"]
 
 
 def compile_workloads(out: Path) -> Path:
@@ -34,13 +37,26 @@ def compile_workloads(out: Path) -> Path:
     return exe
 
 
-def loop_ns(cmd: list[str]) -> tuple[int, float, str]:
-    t = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - t
+def measure(cmd: list[str]) -> tuple[int, float, int, str]:
+    """(the loop's own ns as the workload prints it, whole-process wall s, peak RSS KiB, stderr). The
+    peak RSS is the largest of the process and the descendants it waited for (wait4)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.monotonic() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
     if p.returncode != 0:
-        sys.exit(f"bench: {' '.join(cmd)} failed: {p.stderr.strip()[-500:]}")
-    return int(p.stdout.strip().splitlines()[-1]), wall, p.stderr
+        sys.exit(f"bench: {' '.join(cmd)} failed ({p.returncode}): {stderr.strip()[-500:]}")
+    return int(stdout.strip().splitlines()[-1]), wall, usage.ru_maxrss, stderr
+
+
+def loop_ns(cmd: list[str]) -> tuple[int, float, str]:
+    ns, wall, _rss, err = measure(cmd)
+    return ns, wall, err
 
 
 def bundle_facts(path: Path) -> tuple[dict, list[dict]]:
@@ -50,46 +66,81 @@ def bundle_facts(path: Path) -> tuple[dict, list[dict]]:
     return manifest, events
 
 
+CASES = {
+    # name: (workload mode, N, label, extra `evidence run` options)
+    "open": ("open", 300_000, "300k open/close", []),
+    "exec": ("exec", 5_000, "5k fork+exec /bin/true", []),
+    "connect": ("connect", 20_000, "20k loopback connects", []),
+    "open1m": ("open", 1_000_000, "1M opens of one path", []),
+    "open1m-full": ("open", 1_000_000, "1M opens, --detail full", ["--detail", "full"]),
+    "distinct": ("distinct", 1_000_000, "2 x 1M distinct paths", []),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller loops (a smoke test, not the targets)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that runs `-m evidence`")
+    ap.add_argument("--no-strace", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench: run as root")
+    # -P: the interpreter's own evidence, never one in the current directory (before/after runs)
+    evidence = [args.python, "-P", "-m", "evidence"]
+    run_help = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
+    standalone = ["--standalone"] if "--standalone" in run_help else []  # never through an agent
     scale = 10 if args.quick else 1
     work = Path(tempfile.mkdtemp(prefix="evidence-bench-"))
     exe = compile_workloads(work)
     rows = []
     checks = []
-    cases = [
-        ("open", 300_000 // scale, "300k open/close"),
-        ("exec", 5_000 // scale, "5k fork+exec /bin/true"),
-        ("connect", 20_000 // scale, "20k loopback connects"),
-    ]
-    for mode, n, label in cases:
+    for case in args.cases.split(","):
+        mode, n, label, opts = CASES[case]
+        n //= scale
         # untraced and traced runs alternate, so drift in a noisy VM hits both alike
         bases, traced = [], []
         for i in range(args.repeat):
-            bases.append(loop_ns([str(exe), mode, str(n)])[0])
-            bundle = work / f"{mode}-{i}.tar.gz"
-            ns, wall, _err = loop_ns(
-                [*EVIDENCE, "run", "--bundle", str(bundle), "--", str(exe), mode, str(n)]
+            bases.append(measure([str(exe), mode, str(n)]))
+            bundle = work / f"{case}-{i}.tar.gz"
+            traced.append(
+                measure(
+                    [
+                        *evidence,
+                        "run",
+                        *standalone,
+                        "--bundle",
+                        str(bundle),
+                        *opts,
+                        "--",
+                        str(exe),
+                        mode,
+                        str(n),
+                    ]
+                )
             )
-            traced.append((ns, wall))
-        base = int(statistics.median(bases))
+        base = int(statistics.median(b[0] for b in bases))
+        base_wall = statistics.median(b[1] for b in bases)
+        base_rss = max(b[2] for b in bases)
         t_ns = int(statistics.median(t[0] for t in traced))
         t_wall = statistics.median(t[1] for t in traced)
+        t_rss = max(t[2] for t in traced)
         manifest, events = bundle_facts(bundle)
+        lint = subprocess.run([*evidence, "lint", str(bundle)], capture_output=True, check=False).returncode
         # strace on a tenth of the loop (it is ~50x slower), compared per operation
         sn = max(1, n // 10)
         s_ns = (
             loop_ns(["strace", "-f", "-qq", "-o", "/dev/null", str(exe), mode, str(sn)])[0]
-            if shutil.which("strace")
+            if shutil.which("strace") and not args.no_strace and mode != "distinct"
             else 0
         )
         s_ratio = (s_ns / sn) / (base / n) if s_ns else float("nan")
-        rows.append((label, base / 1e9, t_ns / 1e9, t_ns / base, t_wall, s_ratio, manifest["lost"]["total"]))
+        rows.append(
+            (label, base_wall, t_wall, t_wall / base_wall, t_ns / base, base_rss, t_rss, s_ratio, manifest)
+        )
+        lost = manifest["lost"]["total"]
+        checks.append((f"{label}: bundle verifies (lint exit 0 or 1)", lint in (0, 1), True))
         if mode == "open":
             hits = [
                 e for e in events if e["type"] == "dev.evidence.file.open" and e["subject"] == "/etc/hostname"
@@ -105,27 +156,47 @@ def main() -> int:
                 and e["data"]["result"] == 0
             ]
             checks.append((f"{label}: execs captured with argv", len(execs), n))
-        else:
+            want = hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest()
+            hashed = sum(1 for e in execs if e["data"].get("sha256") == want)
+            checks.append((f"{label}: execs with the sha256 of /bin/true", hashed, n))
+        elif mode == "connect":
             conns = [
                 e for e in events if e["type"] == "dev.evidence.network.connect" and e["data"]["result"] == 0
             ]
             checks.append((f"{label}: connects counted", sum(e["data"]["count"] for e in conns), n))
-        checks.append((f"{label}: events lost", manifest["lost"]["total"], 0))
+        if mode == "distinct":
+            opens = sum(
+                e["data"]["count"]
+                for e in events
+                if e["type"] == "dev.evidence.file.open" and e["subject"].startswith("/nonexistent/p")
+            )
+            # every open is in the bundle or counted (lost, or past a cap): never silence
+            checks.append((f"{label}: opens recorded + counted as not kept", opens + lost >= 2 * n, True))
+        else:
+            checks.append((f"{label}: events lost", lost, 0))
     # fixed cost of a recorded run
     true_base = statistics.median(loop_wall(["/bin/true"]) for _ in range(args.repeat))
     true_rec = statistics.median(
-        loop_wall([*EVIDENCE, "run", "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"])
+        loop_wall([*evidence, "run", *standalone, "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"])
         for _ in range(args.repeat)
     )
-    py_start = statistics.median(loop_wall([*EVIDENCE, "--version"]) for _ in range(args.repeat))
+    py_start = statistics.median(loop_wall([*evidence, "--version"]) for _ in range(args.repeat))
 
     print(
-        f"\n{'workload':<28}{'untraced s':>11}{'evidence s':>11}{'ratio':>8}{'run wall s':>11}{'strace ratio':>13}{'lost':>6}"
+        f"\n{'workload':<24}{'untraced s':>11}{'run s':>8}{'whole':>8}{'-true':>8}{'in-loop':>9}"
+        f"{'RSS MB':>8}{'run RSS':>9}{'strace':>8}{'events':>9}{'lost':>9}"
     )
-    for label, b, t, r, w, s, lost in rows:
-        print(f"{label:<28}{b:>11.3f}{t:>11.3f}{r:>7.2f}x{w:>11.2f}{s:>12.1f}x{lost:>6}")
+    for label, b, w, r, loop, brss, trss, s, manifest in rows:
+        minus_true = (w - true_rec) / b
+        print(
+            f"{label:<24}{b:>11.2f}{w:>8.2f}{r:>7.2f}x{minus_true:>7.2f}x{loop:>8.2f}x"
+            f"{brss / 1024:>8.0f}{trss / 1024:>9.0f}{s:>7.1f}x{manifest['events']:>9}{manifest['lost']['total']:>9}"
+        )
     print(
-        f"\n`evidence run -- true` adds {true_rec - true_base:.2f} s (of which {py_start:.2f} s is starting Python)"
+        "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
+        f" `evidence run -- true` ({true_rec:.2f} s);\nin-loop: the workload's own loop time, traced / untraced."
+        f" RSS: peak (wait4). `evidence run -- true` adds {true_rec - true_base:.2f} s"
+        f" (of which {py_start:.2f} s is starting Python)"
     )
     print("\nchecks:")
     ok = True

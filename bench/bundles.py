@@ -4,7 +4,7 @@
 
 Writes two --detail full style bundles with the real writer (B differs from A a little: a few new
 paths, a new destination, different counts), then runs `evidence lint A`, `evidence diff A B` and
-`evidence show A` each in a fresh subprocess, timing it and reading the child's peak RSS (os.wait4).
+`evidence show A` (and `show --format html A`, which lints in the same pass) each in a fresh subprocess, timing it and reading the child's peak RSS (os.wait4).
 Targets (1M events): lint <= 5 s, diff <= 10 s, < 200 MB RSS. With --repeat N each command runs N
 times and the median time is judged (machines are noisy). Side by side, in the same run, a naive
 read of A (inflate, parse every line, check nothing): each command's time is also given as a ratio
@@ -28,11 +28,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bundle.writer import RunMeta, write_bundle  # noqa: E402
+from evidence.bundle.writer import RunMeta, write_bundle  # noqa: E402
 
 T0 = 1_700_000_000_000_000_000
 WS = "/home/ci/work"
-TARGETS = {"lint": (5.0, 200), "diff": (10.0, 200), "show": (None, 200)}
+TARGETS = {"lint": (5.0, 200), "diff": (10.0, 200), "show": (None, 200), "html": (None, 200)}
 
 
 def records(n: int, variant: int) -> Iterator[dict[str, Any]]:
@@ -203,6 +203,7 @@ def main() -> int:
         ("lint", ["lint", str(a)]),
         ("diff", ["diff", str(a), str(b)]),
         ("show", ["show", str(a)]),
+        ("html", ["show", "--format", "html", str(a)]),  # show and lint in one pass
     ):
         runs = [timed([_CHILD, *cmd]) for _ in range(repeat)]
         rc = max(r[0] for r in runs)

@@ -19,7 +19,7 @@ static long long now_ns(void) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s open|exec|connect N\n", argv[0]);
+        fprintf(stderr, "usage: %s open|exec|connect|distinct N\n", argv[0]);
         return 2;
     }
     long n = atol(argv[2]);
@@ -30,6 +30,23 @@ int main(int argc, char **argv) {
             if (fd >= 0)
                 close(fd);
         }
+    } else if (!strcmp(argv[1], "distinct")) {
+        // 2 processes x N opens of distinct paths (none exists: ENOENT), side by side
+        for (int k = 0; k < 2; k++) {
+            if (fork() == 0) {
+                char path[64];
+                for (long i = 0; i < n; i++) {
+                    snprintf(path, sizeof(path), "/nonexistent/p%d/%ld", k, i);
+                    int fd = open(path, O_RDONLY);
+                    if (fd >= 0)
+                        close(fd);
+                }
+                _exit(0);
+            }
+        }
+        int st;
+        while (wait(&st) > 0)
+            ;
     } else if (!strcmp(argv[1], "exec")) {
         for (long i = 0; i < n; i++) {
             pid_t p = fork();

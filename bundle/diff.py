@@ -2,7 +2,8 @@
 
 Each bundle is verified and reduced, in one streaming pass, to behaviour keys (only the keys and
 their counts are kept, never the events):
-- exec: the program and its argv (normalised) -> count, successes, failures;
+- exec: the program and its argv (normalised) -> count, successes, failures; and each program
+  (normalised) -> the sha256 of its content (every one seen, from successful execs);
 - file: the path (normalised) -> per access class (read, write, create, exec): count, successes,
   failures;
 - network: (family, address, port) -> count, successes, failures;
@@ -16,7 +17,8 @@ becomes /proc/<pid>; random temp names become <rand>; every `--ignore PATTERN` (
 expression) match becomes <ignored>.
 
 Then keys only in B are "added", keys only in A "removed", and keys in both whose counts differ, that
-gained an access class, or that went from success to failure are "changed". Absence in B means
+gained an access class, or that went from success to failure are "changed", and so is a program run
+on both sides whose content (sha256) differs. Absence in B means
 that no event was observed: if either side lost events, the report says so, with both loss counts.
 """
 
@@ -32,21 +34,25 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bundle import format as fmt
-from bundle import reader
-from bundle.normalize import Normalizer
+from evidence.bundle import format as fmt
+from evidence.bundle import reader
+from evidence.bundle.normalize import Normalizer
+from evidence.bundle.text import join_lines
 from evidence.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+from evidence.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("exec", "file", "network", "denial", "exit")
 FAIL_ON = ("added", "removed", "changed", "any", "none")
-ACCESS = ("read", "write", "create", "exec")
+# what a run did to a path: an open's access classes, then a file change's operation (on its path)
+# and "<operation> to" (rename's and link's new name)
+_CHANGE_OPS = ("rename", "unlink", "rmdir", "link", "symlink", "truncate", "chmod", "chown", "mkdir", "mknod")
+ACCESS = ("read", "write", "create", "exec", *_CHANGE_OPS, "rename to", "link to")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 BASELINE_SUFFIX = ".bundle.tar.gz"
 _CACHE = 200_000  # entries per memo of normalised values
@@ -63,10 +69,12 @@ class Behaviour:
     lost_by_kind: dict[str, int]
     detail: str
     execs: dict[tuple[str, ...], list[int]] = dataclasses.field(default_factory=dict)
+    hashes: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # program -> its sha256s
     files: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
     network: dict[tuple[str, str, str], list[int]] = dataclasses.field(default_factory=dict)
     denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
     exit: str = "unknown"
+    root_hash: str = ""
 
 
 def roots(manifest: dict[str, Any]) -> dict[str, str]:
@@ -104,10 +112,12 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
         return out
 
     b = Behaviour(path, m["run_id"], m["events"], m["lost"]["total"], dict(m["lost"]["by_kind"]), m["detail"])
+    b.root_hash = m["root_hash"]
     loss_events = 0
     files = b.files
     file_of: dict[str, dict[str, list[int]]] = {}  # a path as recorded -> its entry in b.files
     file_open, process_exec, network_connect = fmt.FILE_OPEN, fmt.PROCESS_EXEC, fmt.NETWORK_CONNECT
+    file_change = fmt.FILE_CHANGE
     policy_denial, run_finished, loss = fmt.POLICY_DENIAL, fmt.RUN_FINISHED, fmt.LOSS
     for ev in bundle.events():
         t = ev["type"]
@@ -131,9 +141,25 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
                 else:
                     v[0] += count
                     v[1 if ok else 2] += count
+        elif t == file_change:
+            count, ok, op = d.get("count", 1), d["result"] == 0, d["operation"]
+            named = [(d["path"], op)]
+            if d.get("target") is not None and op in ("rename", "link"):
+                named.append((d["target"], op + " to"))
+            for raw_name, acc in named:
+                per = files.setdefault(n(raw_name), {})
+                v = per.get(acc)
+                if v is None:
+                    per[acc] = [count, count, 0] if ok else [count, 0, count]
+                else:
+                    v[0] += count
+                    v[1 if ok else 2] += count
         elif t == process_exec:
             cmd = (n(d["filename"]), *map(n, d["argv"]))
             _bump(b.execs, cmd, d.get("count", 1), d["result"] == 0)
+            digest = d.get("sha256")
+            if digest is not None:
+                b.hashes.setdefault(cmd[0], set()).add(digest)
         elif t == network_connect:
             port = "" if d.get("port") is None else str(d["port"])
             _bump(b.network, (d["family"], n(d["address"]), port), d.get("count", 1), d["result"] == 0)
@@ -159,7 +185,7 @@ class Change:
         return dataclasses.asdict(self)
 
 
-def _fmt_counts(v: list[int]) -> str:
+def fmt_counts(v: list[int]) -> str:
     if v[2] == 0:
         return f"x{v[0]}"
     if v[1] == 0:
@@ -174,25 +200,46 @@ def _compare_simple(kind: str, a: dict[Any, list[int]], b: dict[Any, list[int]],
         if vb is None:
             removed.append(key)
         elif va[1] > 0 and vb[1] == 0:
-            changed.append((key, f"succeeded before, now fails ({_fmt_counts(va)} -> {_fmt_counts(vb)})"))
+            changed.append((key, f"succeeded before, now fails ({fmt_counts(va)} -> {fmt_counts(vb)})"))
         elif va[0] != vb[0]:
             changed.append((key, f"count {va[0]} -> {vb[0]}"))
     added = [key for key in b if key not in a]
-    out = [Change(kind, "added", show(k), _fmt_counts(b[k])) for k in sorted(added, key=repr)]
-    out += [Change(kind, "removed", show(k), _fmt_counts(a[k])) for k in sorted(removed, key=repr)]
+    out = [Change(kind, "added", show(k), fmt_counts(b[k])) for k in sorted(added, key=repr)]
+    out += [Change(kind, "removed", show(k), fmt_counts(a[k])) for k in sorted(removed, key=repr)]
     changed.sort(key=lambda kd: repr(kd[0]))
     out += [Change(kind, "changed", show(k), detail) for k, detail in changed]
     return out
 
 
+def _digests(hashes: set[str]) -> str:
+    return ", ".join(h[:16] for h in sorted(hashes))
+
+
+def show_exec(k: tuple[str, ...]) -> str:
+    return " ".join([k[0], "--", *k[1:]]) if k[1:] else k[0]
+
+
+def show_dest(k: tuple[str, str, str]) -> str:
+    family, addr, port = k
+    host = f"[{addr}]" if family == "AF_INET6" else addr
+    return f"{host}:{port}" if port else f"{addr} ({family})"
+
+
+def show_denial(k: tuple[str, str, str, str]) -> str:
+    return f"{k[0]} {k[1]} (rule {k[2]}, {k[3]})"
+
+
 def compare(a: Behaviour, b: Behaviour) -> list[Change]:
-    changes = _compare_simple(
-        "exec", a.execs, b.execs, lambda k: " ".join([k[0], "--", *k[1:]]) if k[1:] else k[0]
-    )
+    changes = _compare_simple("exec", a.execs, b.execs, show_exec)
+    for program in sorted(a.hashes.keys() & b.hashes.keys()):
+        ha, hb = a.hashes[program], b.hashes[program]
+        if ha != hb:
+            detail = f"content changed: sha256 {_digests(ha)} -> {_digests(hb)}"
+            changes.append(Change("exec", "changed", program, detail))
     for what, side, other in (("added", b.files, a.files), ("removed", a.files, b.files)):
         for path in sorted(side.keys() - other.keys()):
             per = side[path]
-            detail = "; ".join(f"{acc} {_fmt_counts(per[acc])}" for acc in ACCESS if acc in per)
+            detail = "; ".join(f"{acc} {fmt_counts(per[acc])}" for acc in ACCESS if acc in per)
             changes.append(Change("file", what, path, detail))
     for path in sorted(a.files.keys() & b.files.keys()):
         pa, pb = a.files[path], b.files[path]
@@ -212,15 +259,8 @@ def compare(a: Behaviour, b: Behaviour) -> list[Change]:
         if notes:
             changes.append(Change("file", "changed", path, "; ".join(notes)))
 
-    def dest(k: tuple[str, str, str]) -> str:
-        family, addr, port = k
-        host = f"[{addr}]" if family == "AF_INET6" else addr
-        return f"{host}:{port}" if port else f"{addr} ({family})"
-
-    changes += _compare_simple("network", a.network, b.network, dest)
-    changes += _compare_simple(
-        "denial", a.denials, b.denials, lambda k: f"{k[0]} {k[1]} (rule {k[2]}, {k[3]})"
-    )
+    changes += _compare_simple("network", a.network, b.network, show_dest)
+    changes += _compare_simple("denial", a.denials, b.denials, show_denial)
     if a.exit != b.exit:
         changes.append(Change("exit", "changed", "exit code", f"{a.exit} -> {b.exit}"))
     return changes
@@ -270,7 +310,7 @@ def render_text(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
     note = _loss_note(a, b)
     if not changes:
         out.append("No behaviour differences observed." + (f" Note: {note}." if note else ""))
-        return "\n".join(out) + "\n"
+        return join_lines(out)
     counts = {w: sum(1 for c in changes if c.what == w) for w in ("added", "removed", "changed")}
     out.append(f"{len(changes)} differences: " + ", ".join(f"{n} {w}" for w, n in counts.items()))
     out.append("Absence in B means no event was observed in B." + (f" Note: {note}." if note else ""))
@@ -280,7 +320,7 @@ def render_text(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
         if group:
             out.append(f"{kind}:")
             out += [f"  {sign[c.what]} {c.key}  ({c.detail})" for c in group]
-    return "\n".join(out) + "\n"
+    return join_lines(out)
 
 
 def render_json(a: Behaviour, b: Behaviour, changes: list[Change], code: int, ignore: list[str]) -> str:
@@ -323,7 +363,7 @@ def render_markdown(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
         out += [f"> **Warning:** {note}.", ""]
     if not changes:
         out.append("No behaviour differences observed.")
-        return "\n".join(out) + "\n"
+        return join_lines(out)
     out += ["_Absence in B means no event was observed in B._", ""]
     for kind in KINDS:
         group = [c for c in changes if c.kind == kind]
@@ -331,7 +371,7 @@ def render_markdown(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
             out += [f"### {kind}", "", "| | what | detail |", "|---|---|---|"]
             out += [f"| {c.what} | `{_md(c.key)}` | {_md(c.detail)} |" for c in group]
             out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
+    return join_lines(out).rstrip("\n") + "\n"
 
 
 # --- command -------------------------------------------------------------------------------------
@@ -354,7 +394,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="regular expression replaced by <ignored> before comparing (repeatable)",
     )
     parser.add_argument(
-        "--baseline", metavar="DIR", help="compare against (or store) a named baseline kept in DIR"
+        "--baseline",
+        metavar="FILE|DIR",
+        help="a baseline file (evidence baseline build): report only what it has not seen; or a DIR "
+        "where a named bundle is kept (stored on first use) to compare against",
+    )
+    parser.add_argument(
+        "--min-runs",
+        type=int,
+        metavar="N",
+        help="with a baseline file: known means seen in at least N of its runs (default 1: ever seen)",
     )
     parser.add_argument("--name", default="default", help="baseline name (default: default)")
     parser.add_argument(
@@ -364,22 +413,48 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _store(bundle: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".evidence-baseline-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out, open(bundle, "rb") as src:
-            shutil.copyfileobj(src, out)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(target) as out, open(bundle, "rb") as src:
+        shutil.copyfileobj(src, out)
 
 
-def run(args: argparse.Namespace) -> int:
-    for p in args.ignore:
+def check_patterns(patterns: list[str]) -> None:
+    for p in patterns:
         try:
             re.compile(p)
         except re.error as e:
             raise UsageError(f"--ignore {p!r} is not a valid regular expression: {e}") from None
+
+
+def is_baseline_file(target: Path) -> bool:
+    """`--baseline` names a baseline file (not a directory of named bundles): an existing file, or a
+    name ending in .json."""
+    return target.is_file() or (not target.exists() and target.suffix == ".json")
+
+
+def report(
+    a: Behaviour, b: Behaviour, changes: list[Change], args: argparse.Namespace, ignore: list[str]
+) -> int:
+    """Writes the report in --format; the exit code --fail-on makes of the changes."""
+    code = EXIT_FINDINGS if reaches(changes, args.fail_on) else EXIT_OK
+    if args.format == "json":
+        sys.stdout.write(render_json(a, b, changes, code, ignore))
+    elif args.format == "markdown":
+        sys.stdout.write(render_markdown(a, b, changes))
+    else:
+        sys.stdout.write(render_text(a, b, changes))
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    check_patterns(args.ignore)
+    if args.baseline and is_baseline_file(Path(args.baseline)):
+        if len(args.bundles) != 1 or args.update:
+            raise UsageError("with a baseline file, diff takes one bundle (the new run) and no --update")
+        from evidence.bundle import baseline
+
+        return baseline.diff_against(args.baseline, args.bundles[0], args)
+    if args.min_runs is not None:
+        raise UsageError("--min-runs needs --baseline FILE (a file made by evidence baseline build)")
     if args.baseline:
         if len(args.bundles) != 1:
             raise UsageError("with --baseline, diff takes one bundle (the new run)")
@@ -395,15 +470,7 @@ def run(args: argparse.Namespace) -> int:
         a_path, b_path = str(stored), new
     else:
         if len(args.bundles) != 2:
-            raise UsageError("diff takes two bundles: A B (or one with --baseline DIR)")
+            raise UsageError("diff takes two bundles: A B (or one with --baseline FILE|DIR)")
         a_path, b_path = args.bundles
     a, b = behaviours(a_path, b_path, args.ignore)
-    changes = compare(a, b)
-    code = EXIT_FINDINGS if reaches(changes, args.fail_on) else EXIT_OK
-    if args.format == "json":
-        sys.stdout.write(render_json(a, b, changes, code, args.ignore))
-    elif args.format == "markdown":
-        sys.stdout.write(render_markdown(a, b, changes))
-    else:
-        sys.stdout.write(render_text(a, b, changes))
-    return code
+    return report(a, b, compare(a, b), args, args.ignore)

@@ -13,13 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bundle import canonical
+from evidence.bundle import canonical
 
 FORMAT_NAME = "evidence-bundle"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 EVENTS_NAME = "events.ndjson"
-MEMBERS = (MANIFEST_NAME, EVENTS_NAME)  # exactly these, in this order
+MEMBERS = (MANIFEST_NAME, EVENTS_NAME)  # exactly these, in this order...
+ATTESTATION_NAME = "attestation.intoto.json"  # ...then, in a signed bundle, this (bundle/attestation.py)
 SPECVERSION = "1.0"
 DATACONTENTTYPE = "application/json"
 TYPE_PREFIX = "dev.evidence."
@@ -30,12 +31,14 @@ MAX_DECOMPRESSED = 1024 * 1024 * 1024
 MAX_EVENTS = 2_000_000
 MAX_LINE = 1024 * 1024
 MAX_DEPTH = 64
+MAX_ATTESTATION = 2 * 1024 * 1024  # its payload is a statement about a manifest of at most MAX_LINE
 
 RUN_STARTED = "dev.evidence.run.started"
 RUN_FINISHED = "dev.evidence.run.finished"
 PROCESS_EXEC = "dev.evidence.process.exec"
 PROCESS_EXIT = "dev.evidence.process.exit"
 FILE_OPEN = "dev.evidence.file.open"
+FILE_CHANGE = "dev.evidence.file.change"
 NETWORK_CONNECT = "dev.evidence.network.connect"
 LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
@@ -79,6 +82,19 @@ class ProcessExec(BaseModel):
     count: int = 1
     cgroup: str | None = None  # the cgroup below the run's, when not the run's own
     container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
+    # a successful exec: the program file's content (agent/recorder/exe_hash.py). `hash_source`:
+    # "exe" read through /proc/<pid>/exe, "path" read by its path (a `#!` script, or a process gone
+    # or already running something else); `not_hashed` (instead of sha256) says why not
+    sha256: str | None = None  # hex
+    size: int | None = None
+    hash_source: Literal["exe", "path"] | None = None
+    not_hashed: str | None = None
+    # a `#!` script: the interpreter its first line names, hashed as the program is
+    interpreter: str | None = None
+    interpreter_sha256: str | None = None  # hex
+    interpreter_size: int | None = None
+    interpreter_hash_source: Literal["exe", "path"] | None = None
+    interpreter_not_hashed: str | None = None
 
 
 class ProcessExit(BaseModel):
@@ -111,6 +127,34 @@ class FileOpen(BaseModel):
     container: str | None = None
 
 
+class FileChange(BaseModel):
+    """A change to a file that is not an open: one type for every family, told apart by
+    `operation`. `path` is the name changed (rename's and link's old name, symlink's new link);
+    `target` is rename's and link's new name, symlink's content as given (not resolved)."""
+
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    operation: Literal[
+        "rename", "unlink", "rmdir", "link", "symlink", "truncate", "chmod", "chown", "mkdir", "mknod"
+    ]
+    path: str
+    raw_path: str | None = None  # None: a call on a descriptor (fchmod, fchown)
+    target: str | None = None
+    access: list[Literal["read", "write", "create", "exec"]]
+    mode: int | None = None  # chmod, mkdir, mknod
+    uid: int | None = None  # chown (None: unchanged)
+    gid: int | None = None
+    at_flags: int | None = None
+    result: Result
+    count: int = 1
+    first_time: str
+    last_time: str
+    cgroup: str | None = None
+    container: str | None = None
+
+
 class NetworkConnect(BaseModel):
     model_config = _FROZEN
     pid: int
@@ -131,7 +175,7 @@ class Loss(BaseModel):
     model_config = _FROZEN
     kind: str
     count: int
-    where: Literal["kernel", "agent"] = "kernel"
+    where: Literal["kernel", "agent", "writer"] = "kernel"  # writer: past the bundle's caps
 
 
 class Degradation(BaseModel):
@@ -169,6 +213,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     PROCESS_EXEC: ProcessExec,
     PROCESS_EXIT: ProcessExit,
     FILE_OPEN: FileOpen,
+    FILE_CHANGE: FileChange,
     NETWORK_CONNECT: NetworkConnect,
     LOSS: Loss,
     DEGRADATION: Degradation,
@@ -189,20 +234,26 @@ class FileEntry(BaseModel):
     size: int
 
 
-class Manifest(BaseModel):
-    """manifest.json. Times are RFC 3339 UTC strings; hashes lowercase hex sha256."""
+class BundleHeader(BaseModel):
+    """What manifest.json says about the bundle itself: its format, its producer, and the run id and
+    source that name its events."""
 
     model_config = _FROZEN
     format: Literal["evidence-bundle"]
     format_version: int
     producer: dict[str, str]
     run_id: str
-    session_id: str
     source: str
+
+
+class RunInfo(BaseModel):
+    """What manifest.json says about the run itself, declared once: `Manifest` adds the bundle header
+    and what the writer computes (times, counts, hashes), writer.RunMeta what it computes them from."""
+
+    model_config = _FROZEN
+    session_id: str
     command: list[str]
     cwd: str
-    started_at: str
-    finished_at: str
     exit_code: int | None
     signal: str | None = None
     cut_short: bool = False
@@ -211,11 +262,20 @@ class Manifest(BaseModel):
     host: dict[str, str]
     capabilities: dict[str, Any]
     headers: dict[str, Any]
+    labels: dict[str, str] = Field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+
+
+class Manifest(RunInfo, BundleHeader):
+    """manifest.json. Times are RFC 3339 UTC strings; hashes lowercase hex sha256."""
+
+    # pydantic orders fields from the last base to the first, then these: BundleHeader's come first,
+    # so a manifest of another format fails on `format` before anything else.
+    started_at: str
+    finished_at: str
     counts: dict[str, int]
     events: int
     lost: LossCounts
-    labels: dict[str, str] = Field(default_factory=dict)
-    policy: dict[str, Any] | None = None
     files: dict[str, FileEntry]
     root_hash: str
 

@@ -3,7 +3,9 @@
 Verification comes first (bundle/reader.py); a bundle that fails it exits 2 with the first reason
 (every reason with --format json). Then every rule sees every event, findings are collected (the same
 finding on many events is reported once, with a count), and only then reported: text, JSON or
-SARIF 2.1.0 for GitHub code scanning. Exit 1 when a finding reaches --fail-on, else 0.
+SARIF 2.1.0 for GitHub code scanning. Exit 1 when a finding reaches --fail-on, else 0. It says
+whether the bundle is signed and by which keyid; `--key KEY.pub` checks the signature (exit 2 unless
+signed by that key), `--require-signature` refuses an unsigned bundle.
 """
 
 from __future__ import annotations
@@ -12,22 +14,22 @@ import argparse
 import dataclasses
 import hashlib
 import ipaddress
-import json
 import logging
 import re
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from bundle import format as fmt
-from bundle import reader
-from bundle.normalize import Normalizer
-from evidence import __version__
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from evidence.bundle import format as fmt
+from evidence.bundle import reader, signing, workflow
+from evidence.bundle.lint_output import SEVERITIES, render_json, render_sarif, render_text
+from evidence.bundle.normalize import Normalizer
 from evidence.errors import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, UsageError
 
 logger = logging.getLogger(__name__)
 
-SEVERITIES = ("error", "warning", "note")  # SARIF levels, most severe first
 _FAIL_ON = {"error": 0, "warn": 1, "info": 2, "none": -1}  # index into SEVERITIES reached
 MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
 CLOCK_TOLERANCE_NS = 1_000_000_000
@@ -36,8 +38,6 @@ WRITE_OK = (
     "/tmp", "/var/tmp", "/dev/shm", "/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/dev/ptmx",
     "/dev/pts", "/dev/stdout", "/dev/stderr", "/dev/fd", "/proc/self/fd", "/proc/thread-self/fd",
 )  # fmt: skip
-SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
-HELP_URI = "https://github.com/evidence-dev/evidence/blob/main/docs/bundle-format.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,8 @@ RULES: dict[str, Rule] = {
              "rotate the secret and pass it through a file or the environment instead. The finding "
              "shows only the kind of secret and its first characters."),
         Rule("EV004", "write-outside-workspace", "warning", "A file was written outside the workspace",
-             "A file.open that succeeded with write or create access names a path outside the "
+             "A file.open that succeeded with write or create access, or a file.change that "
+             "succeeded (rename, unlink, link, truncate, chmod, ...), names a path outside the "
              "workspace (manifest.policy.workspace, else the run's cwd), outside the run's TMPDIR "
              "and outside the usual scratch places (/tmp, /var/tmp, /dev/shm, /dev/null, ttys, "
              "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
@@ -95,6 +96,13 @@ RULES: dict[str, Rule] = {
              "than an earlier event's by more than one second. Events from different CPUs can be "
              "slightly out of order; more than a second suggests a clock jump (NTP step, VM "
              "migration) and makes durations in this bundle unreliable."),
+        Rule("EV009", "program-from-writable-place", "note", "A program ran from a place the job can write",
+             "A process.exec that succeeded ran a program (or a #! script) from the workspace, "
+             "/tmp, /var/tmp, /dev/shm or the run's TMPDIR: places the job itself, or anything it "
+             "ran, could have written. The finding names the program with its sha256 (as read "
+             "when it ran), so that what ran can be compared with what was built or reviewed; the "
+             "same path with another content is another finding (and `evidence diff` reports it "
+             "as changed between runs)."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -293,6 +301,7 @@ class _Part:
             fmt.RUN_FINISHED: self._finished,
             fmt.PROCESS_EXEC: self._exec,
             fmt.FILE_OPEN: self._open,
+            fmt.FILE_CHANGE: self._change,
             fmt.NETWORK_CONNECT: self._connect,
             fmt.LOSS: self._loss,
             fmt.DEGRADATION: self._degradation,
@@ -384,6 +393,21 @@ class _Part:
                 )
             elif _under(filename, (*TEMP_DIRS, rules.tmpdir)) and not _under(filename, (rules.workspace,)):
                 self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
+            if _under(
+                filename, (*TEMP_DIRS, rules.tmpdir, rules.workspace if rules.workspace != "/" else "")
+            ):
+                digest = d.get("sha256")
+                what = (
+                    f"sha256 {digest}"
+                    if digest
+                    else f"not hashed: {d.get('not_hashed') or 'no hash recorded'}"
+                )
+                self.add(
+                    "EV009",
+                    f"ran {filename} from a writable place ({what})",
+                    f"{rules.norm.text(filename)}@{digest or ''}",
+                    ev,
+                )
 
     def _open(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -407,6 +431,26 @@ class _Part:
                 rules.norm.text(path),
                 ev,
             )
+
+    def _change(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        op = d["operation"]
+        names = [d["path"]] + ([d["target"]] if d.get("target") is not None and op != "symlink" else [])
+        for name in (*names, d.get("raw_path"), d.get("target")):
+            if name and name != ev["subject"] and _maybe_secret(name):
+                self._secrets(name, "path", ev)
+        if d["result"] != 0:
+            return
+        rules = self.rules
+        for path in names:
+            if path.startswith("/") and not _under(path, (rules.workspace, rules.tmpdir, *WRITE_OK)):
+                exe = d.get("exe") or "?"
+                self.add(
+                    "EV004",
+                    f"{exe} changed {path} ({op}) outside the workspace {rules.workspace}",
+                    rules.norm.text(path),
+                    ev,
+                )
 
     def _connect(self, ev: dict[str, Any]) -> None:
         rules = self.rules
@@ -458,15 +502,49 @@ class _Part:
         self._argv(ev["data"]["argv"], "argv", ev)
 
 
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What lint says about a bundle's signature: the keyids it is signed by (none: unsigned), and
+    the keyid of the --key it was checked with (None: not checked)."""
+
+    keyids: tuple[str, ...] = ()
+    checked: str | None = None
+
+    def text(self) -> str:
+        if not self.keyids:
+            return "note: not signed"
+        if self.checked is not None:
+            return f"signature verified: signed by keyid {self.checked}"
+        return f"note: signed by keyid {', '.join(self.keyids)} (signature not checked: give --key KEY.pub)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"signed": bool(self.keyids), "keyids": list(self.keyids), "verified_keyid": self.checked}
+
+
 def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS).
     Raises reader.VerificationError (exit 2) if the bundle fails verification."""
+    manifest, findings, dropped, _ = lint_signed(path)
+    return manifest, findings, dropped
+
+
+def lint_signed(
+    path: str, key: Ed25519PublicKey | None = None, *, require_signature: bool = False
+) -> tuple[dict[str, Any], list[Finding], int, Signature]:
+    """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS, signature).
+    Raises reader.VerificationError (exit 2) if the bundle fails verification, and, with a `key`,
+    if it is not signed by that key; with `require_signature`, if it is not signed."""
     bundle = reader.open_bundle(path)
     linter = Linter(bundle.manifest)
     take = linter.take
     for part in bundle.fold(linter.start):
         take(part)
-    return bundle.manifest, linter.findings(), linter.dropped
+    att = bundle.attestation
+    keyids = tuple(att.keyids) if att is not None else ()
+    if att is None and require_signature:
+        raise reader.VerificationError(path, [f"not signed (the bundle has no {fmt.ATTESTATION_NAME})"])
+    checked = bundle.check_signature(key) if key is not None else None
+    return bundle.manifest, linter.findings(), linter.dropped, Signature(keyids, checked)
 
 
 def exit_code(findings: list[Finding], fail_on: str) -> int:
@@ -475,106 +553,6 @@ def exit_code(findings: list[Finding], fail_on: str) -> int:
         return EXIT_OK
     worst = min((SEVERITIES.index(f.rule.severity) for f in findings), default=99)
     return EXIT_FINDINGS if worst <= reach else EXIT_OK
-
-
-# --- output --------------------------------------------------------------------------------------
-
-
-def render_text(path: str, manifest: dict[str, Any], findings: list[Finding], dropped: int) -> str:
-    out = [
-        f"{path}: verified: run {manifest['run_id']}, {manifest['events']} events, root hash {manifest['root_hash'][:16]}"
-    ]
-    for f in findings:
-        where = f" [event {f.seq}]" if f.seq is not None else ""
-        times = f" (x{f.count})" if f.count > 1 else ""
-        out.append(f"{f.rule.severity:7} {f.rule.code} {f.rule.name}: {f.message}{times}{where}")
-    counts = {s: sum(1 for f in findings if f.rule.severity == s) for s in SEVERITIES}
-    summary = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
-    out.append(f"{len(findings)} findings: {summary}" + (f" ({dropped} more not listed)" if dropped else ""))
-    return "\n".join(out) + "\n"
-
-
-def render_json(
-    path: str,
-    manifest: dict[str, Any] | None,
-    findings: list[Finding],
-    dropped: int,
-    problems: list[str],
-    code: int,
-) -> str:
-    doc = {
-        "bundle": path,
-        "verified": not problems,
-        "problems": problems,
-        "run_id": manifest["run_id"] if manifest else None,
-        "events": manifest["events"] if manifest else None,
-        "findings": [f.as_dict() for f in findings],
-        "findings_not_listed": dropped,
-        "exit_code": code,
-    }
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-
-
-def sarif_rules() -> list[dict[str, Any]]:
-    return [
-        {
-            "id": r.code,
-            "name": r.name,
-            "shortDescription": {"text": r.short},
-            "fullDescription": {"text": r.explain},
-            "help": {"text": r.explain, "markdown": f"**{r.code} {r.name}**\n\n{r.explain}"},
-            "helpUri": f"{HELP_URI}#lint-rules",
-            "defaultConfiguration": {"level": r.severity},
-            "properties": {"tags": ["evidence", "security"] if r.severity == "error" else ["evidence"]},
-        }
-        for r in RULES.values()
-    ]
-
-
-def render_sarif(path: str, findings: list[Finding], problems: list[str]) -> str:
-    uri = path.lstrip("/") if path.startswith("/") else path
-    results = []
-    for f in findings:
-        loc: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri}}}
-        if f.event_id is not None:
-            loc["logicalLocations"] = [
-                {"name": f.event_id, "fullyQualifiedName": f"{path}#{f.event_id}", "kind": "object"}
-            ]
-        results.append(
-            {
-                "ruleId": f.rule.code,
-                "ruleIndex": list(RULES).index(f.rule.code),
-                "level": f.rule.severity,
-                "message": {"text": f.message + (f" (x{f.count})" if f.count > 1 else "")},
-                "locations": [loc],
-                "partialFingerprints": {"evidenceFinding/v1": f.fingerprint},
-            }
-        )
-    invocation: dict[str, Any] = {"executionSuccessful": not problems}
-    if problems:
-        invocation["toolExecutionNotifications"] = [
-            {"level": "error", "message": {"text": p}} for p in problems
-        ]
-    doc = {
-        "$schema": SARIF_SCHEMA,
-        "version": "2.1.0",
-        "runs": [
-            {
-                "tool": {
-                    "driver": {
-                        "name": "evidence-lint",
-                        "version": __version__,
-                        "semanticVersion": __version__,
-                        "informationUri": HELP_URI,
-                        "rules": sarif_rules(),
-                    }
-                },
-                "invocations": [invocation],
-                "results": results,
-            }
-        ],
-    }
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
 def explain(which: str) -> str:
@@ -593,7 +571,10 @@ def explain(which: str) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", nargs="?", help="the bundle (.tar.gz) to verify and lint")
     parser.add_argument(
-        "--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)"
+        "--format",
+        choices=("text", "json", "sarif", "github"),
+        default="text",
+        help="output format (default: text; github: workflow commands, annotations in the Actions page)",
     )
     parser.add_argument(
         "--fail-on",
@@ -602,6 +583,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="exit 1 when a finding of this severity or worse is found (default: error; warn, info, none)",
     )
     parser.add_argument("--explain", metavar="RULE", help="explain a rule (code like EV003 or name) and exit")
+    parser.add_argument(
+        "--key", metavar="KEY.pub", help="exit 2 unless the bundle is signed by this (ed25519 PEM) public key"
+    )
+    parser.add_argument(
+        "--require-signature", action="store_true", help="exit 2 if the bundle is not signed (by any key)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -611,19 +598,26 @@ def run(args: argparse.Namespace) -> int:
     if not args.bundle:
         raise UsageError("lint needs a BUNDLE (or --explain RULE)")
     path = args.bundle
+    key = signing.load_public_key(args.key) if args.key else None
     try:
-        manifest, findings, dropped = lint(path)
+        manifest, findings, dropped, signature = lint_signed(
+            path, key, require_signature=args.require_signature
+        )
     except reader.VerificationError as e:
         if args.format == "json":
             sys.stdout.write(render_json(path, None, [], 0, e.problems, EXIT_ERROR))
         elif args.format == "sarif":
-            sys.stdout.write(render_sarif(path, [], e.problems))
+            sys.stdout.write(render_sarif(path, [], e.problems, RULES))
+        elif args.format == "github":
+            sys.stdout.write(workflow.render_problems(path, e.problems))
         raise
     code = exit_code(findings, args.fail_on)
     if args.format == "json":
-        sys.stdout.write(render_json(path, manifest, findings, dropped, [], code))
+        sys.stdout.write(render_json(path, manifest, findings, dropped, [], code, signature))
     elif args.format == "sarif":
-        sys.stdout.write(render_sarif(path, findings, []))
+        sys.stdout.write(render_sarif(path, findings, [], RULES))
+    elif args.format == "github":
+        sys.stdout.write(workflow.render_lint(path, findings, dropped, signature.text()))
     else:
-        sys.stdout.write(render_text(path, manifest, findings, dropped))
+        sys.stdout.write(render_text(path, manifest, findings, dropped, signature))
     return code

@@ -4,7 +4,9 @@
 - manifest.schema.json: manifest.json (format.Manifest);
 - event.schema.json: one line of events.ndjson, the CloudEvent envelope with its `runid` and `seq`
   extension attributes, whose `data` must match the schema of its `type`;
-- <type>.schema.json (e.g. dev.evidence.file.open.schema.json): the `data` of each event type.
+- <type>.schema.json (e.g. dev.evidence.file.open.schema.json): the `data` of each event type;
+- run-predicate.schema.json: the predicate of a signed bundle's in-toto statement
+  (attestation.RunPredicate, predicateType attestation.PREDICATE_TYPE).
 
 A unit test checks that the committed files equal what this module generates.
 
@@ -28,7 +30,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
-from bundle import format as fmt
+from evidence.bundle import attestation
+from evidence.bundle import format as fmt
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +129,25 @@ def _manifest_schema() -> dict[str, Any]:
     return {"$schema": DRAFT, "$id": f"{_ID_BASE}manifest", **schema}
 
 
+def _predicate_schema() -> dict[str, Any]:
+    schema = attestation.RunPredicate.model_json_schema()
+    props = schema["properties"]
+    props["rootHash"]["pattern"] = HEX64_PATTERN
+    props["runId"]["pattern"] = RUN_ID_PATTERN
+    props["startedAt"]["pattern"] = TIME_PATTERN
+    props["finishedAt"]["pattern"] = TIME_PATTERN
+    schema["$defs"]["PolicySummary"]["properties"]["sha256"]["pattern"] = HEX64_PATTERN
+    return {"$schema": DRAFT, "$id": attestation.PREDICATE_TYPE, **schema}
+
+
 def generate() -> dict[str, dict[str, Any]]:
     """file name -> schema, for every file under bundle/schemas/."""
     data = {etype: _data_schema(etype, model) for etype, model in fmt.DATA_MODELS.items()}
-    out = {"manifest.schema.json": _manifest_schema(), "event.schema.json": _envelope_schema(data)}
+    out = {
+        "manifest.schema.json": _manifest_schema(),
+        "event.schema.json": _envelope_schema(data),
+        "run-predicate.schema.json": _predicate_schema(),
+    }
     out.update({f"{etype}.schema.json": schema for etype, schema in data.items()})
     return out
 

@@ -1,7 +1,9 @@
-"""`evidence show BUNDLE`: a readable summary of a verified bundle, in plain text.
+"""`evidence show BUNDLE`: a readable summary of a verified bundle: plain text, Markdown or HTML.
 
 The process tree (from process.exec pid/ppid), files grouped by access, network destinations,
-denials, loss and the exit code. Sections list at most --limit entries (0: all).
+denials, loss and the exit code. Sections list at most --limit entries (0: all). This module sums
+the bundle up and writes the text; `show_markdown` (for $GITHUB_STEP_SUMMARY) and `show_html` (one
+self-contained page, with lint's findings) render the same summary.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from bundle import format as fmt
-from bundle import reader
+from evidence.bundle import format as fmt
+from evidence.bundle import lint, reader
+from evidence.bundle.text import join_lines
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,18 @@ class Summary:
             if group is None:
                 group = self.files[klass] = {}
             key = f"{d['path']} ({d['result']})" if failed else d["path"]
+            entry = group.get(key)
+            if entry is None:
+                group[key] = [d.get("count", 1), 1]
+            else:
+                entry[0] += d.get("count", 1)
+                entry[1] += 1
+        elif t == fmt.FILE_CHANGE:
+            failed = d["result"] != 0
+            klass = "failed" if failed else d["operation"]
+            group = self.files.setdefault(klass, {})
+            name = d["path"] if d.get("target") is None else f"{d['path']} -> {d['target']}"
+            key = f"{d['operation']} {name} ({d['result']})" if failed else name
             entry = group.get(key)
             if entry is None:
                 group[key] = [d.get("count", 1), 1]
@@ -133,6 +149,74 @@ def summarise(path: str) -> Summary:
     return s
 
 
+@dataclasses.dataclass
+class _Both:
+    """show's fold and lint's over the same piece of events."""
+
+    summary: Summary
+    lint: Any  # what lint.Linter.start makes
+
+    def feed(self, ev: dict[str, Any]) -> None:
+        self.summary.feed(ev)
+        self.lint.feed(ev)
+
+
+@dataclasses.dataclass
+class _BothStart:
+    summary: Callable[[int], Summary]
+    lint: Callable[[int], Any]
+
+    def __call__(self, seq: int) -> _Both:
+        return _Both(self.summary(seq), self.lint(seq))
+
+
+@dataclasses.dataclass
+class Linted:
+    """lint's verdict, found in the same pass as the summary."""
+
+    findings: list[lint.Finding]
+    dropped: int
+    keyids: tuple[str, ...] = ()  # the keys the bundle is signed by (its signature not checked here)
+
+
+def summarise_and_lint(path: str) -> tuple[Summary, Linted]:
+    """Verify the bundle, sum it up and lint it, in one pass (raises reader.VerificationError)."""
+    bundle = reader.open_bundle(path)
+    s = Summary(bundle.manifest)
+    linter = lint.Linter(bundle.manifest)
+    for part in bundle.fold(_BothStart(s.part, linter.start)):
+        s.take(part.summary)
+        linter.take(part.lint)
+    att = bundle.attestation
+    return s, Linted(linter.findings(), linter.dropped, tuple(att.keyids) if att is not None else ())
+
+
+def walk(s: Summary) -> Iterator[tuple[int, int]]:
+    """(depth, pid) of every process of the tree, parents first, children by pid; iterative (a
+    hostile bundle may nest a million deep) and safe from loops (pid reuse)."""
+    children, roots = _family(s)
+    seen: set[int] = set()
+    stack = [(0, r) for r in reversed(roots)]
+    while stack:
+        depth, pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        yield depth, pid
+        kids = sorted(children.get(pid, []))
+        stack += [(depth + 1, k) for k in reversed(kids)]
+
+
+def _family(s: Summary) -> tuple[dict[int, list[int]], list[int]]:
+    """ppid -> pids, and the roots (processes whose parent did not exec here)."""
+    children: dict[int, list[int]] = {}
+    for pid, execs in s.procs.items():
+        children.setdefault(execs[0][0], []).append(pid)
+    roots = sorted(pid for pid, execs in s.procs.items() if execs[0][0] not in s.procs)
+    roots += sorted(set(s.procs) - set(roots) - {k for v in children.values() for k in v})
+    return children, roots
+
+
 _PATH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -144,7 +228,7 @@ def _on_path(name: str) -> tuple[str, ...]:
 def _shown(filename: str, argv: list[str]) -> str:
     """An exec as shown: its argv, and the program too when argv[0] does not name it (argv is the
     caller's to choose: `exec -a make id` runs /usr/bin/id as "make")."""
-    text = _argv(argv)
+    text = argv_text(argv)
     if not text:
         return filename
     if argv[0] == filename or ("/" not in argv[0] and filename in _on_path(argv[0])):
@@ -152,7 +236,7 @@ def _shown(filename: str, argv: list[str]) -> str:
     return f"{filename} (argv: {text})"
 
 
-def _argv(argv: list[str], width: int = 160) -> str:
+def argv_text(argv: list[str], width: int = 160) -> str:
     text = " ".join(a if a and " " not in a else repr(a) for a in argv)
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -166,13 +250,9 @@ def _limited(lines: list[str], limit: int) -> list[str]:
 MAX_INDENT = 32  # deeper levels are drawn at this indentation (a hostile bundle may nest 1M deep)
 
 
-def _tree(s: Summary, limit: int) -> list[str]:
+def tree_lines(s: Summary, limit: int) -> list[str]:
     """The process tree, drawn iteratively (no recursion: depth is attacker-controlled)."""
-    children: dict[int, list[int]] = {}
-    for pid, execs in s.procs.items():
-        children.setdefault(execs[0][0], []).append(pid)
-    roots = sorted(pid for pid, execs in s.procs.items() if execs[0][0] not in s.procs)
-    roots += sorted(set(s.procs) - set(roots) - {k for v in children.values() for k in v})
+    children, roots = _family(s)
     out: list[str] = []
     seen: set[int] = set()
     # (pid, prefix, last, top)
@@ -198,39 +278,53 @@ def _tree(s: Summary, limit: int) -> list[str]:
     return out
 
 
+def exit_text(s: Summary) -> str:
+    if s.finished is None:
+        return "unknown (no run.finished event)"
+    if s.finished.get("signal"):
+        return f"killed by {s.finished['signal']}"
+    return str(s.finished["exit_code"])
+
+
+def duration_text(s: Summary) -> str:
+    return f"{s.finished['duration_ns'] / 1e9:.3f} s" if s.finished else ""
+
+
+def lost_text(m: dict[str, Any]) -> str:
+    """'none', or how many events were lost, by kind."""
+    lost = m["lost"]["total"]
+    kinds = ", ".join(f"{k} {v}" for k, v in m["lost"]["by_kind"].items() if v)
+    return f"{lost} events ({kinds})" if lost else "none"
+
+
+def file_classes(s: Summary) -> list[str]:
+    """The access classes of files, in the order shown: writes first, then reads, then failures."""
+    return sorted(s.files, key=lambda k: (k == "failed", k == "read", k))
+
+
 def render(s: Summary, limit: int = 50) -> str:
     m = s.manifest
     out = [
         f"Run {m['run_id']}  ({m['detail']} detail, {m['events']} events, evidence {m['producer'].get('version', '?')})"
     ]
-    out.append(f"  command: {_argv(m['command'])}")
+    out.append(f"  command: {argv_text(m['command'])}")
     out.append(f"  cwd:     {m['cwd']}")
-    duration = ""
-    if s.finished:
-        duration = f"  ({s.finished['duration_ns'] / 1e9:.3f} s)"
+    duration = f"  ({duration_text(s)})" if s.finished else ""
     out.append(f"  time:    {m['started_at']} .. {m['finished_at']}{duration}")
-    if s.finished is None:
-        exit_text = "unknown (no run.finished event)"
-    elif s.finished.get("signal"):
-        exit_text = f"killed by {s.finished['signal']}"
-    else:
-        exit_text = str(s.finished["exit_code"])
-    out.append(f"  exit:    {exit_text}" + ("  (cut short)" if m.get("cut_short") else ""))
-    lost = m["lost"]["total"]
-    kinds = ", ".join(f"{k} {v}" for k, v in m["lost"]["by_kind"].items() if v)
+    out.append(f"  exit:    {exit_text(s)}" + ("  (cut short)" if m.get("cut_short") else ""))
+    lost = lost_text(m)
     out.append(
-        f"  lost:    {lost} events ({kinds}): what is absent may not have been recorded"
-        if lost
+        f"  lost:    {lost}: what is absent may not have been recorded"
+        if m["lost"]["total"]
         else "  lost:    none"
     )
     out.append(f"  policy:  {'observe only' if m.get('policy') is None else 'enforced'}")
     for d in s.degradations:
         out.append(f"  degraded: {d}")
     n_exec = sum(len(v) for v in s.procs.values())
-    out += ["", f"Processes ({n_exec} execs):"] + (_tree(s, limit) or ["  none"])
+    out += ["", f"Processes ({n_exec} execs):"] + (tree_lines(s, limit) or ["  none"])
     out += ["", f"Files ({sum(len(g) for g in s.files.values())} paths):"]
-    order = sorted(s.files, key=lambda k: (k == "failed", k == "read", k))
-    for klass in order:
+    for klass in file_classes(s):
         group = s.files[klass]
         out.append(f"  {klass}:")
         lines = [f"    {p}" + (f" (x{c[0]})" if c[0] > 1 else "") for p, c in sorted(group.items())]
@@ -251,15 +345,33 @@ def render(s: Summary, limit: int = 50) -> str:
             "",
             f"({s.untracked} events beyond {MAX_TRACKED} distinct entries per section are not listed)",
         ]
-    return "\n".join(out) + "\n"
+    return join_lines(out)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="the bundle (.tar.gz) to summarise")
     parser.add_argument("--limit", type=int, default=50, help="entries per section (default 50, 0: all)")
+    parser.add_argument(
+        "--format",
+        choices=("text", "markdown", "html"),
+        default="text",
+        help="text (default); markdown (for $GITHUB_STEP_SUMMARY); html (one self-contained page, "
+        "with lint's findings)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = summarise(args.bundle)
-    sys.stdout.write(render(summary, max(0, args.limit)))
+    limit = max(0, args.limit)
+    if args.format == "text":
+        sys.stdout.write(render(summarise(args.bundle), limit))
+        return 0
+    summary, linted = summarise_and_lint(args.bundle)
+    if args.format == "markdown":
+        from evidence.bundle import show_markdown
+
+        sys.stdout.write(show_markdown.render(summary, linted, limit))
+    else:
+        from evidence.bundle import show_html
+
+        sys.stdout.write(show_html.render(summary, linted, limit, path=args.bundle))
     return 0

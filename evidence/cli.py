@@ -16,21 +16,27 @@ import sys
 from collections.abc import Sequence
 
 from evidence import __version__
-from evidence.errors import EXIT_ERROR, Error
+from evidence.errors import EXIT_ERROR, Error, SetupError
 
 logger = logging.getLogger("evidence")
 
-# name -> (module, help). Modules under bundle/ and policy/ are pure; agent/ ones need root + BCC.
+# name -> (module, help). Modules under bundle/ and policy/ are pure; agent/ ones need root + BCC
+# and the `agent` extra.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("agent.commands_run", "run a command and record what it does into a bundle"),
-    "doctor": ("agent.doctor", "check what this machine offers the recorder"),
-    "show": ("bundle.show", "print a readable summary of a bundle"),
-    "lint": ("bundle.lint", "verify a bundle and report problems"),
-    "diff": ("bundle.diff", "compare the behaviour of two runs"),
-    "profile": ("policy.profile", "write a policy that allows exactly what a run did"),
-    "agent": ("agent.daemon", "run the recording daemon (sidecar / DaemonSet)"),
-    "start": ("agent.client", "start recording a cgroup through a running agent"),
-    "finish": ("agent.client_finish", "finish a run started through a running agent"),
+    "run": ("evidence.agent.commands.run", "run a command and record what it does into a bundle"),
+    "doctor": ("evidence.agent.commands.doctor", "check what this machine offers the recorder"),
+    "show": ("evidence.bundle.show", "print a readable summary of a bundle"),
+    "lint": ("evidence.bundle.lint", "verify a bundle and report problems"),
+    "diff": ("evidence.bundle.diff", "compare the behaviour of two runs"),
+    "baseline": ("evidence.bundle.baseline", "build a baseline of what many runs did, for diff --baseline"),
+    "profile": ("evidence.policy.profile", "write a policy that allows exactly what a run did"),
+    "keygen": ("evidence.bundle.commands.keygen", "make an ed25519 key pair for signing bundles"),
+    "verify": ("evidence.bundle.commands.verify", "check that a bundle is valid and signed by a key"),
+    "attestation": ("evidence.bundle.commands.attestation", "print a signed bundle's DSSE envelope"),
+    "agent": ("evidence.agent.commands.agent", "run the recording daemon (sidecar / DaemonSet)"),
+    "start": ("evidence.agent.commands.start", "start recording a cgroup through a running agent"),
+    "finish": ("evidence.agent.commands.finish", "finish a run started through a running agent"),
+    "recover": ("evidence.agent.commands.recover", "write the bundles of runs whose recorder died"),
 }
 
 
@@ -44,12 +50,12 @@ def _available() -> dict[str, tuple[str, str]]:
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `only`, just that subcommand is configured (its module alone imported)."""
-    parser = argparse.ArgumentParser(prog="evidence", description="An eBPF run recorder.")
+    parser = argparse.ArgumentParser(prog="evidence", description="An eBPF run recorder.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"evidence {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in _available().items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         p.set_defaults(_module=mod)
         if only is None or name == only:
             importlib.import_module(mod).configure(p)
@@ -72,7 +78,7 @@ def _setup_logging(verbose: int) -> None:
         level = logging.INFO
     if verbose >= 2 or env == "DEBUG":
         level = logging.DEBUG
-    pkg_loggers = ["evidence", "agent", "bundle", "policy", "probes"]
+    pkg_loggers = ["evidence"]
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("evidence: %(levelname)s %(name)s: %(message)s"))
     for name in pkg_loggers:
@@ -83,9 +89,40 @@ def _setup_logging(verbose: int) -> None:
         lg.propagate = False
 
 
+# what the `agent` extra installs: a command that needs one of them says so in one line
+AGENT_EXTRA = frozenset({"cloudevents", "pydantic_settings", "pyroute2", "prometheus_client"})
+
+
+def _extra_error(command: str | None, missing: str) -> SetupError:
+    what = f"evidence {command}" if command else "this command"
+    return SetupError(
+        f"{what} needs the agent extra ({missing} is not installed): pip install 'evidence[agent]'"
+    )
+
+
+def require_agent_extra(command: str) -> None:
+    """Raise a one-line SetupError when a module of the `agent` extra is missing. The clients
+    (`start`, `finish`, `run --agent`) need none of it: they run in job containers."""
+    for name in sorted(AGENT_EXTRA):
+        if importlib.util.find_spec(name) is None:
+            raise _extra_error(command, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
-    parser = build_parser(_command_of(argv))
+    command = _command_of(argv)
+    try:
+        return _main(argv, command)
+    except ModuleNotFoundError as e:  # a safety net: commands check with require_agent_extra first
+        if (e.name or "").partition(".")[0] in AGENT_EXTRA:
+            err = _extra_error(command, str(e.name))
+            print(f"evidence: {err.diagnostics()}", file=sys.stderr)
+            return err.exit_code
+        raise
+
+
+def _main(argv: list[str], command: str | None) -> int:
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     if not getattr(args, "_module", None):

@@ -1,4 +1,4 @@
-"""Policy: the model (model.py), Landlock for files (landlock.py), cgroup connect/sendmsg programs
-for the network (connect.py), environment scrubbing (env.py), the private tmp (tmp.py), a private
-network namespace (netns.py) and `evidence profile` (profile.py). Only connect.py needs BCC, and
-only when a guard is loaded. docs/policy-format.md describes the format."""
+"""Policy: the model (model.py), Landlock for files (landlock.py), the network rules as the tables of
+the cgroup connect/sendmsg programs (connect.py; probes/guard.py loads them), environment scrubbing
+(env.py), the private tmp (tmp.py), a private network namespace (netns.py) and `evidence profile`
+(profile.py). Nothing here needs BCC. docs/policy-format.md describes the format."""

@@ -10,7 +10,7 @@ import fnmatch
 import logging
 from collections.abc import Iterable, Mapping
 
-from policy.model import EnvPolicy
+from evidence.policy.model import EnvPolicy
 
 logger = logging.getLogger(__name__)
 

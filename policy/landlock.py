@@ -2,10 +2,10 @@
 
 Three steps: `abi_version()` asks the kernel which Landlock ABI it offers; `plan(policy, abi)` turns
 the policy into Landlock path rules, the costs of expressing deny-inside-allow, and the degradations
-that truly cannot be expressed (it reads the file system but changes nothing); `apply(plan)` builds
-the ruleset and restricts the calling process. `apply` is meant for the child between fork and exec
-(`subprocess.Popen(..., preexec_fn=lambda: apply(plan))`): it only opens the planned paths with
-O_PATH, adds the rules and calls landlock_restrict_self.
+that truly cannot be expressed (it reads the file system but changes nothing); the plan is applied
+in the process that becomes the command, before it execs (`apply(plan)`, or `evidence run`'s
+launcher with `plan.rule_pairs()`), by policy/landlock_syscalls.py: it only opens the planned paths
+with O_PATH, adds the rules and calls landlock_restrict_self.
 
 Landlock can only allow. A deny inside an allowed tree (deny ~/.ssh inside allow ~) is expressed by
 allowing, instead of the tree, every entry along the denied path except the denied one ("sibling
@@ -16,26 +16,28 @@ directly in them), and entries added to them after the start are not covered.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import glob as _glob
 import logging
 import os
 import stat
 from typing import Any
 
-from policy.model import FsPolicy, PathRule, Policy, under
+from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL, abi_version, restrict
+from evidence.policy.model import FsPolicy, PathRule, Policy, under
+
+__all__ = [
+    "SCOPE_ABSTRACT_UNIX_SOCKET",
+    "SCOPE_SIGNAL",
+    "LandlockPlan",
+    "LandlockRule",
+    "abi_version",
+    "apply",
+    "plan",
+]
 
 logger = logging.getLogger(__name__)
 
-# Syscall numbers (the same on every architecture that has Landlock, from the generic table).
-SYS_LANDLOCK_CREATE_RULESET = 444
-SYS_LANDLOCK_ADD_RULE = 445
-SYS_LANDLOCK_RESTRICT_SELF = 446
-LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
-LANDLOCK_RULE_PATH_BENEATH = 1
-PR_SET_NO_NEW_PRIVS = 38
 
 # File system access rights (include/uapi/linux/landlock.h).
 EXECUTE = 1 << 0
@@ -54,9 +56,6 @@ MAKE_SYM = 1 << 12
 REFER = 1 << 13  # ABI 2
 TRUNCATE = 1 << 14  # ABI 3
 IOCTL_DEV = 1 << 15  # ABI 5
-# Scopes (ABI 6).
-SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
-SCOPE_SIGNAL = 1 << 1
 
 RIGHT_NAMES = {
     EXECUTE: "execute",
@@ -156,6 +155,10 @@ class LandlockPlan:
     @property
     def enforced(self) -> bool:
         return self.abi > 0 and self.handled_fs != 0
+
+    def rule_pairs(self) -> list[tuple[str, int]]:
+        """(path, rights) for each rule: what the launcher needs to apply the plan."""
+        return [(r.path, r.access) for r in self.rules]
 
     def summary(self) -> dict[str, Any]:
         """JSON-able summary for the bundle manifest."""
@@ -380,101 +383,8 @@ def plan(policy: Policy | FsPolicy | None, abi: int) -> LandlockPlan:
 # The kernel side
 
 
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    ]
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
-_prctl = _libc.prctl
-_prctl.restype = ctypes.c_int
-
-
-def abi_version() -> int:
-    """The Landlock ABI the kernel offers; 0 when Landlock is missing or disabled."""
-    res = _syscall(
-        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
-        None,
-        ctypes.c_size_t(0),
-        ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION),
-    )
-    if res < 0:
-        return 0
-    return int(res)
-
-
-def _errno_error(what: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _attr_size(abi: int) -> int:
-    if abi >= 6:
-        return 24
-    if abi >= 4:
-        return 16
-    return 8
-
-
 def apply(plan: LandlockPlan) -> None:
     """Restrict the calling process (and everything it will exec) to the plan. Raises OSError.
-
-    Safe between fork and exec: no threads, no logging, only open/fstat/close and the syscalls.
-    Paths are opened with O_PATH|O_NOFOLLOW; paths that vanished since planning are skipped."""
-    if not plan.enforced:
-        return
-    attr = _RulesetAttr(plan.handled_fs, 0, plan.scoped)
-    ruleset = _syscall(
-        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
-        ctypes.byref(attr),
-        ctypes.c_size_t(_attr_size(plan.abi)),
-        ctypes.c_uint32(0),
-    )
-    if ruleset < 0:
-        raise _errno_error("landlock_create_ruleset")
-    try:
-        pb = _PathBeneathAttr(0, -1)
-        flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-        for rule in plan.rules:
-            try:
-                fd = os.open(rule.path, flags)
-            except OSError as e:
-                if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
-                    continue
-                raise
-            try:
-                mode = os.fstat(fd).st_mode
-                if stat.S_ISLNK(mode):
-                    continue
-                pb.allowed_access = rule.access if stat.S_ISDIR(mode) else rule.access & FILE_RIGHTS
-                pb.parent_fd = fd
-                if (
-                    pb.allowed_access
-                    and _syscall(
-                        ctypes.c_long(SYS_LANDLOCK_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
-                        ctypes.byref(pb),
-                        ctypes.c_uint32(0),
-                    )
-                    < 0
-                ):
-                    raise _errno_error(f"landlock_add_rule {rule.path}")
-            finally:
-                os.close(fd)
-        if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise _errno_error("prctl(PR_SET_NO_NEW_PRIVS)")
-        if _syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
-            raise _errno_error("landlock_restrict_self")
-    finally:
-        os.close(ruleset)
+    `evidence run` does this in its command launcher (agent/recorder/exec_helper.py), not here."""
+    if plan.enforced:
+        restrict(plan.abi, plan.handled_fs, plan.scoped, plan.rule_pairs(), FILE_RIGHTS)

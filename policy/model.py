@@ -1,5 +1,8 @@
 """The policy model: a YAML file validated into frozen pydantic models, and its pure evaluation.
 
+(Somewhat over 600 lines on purpose: the models, the loader that maps their errors to the file's
+lines, and the matching they define are one contract, read and changed together.)
+
 docs/policy-format.md is the prose version of this module. Loading does three things the models
 alone cannot: it reports errors with the file's line numbers, it expands `${WORKSPACE}`, `${HOME}` and
 `${TMPDIR}` and canonicalises paths (symlinks resolved), and it resolves host names in network rules
@@ -469,6 +472,11 @@ class Policy(BaseModel):
 def default_policy_path() -> Path:
     """The shipped default policy for CI jobs (policy/default-ci.yaml)."""
     return Path(__file__).with_name("default-ci.yaml")
+
+
+def policy_file(value: str) -> str:
+    """What `--policy VALUE` names: a file, or `default` for the shipped CI policy."""
+    return str(default_policy_path()) if value == "default" else value
 
 
 class _Located:

@@ -1,13 +1,13 @@
 """`--net none|loopback`: run the command in a network namespace of its own.
 
 Choice: the namespace is created by the recorder with pyroute2 as a named netns (/run/netns/NAME),
-set up (loopback up for `loopback`, left down for `none`), and the child enters it between fork and
-exec with setns(2) on a descriptor opened beforehand (`PrivateNetns.enter`, a preexec_fn). Creating
-it in the parent means the setup runs with the recorder's privileges and errors are reported before
-anything is run; the child only does one syscall. The namespace is removed afterwards; sockets
-still open in it keep it alive until they close.
-
-Compose with Landlock in one preexec_fn, network first: `lambda: (ns.enter(), landlock.apply(plan))`.
+set up (loopback up for `loopback`, left down for `none`), and the process that becomes the
+command enters it before it execs, with setns(2) on the descriptor `PrivateNetns.fd` opened
+beforehand (`evidence run`'s launcher, agent/recorder/exec_helper.py; `PrivateNetns.enter` does the
+same in the calling process). Creating it in the parent means the setup runs with the recorder's
+privileges and errors are reported before anything is run; the child only does one syscall. The
+namespace is removed afterwards; sockets still open in it keep it alive until they close. Network
+first, then Landlock.
 """
 
 from __future__ import annotations

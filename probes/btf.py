@@ -2,7 +2,7 @@
 
 The installed kernel headers do not match the running kernel, so the probes never take a struct layout
 from them. The few offsets they need (task_struct.tgid, task_struct.exit_code, ...) come from here and
-are passed to the BPF C as -D macros.
+are filled into the BPF C as numbers by probes/render.py, in place of UPPERCASE tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+
+from evidence.files import write_atomic
 
 VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
@@ -164,9 +166,7 @@ def probe_offsets(btf: BTF | None = None, cache_dir: Path | None = Path("/run/ev
     if cache is not None:
         try:
             cache.parent.mkdir(mode=0o755, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(offsets))
-            os.replace(tmp, cache)
+            write_atomic(cache, json.dumps(offsets).encode(), fsync=False)
         except OSError:
             pass
     return offsets

@@ -1,8 +1,8 @@
 // connect_guard: cgroup/sock_addr programs that allow or deny connect() and sendmsg() by address.
 //
-// Rendered by policy/connect.py: render() replaces the UPPERCASE tokens below and refuses to return
-// C with a token left. Only `struct bpf_sock_addr` context fields (UAPI) and BPF helpers are used;
-// no kernel struct is ever dereferenced.
+// Rendered by probes/render.py: render_guard() replaces the UPPERCASE tokens below and refuses to
+// return C with a token left. Only `struct bpf_sock_addr` context fields (UAPI) and BPF helpers are
+// used; no kernel struct is ever dereferenced.
 //
 // Rules live in two LPM tries (IPv4, IPv6) keyed by prefix. Each prefix holds every rule whose CIDR
 // contains it (user space copies the covering rules in), sorted most specific first: prefix length,

@@ -11,17 +11,20 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
-from probes import btf
-from probes.render import ProbeConfig, render
-from probes.ringbuf import RingBuffer
+from evidence.probes import btf
+from evidence.probes.headers import ensure_headers
+from evidence.probes.render import ProbeConfig, render
+from evidence.probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
-EV_KINDS = 12
+EV_KINDS = 15
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
 SYSCALL_HANDLERS = {
@@ -32,6 +35,31 @@ SYSCALL_HANDLERS = {
     "on_enter_chdir": ("chdir",),
     "on_enter_fchdir": ("fchdir",),
     "on_enter_dup": ("dup", "dup2", "dup3"),
+    "on_enter_change": (
+        "rename",
+        "renameat",
+        "renameat2",
+        "unlink",
+        "unlinkat",
+        "rmdir",
+        "link",
+        "linkat",
+        "symlink",
+        "symlinkat",
+        "truncate",
+        "chmod",
+        "fchmod",
+        "fchmodat",
+        "fchmodat2",
+        "chown",
+        "lchown",
+        "fchown",
+        "fchownat",
+        "mkdir",
+        "mkdirat",
+        "mknod",
+        "mknodat",
+    ),
 }
 KIND_NAMES = [
     "none",
@@ -45,8 +73,19 @@ KIND_NAMES = [
     "fchdir",
     "dup",
     "ret",
-    "pathfix",
+    "open_past_cap",  # not kept: past the run's cap on distinct summary keys (counted)
+    "connect_past_cap",
+    "agg_map_full",  # not loss: recorded one by one because the aggregation map was full
+    "change",
 ]
+NOT_LOSS = frozenset(("agg_map_full",))
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
+_CALL = struct.Struct("<QQIiQIIQ")
+# struct akey and struct aval, as bytes
+_AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
+_AVAL = struct.Struct("<QQQ")  # count, first, last
+_TS = struct.Struct("<Q")
+_HDR_RUN_KIND = struct.Struct("<16xI8xH")  # struct hdr: run (at 16) and kind (at 28)
 
 
 def detect_config(**overrides: Any) -> ProbeConfig:
@@ -65,9 +104,16 @@ class RecorderProbes:
     def __init__(self, config: ProbeConfig | None = None) -> None:
         from bcc import BPF  # imported here: only the recorder needs BCC
 
+        ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
         self.bpf = BPF(text=self.source.encode())
+        # on_exit tail-calls on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
+        tail = self.bpf.load_func(b"on_exit_hash", BPF.TRACEPOINT)
+        self.bpf[b"exit_tail"][ctypes.c_int(0)] = ctypes.c_int(tail.fd)
+        hkey = self.bpf[b"hkey"]
+        for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
+            hkey[ctypes.c_int(i)] = ctypes.c_uint64(word)
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
@@ -100,11 +146,70 @@ class RecorderProbes:
             self._lost[ctypes.c_int(slot * EV_KINDS + kind)] = ctypes.c_uint64(0)
 
     def read_lost(self, slot: int) -> dict[str, int]:
+        """Per kind: records the ring buffer could not take, and operations not kept past the
+        run's cap on distinct keys."""
         out = {}
         for kind in range(1, EV_KINDS):
             n = self._lost[ctypes.c_int(slot * EV_KINDS + kind)].value
-            if n:
+            if n and KIND_NAMES[kind] not in NOT_LOSS:
                 out[KIND_NAMES[kind]] = int(n)
+        return out
+
+    def read_fallbacks(self, slot: int) -> int:
+        """Operations recorded one by one because the aggregation map was full (not loss)."""
+        return int(self._lost[ctypes.c_int(slot * EV_KINDS + KIND_NAMES.index("agg_map_full"))].value)
+
+    def set_aggregation(self, slot: int, max_distinct: int) -> None:
+        """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
+        `max_distinct` distinct keys (0: no aggregation, every operation is a record)."""
+        self.bpf[b"distinct"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
+        self.bpf[b"limits"][ctypes.c_int(slot)] = ctypes.c_uint32(max_distinct)
+
+    def take_aggregates(self, slot: int) -> list[tuple[tuple[int, int, int, int, int, int], int, int, int]]:
+        """The aggregation map's entries of run `slot`, removed from it: (key, count, first, last)
+        with key = (exe token, token, cgroup id, kind, access, result) and kernel times."""
+        self.bpf[b"limits"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
+        table = self.bpf[b"agg"]
+        out = []
+        mine = []
+        try:  # one system call per many entries
+            items = list(table.items_lookup_batch())
+        except Exception:  # older BCC or kernel: entry by entry
+            items = list(table.items())
+        for k, v in items:
+            kb = ctypes.string_at(ctypes.addressof(k), ctypes.sizeof(k))
+            exe, tok, cgid, run, access, result, kind, _ = _AKEY.unpack(kb)
+            if run != slot:
+                continue
+            count, first, last = _AVAL.unpack(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
+            out.append(((exe, tok, cgid, kind, access, result), count, first, last))
+            mine.append(k)
+        try:
+            if mine:
+                table.items_delete_batch((table.Key * len(mine))(*mine))
+        except Exception:
+            for k in mine:
+                with contextlib.suppress(KeyError):
+                    del table[k]
+        self.bpf[b"distinct"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
+        return out
+
+    def in_flight(self, slot: int) -> list[bytes]:
+        """The records of the calls of run `slot` that are between their enter and their exit (a
+        call in progress when the run ends), taken out of the kernel's map: their result field
+        says NO_RESULT. Threads of a finished run are gone, so nothing completes them meanwhile."""
+        table = self.bpf[b"inflight"]
+        out: list[bytes] = []
+        for key, value in list(table.items()):
+            raw = ctypes.string_at(ctypes.addressof(value), ctypes.sizeof(value))
+            _, size, *_ = _CALL.unpack_from(raw, 0)
+            rec = raw[_CALL.size : _CALL.size + size]
+            run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= 32 else (0, 0)
+            if run == slot and kind != 0:
+                out.append(rec)
+                with contextlib.suppress(KeyError):
+                    del table[key]
+        out.sort(key=lambda r: _TS.unpack_from(r, 0)[0])
         return out
 
     def ring(self) -> RingBuffer:

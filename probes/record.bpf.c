@@ -1,13 +1,20 @@
-// evidence recorder probes: exec, fork, exit, open, connect, chdir and dup of tracked cgroups.
+// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir and dup of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
 // (struct offsets come from the running kernel's BTF, never from the installed headers).
 // Only tracepoint arguments, BPF helpers and BTF-derived offsets are used.
 //
-// Events go to one ring buffer as records that start with struct hdr. An enter record
-// (EV_OPEN, EV_EXEC, ...) is followed by an EV_RET record from the same thread with the result;
-// user space pairs them by thread id. A failed ring buffer reservation is counted in `lost`,
-// per run slot and event kind: nothing is dropped silently.
+// One file of ~1,100 lines on purpose: BCC compiles one text, and every program here shares the
+// maps and the inline helpers above it; the sections (---- opens, ---- exec, in-kernel aggregation,
+// ...) are the seams.
+//
+// Events go to one ring buffer as records that start with struct hdr. Opens, file changes,
+// connects, sends, chdir, fchdir and dup are paired in the kernel: the enter handler keeps the call's arguments
+// (and the path or address, read at entry) in `inflight`, per thread, and the exit handler emits
+// ONE record with the result. exec keeps three records: the attempt with its argv (EV_EXEC), the
+// success (EV_EXEC_OK, sched_process_exec) and the result (EV_RET), paired in user space. A failed
+// ring buffer reservation is counted in `lost`, per run slot and event kind: nothing is dropped
+// silently.
 
 
 
@@ -24,17 +31,20 @@
 #define EV_FCHDIR 8
 #define EV_DUP 9
 #define EV_RET 10
-#define EV_PATHFIX 11
-#define EV_KINDS 12
+// lost[] kinds that are not records: what a run did past its cap on distinct summary keys (not
+// kept, counted), and operations recorded one by one because the aggregation map was full
+#define K_OPEN_PAST_CAP 11
+#define K_CONNECT_PAST_CAP 12
+#define K_AGG_MAP_FULL 13
+#define EV_CHANGE 14  // a file change that is not an open: rename, unlink, link, chmod, ... (op)
+#define EV_KINDS 15
 
-#define SC_OPEN 1
-#define SC_EXEC 2
-#define SC_CONNECT 3
-#define SC_CHDIR 4
-#define SC_FCHDIR 5
-#define SC_DUP 6
+#define SC_EXEC 2  // ret_ev.sc: exec is the only call whose result is a record of its own
 
 #define PATH_MAX_ 4096
+#define HASH_MAX_ 1024  // longer names are not aggregated (see name_token)
+// the result of a call that never returned while recorded (not a kernel code: -1,000,000)
+#define NO_RESULT_ (-1000000)
 #define ARGS_MAX_ ARGS_BYTES
 #define MAXARG_ MAX_ARGS
 #define MAX_RUNS_ MAX_RUNS
@@ -51,6 +61,10 @@
 #define F_ARGS_FAULT 0x4
 #define F_FNAME_FAULT 0x8
 #define F_SEND 0x10  // EV_CONNECT: a send to an explicit address, not a connect()
+#define F_FIRST 0x20 // the first occurrence of an aggregated key: its count is in `agg`
+#define F_STATE 0x40 // already counted in `agg` (or past the cap): only for the cwd/fd tables
+#define F_PATH2_FAULT 0x80  // EV_CHANGE: the second path could not be read
+#define F_PATH2_TRUNC 0x100 // EV_CHANGE: the second path is truncated
 
 struct hdr {
     u64 ts;
@@ -62,15 +76,53 @@ struct hdr {
     u16 flags;
 };
 
+// A paired call's record: the header, the result, then what the call was given. Opens, chdir and
+// fchdir share this layout (the path is at the same offset).
 struct open_ev {
     struct hdr h;
-    s32 dfd;
+    s64 ret;      // the result (NO_RESULT: the call never returned while recorded)
+    u64 exe;      // F_FIRST: the aggregation key's program token ...
+    u64 tok;      // ... and path token (see `agg`)
+    s32 dfd;      // openat's dirfd; chdir: AT_FDCWD; fchdir: the descriptor
     u32 flags;
     u32 mode;
     u16 sc;       // which syscall: 0 openat, 1 openat2, 2 open, 3 creat
     u16 path_len; // bytes of path that follow, including the NUL
     char path[PATH_MAX_];
 };
+
+// A file change that is not an open (rename, unlink, rmdir, link, symlink, truncate, chmod, chown,
+// mkdir, mknod), paired in the kernel like an open: the same first fields (ret, exe, tok), then
+// what the call was given and up to two paths, one after the other (len1 and len2 bytes with their
+// NUL; len1 = 0: no path, the call names a descriptor: dfd).
+struct change_ev {
+    struct hdr h;
+    s64 ret;
+    u64 exe;      // unused (the prefix of open_ev)
+    u64 tok;      // unused
+    s32 dfd;      // what path 1 is resolved against (AT_FDCWD, a dirfd, or fchmod/fchown's fd)
+    s32 dfd2;     // the same for path 2 (rename, link, symlink's link path)
+    u32 mode;     // chmod, mkdir, mknod
+    u32 uid;      // chown
+    u32 gid;      // chown
+    u32 at_flags; // renameat2's, linkat's, unlinkat's, fchownat's or fchmodat2's flags
+    u16 op;       // CH_*
+    u16 len1;
+    u16 len2;
+    u16 pad;
+    char buf[2 * PATH_MAX_];
+};
+
+#define CH_RENAME 1
+#define CH_UNLINK 2
+#define CH_RMDIR 3
+#define CH_LINK 4
+#define CH_SYMLINK 5
+#define CH_TRUNCATE 6
+#define CH_CHMOD 7
+#define CH_CHOWN 8
+#define CH_MKDIR 9
+#define CH_MKNOD 10
 
 struct exec_ev {
     struct hdr h;
@@ -97,23 +149,41 @@ struct exit_ev {
 
 struct connect_ev {
     struct hdr h;
+    s64 ret;
+    u64 exe;
+    u64 tok;
     s32 fd;
     u32 addrlen;
+    u64 pad;      // the address at the offset of open_ev.path: one hash for both
     u8 addr[128];
-};
-
-struct chdir_ev {
-    struct hdr h;
-    s32 fd;
-    u16 path_len;
-    u16 pad;
-    char path[PATH_MAX_];
 };
 
 struct dup_ev {
     struct hdr h;
+    s64 ret;
     s32 oldfd;
     s32 newfd;
+};
+
+// A call between its enter and its exit, one per thread. `refetch` is the user pointer of a path
+// whose page was not resident at entry (bpf_probe_read_user cannot fault it in): it is read again
+// at exit, after the kernel has paged it in.
+struct call {
+    u64 refetch;   // EV_CHANGE: path 1's pointer (0: none), kept for a second read at exit
+    u64 refetch2;  // EV_CHANGE: path 2's pointer (0: none)
+    u32 size;  // bytes of the record to emit
+    s32 nr;    // the syscall it waits for
+    u64 hbase; // at exit: the token the name is resolved against, ...
+    u32 hlen;  // ... the name's length (path or address, at the same offset) ...
+    u32 hskip; // ... and whether there is nothing to hash (1) or no known base (2)
+    u64 htok;  // the name's token, 0 when none
+    union {
+        struct hdr h;  // h.kind == 0: no call in flight
+        struct open_ev open;
+        struct change_ev change;
+        struct connect_ev conn;
+        struct dup_ev dup;
+    } ev;
 };
 
 struct ret_ev {
@@ -153,12 +223,195 @@ BPF_HASH(tracked, u64, u32, MAX_RUNS_);          // cgroup id -> run slot (set b
 BPF_TABLE("lru_hash", u64, u32, cgcache, 65536); // cgroup id -> run slot, 0 = not tracked
 BPF_ARRAY(lost, u64, MAX_RUNS_ * EV_KINDS);
 BPF_PERCPU_ARRAY(scratch_exec, struct exec_ev, 1);
-BPF_PERCPU_ARRAY(scratch_path, struct open_ev, 1);
 BPF_PERCPU_ARRAY(wake_ctr, u32, 1);
+BPF_PERCPU_ARRAY(call_zero, struct call, 1);  // never written: the first value of a thread's call
 
-// Paths whose page was not resident at syscall entry (bpf_probe_read_user cannot fault it in):
-// thread id -> user pointer, read again at syscall exit, after the kernel has paged it in.
-BPF_HASH(refetch, u32, u64, 16384);
+// thread id -> its call in flight. Allocated on demand (only tracked threads have one), kept while
+// the thread lives (removed at its exit), so a call costs no allocation and no 4 KiB copy.
+BPF_F_TABLE("hash", u32, struct call, inflight, INFLIGHT_MAX, BPF_F_NO_PREALLOC);
+
+// ---- in-kernel aggregation (--detail summary) ---------------------------------------------
+//
+// An open or connect is counted in `agg` under a key that determines exactly what user space
+// makes of it: the run, the cgroup, the program, the path or address as the process named it
+// together with what it was resolved against, the access class and the result. Only a key's first
+// occurrence is a record (F_FIRST); the counts are read from the map when the run finishes.
+//
+// Tokens stand for the resolution state user space keeps per process. A token is either a keyed
+// hash (SipHash-1-3, with a secret key user space draws at load time, so a job cannot make two
+// paths collide) of a base token and the name as given, or a random number for a state the kernel
+// cannot name (a process first seen mid-life, a relative exec, an unreadable chdir path): equal
+// tokens mean equal resolved names. Every process has {gen, exe, cwd} (fork copies exe and cwd);
+// every descriptor an open or dup returned has {gen, tok} (valid while gen is its process's gen).
+// A descriptor the kernel does not know makes an openat through it a plain record, resolved by
+// user space, whose tables stay exact because every change to them reaches it: chdir, fchdir and
+// dup always, and an aggregated open whenever it changes what its descriptor number names
+// (F_STATE when its count is already kept).
+
+struct pctx {
+    u64 gen;
+    u64 exe;
+    u64 cwd;
+};
+
+struct fdtok {
+    u64 gen;
+    u64 tok;
+};
+
+struct akey {
+    u64 exe;
+    u64 tok;
+    u64 cgid;
+    u32 run;
+    u32 access;  // open: the flag bits that decide the access class; connect: F_SEND, F_FNAME_FAULT
+    s32 result;  // 0 or -errno
+    u16 kind;
+    u16 pad;
+};
+
+struct aval {
+    u64 count;
+    u64 first;
+    u64 last;
+};
+
+BPF_ARRAY(hkey, u64, 2);                  // SipHash key (user space writes it once, at load)
+BPF_ARRAY(limits, u32, MAX_RUNS_);        // per run: distinct keys kept (0: no aggregation)
+BPF_ARRAY(distinct, u32, MAX_RUNS_);      // per run: distinct keys in `agg`
+BPF_F_TABLE("hash", u32, struct pctx, procs, 65536, BPF_F_NO_PREALLOC);
+BPF_TABLE("lru_hash", u64, struct fdtok, fds, 65536);
+BPF_F_TABLE("hash", struct akey, struct aval, agg, AGG_MAX, BPF_F_NO_PREALLOC);
+
+#define ROTL(x, b) (u64)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                \
+    do {                                                                        \
+        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);               \
+        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                  \
+        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                  \
+        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);               \
+    } while (0)
+
+struct sip {
+    u64 v0, v1, v2, v3;
+};
+
+static __always_inline int sip_init(struct sip *s, u64 base) {
+    u32 i0 = 0, i1 = 1;
+    u64 *k0 = hkey.lookup(&i0);
+    u64 *k1 = hkey.lookup(&i1);
+    if (!k0 || !k1)
+        return -1;
+    u64 v0 = *k0 ^ 0x736f6d6570736575ULL, v1 = *k1 ^ 0x646f72616e646f6dULL;
+    u64 v2 = *k0 ^ 0x6c7967656e657261ULL, v3 = *k1 ^ 0x7465646279746573ULL;
+    // the base token is the first word
+    v3 ^= base;
+    SIPROUND;
+    v0 ^= base;
+    s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
+    return 0;
+}
+
+static __always_inline void sip_word(struct sip *s, u64 m) {
+    u64 v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3;
+    v3 ^= m;
+    SIPROUND;
+    v0 ^= m;
+    s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
+}
+
+static __always_inline u64 sip_final(struct sip *s, u64 len) {
+    sip_word(s, len << 56);
+    u64 v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3;
+    v2 ^= 0xff;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+// The token of `base` and the first `len` bytes at buf (kernel memory: a map value), 0 when no key
+// is set or the name is longer than HASH_MAX_ bytes (then the call is a plain record: correct, only
+// not aggregated; the verifier walks this loop once per iteration and state, so it is kept short).
+static __always_inline u64 name_token(u64 base, u64 buf, u32 len) {
+    struct sip s;
+    if (len > HASH_MAX_)
+        return 0;
+    if (sip_init(&s, base) != 0)
+        return 0;
+    u32 words = len / 8;
+    u64 m;
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < HASH_MAX_ / 8; i++) {
+        if (i >= words)
+            break;
+        m = 0;
+        bpf_probe_read_kernel(&m, 8, (const void *)(buf + i * 8));
+        sip_word(&s, m);
+    }
+    u32 rem = len & 7;
+    m = 0;
+    if (rem) {  // the last bytes; past len is whatever an earlier read left: masked off
+        bpf_probe_read_kernel(&m, 8, (const void *)(buf + (len & ~7)));
+        m &= (1ULL << (rem * 8)) - 1;
+    }
+    sip_word(&s, m);
+    return sip_final(&s, len);
+}
+
+static __always_inline u64 random_token(void) {
+    return ((u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32();
+}
+
+// The current process's tokens, made on first sight (a process the kernel has not seen forked).
+static __always_inline struct pctx *proc_ctx(u32 tgid) {
+    struct pctx *p = procs.lookup(&tgid);
+    if (p)
+        return p;
+    struct pctx fresh = {.gen = random_token(), .exe = random_token(), .cwd = random_token()};
+    procs.update(&tgid, &fresh);
+    return procs.lookup(&tgid);
+}
+
+static __always_inline u64 fd_key(u32 tgid, s32 fd) {
+    return ((u64)tgid << 32) | (u32)fd;
+}
+
+// The token of what descriptor fd names, 0 when unknown.
+static __always_inline u64 fd_token(struct pctx *p, u32 tgid, s32 fd) {
+    u64 k = fd_key(tgid, fd);
+    struct fdtok *t = fds.lookup(&k);
+    if (!t || t->gen != p->gen)
+        return 0;
+    return t->tok;
+}
+
+static __always_inline void set_fd_token(struct pctx *p, u32 tgid, s32 fd, u64 tok) {
+    u64 k = fd_key(tgid, fd);
+    if (tok == 0) {
+        fds.delete(&k);
+        return;
+    }
+    struct fdtok t = {.gen = p->gen, .tok = tok};
+    fds.update(&k, &t);
+}
+
+// What the path of an open/chdir record is resolved against: 0 for an absolute path, the cwd's or
+// the dirfd's token, or 0 with *unknown = 1 when the kernel cannot name it (user space resolves it
+// from its own tables). An unreadable path gets base 1 and no bytes: one fixed token.
+static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len, int *unknown) {
+    if (e->h.flags & F_FNAME_FAULT) {
+        *len = 0;
+        return 1;
+    }
+    *len = e->path_len > 0 ? e->path_len - 1 : 0;  // without the NUL
+    if (e->path[0] == '/')
+        return 0;
+    u64 base = e->dfd == -100 ? p->cwd : fd_token(p, e->h.tgid, e->dfd);
+    if (base == 0)
+        *unknown = 1;
+    return base;
+}
 
 // The run slot of the current task: its cgroup or the nearest tracked ancestor.
 static __always_inline u32 current_run(void) {
@@ -217,34 +470,11 @@ static __always_inline int emit(void *data, u64 size, u32 run, u32 kind) {
     return 0;
 }
 
+// exec's result (its enter record and sched_process_exec's are separate; user space pairs them).
 static __always_inline int emit_ret(u32 sc, s64 ret) {
     u32 run = current_run();
     if (!run)
         return 0;
-    if (sc == SC_OPEN || sc == SC_CHDIR) {
-        u32 tid = (u32)bpf_get_current_pid_tgid();
-        u64 *ptr = refetch.lookup(&tid);
-        if (ptr) {
-            u64 p = *ptr;
-            refetch.delete(&tid);
-            u32 zero = 0;
-            struct open_ev *scratch = scratch_path.lookup(&zero);
-            if (scratch) {
-                struct chdir_ev *f = (struct chdir_ev *)scratch;
-                fill(&f->h, run, EV_PATHFIX);
-                f->fd = -1;
-                f->pad = 0;
-                int n = bpf_probe_read_user_str(f->path, sizeof(f->path), (const char *)p);
-                if (n < 0) {
-                    n = 1;
-                    f->path[0] = 0;
-                    f->h.flags |= F_FNAME_FAULT;
-                }
-                f->path_len = n;
-                emit(f, offsetof(struct chdir_ev, path) + (n & (PATH_MAX_ - 1)), run, EV_PATHFIX);
-            }
-        }
-    }
     struct ret_ev *e = events.ringbuf_reserve(sizeof(struct ret_ev));
     if (!e) {
         count_lost(run, EV_RET);
@@ -258,56 +488,372 @@ static __always_inline int emit_ret(u32 sc, s64 ret) {
     return 0;
 }
 
-// ---- opens -------------------------------------------------------------------------------
+// ---- calls paired in the kernel ----------------------------------------------------------
 
-static __always_inline int emit_open(s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc) {
-    u32 run = current_run();
-    if (!run)
-        return 0;
-    u32 zero = 0;
-    struct open_ev *e = scratch_path.lookup(&zero);
-    if (!e)
-        return 0;
-    fill(&e->h, run, EV_OPEN);
-    e->dfd = dfd;
-    e->flags = flags;
-    e->mode = mode;
-    e->sc = sc;
+// Emits the thread's call record (with the result in it) and marks the slot free: 0 when sent.
+static __always_inline int emit_call(struct call *c) {
+    u64 size = c->size;
+    u32 run = c->ev.h.run;
+    u32 kind = c->ev.h.kind;
+    int err = -1;
+    barrier_var(size);
+    if (size >= sizeof(struct hdr) && size <= sizeof(c->ev)) {
+        barrier_var(size);
+        err = events.ringbuf_output(&c->ev, size, wakeup_flags());
+        if (err != 0)
+            count_lost(run, kind);
+    }
+    c->ev.h.kind = 0;
+    return err;
+}
+
+// The current thread's call slot, filled with a header for `kind`: NULL (counted as lost) when
+// the map is full. A call still in flight there never returned (its thread was stopped by an
+// exec, or the exit was not seen): it is emitted first with NO_RESULT, not dropped.
+static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c) {
+        u32 zero = 0;
+        struct call *z = call_zero.lookup(&zero);
+        if (!z)
+            return NULL;
+        inflight.update(&tid, z);
+        c = inflight.lookup(&tid);
+        if (!c) {
+            count_lost(run, kind);
+            return NULL;
+        }
+    } else if (c->ev.h.kind != 0) {
+        c->ev.open.ret = NO_RESULT_;
+        emit_call(c);
+    }
+    fill(&c->ev.h, run, kind);
+    c->ev.open.ret = NO_RESULT_;
+    c->ev.open.exe = 0;
+    c->ev.open.tok = 0;
+    c->refetch = 0;
+    c->refetch2 = 0;
+    c->nr = nr;
+    return c;
+}
+
+// Reads a path into the call's open/chdir record at entry; keeps the pointer when not resident.
+static __always_inline void read_path(struct call *c, const char *filename) {
+    struct open_ev *e = &c->ev.open;
     int n = bpf_probe_read_user_str(e->path, sizeof(e->path), filename);
     if (n < 0) {
         n = 1;
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
-        u64 ptr = (u64)filename;
-        refetch.update(&e->h.tid, &ptr);
+        c->refetch = (u64)filename;
     } else if (n == sizeof(e->path)) {
         e->h.flags |= F_PATH_TRUNC;
     }
     e->path_len = n;
-    u64 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
+    u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
     if (n >= PATH_MAX_)
         size = sizeof(struct open_ev);
-    return emit(e, size, run, EV_OPEN);
+    c->size = size;
+}
+
+// Reads a change's paths (p1, then p2 right after it; NULL: none) into its record and sets its size.
+static __always_inline void read_change_paths(struct call *c, const char *p1, const char *p2) {
+    struct change_ev *e = &c->ev.change;
+    int n = 0;
+    if (p1) {
+        n = bpf_probe_read_user_str(e->buf, PATH_MAX_, p1);
+        if (n < 0) {
+            n = 1;
+            e->buf[0] = 0;
+            e->h.flags |= F_FNAME_FAULT;
+        } else if (n == PATH_MAX_) {
+            e->h.flags |= F_PATH_TRUNC;
+        }
+    }
+    u32 off = n;
+    barrier_var(off);
+    if (off > PATH_MAX_)
+        off = PATH_MAX_;
+    int m = 0;
+    if (p2) {
+        m = bpf_probe_read_user_str(&e->buf[off], PATH_MAX_, p2);
+        if (m < 0) {
+            m = 1;
+            e->buf[off] = 0;
+            e->h.flags |= F_PATH2_FAULT;
+        } else if (m == PATH_MAX_) {
+            e->h.flags |= F_PATH2_TRUNC;
+        }
+    }
+    if (m < 0 || m > PATH_MAX_)
+        m = 0;
+    e->len1 = off;
+    e->len2 = m;
+    c->refetch = (u64)p1;
+    c->refetch2 = (u64)p2;
+    u32 size = offsetof(struct change_ev, buf) + off + (u32)m;
+    if (size > sizeof(struct change_ev))
+        size = sizeof(struct change_ev);
+    c->size = size;
+}
+
+#define ACCESS_BITS (03 | 0100 | 01000 | 010000000 | 020200000)  // ACCMODE CREAT TRUNC PATH TMPFILE
+
+// Sets what hash_name hashes for the call: an open's or chdir's path against its base, or a
+// connect's address (the bytes as given, up to 127).
+static __always_inline void prepare_hash(struct call *c) {
+    c->hskip = 1;
+    c->htok = 0;
+    u32 kind = c->ev.h.kind;
+    u32 run = c->ev.h.run;
+    if (kind != EV_OPEN && kind != EV_CONNECT && kind != EV_CHDIR)
+        return;
+    if (kind == EV_CHDIR && c->ev.open.ret < 0)
+        return;  // a failed chdir changes nothing
+    u32 *lim = limits.lookup(&run);
+    if (kind != EV_CHDIR && (!lim || *lim == 0))
+        return;  // --detail full: every operation is a record
+    if (kind == EV_CONNECT) {
+        struct connect_ev *e = &c->ev.conn;
+        c->hlen = e->addrlen > sizeof(e->addr) - 1 ? sizeof(e->addr) - 1 : e->addrlen;
+        c->hbase = 0x636f6e6e656374ULL;  // "connect": apart from any path's
+        c->hskip = 0;
+        return;
+    }
+    if (kind == EV_CHDIR && (c->ev.h.flags & F_FNAME_FAULT))
+        return;
+    struct pctx *p = proc_ctx(c->ev.h.tgid);
+    if (!p)
+        return;
+    u32 len = 0;
+    int unknown = 0;
+    c->hbase = path_base(p, &c->ev.open, &len, &unknown);
+    c->hlen = len;
+    c->hskip = unknown ? 2 : 0;
+}
+
+// c->htok = the token of what prepare_hash set. The inputs are read back from the map value, so the
+// verifier walks the loop with the same state from every path that leads here (else the
+// program is too large to verify).
+static __always_inline void hash_name(struct call *c) {
+    if (*(volatile u32 *)&c->hskip != 0)
+        return;
+    u64 base = *(volatile u64 *)&c->hbase;
+    u32 len = *(volatile u32 *)&c->hlen;
+    c->htok = name_token(base, (u64)c->ev.open.path, len);
+}
+
+// What a completed call changes in the kernel's tokens, and whether it is a record: 0 when an open
+// or connect was counted under a key already kept (or past the cap) and changed nothing user space
+// keeps. F_FIRST marks a key's first record (then *first = 1 and *k is its key).
+static __always_inline int settle(struct call *c, struct akey *k, int *first) {
+    struct hdr *h = &c->ev.h;
+    u32 kind = h->kind;
+    s64 ret = c->ev.open.ret;
+    u32 tgid = h->tgid;
+    u32 run = h->run;
+    if (kind == EV_CHDIR || kind == EV_FCHDIR || kind == EV_DUP) {
+        if (ret < 0)
+            return 1;
+        struct pctx *p = proc_ctx(tgid);
+        if (!p)
+            return 1;
+        if (kind == EV_DUP) {
+            set_fd_token(p, tgid, (s32)ret, fd_token(p, tgid, c->ev.dup.oldfd));
+            return 1;
+        }
+        u64 t = 0;
+        if (kind == EV_FCHDIR)
+            t = fd_token(p, tgid, c->ev.open.dfd);
+        else
+            t = c->htok;
+        p->cwd = t ? t : random_token();
+        return 1;
+    }
+    if (kind != EV_OPEN && kind != EV_CONNECT)
+        return 1;
+    u32 *lim = limits.lookup(&run);
+    if (!lim || *lim == 0)
+        return 1;  // --detail full: every operation is a record
+    struct pctx *p = proc_ctx(tgid);
+    if (!p)
+        return 1;
+    u64 tok = c->htok;
+    if (kind == EV_OPEN)
+        k->access = c->ev.open.flags & ACCESS_BITS;
+    else
+        k->access = h->flags & (F_SEND | F_FNAME_FAULT);
+    int fd_changes = 0;
+    if (kind == EV_OPEN && ret >= 0) {
+        fd_changes = fd_token(p, tgid, (s32)ret) != tok;
+        set_fd_token(p, tgid, (s32)ret, tok);
+    }
+    if (tok == 0)
+        return 1;  // resolved against something the kernel cannot name: a plain record
+    k->exe = p->exe;
+    k->tok = tok;
+    k->cgid = h->cgid;
+    k->run = run;
+    k->kind = kind;
+    k->result = ret < 0 ? (s32)ret : 0;
+    c->ev.open.exe = p->exe;  // the same offsets in connect_ev
+    c->ev.open.tok = tok;
+    struct aval *v = agg.lookup(k);
+    if (!v) {
+        u32 *nd = distinct.lookup(&run);
+        if (!nd)
+            return 1;
+        if (*nd >= *lim) {
+            count_lost(run, kind == EV_OPEN ? K_OPEN_PAST_CAP : K_CONNECT_PAST_CAP);
+            if (!fd_changes)
+                return 0;
+            h->flags |= F_STATE;
+            return 1;
+        }
+        struct aval nv = {.count = 1, .first = h->ts, .last = h->ts};
+        if (agg.insert(k, &nv) == 0) {
+            __sync_fetch_and_add(nd, 1);
+            h->flags |= F_FIRST;
+            *first = 1;
+            return 1;
+        }
+        v = agg.lookup(k);  // inserted by another CPU just now, or the map is full
+        if (!v) {
+            count_lost(run, K_AGG_MAP_FULL);  // not lost: recorded one by one, and counted
+            return 1;
+        }
+    }
+    __sync_fetch_and_add(&v->count, 1);
+    if (h->ts > v->last)
+        v->last = h->ts;
+    if (h->ts < v->first)
+        v->first = h->ts;
+    if (!fd_changes)
+        return 0;
+    h->flags |= F_STATE;
+    return 1;
+}
+
+// At exit: the result goes into the record, a path not resident at entry is read again, and the
+// one record is emitted (or, for a key counted in `agg`, not).
+// Settles a call whose token is in c->htok and emits its record if it is one.
+static __always_inline int settle_and_emit(struct call *c) {
+    struct akey k = {};
+    int first = 0;
+    if (!settle(c, &k, &first)) {
+        c->ev.h.kind = 0;  // counted in `agg`, and nothing user space keeps changed
+        return 0;
+    }
+    s64 ret = c->ev.open.ret;
+    u32 tgid = c->ev.h.tgid;
+    u32 kind = c->ev.h.kind;
+    if (emit_call(c) != 0) {
+        if (first) {  // the key's first record is lost (counted): its next occurrence is first
+            agg.delete(&k);
+            u32 *nd = distinct.lookup(&k.run);
+            if (nd)
+                __sync_fetch_and_add(nd, -1);
+        }
+        if (kind == EV_OPEN && ret >= 0) {
+            struct pctx *p = procs.lookup(&tgid);
+            if (p)
+                set_fd_token(p, tgid, (s32)ret, 0);  // user space did not see what fd names now
+        }
+    }
+    return 0;
+}
+
+// The second half of on_exit, a program of its own (a tail call) so that the verifier walks the
+// hash loop from one clean state instead of once per path through the first half.
+int on_exit_hash(struct sys_exit_ctx *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c || c->ev.h.kind == 0)
+        return 0;
+    hash_name(c);
+    return settle_and_emit(c);
+}
+
+BPF_PROG_ARRAY(exit_tail, 1);
+
+// At exit: the result goes into the record, a path not resident at entry is read again, and the
+// one record is emitted (or, for a key counted in `agg`, not).
+static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c || c->ev.h.kind == 0 || c->nr != ctx->nr)
+        return 0;
+    c->ev.open.ret = ctx->ret;
+    if (c->ev.h.kind == EV_CHANGE) {
+        struct change_ev *ce = &c->ev.change;
+        if (ce->h.flags & (F_FNAME_FAULT | F_PATH2_FAULT)) {  // not resident at entry: read again
+            ce->h.flags &= ~(F_FNAME_FAULT | F_PATH2_FAULT | F_PATH_TRUNC | F_PATH2_TRUNC);
+            read_change_paths(c, (const char *)c->refetch, (const char *)c->refetch2);
+        }
+        c->refetch = 0;
+        c->refetch2 = 0;
+    } else if (c->refetch) {
+        struct open_ev *e = &c->ev.open;
+        int n = bpf_probe_read_user_str(e->path, sizeof(e->path), (const char *)c->refetch);
+        c->refetch = 0;
+        if (n > 0) {
+            e->h.flags &= ~F_FNAME_FAULT;
+            if (n == sizeof(e->path))
+                e->h.flags |= F_PATH_TRUNC;
+            e->path_len = n;
+            u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
+            if (n >= PATH_MAX_)
+                size = sizeof(struct open_ev);
+            c->size = size;
+        } else {
+            e->path[0] = 0;
+        }
+    }
+    prepare_hash(c);
+    if (c->hskip == 0)
+        exit_tail.call(ctx, 0);
+    // no hash needed, or the tail call failed: without a token, a plain record
+    c->htok = 0;
+    return settle_and_emit(c);
+}
+
+// ---- opens -------------------------------------------------------------------------------
+
+static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc) {
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    struct call *c = begin_call(run, EV_OPEN, nr);
+    if (!c)
+        return 0;
+    struct open_ev *e = &c->ev.open;
+    e->dfd = dfd;
+    e->flags = flags;
+    e->mode = mode;
+    e->sc = sc;
+    read_path(c, filename);
+    return 0;
 }
 
 int on_enter_open(struct sys_enter_ctx *ctx) {
     switch (ctx->nr) {
     // attached to openat, openat2 (4 arguments), open (3) and creat (2)
     case __NR_openat:
-        return emit_open((s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0);
+        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0);
     case __NR_openat2: {
         u64 how[2] = {};
         bpf_probe_read_user(how, sizeof(how), (void *)arg_beyond(ctx, 2));
-        return emit_open((s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1);
+        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1);
     }
 #ifdef __NR_open
     case __NR_open:
-        return emit_open(-100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2);
+        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2);
 #endif
 #ifdef __NR_creat
     case __NR_creat:
         // creat(path, mode) == open(path, O_CREAT|O_WRONLY|O_TRUNC, mode)
-        return emit_open(-100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3);
+        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3);
 #endif
     }
     return 0;
@@ -440,6 +986,14 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
         e->h.flags |= F_ARGS_FAULT;
     }
     e->args_len = len;
+    // the program's token: its name when absolute (equal names, equal programs), else random
+    struct pctx *p = proc_ctx(e->h.tgid);
+    if (p) {
+        u64 t = 0;
+        if (e->buf[0] == '/' && n > 1)
+            t = name_token(0, (u64)e->buf, (n - 1) & (PATH_MAX_ - 1));
+        p->exe = t ? t : random_token();
+    }
     u64 size = offsetof(struct exec_ev, buf) + ((off + len) & BUF_MASK);
     return emit(e, size, run, EV_EXEC_OK);
 }
@@ -456,6 +1010,12 @@ RAW_TRACEPOINT_PROBE(sched_process_fork) {
     bpf_probe_read_kernel(&tgid, sizeof(tgid), child + TASK_TGID_OFF);
     if (pid != tgid)
         return 0;  // a new thread, not a new process
+    struct pctx *pp = proc_ctx(bpf_get_current_pid_tgid() >> 32);
+    if (pp) {  // the child runs the same program in the same cwd; its descriptors are its own
+        struct pctx child = {.gen = random_token(), .exe = pp->exe, .cwd = pp->cwd};
+        u32 ct = tgid;
+        procs.update(&ct, &child);
+    }
     struct fork_ev *e = events.ringbuf_reserve(sizeof(struct fork_ev));
     if (!e) {
         count_lost(run, EV_FORK);
@@ -469,6 +1029,13 @@ RAW_TRACEPOINT_PROBE(sched_process_fork) {
 }
 
 TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (c) {
+        if (c->ev.h.kind != 0)
+            emit_call(c);  // a call that never returned: recorded with NO_RESULT, not dropped
+        inflight.delete(&tid);
+    }
 #ifdef HAVE_GROUP_DEAD
     if (!args->group_dead)
         return 0;
@@ -477,6 +1044,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     if ((u32)id != (id >> 32))
         return 0;
 #endif
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    procs.delete(&tgid);
     u32 run = current_run();
     if (!run)
         return 0;
@@ -498,14 +1067,12 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
-// A connect record for socket fd and the sockaddr at addr (of len bytes): 1 when recorded.
-static __always_inline int emit_sockaddr(u32 run, u16 flags, s32 fd, const void *addr, u32 len) {
-    struct connect_ev *e = events.ringbuf_reserve(sizeof(struct connect_ev));
-    if (!e) {
-        count_lost(run, EV_CONNECT);
+// A connect record for socket fd and the sockaddr at addr (of len bytes), completed at exit.
+static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, const void *addr, u32 len) {
+    struct call *c = begin_call(run, EV_CONNECT, nr);
+    if (!c)
         return 0;
-    }
-    fill(&e->h, run, EV_CONNECT);
+    struct connect_ev *e = &c->ev.conn;
     e->h.flags |= flags;
     e->fd = fd;
     e->addrlen = len;
@@ -516,34 +1083,26 @@ static __always_inline int emit_sockaddr(u32 run, u16 flags, s32 fd, const void 
     __builtin_memset(e->addr, 0, sizeof(e->addr));
     if (n > 0 && bpf_probe_read_user(e->addr, n, addr) != 0)
         e->h.flags |= F_FNAME_FAULT;
-    events.ringbuf_submit(e, wakeup_flags());
-    return 1;
+    c->size = sizeof(struct connect_ev);
+    return 0;
 }
 
 // Data sent to an explicit address without connect(): UDP sendto/sendmsg/sendmmsg, TCP Fast Open
 // (sendto with MSG_FASTOPEN). Recorded as a connect to that address (the same record, with F_SEND);
-// a send on a connected socket (no address) is not. Sends are frequent, so the result is emitted
-// only for a send recorded here: `sending` marks the thread in between.
-BPF_TABLE("lru_hash", u32, u8, sending, 16384);
-
-static __always_inline int emit_send(s32 fd, const void *addr, u32 len) {
+// a send on a connected socket (no address) is not, and its exit finds no call in flight.
+static __always_inline int enter_send(s32 nr, s32 fd, const void *addr, u32 len) {
     if (!addr || len == 0)
         return 0;
     u32 run = current_run();
     if (!run)
         return 0;
-    if (emit_sockaddr(run, F_SEND, fd, addr, len)) {
-        u32 tid = (u32)bpf_get_current_pid_tgid();
-        u8 one = 1;
-        sending.update(&tid, &one);
-    }
-    return 0;
+    return enter_sockaddr(run, nr, F_SEND, fd, addr, len);
 }
 
 int on_enter_send(struct sys_enter_ctx *ctx) {
     // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
     if (ctx->nr == __NR_sendto)
-        return emit_send((s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
+        return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
     if (ctx->nr == __NR_sendmmsg && (u32)arg_beyond(ctx, 2) == 0)
         return 0;  // no message: nothing is sent
     // struct user_msghdr (and struct mmsghdr, which starts with one): void *msg_name; int msg_namelen
@@ -558,13 +1117,13 @@ int on_enter_send(struct sys_enter_ctx *ctx) {
             count_lost(run, EV_CONNECT);  // a message header not in memory yet: counted, not guessed
         return 0;
     }
-    return emit_send((s32)ctx->args[0], (const void *)h.name, h.namelen);
+    return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)h.name, h.namelen);
 }
 
 int on_enter_connect(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (run)
-        emit_sockaddr(run, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);
+        enter_sockaddr(run, ctx->nr, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);
     return 0;
 }
 
@@ -574,112 +1133,173 @@ int on_enter_chdir(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
         return 0;
-    u32 zero = 0;
-    struct open_ev *scratch = scratch_path.lookup(&zero);
-    if (!scratch)
+    struct call *c = begin_call(run, EV_CHDIR, ctx->nr);
+    if (!c)
         return 0;
-    struct chdir_ev *e = (struct chdir_ev *)scratch;
-    fill(&e->h, run, EV_CHDIR);
-    e->fd = -100;
-    e->pad = 0;
-    const char *filename = (const char *)ctx->args[0];
-    int n = bpf_probe_read_user_str(e->path, sizeof(e->path), filename);
-    if (n < 0) {
-        n = 1;
-        e->path[0] = 0;
-        e->h.flags |= F_FNAME_FAULT;
-        u64 ptr = (u64)filename;
-        refetch.update(&e->h.tid, &ptr);
-    }
-    e->path_len = n;
-    u64 size = offsetof(struct chdir_ev, path) + (n & (PATH_MAX_ - 1));
-    return emit(e, size, run, EV_CHDIR);
+    struct open_ev *e = &c->ev.open;
+    e->dfd = -100;
+    e->flags = 0;
+    e->mode = 0;
+    e->sc = 0;
+    read_path(c, (const char *)ctx->args[0]);
+    return 0;
 }
 
 int on_enter_fchdir(struct sys_enter_ctx *ctx) {
     u32 run = current_run();
     if (!run)
         return 0;
-    struct chdir_ev *e = events.ringbuf_reserve(offsetof(struct chdir_ev, path));
-    if (!e) {
-        count_lost(run, EV_FCHDIR);
+    struct call *c = begin_call(run, EV_FCHDIR, ctx->nr);
+    if (!c)
         return 0;
-    }
-    fill(&e->h, run, EV_FCHDIR);
-    e->fd = (s32)ctx->args[0];
+    struct open_ev *e = &c->ev.open;
+    e->dfd = (s32)ctx->args[0];
+    e->flags = 0;
+    e->mode = 0;
+    e->sc = 0;
     e->path_len = 0;
-    e->pad = 0;
-    events.ringbuf_submit(e, wakeup_flags());
+    c->size = offsetof(struct open_ev, path);
     return 0;
 }
 
-static __always_inline int emit_dup(s32 oldfd, s32 newfd) {
+static __always_inline int enter_dup(s32 nr, s32 oldfd, s32 newfd) {
     u32 run = current_run();
     if (!run)
         return 0;
-    struct dup_ev *e = events.ringbuf_reserve(sizeof(struct dup_ev));
-    if (!e) {
-        count_lost(run, EV_DUP);
+    struct call *c = begin_call(run, EV_DUP, nr);
+    if (!c)
         return 0;
-    }
-    fill(&e->h, run, EV_DUP);
-    e->oldfd = oldfd;
-    e->newfd = newfd;
-    events.ringbuf_submit(e, wakeup_flags());
+    c->ev.dup.oldfd = oldfd;
+    c->ev.dup.newfd = newfd;
+    c->size = sizeof(struct dup_ev);
     return 0;
 }
+
 int on_enter_dup(struct sys_enter_ctx *ctx) {
     // attached to dup (1 argument), dup2 (2) and dup3 (3)
     if (ctx->nr == __NR_dup)
-        return emit_dup((s32)ctx->args[0], -1);
-    return emit_dup((s32)ctx->args[0], (s32)arg_beyond(ctx, 1));
+        return enter_dup(ctx->nr, (s32)ctx->args[0], -1);
+    return enter_dup(ctx->nr, (s32)ctx->args[0], (s32)arg_beyond(ctx, 1));
 }
+
+// ---- file changes that are not opens ------------------------------------------------------
+
+static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1, s32 dfd2, const char *p2, u32 mode, u32 uid, u32 gid, u32 at_flags) {
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    struct call *c = begin_call(run, EV_CHANGE, nr);
+    if (!c)
+        return 0;
+    struct change_ev *e = &c->ev.change;
+    e->dfd = dfd;
+    e->dfd2 = dfd2;
+    e->mode = mode;
+    e->uid = uid;
+    e->gid = gid;
+    e->at_flags = at_flags;
+    e->op = op;
+    e->pad = 0;
+    read_change_paths(c, p1, p2);
+    return 0;
+}
+
+#define A(i) arg_beyond(ctx, i)
+#define P(i) ((const char *)arg_beyond(ctx, i))
+
+int on_enter_change(struct sys_enter_ctx *ctx) {
+    // attached to every call below; arguments past the first are read with arg_beyond, since the
+    // tracepoints sharing this handler have from 1 (unlink) to 5 (renameat2, linkat) arguments
+    s32 nr = ctx->nr;
+    const char *a0 = (const char *)ctx->args[0];
+    switch (nr) {
+#ifdef __NR_rename
+    case __NR_rename:
+        return enter_change(nr, CH_RENAME, -100, a0, -100, P(1), 0, 0, 0, 0);
+#endif
+    case __NR_renameat:
+        return enter_change(nr, CH_RENAME, (s32)ctx->args[0], P(1), (s32)A(2), P(3), 0, 0, 0, 0);
+    case __NR_renameat2:
+        return enter_change(nr, CH_RENAME, (s32)ctx->args[0], P(1), (s32)A(2), P(3), 0, 0, 0, (u32)A(4));
+#ifdef __NR_unlink
+    case __NR_unlink:
+        return enter_change(nr, CH_UNLINK, -100, a0, 0, NULL, 0, 0, 0, 0);
+#endif
+    case __NR_unlinkat: {
+        u32 fl = (u32)A(2);
+        return enter_change(nr, (fl & 0x200) ? CH_RMDIR : CH_UNLINK, (s32)ctx->args[0], P(1), 0, NULL, 0, 0, 0, fl);
+    }
+#ifdef __NR_rmdir
+    case __NR_rmdir:
+        return enter_change(nr, CH_RMDIR, -100, a0, 0, NULL, 0, 0, 0, 0);
+#endif
+#ifdef __NR_link
+    case __NR_link:
+        return enter_change(nr, CH_LINK, -100, a0, -100, P(1), 0, 0, 0, 0);
+#endif
+    case __NR_linkat:
+        return enter_change(nr, CH_LINK, (s32)ctx->args[0], P(1), (s32)A(2), P(3), 0, 0, 0, (u32)A(4));
+#ifdef __NR_symlink
+    case __NR_symlink:  // path 1: the target, as given (not resolved); path 2: the link made
+        return enter_change(nr, CH_SYMLINK, -100, a0, -100, P(1), 0, 0, 0, 0);
+#endif
+    case __NR_symlinkat:
+        return enter_change(nr, CH_SYMLINK, -100, a0, (s32)A(1), P(2), 0, 0, 0, 0);
+    case __NR_truncate:
+        return enter_change(nr, CH_TRUNCATE, -100, a0, 0, NULL, 0, 0, 0, 0);
+#ifdef __NR_chmod
+    case __NR_chmod:
+        return enter_change(nr, CH_CHMOD, -100, a0, 0, NULL, (u32)A(1), 0, 0, 0);
+#endif
+    case __NR_fchmod:
+        return enter_change(nr, CH_CHMOD, (s32)ctx->args[0], NULL, 0, NULL, (u32)A(1), 0, 0, 0);
+    case __NR_fchmodat:
+        return enter_change(nr, CH_CHMOD, (s32)ctx->args[0], P(1), 0, NULL, (u32)A(2), 0, 0, 0);
+#ifdef __NR_fchmodat2
+    case __NR_fchmodat2:
+        return enter_change(nr, CH_CHMOD, (s32)ctx->args[0], P(1), 0, NULL, (u32)A(2), 0, 0, (u32)A(3));
+#else
+    case 452:  // fchmodat2 (x86_64), newer than these headers
+        return enter_change(nr, CH_CHMOD, (s32)ctx->args[0], P(1), 0, NULL, (u32)A(2), 0, 0, (u32)A(3));
+#endif
+#ifdef __NR_chown
+    case __NR_chown:
+        return enter_change(nr, CH_CHOWN, -100, a0, 0, NULL, 0, (u32)A(1), (u32)A(2), 0);
+#endif
+#ifdef __NR_lchown
+    case __NR_lchown:  // as fchownat(AT_FDCWD, path, uid, gid, AT_SYMLINK_NOFOLLOW)
+        return enter_change(nr, CH_CHOWN, -100, a0, 0, NULL, 0, (u32)A(1), (u32)A(2), 0x100);
+#endif
+    case __NR_fchown:
+        return enter_change(nr, CH_CHOWN, (s32)ctx->args[0], NULL, 0, NULL, 0, (u32)A(1), (u32)A(2), 0);
+    case __NR_fchownat:
+        return enter_change(nr, CH_CHOWN, (s32)ctx->args[0], P(1), 0, NULL, 0, (u32)A(2), (u32)A(3), (u32)A(4));
+#ifdef __NR_mkdir
+    case __NR_mkdir:
+        return enter_change(nr, CH_MKDIR, -100, a0, 0, NULL, (u32)A(1), 0, 0, 0);
+#endif
+    case __NR_mkdirat:
+        return enter_change(nr, CH_MKDIR, (s32)ctx->args[0], P(1), 0, NULL, (u32)A(2), 0, 0, 0);
+#ifdef __NR_mknod
+    case __NR_mknod:
+        return enter_change(nr, CH_MKNOD, -100, a0, 0, NULL, (u32)A(1), 0, 0, 0);
+#endif
+    case __NR_mknodat:
+        return enter_change(nr, CH_MKNOD, (s32)ctx->args[0], P(1), 0, NULL, (u32)A(2), 0, 0, 0);
+    }
+    return 0;
+}
+
+#undef A
+#undef P
 
 // ---- results -----------------------------------------------------------------------------
 
 int on_exit(struct sys_exit_ctx *ctx) {
-    u32 sc;
     switch (ctx->nr) {
-    case __NR_openat:
-    case __NR_openat2:
-#ifdef __NR_open
-    case __NR_open:
-#endif
-#ifdef __NR_creat
-    case __NR_creat:
-#endif
-        sc = SC_OPEN;
-        break;
     case __NR_execve:
     case __NR_execveat:
-        sc = SC_EXEC;
-        break;
-    case __NR_connect:
-        sc = SC_CONNECT;
-        break;
-    case __NR_sendto:
-    case __NR_sendmsg:
-    case __NR_sendmmsg: {
-        u32 tid = (u32)bpf_get_current_pid_tgid();
-        if (!sending.lookup(&tid))
-            return 0;  // a send not recorded (no address): no result either
-        sending.delete(&tid);
-        sc = SC_CONNECT;
-        break;
+        return emit_ret(SC_EXEC, ctx->ret);
     }
-    case __NR_chdir:
-        sc = SC_CHDIR;
-        break;
-    case __NR_fchdir:
-        sc = SC_FCHDIR;
-        break;
-    case __NR_dup:
-    case __NR_dup2:
-    case __NR_dup3:
-        sc = SC_DUP;
-        break;
-    default:
-        return 0;
-    }
-    return emit_ret(sc, ctx->ret);
+    return finish_call(ctx);
 }

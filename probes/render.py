@@ -1,7 +1,8 @@
 """Render the probes' BPF C: pure functions from a config to C text (no BCC, no root).
 
-The .bpf.c files are package data with UPPERCASE tokens; `render` replaces each one and fails if any
-is left unfilled, so a typo can never reach the compiler as an undefined macro.
+The .bpf.c files are package data with UPPERCASE tokens; `render` (record.bpf.c) and `render_guard`
+(connect_guard.bpf.c, tokens written `__NAME__`) replace each one and fail if any is left unfilled,
+so a typo can never reach the compiler as an undefined macro.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ _TOKENS = (
     "CGROUP_DEPTH",
     "RINGBUF_PAGES",
     "WAKEUP_EVERY",
+    "INFLIGHT_MAX",
+    "AGG_MAX",
     "TASK_PID_OFF",
     "TASK_TGID_OFF",
     "TASK_EXIT_CODE_OFF",
@@ -39,6 +42,8 @@ class ProbeConfig:
     cgroup_depth: int = 32  # cgroup levels searched for a tracked ancestor
     ringbuf_pages: int = 16384  # 64 MiB with 4 KiB pages (power of two): a 300k-open burst fits
     wakeup_every: int = 64  # records per CPU between consumer wakeups
+    inflight_max: int = 16384  # threads with a call between enter and exit (allocated on demand)
+    agg_max: int = 262144  # aggregation keys of all runs (allocated on demand; past it: one record each)
     have_group_dead: bool = True  # sched_process_exit has group_dead (6.16+)
 
 
@@ -47,7 +52,7 @@ def _power_of_two(n: int) -> bool:
 
 
 def template(name: str = "record.bpf.c") -> str:
-    return resources.files("probes").joinpath(name).read_text()
+    return resources.files("evidence.probes").joinpath(name).read_text()
 
 
 def render(config: ProbeConfig, source: str | None = None) -> str:
@@ -62,6 +67,8 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
         "CGROUP_DEPTH": config.cgroup_depth,
         "RINGBUF_PAGES": config.ringbuf_pages,
         "WAKEUP_EVERY": config.wakeup_every,
+        "INFLIGHT_MAX": config.inflight_max,
+        "AGG_MAX": config.agg_max,
         **config.offsets,
     }
     missing = [t for t in _TOKENS if t not in values]
@@ -76,4 +83,53 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     left = re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
     if left:
         raise RenderError(f"unfilled tokens: {sorted(set(left))}")
+    return text
+
+
+# --- connect_guard.bpf.c ----------------------------------------------------------------------------
+
+GUARD_TEMPLATE = "connect_guard.bpf.c"
+GUARD_TOKENS = (
+    "__MAX_ENTRIES__",
+    "__DEFAULT_ALLOW__",
+    "__DRY_RUN__",
+    "__V4_CAPACITY__",
+    "__V6_CAPACITY__",
+    "__RINGBUF_PAGES__",
+)
+_GUARD_TOKEN_RE = re.compile(r"__[A-Z][A-Z0-9_]*__")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+    default_allow: bool
+    dry_run: bool
+    max_entries: int = 16  # rules that can apply to one prefix (after covering rules are copied in)
+    v4_capacity: int = 1024
+    v6_capacity: int = 1024
+    ringbuf_pages: int = 64  # a power of two
+
+    def __post_init__(self) -> None:
+        if self.ringbuf_pages <= 0 or self.ringbuf_pages & (self.ringbuf_pages - 1):
+            raise ValueError("ringbuf_pages must be a power of two")
+        if not 1 <= self.max_entries <= 64:
+            raise ValueError("max_entries must be between 1 and 64")
+
+
+def render_guard(config: GuardConfig, text: str | None = None) -> str:
+    """connect_guard's C for a configuration; fails if a token is left unfilled."""
+    text = template(GUARD_TEMPLATE) if text is None else text
+    values = {
+        "__MAX_ENTRIES__": str(config.max_entries),
+        "__DEFAULT_ALLOW__": "1" if config.default_allow else "0",
+        "__DRY_RUN__": "1" if config.dry_run else "0",
+        "__V4_CAPACITY__": str(max(1, config.v4_capacity)),
+        "__V6_CAPACITY__": str(max(1, config.v6_capacity)),
+        "__RINGBUF_PAGES__": str(config.ringbuf_pages),
+    }
+    for token, value in values.items():
+        text = text.replace(token, value)
+    left = sorted(set(_GUARD_TOKEN_RE.findall(text)))
+    if left:
+        raise ValueError(f"connect_guard.bpf.c: tokens left unfilled: {', '.join(left)}")
     return text

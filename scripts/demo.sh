@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: record a small real "build" (a shell that runs python, reads files, writes an output,
-# connects to a loopback listener and fails to open a missing file), then show and lint the bundle.
+# connects to a loopback listener and fails to open a missing file), signed with a fresh key, then
+# show, lint and verify the bundle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=demo-out
@@ -23,10 +24,13 @@ ls -la > /dev/null
 echo "done"
 SH
 chmod +x "$out/workspace/build.sh"
+.venv/bin/evidence keygen --out "$out/evidence-key" >/dev/null
 cd "$out/workspace"
-../../.venv/bin/evidence run --bundle ../run.tar.gz -- ./build.sh
+../../.venv/bin/evidence run --sign-key ../evidence-key --bundle ../run.tar.gz -- ./build.sh
 cd ../..
 echo
 .venv/bin/evidence show "$out/run.tar.gz" || true
 echo
 .venv/bin/evidence lint "$out/run.tar.gz" --fail-on none || true
+echo
+.venv/bin/evidence verify "$out/run.tar.gz" --key "$out/evidence-key.pub" || true

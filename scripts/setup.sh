@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine (run as root): system packages, kernel headers
-# links for BCC, and a virtualenv at .venv that sees Debian's bcc module.
+# for BCC (never linked under /lib/modules), and a virtualenv at .venv that sees Debian's bcc module.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,7 @@ need_apt=()
 /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 command -v strace >/dev/null || need_apt+=(strace)
 command -v runc >/dev/null || need_apt+=(runc)
+command -v chromium >/dev/null || need_apt+=(chromium)  # renders show --format html in a test
 [ -x /bin/busybox ] || need_apt+=(busybox-static)
 command -v ip >/dev/null || need_apt+=(iproute2)
 need_headers=
@@ -33,9 +34,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
 fi
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[agent,dev]'
   rm -f .venv/.installed-* && touch "$stamp"
 fi
-# Headers for BCC: `evidence doctor` explains; the agent links distro headers itself when the exact
-# ones are missing (and records the mismatch), so nothing else is needed here.
+# Headers for BCC: `evidence doctor` explains; when the exact ones are missing, the recorder joins the
+# distro headers under /var/lib/evidence and points BCC_KERNEL_SOURCE there (never /lib/modules).
 echo "setup: ok (.venv/bin/evidence)" >&2

@@ -10,10 +10,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent.cgroups import RunCgroup
-from agent.decode import decode
-from agent.kernel import ensure_headers, mount_tracefs
-from probes.loader import RecorderProbes
+from evidence.agent.recorder.cgroups import RunCgroup
+from evidence.agent.recorder.decode import decode
+from evidence.agent.recorder.kernel import mount_tracefs
+from evidence.probes.headers import ensure_headers
+from evidence.probes.loader import RecorderProbes
 
 SCRIPT = r"""
 import os, socket
@@ -42,6 +43,28 @@ try:
     u.connect('/nonexistent.sock')
 except OSError:
     pass
+# file changes that are not opens (one record each, paired in the kernel)
+a, b, c = '/tmp/evidence-capture-a', '/tmp/evidence-capture-b', '/tmp/evidence-capture-c'
+for p in (a, b, c, b + '.d'):
+    for rm in (os.unlink, os.rmdir):
+        try:
+            rm(p)
+        except OSError:
+            pass
+os.close(os.open(a, os.O_WRONLY | os.O_CREAT, 0o644))
+os.link(a, b)
+os.rename(b, c)
+os.truncate(a, 0)
+os.chmod(a, 0o600)
+os.chown(a, -1, os.getgid())
+fd = os.open(a, os.O_RDONLY)
+os.fchmod(fd, 0o640)
+os.symlink('evidence-capture-a', b)
+os.unlink(b)
+os.mkdir(b + '.d', 0o700)
+os.rmdir(b + '.d')
+os.unlink(c)
+os.unlink(a)
 os.execv('/bin/sh', ['sh', '-c', 'exit 7'])
 """
 

@@ -226,7 +226,7 @@ net:
 
 
 def _policy(peer: dict[str, str]):  # noqa: ANN202
-    from policy.model import parse_policy
+    from evidence.policy.model import parse_policy
 
     v4net = peer["v4"].rsplit(".", 1)[0] + ".0"
     text = POLICY.format(v4=peer["v4"], v6=peer["v6"], v4net=v4net)
@@ -259,7 +259,7 @@ def _collect(guard, want: int, deadline_s: float = 3.0) -> list[dict[str, object
 
 
 def test_enforce_denies_every_way_of_reaching_a_denied_address(peer: dict[str, str], cgroup: Path) -> None:
-    from policy.connect import ConnectGuard
+    from evidence.probes.guard import ConnectGuard
 
     policy = _policy(peer)
     guard = ConnectGuard(policy.net, dry_run=False)
@@ -316,7 +316,7 @@ def test_enforce_denies_every_way_of_reaching_a_denied_address(peer: dict[str, s
 
 
 def test_dry_run_reports_would_block_but_lets_traffic_through(peer: dict[str, str], cgroup: Path) -> None:
-    from policy.connect import ConnectGuard
+    from evidence.probes.guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=True)
     try:
@@ -338,7 +338,7 @@ def test_dry_run_reports_would_block_but_lets_traffic_through(peer: dict[str, st
 def test_outside_the_cgroup_nothing_is_blocked(peer: dict[str, str], cgroup: Path) -> None:
     import socket
 
-    from policy.connect import ConnectGuard
+    from evidence.probes.guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     try:
@@ -351,7 +351,7 @@ def test_outside_the_cgroup_nothing_is_blocked(peer: dict[str, str], cgroup: Pat
 
 
 def test_detach_removes_the_programs(peer: dict[str, str], cgroup: Path) -> None:
-    from policy.connect import ConnectGuard
+    from evidence.probes.guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     guard.attach(str(cgroup))
@@ -378,7 +378,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize(("mode", "loopback"), [("none", "ENETUNREACH"), ("loopback", "ok")])
 def test_private_netns(peer: dict[str, str], mode: str, loopback: str) -> None:
-    from policy.netns import PrivateNetns
+    from evidence.policy.netns import PrivateNetns
 
     with PrivateNetns(mode) as ns:  # type: ignore[arg-type]
         assert os.path.exists(ns.path)
@@ -418,7 +418,7 @@ print(json.dumps(out))
 
 
 def test_io_uring_connect_is_denied_too(peer: dict[str, str], cgroup: Path) -> None:
-    from policy.connect import ConnectGuard
+    from evidence.probes.guard import ConnectGuard
 
     def enter() -> None:
         with open(cgroup / "cgroup.procs", "w") as f:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from agent.cgroups import find_cgroup2_mount
-from agent.client import AgentClient
+from evidence.agent.commands.client import AgentClient
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from evidence.errors import Error
 from tests.kernel.util import PY, evidence, of_type, read_bundle
 
@@ -75,18 +76,13 @@ class Agent:
             raise AssertionError(f"agent did not stop: {self.output()}") from None
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """{'name{labels}': value}; every line must be a comment or a well-formed sample."""
+    """{'name{label="value",...}': value}, labels sorted by name; the whole text must parse."""
     out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("# HELP ") or line.startswith("# TYPE "):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not Prometheus text: {line!r}"
-        out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
 
 
@@ -262,7 +258,7 @@ def test_attach_late_two_runs_metrics(tmp_path: Path, cgroups: Path, listener: i
         assert metrics["evidence_bundle_bytes_total"] == sum(
             (agent.bundles / f"{s}.tar.gz").stat().st_size for s in (sid_a, sid_b)
         )
-        assert metrics['evidence_api_requests_total{route="/runs",code="201"}'] == 2
+        assert metrics['evidence_api_requests_total{code="201",route="/runs"}'] == 2
         lint = evidence("lint", str(tmp_path / "a.tar.gz"))
         assert "verified" in lint.stdout, lint.stdout + lint.stderr
     finally:
@@ -321,9 +317,10 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     cfg.write_text("window_seconds: -1\nnot_a_setting: 1\n")
     proc = evidence("agent", "--socket", str(tmp_path / "s"), "--config", str(cfg))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not_a_setting" in proc.stderr
+    # no agent at the socket: nothing was run (70, as the README says), not bad input (2)
     missing = evidence("start", "--agent", str(tmp_path / "none.sock"), "--cgroup", "/x")
     assert (
-        missing.returncode == 2 and "no agent socket" in missing.stderr and "Traceback" not in missing.stderr
+        missing.returncode == 70 and "no agent socket" in missing.stderr and "Traceback" not in missing.stderr
     )
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import inventory
-from agent.cgroups import find_cgroup2_mount
-from bundle.format import Inventory
+from evidence.agent.recorder import inventory
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
+from evidence.bundle.format import Inventory
 from evidence.errors import SetupError
 
 pytestmark = pytest.mark.kernel

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cgroups import find_cgroup2_mount
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from tests.kernel.test_daemon import Agent
 from tests.kernel.util import of_type, read_bundle
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import k8s
-from agent.cgroups import find_cgroup2_mount
-from agent.k8s import KubeWatcher
+from evidence.agent.daemon import k8s
+from evidence.agent.daemon.k8s import KubeWatcher
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from evidence.errors import SetupError
 
 pytestmark = pytest.mark.kernel

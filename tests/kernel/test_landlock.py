@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from policy import landlock
-from policy.model import load_policy
+from evidence.policy import landlock
+from evidence.policy.model import load_policy
 from tests.kernel.util import IO_URING
 
 pytestmark = pytest.mark.kernel

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 
-from agent.cgroups import RunCgroup
-from agent.decode import decode
-from agent.kernel import ensure_headers, mount_tracefs
-from probes.loader import RecorderProbes, detect_config
+from evidence.agent.recorder.cgroups import RunCgroup
+from evidence.agent.recorder.decode import decode
+from evidence.agent.recorder.kernel import mount_tracefs
+from evidence.probes.headers import ensure_headers
+from evidence.probes.loader import RecorderProbes, detect_config
 
 
 def _run_in(cg: RunCgroup, *cmd: str) -> None:

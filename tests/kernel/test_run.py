@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -263,13 +262,13 @@ def test_same_command_twice_gives_same_run_id(tmp_path: Path) -> None:
 
 
 def test_no_cgroup_left_behind(tmp_path: Path) -> None:
-    from agent.cgroups import find_cgroup2_mount
+    from evidence.agent.recorder.cgroups import find_cgroup2_mount
 
-    base = find_cgroup2_mount() / "evidence"
-    before = set(os.listdir(base)) if base.exists() else set()
-    record(tmp_path, "/bin/sh", "-c", "sleep 100 & exit 0")  # a leftover background process is killed
-    after = {d for d in os.listdir(base) if os.path.isdir(base / d)} if base.exists() else set()
-    assert after <= before
+    # a leftover background process is killed and the run's own cgroup removed (other runs, such as
+    # another test session's, may come and go under the same parent meanwhile)
+    _, manifest, events = record(tmp_path, "/bin/sh", "-c", "sleep 100 & exit 0")
+    cgroup = Path(of_type(events, "run.started")[0]["data"]["cgroup"])
+    assert cgroup.parent == find_cgroup2_mount() / "evidence" and not cgroup.exists()
 
 
 def test_command_not_found(tmp_path: Path) -> None:
@@ -352,24 +351,25 @@ def test_the_job_cannot_reach_its_runs_spool(tmp_path: Path) -> None:
     """The records wait in root's 0700 spool directory, not beside the bundle (where a job that can
     write its workspace could swap them and so write the bundle): the job sees no spool, and an
     unprivileged job cannot even list where it is."""
-    from agent.commands_run import RUN_SPOOL_DIR
+    from evidence.agent.commands.run import RUN_SPOOL_DIR
 
     tmp_path.chmod(0o777)
     script = f"ls -a {tmp_path}; ls {RUN_SPOOL_DIR} 2>&1; echo done"
-    proc, _, events = record(
+    proc, manifest, events = record(
         tmp_path, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script
     )
     assert proc.returncode == 0, proc.stderr
     assert ".spool.zst" not in proc.stdout and "Permission denied" in proc.stdout, proc.stdout
     assert (RUN_SPOOL_DIR.stat().st_mode & 0o777) == 0o700 and RUN_SPOOL_DIR.stat().st_uid == 0
-    assert not list(RUN_SPOOL_DIR.glob("*.spool.zst"))  # removed once the bundle is written
+    # removed once the bundle is written
+    assert not list(RUN_SPOOL_DIR.glob(f"{manifest['session_id']}*"))
     assert any(e["data"].get("argv", [None])[:1] == ["ls"] for e in of_type(events, "process.exec"))
 
 
 def test_a_job_that_moves_itself_out_of_the_runs_cgroup_is_flagged(tmp_path: Path) -> None:
     """Root in the job can move itself out of the run's cgroup (a stated limit); what it does after
     that is not recorded, but the bundle says that it could: a degradation, and lint warns."""
-    from agent.cgroups import find_cgroup2_mount
+    from evidence.agent.recorder.cgroups import find_cgroup2_mount
 
     procs = find_cgroup2_mount() / "cgroup.procs"
     proc, _, events = record(tmp_path, "sh", "-c", f"echo $$ > {procs}; cat /etc/hostname")

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agent.cgroups import find_cgroup2_mount
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from tests.kernel.test_daemon import Agent
 from tests.kernel.util import of_type, read_bundle
 
@@ -156,7 +156,7 @@ def test_unprivileged_client_records_its_own_command(agent: Agent, out: Path) ->
 # As uid 65534: ask the agent to isolate a process of another user (this test, root).
 _ISOLATE = r"""
 import json, sys
-from agent.client import _UnixConnection
+from evidence.agent.commands.client import _UnixConnection
 c = _UnixConnection(sys.argv[1], 30)
 c.request("POST", "/runs", body=json.dumps({"isolate_pid": int(sys.argv[2])}),
           headers={"Content-Type": "application/json"})

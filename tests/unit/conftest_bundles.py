@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
-from bundle import canonical
-from bundle import format as fmt
-from bundle.writer import RunMeta, write_bundle
+from evidence.bundle import canonical
+from evidence.bundle import format as fmt
+from evidence.bundle.writer import RunMeta, write_bundle
 
 T0 = 1_700_000_000_000_000_000
 WS = "/home/ci/work"
@@ -30,6 +30,7 @@ def meta(**over: Any) -> RunMeta:
         started_ns=T0,
         finished_ns=T0 + 5_000_000_000,
         exit_code=0,
+        detail="summary",
         host={"kernel": "6.1.0"},
         capabilities={"btf": True},
         headers={},
@@ -70,6 +71,35 @@ def open_(
         access=access,
         result=result,
     )
+
+
+def change(
+    t: int,
+    operation: str,
+    path: str,
+    target: str | None = None,
+    result: Any = 0,
+    pid: int = 101,
+    exe: str = "/usr/bin/make",
+    **extra: Any,
+) -> dict[str, Any]:
+    access = {"link": ["create"], "symlink": ["create"], "mkdir": ["create"], "mknod": ["create"]}
+    rec = dict(
+        k="change",
+        t=T0 + t,
+        pid=pid,
+        ppid=100,
+        exe=exe,
+        operation=operation,
+        path=path,
+        raw_path=path,
+        access=access.get(operation, ["write", "create"] if operation == "rename" else ["write"]),
+        result=result,
+        **extra,
+    )
+    if target is not None:
+        rec["target"] = target
+    return rec
 
 
 def connect(

@@ -19,24 +19,18 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
-from agent import metrics as m
-from agent.api import (
-    AgentAPI,
-    Forbidden,
-    Peer,
-    PeerPolicy,
-    RunConflict,
-    RunInfo,
-    UnknownRun,
-    bundle_target,
-    claim_pid,
-    resolve_cgroup,
-)
-from agent.client import AgentClient
-from bundle.writer import RunMeta, write_bundle
+from evidence.agent.commands.client import AgentClient
+from evidence.agent.daemon import metrics as m
+from evidence.agent.daemon import models
+from evidence.agent.daemon.api import AgentAPI, RunConflict, RunInfo, UnknownRun
+from evidence.agent.daemon.authz import Forbidden, Peer, PeerPolicy, bundle_target, claim_pid, resolve_cgroup
+from evidence.bundle.writer import RunMeta, write_bundle
 from evidence.cli import main
 from evidence.errors import SetupError, UsageError
+
+NOT_THE_AGENT = 4_194_305  # over pid_max's ceiling: the API serves in this process, which is not the agent
 
 
 class FakeBackend:
@@ -105,6 +99,10 @@ class FakeBackend:
             exit_code=exit_code,
             signal=signal,
             attached_late=not info.isolated,
+            detail="summary",
+            host={},
+            capabilities={},
+            headers={},
             labels=dict(info.labels),
             lost={"open": 3},
         )
@@ -165,6 +163,7 @@ def api(workdir: Path, cgroup_root: Path, backend: FakeBackend) -> Iterator[Agen
         cgroup_root=cgroup_root,
         socket_gid=65534,
         tcp_listen=("127.0.0.1", 0),
+        agent_pid=NOT_THE_AGENT,
     )
     server.start()
     yield server
@@ -219,18 +218,18 @@ def test_start_and_finish_through_the_cli(
 
 
 def test_start_by_pid_and_json_answers(
-    api: AgentAPI, backend: FakeBackend, cgroup_root: Path, capsys: pytest.CaptureFixture[str]
+    api: AgentAPI, backend: FakeBackend, cgroup_root: Path, workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # this process's /proc/self/cgroup path, mapped under the fake root, must be a "cgroup" there
-    own = Path(f"/proc/{os.getpid()}/cgroup").read_text().split("0::", 1)[1].splitlines()[0]
-    target = cgroup_root / own.lstrip("/")
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "cgroup.procs").write_text("")
-    assert cli("start", "--agent", str(api.socket_path), "--pid", str(os.getpid()), "--json") == 0
+    # a process 4242 (in a fake /proc) whose /proc/PID/cgroup path, under the fake root, is a "cgroup"
+    api.proc_root = workdir / "proc"
+    _fake_proc(api.proc_root, 4242, "0 0 0 0", "4242")
+    (api.proc_root / "4242" / "cgroup").write_text("0::/ci/job-42\n")
+    target = cgroup_root / "ci" / "job-42"
+    assert cli("start", "--agent", str(api.socket_path), "--pid", "4242", "--json") == 0
     answer = json.loads(capsys.readouterr().out)
-    assert answer["pid"] == os.getpid()
+    assert answer["pid"] == 4242 and answer["owner_uid"] == 0
     assert answer["cgroup"] == str(target.resolve())
-    assert backend.started[0][2] == os.getpid()
+    assert backend.started[0][2] == 4242
 
     assert (
         cli(
@@ -256,7 +255,6 @@ def test_bad_requests_are_exit_2_with_one_line(
             "label name 'bad key' is not valid",
         ),
         (["start", "--agent", sock, "--pid", "999999999"], "no process 999999999"),
-        (["start", "--agent", str(workdir / "missing.sock"), "--cgroup", "/ci"], "no agent socket at"),
         (["finish", "--agent", sock, "../etc"], "is not a session id"),
         (["finish", "--agent", sock, "s9999"], "no run s9999"),
     ]
@@ -265,6 +263,10 @@ def test_bad_requests_are_exit_2_with_one_line(
         err = capsys.readouterr().err
         assert fragment in err, (argv, err)
         assert err.count("\n") == 1 and "Traceback" not in err
+    # no agent at the socket: nothing was run, 70 as the README says (not bad input)
+    assert cli("start", "--agent", str(workdir / "missing.sock"), "--cgroup", "/ci") == 70
+    err = capsys.readouterr().err
+    assert "no agent socket at" in err and err.count("\n") == 1
     assert backend.started == []
 
     # same cgroup twice: 409, still a one-line exit 2
@@ -405,7 +407,7 @@ def test_peer_with_a_wrong_uid_is_refused(api: AgentAPI, backend: FakeBackend) -
     assert lines[0].endswith("403 Forbidden"), lines
     assert "permission denied" in json.loads(lines[1])["error"]
     assert backend.started == []
-    assert api.registry.counter("evidence_api_refused_peers", "").value() == 1
+    assert api.registry.value("evidence_api_refused_peers_total") == 1
 
 
 def test_peer_outside_the_socket_group_cannot_even_connect(api: AgentAPI) -> None:
@@ -413,6 +415,8 @@ def test_peer_outside_the_socket_group_cannot_even_connect(api: AgentAPI) -> Non
 
 
 def test_allowed_uid_and_gid_are_let_in(workdir: Path, cgroup_root: Path, backend: FakeBackend) -> None:
+    for d in (cgroup_root / "ci", cgroup_root / "ci" / "job-42"):  # delegated to 65534
+        os.chown(d, 65534, 65534)
     for policy in (PeerPolicy(allowed_uids=frozenset({65534})), PeerPolicy(allowed_gids=frozenset({65534}))):
         with AgentAPI(
             backend,
@@ -421,6 +425,7 @@ def test_allowed_uid_and_gid_are_let_in(workdir: Path, cgroup_root: Path, backen
             cgroup_root=cgroup_root,
             socket_gid=65534,
             policy=policy,
+            agent_pid=NOT_THE_AGENT,
         ):
             lines = _as_nobody(workdir / "a.sock")
         assert lines[0].endswith("201 Created"), lines
@@ -483,27 +488,43 @@ def test_resolve_cgroup_in_a_cgroup_namespace(cgroup_root: Path, tmp_path: Path)
         resolve_cgroup(None, 77, cgroup_root, proc_root=proc, ns_base="")
 
 
-def test_metrics_rendering_rules() -> None:
+def test_metrics_registry_rules() -> None:
     reg = m.Registry()
     c = reg.counter("x_things", "Things.\nSecond line", ("k",))
-    c.inc(k="a")
-    c.inc(2.5, k="a")
+    c.labels(k="a").inc()
+    c.labels(k="a").inc(2.5)
+    c.labels(k='we"ird\\').inc()
     g = reg.gauge("x_level", "Level.")
     g.set(float("inf"))
-    assert reg.counter("x_things", "again", ("k",)) is c
+    assert reg.counter("x_things", "again", ("k",)) is c  # the same metric, shared
+    for clash in (lambda: reg.gauge("x_things", "clash", ("k",)), lambda: reg.counter("x_things", "", ())):
+        with pytest.raises(ValueError):
+            clash()
     with pytest.raises(ValueError):
-        reg.gauge("x_things", "clash")
+        reg.counter("evidence_events", "a name the backend's snapshot uses")
     with pytest.raises(ValueError):
-        c.inc(-1, k="a")
+        c.labels(k="a").inc(-1)
     with pytest.raises(ValueError):
-        c.inc(wrong="a")
-    text = m.render(reg.families())
-    assert text == (
-        "# HELP x_level Level.\n# TYPE x_level gauge\nx_level +Inf\n"
-        "# HELP x_things_total Things.\\nSecond line\n# TYPE x_things_total counter\n"
-        'x_things_total{k="a"} 3.5\n'
-    )
-    assert [f.name for f in text_string_to_metric_families(text)] == ["x_level", "x_things"]
+        c.labels(wrong="a")
+    assert reg.value("x_things_total", k="a") == 3.5 and reg.value("x_things_total", k="b") == 0
+    text = reg.render().decode()
+    assert "_created" not in text  # the exposition has the series it always had, no more
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(families) == {"x_things", "x_level"}  # no snapshot source: no snapshot families
+    things = families["x_things"]
+    assert (things.type, things.documentation) == ("counter", "Things.\nSecond line")
+    assert {(s.name, s.labels["k"]): s.value for s in things.samples} == {
+        ("x_things_total", "a"): 3.5,
+        ("x_things_total", 'we"ird\\'): 1.0,
+    }
+    assert families["x_level"].type == "gauge" and families["x_level"].samples[0].value == float("inf")
+
+    reg.read_snapshot_from(lambda: m.MetricsSnapshot(events_by_kind={"exec": 2}, runs_active=1))
+    scraped = {
+        s.name: s.value for f in text_string_to_metric_families(reg.render().decode()) for s in f.samples
+    }
+    assert scraped["evidence_events_total"] == 2 and scraped["evidence_runs_active"] == 1
+    assert scraped["evidence_bundles_written_total"] == 0
 
 
 def test_cli_help_for_both_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -584,6 +605,37 @@ def test_isolate_request_checks(api: AgentAPI, backend: FakeBackend) -> None:
     assert backend.isolated == []
 
 
+def test_request_models_answer_as_the_api_always_did(api: AgentAPI) -> None:
+    req = models.parse(
+        models.IsolateRequest, {"isolate_pid": 5, "labels": {"b": "1", "a": "2"}, "command": ["x"]}
+    )
+    assert list(req.labels) == ["a", "b"] and req.command == ("x",) and req.detail == "summary"
+    with pytest.raises(ValidationError):
+        req.detail = "full"  # type: ignore[misc]  # frozen
+    # several faults: the one the API always reported first is the one reported
+    for model, body, message in (
+        (models.StartRequest, {"extra": 1, "labels": 3}, "unknown field(s) extra"),
+        (models.StartRequest, {"labels": 3, "pid": True}, '"labels" must be an object of string: string'),
+        (models.StartRequest, {"pid": True, "cgroup": 5}, '"pid" must be a positive integer'),
+        (models.StartRequest, {"pid": -1, "cgroup": 5}, 'give exactly one of "cgroup" and "pid"'),
+        (models.StartRequest, {"pid": -1}, '"pid" must be a positive integer'),
+        (models.StartRequest, {"cgroup": ""}, '"cgroup" must be a non-empty path'),
+        (models.IsolateRequest, {"isolate_pid": 0, "detail": None}, '"detail" must be "summary" or "full"'),
+        (models.IsolateRequest, {"isolate_pid": 0, "x": 1}, "unknown field(s) x (with isolate_pid)"),
+        (models.FinishRequest, {"bundle": "", "exit_code": "x"}, '"bundle" must be a file name'),
+    ):
+        with pytest.raises(UsageError) as e:
+            models.parse(model, body)
+        assert e.value.message == message, body
+    # the exit status is looked at only once the run is known, and known to be isolated
+    client = AgentClient(api.socket_path)
+    with pytest.raises(UsageError, match="no run s9999"):
+        client.request("POST", "/runs/s9999/finish", {"exit_code": 300})
+    sid = client.start(cgroup="/ci")["session_id"]
+    with pytest.raises(UsageError, match="only for isolated runs"):
+        client.request("POST", f"/runs/{sid}/finish", {"exit_code": "x"})
+
+
 def _fake_proc(root: Path, pid: int, uids: str, nspid: str, children: str = "") -> None:
     d = root / str(pid)
     (d / "task" / str(pid)).mkdir(parents=True)
@@ -603,7 +655,7 @@ def test_claim_pid_ownership_and_pid_namespaces(tmp_path: Path) -> None:
     for pid in (102, 103):
         with pytest.raises(Forbidden, match=f"process {pid} is not yours"):
             claim_pid(pid, peer, proc, agent_pid=1)
-    with pytest.raises(Forbidden, match="does not isolate itself"):
+    with pytest.raises(Forbidden, match="PID 1, the agent or an ancestor"):
         claim_pid(102, Peer(100, 0, 0), proc, agent_pid=102)
     with pytest.raises(Forbidden, match="pid namespace"):
         claim_pid(101, Peer(0, 1000, 1000), proc, agent_pid=1)  # SO_PEERCRED: pid not visible

@@ -1,16 +1,19 @@
-"""agent.backend pieces that need no kernel: the observed spool, the untrack handover, process depths,
+"""agent.daemon backend pieces that need no kernel: the observed spool, the untrack handover, process depths,
 bundle names, and recovery of spools left by an agent that died."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent.backend import HandoverProbes, ObservedSpool, _depths, recover_spools, unique_path
-from bundle.spool import SpoolWriter, private_dir, read_spool
+from evidence.agent.daemon.backend import process_depths
+from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
+from evidence.agent.recorder.recovery import recover_spools, unique_path
+from evidence.bundle.spool import SpoolWriter, private_dir, read_spool
 from tests.kernel.util import read_bundle
 
 
@@ -65,8 +68,8 @@ def test_handover_skips_exactly_one_untrack() -> None:
 
 def test_depths_follow_parents_inside_the_inventory() -> None:
     inv = [{"pid": 10, "ppid": 1}, {"pid": 11, "ppid": 10}, {"pid": 12, "ppid": 11}, {"pid": 20, "ppid": 5}]
-    assert _depths(inv) == {10: 0, 11: 1, 12: 2, 20: 0}
-    assert _depths([{"pid": 3, "ppid": 4}, {"pid": 4, "ppid": 3}]).keys() == {3, 4}  # a cycle ends
+    assert process_depths(inv) == {10: 0, 11: 1, 12: 2, 20: 0}
+    assert process_depths([{"pid": 3, "ppid": 4}, {"pid": 4, "ppid": 3}]).keys() == {3, 4}  # a cycle ends
 
 
 def test_unique_path(tmp_path: Path) -> None:
@@ -146,3 +149,51 @@ def test_spools_wait_in_a_directory_only_the_recorder_can_enter(tmp_path: Path) 
     with pytest.raises(FileExistsError):  # a spool is always a new file, never through a link
         SpoolWriter(d / "s.spool.zst")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_recover_leaves_a_live_run_alone_and_completes_a_finished_one(tmp_path: Path) -> None:
+    """`evidence run` holds its run record locked while it lives: recovery does not take its spool.
+    A run that ended but whose bundle could not be written becomes a complete bundle with its exit
+    code; without a bundle directory, it goes where the run's --bundle named if only root can write
+    there, else into root's own directory."""
+    from evidence.agent.recorder.recovery import hold, leftovers
+
+    spool_dir, wanted = tmp_path / "spool", tmp_path / "out"
+    wanted.mkdir()
+    base = {"cgroup": "/sys/fs/cgroup/x", "started_ns": 500, "labels": {}, "command": ["make"], "cwd": "/w",
+            "attached_late": False, "detail": "summary"}  # fmt: skip
+    _dead_agent_spool(spool_dir, "live", 1, {**base, "session_id": "live"})
+    from evidence.bundle.reader import open_bundle
+    from evidence.bundle.signing import generate, load_public_key
+
+    key, pub, _ = generate(tmp_path / "key")  # the run asked for its bundle to be signed
+    _dead_agent_spool(
+        spool_dir, "ended", 2,
+        {**base, "session_id": "ended", "bundle_name": "run.tar.gz", "bundle_path": str(wanted / "run.tar.gz"),
+         "exit_code": 7, "signal": None, "finished_ns": 10_000, "sign_key": str(key)},
+    )  # fmt: skip
+    lock = hold(spool_dir / "live.run.json")
+    try:
+        assert [p.name for p in leftovers(spool_dir)] == ["ended.spool.zst"]
+        out = recover_spools(spool_dir, None, recorder="evidence run")
+        # the run asked for tmp_path/out, under /tmp, which others can write: a job could have
+        # swapped it, so root writes into its own directory instead
+        assert out == [spool_dir.parent / "recovered" / "run.tar.gz"]
+        assert not (wanted / "run.tar.gz").exists()
+        assert (spool_dir / "live.spool.zst").exists() and (spool_dir / "live.run.json").exists()
+    finally:
+        os.close(lock)
+    from evidence.bundle.reader import read_manifest
+
+    got = spool_dir.parent / "recovered" / "run.tar.gz"
+    signed = open_bundle(got)
+    events = list(signed.events())  # verifies
+    signed.check_signature(load_public_key(pub))  # signed as the run asked
+    manifest = read_manifest(got)
+    assert manifest["exit_code"] == 7 and manifest["cut_short"] is False and manifest["command"] == ["make"]
+    (d,) = [e["data"] for e in events if e["type"] == "dev.evidence.degradation"]
+    assert d["component"] == "evidence run" and "could not be written" in d["reason"]
+    # once its recorder is gone, the other run is recovered too (cut short)
+    assert [p.name for p in recover_spools(spool_dir, tmp_path / "b", recorder="evidence run")] == [
+        "live.tar.gz"
+    ]

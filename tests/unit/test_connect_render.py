@@ -9,33 +9,30 @@ import sys
 import pytest
 
 from evidence.errors import PolicyError
-from policy.connect import (
+from evidence.policy.connect import (
     ACTION_ALLOW,
     ACTION_DENY,
     RECORD,
     RULE_DEFAULT,
-    ConnectGuard,
-    GuardConfig,
     build_tables,
     decode_record,
-    main,
-    render,
-    source,
     to_denial,
 )
-from policy.model import parse_policy
+from evidence.policy.model import parse_policy
+from evidence.probes.guard import ConnectGuard, main
+from evidence.probes.render import GUARD_TEMPLATE, GuardConfig, render_guard, template
 
 # Snapshot of the rendered C. When probes/connect_guard.bpf.c changes on purpose, look at the output
-# of `python -m policy.connect --ebpf` and update these hashes (sha256 of the rendered text).
+# of `python -m evidence.probes.guard --ebpf` and update these hashes (sha256 of the rendered text).
 SNAPSHOT = {
-    False: "ab8beb0e959f6d9d7dbd2d08c432fc44941c4fc87f621fda89b5926a00716319",
-    True: "a02a09ba7183ef71562cfc614500ded1e7286c99ea77bf5f2fa3e7df4ae28641",
+    False: "b7644c41f5d327593fbc95a199cf06916dde471faecf8681db27fde576c1ff11",
+    True: "6f5f550112455616dfee139297e2d93bfea6999e64e2b41d33dad25c335f05fb",
 }
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_rendered_c_snapshot(dry_run: bool) -> None:
-    text = render(GuardConfig(default_allow=False, dry_run=dry_run, v4_capacity=3, v6_capacity=2))
+    text = render_guard(GuardConfig(default_allow=False, dry_run=dry_run, v4_capacity=3, v6_capacity=2))
     assert f"#define DRY_RUN {int(dry_run)}\n" in text
     assert "#define DEFAULT_ALLOW 0\n" in text
     assert "BPF_LPM_TRIE(rules_v4, struct lpm_v4_key, struct rule_set, 3);" in text
@@ -48,13 +45,16 @@ def test_rendered_c_snapshot(dry_run: bool) -> None:
 
 def test_render_refuses_unfilled_tokens() -> None:
     with pytest.raises(ValueError, match="__NEW_TOKEN__"):
-        render(GuardConfig(default_allow=True, dry_run=False), source() + "\n#define X __NEW_TOKEN__\n")
+        render_guard(
+            GuardConfig(default_allow=True, dry_run=False),
+            template(GUARD_TEMPLATE) + "\n#define X __NEW_TOKEN__\n",
+        )
     with pytest.raises(ValueError):
         GuardConfig(default_allow=True, dry_run=False, ringbuf_pages=3)
 
 
 def test_template_uses_only_uapi_context_fields() -> None:
-    text = source()
+    text = template(GUARD_TEMPLATE)
     import re
 
     fields = set(re.findall(r"ctx->(\w+)", text))
@@ -209,7 +209,7 @@ def test_decode_saved_records() -> None:
 
 
 def test_denial_records_fit_the_bundle_model() -> None:
-    from bundle.format import PolicyDenial
+    from evidence.bundle.format import PolicyDenial
 
     rec = to_denial(decode_record(RAW_MAPPED), [], "deny", 0)
     PolicyDenial(**{k: v for k, v in rec.items() if k not in ("k", "t")})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent import decode as d
-from agent.correlate import Correlator, decode_open_flags, split_status
+from evidence.agent.recorder import decode as d
+from evidence.agent.recorder.correlate import NO_RESULT, Correlator, decode_open_flags, split_status
 
 RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
 
@@ -15,7 +15,7 @@ def ev(kind: str, tgid: int = 10, tid: int | None = None, ts: int = 1, **kw):  #
     return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **kw}
 
 
-def ret(sc: int, value: int, tgid: int = 10, **kw):
+def ret(sc: int, value: int, tgid: int = 10, **kw):  # an exec's result record
     return ev("ret", tgid, sc=sc, ret=value, **kw)
 
 
@@ -31,24 +31,15 @@ def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
     c.add_root(10, 1, "/home/u")
     out = feed(
         c,
-        ev("open", path="a.txt", dfd=-100, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, 3),
-        ev("chdir", path="../v", fd=-100),
-        ret(d.SC_CHDIR, 0),
-        ev("open", path="b.txt", dfd=-100, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, -2),
-        ev("open", path="/srv", dfd=-100, oflags=0o200000, mode=0, sc=0),
-        ret(d.SC_OPEN, 4),
-        ev("open", path="c/d", dfd=4, oflags=0o101, mode=0o600, sc=0),
-        ret(d.SC_OPEN, 5),
-        ev("dup", oldfd=4, newfd=9),
-        ret(d.SC_DUP, 9),
-        ev("fchdir", fd=9, path=None),
-        ret(d.SC_FCHDIR, 0),
-        ev("open", path="e", dfd=-100, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, 6),
-        ev("open", path="f", dfd=77, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, -9),
+        ev("open", path="a.txt", dfd=-100, oflags=0, mode=0, sc=0, ret=3),
+        ev("chdir", path="../v", fd=-100, ret=0),
+        ev("open", path="b.txt", dfd=-100, oflags=0, mode=0, sc=0, ret=-2),
+        ev("open", path="/srv", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=4),
+        ev("open", path="c/d", dfd=4, oflags=0o101, mode=0o600, sc=0, ret=5),
+        ev("dup", oldfd=4, newfd=9, ret=9),
+        ev("fchdir", fd=9, path=None, ret=0),
+        ev("open", path="e", dfd=-100, oflags=0, mode=0, sc=0, ret=6),
+        ev("open", path="f", dfd=77, oflags=0, mode=0, sc=0, ret=-9),
     )
     assert [(o["path"], o["result"]) for o in out] == [
         ("/home/u/a.txt", 0),
@@ -96,23 +87,24 @@ def test_fork_exec_exit_tree_and_depth() -> None:
     assert c.unpaired == 0
 
 
-def test_pathfix_replaces_a_faulted_path_and_unfixed_ones_are_marked() -> None:
+def test_a_path_unreadable_at_entry_and_exit_is_marked() -> None:
+    """The kernel reads a path again at exit when its page was not resident at entry; a record that
+    still has the fault flag has no path, and says so."""
     c = Correlator(0)
     c.add_root(10, 1, "/w")
     out = feed(
         c,
-        {**ev("open", path="", dfd=-100, oflags=0, mode=0, sc=0), "flags": d.F_FNAME_FAULT},
-        ev("pathfix", path="/etc/locale", fd=-1),
-        ret(d.SC_OPEN, 3),
-        {**ev("open", path="", dfd=-100, oflags=0, mode=0, sc=0), "flags": d.F_FNAME_FAULT},
-        ret(d.SC_OPEN, 4),
+        ev("open", path="/etc/locale", dfd=-100, oflags=0, mode=0, sc=0, ret=3),
+        {**ev("open", path="", dfd=-100, oflags=0, mode=0, sc=0, ret=4), "flags": d.F_FNAME_FAULT},
     )
     assert [o["path"] for o in out] == ["/etc/locale", "<unreadable path>"]
 
 
 def test_result_without_enter_is_counted() -> None:
     c = Correlator(0)
-    assert c.feed(ret(d.SC_OPEN, 3)) == []
+    assert c.feed(ret(d.SC_EXEC, -2)) == [] and c.unpaired == 0  # a failed exec's result, no attempt
+    c.pending.clear()
+    assert c.feed(ret(1, 3)) == []
     assert c.unpaired == 1
 
 
@@ -148,12 +140,9 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
     c.add_root(10, 1, "/w")
     out = feed(
         c,
-        ev("fchdir", fd=7, path=None),
-        ret(d.SC_FCHDIR, 0),
-        ev("open", path="secret.txt", dfd=-100, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, 3),
-        ev("open", path="/usr/bin", dfd=-100, oflags=0o200000, mode=0, sc=0),
-        ret(d.SC_OPEN, 5),
+        ev("fchdir", fd=7, path=None, ret=0),
+        ev("open", path="secret.txt", dfd=-100, oflags=0, mode=0, sc=0, ret=3),
+        ev("open", path="/usr/bin", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=5),
         ev(
             "exec_ok",
             tgid=10,
@@ -164,10 +153,16 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
             old_tid=10,
             argc=0,
         ),
-        ev("open", path="/sys/fs/cgroup/evidence/s1/sub/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0),
-        ret(d.SC_OPEN, 6),
-        ev("open", path="/sys/fs/cgroup/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0),
-        ret(d.SC_OPEN, 7),
+        ev(
+            "open",
+            path="/sys/fs/cgroup/evidence/s1/sub/cgroup.procs",
+            dfd=-100,
+            oflags=0o1,
+            mode=0,
+            sc=0,
+            ret=6,
+        ),
+        ev("open", path="/sys/fs/cgroup/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0, ret=7),
     )
     opens = [o["path"] for o in out if o["k"] == "open"]
     assert opens[0] == "<unknown cwd>/secret.txt"
@@ -179,22 +174,25 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
 
 
 def test_a_call_whose_result_never_came_is_recorded_not_dropped() -> None:
-    """An open whose result the ring buffer lost (the thread's next call arrives first), and a
-    connect still in progress when the run ends: both are recorded, with the result NO_RESULT."""
+    """An exec whose result the ring buffer lost (the thread's next exec arrives first), an exec
+    still in progress when the run ends, and a connect the kernel still had in flight (it comes
+    with the result NO_RESULT): all are recorded, with the result NO_RESULT."""
     c = Correlator(0)
     c.add_root(10, 1, "/w")
     out = feed(
         c,
-        ev("open", path="secret", dfd=-100, oflags=0, mode=0, sc=0),
-        # its result was lost: the next call of the same thread comes
-        ev("open", path="next", dfd=-100, oflags=0, mode=0, sc=0),
-        ret(d.SC_OPEN, 3),
-        ev("connect", family="AF_INET", address="127.0.0.1", port=80, fd=3),
+        ev("exec", filename="/bin/a", argv=["a"], dfd=-100, at_flags=0, old_tid=0, argc=1),
+        # its result was lost: the next exec of the same thread comes
+        ev("exec", filename="/bin/b", argv=["b"], dfd=-100, at_flags=0, old_tid=0, argc=1),
+        ret(d.SC_EXEC, -2),
+        ev("exec", filename="/bin/c", argv=["c"], dfd=-100, at_flags=0, old_tid=0, argc=1),
+        ev("connect", family="AF_INET", address="127.0.0.1", port=80, fd=3, ret=NO_RESULT),
     )
     out += c.flush()
-    assert [(o["k"], o.get("path") or o.get("address"), o["result"]) for o in out] == [
-        ("open", "/w/secret", "NO_RESULT"),
-        ("open", "/w/next", 0),
+    assert [(o["k"], o.get("filename") or o.get("address"), o["result"]) for o in out] == [
+        ("exec", "/bin/a", "NO_RESULT"),
+        ("exec", "/bin/b", "ENOENT"),
         ("connect", "127.0.0.1", "NO_RESULT"),
+        ("exec", "/bin/c", "NO_RESULT"),
     ]
     assert c.flush() == [] and c.pending == {}

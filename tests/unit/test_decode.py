@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import decode as d
+from evidence.agent.recorder import decode as d
 
 RECORDS = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
 
@@ -21,7 +21,9 @@ def test_saved_records_decode_to_saved_json(rec: dict) -> None:
 
 def test_capture_covers_every_kind_we_rely_on() -> None:
     kinds = {r["decoded"]["kind"] for r in RECORDS}
-    assert {"exec", "exec_ok", "open", "chdir", "fchdir", "dup", "connect", "exit", "ret"} <= kinds
+    assert {"exec", "exec_ok", "open", "chdir", "fchdir", "dup", "connect", "exit", "ret", "change"} <= kinds
+    ops = {r["decoded"]["op"] for r in RECORDS if r["decoded"]["kind"] == "change"}
+    assert {"link", "rename", "truncate", "chmod", "chown", "symlink", "unlink", "mkdir", "rmdir"} <= ops
 
 
 def test_short_and_unknown_records_raise_decode_error() -> None:
@@ -53,5 +55,17 @@ def test_sockaddr(raw: bytes, expected: tuple) -> None:
 
 
 def test_non_utf8_paths_are_escaped_not_lost() -> None:
-    raw = d.HDR.pack(1, 7, 1, 2, 2, d.EV_OPEN, 0) + struct.pack("<iIIHH", -100, 0, 0, 0, 5) + b"a\xffb\0\0"
+    raw = (
+        d.HDR.pack(1, 7, 1, 2, 2, d.EV_OPEN, 0)
+        + struct.pack("<qQQiIIHH", 3, 0, 0, -100, 0, 0, 0, 5)
+        + b"a\xffb\0\0"
+    )
     assert d.decode(raw)["path"] == "a\\xffb"
+
+
+def test_decode_many_is_decode_over_a_batch() -> None:
+    raws = [bytes.fromhex(r["hex"]) for r in RECORDS]
+    bad = [b"\0" * 10, d.HDR.pack(1, 7, 1, 1, 1, 99, 0)]
+    evs, errors = d.decode_many(raws + bad)
+    assert evs == [d.decode(r) for r in raws] and errors == 2
+    assert sum(1 for e in evs if e["kind"] == "open") > 10  # the fast path is exercised

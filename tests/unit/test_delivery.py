@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 from cloudevents.core.bindings import http as ce_http
+from prometheus_client.parser import text_string_to_metric_families
 
-from agent import delivery
-from agent import metrics as m
-from agent.delivery import Backoff, BundleUploader, EventStreamer, live_event
+from evidence.agent.daemon import delivery
+from evidence.agent.daemon import metrics as m
+from evidence.agent.daemon.delivery import Backoff, BundleUploader, EventStreamer, live_event
 
 FAST = Backoff(initial=0.05, maximum=0.2, jitter=0.0)
 
@@ -186,9 +187,7 @@ def test_bundles_wait_on_disk_until_the_endpoint_comes_up(tmp_path: Path, sink: 
     up = BundleUploader(tmp_path, sink.url, backoff=FAST, registry=reg, headers={"Authorization": "Bearer t"})
     up.start()
     try:
-        assert wait_until(
-            lambda: reg.counter("evidence_bundle_uploads", "", ("result",)).value(result="error") >= 4
-        )
+        assert wait_until(lambda: reg.value("evidence_bundle_uploads_total", result="error") >= 4)
         assert up.pending() == [a, b]  # down: still there, no marker
         sink.start()
         assert wait_until(lambda: up.pending() == [])
@@ -207,7 +206,7 @@ def test_bundles_wait_on_disk_until_the_endpoint_comes_up(tmp_path: Path, sink: 
         assert p.exists()  # delivered bundles stay; the marker says so
         marker = json.loads((tmp_path / (p.name + ".delivered")).read_text())
         assert marker["status"] == 201 and marker["sha256"] == hashlib.sha256(p.read_bytes()).hexdigest()
-    assert reg.gauge("evidence_bundles_pending", "").value() == 0
+    assert reg.value("evidence_bundles_pending") == 0
 
 
 def test_non_2xx_is_a_failure_and_restart_resumes(tmp_path: Path, sink: Sink) -> None:
@@ -229,6 +228,18 @@ def test_non_2xx_is_a_failure_and_restart_resumes(tmp_path: Path, sink: Sink) ->
 # --- live events ------------------------------------------------------------------------------------
 
 
+def sent(st: EventStreamer) -> float:
+    return st.registry.value("evidence_stream_sent_events_total")
+
+
+def spilled(st: EventStreamer) -> float:
+    return st.registry.value("evidence_stream_spilled_events_total")
+
+
+def dropped(st: EventStreamer) -> float:
+    return st.registry.value("evidence_stream_dropped_events_total")
+
+
 @pytest.mark.parametrize("mode", ["batch", "structured"])
 def test_stream_loses_nothing_while_the_endpoint_is_down(tmp_path: Path, sink: Sink, mode: str) -> None:
     reg = m.Registry()
@@ -247,17 +258,17 @@ def test_stream_loses_nothing_while_the_endpoint_is_down(tmp_path: Path, sink: S
     events = _events(120)
     try:
         st.submit_many(events[:60])  # queue of 25: most of these overflow straight to the spill dir
-        assert wait_until(lambda: st.spilled.value() >= 60)
+        assert wait_until(lambda: spilled(st) >= 60)
         assert sink.requests == []
         sink.start()
         st.submit_many(events[60:])
-        assert wait_until(lambda: st.sent.value() >= 120)
+        assert wait_until(lambda: sent(st) >= 120)
     finally:
         st.close()
     assert all(h["Authorization"] == "Bearer t" for _m, _p, h, _b in sink.requests)
     ids = _received_ids(sink)
     assert sorted(set(ids), key=lambda i: int(i.split(":")[1])) == [e["id"] for e in events]
-    assert st.dropped.value() == 0
+    assert dropped(st) == 0
     assert list((tmp_path / "spill").glob("seg-*")) == []
 
 
@@ -267,14 +278,14 @@ def test_stream_spill_survives_a_restart(tmp_path: Path, sink: Sink) -> None:
     down.start()
     down.submit_many(events)
     down.close(timeout=2)
-    assert down.sent.value() == 0 and down.spilled.value() == 30
+    assert sent(down) == 0 and spilled(down) == 30
     assert len(list((tmp_path / "spill").glob("seg-*.ndjson"))) >= 4
 
     sink.start()
     up = EventStreamer(sink.url, tmp_path / "spill", batch_size=8, batch_interval=0.05, backoff=FAST)
     up.start()
     try:
-        assert wait_until(lambda: up.sent.value() >= 30)
+        assert wait_until(lambda: sent(up) >= 30)
     finally:
         up.close()
     assert sorted(_received_ids(sink), key=lambda i: int(i.split(":")[1])) == [e["id"] for e in events]
@@ -295,10 +306,12 @@ def test_full_spill_drops_are_counted_not_silent(tmp_path: Path, caplog: pytest.
         registry=reg,
     )
     st.submit_many(events)  # no sender thread: 10 queued, 40 overflow in batches of 10
-    assert st.spilled.value() + st.dropped.value() == 40
-    assert st.dropped.value() >= 20
+    assert spilled(st) + dropped(st) == 40
+    assert dropped(st) >= 20
     st.close(timeout=1)
-    assert st.sent.value() + st.spilled.value() + st.dropped.value() == 50  # every event accounted for
+    assert sent(st) + spilled(st) + dropped(st) == 50  # every event accounted for
     assert "dropped" in caplog.text
-    text = m.render(reg.families())
-    assert f"evidence_stream_dropped_events_total {int(st.dropped.value())}" in text
+    scraped = {
+        s.name: s.value for fam in text_string_to_metric_families(reg.render().decode()) for s in fam.samples
+    }
+    assert scraped["evidence_stream_dropped_events_total"] == dropped(st) >= 20

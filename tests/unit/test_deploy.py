@@ -13,14 +13,13 @@ import shutil
 import stat
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from agent.settings import load_settings, read_config_file
+from evidence.agent.daemon.settings import load_settings, read_config_file
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -138,7 +137,9 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_dockerfile_installs_every_package_and_bcc_from_debian() -> None:
     text = (REPO / "Dockerfile").read_text()
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    # evidence/ and the folders its symlinks name (evidence/agent -> ../agent, ...)
+    packages = ["evidence"] + [p.name for p in (REPO / "evidence").iterdir() if p.is_symlink()]
+    assert {"agent", "bundle", "policy", "probes"} <= set(packages)
     for pkg in packages:
         assert re.search(rf"^COPY {pkg}/ {pkg}/$", text, re.M), f"Dockerfile does not copy {pkg}/"
     assert "python3-bpfcc" in text and "--system-site-packages" in text
@@ -380,7 +381,7 @@ def test_wrap_script_records_the_step_and_passes_its_exit_code(tmp_path: Path) -
 
 
 def test_docs_describe_every_setting() -> None:
-    from agent.settings import AgentSettings
+    from evidence.agent.daemon.settings import AgentSettings
 
     doc = (REPO / "docs" / "deploy.md").read_text()
     for name in AgentSettings.model_fields:

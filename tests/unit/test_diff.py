@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bundle import diff
+from evidence.bundle import diff
 from evidence.cli import main
 from tests.unit.conftest_bundles import WS, connect, denial, exec_, open_, records, write
 
@@ -170,3 +170,29 @@ def test_behaviour_keeps_only_keys(tmp_path: Path) -> None:
     assert b.files["${WORKSPACE}/Makefile"] == {"read": [2, 2, 0]}
     assert b.files["/etc/missing.conf"] == {"read": [1, 0, 1]}
     assert b.exit == "0" and b.lost == 0
+
+
+def test_a_program_whose_content_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(digest: str) -> list[dict[str, Any]]:
+        tool = {
+            **exec_(9100, 200, 101, f"{WS}/bin/tool", ["tool"]),
+            "sha256": digest,
+            "size": 3,
+            "hash_source": "exe",
+        }
+        return [*records(), tool]
+
+    a = write(tmp_path / "a.tar.gz", run("a" * 64))
+    same = write(tmp_path / "same.tar.gz", run("a" * 64))
+    b = write(tmp_path / "b.tar.gz", run("b" * 64))
+    assert _diff(a, same, capsys)[1]["differences"] == 0
+    code, doc = _diff(a, b, capsys, "--fail-on", "changed")
+    assert code == 1
+    assert doc["changed"] == [
+        {
+            "kind": "exec",
+            "what": "changed",
+            "key": "${WORKSPACE}/bin/tool",
+            "detail": f"content changed: sha256 {'a' * 16} -> {'b' * 16}",
+        }
+    ]

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bundle import canonical
-from bundle import format as fmt
+from evidence.bundle import canonical
+from evidence.bundle import format as fmt
 from evidence.cli import main
 from tests.unit.conftest_bundles import gz, line, members, pack, rebuild, tar_bytes, tarinfo, write
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import k8s
-from agent.k8s import KubeWatcher, PodRef, parse_cgroup_path
+from evidence.agent.daemon import k8s
+from evidence.agent.daemon.k8s import KubeWatcher, PodRef, parse_cgroup_path
 
 UID = "0b6a3c2e-1f7d-4b8e-9a5c-3d2e1f0a9b8c"
 UID_ = UID.replace("-", "_")

@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bundle import format as fmt
-from bundle.reader import VerificationError, open_bundle
+from evidence.bundle import format as fmt
+from evidence.bundle.reader import VerificationError, open_bundle
 from evidence.cli import main
 from tests.unit.conftest_bundles import T0, exec_, members, open_, rebuild, write
 
@@ -83,6 +83,6 @@ def test_a_large_labelled_bundle_verifies_on_both_cores(tmp_path: Path) -> None:
 
 
 def fmt_line(ev: dict) -> bytes:
-    from bundle import canonical
+    from evidence.bundle import canonical
 
     return canonical.dumps(ev, check=False)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from policy import landlock as ll
-from policy.model import parse_policy
+from evidence.policy import landlock as ll
+from evidence.policy.model import parse_policy
 
 
 @pytest.fixture

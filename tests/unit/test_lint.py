@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bundle import lint, reader
+from evidence.bundle import container, fastpath, lint, verify
 from evidence.cli import main
 from tests.unit.conftest_bundles import WS, connect, exec_, open_, records, write
 
@@ -146,7 +146,28 @@ def test_rules_stay_quiet(
     reads_only = [r for r in records() if "write" not in r.get("access", ())]
     path = write(tmp_path / "a.tar.gz", [*reads_only, *recs], **over)
     _, doc = _lint(path, capsys, "--fail-on", "none")
-    assert _codes(doc) == [], doc["findings"]
+    assert [c for c in _codes(doc) if c != "EV009"] == [], doc["findings"]  # EV009: a note on any tool
+
+
+def test_programs_from_writable_places_with_their_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = "a" * 64, "b" * 64
+    recs = [
+        {**exec_(9100, 200, 101, f"{WS}/bin/tool", ["tool"]), "sha256": a, "size": 3, "hash_source": "exe"},
+        {**exec_(9101, 201, 101, f"{WS}/bin/tool", ["tool"]), "sha256": a, "size": 3, "hash_source": "exe"},
+        {**exec_(9102, 202, 101, f"{WS}/bin/tool", ["tool"]), "sha256": b, "size": 4, "hash_source": "path"},
+        {**exec_(9103, 203, 101, "/dev/shm/x", ["x"]), "not_hashed": "too_large", "size": 1 << 30},
+        {**exec_(9104, 204, 101, "/usr/bin/cc", ["cc"]), "sha256": a, "size": 3, "hash_source": "exe"},
+    ]
+    path = write(tmp_path / "a.tar.gz", [*records(), *recs])
+    _, doc = _lint(path, capsys, "--fail-on", "none")
+    notes = sorted((f["message"], f["count"]) for f in doc["findings"] if f["rule"] == "EV009")
+    assert notes == [
+        ("ran /dev/shm/x from a writable place (not hashed: too_large)", 1),
+        (f"ran {WS}/bin/tool from a writable place (sha256 {a})", 2),
+        (f"ran {WS}/bin/tool from a writable place (sha256 {b})", 1),
+    ]
 
 
 def test_fail_on_thresholds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,11 +278,11 @@ def test_lint_on_two_cpus_finds_exactly_what_one_finds(
     path = write(tmp_path / "a.tar.gz", recs)
     monkeypatch.setattr(lint, "MAX_FINDINGS", 5)
     with monkeypatch.context() as m:
-        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        m.setattr(fastpath.Helper, "usable", staticmethod(lambda: False))
         _, one, dropped_one = lint.lint(str(path))
-    monkeypatch.setattr(reader, "_CHUNK", chunk)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    monkeypatch.setattr(container, "CHUNK", chunk)
+    monkeypatch.setattr(verify, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: True))
     _, two, dropped_two = lint.lint(str(path))
     assert [f.as_dict() for f in two] == [f.as_dict() for f in one]
     assert dropped_two == dropped_one > 0

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from policy.env import is_exec_influence_name, is_secret_name, scrub
-from policy.model import EnvPolicy
-from policy.netns import PrivateNetns
-from policy.tmp import create_private_tmp, private_tmp, remove_private_tmp, tmp_environ
+from evidence.policy.env import is_exec_influence_name, is_secret_name, scrub
+from evidence.policy.model import EnvPolicy
+from evidence.policy.netns import PrivateNetns
+from evidence.policy.tmp import create_private_tmp, private_tmp, remove_private_tmp, tmp_environ
 
 ENV = {
     "PATH": "/usr/bin",

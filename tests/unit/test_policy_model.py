@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from evidence.cli import main
 from evidence.errors import PolicyError
-from policy.model import Decision, default_policy_path, glob_regex, load_policy, parse_policy
+from evidence.policy.model import Decision, default_policy_path, glob_regex, load_policy, parse_policy
 
 ISSUE_POLICY = """\
 version: 1
@@ -249,7 +249,7 @@ def test_default_allow(dirs: dict[str, Path]) -> None:
 
 
 def test_summary_is_canonical_json_with_resolved_addresses(dirs: dict[str, Path]) -> None:
-    from bundle import canonical
+    from evidence.bundle import canonical
 
     p = _load(dirs, NET, resolve=_resolver({"build.example": ["198.51.100.7", "2001:db8:1::7"]}))
     s = p.summary()

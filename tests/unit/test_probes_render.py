@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from probes.btf import BTF, BTFError
-from probes.render import ProbeConfig, RenderError, render
+from evidence.probes.btf import BTF, BTFError
+from evidence.probes.render import ProbeConfig, RenderError, render
 
 SNAPSHOT = Path(__file__).parent.parent / "data" / "record.rendered.bpf.c"
 OFFSETS = {
@@ -78,7 +78,7 @@ def test_btf_offsets_through_anonymous_members() -> None:
 
 @pytest.mark.skipif(not Path("/sys/kernel/btf/vmlinux").exists(), reason="no kernel BTF on this machine")
 def test_real_kernel_btf_has_the_offsets_we_need() -> None:
-    from probes.btf import probe_offsets
+    from evidence.probes.btf import probe_offsets
 
     offs = probe_offsets()
     assert offs["TASK_TGID_OFF"] == offs["TASK_PID_OFF"] + 4  # pid_t pid; pid_t tgid; side by side
@@ -87,7 +87,7 @@ def test_real_kernel_btf_has_the_offsets_we_need() -> None:
 
 @pytest.mark.skipif(not Path("/sys/kernel/btf/vmlinux").exists(), reason="no kernel BTF on this machine")
 def test_btf_offsets_are_cached_and_a_bad_cache_is_ignored(tmp_path: Path) -> None:
-    from probes.btf import probe_offsets
+    from evidence.probes.btf import probe_offsets
 
     first = probe_offsets(cache_dir=tmp_path)
     (cached,) = tmp_path.glob("btf-offsets-*.json")

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from bundle.writer import RunMeta, write_bundle
+from evidence.bundle.writer import RunMeta, write_bundle
 from evidence.cli import main
-from policy.model import load_policy, parse_policy
-from policy.profile import build_profile, collect
+from evidence.policy.model import load_policy, parse_policy
+from evidence.policy.profile import build_profile, collect
 
 T0 = 1_700_000_000_000_000_000
 
@@ -199,6 +199,10 @@ def _bundle(d: dict[str, str], records: list[dict[str, Any]], with_policy: bool 
         started_ns=T0,
         finished_ns=T0 + 10**9,
         exit_code=0,
+        detail="summary",
+        host={},
+        capabilities={},
+        headers={},
         policy=summary,
         roots={"${WORKSPACE}": d["ws"], "${TMPDIR}": d["tmp"]},
     )
@@ -252,7 +256,7 @@ def test_profile_cli_output_loads_and_blocks_nothing(
 
 
 def test_profile_is_deterministic_and_minimal(dirs: dict[str, str]) -> None:
-    from bundle.reader import read_events, read_manifest
+    from evidence.bundle.reader import read_events, read_manifest
 
     bundle = _bundle(dirs, _records(dirs))
     a, _ = build_profile(read_manifest(bundle), read_events(bundle))
@@ -264,7 +268,7 @@ def test_profile_is_deterministic_and_minimal(dirs: dict[str, str]) -> None:
 
 
 def test_secret_deny_is_dropped_only_when_the_run_used_it(dirs: dict[str, str]) -> None:
-    from bundle.reader import read_events, read_manifest
+    from evidence.bundle.reader import read_events, read_manifest
 
     records = _records(dirs) + [_open(30, f"{dirs['home']}/.ssh/known_hosts", ["read"])]
     bundle = _bundle(dirs, records)
@@ -275,7 +279,7 @@ def test_secret_deny_is_dropped_only_when_the_run_used_it(dirs: dict[str, str]) 
 
 
 def test_without_a_recorded_policy_the_cwd_is_the_workspace(dirs: dict[str, str]) -> None:
-    from bundle.reader import read_events, read_manifest
+    from evidence.bundle.reader import read_events, read_manifest
 
     bundle = _bundle(dirs, _records(dirs), with_policy=False)
     text, _ = build_profile(read_manifest(bundle), read_events(bundle), tmpdir=dirs["tmp"], home=dirs["home"])

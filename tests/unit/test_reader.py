@@ -9,9 +9,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bundle import format as fmt
-from bundle import reader
-from bundle.writer import write_bundle
+from evidence.bundle import container, reader
+from evidence.bundle import format as fmt
+from evidence.bundle.writer import write_bundle
 from evidence.errors import BundleError
 from tests.unit.conftest_bundles import members, meta, pack, rebuild, records, write
 
@@ -92,8 +92,8 @@ def test_gzip_bomb_stops_at_the_decompressed_limit(tmp_path: Path) -> None:
     # defence, so it is tested on the inflater itself.
     bomb = tmp_path / "bomb.gz"
     bomb.write_bytes(gzip.compress(bytes(10 * 1024 * 1024), mtime=0))
-    with open(bomb, "rb") as f, pytest.raises(reader._Fatal, match="exceeds the limit"):
-        for _ in reader._inflate(f, reader.Limits(decompressed=1024 * 1024)):
+    with open(bomb, "rb") as f, pytest.raises(container.Fatal, match="exceeds the limit"):
+        for _ in container.inflate(f, reader.Limits(decompressed=1024 * 1024)):
             pass
 
 

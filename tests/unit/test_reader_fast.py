@@ -1,7 +1,7 @@
 """The reader's fast path and its helper process check exactly what the careful path checks.
 
-The fast path (reader._fast) computes content hashes from slices of the canonical line and checks
-pieces of events on a second CPU (reader._Helper). Small bundles never take it (their one piece
+The fast path (fastpath.fast) computes content hashes from slices of the canonical line and checks
+pieces of events on a second CPU (fastpath.Helper). Small bundles never take it (their one piece
 holds the first event), so these tests shrink the pieces to a line or so and force the helper.
 """
 
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from bundle import format as fmt
-from bundle import reader, schemas
+from evidence.bundle import container, fastpath, reader, schemas, verify
+from evidence.bundle import format as fmt
 from tests.unit.conftest_bundles import members, write
 from tests.unit.test_hostile import HOSTILE
 
@@ -38,9 +38,9 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Pieces of about one line, and the helper process for any bundle."""
-    monkeypatch.setattr(reader, "_CHUNK", 200)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    monkeypatch.setattr(container, "CHUNK", 200)
+    monkeypatch.setattr(verify, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: True))
     yield
     assert multiprocessing.active_children() == []  # every helper was ended
 
@@ -59,9 +59,9 @@ def test_a_valid_bundle_reads_the_same(tmp_path: Path, small_pieces: None) -> No
 
 
 def test_pieces_of_many_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader, "_CHUNK", 2000)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    monkeypatch.setattr(container, "CHUNK", 2000)
+    monkeypatch.setattr(verify, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: True))
     path = write(tmp_path / "a.tar.gz")
     _, lines = members(path)
     assert _read(path) == ([orjson.loads(x) for x in lines], [])
@@ -75,12 +75,12 @@ def test_hostile_bundles_give_the_same_problems(
     manifest, lines = valid
     path = make(tmp_path / f"{case}.tar.gz", dict(manifest), list(lines))
     with monkeypatch.context() as m:
-        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        m.setattr(fastpath.Helper, "usable", staticmethod(lambda: False))
         one_pass = _read(path)
     assert one_pass[1], "a hostile bundle must fail"
-    monkeypatch.setattr(reader, "_CHUNK", 200)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    monkeypatch.setattr(container, "CHUNK", 200)
+    monkeypatch.setattr(verify, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: True))
     assert _read(path) == one_pass
     assert _fold(path)[1] == one_pass[1]  # folding, the same problems
     assert multiprocessing.active_children() == []
@@ -93,7 +93,7 @@ def _dead_helper(*args: Any) -> None:
 def test_a_helper_that_dies_changes_nothing(
     tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reader, "_serve", _dead_helper)
+    monkeypatch.setattr(fastpath, "serve", _dead_helper)
     path = write(tmp_path / "a.tar.gz")
     _, lines = members(path)
     assert _read(path) == ([orjson.loads(x) for x in lines], [])
@@ -152,8 +152,8 @@ def test_fast_content_hash_is_format_content_hash(
         data["labels"] = labels
     assume(schemas.DATA_CHECKERS[ev["type"]](data) is None)  # e.g. a literal field took a string
     line = orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)  # as the writer has it
-    passed = reader._Passed()
-    out = list(reader._fast([line], seq, reader._Context(run_id, source, fmt.MAX_LINE), passed))
+    passed = fastpath.Passed()
+    out = list(fastpath.fast([line], seq, fastpath.Context(run_id, source, fmt.MAX_LINE), passed))
     if ev["type"] in (fmt.RUN_STARTED, fmt.RUN_FINISHED):  # left to the careful path
         assert out == [] and passed.hashes == []
         return
@@ -166,9 +166,9 @@ def test_fast_content_hash_is_format_content_hash(
 def test_fast_path_refuses_what_it_cannot_prove(garbage: bytes) -> None:
     """A line that is not a valid event never passes the fast path (it says no; the careful path
     says why)."""
-    passed = reader._Passed()
-    ctx = reader._Context("run-x", fmt.source_for("run-x"), fmt.MAX_LINE)
-    assert list(reader._fast([garbage], 1, ctx, passed)) == []
+    passed = fastpath.Passed()
+    ctx = fastpath.Context("run-x", fmt.source_for("run-x"), fmt.MAX_LINE)
+    assert list(fastpath.fast([garbage], 1, ctx, passed)) == []
     assert passed.n == 0
 
 
@@ -200,11 +200,11 @@ def test_fast_path_time_agrees_with_the_pattern(
     if "last_time" in data:
         data["last_time"] = time if same else last
     ev["time"] = time
-    expected = reader._TIME(time) is not None and schemas.DATA_CHECKERS[ev["type"]](data) is None
+    expected = fastpath.TIME(time) is not None and schemas.DATA_CHECKERS[ev["type"]](data) is None
     line = orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)
-    passed = reader._Passed()
-    ctx = reader._Context(ev["runid"], ev["source"], fmt.MAX_LINE, ev.get("labels"))
-    out = list(reader._fast([line], ev["seq"], ctx, passed))
+    passed = fastpath.Passed()
+    ctx = fastpath.Context(ev["runid"], ev["source"], fmt.MAX_LINE, ev.get("labels"))
+    out = list(fastpath.fast([line], ev["seq"], ctx, passed))
     assert out == ([ev] if expected else [])
     if expected:
         assert passed.hashes == [fmt.content_hash(ev)]

@@ -15,10 +15,10 @@ from cloudevents.core.v1.event import CloudEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bundle import format as fmt
-from bundle import schemas
-from bundle.writer import write_bundle
-from tests.unit.conftest_bundles import connect, denial, members, meta, records, write
+from evidence.bundle import format as fmt
+from evidence.bundle import schemas
+from evidence.bundle.writer import write_bundle
+from tests.unit.conftest_bundles import change, connect, denial, members, meta, records, write
 
 
 def test_committed_schemas_are_up_to_date() -> None:
@@ -40,7 +40,13 @@ def test_every_schema_is_a_valid_draft_2020_12_schema() -> None:
     ("detail", "labels"), [("summary", {}), ("full", {}), ("summary", {"job": "7", "k8s/pod": "web"})]
 )
 def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail: str, labels: dict) -> None:
-    recs = [*records(), connect(8500, "::1", 22, family="AF_INET6"), denial(8600, "/etc/shadow")]
+    recs = [
+        *records(),
+        connect(8500, "::1", 22, family="AF_INET6"),
+        denial(8600, "/etc/shadow"),
+        change(8700, "rename", "/ws/a", "/ws/b"),
+        change(8800, "chmod", "/ws/b", mode=0o600),
+    ]
     path = tmp_path / "a.tar.gz"
     write_bundle(
         path,

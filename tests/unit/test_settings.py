@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.settings import AgentSettings, load_settings, parse_host_port
+from evidence.agent.daemon.settings import AgentSettings, load_settings, parse_host_port
 from evidence.errors import UsageError
 
 

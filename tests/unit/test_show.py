@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle import reader, show
+from evidence.bundle import container, fastpath, show, verify
 from evidence.cli import main
 from tests.unit.conftest_bundles import WS, denial, exec_, open_, records, write
 
@@ -76,12 +76,12 @@ def test_show_on_two_cpus_says_what_one_says(
     path = write(tmp_path / "a.tar.gz", recs, lost={"ringbuf": 3})
     monkeypatch.setattr(show, "MAX_TRACKED", 4)
     with monkeypatch.context() as m:
-        m.setattr(reader._Helper, "usable", staticmethod(lambda: False))
+        m.setattr(fastpath.Helper, "usable", staticmethod(lambda: False))
         assert main(["show", "--limit", "0", str(path)]) == 0
         one = capsys.readouterr().out
-    monkeypatch.setattr(reader, "_CHUNK", 700)
-    monkeypatch.setattr(reader, "_PARALLEL_MIN", 0)
-    monkeypatch.setattr(reader._Helper, "usable", staticmethod(lambda: True))
+    monkeypatch.setattr(container, "CHUNK", 700)
+    monkeypatch.setattr(verify, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: True))
     assert main(["show", "--limit", "0", str(path)]) == 0
     assert capsys.readouterr().out == one
     assert "events beyond 4 distinct entries" in one

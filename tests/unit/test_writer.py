@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bundle import format as fmt
-from bundle.spool import SpoolWriter, read_spool
-from bundle.writer import RunMeta, write_bundle
+from evidence.bundle import format as fmt
+from evidence.bundle.spool import SpoolWriter, read_spool
+from evidence.bundle.writer import RunMeta, write_bundle
+from tests.unit import conftest_bundles as cb
 
 
 def _open(t: int, path: str, result: int | str = 0, pid: int = 7, access=("read",)) -> dict:
@@ -70,6 +71,10 @@ META = RunMeta(
     started_ns=50,
     finished_ns=200,
     exit_code=0,
+    detail="summary",
+    host={},
+    capabilities={},
+    headers={},
     lost={"open": 2},
 )
 
@@ -123,6 +128,19 @@ def test_manifest_hashes_and_counts(tmp_path: Path) -> None:
     fmt.Manifest.model_validate(manifest)
 
 
+def test_run_meta_and_manifest_share_the_run_fields(tmp_path: Path) -> None:
+    """RunMeta and Manifest declare the run's own fields once (format.RunInfo); the writer copies them."""
+    assert set(fmt.RunInfo.model_fields) <= set(fmt.Manifest.model_fields) & set(RunMeta.model_fields)
+    meta = META.model_copy(update={"signal": "SIGTERM", "labels": {"a": "b"}, "policy": {"mode": "enforce"}})
+    manifest = write_bundle(tmp_path / "x.tar.gz", meta, lambda: RECORDS)
+    assert {k: manifest[k] for k in fmt.RunInfo.model_fields} == meta.model_dump(
+        include=set(fmt.RunInfo.model_fields)
+    )
+    assert list(fmt.Manifest.model_fields)[:2] == ["format", "format_version"]  # checked first by the reader
+    with pytest.raises(ValueError, match="detail"):
+        RunMeta(**{**META.model_dump(), "detail": "verbose"})
+
+
 def test_summary_counts_are_exact_and_full_keeps_each(tmp_path: Path) -> None:
     _, _, events, _ = _read_after(tmp_path, META)
     opens = [e for e in events if e["type"] == fmt.FILE_OPEN]
@@ -131,7 +149,7 @@ def test_summary_counts_are_exact_and_full_keeps_each(tmp_path: Path) -> None:
     assert x[0]["data"]["first_time"] == fmt.format_time(110) and x[0]["data"][
         "last_time"
     ] == fmt.format_time(140)
-    full = RunMeta(**{**META.__dict__, "detail": "full"})
+    full = META.model_copy(update={"detail": "full"})
     _, _, events, _ = _read_after(tmp_path, full, "full.tar.gz")
     assert len([e for e in events if e["subject"] == "/etc/x"]) == 3
 
@@ -145,9 +163,7 @@ def _read_after(tmp_path: Path, meta: RunMeta, name: str = "s.tar.gz"):
 def test_run_id_ignores_pids_times_and_temp_names(tmp_path: Path) -> None:
     m1 = write_bundle(tmp_path / "1.tar.gz", META, lambda: RECORDS)
     shifted = [{**r, "t": r["t"] + 999, "pid": r["pid"] + 50} for r in RECORDS]
-    m2 = write_bundle(
-        tmp_path / "2.tar.gz", RunMeta(**{**META.__dict__, "session_id": "other"}), lambda: shifted
-    )
+    m2 = write_bundle(tmp_path / "2.tar.gz", META.model_copy(update={"session_id": "other"}), lambda: shifted)
     assert m1["run_id"] == m2["run_id"]
     tmp_a = [*RECORDS, _open(170, "/tmp/tmpab12cd_9/out")]
     tmp_b = [*RECORDS, _open(170, "/tmp/tmpzz99xx_1/out")]
@@ -193,3 +209,45 @@ def test_time_format_round_trip() -> None:
     t = 1_795_000_000_123_456_789
     assert fmt.format_time(t) == "2026-11-18T11:06:40.123456789Z"
     assert fmt.parse_time(fmt.format_time(t)) == t
+
+
+def test_past_the_caps_records_are_counted_and_the_bundle_still_verifies(tmp_path: Path) -> None:
+    """Every bundle the writer makes is one the reader accepts: past a cap, records are counted by
+    kind as lost (where: writer), and the closing events are always written."""
+    from evidence.bundle.reader import open_bundle
+    from evidence.bundle.writer import Caps
+
+    recs = [cb.open_(1000 + i, f"/w/file-{i}", ["read"]) for i in range(50)] + [
+        cb.connect(9000, "10.0.0.1", 443)
+    ]
+    out = tmp_path / "capped.tar.gz"
+    manifest = write_bundle(out, cb.meta(detail="full"), lambda: iter(recs), caps=Caps(events=20))
+    assert manifest["events"] == 20 + 3  # 20 (run.started among them) + two loss events and run.finished
+    assert manifest["lost"]["by_kind"] == {"over_cap:file.open": 31, "over_cap:network.connect": 1}
+    assert manifest["lost"]["total"] == 32
+    events = list(open_bundle(out).events())  # verifies
+    loss = [e["data"] for e in events if e["type"] == "dev.evidence.loss"]
+    assert {(d["kind"], d["count"], d["where"]) for d in loss} == {
+        ("over_cap:file.open", 31, "writer"),
+        ("over_cap:network.connect", 1, "writer"),
+    }
+    assert events[-1]["type"] == "dev.evidence.run.finished"
+    # a size cap works the same way
+    small = write_bundle(
+        tmp_path / "small.tar.gz", cb.meta(detail="full"), lambda: iter(recs), caps=Caps(decompressed=4000)
+    )
+    assert small["lost"]["total"] > 0 and small["files"]["events.ndjson"]["size"] <= 4000 + 2000
+    list(open_bundle(tmp_path / "small.tar.gz").events())
+
+
+def test_an_event_longer_than_a_line_may_be_is_counted_not_written(tmp_path: Path) -> None:
+    """A job can make a path of megabytes (a deep working directory): the bundle must stay readable."""
+    from evidence.bundle.reader import open_bundle
+
+    deep = "/w/" + "/".join(["a" * 250] * 4300) + "/hidden-write"
+    recs = [cb.open_(1000, deep, ["write", "create"]), cb.open_(2000, "/w/ok", ["read"])]
+    out = tmp_path / "deep.tar.gz"
+    manifest = write_bundle(out, cb.meta(), lambda: iter(recs))
+    assert manifest["lost"]["by_kind"] == {"over_cap:file.open": 1}
+    paths = [e["data"].get("path") for e in open_bundle(out).events()]  # verifies
+    assert "/w/ok" in paths and deep not in paths

@@ -1,0 +1,223 @@
+"""The small HTTP-over-Unix-socket client of the agent's API, used by `evidence start`, `finish` and
+`run --agent`. Pure standard library: the client runs in job containers that have no BCC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import quote
+
+from evidence.errors import EXIT_SETUP, Error, UsageError
+
+logger = logging.getLogger(__name__)
+
+SOCKET_ENV = "EVIDENCE_AGENT_SOCKET"
+DEFAULT_SOCKET = "/run/evidence/agent.sock"
+
+
+class AgentError(Error):
+    """The agent could not be reached, refused the request, or failed it."""
+
+
+class AgentNotReady(AgentError):
+    """The agent answered 503: its recorder cannot take runs (yet); nothing was recorded."""
+
+    exit_code = EXIT_SETUP
+
+
+class AgentUnreachable(AgentError):
+    """No agent answers at the socket (missing, refused, not allowed, timed out): nothing was run."""
+
+    exit_code = EXIT_SETUP
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float, peer_uid: int | None = None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+        self._peer_uid = peer_uid
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+            if self._peer_uid is not None:
+                # every connection: a path checked once can be swapped before the next one
+                _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                if uid != self._peer_uid:
+                    raise AgentUnreachable(
+                        f"the process at {self._path} runs as uid {uid}, not as the agent's ({self._peer_uid})",
+                        "give the agent's socket with --agent",
+                    )
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+
+
+class AgentClient:
+    """One request per connection; errors become AgentError with a one-line message."""
+
+    def __init__(self, socket_path: str | Path, timeout: float = 600.0, peer_uid: int | None = None) -> None:
+        """`peer_uid`: talk only to a server running as this uid (checked on every connection)."""
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+        self.peer_uid = peer_uid
+
+    def _open(
+        self, method: str, path: str, body: dict[str, Any] | None
+    ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+        conn = _UnixConnection(self.socket_path, self.timeout, self.peer_uid)
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            # the agent may answer before it reads (busy: 503) and close: its answer is still read
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.request(method, path, body=payload, headers=headers)
+            return conn, conn.getresponse()
+        except FileNotFoundError:
+            conn.close()
+            raise AgentUnreachable(
+                f"no agent socket at {self.socket_path}",
+                hint=f"is `evidence agent` running? pass --agent or set {SOCKET_ENV}",
+            ) from None
+        except ConnectionRefusedError:
+            conn.close()
+            raise AgentUnreachable(
+                f"nothing is listening on {self.socket_path}", hint="is `evidence agent` running?"
+            ) from None
+        except PermissionError:
+            conn.close()
+            raise AgentUnreachable(
+                f"permission denied on {self.socket_path}",
+                hint="the socket is mode 0660: run as its owner or in its group",
+            ) from None
+        except TimeoutError:
+            conn.close()
+            raise AgentUnreachable(
+                f"the agent at {self.socket_path} did not answer in {self.timeout:g}s"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise AgentUnreachable(f"talking to the agent at {self.socket_path} failed: {e}") from None
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        conn, resp = self._open(method, path, body)
+        try:
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            obj = json.loads(raw) if raw else {}
+        except ValueError:
+            raise AgentError(f"the agent answered {resp.status} with a body that is not JSON") from None
+        if resp.status >= 400:
+            message = (obj.get("error") or obj.get("reason")) if isinstance(obj, dict) else None
+            hint = obj.get("hint") if isinstance(obj, dict) else None
+            cls: type[Error] = AgentError
+            if resp.status in (400, 404, 409):
+                cls = UsageError
+            elif resp.status == 503:
+                cls = AgentNotReady
+            raise cls(f"agent: {message or f'HTTP {resp.status}'}", hint=hint)
+        return obj
+
+    def download(self, path: str, out: IO[bytes]) -> int:
+        conn, resp = self._open("GET", path, None)
+        try:
+            if resp.status != 200:
+                raw = resp.read()
+                try:
+                    message = json.loads(raw).get("error")
+                except (ValueError, AttributeError):
+                    message = None
+                raise AgentError(f"agent: {message or f'HTTP {resp.status}'}")
+            size = 0
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+                size += len(chunk)
+            return size
+        finally:
+            conn.close()
+
+    # the API, typed
+
+    def start(
+        self, *, cgroup: str | None = None, pid: int | None = None, labels: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"labels": labels or {}}
+        if cgroup is not None:
+            body["cgroup"] = cgroup
+        if pid is not None:
+            body["pid"] = pid
+        result: dict[str, Any] = self.request("POST", "/runs", body)
+        return result
+
+    def isolate(
+        self,
+        pid: int,
+        *,
+        labels: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        detail: str = "summary",
+        policy: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Have the agent move `pid` (a child of ours, waiting before exec) into a cgroup made for a
+        new run: the answer's "cgroup" is that cgroup, "session_id" the run."""
+        body: dict[str, Any] = {"isolate_pid": pid, "labels": labels or {}, "detail": detail}
+        if command is not None:
+            body["command"] = command
+        if policy is not None:
+            body["policy"] = policy
+        result: dict[str, Any] = self.request("POST", "/runs", body)
+        return result
+
+    def finish(
+        self,
+        session_id: str,
+        bundle: str | None = None,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"bundle": bundle} if bundle else {}
+        if exit_code is not None:
+            body["exit_code"] = exit_code
+        if signal is not None:
+            body["signal"] = signal
+        result: dict[str, Any] = self.request("POST", f"/runs/{quote(session_id, safe='')}/finish", body)
+        return result
+
+    def runs(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.request("GET", "/runs")["runs"]
+        return result
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "/readyz")
+        return result
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--label {text!r} is not KEY=VALUE")
+    return key, value
+
+
+def add_agent_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--agent",
+        metavar="SOCKET",
+        default=os.environ.get(SOCKET_ENV, DEFAULT_SOCKET),
+        help=f"the agent's Unix socket (default: ${SOCKET_ENV} or {DEFAULT_SOCKET})",
+    )

@@ -1,0 +1,460 @@
+"""Correlation: decoded probe records -> spool records, per run. Pure: no BCC, no root.
+
+It keeps the process tree (pid, ppid, depth from the run's root process, exe), each process's cwd and
+a table of its file descriptors (from successful opens, dup and chdir), so that relative paths are
+resolved against the cwd or the dirfd they were opened through. Opens, connects, chdir, fchdir and
+dup come as one record with their result (paired in the kernel); an exec's attempt waits in `pending`
+for its result record (or its success, exec_ok) from the same thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import os
+import posixpath
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from evidence.agent.recorder import decode as d
+
+logger = logging.getLogger(__name__)
+
+AT_FDCWD = -100
+UNREADABLE = "<unreadable path>"
+
+_FLAG_NAMES = [
+    (getattr(os, name), name)
+    for name in (
+        "O_CREAT",
+        "O_EXCL",
+        "O_NOCTTY",
+        "O_TRUNC",
+        "O_APPEND",
+        "O_NONBLOCK",
+        "O_DSYNC",
+        "O_ASYNC",
+        "O_DIRECT",
+        "O_LARGEFILE",
+        "O_DIRECTORY",
+        "O_NOFOLLOW",
+        "O_NOATIME",
+        "O_CLOEXEC",
+        "O_PATH",
+    )
+    if hasattr(os, name)
+]
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
+_O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
+
+
+# the kernel's own codes for a system call interrupted by a signal and restarted (include/linux/errno.h):
+# the restarted call is recorded again, with its own result
+_RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
+# not a kernel code: the result of a call whose result never came (lost, or still in progress at the end)
+NO_RESULT = -1_000_000
+_RESTART[-NO_RESULT] = "NO_RESULT"
+
+
+@functools.lru_cache(maxsize=512)
+def errno_name(code: int) -> str:
+    return errno.errorcode.get(code) or _RESTART.get(code) or f"E{code}"
+
+
+def result_of(ret: int) -> int | str:
+    return 0 if ret >= 0 else errno_name(-ret)
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_open_flags(flags: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(flag names, access classes) of open(2) flags. Cached: a run uses few distinct values, and
+    the tuples are shared by the records (never mutate them)."""
+    acc = flags & os.O_ACCMODE
+    names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(acc, "O_ACCMODE3")]
+    rest = flags & ~os.O_ACCMODE
+    if rest & _O_TMPFILE == _O_TMPFILE:
+        names.append("O_TMPFILE")
+        rest &= ~_O_TMPFILE
+    if rest & _O_SYNC_ONLY:
+        names.append("O_SYNC")
+        rest &= ~_O_SYNC_ONLY
+    for bit, name in _FLAG_NAMES:
+        if rest & bit:
+            names.append(name)
+            rest &= ~bit
+    if rest:
+        names.append(f"0x{rest:x}")
+    access: list[str] = []
+    is_path = bool(flags & getattr(os, "O_PATH", 0))
+    if not is_path and acc in (os.O_RDONLY, os.O_RDWR):
+        access.append("read")
+    if not is_path and (acc in (os.O_WRONLY, os.O_RDWR) or flags & os.O_TRUNC):
+        access.append("write")
+    if flags & os.O_CREAT or flags & _O_TMPFILE == _O_TMPFILE:
+        access.append("create")
+    return tuple(names), tuple(access)
+
+
+def split_status(status: int) -> tuple[int | None, str | None]:
+    """(exit code, signal name) from a wait status."""
+    sig = status & 0x7F
+    if sig:
+        try:
+            return None, signal.Signals(sig).name
+        except ValueError:
+            return None, f"SIG{sig}"
+    return (status >> 8) & 0xFF, None
+
+
+@dataclasses.dataclass
+class Proc:
+    pid: int
+    ppid: int
+    depth: int
+    exe: str | None
+    cwd: str | None
+    fds: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+# Looks a live process up in /proc (injected so correlation stays pure): (ppid, cwd, exe) or None.
+ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
+
+
+# record kinds that carry their own result (paired in the kernel)
+_PAIRED = frozenset(("open", "change", "connect", "chdir", "fchdir", "dup"))
+
+# what a file change needs, by operation: the access class of its (first) path; every change also
+# needs write access to the directory that holds the name it adds or removes (policy/profile.py)
+CHANGE_ACCESS: dict[str, tuple[str, ...]] = {
+    "rename": ("write", "create"),
+    "unlink": ("write",),
+    "rmdir": ("write",),
+    "link": ("create",),
+    "symlink": ("create",),
+    "truncate": ("write",),
+    "chmod": ("write",),
+    "chown": ("write",),
+    "mkdir": ("create",),
+    "mknod": ("create",),
+}
+_AT_REMOVEDIR = 0x200
+
+
+class Correlator:
+    def __init__(
+        self,
+        wall_offset_ns: int,
+        proc_lookup: ProcLookup | None = None,
+        cgroup_name: Callable[[int], str | None] | None = None,
+        abi_of: Callable[[int, str], str | None] | None = None,
+        hash_of: Callable[[int, str], Any] | None = None,  # exe_hash.Hasher: the program's sha256
+    ) -> None:
+        self.hash_of = hash_of
+        # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
+        # not fire for its system calls, so its exec is flagged as a degradation
+        self.abi_of = abi_of
+        self.wall_offset_ns = wall_offset_ns
+        # cgroup id -> the name a record carries ("cgroup"), None for the run's own cgroup
+        self.cgroup_name = cgroup_name
+        # that name -> a container id (runc/containerd/CRI-O/docker scope names), or None
+        self.container_of: Callable[[str], str | None] | None = None
+        # the cgroup2 mount and the run's cgroup (absolute paths): opening cgroup.procs outside the
+        # run's cgroup for writing is flagged (a way out of the recording)
+        self.cgroup_mount: str | None = None
+        self.run_cgroup: str | None = None
+        self.procs: dict[int, Proc] = {}
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.proc_lookup = proc_lookup
+        self.unpaired = 0  # result records whose enter record was lost
+        self._exited: dict[int, str | None] = {}  # pid -> exe of recently exited processes
+
+    def exe_of(self, pid: int) -> str | None:
+        p = self.procs.get(pid)
+        return p.exe if p else self._exited.get(pid)
+
+    def add_root(self, pid: int, ppid: int, cwd: str, exe: str | None = None, depth: int = 0) -> None:
+        self.procs[pid] = Proc(pid=pid, ppid=ppid, depth=depth, exe=exe, cwd=cwd)
+
+    def _proc(self, tgid: int) -> Proc:
+        p = self.procs.get(tgid)
+        if p is None:
+            found = self.proc_lookup(tgid) if self.proc_lookup else None
+            ppid, cwd, exe = found if found else (0, None, None)
+            parent = self.procs.get(ppid)
+            p = Proc(pid=tgid, ppid=ppid, depth=parent.depth + 1 if parent else -1, exe=exe, cwd=cwd)
+            self.procs[tgid] = p
+        return p
+
+    def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD) -> str:
+        if path.startswith("/"):
+            return posixpath.normpath(path).replace("//", "/")
+        base = proc.cwd if dfd == AT_FDCWD else proc.fds.get(dfd)
+        if base is None:
+            where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
+            return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
+        return posixpath.normpath(posixpath.join(base, path)) if path else base
+
+    def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
+        """Consume one decoded record; return the spool records it completes."""
+        return self._named(self._feed(ev), ev)
+
+    def flush(self) -> list[dict[str, Any]]:
+        """The execs still waiting for their result when the run ends (in progress, or a result the
+        ring buffer lost): recorded with the result NO_RESULT, not dropped. (Other calls in flight
+        are read from the kernel's map by the recorder and come as records with NO_RESULT.)"""
+        out: list[dict[str, Any]] = []
+        for enter in list(self.pending.values()):
+            out += self._named(self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter)
+        self.pending.clear()
+        return out
+
+    def _named(self, out: list[dict[str, Any]], ev: dict[str, Any]) -> list[dict[str, Any]]:
+        """The records, with the cgroup (and container) of the record `ev` when not the run's own."""
+        if out and self.cgroup_name is not None:
+            name = self.cgroup_name(ev.get("cgid", 0))
+            if name is not None:
+                container = self.container_of(name) if self.container_of else None
+                for rec in out:
+                    rec["cgroup"] = name
+                    if container:
+                        rec["container"] = container
+        return out
+
+    def _feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
+        kind = ev["kind"]
+        t = ev["ts"] + self.wall_offset_ns
+        if kind in _PAIRED:
+            return self._complete(ev, ev["ret"], t)
+        if kind == "exec":
+            stale = self.pending.get(ev["tid"])
+            self.pending[ev["tid"]] = ev
+            if stale is None:
+                return []
+            # the thread's previous exec returned, but its result was lost: recorded, not dropped
+            return self._complete(stale, NO_RESULT, stale["ts"] + self.wall_offset_ns)
+        if kind == "ret":
+            enter = self.pending.pop(ev["tid"], None)
+            if enter is None:
+                if ev["sc"] != d.SC_EXEC:  # a successful exec's result follows exec_ok, which took it
+                    self.unpaired += 1
+                return []
+            return self._complete(enter, ev["ret"], ev["ts"] + self.wall_offset_ns)
+        if kind == "exec_ok":
+            return self._exec_ok(ev, t)
+        if kind == "fork":
+            parent = self._proc(ev["tgid"])
+            self.procs[ev["child"]] = Proc(
+                pid=ev["child"],
+                ppid=parent.pid,
+                depth=parent.depth + 1 if parent.depth >= 0 else -1,
+                exe=parent.exe,
+                cwd=parent.cwd,
+                fds=dict(parent.fds),
+            )
+            return []
+        if kind == "exit":
+            p = self._proc(ev["tgid"])
+            code, sig = split_status(ev["status"])
+            self.procs.pop(ev["tgid"], None)
+            if len(self._exited) >= 4096:
+                self._exited.pop(next(iter(self._exited)))
+            self._exited[p.pid] = p.exe
+            return [
+                {
+                    "k": "exit",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "exit_code": code,
+                    "signal": sig,
+                }
+            ]
+        return []
+
+    def _exec_record(
+        self, p: Proc, t: int, filename: str, argv: list[str], trunc: bool, result: int | str
+    ) -> dict[str, Any]:
+        return {
+            "k": "exec",
+            "t": t,
+            "pid": p.pid,
+            "ppid": p.ppid,
+            "depth": p.depth,
+            "filename": filename,
+            "argv": argv,
+            "argv_truncated": trunc,
+            "cwd": p.cwd,
+            "result": result,
+        }
+
+    def _leaving(self, p: Proc, path: str, t: int) -> list[dict[str, Any]]:
+        """A degradation when a process opens for writing the cgroup.procs or cgroup.threads of a
+        cgroup outside the run's: it can move processes out of the run's cgroup, and what they do
+        there is not recorded (only root, or a job a cgroup is delegated to, may)."""
+        mount, run = self.cgroup_mount, self.run_cgroup
+        name = posixpath.basename(path)
+        if mount is None or run is None or name not in ("cgroup.procs", "cgroup.threads"):
+            return []
+        where = posixpath.dirname(path)
+        if (
+            not (where == mount or where.startswith(mount + "/"))
+            or where == run
+            or where.startswith(run + "/")
+        ):
+            return []
+        return [
+            {
+                "k": "degradation",
+                "t": t,
+                "component": "cgroup",
+                "reason": f"{p.exe or '?'} (pid {p.pid}) opened {path} for writing: it can move processes out of the run's cgroup",
+                "impact": "what a process moved out of the run's cgroup does afterwards is not recorded",
+            }
+        ]
+
+    def _change(self, p: Proc, ev: dict[str, Any], ret: int, t: int) -> dict[str, Any]:
+        """A file change that is not an open, its paths resolved like an open's (cwd, dirfd). `path`
+        is the name the call changes (rename's and link's old name, symlink's new link) and `target`
+        the second name (rename's and link's new name, symlink's content as given, unresolved); a
+        call on a descriptor (fchmod, fchown) names the path the descriptor was opened as. A rename
+        does not rename descriptors in the table: a descriptor stays named as it was opened (as the
+        kernel's tokens do)."""
+        op = ev["op"]
+        flags = ev["flags"]
+        if ev["path"] is None:  # fchmod/fchown: the descriptor's path
+            path = p.fds.get(ev["dfd"]) or f"<unknown fd {ev['dfd']}>"
+            raw = None
+        elif flags & d.F_FNAME_FAULT:
+            path = raw = UNREADABLE
+        elif op == "symlink":  # path 1 is the link's content, as given: it names nothing yet
+            path = raw = ev["path"]
+        else:
+            raw = ev["path"]
+            path = self._resolve(p, raw, ev["dfd"])
+        rec: dict[str, Any] = {
+            "k": "change",
+            "t": t,
+            "pid": p.pid,
+            "ppid": p.ppid,
+            "exe": p.exe,
+            "operation": op,
+            "path": path,
+            "raw_path": raw,
+            "access": CHANGE_ACCESS.get(op, ("write",)),
+            "result": result_of(ret),
+        }
+        if ev["path2"] is not None or op in ("rename", "link", "symlink"):
+            raw2 = ev["path2"] or ""
+            path2 = UNREADABLE if flags & d.F_PATH2_FAULT else self._resolve(p, raw2, ev["dfd2"])
+            if op == "symlink":  # the link made is the path; its content is the target
+                rec["path"], rec["target"] = path2, path
+                rec["raw_path"] = UNREADABLE if flags & d.F_PATH2_FAULT else raw2
+            else:
+                rec["target"] = path2  # rename's new name, link's new link
+        if op in ("chmod", "mkdir", "mknod"):
+            rec["mode"] = ev["mode"] & 0o7777 if op != "mknod" else ev["mode"]
+        if op == "chown":
+            rec["uid"] = None if ev["uid"] == 0xFFFFFFFF else ev["uid"]
+            rec["gid"] = None if ev["gid"] == 0xFFFFFFFF else ev["gid"]
+        if ev["at_flags"]:
+            rec["at_flags"] = ev["at_flags"]
+        return rec
+
+    def _exec_ok(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
+        old = ev["old_tid"] or ev["tid"]
+        enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
+        p = self._proc(ev["tgid"])
+        dfd = enter["dfd"] if enter else AT_FDCWD
+        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD)
+        trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
+        argv = ev["argv"]
+        if ev["flags"] & d.F_ARGS_FAULT and enter:
+            argv = enter["argv"]
+        p.exe = filename
+        out = [self._exec_record(p, t, filename, argv, trunc, 0)]
+        if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
+            h = self.hash_of(p.pid, filename)
+            out[0].update(h if isinstance(h, dict) else {"_hash": h})
+        abi = self.abi_of(p.pid, filename) if self.abi_of else None
+        if abi:
+            out.append(
+                {
+                    "k": "degradation",
+                    "t": t,
+                    "component": "recorder",
+                    "reason": f"{filename} (pid {p.pid}) is a {abi} program: the kernel's syscall tracepoints do not see its system calls",
+                    "impact": "its opens, connects and execs are not recorded (a policy's Landlock and connect rules still apply to it)",
+                }
+            )
+        return out
+
+    def _complete(self, enter: dict[str, Any], ret: int, t_ret: int) -> list[dict[str, Any]]:
+        kind = enter["kind"]
+        p = self._proc(enter["tgid"])
+        t = enter["ts"] + self.wall_offset_ns
+        if kind == "open":
+            if enter["flags"] & d.F_FNAME_FAULT:
+                path = enter["path"] = UNREADABLE
+            else:
+                path = self._resolve(p, enter["path"], enter["dfd"])
+            if ret >= 0:
+                p.fds[ret] = path
+            names, access = decode_open_flags(enter["oflags"])
+            creates = "create" in access
+            out = self._leaving(p, path, t) if ret >= 0 and "write" in access else []
+            return out + [
+                {
+                    "k": "open",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "path": path,
+                    "raw_path": enter["path"],
+                    "dirfd": None if enter["dfd"] == AT_FDCWD else enter["dfd"],
+                    "flags": names,
+                    "access": access,
+                    "mode": enter["mode"] if creates else None,
+                    "result": result_of(ret),
+                }
+            ]
+        if kind == "change":
+            return [self._change(p, enter, ret, t)]
+        if kind == "exec":
+            if ret == 0:
+                return []  # exec_ok already recorded it
+            filename = self._resolve(p, enter["filename"], enter["dfd"])
+            return [
+                self._exec_record(
+                    p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)
+                )
+            ]
+        if kind == "connect":
+            return [
+                {
+                    "k": "connect",
+                    "t": t,
+                    "pid": p.pid,
+                    "ppid": p.ppid,
+                    "exe": p.exe,
+                    "family": enter["family"],
+                    "address": enter["address"],
+                    "port": enter["port"],
+                    "result": result_of(ret),
+                }
+            ]
+        if kind == "chdir" and ret == 0:
+            p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
+        elif kind == "fchdir" and ret == 0:
+            p.cwd = p.fds.get(enter["fd"])  # a directory we never saw opened: the cwd is unknown
+        elif kind == "dup" and ret >= 0:
+            src = p.fds.get(enter["oldfd"])
+            if src is not None:
+                p.fds[ret] = src
+            else:
+                p.fds.pop(ret, None)
+        return []

@@ -1,0 +1,189 @@
+"""Enforcement of a policy on one run: Landlock for files, the connect guard for the network, a
+private tmp, a scrubbed environment, an optional network namespace, and the denial records.
+
+Landlock refusals reach the recorder as EACCES results of opens and execs; the policy model says
+which rule refused them. Under --dry-run nothing is enforced and every operation the policy would
+refuse is recorded as a would-block denial.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from evidence.agent.recorder.launch import Landlock
+from evidence.errors import PolicyError, SetupError
+from evidence.policy import env as penv
+from evidence.policy import landlock
+from evidence.policy import tmp as ptmp
+from evidence.policy.model import Policy, load_policy
+from evidence.policy.netns import PrivateNetns
+from evidence.probes.guard import ConnectGuard
+
+logger = logging.getLogger(__name__)
+
+_REFUSED = ("EACCES", "EPERM")
+
+
+class Enforcement:
+    def __init__(
+        self,
+        policy_path: str,
+        *,
+        workspace: str,
+        dry_run: bool,
+        fail_closed: bool,
+        net_mode: str | None,
+        environ: Mapping[str, str],
+    ) -> None:
+        self.mode = "dry-run" if dry_run else "enforce"
+        self.workspace = os.path.realpath(workspace)
+        self.tmpdir = ptmp.create_private_tmp()
+        self.guard: ConnectGuard | None = None
+        self.netns: PrivateNetns | None = None
+        self.degradations: list[dict[str, str]] = []
+        self._rules: dict[tuple[str, str], str | None] = {}
+        try:
+            self.policy: Policy = load_policy(policy_path, workspace=self.workspace, tmpdir=self.tmpdir)
+            self.abi = landlock.abi_version()
+            self.plan = landlock.plan(self.policy, self.abi)
+            self.degradations += [dict(d) for d in self.plan.degradations]
+            if self.policy.fs is not None and not self.plan.enforced and not dry_run:
+                self.degradations.append(
+                    {
+                        "component": "landlock",
+                        "reason": "Landlock is not available on this kernel",
+                        "impact": "file rules are recorded but not enforced",
+                    }
+                )
+            env, self.env_removed = penv.scrub(environ, self.policy.env)
+            self.environ = ptmp.tmp_environ(env, self.tmpdir)
+            self._dry_run = dry_run
+            self._fail_closed = fail_closed
+            if net_mode:
+                self.netns = PrivateNetns(net_mode)  # type: ignore[arg-type]
+                self.netns.create()
+        except BaseException:
+            self.close()
+            raise
+
+    def load_programs(self) -> None:
+        """Compile the connect guard (BCC: never while another BPF compile runs in this process),
+        then refuse to go on under --fail-closed if anything cannot be enforced."""
+        try:
+            if self.policy.net is not None:
+                try:
+                    self.guard = ConnectGuard(self.policy.net, dry_run=self._dry_run)
+                    self.guard.load()
+                except SetupError as e:
+                    self.guard = None
+                    self.degradations.append(
+                        {
+                            "component": "connect_guard",
+                            "reason": e.message,
+                            "impact": "network rules are recorded but not enforced",
+                        }
+                    )
+            if self._fail_closed and self.degradations and not self._dry_run:
+                first = self.degradations[0]
+                raise PolicyError(
+                    f"the policy cannot be fully enforced here: {first['component']}: {first['reason']} ({first['impact']})",
+                    f"{len(self.degradations)} problem(s); drop --fail-closed to run with them recorded",
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- around the child ----------------------------------------------------------------------
+    def attach(self, cgroup_path: str) -> None:
+        if self.guard is not None:
+            self.guard.attach(cgroup_path)
+
+    def landlock(self) -> Landlock | None:
+        """The Landlock domain the command's launcher applies before it execs (None: dry run, or no
+        Landlock here). The network namespace, if any, is `self.netns`."""
+        return Landlock.of_plan(self.plan) if self.mode == "enforce" else None
+
+    def poll_denials(self, exe_of: Callable[[int], str | None], timeout_ms: int = 0) -> list[dict[str, Any]]:
+        if self.guard is None:
+            return []
+        out = self.guard.poll(timeout_ms)
+        for rec in out:
+            rec["exe"] = exe_of(rec["pid"])
+        return out
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        if self.netns is not None:
+            self.netns.remove()
+            self.netns = None
+        if self.tmpdir:
+            ptmp.remove_private_tmp(self.tmpdir)
+
+    # ---- what the policy says about recorded operations ----------------------------------------
+    def observe(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Denial records for opens and execs the policy refuses (enforced, or would-block)."""
+        if self.policy.fs is None:
+            return []
+        out = []
+        for rec in records:
+            k = rec["k"]
+            if k == "open":
+                target, accesses = rec["path"], rec["access"]
+            elif k == "exec":
+                target, accesses = rec["filename"], ["exec"]
+            else:
+                continue
+            result = rec["result"]
+            if target.startswith("<") or (result != 0 and result not in _REFUSED):
+                continue
+            for access in accesses:
+                rule = self._file_rule(target, access)
+                if rule is None and result in _REFUSED and self.mode == "enforce":
+                    rule = self.plan.explain(target, access)
+                if rule is None:
+                    continue
+                enforced = self.mode == "enforce" and result in _REFUSED
+                out.append(
+                    {
+                        "k": "denial",
+                        "t": rec["t"],
+                        "pid": rec["pid"],
+                        "exe": rec.get("exe") if k == "open" else target,
+                        "operation": access,
+                        "target": target,
+                        "rule": rule,
+                        "enforced": enforced,
+                        "result": result,
+                    }
+                )
+                break
+        return out
+
+    def _file_rule(self, path: str, access: str) -> str | None:
+        key = (path, access)
+        try:
+            return self._rules[key]
+        except KeyError:
+            pass
+        decision = self.policy.check_file(path, access)
+        rule = decision.rule if decision else None
+        if len(self._rules) < 65536:  # a build opens the same files again and again
+            self._rules[key] = rule
+        return rule
+
+    def manifest_policy(self) -> dict[str, Any]:
+        return {
+            **self.policy.summary(),
+            "mode": self.mode,
+            "workspace": self.workspace,
+            "tmpdir": self.tmpdir,
+            "landlock": self.plan.summary(),
+            "connect_guard": self.guard is not None,
+            "env_removed": list(self.env_removed),
+            "net_namespace": self.netns.mode if self.netns else None,
+        }

@@ -1,0 +1,87 @@
+"""The command launcher's child side: `python -I -m evidence.agent.recorder.exec_helper SPEC_FD`.
+
+`evidence run` starts this with `subprocess.Popen` and no `preexec_fn` (which is unsafe while the
+recorder's threads run). It is started early and waits; then it becomes the command: it reads its
+instructions as JSON from SPEC_FD (EOF: exit, run nothing), opens the run's `cgroup.procs`, enters
+the network namespace, sets no_new_privs and the Landlock domain, joins the cgroup, restores the
+signal mask and dispositions a command expects, and execs. The cgroup is joined last, through the
+descriptor opened first, so nothing of this helper's own start is recorded and Landlock cannot stand
+in the way of the join.
+
+The answer goes to STATUS_FD, which is close-on-exec: `R` just before the exec, then EOF when it
+succeeded or `E<errno>` when it failed (after the join: the failed exec is recorded); `S<text>` when
+the set-up failed (before the join: nothing ran). No answer at all: the helper died. Standard library only, and no import of
+evidence's beyond the system-call module, so it starts in a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any, NoReturn
+
+from evidence.policy import landlock_syscalls as ll
+
+EXIT_SETUP = 71  # the recorder reports set-up failures itself; this code is only seen if it cannot
+_RESET = ("SIGPIPE", "SIGXFSZ")  # Python ignores these; a command expects them at their default
+_LIBC_SIGNALS = (32, 33)  # glibc's own; Python's subprocess leaves them ignored after a vfork
+
+
+def _fail(status: int, message: bytes, code: int) -> NoReturn:
+    try:
+        os.write(status, message)
+    finally:
+        os._exit(code)
+
+
+def main(spec_fd: int) -> NoReturn:
+    with os.fdopen(spec_fd, "rb") as f:
+        raw = f.read()
+    if not raw:  # the recorder gave up before the command was to run: run nothing
+        os._exit(EXIT_SETUP)
+    spec: dict[str, Any] = json.loads(raw)
+    status = int(spec["status_fd"])
+    os.set_inheritable(status, False)  # closed by a successful exec: EOF tells the recorder
+    try:
+        procs = os.open(spec["procs"], os.O_WRONLY | os.O_CLOEXEC) if spec.get("procs") else None
+        if spec.get("netns_fd") is not None:
+            ll.enter_netns(int(spec["netns_fd"]))
+            os.close(int(spec["netns_fd"]))
+        landlock = spec.get("landlock")
+        if landlock:
+            ll.restrict(
+                int(landlock["abi"]),
+                int(landlock["handled_fs"]),
+                int(landlock["scoped"]),
+                [(str(p), int(a)) for p, a in landlock["rules"]],
+                int(landlock["file_rights"]),
+            )
+        elif spec.get("no_new_privs"):
+            ll.no_new_privs()
+        ll.deny_tty_injection()  # the job cannot type into the terminal it shares with its caller
+        if spec.get("oom_score_adj") is not None:  # the job's own, not the recorder's protection
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write(str(int(spec["oom_score_adj"])))
+        if procs is not None:  # opened before Landlock, written after: the last step before exec
+            os.write(procs, str(os.getpid()).encode())
+            os.close(procs)
+    except OSError as e:
+        _fail(status, b"S" + str(e).encode(errors="replace"), EXIT_SETUP)
+    for name in _RESET:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for sig in _LIBC_SIGNALS:
+        ll.default_disposition(sig)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    argv = [str(a) for a in spec["argv"]]
+    os.write(status, b"R")
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        code = 126 if e.errno in (13, 8, 1) else 127  # EACCES, ENOEXEC, EPERM: found, cannot run
+        _fail(status, b"E" + str(e.errno or 0).encode(), code)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,279 @@
+"""Start a run's command without `preexec_fn`: the recorder's side of agent/recorder/exec_helper.py.
+
+Python documents that `subprocess.Popen(preexec_fn=...)` can deadlock when threads are running, and
+`evidence run` has several (ring-buffer poller, correlator, signal forwarder). So the command is
+started as `python -I -m evidence.agent.recorder.exec_helper`, which Popen spawns without running any
+Python code between fork and exec; the helper does the set-up in its own process and execs the
+command, keeping its pid. The helper is started early and waits, so its interpreter's start overlaps
+with the probes' compile. The two talk over two pipes: the instructions go in as JSON, and the
+helper's answer comes back on a close-on-exec pipe: `R` then EOF means the command is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
+
+logger = logging.getLogger(__name__)
+
+SCOPES = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+
+HELPER = "evidence.agent.recorder.exec_helper"
+WATCHDOG = "evidence.agent.recorder.watchdog"
+
+
+class LaunchError(Exception):
+    """The helper could not set the command up (netns, Landlock): it exited before joining the run's
+    cgroup, so nothing ran."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Landlock:
+    """A Landlock domain for the command: rights handled, scopes, and (path, rights) rules."""
+
+    abi: int
+    handled_fs: int
+    scoped: int
+    rules: tuple[tuple[str, int], ...]
+    file_rights: int
+
+    @classmethod
+    def of_plan(cls, plan: Any) -> Landlock | None:
+        """The domain a policy's LandlockPlan asks for (None: no Landlock on this kernel)."""
+        from evidence.policy.landlock import FILE_RIGHTS
+
+        if not plan.enforced:
+            return None
+        return cls(plan.abi, plan.handled_fs, plan.scoped, tuple(plan.rule_pairs()), FILE_RIGHTS)
+
+    def as_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "rules": [list(r) for r in self.rules]}
+
+
+MAKE_BLOCK = 1 << 11  # LANDLOCK_ACCESS_FS_MAKE_BLOCK: handled and granted everywhere, restricts nothing
+
+
+def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bool, list[dict[str, str]]]:
+    """The domain every recorded command runs in when no policy gives it one: (Landlock domain,
+    no_new_privs, degradations). A Landlock domain confines ptrace to itself, and with scopes (ABI 6)
+    signals and abstract unix sockets too, so a job cannot make a process of its uid outside the run
+    act for it unrecorded. Before ABI 6 a domain that restricts nothing (MAKE_BLOCK handled and
+    granted on /) still confines ptrace."""
+    if allow_setuid:
+        return (
+            None,
+            False,
+            [
+                {
+                    "component": "isolation",
+                    "reason": "--allow-setuid: the command runs without no_new_privs or a Landlock domain",
+                    "impact": "the job can ptrace and signal processes of its own uid outside the run and "
+                    "make them act unrecorded; setuid programs gain privileges",
+                }
+            ],
+        )
+    if abi >= 6:
+        return Landlock(abi, 0, SCOPES, (), 0), True, []
+    if abi >= 1:
+        return (
+            Landlock(abi, MAKE_BLOCK, 0, (("/", MAKE_BLOCK),), MAKE_BLOCK),
+            True,
+            [
+                {
+                    "component": "isolation",
+                    "reason": f"Landlock ABI {abi} has no scopes (ABI 6)",
+                    "impact": "the job can signal processes of its own uid outside the run (ptrace is confined)",
+                }
+            ],
+        )
+    return (
+        None,
+        True,
+        [
+            {
+                "component": "isolation",
+                "reason": "Landlock is not available on this kernel",
+                "impact": "the job can ptrace and signal processes of its own uid outside the run and make "
+                "them act unrecorded",
+            }
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    argv: Sequence[str]
+    cgroup_procs: Path | None  # the run's cgroup.procs; None: stay in the caller's cgroup
+    landlock: Landlock | None = None
+    no_new_privs: bool = False
+    oom_score_adj: int | None = None  # the command's (the recorder protects itself, not the job)
+
+
+@dataclasses.dataclass
+class Launched:
+    process: subprocess.Popen[bytes]
+    exec_errno: int | None  # the exec failed with this errno (the helper exits 126 or 127)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class Launcher:
+    """The helper, started early (its interpreter starts while BCC compiles the probes) and waiting
+    for its instructions; `go` sends them and returns once the command runs, `abort` lets it exit
+    without running anything.
+
+    `env` is the command's environment and `cwd` its working directory (given explicitly: BCC
+    changes the process's directory while it compiles); `keep_fds` the descriptors it inherits
+    besides 0-2 (`evidence run --pass-fd`: a make jobserver's pipe; never one of the recorder's
+    own); `netns_fd` a network namespace to enter (a descriptor of the caller's, which stays open). Raises OSError when the helper cannot be
+    started."""
+
+    def __init__(
+        self, env: Mapping[str, str], cwd: str, keep_fds: Sequence[int] = (), netns_fd: int | None = None
+    ) -> None:
+        spec_r, self._spec_w = os.pipe()
+        self._status_r, status_w = os.pipe()
+        self._status_fd = status_w
+        self._netns_fd = netns_fd
+        ours = [fd for fd in (spec_r, status_w, netns_fd) if fd is not None]
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-m", HELPER, str(spec_r)],
+                env=dict(env),
+                cwd=cwd,
+                pass_fds=(*keep_fds, *ours),
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(self._spec_w)
+            os.close(self._status_r)
+            raise
+        finally:
+            os.close(spec_r)
+            os.close(status_w)
+
+    def go(self, spec: LaunchSpec) -> Launched:
+        """Start the command; returns once it runs (or its exec failed). Raises LaunchError when the
+        set-up failed."""
+        message = {
+            "argv": list(spec.argv),
+            "oom_score_adj": spec.oom_score_adj,
+            "status_fd": self._status_fd,
+            "procs": str(spec.cgroup_procs) if spec.cgroup_procs else None,
+            "netns_fd": self._netns_fd,
+            "landlock": spec.landlock.as_json() if spec.landlock else None,
+            "no_new_privs": spec.no_new_privs,
+        }
+        try:
+            with os.fdopen(self._spec_w, "wb") as w:
+                w.write(json.dumps(message).encode())
+        except BrokenPipeError:
+            pass  # the helper died before reading: its status pipe says so
+        answer = b""
+        with os.fdopen(self._status_r, "rb") as r:
+            while chunk := r.read(4096):
+                answer += chunk
+        process = self.process
+        if answer == b"R":
+            return Launched(process, None)
+        if answer.startswith(b"RE"):
+            return Launched(process, int(answer[2:] or errno.ENOENT))
+        process.wait()
+        if answer.startswith(b"S"):
+            raise LaunchError(answer[1:].decode(errors="replace"))
+        raise LaunchError(f"the launcher exited {process.returncode} before starting the command")
+
+    def abort(self) -> None:
+        """Nothing will run: the helper reads no instructions and exits."""
+        for fd in (self._spec_w, self._status_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.process.wait()
+
+
+def protect(pid: int | str, score: int) -> int | None:
+    """Set a process's oom_score_adj (root may lower it); returns the value it had, None if unknown.
+    A job that fills memory must not get its recorder killed first and so erase its own record."""
+    path = f"/proc/{pid}/oom_score_adj"
+    try:
+        with open(path) as f:
+            before = int(f.read())
+        with open(path, "w") as f:
+            f.write(str(score))
+    except (OSError, ValueError):
+        return None
+    return before
+
+
+def inherited_fds() -> list[int]:
+    """The inheritable descriptors above 2 this process holds: call it first thing, before anything of
+    the recorder's (BCC leaves some of its own inheritable) is opened."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                if os.get_inheritable(fd):
+                    out.append(fd)
+    return sorted(out)
+
+
+def launch(spec: LaunchSpec, env: Mapping[str, str], cwd: str, keep_fds: Sequence[int] = ()) -> Launched:
+    """Start the helper and the command in one call (when there is nothing to overlap with)."""
+    return Launcher(env, cwd, keep_fds).go(spec)
+
+
+class Watchdog:
+    """The parent side of agent/recorder/watchdog.py: started early, told the run's cgroup once it
+    exists, told `done` when the run is finished. If this process dies first, the watchdog kills
+    the run's processes. Raises OSError when it cannot be started."""
+
+    def __init__(self, parent_death: bool = False) -> None:
+        """`parent_death`: the watchdog also acts as soon as this process is exiting, not only once
+        the pipe's last holder is gone (see agent/recorder/watchdog.py)."""
+        r, self._w = os.pipe()
+        parent = [str(os.getpid())] if parent_death else []
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-m", WATCHDOG, str(r), *parent],
+                pass_fds=(r,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's Ctrl-C to the run is not for the watchdog
+            )
+        except BaseException:
+            os.close(self._w)
+            raise
+        finally:
+            os.close(r)
+        protect(self.process.pid, -1000)  # the OOM killer takes it last: it is what kills the job
+
+    def watch(self, cgroup: Path, session_id: str) -> None:
+        os.write(self._w, json.dumps({"cgroup": str(cgroup), "session": session_id}).encode() + b"\n")
+
+    def unwatch(self, cgroup: Path) -> None:
+        """That cgroup is gone (its run finished): not to be killed any more."""
+        with contextlib.suppress(OSError):
+            os.write(self._w, json.dumps({"unwatch": str(cgroup)}).encode() + b"\n")
+
+    def done(self) -> None:
+        """The run is finished (or never started): the watchdog exits without touching anything."""
+        if self._w < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._w, b"done\n")
+        os.close(self._w)
+        self._w = -1

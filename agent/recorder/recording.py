@@ -1,0 +1,534 @@
+"""The long-lived recorder: probes loaded once, a ring-buffer poller, correlation, one spool per run.
+
+Threads:
+- poller: waits on the ring buffer (wakeups are batched by the probes, and it polls on a short timer),
+  collects raw records into a batch and hands whole batches to a bounded queue. When the queue is
+  full it stops reading, so back-pressure lands in the kernel's ring buffer, where every record that
+  does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
+- correlator: decodes each batch, routes records to their run by slot, correlates them and appends
+  the results to the run's zstandard spool on disk, so memory stays flat however long the run is.
+  It flushes every spool with new records at least once a second (FLUSH_SECONDS), so a recorder
+  killed outright loses at most about a second of records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from evidence.agent.recorder import decode as dec
+from evidence.agent.recorder import exe_hash
+from evidence.agent.recorder.correlate import Correlator
+from evidence.bundle.attestation import Signer
+from evidence.bundle.spool import SpoolWriter, read_spool
+from evidence.bundle.writer import RunMeta, write_bundle
+from evidence.errors import SetupError
+from evidence.probes.headers import Headers
+
+if TYPE_CHECKING:
+    from evidence.probes.loader import RecorderProbes
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50
+QUEUE_BATCHES = 256
+# Each run's spool is flushed to disk at least this often while records arrive (and within this
+# long after the last ones): a recorder killed with SIGKILL leaves at most about this much unwritten.
+FLUSH_SECONDS = 1.0
+# Per run (--detail summary): distinct (program, path or address, access, result, cgroup) keys kept.
+# Past it, opens, connects and file changes are counted by kind (lost.by_kind "open_past_cap", ...), not
+# kept, so a flood of distinct names cannot grow the recorder's memory or the bundle past what the
+# reader accepts. EVIDENCE_MAX_DISTINCT sets it (tests use a small value).
+MAX_DISTINCT = int(os.environ.get("EVIDENCE_MAX_DISTINCT", "100000"))
+# the fields of a summary key, by record kind (as the bundle writer aggregates them)
+_SUMMARY_FIELDS = {
+    "open": ("exe", "path", "access", "result", "cgroup", "container"),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
+    # file changes are not aggregated in the kernel (far rarer than opens): every one is a plain
+    # record, summarised by the writer, under the same cap on distinct keys (change_past_cap)
+    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
+}
+# what is kept of a key's first record, to write its count when the run ends
+_FIRST_FIELDS = {k: (*v, "k", "pid") for k, v in _SUMMARY_FIELDS.items()}
+
+
+def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
+    """(ppid, cwd, exe) of a live process, for processes first seen mid-life."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    cwd = exe = None
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        pass
+    return ppid, cwd, exe
+
+
+def _container_namer(cgroup_path: Path) -> Any:
+    """A nested cgroup's name (relative to the run's) -> the container id its scope name carries."""
+    from evidence.agent.daemon.k8s import parse_cgroup_path
+    from evidence.agent.recorder.cgroups import find_cgroup2_mount
+
+    try:
+        base = str(cgroup_path.relative_to(find_cgroup2_mount()))
+    except (ValueError, OSError, SetupError):
+        return None
+    cache: dict[str, str | None] = {}
+
+    def container_of(rel: str) -> str | None:
+        if rel not in cache:
+            ref = None if rel.startswith("cgroup-id:") else parse_cgroup_path(f"{base}/{rel}")
+            cache[rel] = ref.container_id if ref else None
+        return cache[rel]
+
+    return container_of
+
+
+def elf_abi(pid: int, filename: str) -> str | None:
+    """ "ia32" when the program a process runs is a 32-bit x86 ELF (read from /proc/<pid>/exe, the
+    very file it runs, or from its path if it is gone already), else None."""
+    head = b""
+    for path in (f"/proc/{pid}/exe", filename):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(20)
+            break
+        except OSError:
+            continue
+    if len(head) >= 20 and head[:4] == b"\x7fELF" and head[4] == 1 and head[18:20] == b"\x03\x00":
+        return "ia32"
+    return None
+
+
+class Spool(Protocol):
+    """Where a run's records go: a SpoolWriter, or something wrapping one (Recorder.start)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def write_many(self, recs: list[dict[str, Any]]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _cgroup_mount_of(path: Path) -> str | None:
+    """The cgroup2 mount `path` is under (the nearest ancestor whose parent is another filesystem)."""
+    try:
+        dev = os.stat(path).st_dev
+        mount = path
+        while mount.parent != mount and os.stat(mount.parent).st_dev == dev:
+            mount = mount.parent
+    except OSError:
+        return None
+    return str(mount)
+
+
+@dataclasses.dataclass
+class Session:
+    slot: int
+    session_id: str
+    cgroup_path: Path
+    cgroup_id: int
+    command: list[str]
+    cwd: str
+    detail: str
+    labels: dict[str, str]
+    spool: Spool
+    correlator: Correlator
+    started_ns: int
+    attached_late: bool = False
+    pid: int = 0
+    records: int = 0
+    dirty: bool = False  # records written since the last flush
+    # --detail summary: distinct keys kept (0: every operation is a record, --detail full)
+    max_distinct: int = 0
+    # the kernel's aggregation key -> what its first record said (counts come from the kernel)
+    firsts: dict[tuple[int, ...], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    plain_keys: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)  # keys of plain records
+    past_cap: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> not kept, counted
+    policy: dict[str, Any] | None = None
+    degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    roots: dict[str, str] = dataclasses.field(default_factory=dict)
+    finished: bool = False
+    cgroup_names: Any = None  # evidence.agent.recorder.cgroups.CgroupNames for this run's subtree
+    # Called with each batch of correlated records; returns records to add (policy denials).
+    observer: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+    held: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # from an exec still hashed
+
+
+class Recorder:
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        headers: Headers | None = None,
+        capabilities: dict[str, Any] | None = None,
+        probes: RecorderProbes | None = None,
+        max_distinct: int | None = None,
+    ) -> None:
+        self.max_distinct = MAX_DISTINCT if max_distinct is None else max_distinct
+        if probes is None:
+            from evidence.probes.loader import load_probes
+
+            probes = load_probes()
+        self.probes: RecorderProbes = probes
+        self.spool_dir = Path(spool_dir)
+        self.headers = headers
+        self.capabilities: dict[str, Any] = capabilities or {}
+        self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._sessions: dict[int, Session] = {}
+        self.hasher = exe_hash.Hasher(exe_hash.ExeHasher(max_size=exe_hash.max_size_setting()))
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
+        self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0}
+        self._ring = self.probes.ring()
+        self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
+        self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
+        self._poller.start()
+        self._worker.start()
+
+    # ---- runs -------------------------------------------------------------------------------
+    def start(
+        self,
+        cgroup_path: Path,
+        command: list[str],
+        cwd: str,
+        *,
+        detail: str = "summary",
+        labels: dict[str, str] | None = None,
+        attached_late: bool = False,
+        session_id: str | None = None,
+        wrap_spool: Callable[[SpoolWriter], Spool] | None = None,
+        max_distinct: int | None = None,
+    ) -> Session:
+        """Start recording `cgroup_path` (a new run slot). `wrap_spool` wraps the run's spool before
+        the cgroup is tracked, so that the wrapper sees every record the run gets. `max_distinct`:
+        the run's cap on distinct summary keys (default: the recorder's)."""
+        from evidence.agent.recorder.cgroups import CgroupNames, cgroup_id
+
+        with self._lock:
+            slot = next((s for s in range(1, self.probes.config.max_runs) if s not in self._sessions), None)
+            if slot is None:
+                raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
+            sid = session_id or uuid.uuid4().hex
+            cgid = cgroup_id(cgroup_path)  # first: a cgroup already gone leaves no spool behind
+            names = CgroupNames(cgroup_path, cgid)
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst")
+            spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
+            session = Session(
+                slot=slot,
+                session_id=sid,
+                cgroup_path=cgroup_path,
+                cgroup_id=cgid,
+                command=list(command),
+                cwd=cwd,
+                detail=detail,
+                labels=dict(labels or {}),
+                spool=spool,
+                correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi, hash_of=self.hasher),
+                cgroup_names=names,
+                started_ns=time.time_ns(),
+                attached_late=attached_late,
+                max_distinct=0
+                if detail == "full"
+                else max(1, self.max_distinct if max_distinct is None else max_distinct),
+            )
+            session.correlator.cgroup_name = session.cgroup_names
+            session.correlator.run_cgroup = str(cgroup_path)
+            session.correlator.cgroup_mount = _cgroup_mount_of(cgroup_path)
+            session.correlator.container_of = _container_namer(cgroup_path)
+            self._sessions[slot] = session
+            self.probes.reset_lost(slot)
+            self.probes.set_aggregation(slot, session.max_distinct)
+            self.probes.track(session.cgroup_id, slot)
+        logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
+        return session
+
+    def drain(self) -> None:
+        """Return once every record the kernel had written before this call is in its spool."""
+        ev = threading.Event()
+        self._barriers.put(ev)
+        self._ring.wake()
+        if not ev.wait(timeout=30):
+            logger.warning("drain timed out: the consumer is stuck")
+
+    def finish(
+        self,
+        session: Session,
+        bundle_path: str | Path,
+        *,
+        exit_code: int | None,
+        signal: str | None = None,
+        cut_short: bool = False,
+        signer: Signer | None = None,
+    ) -> dict[str, Any]:
+        with self._lock:
+            self.probes.untrack(session.cgroup_id)
+        self.drain()  # everything the kernel wrote for this run before untrack is now spooled
+        finished_ns = time.time_ns()
+        with self._lock:
+            lost = self.probes.read_lost(session.slot)
+            session.finished = True
+            del self._sessions[session.slot]
+            in_flight = self.probes.in_flight(session.slot)
+            aggregates = self.probes.take_aggregates(session.slot)
+            fallbacks = self.probes.read_fallbacks(session.slot)
+        if session.correlator.unpaired:
+            lost["unpaired_results"] = session.correlator.unpaired
+        counted = self._counted(session, aggregates, lost)
+        for kind, n in session.past_cap.items():
+            lost[kind] = lost.get(kind, 0) + n
+        past = {k: v for k, v in lost.items() if k.endswith("_past_cap")}
+        if past:
+            logger.warning(
+                "run %s: past its cap of %d distinct summary keys, %s were counted, not kept",
+                session.session_id,
+                session.max_distinct,
+                ", ".join(f"{n} {k.removesuffix('_past_cap')}s" for k, n in sorted(past.items())),
+            )
+        if fallbacks:
+            session.degradations.append(
+                {
+                    "component": "recorder",
+                    "reason": f"the kernel's aggregation map was full: {fallbacks} operations were recorded one by one",
+                    "impact": "none on what is recorded; recording them cost more",
+                }
+            )
+        # calls whose result never came (in progress when the run ended): recorded with NO_RESULT
+        pending: list[dict[str, Any]] = []
+        for raw in in_flight:
+            with contextlib.suppress(dec.DecodeError, ValueError):
+                pending += session.correlator.feed(dec.decode(raw))
+        exe_hash.settle(session.held, wait=True)
+        held, session.held = session.held, []
+        if session.observer is not None:  # held back behind an exec's hash: not observed yet
+            held += session.observer(held)
+        session.spool.write_many(held + pending + session.correlator.flush() + counted)
+        session.spool.write_many(session.extra_records)
+        session.spool.close()
+        meta = RunMeta(
+            session_id=session.session_id,
+            command=session.command,
+            cwd=session.cwd,
+            pid=session.pid,
+            cgroup=str(session.cgroup_path),
+            started_ns=session.started_ns,
+            finished_ns=finished_ns,
+            exit_code=exit_code,
+            signal=signal,
+            cut_short=cut_short,
+            attached_late=session.attached_late,
+            detail=session.detail,
+            host=_host(),
+            capabilities=self.capabilities,
+            headers=self.headers.as_dict() if self.headers else {},
+            lost=lost,
+            labels=session.labels,
+            policy=session.policy,
+            degradations=session.degradations,
+            roots=session.roots,
+        )
+        spool_path = session.spool.path
+        try:
+            manifest = write_bundle(bundle_path, meta, lambda: read_spool(spool_path), signer=signer)
+        except BaseException:
+            # never lose what was recorded: the spool stays for a retry or for recovery
+            logger.info("run %s: bundle not written; its records stay in %s", session.session_id, spool_path)
+            raise
+        spool_path.unlink(missing_ok=True)
+        return manifest
+
+    def _counted(
+        self,
+        session: Session,
+        aggregates: list[tuple[tuple[int, int, int, int, int, int], int, int, int]],
+        lost: dict[str, int],
+    ) -> list[dict[str, Any]]:
+        """Records with the counts the kernel kept: for each aggregated key seen more than once, its
+        first record's key fields with `n` (the occurrences after the first) and `tl` (the last
+        time), which the bundle writer adds to that key's summary. A key whose first record never
+        reached the correlator is counted as lost."""
+        off = self.wall_offset_ns
+        out: list[dict[str, Any]] = []
+        for key, count, first, last in aggregates:
+            rec = session.firsts.get(key)
+            if rec is None:
+                kind = "open" if key[3] == dec.EV_OPEN else "connect"
+                lost[kind] = lost.get(kind, 0) + count
+                continue
+            if count > 1:
+                upd = dict(rec)
+                upd.update(t=first + off, tl=last + off, n=count - 1)
+                out.append(upd)
+                if session.observer is not None:  # the denials of the repeats, with their count
+                    for den in session.observer([upd]):
+                        den.update(n=count - 1, tl=last + off)
+                        out.append(den)
+        session.firsts.clear()
+        session.plain_keys.clear()
+        return out
+
+    def close(self, background: bool = False) -> None:
+        self._stop.set()
+        self._ring.wake()
+        self._poller.join(timeout=2)
+        self._queue.put(None)
+        self._worker.join(timeout=5)
+        self.hasher.close()
+        self.probes.close(background=background)
+
+    # ---- threads ------------------------------------------------------------------------------
+    def queue_depth(self) -> int:
+        """Batches read from the ring buffer and not yet correlated (consumer lag)."""
+        return self._queue.qsize()
+
+    def _drain_ring(self) -> None:
+        while True:
+            batch = self._ring.read()
+            if not batch:
+                return
+            self._queue.put(batch)  # blocks when full: back-pressure goes to the ring buffer
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._barriers.empty():
+                    self._ring.wait(POLL_MS)
+                self._drain_ring()
+                if not self._barriers.empty():
+                    barriers = []
+                    while not self._barriers.empty():
+                        barriers.append(self._barriers.get())
+                    self._drain_ring()  # everything written before the barrier was asked for
+                    for b in barriers:
+                        self._queue.put(b)
+            except Exception:  # pragma: no cover - keep recording whatever happens
+                logger.exception("ring buffer poll failed")
+                time.sleep(0.1)
+
+    def _work_loop(self) -> None:
+        next_flush = time.monotonic() + FLUSH_SECONDS
+        while True:
+            try:
+                item = self._queue.get(timeout=FLUSH_SECONDS / 2)
+            except queue.Empty:
+                pass
+            else:
+                if item is None:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()
+                else:
+                    self._process(item)
+            now = time.monotonic()
+            if now >= next_flush:
+                self._flush_spools()
+                next_flush = now + FLUSH_SECONDS
+
+    def _flush_spools(self) -> None:
+        """Flush the spools written to since the last flush (on the correlator thread, the only one
+        that writes to a live run's spool; a finished run's spool is closed by finish())."""
+        with self._lock:  # finish() marks a run finished under it before it touches the spool
+            for session in self._sessions.values():
+                if session.held and not session.finished:
+                    self._write(session, [])
+                if session.dirty and not session.finished:
+                    session.dirty = False
+                    try:
+                        session.spool.flush()
+                    except (OSError, ValueError) as e:
+                        logger.warning("flush of %s failed: %s", session.spool.path, e)
+
+    def _process(self, batch: list[bytes]) -> None:
+        self.stats["batches"] += 1
+        self.stats["records"] += len(batch)
+        out: dict[int, list[dict[str, Any]]] = {}
+        evs, errors = dec.decode_many(batch)
+        self.stats["decode_errors"] += errors
+        for ev in evs:
+            session = self._sessions.get(ev["run"])
+            if session is None or session.finished:
+                self.stats["stray"] += 1
+                continue
+            recs = session.correlator.feed(ev)
+            if not recs:
+                continue
+            flags = ev["flags"]
+            if flags & dec.F_STATE:
+                continue  # counted by the kernel already: it only updated the cwd and descriptor tables
+            if flags & dec.F_FIRST:
+                key = dec.agg_key(ev)
+                for r in recs:
+                    fields = _FIRST_FIELDS.get(r["k"])
+                    if fields is not None:
+                        session.firsts[key] = {f: r[f] for f in fields if f in r}
+            elif session.max_distinct:
+                recs = _capped(session, recs)
+            out.setdefault(ev["run"], []).extend(recs)
+        for slot, recs in out.items():
+            session = self._sessions.get(slot)
+            if session is not None and not session.finished:
+                self._write(session, recs)
+
+    def _write(self, session: Session, recs: list[dict[str, Any]]) -> None:
+        """Spool `recs` after the records held back (in order), up to the first exec whose hash is
+        still being computed (exe_hash.settle)."""
+        if session.held:
+            session.held.extend(recs)
+            recs = session.held
+        ready = exe_hash.settle(recs)  # returns at the first hash not ready: 0 while still held
+        if ready == 0:
+            session.held = recs
+            return
+        recs, session.held = (recs, []) if ready == len(recs) else (recs[:ready], recs[ready:])
+        if session.observer is not None:
+            recs += session.observer(recs)
+        session.spool.write_many(recs)
+        session.records += len(recs)
+        session.dirty = True
+
+
+def _capped(session: Session, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Plain records of a summary run (not aggregated in the kernel: an unknown dirfd, a long path,
+    a full map) under the same cap on distinct keys: past it, counted by kind and not kept."""
+    out = []
+    for r in recs:
+        fields = _SUMMARY_FIELDS.get(r["k"])
+        if fields is not None:
+            key = (r["k"], *(_frozen(r.get(f)) for f in fields))
+            if key not in session.plain_keys:
+                if len(session.plain_keys) >= session.max_distinct:
+                    kind = f"{r['k']}_past_cap"
+                    session.past_cap[kind] = session.past_cap.get(kind, 0) + 1
+                    continue
+                session.plain_keys.add(key)
+        out.append(r)
+    return out
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _host() -> dict[str, str]:
+    from evidence.agent.recorder.kernel import host_info
+
+    return host_info()

@@ -1,0 +1,352 @@
+"""`evidence baseline build BUNDLE... > baseline.json`: what many runs of a job did, and how many of
+them did it; `evidence diff --baseline baseline.json NEW` then reports only what is new.
+
+Each bundle is verified and reduced to its behaviour keys exactly as `evidence diff` reduces it
+(bundle/diff.py: programs with argv, files by access class, network destinations, denials, the exit
+code; normalised by bundle/normalize.py with each bundle's own roots and the `--ignore` patterns).
+The baseline keeps every key any run showed, with `runs`: in how many of the runs it appeared.
+`diff --baseline FILE --min-runs N NEW` counts a key as known when at least N of the baseline's runs
+showed it (default 1: ever seen), and reports each key of NEW that is not known as *added*, saying
+whether the baseline never saw it or in how few runs. Nothing is "removed" or "changed": a baseline
+says what is usual, not what must happen. The format is in docs/baseline.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from evidence import __version__
+from evidence.bundle import diff
+from evidence.bundle.diff import Behaviour, Change
+from evidence.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "evidence-baseline"
+FORMAT_VERSION = 1
+MAX_SIZE = 64 * 1024 * 1024  # bytes of a baseline file
+
+_MODEL = ConfigDict(extra="forbid", frozen=True, strict=True)
+Runs = Field(ge=1)
+
+
+class BundleRef(BaseModel):
+    model_config = _MODEL
+    run_id: str
+    root_hash: str
+    events: int = Field(ge=0)
+    lost: int = Field(ge=0)
+    exit: str
+
+
+class ExecItem(BaseModel):
+    model_config = _MODEL
+    program: str
+    argv: list[str]
+    runs: int = Runs
+
+
+class FileItem(BaseModel):
+    model_config = _MODEL
+    path: str
+    # an open's access class, or a file change's operation on the path ("rename to", "link to": on
+    # the new name), as bundle/diff.py keys files
+    access: Literal[
+        "read", "write", "create", "exec",
+        "rename", "unlink", "rmdir", "link", "symlink", "truncate", "chmod", "chown", "mkdir", "mknod",
+        "rename to", "link to",
+    ]  # fmt: skip
+    runs: int = Runs
+
+
+class NetworkItem(BaseModel):
+    model_config = _MODEL
+    family: str
+    address: str
+    port: int | None
+    runs: int = Runs
+
+
+class DenialItem(BaseModel):
+    model_config = _MODEL
+    operation: str
+    target: str
+    rule: str
+    enforced: bool
+    runs: int = Runs
+
+
+class ExitItem(BaseModel):
+    model_config = _MODEL
+    exit: str
+    runs: int = Runs
+
+
+class Baseline(BaseModel):
+    """A baseline file (docs/baseline.md). Built from `runs` bundles; every item says in how many of
+    them it appeared (1 <= runs <= the baseline's runs); no item appears twice."""
+
+    model_config = _MODEL
+    format: Literal["evidence-baseline"]
+    format_version: Literal[1]
+    producer: dict[str, str]
+    runs: int = Field(ge=1)
+    bundles: list[BundleRef]
+    ignore: list[str]
+    exec: list[ExecItem]
+    file: list[FileItem]
+    network: list[NetworkItem]
+    denial: list[DenialItem]
+    exit: list[ExitItem]
+
+    def model_post_init(self, _context: Any) -> None:
+        if len(self.bundles) != self.runs:
+            raise ValueError(f"runs is {self.runs} but {len(self.bundles)} bundles are listed")
+        for kind in ("exec", "file", "network", "denial", "exit"):
+            items: list[BaseModel] = getattr(self, kind)
+            keys = set()
+            for item in items:
+                n = getattr(item, "runs")  # noqa: B009
+                if n > self.runs:
+                    raise ValueError(
+                        f"a {kind} item was seen in {n} runs, more than the {self.runs} built from"
+                    )
+                key = json.dumps(item.model_dump(exclude={"runs"}), sort_keys=True)
+                if key in keys:
+                    raise ValueError(f"a {kind} item is listed twice: {key}")
+                keys.add(key)
+
+    # the behaviour keys of bundle/diff.py, with how many runs showed each
+    def exec_keys(self, min_runs: int) -> dict[tuple[str, ...], int]:
+        return {(i.program, *i.argv): i.runs for i in self.exec if i.runs >= min_runs}
+
+    def file_keys(self, min_runs: int) -> dict[tuple[str, str], int]:
+        return {(i.path, i.access): i.runs for i in self.file if i.runs >= min_runs}
+
+    def network_keys(self, min_runs: int) -> dict[tuple[str, str, str], int]:
+        return {
+            (i.family, i.address, "" if i.port is None else str(i.port)): i.runs
+            for i in self.network
+            if i.runs >= min_runs
+        }
+
+    def denial_keys(self, min_runs: int) -> dict[tuple[str, str, str, str], int]:
+        return {
+            (i.operation, i.target, i.rule, "enforced" if i.enforced else "would deny"): i.runs
+            for i in self.denial
+            if i.runs >= min_runs
+        }
+
+
+def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
+    """Verify and reduce each bundle; count in how many runs each behaviour key appears."""
+    execs: dict[tuple[str, ...], int] = {}
+    files: dict[tuple[str, str], int] = {}
+    network: dict[tuple[str, str, str], int] = {}
+    denials: dict[tuple[str, str, str, str], int] = {}
+    exits: dict[str, int] = {}
+    refs = []
+    for path in bundles:
+        b = diff.behaviour(path, ignore)
+        refs.append(
+            BundleRef(run_id=b.run_id, root_hash=b.root_hash, events=b.events, lost=b.lost, exit=b.exit)
+        )
+        for e in b.execs:
+            execs[e] = execs.get(e, 0) + 1
+        for p, per in b.files.items():
+            for acc in per:
+                files[(p, acc)] = files.get((p, acc), 0) + 1
+        for n in b.network:
+            network[n] = network.get(n, 0) + 1
+        for d in b.denials:
+            denials[d] = denials.get(d, 0) + 1
+        exits[b.exit] = exits.get(b.exit, 0) + 1
+    return Baseline(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        producer={"name": "evidence", "version": __version__},
+        runs=len(refs),
+        bundles=refs,
+        ignore=list(ignore),
+        exec=[ExecItem(program=k[0], argv=list(k[1:]), runs=n) for k, n in sorted(execs.items())],
+        file=[FileItem(path=p, access=a, runs=n) for (p, a), n in sorted(files.items())],
+        network=[
+            NetworkItem(family=f, address=a, port=int(port) if port else None, runs=n)
+            for (f, a, port), n in sorted(network.items())
+        ],
+        denial=[
+            DenialItem(operation=o, target=t, rule=r, enforced=e == "enforced", runs=n)
+            for (o, t, r, e), n in sorted(denials.items())
+        ],
+        exit=[ExitItem(exit=x, runs=n) for x, n in sorted(exits.items())],
+    )
+
+
+def dumps(bl: Baseline) -> str:
+    """The file's text: JSON, keys sorted, two-space indents: the same bundles give the same bytes."""
+    return json.dumps(bl.model_dump(mode="json"), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def load(path: str | Path) -> Baseline:
+    """A baseline file, checked; UsageError (exit 2, one line) when it is not one."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_SIZE + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read baseline {p}: {e.strerror or e}") from None
+    if len(raw) > MAX_SIZE:
+        raise UsageError(f"{p} is not a baseline: larger than {MAX_SIZE} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise UsageError(
+            f"{p} is not a baseline: not JSON", hint="make one with: evidence baseline build BUNDLE..."
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise UsageError(
+            f'{p} is not a baseline (no "format": "{FORMAT}")',
+            hint="make one with: evidence baseline build BUNDLE...",
+        )
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise UsageError(
+            f"{p}: baseline format_version {doc.get('format_version')!r} is not supported "
+            f"(this evidence reads version {FORMAT_VERSION})",
+            hint="rebuild it with this version: evidence baseline build BUNDLE...",
+        )
+    try:
+        bl = Baseline.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "top level"
+        raise UsageError(f"{p} is not a valid baseline: {where}: {err['msg']}") from None
+    for pattern in bl.ignore:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UsageError(f"{p} is not a valid baseline: ignore pattern {pattern!r}: {e}") from None
+    return bl
+
+
+# --- diff against a baseline ---------------------------------------------------------------------
+
+
+def _seen(n: int | None, bl: Baseline) -> str:
+    return "never seen" if not n else f"seen in {n} of {bl.runs} baseline runs"
+
+
+def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
+    """What `b` did that fewer than min_runs of the baseline's runs did, as 'added' changes."""
+    out: list[Change] = []
+    execs, all_execs = bl.exec_keys(min_runs), bl.exec_keys(1)
+    for k in sorted(set(b.execs) - set(execs), key=repr):
+        out.append(
+            Change(
+                "exec",
+                "added",
+                diff.show_exec(k),
+                f"{diff.fmt_counts(b.execs[k])}; {_seen(all_execs.get(k), bl)}",
+            )
+        )
+    files, all_files = bl.file_keys(min_runs), bl.file_keys(1)
+    for path in sorted(b.files):
+        per = b.files[path]
+        notes = [
+            f"{acc} {diff.fmt_counts(per[acc])}, {_seen(all_files.get((path, acc)), bl)}"
+            for acc in diff.ACCESS
+            if acc in per and (path, acc) not in files
+        ]
+        if notes:
+            out.append(Change("file", "added", path, "; ".join(notes)))
+    nets, all_nets = bl.network_keys(min_runs), bl.network_keys(1)
+    for n in sorted(set(b.network) - set(nets), key=repr):
+        out.append(
+            Change(
+                "network",
+                "added",
+                diff.show_dest(n),
+                f"{diff.fmt_counts(b.network[n])}; {_seen(all_nets.get(n), bl)}",
+            )
+        )
+    dens, all_dens = bl.denial_keys(min_runs), bl.denial_keys(1)
+    for d in sorted(set(b.denials) - set(dens), key=repr):
+        out.append(
+            Change(
+                "denial",
+                "added",
+                diff.show_denial(d),
+                f"{diff.fmt_counts(b.denials[d])}; {_seen(all_dens.get(d), bl)}",
+            )
+        )
+    exits = {x.exit: x.runs for x in bl.exit}
+    if exits.get(b.exit, 0) < min_runs:
+        usual = ", ".join(f"{x} in {n}" for x, n in sorted(exits.items(), key=lambda xn: -xn[1]))
+        out.append(
+            Change(
+                "exit", "added", "exit code", f"{b.exit}; {_seen(exits.get(b.exit), bl)} (baseline: {usual})"
+            )
+        )
+    return out
+
+
+def as_side(bl: Baseline, path: str, min_runs: int) -> Behaviour:
+    """The baseline as diff's side A, for its reports."""
+    exits = sorted(bl.exit, key=lambda x: -x.runs)
+    a = Behaviour(
+        path=path,
+        run_id=f"baseline of {bl.runs} runs, known at --min-runs {min_runs}",
+        events=sum(r.events for r in bl.bundles),
+        lost=sum(r.lost for r in bl.bundles),
+        lost_by_kind={},
+        detail="summary",
+    )
+    a.exit = exits[0].exit if exits else "unknown"
+    return a
+
+
+def diff_against(baseline_path: str, new: str, args: argparse.Namespace) -> int:
+    """`evidence diff --baseline FILE [--min-runs N] NEW`."""
+    bl = load(baseline_path)
+    min_runs = args.min_runs if args.min_runs is not None else 1
+    if not 1 <= min_runs <= bl.runs:
+        raise UsageError(
+            f"--min-runs {min_runs}: the baseline {baseline_path} has {bl.runs} runs (1 to {bl.runs})"
+        )
+    ignore = [*bl.ignore, *(p for p in args.ignore if p not in bl.ignore)]
+    b = diff.behaviour(new, ignore)
+    changes = new_behaviour(bl, b, min_runs)
+    return diff.report(as_side(bl, baseline_path, min_runs), b, changes, args, ignore)
+
+
+# --- command -------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    b = sub.add_parser(
+        "build",
+        help="write a baseline (JSON, on stdout) of what the runs did, each item with how many runs showed it",
+    )
+    b.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundles of runs of the same job")
+    b.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="regular expression replaced by <ignored> before counting (repeatable; kept in the baseline)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    diff.check_patterns(args.ignore)
+    sys.stdout.write(dumps(build(args.bundles, args.ignore)))
+    return 0

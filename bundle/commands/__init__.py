@@ -1,0 +1,1 @@
+"""The commands over signed bundles: `keygen`, `verify` and `attestation` (one module each)."""

@@ -1,0 +1,225 @@
+"""Landlock, no_new_privs, setns and signal dispositions as plain system calls: standard library only.
+
+The command launcher (agent/recorder/exec_helper.py) runs this in the process that becomes the
+command, before it execs; it must start fast and touch nothing else, so this module imports nothing
+of evidence's and no third-party package. policy/landlock.py plans what to restrict; this applies it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+from collections.abc import Iterable
+
+# Syscall numbers (the same on every architecture that has Landlock, from the generic table).
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_ADD_RULE = 445
+SYS_LANDLOCK_RESTRICT_SELF = 446
+LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
+LANDLOCK_RULE_PATH_BENEATH = 1
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_DUMPABLE = 4
+CLONE_NEWNET = 0x40000000
+
+# Scopes (ABI 6): a scoped domain cannot signal, or connect to abstract unix sockets of, processes
+# outside it; a Landlock domain also confines ptrace to itself and the domains nested in it.
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+SCOPE_SIGNAL = 1 << 1
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_prctl = _libc.prctl
+_prctl.restype = ctypes.c_int
+_setns = _libc.setns
+_setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_setns.restype = ctypes.c_int
+
+
+def _errno_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def abi_version() -> int:
+    """The Landlock ABI the kernel offers; 0 when Landlock is missing or disabled."""
+    res = _syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        None,
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION),
+    )
+    return int(res) if res > 0 else 0
+
+
+def _attr_size(abi: int) -> int:
+    if abi >= 6:
+        return 24
+    if abi >= 4:
+        return 16
+    return 8
+
+
+def no_new_privs() -> None:
+    if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise _errno_error("prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def not_dumpable() -> None:
+    """Make the calling process non-dumpable: a process of the same uid can no longer ptrace it
+    or read its memory through /proc (until it execs a new program)."""
+    if _prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise _errno_error("prctl(PR_SET_DUMPABLE)")
+
+
+_RT_SIGACTION = {"x86_64": 13, "aarch64": 134}.get(os.uname().machine)
+
+
+def default_disposition(sig: int) -> None:
+    """Set a signal to SIG_DFL with the raw system call: the C library refuses the signals it keeps
+    for itself (32 and 33 in glibc), which Python's subprocess leaves ignored in a vfork'd child."""
+    if _RT_SIGACTION is None:
+        return
+    act = (ctypes.c_ulong * 4)(0, 0, 0, 0)  # handler SIG_DFL, flags, restorer, mask
+    _syscall(ctypes.c_long(_RT_SIGACTION), ctypes.c_int(sig), ctypes.byref(act), None, ctypes.c_size_t(8))
+
+
+# seccomp: a filter that refuses the two ioctls that push input into a terminal (TIOCSTI) or act on
+# the console (TIOCLINUX). A job that shares evidence's controlling terminal could otherwise type a
+# command into the shell that started `evidence run`, which runs it outside the run, as its user
+# (CVE-2017-5226 in bubblewrap). Landlock does not cover ioctls on descriptors the job inherited.
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+_AUDIT_ARCH_X86_64, _AUDIT_ARCH_I386 = 0xC000003E, 0x40000003
+_IOCTL = {_AUDIT_ARCH_X86_64: (16, 0x40000000 | 514), _AUDIT_ARCH_I386: (54,)}  # x86_64, x32; i386
+TTY_INJECTION = (0x5412, 0x541C)  # TIOCSTI, TIOCLINUX
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def tty_filter() -> list[tuple[int, int, int, int]]:
+    """The classic BPF program: (code, jt, jf, k) per instruction."""
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    prog: list[tuple[int, int, int, int]] = []
+    # laid out as: per architecture, `ld arch; jeq arch; ld nr; jeq ioctl...` (an ioctl jumps to the
+    # check, another call to allow); then the check `ld cmd; jeq TIOCSTI; jeq TIOCLINUX`; allow; deny
+    blocks = list(_IOCTL.items())
+    sizes = [3 + len(nrs) for _, nrs in blocks]
+    check = sum(sizes)
+    allow_at, deny_at = check + 1 + len(TTY_INJECTION), check + 2 + len(TTY_INJECTION)
+    at = 0
+    for n, ((arch, nrs), size) in enumerate(zip(blocks, sizes, strict=True)):
+        nxt = at + size
+        other = nxt if n < len(blocks) - 1 else allow_at  # another architecture: the next block, or allow
+        prog.append((ld, 0, 0, 4))  # seccomp_data.arch
+        prog.append((jeq, 0, other - (at + 2), arch))
+        prog.append((ld, 0, 0, 0))  # seccomp_data.nr
+        for i, nr in enumerate(nrs):
+            here = at + 3 + i
+            last = i == len(nrs) - 1
+            prog.append((jeq, check - (here + 1), (allow_at - (here + 1)) if last else 0, nr))
+        at = nxt
+    prog.append((ld, 0, 0, 24))  # low half of seccomp_data.args[1]: the ioctl's command
+    for i, cmd in enumerate(TTY_INJECTION):
+        here = check + 1 + i
+        prog.append((jeq, deny_at - (here + 1), 0, cmd))
+    prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, deny))
+    return prog
+
+
+def deny_tty_injection() -> None:
+    """Install tty_filter() on the calling process (kept across exec, inherited by children, cannot
+    be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    insns = tty_filter()
+    arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
+    prog = _SockFprog(len(insns), arr)
+    if _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise _errno_error("prctl(PR_SET_SECCOMP)")
+
+
+def enter_netns(fd: int) -> None:
+    if _setns(fd, CLONE_NEWNET) != 0:
+        raise _errno_error("setns(CLONE_NEWNET)")
+
+
+def restrict(
+    abi: int, handled_fs: int, scoped: int, rules: Iterable[tuple[str, int]], file_rights: int
+) -> None:
+    """Restrict the calling process (and everything it will exec) to a Landlock domain that handles
+    `handled_fs` (anything not granted by `rules` is denied) and `scoped`. Sets no_new_privs first,
+    as landlock_restrict_self requires. Raises OSError.
+
+    Each rule is (path, rights); a path is opened with O_PATH|O_NOFOLLOW; one that vanished since
+    planning is skipped; on a file that is not a directory only `file_rights` are kept."""
+    attr = _RulesetAttr(handled_fs, 0, scoped)
+    ruleset = _syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        ctypes.byref(attr),
+        ctypes.c_size_t(_attr_size(abi)),
+        ctypes.c_uint32(0),
+    )
+    if ruleset < 0:
+        raise _errno_error("landlock_create_ruleset")
+    try:
+        pb = _PathBeneathAttr(0, -1)
+        flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+        for path, access in rules:
+            try:
+                fd = os.open(path, flags)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
+                    continue
+                raise
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISLNK(mode):
+                    continue
+                pb.allowed_access = access if stat.S_ISDIR(mode) else access & file_rights
+                pb.parent_fd = fd
+                if (
+                    pb.allowed_access
+                    and _syscall(
+                        ctypes.c_long(SYS_LANDLOCK_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                        ctypes.byref(pb),
+                        ctypes.c_uint32(0),
+                    )
+                    < 0
+                ):
+                    raise _errno_error(f"landlock_add_rule {path}")
+            finally:
+                os.close(fd)
+        no_new_privs()
+        if _syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
+            raise _errno_error("landlock_restrict_self")
+    finally:
+        os.close(ruleset)

@@ -1,0 +1,333 @@
+"""The agent's API under attack by an allowed, unprivileged peer (uid 65534), and by root on what no
+one may touch: each attack is performed against a real agent and its outcome asserted.
+
+Run ownership: a run is its starter's; only it and root see, finish and download it. Starts on a
+pid or a cgroup follow the isolate_pid rule. PID 1, the agent and its ancestors are refused to all.
+The exit status of an isolated run is the one the agent observed (pidfd), not the client's word.
+Connections are bounded; and a killed agent takes its isolated runs' jobs with it (watchdog).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evidence.agent.recorder.cgroups import find_cgroup2_mount
+from tests.kernel.test_daemon import Agent
+from tests.kernel.util import of_type, read_bundle
+
+pytestmark = pytest.mark.kernel
+
+NOBODY = 65534
+PER_UID = 4
+TOTAL = 12
+
+# As uid 65534: one request, printed as `status` then the JSON answer on one line.
+_REQUEST = r"""
+import json, sys
+from evidence.agent.commands.client import _UnixConnection
+c = _UnixConnection(sys.argv[1], 30)
+body = sys.argv[4] if len(sys.argv) > 4 else None
+c.request(sys.argv[2], sys.argv[3], body=body, headers={"Content-Type": "application/json"})
+r = c.getresponse()
+raw = r.read()
+print(r.status)
+print(raw.decode().strip() if r.getheader("Content-Type") == "application/json" else f"<{len(raw)} bytes>")
+"""
+
+# As uid 65534: an isolated run of its own, finished with a forged status. `exit` lets the child
+# exit 3 and reaps it before finishing; `early` finishes while the child still waits to exec.
+_OWN_RUN = r"""
+import json, os, sys
+from evidence.agent.commands.client import AgentClient
+sock, mode = sys.argv[1], sys.argv[2]
+c = AgentClient(sock, 60)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(w)
+    if os.read(r, 1) == b"g":
+        os.execv("/bin/sh", ["sh", "-c", "exit 3"])
+    os._exit(9)
+os.close(r)
+started = c.isolate(pid, command=["sh", "-c", "exit 3"])
+if mode == "exit":
+    os.write(w, b"g")
+    os.waitpid(pid, 0)
+answer = c.finish(started["session_id"], f"forged-{mode}.tar.gz", exit_code=0)
+os.close(w)
+if mode == "early":
+    os.waitpid(pid, 0)
+print(json.dumps(answer))
+"""
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="evidence-attacks-"))  # not tmp_path: 0700, nobody must reach it
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent(workdir: Path) -> Iterator[Agent]:
+    a = Agent(
+        workdir,
+        env={
+            "EVIDENCE_ALLOWED_UIDS": str(NOBODY),
+            "EVIDENCE_SOCKET_GID": str(NOBODY),
+            "EVIDENCE_MAX_CONNECTIONS": str(TOTAL),
+            "EVIDENCE_MAX_CONNECTIONS_PER_UID": str(PER_UID),
+        },
+    )
+    yield a
+    assert a.stop() == 0, a.output()
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    path = find_cgroup2_mount() / f"evidence-test-attacks-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    (path / "cgroup.kill").write_text("1")
+    # children first (a delegated "mine" below it), then the test's own cgroup
+    for d in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [path]:
+        for _ in range(100):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def as_nobody(agent: Agent, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    args = [sys.executable, "-c", _REQUEST, str(agent.socket), method, path]
+    if body is not None:
+        args.append(json.dumps(body))
+    got = subprocess.run(
+        args, user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True, timeout=60
+    )
+    assert got.returncode == 0, got.stderr
+    status, answer = got.stdout.splitlines()
+    return int(status), json.loads(answer) if answer.startswith("{") else answer
+
+
+def sleeper(cgroup: Path, *, nobody: bool) -> subprocess.Popen[bytes]:
+    procs = cgroup / "cgroup.procs"
+
+    def enter() -> None:
+        procs.write_text(str(os.getpid()))
+
+    as_who = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if nobody else []
+    return subprocess.Popen([*as_who, "/bin/sleep", "600"], preexec_fn=enter)  # moved in before setpriv
+
+
+def test_another_users_runs_cannot_be_seen_finished_or_downloaded(agent: Agent, cgroup: Path) -> None:
+    root_job = sleeper(cgroup, nobody=False)
+    try:
+        sid = agent.client.start(cgroup=str(cgroup))["session_id"]
+        # attack 1: list root's runs, or look one up
+        status, answer = as_nobody(agent, "GET", "/runs")
+        assert status == 200 and answer["runs"] == [], answer
+        assert as_nobody(agent, "GET", f"/runs/{sid}")[0] == 404
+        # attack 2: finish root's run with a forged exit code
+        status, answer = as_nobody(agent, "POST", f"/runs/{sid}/finish", {"exit_code": 0})
+        assert status == 404 and answer["error"] == f"no run {sid}", answer
+        assert [r["session_id"] for r in agent.client.runs()] == [sid]  # still recording
+        # attack 4: download root's bundle (it holds root's argv)
+        done = agent.client.finish(sid, "root-secret.tar.gz")
+        status, answer = as_nobody(agent, "GET", "/bundles/root-secret.tar.gz")
+        assert status == 404 and "no bundle" in answer["error"], answer
+        assert (agent.bundles / "root-secret.tar.gz").stat().st_size == done["size"]  # it is there
+        # names: a trailing newline is not a bundle name (`$` would have taken it)
+        assert as_nobody(agent, "GET", "/bundles/root-secret.tar.gz%0A")[0] == 400
+    finally:
+        root_job.kill()
+        root_job.wait()
+
+
+def test_starts_follow_the_ownership_rule(agent: Agent, cgroup: Path) -> None:
+    theirs = cgroup / "theirs"
+    theirs.mkdir()
+    root_job, nobody_job = sleeper(theirs, nobody=False), sleeper(theirs, nobody=True)
+    mine = cgroup / "mine"
+    mine.mkdir()
+    for p in (mine, mine / "cgroup.procs"):  # delegated to uid 65534
+        os.chown(p, NOBODY, NOBODY)
+    own_job = sleeper(mine, nobody=True)
+    try:
+        # attack 3: a run on root's pid, on root's cgroup, on its own pid in a cgroup with root's
+        status, answer = as_nobody(agent, "POST", "/runs", {"pid": root_job.pid})
+        assert status == 403 and f"process {root_job.pid} is not yours" in answer["error"], answer
+        status, answer = as_nobody(agent, "POST", "/runs", {"cgroup": str(theirs)})
+        assert status == 403 and "is not delegated to uid 65534" in answer["error"], answer
+        status, answer = as_nobody(agent, "POST", "/runs", {"pid": nobody_job.pid})
+        assert status == 403 and "holds processes of other users" in answer["error"], answer
+        assert agent.client.runs() == []
+        # its own delegated cgroup: allowed, its run and its bundle are its own
+        status, started = as_nobody(agent, "POST", "/runs", {"pid": own_job.pid})
+        assert status == 201 and started["owner_uid"] == NOBODY, started
+        sid = started["session_id"]
+        status, answer = as_nobody(agent, "GET", "/runs")
+        assert [r["session_id"] for r in answer["runs"]] == [sid]
+        status, done = as_nobody(agent, "POST", f"/runs/{sid}/finish", {"bundle": "nobodys.tar.gz"})
+        assert status == 200, done
+        status, answer = as_nobody(agent, "GET", "/bundles/nobodys.tar.gz")
+        assert status == 200 and answer == f"<{done['size']} bytes>", answer
+        # exit status only for isolated runs
+        sid = agent.client.start(cgroup=str(mine))["session_id"]
+        status, answer = as_nobody(agent, "POST", f"/runs/{sid}/finish", {"exit_code": 0})
+        assert status == 404, answer  # root's run: not even there for uid 65534
+        with pytest.raises(Exception, match="only for isolated runs"):
+            agent.client.finish(sid, exit_code=0)
+        agent.client.finish(sid)
+    finally:
+        for p in (root_job, nobody_job, own_job):
+            p.kill()
+            p.wait()
+
+
+def test_pid_1_the_agent_and_its_ancestors_are_refused_even_to_root(agent: Agent) -> None:
+    for pid in (1, agent.proc.pid, os.getpid()):  # os.getpid(): this test started the agent
+        for body in ({"isolate_pid": pid}, {"pid": pid}):
+            with pytest.raises(Exception, match="PID 1, the agent or an ancestor"):
+                agent.client.request("POST", "/runs", body)
+    assert agent.client.runs() == []
+
+
+def _own_run(agent: Agent, mode: str) -> dict[str, Any]:
+    got = subprocess.run(
+        [sys.executable, "-c", _OWN_RUN, str(agent.socket), mode],
+        user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr + agent.output()
+    answer: dict[str, Any] = json.loads(got.stdout)
+    return answer
+
+
+def test_a_forged_exit_status_is_not_recorded(agent: Agent) -> None:
+    # the command exited 3; the client says 0: the bundle says 3, and that the client said otherwise
+    answer = _own_run(agent, "exit")
+    manifest, events = read_bundle(agent.bundles / answer["name"])
+    assert manifest["exit_code"] == 3 and not manifest["cut_short"], manifest
+    said = [e["data"] for e in of_type(events, "degradation") if e["data"].get("component") == "exit-status"]
+    assert said and "the client reported exit 0; the agent observed exit 3" in said[0]["reason"], events
+    # finished while the command had not even started: no exit code at all, cut short
+    answer = _own_run(agent, "early")
+    manifest, events = read_bundle(agent.bundles / answer["name"])
+    assert answer["cut_short"] and manifest["cut_short"] and manifest["exit_code"] is None, manifest
+    said = [e["data"] for e in of_type(events, "degradation") if e["data"].get("component") == "exit-status"]
+    assert said and "still running" in said[0]["reason"], events
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+_IDLE = r"""
+import socket, sys, time
+held, busy = [], []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    held.append(s)
+import select
+waiting, deadline = list(held), time.monotonic() + 3
+while waiting and time.monotonic() < deadline:
+    for s in select.select(waiting, [], [], 0.1)[0]:
+        waiting.remove(s)
+        data = s.recv(4096)
+        if data.startswith(b"HTTP/1.1 503"):
+            busy.append(data.rsplit(b"\r\n\r\n", 1)[1].decode().strip())
+print(len(busy)); print(busy[0] if busy else "")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_are_bounded(agent: Agent) -> None:
+    before = _threads(agent.proc.pid)
+    opened = 5 * PER_UID
+    hog = subprocess.Popen(
+        [sys.executable, "-c", _IDLE, str(agent.socket), str(opened)],
+        user=NOBODY, group=NOBODY, extra_groups=[],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert hog.stdout is not None
+        refused = int(hog.stdout.readline())
+        line = json.loads(hog.stdout.readline())
+        assert refused == opened - PER_UID, refused
+        assert "max_connections_per_uid" in line["error"], line
+        # a legitimate client is still answered, and the agent holds a thread per admitted one only
+        assert agent.client.health()["status"] == "ready"
+        assert agent.client.runs() == []
+        assert _threads(agent.proc.pid) <= before + PER_UID + 2
+        # past the total, root is refused too, with the same one line
+        extra = [socket.socket(socket.AF_UNIX) for _ in range(TOTAL)]
+        for s in extra:
+            s.connect(str(agent.socket))
+        time.sleep(0.3)
+        with pytest.raises(Exception, match="busy: .*max_connections"):
+            agent.client.runs()
+        for s in extra:
+            s.close()
+        assert _threads(agent.proc.pid) <= before + TOTAL + 2
+    finally:
+        assert hog.stdin is not None
+        hog.stdin.close()
+        hog.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while agent.client.health()["status"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "refused a connection from uid 65534" in agent.output()
+
+
+def test_killed_agent_takes_its_isolated_jobs_with_it(tmp_path: Path, workdir: Path) -> None:
+    d = Path(tempfile.mkdtemp(dir=workdir))
+    d.chmod(0o777)
+    killed = Agent(d, env={"EVIDENCE_ALLOWED_UIDS": str(NOBODY), "EVIDENCE_SOCKET_GID": str(NOBODY)})
+    started = d / "started"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(killed.socket), "--bundle", str(d / "b.tar.gz"),
+         "--", "/bin/sh", "-c", f"touch {started}; exec sleep 3.5"],
+        user=NOBODY, group=NOBODY, extra_groups=[], cwd=d,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        sleep_pid = int(subprocess.run(["pgrep", "-u", str(NOBODY), "-xf", "sleep 3.5"],
+                                       capture_output=True, text=True).stdout.split()[0])  # fmt: skip
+        killed.proc.send_signal(signal.SIGKILL)
+        killed.proc.wait()
+        t0 = time.monotonic()
+        while Path(f"/proc/{sleep_pid}").exists() and time.monotonic() - t0 < 2:
+            time.sleep(0.02)
+        assert not Path(f"/proc/{sleep_pid}").exists(), "the job ran on after its agent died"
+        _, stderr = job.communicate(timeout=30)
+        assert job.returncode == 70, stderr  # the client says it could not finish the recording
+        assert "died" in killed.output(), killed.output()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()

@@ -1,0 +1,214 @@
+"""In-kernel pairing and aggregation, end to end with real BPF: a repeated open counted exactly by
+the kernel (count, first and last time) with one record through the ring buffer; paths resolved
+against cwd and dirfds exactly as before while repeats are not records; the per-run cap on distinct
+keys and the full-map fallback, with exact accounting; full detail keeps every operation; a flood's
+bundle verifies and says what it did not keep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evidence.agent.recorder.cgroups import RunCgroup
+from evidence.agent.recorder.kernel import mount_tracefs
+from evidence.agent.recorder.recording import Recorder
+from evidence.bundle.format import parse_time
+from evidence.probes.headers import ensure_headers
+from evidence.probes.loader import RecorderProbes, detect_config
+from tests.kernel.util import PY, evidence, of_type, read_bundle, record
+
+BUSYBOX = "/bin/busybox"  # static: it opens nothing of its own, so every open counted is the script's
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorder]:
+    mount_tracefs()
+    ensure_headers()
+    rec = Recorder(tmp_path_factory.mktemp("spool"))
+    yield rec
+    rec.close()
+
+
+def _run(rec: Recorder, tmp_path: Path, argv: list[str], **start: Any) -> tuple[dict, list[dict], int]:
+    """Record argv (started straight into a new cgroup) with `rec`: (manifest, events, records read
+    from the ring buffer while it ran)."""
+    cg = RunCgroup.create(f"agg-test-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        session = rec.start(cg.path, argv, str(tmp_path), **start)
+        before = rec.stats["records"]
+        procs = cg.procs_file()
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        p = subprocess.run(argv, preexec_fn=join, capture_output=True, check=False)
+        cg.wait_empty()
+        manifest = rec.finish(session, tmp_path / "run.tar.gz", exit_code=p.returncode)
+        records = rec.stats["records"] - before
+    finally:
+        cg.remove()
+    lint = evidence("lint", str(tmp_path / "run.tar.gz"))
+    assert lint.returncode in (0, 1), lint.stdout + lint.stderr
+    _, events = read_bundle(tmp_path / "run.tar.gz")
+    return manifest, events, records
+
+
+def _counts(events: list[dict], prefix: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in of_type(events, "file.open"):
+        if e["data"]["path"].startswith(prefix):
+            out[e["data"]["path"]] = out.get(e["data"]["path"], 0) + e["data"]["count"]
+    return out
+
+
+def _loop(paths: list[str], times: int) -> list[str]:
+    """A busybox script that opens each path `times` times, in turn (none exists: ENOENT)."""
+    body = " ".join(paths)
+    return [
+        BUSYBOX,
+        "sh",
+        "-c",
+        f"for r in $(seq {times}); do for p in {body}; do true < $p; done; done 2>/dev/null",
+    ]
+
+
+def test_a_repeated_open_is_counted_in_the_kernel(recorder: Recorder, tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os, time
+        t0 = time.time_ns()
+        for i in range(5000):
+            os.close(os.open('/etc/hostname', os.O_RDONLY))
+        print(t0, time.time_ns())
+        """
+    )
+    out = tmp_path / "times"
+    manifest, events, records = _run(recorder, tmp_path, ["/bin/sh", "-c", f'{PY} -S -c "{code}" > {out}'])
+    (ev,) = [e for e in of_type(events, "file.open") if e["data"]["path"] == "/etc/hostname"]
+    assert ev["data"]["count"] == 5000 and ev["data"]["result"] == 0 and ev["data"]["access"] == ["read"]
+    t0, t1 = (int(x) for x in out.read_text().split())
+    first, last = parse_time(ev["data"]["first_time"]), parse_time(ev["data"]["last_time"])
+    slack = 50_000_000  # the kernel's clock is mapped to wall time once per recorder
+    assert t0 - slack <= first < last <= t1 + slack
+    assert last - first >= (t1 - t0) // 2
+    assert manifest["lost"]["total"] == 0
+    assert records < 1000  # one record for the 5000 opens, not 5000 (or 10000)
+
+
+def test_paths_resolve_as_before_while_repeats_are_not_records(tmp_path: Path) -> None:
+    """A dirfd number that named B and then A again (through an open the kernel only counted), a
+    child using an inherited dirfd, and chdir back and forth: every open resolves as it did."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "x").write_text("x")
+    code = textwrap.dedent(
+        f"""
+        import os
+        A, B = {str(a)!r}, {str(b)!r}
+        for i in range(3):
+            os.close(os.open(A, os.O_RDONLY | os.O_DIRECTORY))
+            os.close(os.open(B, os.O_RDONLY | os.O_DIRECTORY))
+        fa = os.open(A, os.O_RDONLY | os.O_DIRECTORY)
+        os.close(os.open('x', os.O_RDONLY, dir_fd=fa))
+        if os.fork() == 0:
+            os.close(os.open('x', os.O_RDONLY, dir_fd=fa))
+            os._exit(0)
+        os.wait()
+        for d in (A, B, A):
+            os.chdir(d)
+            os.close(os.open('x', os.O_RDONLY))
+        """
+    )
+    proc, manifest, events = record(tmp_path, PY, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert _counts(events, str(tmp_path)) == {
+        str(a): 4,
+        str(b): 3,
+        f"{a}/x": 4,  # through fa twice (parent and child), via the cwd twice
+        f"{b}/x": 1,
+    }
+    assert manifest["lost"]["total"] == 0
+
+
+def _all_opens(events: list[dict]) -> int:
+    return sum(e["data"]["count"] for e in of_type(events, "file.open"))
+
+
+def test_the_distinct_key_cap_counts_what_it_does_not_keep(recorder: Recorder, tmp_path: Path) -> None:
+    paths = [f"/nonexistent/cap/{i}" for i in range(40)]
+    script = _loop(paths, 3)
+    (tmp_path / "full").mkdir()
+    _, full, _ = _run(recorder, tmp_path / "full", script, detail="full")
+    manifest, events, _ = _run(recorder, tmp_path, script, max_distinct=10)
+    kept = _counts(events, "/nonexistent/cap/")
+    # a key is kept whole (every occurrence counted) or not at all; the first ones are kept
+    assert set(kept.values()) == {3} and list(kept) == paths[: len(kept)]
+    assert len(of_type(events, "file.open")) == 10
+    past = manifest["lost"]["by_kind"]["open_past_cap"]
+    assert _all_opens(events) + past == len(of_type(full, "file.open"))  # exact: kept + not kept
+    assert manifest["lost"]["by_kind"] == {"open_past_cap": past} and past >= 30 * 3
+    (loss,) = of_type(events, "loss")
+    assert loss["data"]["kind"] == "open_past_cap" and loss["data"]["count"] == past
+
+
+def test_a_full_aggregation_map_falls_back_to_one_record_each(tmp_path: Path) -> None:
+    mount_tracefs()
+    ensure_headers()
+    rec = Recorder(tmp_path / "spool", probes=RecorderProbes(detect_config(agg_max=4)))
+    try:
+        paths = [f"/nonexistent/full/{i}" for i in range(20)]
+        manifest, events, _ = _run(rec, tmp_path, _loop(paths, 3))
+    finally:
+        rec.close()
+    assert _counts(events, "/nonexistent/full/") == {p: 3 for p in paths}  # exact either way
+    assert manifest["lost"]["total"] == 0
+    (deg,) = [e["data"] for e in of_type(events, "degradation") if e["data"]["component"] == "recorder"]
+    fallbacks = int(deg["reason"].split(": ")[1].split()[0])
+    # 4 keys fit in the map (their repeats counted there), every other open was a record
+    assert 16 * 3 <= fallbacks <= _all_opens(events) - 4
+
+
+def test_full_detail_records_every_operation(recorder: Recorder, tmp_path: Path) -> None:
+    manifest, events, records = _run(
+        recorder, tmp_path, _loop(["/nonexistent/full-detail"], 50), detail="full"
+    )
+    opens = [e for e in of_type(events, "file.open") if e["data"]["path"] == "/nonexistent/full-detail"]
+    assert len(opens) == 50 and {e["data"]["count"] for e in opens} == {1}
+    assert [e["data"]["result"] for e in opens] == ["ENOENT"] * 50
+    assert manifest["lost"]["total"] == 0 and records >= 50
+
+
+def test_a_floods_bundle_verifies_and_states_what_was_not_kept(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os
+        for i in range(20000):
+            try:
+                os.open(f'/nonexistent/flood/{i}', os.O_RDONLY)
+            except OSError:
+                pass
+        """
+    )
+    bundle = tmp_path / "run.tar.gz"
+    env = {**os.environ, "EVIDENCE_MAX_DISTINCT": "1000"}
+    proc = evidence("run", "--bundle", str(bundle), "--", PY, "-c", code, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "past its cap of 1000 distinct summary keys" in proc.stderr
+    lint = evidence("lint", "--format", "json", str(bundle))
+    assert lint.returncode in (0, 1), lint.stdout + lint.stderr
+    assert "EV001" in lint.stdout  # the loss is a finding
+    manifest, events = read_bundle(bundle)
+    past = manifest["lost"]["by_kind"]["open_past_cap"]
+    kept = sum(_counts(events, "/nonexistent/flood/").values())
+    assert kept + past == 20000 and 0 < kept < 1000
+    assert json.loads(lint.stdout) is not None

@@ -1,0 +1,42 @@
+"""A baseline from three real recordings of the same job; a fourth run that reads one more file and
+talks to one more address is reported for exactly those (the temp names and pids that differ
+between runs are normalised away)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.kernel.util import evidence, record
+
+JOB = 'd=$(mktemp -d); echo x > "$d/out"; cat /etc/hostname > /dev/null; rm -r "$d"'
+
+
+def test_baseline_of_three_real_runs(tmp_path: Path) -> None:
+    bundles = []
+    for i in range(3):
+        proc, _, _ = record(tmp_path, "/bin/bash", "-c", JOB, name=f"r{i}.tar.gz", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        bundles.append(str(tmp_path / f"r{i}.tar.gz"))
+    built = evidence("baseline", "build", *bundles)
+    assert built.returncode == 0, built.stderr
+    doc = json.loads(built.stdout)
+    assert doc["runs"] == 3
+    assert {"access": "read", "path": "/etc/hostname", "runs": 3} in doc["file"]
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(built.stdout)
+
+    proc, _, _ = record(tmp_path, "/bin/bash", "-c", JOB, name="same.tar.gz", cwd=tmp_path)
+    same = evidence("diff", "--baseline", str(baseline), str(tmp_path / "same.tar.gz"))
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    new_job = JOB + "; cat /etc/os-release > /dev/null; echo x > /dev/udp/192.0.2.7/9"
+    proc, _, _ = record(tmp_path, "/bin/bash", "-c", new_job, name="new.tar.gz", cwd=tmp_path)
+    new = evidence("diff", "--baseline", str(baseline), "--format", "json", str(tmp_path / "new.tar.gz"))
+    assert new.returncode == 1, new.stderr
+    added = {(c["kind"], c["key"]) for c in json.loads(new.stdout)["added"]}
+    assert ("file", "/etc/os-release") in added and ("network", "192.0.2.7:9") in added
+    # besides those: the job's own command line (it changed) and the cat that read the file; the
+    # temp directory (mktemp's tmp.XXXXXXXXXX, another each run) is not news
+    assert {key for kind, key in added if kind == "file"} == {"/etc/os-release"}, added
+    assert {kind for kind, _ in added} == {"file", "network", "exec"}, added

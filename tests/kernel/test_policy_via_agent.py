@@ -1,0 +1,136 @@
+"""`evidence run --agent --policy`: the client applies Landlock, a private tmp and the scrubbed
+environment to its command; the agent guards its connects and matches denials. The same attempts
+as tests/kernel/test_policy_run.py, by an unprivileged client (uid 65534) through an agent, must
+end as they do in a standalone run: the same results, denials and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kernel import test_policy_run
+from tests.kernel.test_daemon import Agent
+from tests.kernel.util import PY, read_bundle, record
+
+pytestmark = pytest.mark.kernel
+
+NOBODY = 65534
+world = test_policy_run.world  # the same world, made in the tmp_path below
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[Agent]:
+    d = Path(tempfile.mkdtemp(prefix="evidence-pva-"))
+    d.chmod(0o755)
+    a = Agent(d, env={"EVIDENCE_ALLOWED_UIDS": str(NOBODY), "EVIDENCE_SOCKET_GID": str(NOBODY)})
+    yield a
+    assert a.stop() == 0, a.output()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:  # the world's: uid 65534 must reach it (pytest's is 0700)
+    d = Path(tempfile.mkdtemp(prefix="evidence-pva-world-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def through_agent(
+    agent: Agent, w: dict[str, Any], *extra: str, code: str | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[dict[str, Any]]]:
+    os.chown(w["ws"], NOBODY, NOBODY)
+    out = Path(tempfile.mkdtemp(dir=w["ws"].parent))
+    out.chmod(0o777)
+    bundle = out / "agent.tar.gz"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle", str(bundle),
+         "--policy", str(w["policy"]), "--workspace", str(w["ws"]), *extra, "--", PY, "-c", code or test_policy_run._attempts(w)],
+        user=NOBODY, group=NOBODY, extra_groups=[], cwd=w["ws"], capture_output=True, text=True, timeout=120,
+        env=env or dict(os.environ),
+    )  # fmt: skip
+    assert bundle.exists(), proc.stderr + agent.output()
+    manifest, events = read_bundle(bundle)
+    return proc, manifest, events
+
+
+def _same(den: list[dict[str, Any]]) -> set[tuple[str, str, str, bool]]:
+    return {(d["operation"], d["target"], d["rule"], d["enforced"]) for d in den}
+
+
+def test_enforced_through_the_agent_as_standalone(
+    agent: Agent, world: dict[str, Any], tmp_path: Path
+) -> None:
+    proc, manifest, events = through_agent(agent, world)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    alone, alone_manifest, alone_events = record(
+        tmp_path, PY, "-c", test_policy_run._attempts(world), name="alone.tar.gz",
+        extra=("--standalone", "--policy", str(world["policy"]), "--workspace", str(world["ws"])), cwd=world["ws"],
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    assert got == json.loads(alone.stdout)
+    assert got["read_secret"] == 13 and got["connect_denied"] == 1 and got["connect_allowed"] == "ok"
+    assert _same(test_policy_run._denials(events)) == _same(
+        test_policy_run._denials(alone_events)
+    ) and test_policy_run._denials(events)
+    pol = manifest["policy"]
+    assert pol["mode"] == "enforce" and pol["connect_guard"] is True and pol["workspace"] == str(world["ws"])
+    assert pol["sha256"] == alone_manifest["policy"]["sha256"]
+    assert manifest["counts"]["dev.evidence.policy.denial"] == len(test_policy_run._denials(events))
+
+
+def test_dry_run_through_the_agent_exits_4(agent: Agent, world: dict[str, Any]) -> None:
+    proc, manifest, events = through_agent(agent, world, "--dry-run")
+    assert proc.returncode == 4, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["read_secret"] == "ok" and got["connect_denied"] == "ok"
+    den = test_policy_run._denials(events)
+    assert den and all(d["enforced"] is False for d in den)
+    assert manifest["policy"]["mode"] == "dry-run" and "would have been blocked" in proc.stderr
+
+
+def test_net_is_refused_through_the_agent_and_nothing_runs(agent: Agent, world: dict[str, Any]) -> None:
+    marker = world["ws"] / "ran"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--net", "none", "--",
+         "/usr/bin/touch", str(marker)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--net is not available with --agent" in proc.stderr, proc.stderr
+    assert not marker.exists()
+
+
+def test_environment_is_scrubbed_and_private_tmp_is_used(agent: Agent, world: dict[str, Any]) -> None:
+    env = {**os.environ, "GITHUB_TOKEN": "ghp_notreal", "LD_PRELOAD": "/nonexistent.so", "CI": "true"}
+    code = "import os, json; print(json.dumps({k: os.environ.get(k) for k in ('GITHUB_TOKEN','LD_PRELOAD','CI','TMPDIR')}))"
+    proc, manifest, _ = through_agent(agent, world, code=code, env=env)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["GITHUB_TOKEN"] is None and seen["LD_PRELOAD"] is None and seen["CI"] == "true"
+    assert seen["TMPDIR"] == manifest["policy"]["tmpdir"]
+    assert {"GITHUB_TOKEN", "LD_PRELOAD"} <= set(manifest["policy"]["env_removed"])
+    assert not os.path.exists(seen["TMPDIR"]), "the private tmp is removed afterwards"
+    assert "ghp_notreal" not in json.dumps(manifest)
+
+
+def test_a_bad_policy_starts_nothing(agent: Agent, world: dict[str, Any]) -> None:
+    bad = world["ws"].parent / "bad.yaml"
+    bad.write_text("version: 1\nnet:\n  allow: ['10.0.0.1/33']\n")
+    marker = world["ws"] / "ran"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--policy", str(bad), "--",
+         "/usr/bin/touch", str(marker)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "bad.yaml:3" in proc.stderr and "Traceback" not in proc.stderr, (
+        proc.stderr
+    )
+    assert not marker.exists() and agent.client.runs() == []

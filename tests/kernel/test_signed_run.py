@@ -1,0 +1,42 @@
+"""`evidence run --sign-key`: a real run signed with a key from `evidence keygen`, then verified."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+from tests.kernel.util import evidence
+
+
+def test_run_signs_its_bundle_and_verify_checks_it(tmp_path: Path) -> None:
+    key = tmp_path / "evidence-key"
+    made = evidence("keygen", "--out", str(key))
+    assert made.returncode == 0, made.stderr
+    bundle = tmp_path / "run.tar.gz"
+    proc = evidence("run", "--sign-key", str(key), "--bundle", str(bundle), "--", "/bin/cat", "/etc/hostname")
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(bundle, "r:gz") as tar:
+        assert tar.getnames() == ["manifest.json", "events.ndjson", "attestation.intoto.json"]
+    verified = evidence("verify", str(bundle), "--key", f"{key}.pub")
+    assert verified.returncode == 0, verified.stderr
+    assert "verified and signed" in verified.stdout
+    linted = evidence("lint", str(bundle), "--key", f"{key}.pub", "--fail-on", "none")
+    assert linted.returncode == 0, linted.stderr
+    assert "signature verified" in linted.stdout
+    other = tmp_path / "other"
+    assert evidence("keygen", "--out", str(other)).returncode == 0
+    refused = evidence("verify", str(bundle), "--key", f"{other}.pub")
+    assert refused.returncode == 2 and "not signed by key" in refused.stderr
+
+
+def test_a_bad_key_runs_nothing(tmp_path: Path) -> None:
+    key = tmp_path / "evidence-key"
+    assert evidence("keygen", "--out", str(key)).returncode == 0
+    key.chmod(0o644)
+    marker = tmp_path / "ran"
+    proc = evidence(
+        "run", "--sign-key", str(key), "--bundle", str(tmp_path / "b.tar.gz"), "--", "/bin/touch", str(marker)
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "accessible by others" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not marker.exists() and not (tmp_path / "b.tar.gz").exists()

@@ -1,0 +1,163 @@
+"""Names matched whole, connection bounds, exit statuses from wait statuses, the watchdog's protocol
+with several cgroups: the daemon's small pieces, without root."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from evidence.agent.commands.client import AgentClient, AgentNotReady
+from evidence.agent.daemon import exits, models
+from evidence.agent.daemon.authz import Peer, bundle_target, protected_pids
+from evidence.agent.daemon.transport import ConnectionLimits
+from evidence.errors import UsageError
+from tests.unit.test_api import NOT_THE_AGENT, FakeBackend
+
+
+@pytest.mark.parametrize(
+    "check, good",
+    [
+        (models.session_id, "abc123"),
+        (models.bundle_name, "run.tar.gz"),
+    ],
+)
+def test_names_in_paths_are_matched_whole(check: object, good: str) -> None:
+    assert check(good) == good  # type: ignore[operator]
+    for bad in (good + "\n", good + "\nx", "\n" + good):
+        with pytest.raises(UsageError):
+            check(bad)  # type: ignore[operator]
+
+
+def test_names_in_bodies_are_matched_whole(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="label name"):
+        models.parse(models.StartRequest, {"cgroup": "/x", "labels": {"key\n": "v"}})
+    with pytest.raises(UsageError, match="signal name"):
+        models.parse(models.ExitStatus, {"signal": "SIGTERM\n"})
+    with pytest.raises(UsageError, match="plain file name"):
+        bundle_target("x.tar.gz\n", "s1", tmp_path, 1000)
+    assert models.parse(models.ExitStatus, {"signal": "SIGTERM"}).signal == "SIGTERM"
+
+
+def test_connection_limits_total_and_per_uid() -> None:
+    limits = ConnectionLimits(total=3, per_uid=2)
+    a, b, c, d, e = (object() for _ in range(5))
+    nobody, root = Peer(10, 65534, 65534), Peer(11, 0, 0)
+    assert limits.admit(a, nobody) is None
+    assert limits.admit(b, nobody) is None
+    assert "max_connections_per_uid" in (limits.admit(c, nobody) or "")
+    assert limits.admit(c, root) is None  # root: only the total
+    assert "max_connections)" in (limits.admit(d, root) or "")
+    assert limits.peer(a) == nobody
+    limits.release(a)
+    assert limits.peer(a) is None
+    assert limits.admit(e, nobody) is None  # a slot of its uid is free again
+
+
+def test_busy_is_a_one_line_503_and_the_thread_count_stays(tmp_path: Path) -> None:
+    from evidence.agent.daemon.api import AgentAPI
+
+    api = AgentAPI(
+        FakeBackend(),
+        tmp_path / "a.sock",
+        tmp_path / "bundles",
+        cgroup_root=tmp_path,
+        max_connections=3,
+        agent_pid=NOT_THE_AGENT,
+    )
+    with api:
+        before = threading.active_count()
+        idle = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+        for s in idle:
+            s.connect(str(api.socket_path))
+        client = AgentClient(api.socket_path, timeout=5)
+        with pytest.raises(AgentNotReady, match=r"busy: .*max_connections") as e:
+            client.runs()
+        assert "\n" not in str(e.value)
+        assert threading.active_count() <= before + 3
+        for s in idle:
+            s.close()
+        for _ in range(100):  # the handler threads see EOF and end
+            try:
+                assert client.runs() == []
+                break
+            except Exception:
+                threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the agent did not answer again")
+
+
+def test_exit_from_wait_status() -> None:
+    assert exits.from_wait_status(3 << 8) == exits.Exit("exited", 3, None)
+    assert exits.from_wait_status(signal.SIGKILL) == exits.Exit("exited", None, "SIGKILL")
+    assert exits.describe(0, None) == "exit 0" and exits.describe(None, None) == "nothing"
+
+
+def test_observe_a_child_through_its_pidfd() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(4)"], stdin=subprocess.PIPE
+    )
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        assert exits.observe(pidfd, 0).state == "running"
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+        got = exits.observe(pidfd, 1)
+        assert got.state == "exited" and got.exit_code == 4 or got.state == "unknown", got  # unknown: < 6.15
+    finally:
+        os.close(pidfd)
+
+
+def test_protected_pids_are_pid_1_and_this_process_and_its_ancestors() -> None:
+    got = protected_pids()
+    assert {1, os.getpid(), os.getppid()} <= got
+    assert protected_pids(agent_pid=NOT_THE_AGENT) == {1, NOT_THE_AGENT}
+
+
+def _fake_cgroup(path: Path) -> Path:
+    path.mkdir()
+    (path / "cgroup.procs").write_text("1\n")
+    (path / "cgroup.events").write_text("populated 0\n")
+    return path
+
+
+def test_watchdog_kills_the_cgroups_still_watched_at_eof(tmp_path: Path) -> None:
+    kept, gone, other = (_fake_cgroup(tmp_path / n) for n in ("kept", "gone", "other"))
+    lines = [
+        {"cgroup": str(kept), "session": "s1"},
+        {"cgroup": str(gone), "session": "s2"},
+        {"unwatch": str(gone)},
+    ]
+    r, w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evidence.agent.recorder.watchdog", str(r)],
+        pass_fds=(r,),
+        stderr=subprocess.PIPE,
+    )
+    os.close(r)
+    for line in lines:
+        os.write(w, json.dumps(line).encode() + b"\n")
+    os.close(w)  # the recorder "died"
+    _, err = proc.communicate(timeout=30)
+    assert (kept / "cgroup.kill").read_text() == "1"
+    assert not (gone / "cgroup.kill").exists() and not (other / "cgroup.kill").exists()
+    assert b"run s1 died" in err and b"s2" not in err
+
+
+def test_watchdog_done_kills_nothing(tmp_path: Path) -> None:
+    kept = _fake_cgroup(tmp_path / "kept")
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "evidence.agent.recorder.watchdog", str(r)], pass_fds=(r,))
+    os.close(r)
+    os.write(w, json.dumps({"cgroup": str(kept), "session": "s1"}).encode() + b"\ndone\n")
+    os.close(w)
+    assert proc.wait(timeout=30) == 0
+    assert not (kept / "cgroup.kill").exists()

@@ -1,0 +1,221 @@
+"""The program hasher (agent/recorder/exe_hash.py) over a fake /proc tree: <root>/<pid>/exe is a
+symlink to the file the fake process runs, as the kernel's magic link resolves to it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from evidence.agent.recorder import exe_hash
+from evidence.agent.recorder.correlate import Correlator
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FakeProc:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def run(self, pid: int, path: Path) -> None:
+        d = self.root / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "exe").unlink(missing_ok=True)
+        (d / "exe").symlink_to(path)
+
+    def gone(self, pid: int) -> None:
+        (self.root / str(pid) / "exe").unlink()
+        (self.root / str(pid)).rmdir()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> tuple[FakeProc, exe_hash.ExeHasher, Path]:
+    proc = FakeProc(tmp_path / "proc")
+    (tmp_path / "proc").mkdir()
+    files = tmp_path / "files"
+    files.mkdir()
+    return proc, exe_hash.ExeHasher(max_size=1024, proc_root=str(proc.root)), files
+
+
+def test_hashes_through_exe_and_caches(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    cc = files / "cc"
+    cc.write_bytes(b"\x7fELF compiler")
+    for pid in range(100, 110):
+        proc.run(pid, cc)
+        got = h.lookup(pid, str(cc)) or h._program(pid, str(cc))
+        assert got.fields() == {"sha256": sha(b"\x7fELF compiler"), "size": 13, "hash_source": "exe"}
+    assert h.stats["hashed"] == 1 and h.stats["hits"] == 9
+
+
+def test_changed_file_is_hashed_again(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    prog = files / "prog"
+    prog.write_bytes(b"one")
+    proc.run(1, prog)
+    assert h.hash_exec(1, str(prog))["sha256"] == sha(b"one")
+    new = files / "prog.new"
+    new.write_bytes(b"two!")
+    os.replace(new, prog)  # a new inode at the same path
+    proc.run(2, prog)
+    assert h.lookup(2, str(prog)) is None
+    assert h.hash_exec(2, str(prog))["sha256"] == sha(b"two!")
+    assert h.stats["hashed"] == 2
+
+
+def test_size_limit(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    big = files / "big"
+    big.write_bytes(b"x" * 1025)
+    proc.run(7, big)
+    assert h.hash_exec(7, str(big)) == {"not_hashed": "too_large", "size": 1025}
+    assert h.stats["hashed"] == 0
+
+
+def test_gone_process_falls_back_to_the_path(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    _proc, h, files = env
+    prog = files / "prog"
+    prog.write_bytes(b"abc")
+    assert h.hash_exec(99, str(prog)) == {"sha256": sha(b"abc"), "size": 3, "hash_source": "path"}
+    hit = h.lookup(98, str(prog))  # another one gone: answered from the cache, by path
+    assert hit is not None and hit.fields() == {"sha256": sha(b"abc"), "size": 3, "hash_source": "path"}
+    prog.unlink()
+    assert h.hash_exec(99, str(prog)) == {"not_hashed": "gone"}
+
+
+def test_moved_on_process_is_not_trusted(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    first, second = files / "first", files / "second"
+    first.write_bytes(b"first")
+    second.write_bytes(b"second")
+    proc.run(5, second)  # pid 5 exec'd `first`, then `second` before its first exec was hashed
+    assert h.lookup(5, str(first)) is None
+    assert h.hash_exec(5, str(first)) == {"sha256": sha(b"first"), "size": 5, "hash_source": "path"}
+    # ...and a cached hash of `second` is not given to the record of `first`
+    assert h.hash_exec(5, str(second))["hash_source"] == "exe"
+    assert h.lookup(5, str(first)) is None
+
+
+def test_replaced_binary_still_hashed_through_exe(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    """The kernel names a replaced program `<path> (deleted)`: the record's path still matches."""
+    _proc, h, files = env
+    root = Path(h.proc_root)
+    (root / "3").mkdir()
+    old = files / "old-inode"
+    old.write_bytes(b"what ran")
+    # a fake magic link cannot hold " (deleted)" and still open: check the name rule alone
+    (root / "3" / "exe").symlink_to(old)
+    os.rename(old, files / "kept")
+    assert not h._matches(3, str(files / "prog"), os.stat(files / "kept"))
+
+
+def test_script_hashes_script_and_interpreter(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    interp = files / "sh"
+    interp.write_bytes(b"\x7fELF shell")
+    script = files / "build.sh"
+    script.write_bytes(b"#!" + bytes(interp) + b" -e\necho hi\n")
+    proc.run(8, interp)
+    assert h.lookup(8, str(script)) is None  # a script is never answered from the exe's cache
+    h.hash_exec(8, str(script))
+    assert h.lookup(9, str(script)) is None  # ...nor, gone, from its path's
+    assert h.hash_exec(8, str(script)) == {
+        "sha256": sha(script.read_bytes()),
+        "size": script.stat().st_size,
+        "hash_source": "path",
+        "interpreter": str(interp),
+        "interpreter_sha256": sha(b"\x7fELF shell"),
+        "interpreter_size": 10,
+        "interpreter_hash_source": "exe",
+    }
+
+
+def test_shebang_parsing() -> None:
+    assert exe_hash.shebang_interpreter(b"#!/bin/sh\n") == "/bin/sh"
+    assert exe_hash.shebang_interpreter(b"#! /usr/bin/env python3 -u\nx") == "/usr/bin/env"
+    assert exe_hash.shebang_interpreter(b"#!\n") is None
+    assert exe_hash.shebang_interpreter(b"\x7fELF") is None
+
+
+def test_not_regular(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    _proc, h, files = env
+    assert h.hash_exec(1, str(files)) == {"not_hashed": "not_regular"}
+
+
+def test_hasher_pending_and_settle(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
+    proc, h, files = env
+    prog = files / "prog"
+    prog.write_bytes(b"abc")
+    proc.run(1, prog)
+    hasher = exe_hash.Hasher(h)
+    try:
+        first = hasher(1, str(prog))
+        assert isinstance(first, exe_hash.Pending)
+        recs = [{"k": "exec", "filename": str(prog), exe_hash.PENDING: first}, {"k": "open"}]
+        assert exe_hash.settle(recs, wait=True) == 2
+        assert recs[0] == {
+            "k": "exec",
+            "filename": str(prog),
+            "sha256": sha(b"abc"),
+            "size": 3,
+            "hash_source": "exe",
+        }
+        # now cached: answered at once, no worker involved
+        assert hasher(1, str(prog)) == {"sha256": sha(b"abc"), "size": 3, "hash_source": "exe"}
+    finally:
+        hasher.close()
+
+
+def test_settle_keeps_order() -> None:
+    import concurrent.futures
+
+    fut: concurrent.futures.Future[dict[str, object]] = concurrent.futures.Future()
+    recs = [{"k": "open"}, {"k": "exec", exe_hash.PENDING: exe_hash.Pending(fut)}, {"k": "open"}]
+    assert exe_hash.settle(recs) == 1  # the exec and what follows it wait
+    fut.set_result({"sha256": "0" * 64, "size": 1, "hash_source": "exe"})
+    assert exe_hash.settle(recs) == 3 and recs[1]["size"] == 1
+
+
+def test_correlator_hook() -> None:
+    seen: list[tuple[int, str]] = []
+
+    def hash_of(pid: int, filename: str) -> dict[str, object]:
+        seen.append((pid, filename))
+        return {"sha256": "a" * 64, "size": 9, "hash_source": "exe"}
+
+    c = Correlator(time.time_ns() - time.monotonic_ns(), hash_of=hash_of)
+    ev = {
+        "kind": "exec_ok",
+        "tgid": 42,
+        "tid": 42,
+        "old_tid": 0,
+        "filename": "/bin/true",
+        "argv": ["true"],
+        "flags": 0,
+        "ts": 1,
+    }
+    recs = c.feed(ev)
+    assert seen == [(42, "/bin/true")]
+    assert recs[0]["sha256"] == "a" * 64 and recs[0]["hash_source"] == "exe"
+
+
+def test_a_hash_that_never_comes_is_given_up() -> None:
+    import concurrent.futures
+
+    fut: concurrent.futures.Future[dict[str, object]] = concurrent.futures.Future()
+    recs = [
+        {
+            "k": "exec",
+            "filename": "/fuse/x",
+            exe_hash.PENDING: exe_hash.Pending(fut, deadline=time.monotonic() + 0.05),
+        }
+    ]
+    assert exe_hash.settle(recs) == 0
+    time.sleep(0.06)
+    assert exe_hash.settle(recs) == 1
+    assert recs[0] == {"k": "exec", "filename": "/fuse/x", "not_hashed": "timeout"}
