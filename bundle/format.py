@@ -44,6 +44,7 @@ LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 INVENTORY = "dev.evidence.inventory"
+NETWORK_DNS = "dev.evidence.network.dns"
 
 # A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
 Result = Literal[0] | str
@@ -169,6 +170,34 @@ class NetworkConnect(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    names: list[str] = Field(default_factory=list)  # what the run's DNS answers named the address
+
+
+class NetworkDns(BaseModel):
+    """A DNS query and its answer (one event), an answer without its query (`unasked`), or a message
+    sent to or received from port 53 that is not DNS (`malformed`, with its size)."""
+
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    server: str
+    port: int | None = None
+    name: str | None
+    type: str | None
+    result: str  # the answer's rcode ("NOERROR", "NXDOMAIN", ...), "no answer" or "malformed"
+    answers: list[str] = Field(default_factory=list)  # "owner TYPE value", as in a zone file
+    addresses: list[str] = Field(default_factory=list)  # of the answer's A and AAAA records
+    malformed: bool = False
+    received: bool | None = None  # malformed: a message received (else sent)
+    truncated: bool = False  # malformed: only the first bytes were kept
+    size: int | None = None  # malformed: bytes kept
+    unasked: bool = False  # an answer whose query was not seen
+    count: int = 1
+    first_time: str
+    last_time: str
+    cgroup: str | None = None
+    container: str | None = None
 
 
 class Loss(BaseModel):
@@ -219,6 +248,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
     INVENTORY: Inventory,
+    NETWORK_DNS: NetworkDns,
 }
 
 

@@ -53,6 +53,7 @@ _SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
     "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
+    "dns": ("exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container"),
 }
 _KIND_TYPE = {
     "exec": fmt.PROCESS_EXEC,
@@ -63,6 +64,7 @@ _KIND_TYPE = {
     "denial": fmt.POLICY_DENIAL,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
+    "dns": fmt.NETWORK_DNS,
 }
 
 
@@ -97,6 +99,8 @@ def _subject(rec: dict[str, Any]) -> str:
         return str(rec.get("exe") or f"pid:{rec['pid']}")
     if k == "degradation":
         return str(rec["component"])
+    if k == "dns":
+        return str(rec["name"] if rec.get("name") is not None else rec["server"])
     raise ValueError(f"unknown record kind {k!r}")
 
 
@@ -157,7 +161,7 @@ def behaviour_digest(
 
 def _data(rec: dict[str, Any], agg: list[int] | None) -> dict[str, Any]:
     data = {k: v for k, v in rec.items() if k not in ("k", "t", "n", "tl")}
-    if rec["k"] in ("open", "change", "connect"):
+    if rec["k"] in ("open", "change", "connect", "dns"):
         # a record may stand for n occurrences up to tl (the live stream shows such a record alone)
         count, first, last = agg if agg else (rec.get("n", 1), rec["t"], rec.get("tl", rec["t"]))
         data["count"] = count

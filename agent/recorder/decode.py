@@ -36,7 +36,10 @@ KIND_NAMES = {
 }
 EV_CHANGE = 14  # after the loss-only kinds 11-13 (record.bpf.c)
 KIND_NAMES[EV_CHANGE] = "change"
-EV_KINDS = 15
+EV_DNS = 16  # ---- dns: a DNS message sent or received (kind 15 is another section's)
+KIND_NAMES[EV_DNS] = "dns"
+EV_KINDS = 17
+DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 
 F_PATH_TRUNC = 0x1
@@ -79,6 +82,8 @@ OPEN_PATH_OFF = HDR.size + _OPEN.size  # 72
 EXEC_BUF_OFF = HDR.size + _EXEC.size  # 52
 CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
+_DNS = struct.Struct("<qiHH28s4x")  # ret, fd, dir, len, the server's sockaddr
+DNS_DATA_OFF = HDR.size + _DNS.size  # 80
 
 
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
@@ -195,6 +200,18 @@ def decode(raw: bytes) -> dict[str, Any]:
         )
     elif kind == EV_DUP:
         ev["ret"], ev["oldfd"], ev["newfd"] = _DUP.unpack_from(raw, o)
+    elif kind == EV_DNS:
+        ret, fd, direction, n, addr = _DNS.unpack_from(raw, o)
+        family, address, port = decode_sockaddr(addr, len(addr))
+        ev.update(
+            ret=ret,
+            fd=fd,
+            received=direction == DNS_RECEIVED,
+            family=family,
+            address=address,
+            port=port,
+            payload=raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
+        )
     elif kind == EV_RET:
         sc, _, ret = _RET.unpack_from(raw, o)
         ev.update(sc=sc, ret=ret)
