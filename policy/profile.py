@@ -242,7 +242,7 @@ def _net_entries(act: Activity) -> list[str]:
     for name, addresses in act.resolved.items():
         for a in addresses:
             names_of.setdefault(a, set()).add(name)
-    out = set()
+    out: set[str] = set()
     for address, port in act.connects:
         names = names_of.get(_canonical(address))
         if names:
