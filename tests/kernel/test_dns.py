@@ -136,4 +136,14 @@ def test_dns_summary_mode_and_show(tmp_path: Path, dns_netns: str) -> None:
         timeout=60,
     )
     assert shown.returncode == 0, shown.stderr
-    assert "svc.evidence.test" in shown.stdout
+    assert "  svc.evidence.test A -> 127.0.0.2 via 127.0.0.1" in shown.stdout
+    assert "127.0.0.2:8080 [edge.evidence.test svc.evidence.test]" in shown.stdout
+    assert "malformed message received" in shown.stdout
+    profile = subprocess.run(
+        [sys.executable, "-m", "evidence", "profile", str(tmp_path / "run.tar.gz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert profile.returncode == 0, profile.stderr
+    assert '"svc.evidence.test:8080"' in profile.stdout and "127.0.0.2" not in profile.stdout
