@@ -61,13 +61,10 @@ SYSCALL_HANDLERS = {
         "mknodat",
     ),
 }
-# ---- dns: on_enter_dns (record.bpf.c) on these syscalls' enter tracepoints (besides the handlers
-# above), and on_exit_dns on the exits of the receives among them (their message is read there).
-DNS_ENTER = ("close", "connect", "read", "write", "writev", "sendto", "sendmsg", "sendmmsg") + (
-    "recvfrom",
-    "recvmsg",
-    "recvmmsg",
-)
+# ---- dns: on_enter_dns (record.bpf.c) on these syscalls' enter tracepoints, and on_exit_dns on the
+# exits of the receives (their message is read there). None of them has a handler above: BCC keeps
+# one program per tracepoint (connect and the sends call the DNS code from their own handlers).
+DNS_ENTER = ("close", "read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
 DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 KIND_NAMES = [
     "none",

@@ -1071,6 +1071,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
+// ---- dns: defined in its section below; connect and the sends run it first (BCC keeps one program
+// per tracepoint, so the DNS work on a shared tracepoint is a call, not a program of its own)
+static __always_inline int dns_enter(struct sys_enter_ctx *ctx);
+
 // A connect record for socket fd and the sockaddr at addr (of len bytes), completed at exit.
 static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, const void *addr, u32 len) {
     struct call *c = begin_call(run, EV_CONNECT, nr);
@@ -1105,6 +1109,7 @@ static __always_inline int enter_send(s32 nr, s32 fd, const void *addr, u32 len)
 
 int on_enter_send(struct sys_enter_ctx *ctx) {
     // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
+    dns_enter(ctx);
     if (ctx->nr == __NR_sendto)
         return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
     if (ctx->nr == __NR_sendmmsg && (u32)arg_beyond(ctx, 2) == 0)
@@ -1125,6 +1130,7 @@ int on_enter_send(struct sys_enter_ctx *ctx) {
 }
 
 int on_enter_connect(struct sys_enter_ctx *ctx) {
+    dns_enter(ctx);
     u32 run = current_run();
     if (run)
         enter_sockaddr(run, ctx->nr, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);
@@ -1302,8 +1308,11 @@ int on_enter_change(struct sys_enter_ctx *ctx) {
 // DNS messages of the run's processes, read from their buffers: what is sent on a socket connected
 // (or sending) to port 53, and what is then received on it. `dnsfds` holds the sockets: (tgid, fd)
 // -> the server, set when a tracked process connects a socket to port 53 or sends to port 53 with
-// an explicit address, cleared when it connects the socket elsewhere or closes it. For every other
-// read, write, send and receive the cost is that one lookup. A sent message is read at entry (the
+// an explicit address, cleared when it connects the socket elsewhere or closes it. `dnscount`
+// counts them per tgid bucket (tgid mod 65536, at least the sockets there: an entry the LRU map
+// drops or a process that exits without closing leaves it high, never low), so every other read,
+// write, send and receive costs one array element read (inlined by the verifier), and a process in
+// a bucket with a DNS socket one hash lookup more. A sent message is read at entry (the
 // record's ret is the length given), a received one at exit (ret: the result). User space parses
 // them (a hostile job sends what it likes to port 53: the bytes are data, never trusted).
 
@@ -1336,17 +1345,43 @@ struct dnsrecv {
 BPF_TABLE("lru_hash", u64, struct dnsfd, dnsfds, 4096);
 BPF_TABLE("lru_hash", u32, struct dnsrecv, dnsrecvs, 4096);
 BPF_PERCPU_ARRAY(scratch_dns, struct dns_ev, 1);
+BPF_ARRAY(dnscount, u32, 65536);
 
-// The socket's entry when fd of the current process is a DNS socket (the fast path: one lookup).
+// Whether a process of tgid's bucket may have a DNS socket (the fast path: no hash lookup).
+static __always_inline int dns_maybe(u32 tgid) {
+    u32 i = tgid & 0xFFFF;
+    u32 *n = dnscount.lookup(&i);
+    return n && *n != 0;
+}
+
+static __always_inline void dns_count(u32 tgid, int delta) {
+    u32 i = tgid & 0xFFFF;
+    u32 *n = dnscount.lookup(&i);
+    if (n && (delta > 0 || *n > 0))
+        __sync_fetch_and_add(n, delta);
+}
+
+// Forgets fd of tgid as a DNS socket.
+static __always_inline void dns_forget(u32 tgid, s32 fd) {
+    if (!dns_maybe(tgid))
+        return;
+    u64 k = fd_key(tgid, fd);
+    if (dnsfds.delete(&k) == 0)
+        dns_count(tgid, -1);
+}
+
+// The socket's entry when fd of the current process is a DNS socket.
 static __always_inline struct dnsfd *dns_fd(s32 fd) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!dns_maybe(tgid))
+        return NULL;
     u64 k = fd_key(tgid, fd);
     struct dnsfd *d = dnsfds.lookup(&k);
     if (!d)
         return NULL;
     struct pctx *p = procs.lookup(&tgid);
     if (!p || p->gen != d->gen) {  // left by an earlier process of this pid
-        dnsfds.delete(&k);
+        dns_forget(tgid, fd);
         return NULL;
     }
     return d;
@@ -1374,17 +1409,20 @@ static __always_inline int dns_port(const void *uaddr, u32 len, u8 *out) {
 // Marks fd as a DNS socket with server addr (or unmarks it: addr NULL).
 static __always_inline void dns_mark(s32 fd, const u8 *addr) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    u64 k = fd_key(tgid, fd);
     if (!addr) {
-        dnsfds.delete(&k);
+        dns_forget(tgid, fd);
         return;
     }
+    u64 k = fd_key(tgid, fd);
     struct pctx *p = proc_ctx(tgid);
     if (!p)
         return;
     struct dnsfd d = {.gen = p->gen};
     __builtin_memcpy(d.addr, addr, sizeof(d.addr));
-    dnsfds.update(&k, &d);
+    if (dnsfds.insert(&k, &d) == 0)
+        dns_count(tgid, 1);  // a new entry (an existing one is updated without counting it again)
+    else
+        dnsfds.update(&k, &d);
 }
 
 // One DNS record: len bytes of the message at buf (user memory), to or from the server at addr.
@@ -1458,14 +1496,13 @@ static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
     dns_emit(run, fd, DNS_SENT, len, buf, len, addr);
 }
 
-int on_enter_dns(struct sys_enter_ctx *ctx) {
-    // attached to close (1 argument), connect, read, write, writev, sendmsg, recvmsg (3),
-    // sendmmsg (4), recvmmsg (5), sendto and recvfrom (6)
+// The DNS work of a syscall's entry: close (1 argument), connect, read, write, writev, sendmsg,
+// recvmsg (3), sendmmsg (4), recvmmsg (5), sendto and recvfrom (6).
+static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
     s32 nr = ctx->nr;
     s32 fd = (s32)ctx->args[0];
     if (nr == __NR_close) {
-        u64 k = fd_key(bpf_get_current_pid_tgid() >> 32, fd);
-        dnsfds.delete(&k);
+        dns_forget(bpf_get_current_pid_tgid() >> 32, fd);
         return 0;
     }
     if (nr == __NR_connect) {
@@ -1565,9 +1602,18 @@ static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dns
     dns_emit(run, r->fd, DNS_RECEIVED, got, buf, got < cap ? got : cap, d->addr);
 }
 
+int on_enter_dns(struct sys_enter_ctx *ctx) {
+    // attached to close, read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends
+    // call dns_enter from their own handlers)
+    return dns_enter(ctx);
+}
+
 int on_exit_dns(struct sys_exit_ctx *ctx) {
     // attached to the exits of read, recvfrom, recvmsg and recvmmsg
-    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 id = bpf_get_current_pid_tgid();
+    if (!dns_maybe(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
     struct dnsrecv *r = dnsrecvs.lookup(&tid);
     if (!r)
         return 0;

@@ -95,3 +95,13 @@ def test_btf_offsets_are_cached_and_a_bad_cache_is_ignored(tmp_path: Path) -> No
     cached.write_text('{"TASK_PID_OFF": "not a number"}')
     assert probe_offsets(cache_dir=tmp_path) == first  # recomputed, not trusted
     assert probe_offsets(cache_dir=None) == first
+
+
+def test_no_tracepoint_gets_two_programs() -> None:
+    """BCC keeps one attachment per tracepoint name: a second program on the same tracepoint would
+    orphan the first (never detached). The DNS handlers take only syscalls no other handler has."""
+    from evidence.probes.loader import DNS_ENTER, DNS_EXIT, SYSCALL_HANDLERS
+
+    handled = [name for names in SYSCALL_HANDLERS.values() for name in names]
+    assert len(handled) == len(set(handled))
+    assert not set(DNS_ENTER) & set(handled) and not set(DNS_EXIT) & set(handled)
