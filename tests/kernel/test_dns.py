@@ -27,26 +27,68 @@ def accept():
     while True:
         c, _ = lst.accept(); c.close()
 threading.Thread(target=accept, daemon=True).start()
+
+def answer(data):
+    try:
+        q = dns.message.from_wire(data)
+    except Exception:
+        return None
+    name = q.question[0].name.to_text()
+    if name.startswith("garbage."):
+        return data[:2] + b"\x81\x80\xff\xff\x00\x07 not dns at all \x00\xc0\x0c\xc0\x0c"
+    r = dns.message.make_response(q)
+    if name == "svc.evidence.test." and q.question[0].rdtype == 1:
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "CNAME", "edge.evidence.test."))
+        r.answer.append(dns.rrset.from_text("edge.evidence.test.", 60, "IN", "A", "127.0.0.2"))
+    elif name.startswith("by-"):  # by-write., by-tcp., by-msg.: one address each
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", "127.0.0.3"))
+    elif name != "svc.evidence.test.":
+        r.set_rcode(3)  # NXDOMAIN
+    return r.to_wire()
+
+def tcp():
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 53)); srv.listen(8)
+    while True:
+        c, _ = srv.accept()
+        n = int.from_bytes(c.recv(2), "big")
+        data = b""
+        while len(data) < n:
+            data += c.recv(n - len(data))
+        out = answer(data)
+        c.sendall(len(out).to_bytes(2, "big") + out)
+        c.close()
+threading.Thread(target=tcp, daemon=True).start()
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 udp.bind(("127.0.0.1", 53))
 print("ready", flush=True)
 while True:
     data, peer = udp.recvfrom(4096)
-    try:
-        q = dns.message.from_wire(data)
-    except Exception:
-        continue
-    name = q.question[0].name.to_text()
-    if name.startswith("garbage."):
-        udp.sendto(data[:2] + b"\x81\x80\xff\xff\x00\x07 not dns at all \x00\xc0\x0c\xc0\x0c", peer)
-        continue
-    r = dns.message.make_response(q)
-    if name == "svc.evidence.test." and q.question[0].rdtype == 1:
-        r.answer.append(dns.rrset.from_text(name, 60, "IN", "CNAME", "edge.evidence.test."))
-        r.answer.append(dns.rrset.from_text("edge.evidence.test.", 60, "IN", "A", "127.0.0.2"))
-    elif name != "svc.evidence.test.":
-        r.set_rcode(3)  # NXDOMAIN
-    udp.sendto(r.to_wire(), peer)
+    out = answer(data)
+    if out is not None:
+        udp.sendto(out, peer)
+"""
+
+# A job without a resolver library: queries by hand through write/read on a connected UDP socket,
+# writev/read over TCP (length, then message), and sendmsg/recvmsg.
+BY_HAND = r"""
+import os, socket, struct
+def query(name, qid):
+    wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + wire + struct.pack(">HH", 1, 1)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.connect(("127.0.0.1", 53))
+os.write(u.fileno(), query("by-write.evidence.test", 1))
+os.read(u.fileno(), 512)
+u.sendmsg([query("by-msg.evidence.test", 2)])
+u.recvmsg(512)
+u.close()
+t = socket.create_connection(("127.0.0.1", 53))
+q = query("by-tcp.evidence.test", 3)
+os.writev(t.fileno(), [struct.pack(">H", len(q)), q])
+n = struct.unpack(">H", os.read(t.fileno(), 2))[0]
+os.read(t.fileno(), n)
+t.close()
 """
 
 JOB = (
@@ -147,3 +189,14 @@ def test_dns_summary_mode_and_show(tmp_path: Path, dns_netns: str) -> None:
     )
     assert profile.returncode == 0, profile.stderr
     assert '"svc.evidence.test:8080"' in profile.stdout and "127.0.0.2" not in profile.stdout
+
+
+def test_dns_by_write_read_tcp_and_msghdr(tmp_path: Path, dns_netns: str) -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    command = ["ip", "netns", "exec", dns_netns, *nobody, "/usr/bin/python3", "-S", "-c", BY_HAND]
+    proc, _, events = record(tmp_path, *command, extra=("--detail", "full"))
+    assert proc.returncode == 0, proc.stderr
+    got = {d["name"]: d for d in (e["data"] for e in of_type(events, "network.dns"))}
+    for name in ("by-write.evidence.test", "by-msg.evidence.test", "by-tcp.evidence.test"):
+        assert got[name]["result"] == "NOERROR" and got[name]["addresses"] == ["127.0.0.3"], got
+        assert got[name]["server"] == "127.0.0.1" and not got[name].get("unasked")
