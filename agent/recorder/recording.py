@@ -59,6 +59,7 @@ _SUMMARY_FIELDS = {
 }
 # what is kept of a key's first record, to write its count when the run ends
 _FIRST_FIELDS = {k: (*v, "k", "pid") for k, v in _SUMMARY_FIELDS.items()}
+_FIRST_FIELDS["connect"] += ("names",)  # ---- dns: what the run's DNS answers named the address
 
 
 def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
