@@ -264,6 +264,8 @@ class RunInfo(BaseModel):
     headers: dict[str, Any]
     labels: dict[str, str] = Field(default_factory=dict)
     policy: dict[str, Any] | None = None
+    # the command's private network namespace (`--net`): empty, or loopback only; None: the host's
+    network: Literal["none", "loopback"] | None = None
 
 
 class Manifest(RunInfo, BundleHeader):

@@ -1,4 +1,4 @@
-"""Landlock, no_new_privs, setns and signal dispositions as plain system calls: standard library only.
+"""Landlock, no_new_privs, network namespaces and signal dispositions as plain system calls: standard library only.
 
 The command launcher (agent/recorder/exec_helper.py) runs this in the process that becomes the
 command, before it execs; it must start fast and touch nothing else, so this module imports nothing
@@ -21,7 +21,12 @@ LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
 LANDLOCK_RULE_PATH_BENEATH = 1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE = 3
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
 
 # Scopes (ABI 6): a scoped domain cannot signal, or connect to abstract unix sockets of, processes
 # outside it; a Landlock domain also confines ptrace to itself and the domains nested in it.
@@ -50,6 +55,9 @@ _prctl.restype = ctypes.c_int
 _setns = _libc.setns
 _setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _setns.restype = ctypes.c_int
+_unshare = _libc.unshare
+_unshare.argtypes = [ctypes.c_int]
+_unshare.restype = ctypes.c_int
 
 
 def _errno_error(what: str) -> OSError:
@@ -168,6 +176,44 @@ def deny_tty_injection() -> None:
 def enter_netns(fd: int) -> None:
     if _setns(fd, CLONE_NEWNET) != 0:
         raise _errno_error("setns(CLONE_NEWNET)")
+
+
+def private_network(loopback: bool) -> None:
+    """Move the calling process into a network namespace of its own: empty, or with loopback up.
+    Without CAP_SYS_ADMIN (a client that is not root), inside a new user namespace in which the
+    caller's uid and gid map to themselves and nothing else: the command keeps its identity, has
+    no capability once it execs (its uid is not 0 there), and sees files of other users as owned by
+    the overflow uid (65534). Raises OSError."""
+    if _unshare(CLONE_NEWNET) != 0:
+        if ctypes.get_errno() != errno.EPERM:
+            raise _errno_error("unshare(CLONE_NEWNET)")
+        uid, gid = os.getuid(), os.getgid()
+        if _unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+            raise _errno_error("unshare(CLONE_NEWUSER|CLONE_NEWNET)")
+        # a non-dumpable process's /proc/self files are root's: dumpable for the three writes only
+        dumpable = _prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+        if dumpable == 0 and _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+            raise _errno_error("prctl(PR_SET_DUMPABLE)")
+        try:
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        finally:
+            if dumpable == 0:
+                not_dumpable()
+    if loopback:
+        import fcntl
+        import socket
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            req = struct.pack("16sH22x", b"lo", 0)
+            flags = struct.unpack("16sH22x", fcntl.ioctl(sock, _SIOCGIFFLAGS, req))[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
 
 
 def restrict(

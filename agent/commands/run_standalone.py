@@ -274,6 +274,7 @@ class StandaloneRun:
             session_id=self.session_id,
         )
         self.watchdog.watch(self.cgroup.path, self.session_id)
+        session.network = self.args.net
         self._write_run_record()
         session.degradations = list(self.degradations)
         if enforcement is not None:

@@ -310,6 +310,7 @@ class RecorderBackend:
         detail: str = "summary",
         pidfd: int | None = None,
         policy: PolicySpec | None = None,
+        net: str | None = None,
     ) -> RunInfo:
         """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
         tracked first, then the process is moved in, so nothing it does from then on is missed.
@@ -335,7 +336,7 @@ class RecorderBackend:
                     enforcement.close()
                 raise UsageError(e.message, e.hint) from None
         try:
-            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement)
+            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
         except BaseException:
             if enforcement is not None:
                 enforcement.close()
@@ -350,6 +351,7 @@ class RecorderBackend:
         detail: str,
         pidfd: int | None,
         enforcement: AgentEnforcement | None,
+        net: str | None = None,
     ) -> RunInfo:
         from evidence.agent.recorder.cgroups import RunCgroup, isolation_home
 
@@ -384,6 +386,9 @@ class RecorderBackend:
                 }
             )
         run.cgroup = cg
+        if net is not None:
+            run.session.network = net
+            self._write_meta(run)  # recovery keeps it too
         if enforcement is not None:  # the guard holds the cgroup before the command is in it
             session = run.session
             session.policy = enforcement.manifest_policy()

@@ -159,6 +159,7 @@ class Session:
     plain_keys: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)  # keys of plain records
     past_cap: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> not kept, counted
     policy: dict[str, Any] | None = None
+    network: str | None = None  # the command's private network (--net), for the manifest
     degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
     extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -340,6 +341,7 @@ class Recorder:
             lost=lost,
             labels=session.labels,
             policy=session.policy,
+            network=session.network,
             degradations=session.degradations,
             roots=session.roots,
         )
