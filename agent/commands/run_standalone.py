@@ -244,7 +244,7 @@ class StandaloneRun:
             from evidence.agent.recorder.enforce import Enforcement
             from evidence.policy.model import policy_file
 
-            self.enforcement = Enforcement(
+            self.enforcement = Enforcement.for_run(
                 policy_file(args.policy),
                 workspace=args.workspace or self.cwd,
                 dry_run=args.dry_run,

@@ -54,8 +54,8 @@ from evidence.files import file_sha256
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
     from evidence.agent.daemon.models import PolicySpec
-    from evidence.agent.daemon.policy import AgentEnforcement
     from evidence.agent.recorder.cgroups import RunCgroup
+    from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder, Session
     from evidence.bundle.spool import SpoolWriter
 
@@ -81,7 +81,7 @@ class Run:
     seq: int = 0
     cgroup: RunCgroup | None = None  # made by the agent for this run (isolated): removed at finish
     pidfd: int | None = None  # of the isolated process, held from before it was moved in
-    enforcement: AgentEnforcement | None = None  # its policy's connect guard and denial matching
+    enforcement: Enforcement | None = None  # its policy's connect guard and denial matching
 
     @property
     def info(self) -> RunInfo:
@@ -326,10 +326,10 @@ class RecorderBackend:
         self._require_recorder()
         enforcement = None
         if policy is not None:  # loaded and compiled before anything is made: a bad one starts nothing
-            from evidence.agent.daemon.policy import AgentEnforcement
+            from evidence.agent.daemon.policy import agent_enforcement
 
             try:
-                enforcement = AgentEnforcement(policy)
+                enforcement = agent_enforcement(policy, net)
                 enforcement.load_programs()
             except Error as e:
                 if enforcement is not None:
@@ -350,7 +350,7 @@ class RecorderBackend:
         command: list[str],
         detail: str,
         pidfd: int | None,
-        enforcement: AgentEnforcement | None,
+        enforcement: Enforcement | None,
         net: str | None = None,
     ) -> RunInfo:
         from evidence.agent.recorder.cgroups import RunCgroup, isolation_home
