@@ -163,14 +163,61 @@ def tty_filter() -> list[tuple[int, int, int, int]]:
     return prog
 
 
-def deny_tty_injection() -> None:
-    """Install tty_filter() on the calling process (kept across exec, inherited by children, cannot
-    be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
-    insns = tty_filter()
+# seccomp: a filter that refuses io_uring_setup. io_uring operations (IORING_OP_OPENAT, CONNECT,
+# RENAMEAT, ...) run in the kernel without system calls of their own, so the syscall tracepoints the
+# recorder uses never see them: a job could open, write and connect unrecorded. Docker's and
+# containerd's default seccomp profiles refuse it too; programs fall back to plain system calls.
+_AUDIT_ARCH_AARCH64 = 0xC00000B7
+_IO_URING_SETUP = {
+    _AUDIT_ARCH_X86_64: (425, 0x40000000 | 425),  # x86_64, x32
+    _AUDIT_ARCH_I386: (425,),
+    _AUDIT_ARCH_AARCH64: (425,),
+}
+
+
+def deny_filter(table: dict[int, tuple[int, ...]]) -> list[tuple[int, int, int, int]]:
+    """A classic BPF program that refuses (EPERM) the system calls `table` lists per architecture
+    (AUDIT_ARCH -> numbers) and allows everything else: (code, jt, jf, k) per instruction."""
+    ld, jeq, ret = 0x20, 0x15, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM
+    blocks = list(table.items())
+    sizes = [3 + len(nrs) for _, nrs in blocks]
+    allow_at = sum(sizes)
+    deny_at = allow_at + 1
+    prog: list[tuple[int, int, int, int]] = []
+    at = 0
+    for (arch, nrs), size in zip(blocks, sizes, strict=True):
+        nxt = at + size
+        prog.append((ld, 0, 0, 4))  # seccomp_data.arch
+        prog.append((jeq, 0, nxt - (at + 2), arch))  # another architecture: the next block (or allow)
+        prog.append((ld, 0, 0, 0))  # seccomp_data.nr
+        for i, nr in enumerate(nrs):
+            here = at + 3 + i
+            last = i == len(nrs) - 1
+            prog.append((jeq, deny_at - (here + 1), (allow_at - (here + 1)) if last else 0, nr))
+        at = nxt
+    prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, deny))
+    return prog
+
+
+def _install(insns: list[tuple[int, int, int, int]]) -> None:
     arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
     prog = _SockFprog(len(insns), arr)
     if _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise _errno_error("prctl(PR_SET_SECCOMP)")
+
+
+def deny_io_uring() -> None:
+    """Install deny_filter(io_uring_setup) on the calling process (kept across exec, inherited,
+    cannot be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(deny_filter(_IO_URING_SETUP))
+
+
+def deny_tty_injection() -> None:
+    """Install tty_filter() on the calling process (kept across exec, inherited by children, cannot
+    be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(tty_filter())
 
 
 def enter_netns(fd: int) -> None:

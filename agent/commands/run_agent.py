@@ -174,6 +174,8 @@ def _child(
             ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
         else:
             _isolate_self()
+        ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
+        ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execve(path, argv, environ if environ is not None else os.environ)
     except OSError as e:
@@ -209,7 +211,6 @@ def _isolate_self() -> None:
         ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
     elif nnp:
         ll.no_new_privs()
-    ll.deny_tty_injection()
 
 
 class _Forwarder:
