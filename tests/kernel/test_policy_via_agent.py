@@ -179,3 +179,12 @@ def test_a_bad_policy_starts_nothing(agent: Agent, world: dict[str, Any]) -> Non
         proc.stderr
     )
     assert not marker.exists() and agent.client.runs() == []
+
+
+def test_with_a_policy_the_command_gets_the_same_seccomp_filters(agent: Agent, world: dict[str, Any]) -> None:
+    """io_uring (and TIOCSTI) are refused on the policy path through the agent too."""
+    from tests.kernel.test_escapes import URING
+
+    proc, _, _ = through_agent(agent, world, code=URING)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1", proc.stdout  # EPERM
