@@ -131,36 +131,45 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def tty_filter() -> list[tuple[int, int, int, int]]:
-    """The classic BPF program: (code, jt, jf, k) per instruction."""
-    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
-    prog: list[tuple[int, int, int, int]] = []
-    # laid out as: per architecture, `ld arch; jeq arch; ld nr; jeq ioctl...` (an ioctl jumps to the
-    # check, another call to allow); then the check `ld cmd; jeq TIOCSTI; jeq TIOCLINUX`; allow; deny
-    blocks = list(_IOCTL.items())
-    sizes = [3 + len(nrs) for _, nrs in blocks]
-    check = sum(sizes)
-    allow_at, deny_at = check + 1 + len(TTY_INJECTION), check + 2 + len(TTY_INJECTION)
+Insn = tuple[int, int, int, int]  # a classic BPF instruction: (code, jt, jf, k)
+_LD, _JEQ, _RET = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+_ALLOW, _DENY = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO(EPERM)
+
+
+def _calls(table: dict[int, tuple[int, ...]], match_at: int, other_at: int) -> list[Insn]:
+    """The program's head, from index 0: per architecture `ld arch; jeq arch; ld nr; jeq nr...`. A
+    call `table` lists for its architecture jumps to `match_at`, any other call (or architecture) to
+    `other_at` (absolute indexes, after the head)."""
+    blocks = list(table.items())
+    prog: list[Insn] = []
     at = 0
-    for n, ((arch, nrs), size) in enumerate(zip(blocks, sizes, strict=True)):
-        nxt = at + size
-        other = nxt if n < len(blocks) - 1 else allow_at  # another architecture: the next block, or allow
-        prog.append((ld, 0, 0, 4))  # seccomp_data.arch
-        prog.append((jeq, 0, other - (at + 2), arch))
-        prog.append((ld, 0, 0, 0))  # seccomp_data.nr
+    for n, (arch, nrs) in enumerate(blocks):
+        nxt = at + 3 + len(nrs)
+        other = nxt if n < len(blocks) - 1 else other_at  # another architecture: the next block
+        prog.append((_LD, 0, 0, 4))  # seccomp_data.arch
+        prog.append((_JEQ, 0, other - (at + 2), arch))
+        prog.append((_LD, 0, 0, 0))  # seccomp_data.nr
         for i, nr in enumerate(nrs):
             here = at + 3 + i
             last = i == len(nrs) - 1
-            prog.append((jeq, check - (here + 1), (allow_at - (here + 1)) if last else 0, nr))
+            prog.append((_JEQ, match_at - (here + 1), (other_at - (here + 1)) if last else 0, nr))
         at = nxt
-    prog.append((ld, 0, 0, 24))  # low half of seccomp_data.args[1]: the ioctl's command
-    for i, cmd in enumerate(TTY_INJECTION):
-        here = check + 1 + i
-        prog.append((jeq, deny_at - (here + 1), 0, cmd))
-    prog.append((ret, 0, 0, allow))
-    prog.append((ret, 0, 0, deny))
     return prog
+
+
+def _head_size(table: dict[int, tuple[int, ...]]) -> int:
+    return sum(3 + len(nrs) for nrs in table.values())
+
+
+def tty_filter() -> list[Insn]:
+    """Refuses (EPERM) the ioctls TTY_INJECTION lists; everything else is allowed."""
+    check = _head_size(_IOCTL)  # the ioctl's command is checked there
+    allow_at, deny_at = check + 1 + len(TTY_INJECTION), check + 2 + len(TTY_INJECTION)
+    prog = _calls(_IOCTL, check, allow_at)
+    prog.append((_LD, 0, 0, 24))  # low half of seccomp_data.args[1]: the ioctl's command
+    for i, cmd in enumerate(TTY_INJECTION):
+        prog.append((_JEQ, deny_at - (check + 1 + i + 1), 0, cmd))
+    return [*prog, (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _DENY)]
 
 
 # seccomp: a filter that refuses io_uring_setup. io_uring operations (IORING_OP_OPENAT, CONNECT,
@@ -175,33 +184,14 @@ _IO_URING_SETUP = {
 }
 
 
-def deny_filter(table: dict[int, tuple[int, ...]]) -> list[tuple[int, int, int, int]]:
-    """A classic BPF program that refuses (EPERM) the system calls `table` lists per architecture
-    (AUDIT_ARCH -> numbers) and allows everything else: (code, jt, jf, k) per instruction."""
-    ld, jeq, ret = 0x20, 0x15, 0x06
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM
-    blocks = list(table.items())
-    sizes = [3 + len(nrs) for _, nrs in blocks]
-    allow_at = sum(sizes)
-    deny_at = allow_at + 1
-    prog: list[tuple[int, int, int, int]] = []
-    at = 0
-    for (arch, nrs), size in zip(blocks, sizes, strict=True):
-        nxt = at + size
-        prog.append((ld, 0, 0, 4))  # seccomp_data.arch
-        prog.append((jeq, 0, nxt - (at + 2), arch))  # another architecture: the next block (or allow)
-        prog.append((ld, 0, 0, 0))  # seccomp_data.nr
-        for i, nr in enumerate(nrs):
-            here = at + 3 + i
-            last = i == len(nrs) - 1
-            prog.append((jeq, deny_at - (here + 1), (allow_at - (here + 1)) if last else 0, nr))
-        at = nxt
-    prog.append((ret, 0, 0, allow))
-    prog.append((ret, 0, 0, deny))
-    return prog
+def deny_filter(table: dict[int, tuple[int, ...]]) -> list[Insn]:
+    """Refuses (EPERM) the system calls `table` lists per architecture (AUDIT_ARCH -> numbers);
+    everything else is allowed."""
+    allow_at = _head_size(table)
+    return [*_calls(table, allow_at + 1, allow_at), (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _DENY)]
 
 
-def _install(insns: list[tuple[int, int, int, int]]) -> None:
+def _install(insns: list[Insn]) -> None:
     arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
     prog = _SockFprog(len(insns), arr)
     if _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
