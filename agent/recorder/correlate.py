@@ -151,7 +151,7 @@ class Correlator:
         proc_lookup: ProcLookup | None = None,
         cgroup_name: Callable[[int], str | None] | None = None,
         abi_of: Callable[[int, str], str | None] | None = None,
-        hash_of: Callable[[int, str], Any] | None = None,  # exe_hash.Hasher: the program's sha256
+        hash_of: Callable[[int, str, Any], Any] | None = None,  # exe_hash.Hasher: the program's sha256
     ) -> None:
         self.hash_of = hash_of
         # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
@@ -383,7 +383,7 @@ class Correlator:
         p.exe = filename
         out = [self._exec_record(p, t, filename, argv, trunc, 0)]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
-            h = self.hash_of(p.pid, filename)
+            h = self.hash_of(p.pid, filename, ev.get("file"))
             out[0].update(h if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:
