@@ -39,11 +39,17 @@ PROCESS_EXEC = "dev.evidence.process.exec"
 PROCESS_EXIT = "dev.evidence.process.exit"
 FILE_OPEN = "dev.evidence.file.open"
 FILE_CHANGE = "dev.evidence.file.change"
+PROCESS_NAMESPACE = "dev.evidence.process.namespace"
 NETWORK_CONNECT = "dev.evidence.network.connect"
 LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 INVENTORY = "dev.evidence.inventory"
+
+# `mntns: "other"` on an exec, open, change, connect or namespace event: by a process that left the
+# run's mount or user namespace, mounted, chrooted or entered a namespace with setns (or a child of
+# one): its paths may name other files than the same paths in the run's own namespace.
+MntNs = Literal["other"] | None
 
 # A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
 Result = Literal[0] | str
@@ -82,6 +88,7 @@ class ProcessExec(BaseModel):
     count: int = 1
     cgroup: str | None = None  # the cgroup below the run's, when not the run's own
     container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
+    mntns: MntNs = None
     # a successful exec: the program file's content (agent/recorder/exe_hash.py). `hash_source`:
     # "exe" read through /proc/<pid>/exe, "path" read by its path (a `#!` script, or a process gone
     # or already running something else); `not_hashed` (instead of sha256) says why not
@@ -125,6 +132,7 @@ class FileOpen(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    mntns: MntNs = None
 
 
 class FileChange(BaseModel):
@@ -153,6 +161,7 @@ class FileChange(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    mntns: MntNs = None
 
 
 class NetworkConnect(BaseModel):
@@ -169,6 +178,34 @@ class NetworkConnect(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    mntns: MntNs = None
+
+
+class ProcessNamespace(BaseModel):
+    """A namespace, mount, chroot or ptrace call by a process of the run (record.bpf.c). `flags`
+    are names (CLONE_*, MS_*, MOVE_MOUNT_*, OPEN_TREE_*, the ptrace request); `paths` what the call
+    names, resolved as an open's (mount: source (only for a bind or move) and target; move_mount:
+    from and to; pivot_root: new root and put_old). ptrace and process_vm_writev: `target_pid` and
+    whether it was a process of the run; clone: `target_pid` is the child."""
+
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    operation: Literal[
+        "unshare", "setns", "clone", "mount", "move_mount", "open_tree", "fsmount", "pivot_root",
+        "chroot", "ptrace", "process_vm_writev",
+    ]  # fmt: skip
+    flags: list[str]
+    paths: list[str]
+    fstype: str | None = None  # mount: the filesystem type (at most 15 bytes)
+    target_pid: int | None = None
+    target_in_run: bool | None = None
+    result: Result
+    count: int = 1
+    cgroup: str | None = None
+    container: str | None = None
+    mntns: MntNs = None
 
 
 class Loss(BaseModel):
@@ -214,6 +251,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     PROCESS_EXIT: ProcessExit,
     FILE_OPEN: FileOpen,
     FILE_CHANGE: FileChange,
+    PROCESS_NAMESPACE: ProcessNamespace,
     NETWORK_CONNECT: NetworkConnect,
     LOSS: Loss,
     DEGRADATION: Degradation,

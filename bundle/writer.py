@@ -49,9 +49,21 @@ class RunMeta(fmt.RunInfo):
 
 # Kinds aggregated in summary mode, with the fields that make a record distinct.
 _SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container"),
-    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
-    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
+    "open": ("exe", "path", "access", "result", "cgroup", "container", "mntns"),
+    "change": (
+        "exe",
+        "operation",
+        "path",
+        "target",
+        "mode",
+        "uid",
+        "gid",
+        "result",
+        "cgroup",
+        "container",
+        "mntns",
+    ),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container", "mntns"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
 }
 _KIND_TYPE = {
@@ -63,6 +75,7 @@ _KIND_TYPE = {
     "denial": fmt.POLICY_DENIAL,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
+    "namespace": fmt.PROCESS_NAMESPACE,
 }
 
 
@@ -97,6 +110,10 @@ def _subject(rec: dict[str, Any]) -> str:
         return str(rec.get("exe") or f"pid:{rec['pid']}")
     if k == "degradation":
         return str(rec["component"])
+    if k == "namespace":
+        if rec.get("target_pid") is not None and rec["operation"] != "clone":
+            return f"{rec['operation']} pid:{rec['target_pid']}"
+        return " ".join((rec["operation"], *rec["paths"]))
     raise ValueError(f"unknown record kind {k!r}")
 
 
@@ -110,6 +127,7 @@ def behaviour_digest(
     nets: set[tuple[Any, ...]] = set()
     denials: set[tuple[Any, ...]] = set()
     changes: set[tuple[Any, ...]] = set()
+    namespaces: set[tuple[Any, ...]] = set()
     agg: dict[tuple[Any, ...], list[int]] = {}
     for rec in records:
         k = rec["k"]
@@ -126,6 +144,15 @@ def behaviour_digest(
                     rec["operation"],
                     norm.text(rec["path"]),
                     norm.text(target) if target else None,
+                    rec["result"],
+                )
+            )
+        elif k == "namespace":
+            namespaces.add(
+                (
+                    rec["operation"],
+                    tuple(rec["flags"]),
+                    tuple(norm.text(p) for p in rec["paths"]),
                     rec["result"],
                 )
             )
@@ -151,6 +178,8 @@ def behaviour_digest(
     }
     if changes:  # only when there are some: a run id made before file changes were recorded holds
         behaviour["changes"] = sorted(changes, key=repr)
+    if namespaces:  # the same: only when there are some
+        behaviour["namespaces"] = sorted(namespaces, key=repr)
     digest = hashlib.sha256(canonical.dumps(behaviour)).hexdigest()
     return "run-" + digest[:32], agg
 

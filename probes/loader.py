@@ -24,7 +24,7 @@ from evidence.probes.ringbuf import RingBuffer
 logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
-EV_KINDS = 15
+EV_KINDS = 17
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
 SYSCALL_HANDLERS = {
@@ -60,6 +60,20 @@ SYSCALL_HANDLERS = {
         "mknod",
         "mknodat",
     ),
+    "on_enter_ns": (
+        "unshare",
+        "setns",
+        "clone",
+        "clone3",
+        "mount",
+        "move_mount",
+        "open_tree",
+        "fsmount",
+        "pivot_root",
+        "chroot",
+        "ptrace",
+        "process_vm_writev",
+    ),
 }
 KIND_NAMES = [
     "none",
@@ -77,6 +91,7 @@ KIND_NAMES = [
     "connect_past_cap",
     "agg_map_full",  # not loss: recorded one by one because the aggregation map was full
     "change",
+    "namespace",  # 15: namespace, mount, chroot and ptrace calls
 ]
 NOT_LOSS = frozenset(("agg_map_full",))
 # struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
@@ -151,8 +166,9 @@ class RecorderProbes:
         out = {}
         for kind in range(1, EV_KINDS):
             n = self._lost[ctypes.c_int(slot * EV_KINDS + kind)].value
-            if n and KIND_NAMES[kind] not in NOT_LOSS:
-                out[KIND_NAMES[kind]] = int(n)
+            name = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"kind{kind}"
+            if n and name not in NOT_LOSS:
+                out[name] = int(n)
         return out
 
     def read_fallbacks(self, slot: int) -> int:

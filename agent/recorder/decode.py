@@ -36,7 +36,9 @@ KIND_NAMES = {
 }
 EV_CHANGE = 14  # after the loss-only kinds 11-13 (record.bpf.c)
 KIND_NAMES[EV_CHANGE] = "change"
-EV_KINDS = 15
+EV_NS = 15  # a namespace, mount, chroot or ptrace call (op)
+KIND_NAMES[EV_NS] = "namespace"
+EV_KINDS = 17
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 
 F_PATH_TRUNC = 0x1
@@ -48,6 +50,7 @@ F_FIRST = 0x20  # the first occurrence of a key the kernel aggregates (its count
 F_STATE = 0x40  # already counted by the kernel: only for the cwd and descriptor tables
 F_PATH2_FAULT = 0x80  # a change record's second path could not be read
 F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
+F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
 
 # struct change_ev's op: what a file change record is
 CHANGE_OPS = {
@@ -63,6 +66,21 @@ CHANGE_OPS = {
     10: "mknod",
 }
 
+# struct ns_ev's op: which namespace, mount, chroot or ptrace call
+NS_OPS = {
+    1: "unshare",
+    2: "setns",
+    3: "clone",
+    4: "mount",
+    5: "move_mount",
+    6: "open_tree",
+    7: "fsmount",
+    8: "pivot_root",
+    9: "chroot",
+    10: "ptrace",
+    11: "process_vm_writev",
+}
+
 HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 # Calls paired in the kernel (open, chdir, fchdir, connect, dup): one record each, the result first.
 # exe_tok and tok: the kernel's aggregation key (with cgid, kind, access and result) when F_FIRST
@@ -71,6 +89,8 @@ _CONNECT = struct.Struct("<qQQiI8x")  # ret, exe_tok, tok, fd, addrlen
 _DUP = struct.Struct("<qii")  # ret, oldfd, newfd
 # a file change: ret, (exe, tok unused), dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2
 _CHANGE = struct.Struct("<q16xiiIIIIHHH2x")
+# a namespace call: ret, flags, target, dfd, dfd2, fstype, op, len1, len2 (the paths as a change's)
+_NS = struct.Struct("<qQQii16sHHH2x")
 _EXEC = struct.Struct("<iIIHHI")  # dfd, at_flags, old_tid, fname_len, args_len, argc
 _FORK = struct.Struct("<II")
 _EXIT = struct.Struct("<iI")
@@ -79,6 +99,7 @@ OPEN_PATH_OFF = HDR.size + _OPEN.size  # 72
 EXEC_BUF_OFF = HDR.size + _EXEC.size  # 52
 CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
+NS_BUF_OFF = HDR.size + _NS.size  # 88
 
 
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
@@ -190,6 +211,20 @@ def decode(raw: bytes) -> dict[str, Any]:
             uid=uid,
             gid=gid,
             at_flags=at_flags,
+            path=_cstr(buf[:len1]) if len1 else None,
+            path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
+        )
+    elif kind == EV_NS:
+        ret, nflags, target, dfd, dfd2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
+        buf = raw[NS_BUF_OFF:]
+        ev.update(
+            ret=ret,
+            op=NS_OPS.get(op, f"op{op}"),
+            ns_flags=nflags,
+            target=target,
+            dfd=dfd,
+            dfd2=dfd2,
+            fstype=_cstr(fstype) or None,
             path=_cstr(buf[:len1]) if len1 else None,
             path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
         )

@@ -51,12 +51,14 @@ FLUSH_SECONDS = 1.0
 MAX_DISTINCT = int(os.environ.get("EVIDENCE_MAX_DISTINCT", "100000"))
 # the fields of a summary key, by record kind (as the bundle writer aggregates them)
 _SUMMARY_FIELDS = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container"),
-    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
+    "open": ("exe", "path", "access", "result", "cgroup", "container", "mntns"),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container", "mntns"),
     # file changes are not aggregated in the kernel (far rarer than opens): every one is a plain
     # record, summarised by the writer, under the same cap on distinct keys (change_past_cap)
-    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
-}
+    "change": (
+        "exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container", "mntns",
+    ),
+}  # fmt: skip
 # what is kept of a key's first record, to write its count when the run ends
 _FIRST_FIELDS = {k: (*v, "k", "pid") for k, v in _SUMMARY_FIELDS.items()}
 
@@ -75,6 +77,18 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     except OSError:
         pass
     return ppid, cwd, exe
+
+
+def tgid_of(tid: int) -> int | None:
+    """The process id of thread `tid` (from /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _container_namer(cgroup_path: Path) -> Any:
@@ -255,6 +269,7 @@ class Recorder:
             session.correlator.run_cgroup = str(cgroup_path)
             session.correlator.cgroup_mount = _cgroup_mount_of(cgroup_path)
             session.correlator.container_of = _container_namer(cgroup_path)
+            session.correlator.tgid_of = tgid_of
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.set_aggregation(slot, session.max_distinct)
