@@ -196,7 +196,7 @@ def namespace_flags(op: str, flags: int) -> list[str]:
     """The names of a namespace call's flags (clone/unshare/setns: CLONE_*; mount: MS_*; ptrace:
     its request)."""
     if op in ("clone", "unshare", "setns"):
-        return _bit_names(flags & ~0xFF if op == "clone" else flags, _CLONE_FLAGS)
+        return _bit_names(flags, _CLONE_FLAGS)  # clone's exit signal is not recorded
     if op == "mount":
         return _bit_names(flags, _MOUNT_FLAGS)
     if op == "move_mount":

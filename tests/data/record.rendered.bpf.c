@@ -1393,7 +1393,8 @@ int on_enter_ns(struct sys_enter_ctx *ctx) {
     case __NR_clone:
         if (!(a0 & NS_FLAGS_))
             return 0;  // almost every clone: no record
-        return enter_ns(nr, NS_CLONE, a0, 0, 0, NULL, 0, NULL);
+        // without the low byte (clone's exit signal; clone3's CLONE_NEWTIME)
+        return enter_ns(nr, NS_CLONE, a0 & ~0xFFULL, 0, 0, NULL, 0, NULL);
     case __NR_clone3: {
         u64 fl = 0;
         if (bpf_probe_read_user(&fl, sizeof(fl), (void *)a0) != 0 || !(fl & (NS_FLAGS_ | CLONE_NEWTIME_)))
