@@ -119,10 +119,11 @@ RULES: dict[str, Rule] = {
              "process can be made to do anything on the job's behalf, and what it does is not "
              "recorded. By default the job's Landlock domain forbids it; a run with "
              "--allow-setuid runs without that domain."),
-        Rule("EV012", "tamper-attempt-outside-run", "warning", "A process of the run tried to trace or write the memory of a process outside it",
+        Rule("EV012", "tamper-attempt-outside-run", "note", "A process of the run tried to trace or write the memory of a process outside it",
              "A ptrace (attach, seize, poke) or process_vm_writev by a process of the run on a "
              "process that is not one of the run's failed (the event's result says why, e.g. "
-             "EPERM from Landlock). Nothing was done to that process, but the job tried."),
+             "EPERM from the job's Landlock domain). Nothing was done to that process, but the job "
+             "tried: a note, since the default confinement is doing its work."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
