@@ -1,4 +1,4 @@
-// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir and dup of tracked cgroups.
+// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir, dup, and namespace, mount and ptrace calls of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
 // (struct offsets come from the running kernel's BTF, never from the installed headers).

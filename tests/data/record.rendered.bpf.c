@@ -1,5 +1,5 @@
 #define HAVE_GROUP_DEAD 1
-// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir and dup of tracked cgroups.
+// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir, dup, and namespace, mount and ptrace calls of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
 // (struct offsets come from the running kernel's BTF, never from the installed headers).

@@ -208,3 +208,14 @@ def test_show_lists_namespace_calls(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "Namespaces, mounts and ptrace (2):" in out
     assert "/usr/bin/mount (pid 101): mount MS_BIND /tmp/x /etc/hostname (0)" in out
     assert "ptrace PTRACE_ATTACH pid 4242 (outside the run) (EPERM)" in out
+
+
+@pytest.mark.parametrize("form", ["markdown", "html"])
+def test_markdown_and_html_list_namespace_calls(
+    form: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rec = namespace(9100, "mount", ["MS_BIND"], ["/tmp/x", "/etc/hostname"], exe="/usr/bin/mount")
+    path = write(tmp_path / "a.tar.gz", [*records(), rec])
+    assert main(["show", "--format", form, str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Namespaces, mounts and ptrace" in out and "mount MS_BIND /tmp/x /etc/hostname" in out
