@@ -201,6 +201,7 @@ class ProcessNamespace(BaseModel):
     fstype: str | None = None  # mount: the filesystem type (at most 15 bytes)
     target_pid: int | None = None
     target_in_run: bool | None = None
+    written: int | None = None  # process_vm_writev: bytes written
     result: Result
     count: int = 1
     cgroup: str | None = None

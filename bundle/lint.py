@@ -544,7 +544,7 @@ class _Part:
             if d.get("target_in_run") is not False:
                 return
             what = f"{op} {' '.join(d['flags'])}".strip()
-            if d["result"] == 0:
+            if d["result"] == 0 and d.get("written") != 0:  # process_vm_writev of 0 bytes wrote nothing
                 self.add(
                     "EV011",
                     f"{who} did {what} on pid {d['target_pid']}, a process outside the run",

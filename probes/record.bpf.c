@@ -1028,7 +1028,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     return emit(e, size, run, EV_EXEC_OK);
 }
 
-static __always_inline void ns_fork(u32 child);  // ---- namespaces and mounts
+static __always_inline void ns_fork(u32 run, u32 child);  // ---- namespaces and mounts
 
 // ---- process lifetime --------------------------------------------------------------------
 
@@ -1042,7 +1042,7 @@ RAW_TRACEPOINT_PROBE(sched_process_fork) {
     bpf_probe_read_kernel(&tgid, sizeof(tgid), child + TASK_TGID_OFF);
     if (pid != tgid)
         return 0;  // a new thread, not a new process
-    ns_fork(tgid);
+    ns_fork(run, tgid);
     struct pctx *pp = proc_ctx(bpf_get_current_pid_tgid() >> 32);
     if (pp) {  // the child runs the same program in the same cwd; its descriptors are its own
         struct pctx child = {.gen = random_token(), .exe = pp->exe, .cwd = pp->cwd};
@@ -1448,22 +1448,23 @@ static __always_inline void ns_exit(struct call *c) {
         return;  // setns into a namespace of another type (nstype 0: any, a pidfd's)
     u32 tgid = e->h.tgid;
     u8 one = 1;
-    nsmark.update(&tgid, &one);
+    if (nsmark.update(&tgid, &one) != 0)
+        count_lost(e->h.run, EV_NS);  // not marked: counted, so the bundle says events may be missing a mark
 }
 
 // At fork (in the parent): the child of a marked process is marked, and so is the child of a
 // clone into a new mount or user namespace (the parent's clone is still in flight).
-static __always_inline void ns_fork(u32 child) {
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    u8 one = 1;
-    if (nsmark.lookup(&tgid)) {
-        nsmark.update(&child, &one);
-        return;
+static __always_inline void ns_fork(u32 run, u32 child) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!nsmark.lookup(&tgid)) {
+        struct call *c = inflight.lookup(&tid);
+        if (!c || c->ev.h.kind != EV_NS || c->ev.ns.op != NS_CLONE || !(c->ev.ns.flags & NS_PATH_FLAGS_))
+            return;
     }
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct call *c = inflight.lookup(&tid);
-    if (c && c->ev.h.kind == EV_NS && c->ev.ns.op == NS_CLONE && (c->ev.ns.flags & NS_PATH_FLAGS_))
-        nsmark.update(&child, &one);
+    u8 one = 1;
+    if (nsmark.update(&child, &one) != 0)
+        count_lost(run, EV_NS);
 }
 
 // ---- results -----------------------------------------------------------------------------

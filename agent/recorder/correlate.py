@@ -238,6 +238,8 @@ class Correlator:
         # a thread id -> its process id (from /proc, injected), to tell whether a ptrace or
         # process_vm_writev target is a process of the run
         self.tgid_of: Callable[[int], int | None] | None = None
+        # a pid -> its cgroup2 path (as /proc/<pid>/cgroup says, from the cgroup2 mount), injected
+        self.cgroup_of: Callable[[int], str | None] | None = None
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -281,7 +283,15 @@ class Correlator:
         if pid in self.procs or pid in self._exited:
             return True
         tgid = self.tgid_of(pid) if self.tgid_of else None
-        return tgid is not None and tgid in self.procs
+        if tgid is not None and tgid in self.procs:
+            return True
+        # a process in the run's cgroup never seen (a run that attached late)
+        cg = self.cgroup_of(pid) if self.cgroup_of else None
+        mount, run = self.cgroup_mount, self.run_cgroup
+        if cg is None or mount is None or run is None:
+            return False
+        where = mount.rstrip("/") + cg
+        return where == run or where.startswith(run + "/")
 
     def _namespace(self, p: Proc, ev: dict[str, Any], ret: int, t: int) -> dict[str, Any]:
         """A namespace, mount, chroot or ptrace call. `paths`: what the call names, resolved like an
@@ -316,6 +326,8 @@ class Correlator:
         if op in ("ptrace", "process_vm_writev"):
             rec["target_pid"] = ev["target"]
             rec["target_in_run"] = self.in_run(ev["target"])
+            if op == "process_vm_writev" and ret >= 0:
+                rec["written"] = ret  # bytes
         elif op == "clone" and ret > 0:
             rec["target_pid"] = ret  # the child
         return rec

@@ -219,3 +219,25 @@ def test_markdown_and_html_list_namespace_calls(
     assert main(["show", "--format", form, str(path)]) == 0
     out = capsys.readouterr().out
     assert "Namespaces, mounts and ptrace" in out and "mount MS_BIND /tmp/x /etc/hostname" in out
+
+
+def test_a_target_in_the_run_cgroup_never_seen_is_in_the_run() -> None:
+    c = Correlator(0)
+    c.add_root(10, 1, "/")
+    c.cgroup_mount, c.run_cgroup = "/sys/fs/cgroup", "/sys/fs/cgroup/evidence/run1"
+    c.cgroup_of = {77: "/evidence/run1/inner", 78: "/evidence/run10", 79: "/user.slice"}.get
+    got = {pid: c.feed(ns("ptrace", 16, target=pid))[0]["target_in_run"] for pid in (77, 78, 79, 80)}
+    assert got == {77: True, 78: False, 79: False, 80: False}
+    (vm,) = c.feed(ns("process_vm_writev", ret=0, target=79))
+    assert vm["written"] == 0 and vm["result"] == 0
+
+
+def test_a_memory_write_of_nothing_is_not_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rec = namespace(9100, "process_vm_writev", [], target_pid=4242, target_in_run=False, written=0)
+    code, doc = _lint(write(tmp_path / "a.tar.gz", [*records(), rec]), capsys)
+    assert code == 0 and [f["rule"] for f in doc["findings"]] == ["EV012"]
+    rec = {**rec, "written": 8}
+    code, doc = _lint(write(tmp_path / "b.tar.gz", [*records(), rec]), capsys)
+    assert code == 1 and [f["rule"] for f in doc["findings"]] == ["EV011"]
