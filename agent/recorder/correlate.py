@@ -508,7 +508,12 @@ class Correlator:
         p.exe = filename
         out = [self._exec_record(p, t, filename, argv, trunc, 0)]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
-            h = self.hash_of(p.pid, filename)
+            where = filename
+            if ev["flags"] & d.F_OTHER_NS and filename.startswith("/"):
+                # in another mount namespace the path names another file here: read it through the
+                # process's own root (gone by then: not hashed, never the wrong file)
+                where = f"/proc/{p.pid}/root{filename}"
+            h = self.hash_of(p.pid, where)
             out[0].update(h if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:

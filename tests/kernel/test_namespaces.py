@@ -7,6 +7,7 @@ the job's Landlock domain refused it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -50,7 +51,7 @@ def shared() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="evidence-ns-"))
     d.chmod(0o755)
     (d / "secret").write_text("a secret of the job's\n")
-    (d / "fake-true").write_text("#!/bin/sh\necho faked true\n")
+    (d / "fake-true").write_text("#!/bin/sh\necho faked true\nsleep 1\n")  # alive while it is hashed, mostly
     (d / "secret").chmod(0o644)
     (d / "fake-true").chmod(0o755)
     try:
@@ -80,6 +81,12 @@ def test_a_bind_mount_in_a_user_namespace_is_recorded_and_flagged(tmp_path: Path
     assert any(o["exe"].endswith("/cat") and o["result"] == 0 for o in opens)
     true = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/true"]
     assert true and all(t["mntns"] == "other" for t in true)
+    # the program's hash is of the file that ran (read through the process's root), never of the
+    # real /usr/bin/true; a process gone before it was read is not hashed
+    fake = hashlib.sha256((shared / "fake-true").read_bytes()).hexdigest()
+    real = hashlib.sha256(Path("/usr/bin/true").read_bytes()).hexdigest()
+    for t in true:
+        assert t.get("sha256") != real and (t.get("sha256") == fake or t.get("not_hashed") == "gone"), t
     # the run's own processes, before the unshare, are not marked
     setpriv = [e["data"] for e in of_type(events, "process.exec") if e["data"]["argv"][:1] == ["setpriv"]]
     assert setpriv and all("mntns" not in s for s in setpriv)
