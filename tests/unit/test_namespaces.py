@@ -241,3 +241,18 @@ def test_a_memory_write_of_nothing_is_not_an_error(
     rec = {**rec, "written": 8}
     code, doc = _lint(write(tmp_path / "b.tar.gz", [*records(), rec]), capsys)
     assert code == 1 and [f["rule"] for f in doc["findings"]] == ["EV011"]
+
+
+def test_an_exec_in_another_namespace_is_hashed_through_its_root() -> None:
+    asked: list[tuple[int, str]] = []
+
+    def hash_of(pid: int, path: str) -> dict[str, Any]:
+        asked.append((pid, path))
+        return {"sha256": "0" * 64, "size": 1, "hash_source": "path"}
+
+    c = Correlator(0, hash_of=hash_of)
+    c.add_root(10, 1, "/")
+    ok = dict(dfd=0, at_flags=0, old_tid=0, argc=1, argv=["true"], filename="/usr/bin/true")
+    c.feed(ev("exec_ok", **ok))
+    c.feed(ev("exec_ok", flags=d.F_OTHER_NS, **ok))
+    assert asked == [(10, "/usr/bin/true"), (10, "/proc/10/root/usr/bin/true")]
