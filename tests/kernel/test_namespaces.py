@@ -148,3 +148,27 @@ def test_ptrace_outside_the_run_is_refused_and_recorded(tmp_path: Path, victim: 
         and "EV011" not in lint.stdout
     ), lint.stdout
     assert os.path.exists(f"/proc/{victim}")
+
+
+@pytest.mark.parametrize(
+    ("command", "op", "flags", "paths"),
+    [
+        (("chroot", "/", "cat", "/etc/hostname"), "chroot", [], ["/"]),
+        # its own namespace (PID 1's is outside the job's Landlock domain): the mark is conservative
+        (("nsenter", "--mount=/proc/self/ns/mnt", "cat", "/etc/hostname"), "setns", ["CLONE_NEWNS"], []),
+    ],
+    ids=["chroot", "setns"],
+)
+def test_chroot_and_setns_are_recorded_and_mark_what_follows(
+    command: tuple[str, ...], op: str, flags: list[str], paths: list[str], tmp_path: Path
+) -> None:
+    # as root: a job without root cannot chroot or enter PID 1's namespace outside a user namespace
+    # of its own (which the first test covers), and these calls mark a process on their own
+    proc, _, events = record(tmp_path, *command, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    (call,) = _namespace(events, op)
+    assert call["flags"] == flags and call["paths"] == paths and call["result"] == 0 and "mntns" not in call
+    cats = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"].endswith("/cat")]
+    assert any(c["result"] == 0 for c in cats) and all(c["mntns"] == "other" for c in cats)
+    opens = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == "/etc/hostname"]
+    assert opens and all(o["mntns"] == "other" for o in opens)
