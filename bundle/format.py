@@ -90,17 +90,18 @@ class ProcessExec(BaseModel):
     container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
     mntns: MntNs = None
     # a successful exec: the program file's content (agent/recorder/exe_hash.py). `hash_source`:
-    # "exe" read through /proc/<pid>/exe, "path" read by its path (a `#!` script, or a process gone
-    # or already running something else); `not_hashed` (instead of sha256) says why not
+    # "exe" read through /proc/<pid>/exe, "inode" read by its path and shown to be the file the
+    # kernel mapped (a process gone by then), "path" read by its path without that (a `#!` script, a
+    # file replaced since); `not_hashed` (instead of sha256) says why not
     sha256: str | None = None  # hex
     size: int | None = None
-    hash_source: Literal["exe", "path"] | None = None
+    hash_source: Literal["exe", "inode", "path"] | None = None
     not_hashed: str | None = None
     # a `#!` script: the interpreter its first line names, hashed as the program is
     interpreter: str | None = None
     interpreter_sha256: str | None = None  # hex
     interpreter_size: int | None = None
-    interpreter_hash_source: Literal["exe", "path"] | None = None
+    interpreter_hash_source: Literal["exe", "inode", "path"] | None = None
     interpreter_not_hashed: str | None = None
 
 
@@ -303,6 +304,8 @@ class RunInfo(BaseModel):
     headers: dict[str, Any]
     labels: dict[str, str] = Field(default_factory=dict)
     policy: dict[str, Any] | None = None
+    # the command's private network namespace (`--net`): empty, or loopback only; None: the host's
+    network: Literal["none", "loopback"] | None = None
 
 
 class Manifest(RunInfo, BundleHeader):

@@ -151,6 +151,13 @@ struct exec_ev {
     u16 fname_len;
     u16 args_len;  // bytes of NUL-separated argv that follow the filename
     u32 argc;      // arguments seen (may exceed the number captured)
+    // EV_EXEC_OK: the file the new image was mapped from (mm->exe_file; for a #! script, its
+    // interpreter): s_dev (kernel encoding), inode number, size and ctime. ino 0: not read.
+    u32 dev;
+    u64 ino;
+    u64 size;
+    s64 ctime_sec;
+    u32 ctime_nsec;
     char buf[4 * PATH_MAX_ + ARGS_MAX_];
 };
 
@@ -951,6 +958,11 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     e->at_flags = at_flags;
     e->old_tid = 0;
     e->argc = 0;
+    e->dev = 0;  // the file is known once the exec succeeded (EV_EXEC_OK)
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     int n = bpf_probe_read_user_str(e->buf, PATH_MAX_, filename);
     if (n < 0) {
         n = 1;
@@ -1000,9 +1012,27 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     void *mm = NULL;
     u64 start = 0, end = 0;
     bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + TASK_MM_OFF);
+    e->dev = 0;
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     if (mm) {
         bpf_probe_read_kernel(&start, sizeof(start), mm + MM_ARG_START_OFF);
         bpf_probe_read_kernel(&end, sizeof(end), mm + MM_ARG_END_OFF);
+        void *file = NULL, *inode = NULL, *sb = NULL;
+        bpf_probe_read_kernel(&file, sizeof(file), mm + MM_EXE_FILE_OFF);
+        if (file)
+            bpf_probe_read_kernel(&inode, sizeof(inode), file + FILE_INODE_OFF);
+        if (inode) {
+            bpf_probe_read_kernel(&e->ino, sizeof(e->ino), inode + INODE_INO_OFF);
+            bpf_probe_read_kernel(&e->size, sizeof(e->size), inode + INODE_SIZE_OFF);
+            bpf_probe_read_kernel(&e->ctime_sec, sizeof(e->ctime_sec), inode + INODE_CTIME_SEC_OFF);
+            bpf_probe_read_kernel(&e->ctime_nsec, sizeof(e->ctime_nsec), inode + INODE_CTIME_NSEC_OFF);
+            bpf_probe_read_kernel(&sb, sizeof(sb), inode + INODE_SB_OFF);
+            if (sb)
+                bpf_probe_read_kernel(&e->dev, sizeof(e->dev), sb + SB_DEV_OFF);
+        }
     }
     u64 len = end > start ? end - start : 0;
     if (len >= ARGS_MAX_) {

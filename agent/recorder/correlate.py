@@ -215,7 +215,7 @@ class Correlator:
         proc_lookup: ProcLookup | None = None,
         cgroup_name: Callable[[int], str | None] | None = None,
         abi_of: Callable[[int, str], str | None] | None = None,
-        hash_of: Callable[[int, str], Any] | None = None,  # exe_hash.Hasher: the program's sha256
+        hash_of: Callable[[int, str, Any], Any] | None = None,  # exe_hash.Hasher: the program's sha256
     ) -> None:
         self.hash_of = hash_of
         # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
@@ -513,7 +513,7 @@ class Correlator:
                 # in another mount namespace the path names another file here: read it through the
                 # process's own root (gone by then: not hashed, never the wrong file)
                 where = f"/proc/{p.pid}/root{filename}"
-            h = self.hash_of(p.pid, where)
+            h = self.hash_of(p.pid, where, ev.get("file"))
             out[0].update(h if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:

@@ -6,6 +6,7 @@ saved raw records.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import Any
@@ -91,12 +92,16 @@ _DUP = struct.Struct("<qii")  # ret, oldfd, newfd
 _CHANGE = struct.Struct("<q16xiiIIIIHHH2x")
 # a namespace call: ret, flags, target, dfd, dfd2, fstype, op, len1, len2 (the paths as a change's)
 _NS = struct.Struct("<qQQii16sHHH2x")
-_EXEC = struct.Struct("<iIIHHI")  # dfd, at_flags, old_tid, fname_len, args_len, argc
+# dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
+# (kernel encoding), ino, size, ctime (s, ns)
+_EXEC = struct.Struct("<iIIHHIIQQqI")
 _FORK = struct.Struct("<II")
 _EXIT = struct.Struct("<iI")
 _RET = struct.Struct("<IIq")
 OPEN_PATH_OFF = HDR.size + _OPEN.size  # 72
-EXEC_BUF_OFF = HDR.size + _EXEC.size  # 52
+EXEC_BUF_OFF = HDR.size + _EXEC.size  # 84
+# i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
+_NSEC_MASK = (1 << 30) - 1
 CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
 NS_BUF_OFF = HDR.size + _NS.size  # 88
@@ -178,8 +183,17 @@ def decode(raw: bytes) -> dict[str, Any]:
             path=_cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
         )
     elif kind in (EV_EXEC, EV_EXEC_OK):
-        dfd, at_flags, old_tid, flen, alen, argc = _EXEC.unpack_from(raw, o)
+        dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns = _EXEC.unpack_from(
+            raw, o
+        )
         buf = raw[EXEC_BUF_OFF:]
+        if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
+            ev["file"] = (
+                os.makedev(kdev >> 20, kdev & 0xFFFFF),
+                ino,
+                size,
+                ctime_s * 1_000_000_000 + (ctime_ns & _NSEC_MASK),
+            )
         ev.update(
             dfd=dfd,
             at_flags=at_flags,

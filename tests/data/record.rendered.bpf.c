@@ -152,6 +152,13 @@ struct exec_ev {
     u16 fname_len;
     u16 args_len;  // bytes of NUL-separated argv that follow the filename
     u32 argc;      // arguments seen (may exceed the number captured)
+    // EV_EXEC_OK: the file the new image was mapped from (mm->exe_file; for a #! script, its
+    // interpreter): s_dev (kernel encoding), inode number, size and ctime. ino 0: not read.
+    u32 dev;
+    u64 ino;
+    u64 size;
+    s64 ctime_sec;
+    u32 ctime_nsec;
     char buf[4 * PATH_MAX_ + ARGS_MAX_];
 };
 
@@ -952,6 +959,11 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     e->at_flags = at_flags;
     e->old_tid = 0;
     e->argc = 0;
+    e->dev = 0;  // the file is known once the exec succeeded (EV_EXEC_OK)
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     int n = bpf_probe_read_user_str(e->buf, PATH_MAX_, filename);
     if (n < 0) {
         n = 1;
@@ -1001,9 +1013,27 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     void *mm = NULL;
     u64 start = 0, end = 0;
     bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + 1136);
+    e->dev = 0;
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     if (mm) {
         bpf_probe_read_kernel(&start, sizeof(start), mm + 480);
         bpf_probe_read_kernel(&end, sizeof(end), mm + 488);
+        void *file = NULL, *inode = NULL, *sb = NULL;
+        bpf_probe_read_kernel(&file, sizeof(file), mm + 1312);
+        if (file)
+            bpf_probe_read_kernel(&inode, sizeof(inode), file + 32);
+        if (inode) {
+            bpf_probe_read_kernel(&e->ino, sizeof(e->ino), inode + 64);
+            bpf_probe_read_kernel(&e->size, sizeof(e->size), inode + 80);
+            bpf_probe_read_kernel(&e->ctime_sec, sizeof(e->ctime_sec), inode + 104);
+            bpf_probe_read_kernel(&e->ctime_nsec, sizeof(e->ctime_nsec), inode + 120);
+            bpf_probe_read_kernel(&sb, sizeof(sb), inode + 40);
+            if (sb)
+                bpf_probe_read_kernel(&e->dev, sizeof(e->dev), sb + 16);
+        }
     }
     u64 len = end > start ? end - start : 0;
     if (len >= ARGS_MAX_) {

@@ -246,7 +246,7 @@ def test_a_memory_write_of_nothing_is_not_an_error(
 def test_an_exec_in_another_namespace_is_hashed_through_its_root() -> None:
     asked: list[tuple[int, str]] = []
 
-    def hash_of(pid: int, path: str) -> dict[str, Any]:
+    def hash_of(pid: int, path: str, ident: Any = None) -> dict[str, Any]:
         asked.append((pid, path))
         return {"sha256": "0" * 64, "size": 1, "hash_source": "path"}
 
