@@ -39,12 +39,18 @@ PROCESS_EXEC = "dev.evidence.process.exec"
 PROCESS_EXIT = "dev.evidence.process.exit"
 FILE_OPEN = "dev.evidence.file.open"
 FILE_CHANGE = "dev.evidence.file.change"
+PROCESS_NAMESPACE = "dev.evidence.process.namespace"
 NETWORK_CONNECT = "dev.evidence.network.connect"
 LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
+
+# `mntns: "other"` on an exec, open, change, connect or namespace event: by a process that left the
+# run's mount or user namespace, mounted, chrooted or entered a namespace with setns (or a child of
+# one): its paths may name other files than the same paths in the run's own namespace.
+MntNs = Literal["other"] | None
 
 # A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
 Result = Literal[0] | str
@@ -83,6 +89,7 @@ class ProcessExec(BaseModel):
     count: int = 1
     cgroup: str | None = None  # the cgroup below the run's, when not the run's own
     container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
+    mntns: MntNs = None
     # a successful exec: the program file's content (agent/recorder/exe_hash.py). `hash_source`:
     # "exe" read through /proc/<pid>/exe, "inode" read by its path and shown to be the file the
     # kernel mapped (a process gone by then), "path" read by its path without that (a `#!` script, a
@@ -127,6 +134,7 @@ class FileOpen(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    mntns: MntNs = None
 
 
 class FileChange(BaseModel):
@@ -155,6 +163,7 @@ class FileChange(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    mntns: MntNs = None
 
 
 class NetworkConnect(BaseModel):
@@ -172,6 +181,7 @@ class NetworkConnect(BaseModel):
     cgroup: str | None = None
     container: str | None = None
     names: list[str] = Field(default_factory=list)  # what the run's DNS answers named the address
+    mntns: MntNs = None
 
 
 class NetworkDns(BaseModel):
@@ -199,6 +209,34 @@ class NetworkDns(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+
+
+class ProcessNamespace(BaseModel):
+    """A namespace, mount, chroot or ptrace call by a process of the run (record.bpf.c). `flags`
+    are names (CLONE_*, MS_*, MOVE_MOUNT_*, OPEN_TREE_*, the ptrace request); `paths` what the call
+    names, resolved as an open's (mount: source (only for a bind or move) and target; move_mount:
+    from and to; pivot_root: new root and put_old). ptrace and process_vm_writev: `target_pid` and
+    whether it was a process of the run; clone: `target_pid` is the child."""
+
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    operation: Literal[
+        "unshare", "setns", "clone", "mount", "move_mount", "open_tree", "fsmount", "pivot_root",
+        "chroot", "ptrace", "process_vm_writev",
+    ]  # fmt: skip
+    flags: list[str]
+    paths: list[str]
+    fstype: str | None = None  # mount: the filesystem type (at most 15 bytes)
+    target_pid: int | None = None
+    target_in_run: bool | None = None
+    written: int | None = None  # process_vm_writev: bytes written
+    result: Result
+    count: int = 1
+    cgroup: str | None = None
+    container: str | None = None
+    mntns: MntNs = None
 
 
 class Loss(BaseModel):
@@ -244,6 +282,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     PROCESS_EXIT: ProcessExit,
     FILE_OPEN: FileOpen,
     FILE_CHANGE: FileChange,
+    PROCESS_NAMESPACE: ProcessNamespace,
     NETWORK_CONNECT: NetworkConnect,
     LOSS: Loss,
     DEGRADATION: Degradation,

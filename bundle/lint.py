@@ -103,6 +103,27 @@ RULES: dict[str, Rule] = {
              "when it ran), so that what ran can be compared with what was built or reviewed; the "
              "same path with another content is another finding (and `evidence diff` reports it "
              "as changed between runs)."),
+        Rule("EV010", "other-mount-namespace", "warning", "A process left the run's mount namespace, mounted or chrooted",
+             "A dev.evidence.process.namespace event says that a process of the run made a new "
+             "mount or user namespace (unshare, clone), entered a namespace (setns), mounted "
+             "(mount, move_mount, open_tree, fsmount), or changed its root (chroot, pivot_root), "
+             "and it succeeded; or events carry mntns: \"other\" (by such a process, or a child "
+             "of one). From then on the paths that process names may name other files than the "
+             "same paths in the run's own namespace: a job can bind-mount a file of its own over "
+             "/etc/hostname or /usr/bin/true, and the bundle then says that /etc/hostname was "
+             "read and /usr/bin/true ran. Read those events' paths as names the process used, "
+             "not as the files of the machine. The finding names the processes and what they did."),
+        Rule("EV011", "tampered-outside-run", "error", "A process of the run traced or wrote the memory of a process outside it",
+             "A ptrace (attach, seize, poketext, pokedata, pokeuser) or process_vm_writev by a "
+             "process of the run succeeded on a process that is not one of the run's. Such a "
+             "process can be made to do anything on the job's behalf, and what it does is not "
+             "recorded. By default the job's Landlock domain forbids it; a run with "
+             "--allow-setuid runs without that domain."),
+        Rule("EV012", "tamper-attempt-outside-run", "note", "A process of the run tried to trace or write the memory of a process outside it",
+             "A ptrace (attach, seize, poke) or process_vm_writev by a process of the run on a "
+             "process that is not one of the run's failed (the event's result says why, e.g. "
+             "EPERM from the job's Landlock domain). Nothing was done to that process, but the job "
+             "tried: a note, since the default confinement is doing its work."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -120,6 +141,19 @@ _SECRETS = [
 
 
 _FD_PATH = re.compile(r"/dev/fd/\d|/proc/(?:self|thread-self|\d+)/fd/\d")  # a program run from a descriptor
+
+
+_PATH_NS = ("CLONE_NEWNS", "CLONE_NEWUSER")
+
+
+def _changes_paths(op: str, flags: list[str]) -> bool:
+    """Whether a successful namespace call changes what the process's paths name (as the kernel
+    marks it: record.bpf.c ns_exit and ns_fork)."""
+    if op in ("unshare", "clone"):
+        return any(f in _PATH_NS for f in flags)
+    if op == "setns":
+        return not flags or any(f in _PATH_NS for f in flags)
+    return op in ("mount", "move_mount", "open_tree", "fsmount", "pivot_root", "chroot")
 
 
 def _maybe_secret(s: str) -> bool:
@@ -307,6 +341,7 @@ class _Part:
             fmt.DEGRADATION: self._degradation,
             fmt.POLICY_DENIAL: self._denial,
             fmt.INVENTORY: self._inventory,
+            fmt.PROCESS_NAMESPACE: self._namespace,
         }
 
     def __getstate__(self) -> dict[str, Any]:  # what goes back from the helper: the results
@@ -346,6 +381,8 @@ class _Part:
         handler = self._dispatch.get(ev["type"])
         if handler is not None:
             handler(ev)
+        if type(data) is dict and data.get("mntns") == "other":
+            self._other_ns(ev)
 
     # -- rules
 
@@ -497,6 +534,55 @@ class _Part:
         target = ev["data"]["target"]
         if target != ev["subject"] and _maybe_secret(target):
             self._secrets(target, "path", ev)
+
+    def _namespace(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        op = d["operation"]
+        exe = d.get("exe") or "?"
+        who = f"{exe} (pid {d['pid']})"
+        if op in ("ptrace", "process_vm_writev"):
+            if d.get("target_in_run") is not False:
+                return
+            what = f"{op} {' '.join(d['flags'])}".strip()
+            if d["result"] == 0 and d.get("written") != 0:  # process_vm_writev of 0 bytes wrote nothing
+                self.add(
+                    "EV011",
+                    f"{who} did {what} on pid {d['target_pid']}, a process outside the run",
+                    f"{exe}\0{op}",
+                    ev,
+                )
+            else:
+                self.add(
+                    "EV012",
+                    f"{who} tried {what} on pid {d['target_pid']}, a process outside the run ({d['result']})",
+                    f"{exe}\0{op}",
+                    ev,
+                )
+            return
+        if d["result"] != 0 or not _changes_paths(op, d["flags"]):
+            return
+        flags = ",".join(d["flags"])
+        paths = " ".join(d["paths"])
+        what = " ".join(x for x in (op, flags, paths) if x)
+        norm = self.rules.norm
+        self.add(
+            "EV010",
+            f"{who} did {what}: its later paths (and its children's) may name other files",
+            f"{norm.text(exe)}\0{op}\0{flags}\0{norm.text(paths)}",
+            ev,
+        )
+
+    def _other_ns(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        kind = ev["type"].removeprefix(fmt.TYPE_PREFIX)
+        exe = d.get("exe") or d.get("filename") or "?"
+        self.add(
+            "EV010",
+            f"{exe} (pid {d['pid']}) and others: {kind} events in another mount namespace "
+            f"(first: {ev['subject']}); their paths may not name the files they name in the run's",
+            f"mntns\0{kind}",
+            ev,
+        )
 
     def _inventory(self, ev: dict[str, Any]) -> None:
         self._argv(ev["data"]["argv"], "argv", ev)

@@ -24,17 +24,20 @@ KIND_TYPE = {
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
     "dns": fmt.NETWORK_DNS,
+    "namespace": fmt.PROCESS_NAMESPACE,
 }
 
 # Kinds aggregated in summary mode, with the fields that make a record distinct: one event per key,
 # with its count and first and last times.
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container"),
-    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
-    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
+    "open": ("exe", "path", "access", "result", "cgroup", "container", "mntns"),
+    "change": (
+        "exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container", "mntns",
+    ),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container", "mntns"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
     "dns": ("exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container"),
-}
+}  # fmt: skip
 # kinds whose events carry count, first_time and last_time (a denial carries its count only)
 _COUNTED = ("open", "change", "connect", "dns")
 _NOT_DATA = ("k", "t", "n", "tl")
@@ -80,6 +83,10 @@ def subject(rec: dict[str, Any]) -> str:
         return str(rec["component"])
     if k == "dns":
         return str(rec["name"] if rec.get("name") is not None else rec["server"])
+    if k == "namespace":
+        if rec.get("target_pid") is not None and rec["operation"] != "clone":
+            return f"{rec['operation']} pid:{rec['target_pid']}"
+        return " ".join((rec["operation"], *rec["paths"]))
     raise ValueError(f"unknown record kind {k!r}")
 
 

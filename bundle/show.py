@@ -43,6 +43,7 @@ class Summary:
     denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # what -> [count, events]
     dns: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # query -> [count, exe, events]
     degradations: list[str] = dataclasses.field(default_factory=list)
+    namespaces: list[str] = dataclasses.field(default_factory=list)  # namespace, mount, ptrace calls
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
     untracked: int = 0
 
@@ -101,6 +102,15 @@ class Summary:
             entry[1] += 1
         elif t == fmt.LOSS:
             self.lost[d["kind"]] = self.lost.get(d["kind"], 0) + d["count"]
+        elif t == fmt.PROCESS_NAMESPACE:
+            if len(self.namespaces) < MAX_TRACKED:
+                flags = ",".join(d["flags"])
+                what = " ".join(x for x in (d["operation"], flags, *d["paths"]) if x)
+                if d.get("target_pid") is not None and d["operation"] != "clone":
+                    what += f" pid {d['target_pid']}" + (
+                        "" if d.get("target_in_run") else " (outside the run)"
+                    )
+                self.namespaces.append(f"{d.get('exe') or '?'} (pid {d['pid']}): {what} ({d['result']})")
         elif t == fmt.DEGRADATION:
             self.degradations.append(f"{d['component']}: {d['reason']} (impact: {d['impact']})")
         elif t == fmt.RUN_STARTED:
@@ -126,6 +136,7 @@ class Summary:
         for kind, n in part.lost.items():
             self.lost[kind] = self.lost.get(kind, 0) + n
         self.degradations += part.degradations
+        self.namespaces += part.namespaces[: max(0, MAX_TRACKED - len(self.namespaces))]
         self.started = part.started or self.started
         self.finished = part.finished or self.finished
 
@@ -343,6 +354,9 @@ def render(s: Summary, limit: int = 50) -> str:
         out.append(f"  degraded: {d}")
     n_exec = sum(len(v) for v in s.procs.values())
     out += ["", f"Processes ({n_exec} execs):"] + (tree_lines(s, limit) or ["  none"])
+    if s.namespaces:
+        out += ["", f"Namespaces, mounts and ptrace ({len(s.namespaces)}):"]
+        out += _limited([f"  {n}" for n in s.namespaces], limit)
     out += ["", f"Files ({sum(len(g) for g in s.files.values())} paths):"]
     for klass in file_classes(s):
         group = s.files[klass]

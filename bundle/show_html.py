@@ -149,6 +149,9 @@ def _header(s: show.Summary, linted: show.Linted, path: str) -> list[str]:
     )
     if s.degradations:
         out += ["<h2>Degraded</h2>", "<ul>"] + [f"<li>{_code(d)}</li>" for d in s.degradations] + ["</ul>"]
+    if s.namespaces:
+        out += ["<h2>Namespaces, mounts and ptrace</h2>", "<ul>"]
+        out += [f"<li>{_code(n)}</li>" for n in s.namespaces] + ["</ul>"]
     counts = {
         sev: sum(1 for f in linted.findings if f.rule.severity == sev) for sev in ("error", "warning", "note")
     }

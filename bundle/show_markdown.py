@@ -113,6 +113,11 @@ def render(s: show.Summary, linted: show.Linted, limit: int = 50) -> str:
         ]
     if s.degradations:
         out += ["> **Degraded:** " + "; ".join(code(d) for d in _cut(s.degradations, limit)), ""]
+    if s.namespaces:
+        out += [
+            "**Namespaces, mounts and ptrace:** " + "; ".join(code(n) for n in _cut(s.namespaces, limit)),
+            "",
+        ]
     if m.get("policy") is None:
         out += ["Observe only: no policy was in force.", ""]
 

@@ -62,6 +62,7 @@ class _Behaviour:
         self.nets: set[tuple[Any, ...]] = set()
         self.denials: set[tuple[Any, ...]] = set()
         self.changes: set[tuple[Any, ...]] = set()
+        self.namespaces: set[tuple[Any, ...]] = set()
 
     def add(self, rec: dict[str, Any]) -> None:
         k, norm = rec["k"], self.norm
@@ -83,6 +84,9 @@ class _Behaviour:
             )
         elif k == "denial":
             self.denials.add((rec["operation"], norm.text(rec["target"]), rec["rule"], rec["enforced"]))
+        elif k == "namespace":
+            paths = tuple(norm.text(p) for p in rec["paths"])
+            self.namespaces.add((rec["operation"], tuple(rec["flags"]), paths, rec["result"]))
 
     def run_id(self) -> str:
         behaviour = {
@@ -94,6 +98,8 @@ class _Behaviour:
         }
         if self.changes:  # only when there are some: a run id made before file changes were recorded holds
             behaviour["changes"] = sorted(self.changes, key=repr)
+        if self.namespaces:  # the same: only when there are some
+            behaviour["namespaces"] = sorted(self.namespaces, key=repr)
         return "run-" + hashlib.sha256(canonical.dumps(behaviour)).hexdigest()[:32]
 
 

@@ -60,6 +60,20 @@ SYSCALL_HANDLERS = {
         "mknod",
         "mknodat",
     ),
+    "on_enter_ns": (
+        "unshare",
+        "setns",
+        "clone",
+        "clone3",
+        "mount",
+        "move_mount",
+        "open_tree",
+        "fsmount",
+        "pivot_root",
+        "chroot",
+        "ptrace",
+        "process_vm_writev",
+    ),
 }
 # ---- dns: on_enter_dns (record.bpf.c) on these syscalls' enter tracepoints, and on_exit_dns on the
 # exits of the receives (their message is read there). None of them has a handler above: BCC keeps
@@ -82,8 +96,8 @@ KIND_NAMES = [
     "connect_past_cap",
     "agg_map_full",  # not loss: recorded one by one because the aggregation map was full
     "change",
-    "kind15",  # (another section's kind)
-    "dns",
+    "namespace",  # 15: namespace, mount, chroot and ptrace calls
+    "dns",  # 16
 ]
 NOT_LOSS = frozenset(("agg_map_full",))
 # struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
@@ -162,8 +176,9 @@ class RecorderProbes:
         out = {}
         for kind in range(1, EV_KINDS):
             n = self._lost[ctypes.c_int(slot * EV_KINDS + kind)].value
-            if n and KIND_NAMES[kind] not in NOT_LOSS:
-                out[KIND_NAMES[kind]] = int(n)
+            name = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"kind{kind}"
+            if n and name not in NOT_LOSS:
+                out[name] = int(n)
         return out
 
     def read_fallbacks(self, slot: int) -> int:

@@ -125,7 +125,7 @@ ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
 
 
 # record kinds that carry their own result (paired in the kernel)
-_PAIRED = frozenset(("open", "change", "connect", "chdir", "fchdir", "dup"))
+_PAIRED = frozenset(("open", "change", "connect", "chdir", "fchdir", "dup", "namespace"))
 
 # what a file change needs, by operation: the access class of its (first) path; every change also
 # needs write access to the directory that holds the name it adds or removes (policy/profile.py)
@@ -142,6 +142,71 @@ CHANGE_ACCESS: dict[str, tuple[str, ...]] = {
     "mknod": ("create",),
 }
 _AT_REMOVEDIR = 0x200
+
+# namespace calls (record.bpf.c ---- namespaces and mounts): the names of their flags
+_CLONE_FLAGS = (
+    (0x00000080, "CLONE_NEWTIME"),
+    (0x00020000, "CLONE_NEWNS"),
+    (0x02000000, "CLONE_NEWCGROUP"),
+    (0x04000000, "CLONE_NEWUTS"),
+    (0x08000000, "CLONE_NEWIPC"),
+    (0x10000000, "CLONE_NEWUSER"),
+    (0x20000000, "CLONE_NEWPID"),
+    (0x40000000, "CLONE_NEWNET"),
+)
+_MOUNT_FLAGS = (
+    (0x1, "MS_RDONLY"),
+    (0x2, "MS_NOSUID"),
+    (0x4, "MS_NODEV"),
+    (0x8, "MS_NOEXEC"),
+    (0x20, "MS_REMOUNT"),
+    (0x1000, "MS_BIND"),
+    (0x2000, "MS_MOVE"),
+    (0x4000, "MS_REC"),
+    (0x20000, "MS_UNBINDABLE"),
+    (0x40000, "MS_PRIVATE"),
+    (0x80000, "MS_SLAVE"),
+    (0x100000, "MS_SHARED"),
+)
+_MOVE_MOUNT_FLAGS = (
+    (0x1, "MOVE_MOUNT_F_SYMLINKS"),
+    (0x4, "MOVE_MOUNT_F_EMPTY_PATH"),
+    (0x100, "MOVE_MOUNT_T_EMPTY_PATH"),
+)
+_OPEN_TREE_FLAGS = ((0x1, "OPEN_TREE_CLONE"), (0x8000, "AT_RECURSIVE"), (0x1000, "AT_EMPTY_PATH"))
+_PTRACE_REQUESTS = {
+    4: "PTRACE_POKETEXT",
+    5: "PTRACE_POKEDATA",
+    6: "PTRACE_POKEUSER",
+    16: "PTRACE_ATTACH",
+    0x4206: "PTRACE_SEIZE",
+}
+_MS_BIND, _MS_MOVE = 0x1000, 0x2000
+_MNTNS_KINDS = frozenset(("open", "change", "exec", "connect", "namespace"))
+
+
+def _bit_names(value: int, table: tuple[tuple[int, str], ...]) -> list[str]:
+    names = [name for bit, name in table if value & bit]
+    rest = value & ~functools.reduce(lambda a, b: a | b, (bit for bit, _ in table), 0)
+    if rest:
+        names.append(f"0x{rest:x}")
+    return names
+
+
+def namespace_flags(op: str, flags: int) -> list[str]:
+    """The names of a namespace call's flags (clone/unshare/setns: CLONE_*; mount: MS_*; ptrace:
+    its request)."""
+    if op in ("clone", "unshare", "setns"):
+        return _bit_names(flags, _CLONE_FLAGS)  # clone's exit signal is not recorded
+    if op == "mount":
+        return _bit_names(flags, _MOUNT_FLAGS)
+    if op == "move_mount":
+        return _bit_names(flags, _MOVE_MOUNT_FLAGS)
+    if op == "open_tree":
+        return _bit_names(flags, _OPEN_TREE_FLAGS)
+    if op == "ptrace":
+        return [_PTRACE_REQUESTS.get(flags, f"request {flags}")]
+    return _bit_names(flags, ()) if flags else []
 
 
 class Correlator:
@@ -172,6 +237,11 @@ class Correlator:
         self.unpaired = 0  # result records whose enter record was lost
         self._exited: dict[int, str | None] = {}  # pid -> exe of recently exited processes
         self.dns = Resolutions()  # ---- dns: the run's DNS queries and the names of addresses
+        # a thread id -> its process id (from /proc, injected), to tell whether a ptrace or
+        # process_vm_writev target is a process of the run
+        self.tgid_of: Callable[[int], int | None] | None = None
+        # a pid -> its cgroup2 path (as /proc/<pid>/cgroup says, from the cgroup2 mount), injected
+        self.cgroup_of: Callable[[int], str | None] | None = None
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -201,7 +271,68 @@ class Correlator:
 
     def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         """Consume one decoded record; return the spool records it completes."""
-        return self._named(self._feed(ev), ev)
+        out = self._named(self._feed(ev), ev)
+        if out and ev["flags"] & d.F_OTHER_NS:
+            # by a process that left the run's mount or user namespace (or mounted, or chrooted):
+            # its paths may name other files than the same paths in the run's namespace
+            for rec in out:
+                if rec["k"] in _MNTNS_KINDS:
+                    rec["mntns"] = "other"
+        return out
+
+    def in_run(self, pid: int) -> bool:
+        """Whether `pid` (a process or thread id) is a process of the run, now or earlier."""
+        if pid in self.procs or pid in self._exited:
+            return True
+        tgid = self.tgid_of(pid) if self.tgid_of else None
+        if tgid is not None and tgid in self.procs:
+            return True
+        # a process in the run's cgroup never seen (a run that attached late)
+        cg = self.cgroup_of(pid) if self.cgroup_of else None
+        mount, run = self.cgroup_mount, self.run_cgroup
+        if cg is None or mount is None or run is None:
+            return False
+        where = mount.rstrip("/") + cg
+        return where == run or where.startswith(run + "/")
+
+    def _namespace(self, p: Proc, ev: dict[str, Any], ret: int, t: int) -> dict[str, Any]:
+        """A namespace, mount, chroot or ptrace call. `paths`: what the call names, resolved like an
+        open's (mount: source and target, the source only when a bind or move names a path;
+        move_mount: from and to; pivot_root: new root and put_old)."""
+        op = ev["op"]
+        paths: list[str] = []
+        for i, (raw, dfd, fault) in enumerate(
+            ((ev["path"], ev["dfd"], d.F_FNAME_FAULT), (ev["path2"], ev["dfd2"], d.F_PATH2_FAULT))
+        ):
+            if raw is None:
+                continue
+            if ev["flags"] & fault:
+                paths.append(UNREADABLE)
+            elif op == "mount" and i == 0 and not (ev["ns_flags"] & (_MS_BIND | _MS_MOVE)):
+                paths.append(raw)  # a device or a name ("none", "proc", "overlay"), not a path
+            else:
+                paths.append(self._resolve(p, raw, dfd))
+        rec: dict[str, Any] = {
+            "k": "namespace",
+            "t": t,
+            "pid": p.pid,
+            "ppid": p.ppid,
+            "exe": p.exe,
+            "operation": op,
+            "flags": namespace_flags(op, ev["ns_flags"]),
+            "paths": paths,
+            "result": result_of(ret),
+        }
+        if ev.get("fstype"):
+            rec["fstype"] = ev["fstype"]
+        if op in ("ptrace", "process_vm_writev"):
+            rec["target_pid"] = ev["target"]
+            rec["target_in_run"] = self.in_run(ev["target"])
+            if op == "process_vm_writev" and ret >= 0:
+                rec["written"] = ret  # bytes
+        elif op == "clone" and ret > 0:
+            rec["target_pid"] = ret  # the child
+        return rec
 
     def flush(self) -> list[dict[str, Any]]:
         """The execs still waiting for their result when the run ends (in progress, or a result the
@@ -383,7 +514,12 @@ class Correlator:
         p.exe = filename
         out = [self._exec_record(p, t, filename, argv, trunc, 0)]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
-            h = self.hash_of(p.pid, filename, ev.get("file"))
+            where = filename
+            if ev["flags"] & d.F_OTHER_NS and filename.startswith("/"):
+                # in another mount namespace the path names another file here: read it through the
+                # process's own root (gone by then: not hashed, never the wrong file)
+                where = f"/proc/{p.pid}/root{filename}"
+            h = self.hash_of(p.pid, where, ev.get("file"))
             out[0].update(h if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:
@@ -430,6 +566,8 @@ class Correlator:
             ]
         if kind == "change":
             return [self._change(p, enter, ret, t)]
+        if kind == "namespace":
+            return [self._namespace(p, enter, ret, t)]
         if kind == "exec":
             if ret == 0:
                 return []  # exec_ok already recorded it

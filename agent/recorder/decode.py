@@ -37,7 +37,9 @@ KIND_NAMES = {
 }
 EV_CHANGE = 14  # after the loss-only kinds 11-13 (record.bpf.c)
 KIND_NAMES[EV_CHANGE] = "change"
-EV_DNS = 16  # ---- dns: a DNS message sent or received (kind 15 is another section's)
+EV_NS = 15  # a namespace, mount, chroot or ptrace call (op)
+KIND_NAMES[EV_NS] = "namespace"
+EV_DNS = 16  # ---- dns: a DNS message sent or received
 KIND_NAMES[EV_DNS] = "dns"
 EV_KINDS = 17
 DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
@@ -52,6 +54,7 @@ F_FIRST = 0x20  # the first occurrence of a key the kernel aggregates (its count
 F_STATE = 0x40  # already counted by the kernel: only for the cwd and descriptor tables
 F_PATH2_FAULT = 0x80  # a change record's second path could not be read
 F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
+F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
 
 # struct change_ev's op: what a file change record is
 CHANGE_OPS = {
@@ -67,6 +70,21 @@ CHANGE_OPS = {
     10: "mknod",
 }
 
+# struct ns_ev's op: which namespace, mount, chroot or ptrace call
+NS_OPS = {
+    1: "unshare",
+    2: "setns",
+    3: "clone",
+    4: "mount",
+    5: "move_mount",
+    6: "open_tree",
+    7: "fsmount",
+    8: "pivot_root",
+    9: "chroot",
+    10: "ptrace",
+    11: "process_vm_writev",
+}
+
 HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 # Calls paired in the kernel (open, chdir, fchdir, connect, dup): one record each, the result first.
 # exe_tok and tok: the kernel's aggregation key (with cgid, kind, access and result) when F_FIRST
@@ -75,6 +93,8 @@ _CONNECT = struct.Struct("<qQQiI8x")  # ret, exe_tok, tok, fd, addrlen
 _DUP = struct.Struct("<qii")  # ret, oldfd, newfd
 # a file change: ret, (exe, tok unused), dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2
 _CHANGE = struct.Struct("<q16xiiIIIIHHH2x")
+# a namespace call: ret, flags, target, dfd, dfd2, fstype, op, len1, len2 (the paths as a change's)
+_NS = struct.Struct("<qQQii16sHHH2x")
 # dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
 # (kernel encoding), ino, size, ctime (s, ns)
 _EXEC = struct.Struct("<iIIHHIIQQqI")
@@ -89,6 +109,7 @@ CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
 _DNS = struct.Struct("<qiHH28s4x")  # ret, fd, dir, len, the server's sockaddr
 DNS_DATA_OFF = HDR.size + _DNS.size  # 80
+NS_BUF_OFF = HDR.size + _NS.size  # 88
 
 
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
@@ -209,6 +230,20 @@ def decode(raw: bytes) -> dict[str, Any]:
             uid=uid,
             gid=gid,
             at_flags=at_flags,
+            path=_cstr(buf[:len1]) if len1 else None,
+            path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
+        )
+    elif kind == EV_NS:
+        ret, nflags, target, dfd, dfd2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
+        buf = raw[NS_BUF_OFF:]
+        ev.update(
+            ret=ret,
+            op=NS_OPS.get(op, f"op{op}"),
+            ns_flags=nflags,
+            target=target,
+            dfd=dfd,
+            dfd2=dfd2,
+            fstype=_cstr(fstype) or None,
             path=_cstr(buf[:len1]) if len1 else None,
             path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
         )

@@ -75,6 +75,30 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
     return ppid, cwd, exe
 
 
+def tgid_of(tid: int) -> int | None:
+    """The process id of thread `tid` (from /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_of(pid: int) -> str | None:
+    """The cgroup2 path of process `pid` (from /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].rstrip("\n")
+    except OSError:
+        return None
+    return None
+
+
 def _container_namer(cgroup_path: Path) -> Any:
     """A nested cgroup's name (relative to the run's) -> the container id its scope name carries."""
     from evidence.agent.daemon.k8s import parse_cgroup_path
@@ -254,6 +278,8 @@ class Recorder:
             session.correlator.run_cgroup = str(cgroup_path)
             session.correlator.cgroup_mount = _cgroup_mount_of(cgroup_path)
             session.correlator.container_of = _container_namer(cgroup_path)
+            session.correlator.tgid_of = tgid_of
+            session.correlator.cgroup_of = cgroup_of
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.set_aggregation(slot, session.max_distinct)

@@ -74,6 +74,15 @@ q, peer = srv.recvfrom(512)
 srv.sendto(q[:2] + b'\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00' + q[12:] + b'\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\xc0\x00\x02\x07', peer)
 cli.recv(512)
 cli.close(); srv.close()
+# namespace calls: a mount namespace of its own (a private mount there reaches nothing outside),
+# then an open marked F_OTHER_NS, and a ptrace attach and a memory write to a pid that does not exist
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.unshare(0x00020000)  # CLONE_NEWNS
+libc.mount(b'none', b'/', None, 0x40000 | 0x4000, None)  # MS_PRIVATE | MS_REC
+open('/etc/hostname').close()
+libc.ptrace(16, 0x3FFFFFFF, None, None)  # PTRACE_ATTACH: ESRCH
+libc.process_vm_writev(0x3FFFFFFF, None, 0, None, 0, 0)
 os.execv('/bin/sh', ['sh', '-c', 'exit 7'])
 """
 

@@ -1,5 +1,5 @@
 #define HAVE_GROUP_DEAD 1
-// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir and dup of tracked cgroups.
+// evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir, dup, and namespace, mount and ptrace calls of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
 // (struct offsets come from the running kernel's BTF, never from the installed headers).
@@ -38,6 +38,7 @@
 #define K_CONNECT_PAST_CAP 12
 #define K_AGG_MAP_FULL 13
 #define EV_CHANGE 14  // a file change that is not an open: rename, unlink, link, chmod, ... (op)
+#define EV_NS 15  // a namespace, mount, chroot or ptrace call (op; see ---- namespaces and mounts)
 #define EV_DNS 16  // a DNS message sent or received (see ---- dns)
 #define EV_KINDS 17
 
@@ -70,6 +71,7 @@
 #define F_STATE 0x40 // already counted in `agg` (or past the cap): only for the cwd/fd tables
 #define F_PATH2_FAULT 0x80  // EV_CHANGE: the second path could not be read
 #define F_PATH2_TRUNC 0x100 // EV_CHANGE: the second path is truncated
+#define F_OTHER_NS 0x200    // by a process that left the run's mount or user namespace, mounted or chrooted
 
 struct hdr {
     u64 ts;
@@ -128,6 +130,23 @@ struct change_ev {
 #define CH_CHOWN 8
 #define CH_MKDIR 9
 #define CH_MKNOD 10
+
+// A namespace, mount, chroot or ptrace call (EV_NS), paired like a change and laid out like one
+// up to its paths (read_change_paths fills both): ret, then what the call was given.
+struct ns_ev {
+    struct hdr h;
+    s64 ret;
+    u64 flags;       // clone/unshare: CLONE_*; setns: nstype; mount, move_mount, open_tree, fsmount: flags; ptrace: request
+    u64 target;      // ptrace, process_vm_writev: the target pid; setns: the fd; fsmount: the fs fd
+    s32 dfd;         // move_mount's from_dfd, open_tree's dfd
+    s32 dfd2;        // move_mount's to_dfd
+    char fstype[16]; // mount: the filesystem type (at most 15 bytes)
+    u16 op;          // NS_*
+    u16 len1;
+    u16 len2;
+    u16 pad;
+    char buf[2 * PATH_MAX_];
+};
 
 struct exec_ev {
     struct hdr h;
@@ -193,6 +212,7 @@ struct call {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
         struct change_ev change;
+        struct ns_ev ns;
         struct connect_ev conn;
         struct dup_ev dup;
     } ev;
@@ -237,6 +257,9 @@ BPF_ARRAY(lost, u64, MAX_RUNS_ * EV_KINDS);
 BPF_PERCPU_ARRAY(scratch_exec, struct exec_ev, 1);
 BPF_PERCPU_ARRAY(wake_ctr, u32, 1);
 BPF_PERCPU_ARRAY(call_zero, struct call, 1);  // never written: the first value of a thread's call
+// tgid -> 1: a process of a run that left the run's mount or user namespace, mounted, or chrooted
+// (or a child of one); its records carry F_OTHER_NS (see ---- namespaces and mounts)
+BPF_HASH(nsmark, u32, u8, 65536);
 
 // thread id -> its call in flight. Allocated on demand (only tracked threads have one), kept while
 // the thread lives (removed at its exit), so a call costs no allocation and no 4 KiB copy.
@@ -462,7 +485,8 @@ static __always_inline void fill(struct hdr *h, u32 run, u16 kind) {
     h->tgid = id >> 32;
     h->tid = (u32)id;
     h->kind = kind;
-    h->flags = 0;
+    u32 tgid = id >> 32;
+    h->flags = nsmark.lookup(&tgid) ? F_OTHER_NS : 0;
 }
 
 // Wake the consumer once every 64 records per CPU, not for each one; it also polls
@@ -703,6 +727,8 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
     }
     if (tok == 0)
         return 1;  // resolved against something the kernel cannot name: a plain record
+    if (h->flags & F_OTHER_NS)
+        return 1;  // another mount namespace: a plain record, never merged with the run's own names
     k->exe = p->exe;
     k->tok = tok;
     k->cgid = h->cgid;
@@ -789,6 +815,8 @@ int on_exit_hash(struct sys_exit_ctx *ctx) {
 
 BPF_PROG_ARRAY(exit_tail, 1);
 
+static __always_inline void ns_exit(struct call *c);  // ---- namespaces and mounts
+
 // At exit: the result goes into the record, a path not resident at entry is read again, and the
 // one record is emitted (or, for a key counted in `agg`, not).
 static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
@@ -797,7 +825,9 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     if (!c || c->ev.h.kind == 0 || c->nr != ctx->nr)
         return 0;
     c->ev.open.ret = ctx->ret;
-    if (c->ev.h.kind == EV_CHANGE) {
+    if (c->ev.h.kind == EV_NS)
+        ns_exit(c);
+    if (c->ev.h.kind == EV_CHANGE || c->ev.h.kind == EV_NS) {
         struct change_ev *ce = &c->ev.change;
         if (ce->h.flags & (F_FNAME_FAULT | F_PATH2_FAULT)) {  // not resident at entry: read again
             ce->h.flags &= ~(F_FNAME_FAULT | F_PATH2_FAULT | F_PATH_TRUNC | F_PATH2_TRUNC);
@@ -1033,6 +1063,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     return emit(e, size, run, EV_EXEC_OK);
 }
 
+static __always_inline void ns_fork(u32 run, u32 child);  // ---- namespaces and mounts
+
 // ---- process lifetime --------------------------------------------------------------------
 
 RAW_TRACEPOINT_PROBE(sched_process_fork) {
@@ -1045,6 +1077,7 @@ RAW_TRACEPOINT_PROBE(sched_process_fork) {
     bpf_probe_read_kernel(&tgid, sizeof(tgid), child + 1268);
     if (pid != tgid)
         return 0;  // a new thread, not a new process
+    ns_fork(run, tgid);
     struct pctx *pp = proc_ctx(bpf_get_current_pid_tgid() >> 32);
     if (pp) {  // the child runs the same program in the same cwd; its descriptors are its own
         struct pctx child = {.gen = random_token(), .exe = pp->exe, .cwd = pp->cwd};
@@ -1081,6 +1114,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 #endif
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     procs.delete(&tgid);
+    nsmark.delete(&tgid);
     u32 run = current_run();
     if (!run)
         return 0;
@@ -1333,6 +1367,146 @@ int on_enter_change(struct sys_enter_ctx *ctx) {
 
 #undef A
 #undef P
+
+// ---- namespaces and mounts -----------------------------------------------------------------
+//
+// unshare, setns, clone/clone3 with a namespace flag, mount, move_mount, open_tree, fsmount,
+// pivot_root and chroot by a run's processes, and ptrace (attach, seize, poke) and
+// process_vm_writev with their target: rare calls, each one record (EV_NS, paired like a change).
+// A process whose call changes what its paths name (a new mount or user namespace, a mount, a
+// chroot, setns) is marked in `nsmark` when the call succeeds, and so is the child of a clone into
+// a new mount or user namespace, and every child of a marked process (fork): every later record of
+// it carries F_OTHER_NS, and its opens and connects are never aggregated with the run's own.
+
+#define NS_UNSHARE 1
+#define NS_SETNS 2
+#define NS_CLONE 3
+#define NS_MOUNT 4
+#define NS_MOVE_MOUNT 5
+#define NS_OPEN_TREE 6
+#define NS_FSMOUNT 7
+#define NS_PIVOT_ROOT 8
+#define NS_CHROOT 9
+#define NS_PTRACE 10
+#define NS_VM_WRITE 11
+
+#define CLONE_NEWTIME_ 0x00000080ULL  // clone3 and unshare only (clone's low byte is the exit signal)
+#define CLONE_NEWNS_ 0x00020000ULL
+#define CLONE_NEWUSER_ 0x10000000ULL
+#define NS_FLAGS_ (0x00020000ULL | 0x02000000ULL | 0x04000000ULL | 0x08000000ULL | 0x10000000ULL | 0x20000000ULL | 0x40000000ULL)
+#define NS_PATH_FLAGS_ (CLONE_NEWNS_ | CLONE_NEWUSER_)  // the namespaces that change what a path names
+
+static __always_inline int enter_ns(s32 nr, u16 op, u64 flags, u64 target, s32 dfd, const char *p1, s32 dfd2, const char *p2) {
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    struct call *c = begin_call(run, EV_NS, nr);
+    if (!c)
+        return 0;
+    struct ns_ev *e = &c->ev.ns;
+    e->flags = flags;
+    e->target = target;
+    e->dfd = dfd;
+    e->dfd2 = dfd2;
+    __builtin_memset(e->fstype, 0, sizeof(e->fstype));
+    e->op = op;
+    e->pad = 0;
+    read_change_paths(c, p1, p2);
+    return 0;
+}
+
+#define A(i) arg_beyond(ctx, i)
+#define P(i) ((const char *)arg_beyond(ctx, i))
+
+int on_enter_ns(struct sys_enter_ctx *ctx) {
+    // attached to every call below (from 1 argument, unshare and chroot, to 6); arguments past the
+    // first are read with arg_beyond
+    s32 nr = ctx->nr;
+    u64 a0 = ctx->args[0];
+    switch (nr) {
+    case __NR_unshare:
+        if (!(a0 & (NS_FLAGS_ | CLONE_NEWTIME_)))
+            return 0;
+        return enter_ns(nr, NS_UNSHARE, a0, 0, 0, NULL, 0, NULL);
+    case __NR_setns:
+        return enter_ns(nr, NS_SETNS, (u32)A(1), (s32)a0, 0, NULL, 0, NULL);
+    case __NR_clone:
+        if (!(a0 & NS_FLAGS_))
+            return 0;  // almost every clone: no record
+        // without the low byte (clone's exit signal; clone3's CLONE_NEWTIME)
+        return enter_ns(nr, NS_CLONE, a0 & ~0xFFULL, 0, 0, NULL, 0, NULL);
+    case __NR_clone3: {
+        u64 fl = 0;
+        if (bpf_probe_read_user(&fl, sizeof(fl), (void *)a0) != 0 || !(fl & (NS_FLAGS_ | CLONE_NEWTIME_)))
+            return 0;
+        return enter_ns(nr, NS_CLONE, fl, 0, 0, NULL, 0, NULL);
+    }
+    case __NR_mount: {
+        enter_ns(nr, NS_MOUNT, (u32)A(3), 0, -100, (const char *)a0, -100, P(1));
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        struct call *c = inflight.lookup(&tid);
+        const char *type = P(2);
+        if (c && c->ev.h.kind == EV_NS && type)
+            bpf_probe_read_user_str(c->ev.ns.fstype, sizeof(c->ev.ns.fstype), type);
+        return 0;
+    }
+    case __NR_move_mount:
+        return enter_ns(nr, NS_MOVE_MOUNT, (u32)A(4), 0, (s32)a0, P(1), (s32)A(2), P(3));
+    case __NR_open_tree:
+        return enter_ns(nr, NS_OPEN_TREE, (u32)A(2), 0, (s32)a0, P(1), 0, NULL);
+    case __NR_fsmount:
+        return enter_ns(nr, NS_FSMOUNT, (u32)A(1), (s32)a0, 0, NULL, 0, NULL);
+    case __NR_pivot_root:
+        return enter_ns(nr, NS_PIVOT_ROOT, 0, 0, -100, (const char *)a0, -100, P(1));
+    case __NR_chroot:
+        return enter_ns(nr, NS_CHROOT, 0, 0, -100, (const char *)a0, 0, NULL);
+    case __NR_ptrace:
+        // attach, seize, and writes to the tracee's memory or user area: poketext, pokedata, pokeuser
+        if (a0 != 16 && a0 != 0x4206 && a0 != 4 && a0 != 5 && a0 != 6)
+            return 0;
+        return enter_ns(nr, NS_PTRACE, a0, (u32)A(1), 0, NULL, 0, NULL);
+    case __NR_process_vm_writev:
+        return enter_ns(nr, NS_VM_WRITE, 0, (u32)a0, 0, NULL, 0, NULL);
+    }
+    return 0;
+}
+
+#undef A
+#undef P
+
+// At exit, before the record is emitted: a successful call that changes what the process's paths
+// name marks it (its record itself is not marked: it was filled at entry).
+static __always_inline void ns_exit(struct call *c) {
+    struct ns_ev *e = &c->ev.ns;
+    if (e->ret < 0)
+        return;
+    u16 op = e->op;
+    if (op == NS_PTRACE || op == NS_VM_WRITE || op == NS_CLONE)
+        return;  // clone: its child is marked at fork (ns_fork)
+    if (op == NS_UNSHARE && !(e->flags & NS_PATH_FLAGS_))
+        return;
+    if (op == NS_SETNS && e->flags != 0 && !(e->flags & NS_PATH_FLAGS_))
+        return;  // setns into a namespace of another type (nstype 0: any, a pidfd's)
+    u32 tgid = e->h.tgid;
+    u8 one = 1;
+    if (nsmark.update(&tgid, &one) != 0)
+        count_lost(e->h.run, EV_NS);  // not marked: counted, so the bundle says events may be missing a mark
+}
+
+// At fork (in the parent): the child of a marked process is marked, and so is the child of a
+// clone into a new mount or user namespace (the parent's clone is still in flight).
+static __always_inline void ns_fork(u32 run, u32 child) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!nsmark.lookup(&tgid)) {
+        struct call *c = inflight.lookup(&tid);
+        if (!c || c->ev.h.kind != EV_NS || c->ev.ns.op != NS_CLONE || !(c->ev.ns.flags & NS_PATH_FLAGS_))
+            return;
+    }
+    u8 one = 1;
+    if (nsmark.update(&child, &one) != 0)
+        count_lost(run, EV_NS);
+}
 
 // ---- dns ---------------------------------------------------------------------------------
 //

@@ -248,3 +248,28 @@ def rebuild(
 
 def line(obj: dict[str, Any]) -> bytes:
     return canonical.dumps(obj, check=False)
+
+
+def namespace(
+    t: int,
+    operation: str,
+    flags: list[str],
+    paths: list[str] | None = None,
+    result: Any = 0,
+    pid: int = 101,
+    exe: str = "/usr/bin/unshare",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A dev.evidence.process.namespace record (unshare, mount, ptrace, ...)."""
+    return dict(
+        k="namespace",
+        t=T0 + t,
+        pid=pid,
+        ppid=100,
+        exe=exe,
+        operation=operation,
+        flags=flags,
+        paths=paths or [],
+        result=result,
+        **extra,
+    )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from evidence.bundle import format as fmt
 from evidence.bundle import schemas
 from evidence.bundle.writer import write_bundle
-from tests.unit.conftest_bundles import change, connect, denial, dns, members, meta, records, write
+from tests.unit.conftest_bundles import change, connect, denial, dns, members, meta, namespace, records, write
 
 
 def test_committed_schemas_are_up_to_date() -> None:
@@ -48,6 +48,10 @@ def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail:
         change(8800, "chmod", "/ws/b", mode=0o600),
         dns(8900, "example.org", ["192.0.2.7"]),
         dict(connect(9000, "192.0.2.7"), names=["example.org"]),
+        namespace(8900, "unshare", ["CLONE_NEWNS", "CLONE_NEWUSER"]),
+        namespace(8950, "mount", ["MS_BIND"], ["/ws/x", "/etc/hostname"], fstype="none", mntns="other"),
+        {**change(8960, "unlink", "/ws/c"), "mntns": "other"},
+        namespace(8970, "ptrace", ["PTRACE_ATTACH"], target_pid=4242, target_in_run=False, result="EPERM"),
     ]
     path = tmp_path / "a.tar.gz"
     write_bundle(
