@@ -104,9 +104,7 @@ class StandaloneRun:
         self.labels = labels
         self.session_id = uuid.uuid4().hex
         self.bundle = Path(args.bundle or f"evidence-{self.session_id[:12]}.tar.gz").absolute()
-        from evidence.bundle.signing import load_signer
-
-        self.signer = load_signer(args.sign_key) if args.sign_key else None  # a bad key runs nothing
+        self.signer: Any = None  # loaded in prepare(), while the probes load
         self.cwd = os.getcwd()
         from evidence.agent.recorder.launch import inherited_fds
 
@@ -182,6 +180,10 @@ class StandaloneRun:
         from evidence.bundle.spool import private_dir
 
         try:
+            if args.sign_key:  # a bad key runs nothing
+                from evidence.bundle.signing import load_signer
+
+                self.signer = load_signer(args.sign_key)
             # first: if this process dies from here on, the run's processes die with it
             self.watchdog = Watchdog(parent_death=True)
             self._prepare_policy()
