@@ -17,13 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
 from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
 logger = logging.getLogger(__name__)
-
-# where a run's records wait for the bundle: root's alone (0700), out of the recorded job's reach
-RUN_SPOOL_DIR = Path("/var/lib/evidence/run-spool")
 
 
 def _load_probes() -> Any:
