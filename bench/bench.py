@@ -81,7 +81,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller loops (a smoke test, not the targets)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--start-repeat", type=int, default=11, help="runs of each start-cost row")
+    ap.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated, of {', '.join(CASES)} (none: start costs only)",
+    )
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs `-m evidence`")
     ap.add_argument("--no-strace", action="store_true")
     args = ap.parse_args()
@@ -96,7 +101,7 @@ def main() -> int:
     exe = compile_workloads(work)
     rows = []
     checks = []
-    for case in args.cases.split(","):
+    for case in [c for c in args.cases.split(",") if c and c != "none"]:
         mode, n, label, opts = CASES[case]
         n //= scale
         # untraced and traced runs alternate, so drift in a noisy VM hits both alike
@@ -174,13 +179,13 @@ def main() -> int:
             checks.append((f"{label}: opens recorded + counted as not kept", opens + lost >= 2 * n, True))
         else:
             checks.append((f"{label}: events lost", lost, 0))
-    # fixed cost of a recorded run
+    # fixed cost of a recorded run: standalone (probes from the compiled-probe cache, and compiled
+    # as on a first start), and through an agent; each the whole process, median and min of
+    # `--start-repeat` runs, interleaved so that a busy VM's drift hits all alike
     true_base = statistics.median(loop_wall(["/bin/true"]) for _ in range(args.repeat))
-    true_rec = statistics.median(
-        loop_wall([*evidence, "run", *standalone, "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"])
-        for _ in range(args.repeat)
-    )
-    py_start = statistics.median(loop_wall([*evidence, "--version"]) for _ in range(args.repeat))
+    starts = start_costs(evidence, standalone, work, max(args.start_repeat, 1))
+    true_rec = statistics.median(starts["run -- true"])
+    py_start = statistics.median(loop_wall([args.python, "-c", "pass"]) for _ in range(args.repeat))
 
     print(
         f"\n{'workload':<24}{'untraced s':>11}{'run s':>8}{'whole':>8}{'-true':>8}{'in-loop':>9}"
@@ -196,8 +201,11 @@ def main() -> int:
         "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
         f" `evidence run -- true` ({true_rec:.2f} s);\nin-loop: the workload's own loop time, traced / untraced."
         f" RSS: peak (wait4). `evidence run -- true` adds {true_rec - true_base:.2f} s"
-        f" (of which {py_start:.2f} s is starting Python)"
+        f" (starting Python alone: {py_start:.2f} s)"
     )
+    print(f"\nstart and end, whole process wall over {max(args.start_repeat, 1)} runs (median / min):")
+    for name, walls in starts.items():
+        print(f"  {name:<44}{statistics.median(walls):>7.3f} s {min(walls):>7.3f} s")
     print("\nchecks:")
     ok = True
     for name, got, want in checks:
@@ -208,9 +216,49 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def loop_wall(cmd: list[str]) -> float:
+def start_costs(
+    evidence: list[str], standalone: list[str], work: Path, repeat: int
+) -> dict[str, list[float]]:
+    """Wall times of `run -- true`: standalone with the probe cache warm (the usual start), with it
+    off (what a first start after a probe or kernel change costs: BCC compiles), and through an
+    agent started here (`run --agent`: the client alone; the agent's probes are loaded already).
+    An interpreter without the probe cache ignores EVIDENCE_PROBE_CACHE: both rows then compile."""
+    bundle = str(work / "true.tar.gz")
+    run_true = [*evidence, "run", *standalone, "--bundle", bundle, "--", "/bin/true"]
+    sock = work / "agent.sock"
+    agent = subprocess.Popen(
+        [*evidence, "agent", "--socket", str(sock), "--bundle-dir", str(work / "agent-bundles")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    via_agent = [*evidence, "run", "--agent", str(sock), "--bundle", bundle, "--", "/bin/true"]
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(via_agent, capture_output=True, check=False).returncode != 0:
+            if agent.poll() is not None or time.monotonic() > deadline:
+                sys.exit("bench: the agent did not start")
+            time.sleep(0.5)
+        loop_wall(run_true)  # fills the probe cache, if it was empty
+        cold_env = {**os.environ, "EVIDENCE_PROBE_CACHE": "0"}
+        out: dict[str, list[float]] = {
+            "run -- true": [],
+            "run -- true, probe cache off (a first start)": [],
+            "run --agent SOCK -- true": [],
+        }
+        for i in range(repeat):
+            out["run -- true"].append(loop_wall(run_true))
+            if i < 3:  # each compiles for seconds: three are enough
+                out["run -- true, probe cache off (a first start)"].append(loop_wall(run_true, cold_env))
+            out["run --agent SOCK -- true"].append(loop_wall(via_agent))
+        return out
+    finally:
+        agent.terminate()
+        agent.wait()
+
+
+def loop_wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
     t = time.monotonic()
-    subprocess.run(cmd, capture_output=True, check=False)
+    subprocess.run(cmd, capture_output=True, check=False, env=env)
     return time.monotonic() - t
 
 

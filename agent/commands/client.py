@@ -74,6 +74,9 @@ class _Response:
         except ValueError:
             raise _ProtocolError(f"bad Content-Length {length!r}") from None
 
+    def getheader(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
     def _line(self) -> bytes:
         line = self._rfile.readline(self.MAX_LINE + 1)
         if len(line) > self.MAX_LINE:
@@ -123,15 +126,19 @@ class _UnixConnection:
         self.sock = s
 
     def request(
-        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+        self, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None
     ) -> None:
+        """Send one request (as http.client's HTTPConnection.request does; a str body as UTF-8)."""
+        payload = body.encode() if isinstance(body, str) else body or b""
+        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in method + path):
+            raise _ProtocolError(f"not a request line: {method!r} {path!r}")  # no header injection
         if self.sock is None:
             self.connect()
         assert self.sock is not None
         self._rfile = self.sock.makefile("rb")
-        lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(body or b'')}"]
+        lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(payload)}"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b""))
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
 
     def getresponse(self) -> _Response:
         if self._rfile is None:
