@@ -83,6 +83,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--start-repeat", type=int, default=11, help="runs of each start-cost row")
     ap.add_argument(
+        "--baseline",
+        metavar="PY",
+        help="another checkout's interpreter, measured in the start-cost rows beside --python (before/after)",
+    )
+    ap.add_argument(
         "--cases",
         default=",".join(CASES),
         help=f"comma-separated, of {', '.join(CASES)} (none: start costs only)",
@@ -183,8 +188,9 @@ def main() -> int:
     # as on a first start), and through an agent; each the whole process, median and min of
     # `--start-repeat` runs, interleaved so that a busy VM's drift hits all alike
     true_base = statistics.median(loop_wall(["/bin/true"]) for _ in range(args.repeat))
-    starts = start_costs(evidence, standalone, work, max(args.start_repeat, 1))
-    true_rec = statistics.median(starts["run -- true"])
+    pythons = [*([args.baseline] if args.baseline else []), args.python]
+    starts = start_costs(pythons, work, max(args.start_repeat, 1))
+    true_rec = statistics.median(starts[ROW_WARM][args.python])
     py_start = statistics.median(loop_wall([args.python, "-c", "pass"]) for _ in range(args.repeat))
 
     print(
@@ -203,9 +209,15 @@ def main() -> int:
         f" RSS: peak (wait4). `evidence run -- true` adds {true_rec - true_base:.2f} s"
         f" (starting Python alone: {py_start:.2f} s)"
     )
-    print(f"\nstart and end, whole process wall over {max(args.start_repeat, 1)} runs (median / min):")
-    for name, walls in starts.items():
-        print(f"  {name:<44}{statistics.median(walls):>7.3f} s {min(walls):>7.3f} s")
+    print(
+        f"\nstart and end, whole process wall, median / min of {max(args.start_repeat, 1)} runs (interleaved):"
+    )
+    print(f"  {'':<46}" + "".join(f"{'baseline' if py == args.baseline else 'this':>22}" for py in pythons))
+    for name, per in starts.items():
+        cells = "".join(f"{statistics.median(w):>11.3f} /{min(w):>6.3f} s" for w in per.values())
+        print(f"  {name:<46}{cells}")
+    if args.baseline:
+        print(f"  baseline: {args.baseline}\n  this:     {args.python}")
     print("\nchecks:")
     ok = True
     for name, got, want in checks:
@@ -216,44 +228,59 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def start_costs(
-    evidence: list[str], standalone: list[str], work: Path, repeat: int
-) -> dict[str, list[float]]:
-    """Wall times of `run -- true`: standalone with the probe cache warm (the usual start), with it
+ROW_WARM = "run -- true"
+ROW_COLD = "run -- true, probe cache off (a first start)"
+ROW_AGENT = "run --agent SOCK -- true"
+
+
+def start_costs(pythons: list[str], work: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Wall times of `run -- true` per interpreter (a checkout each), interleaved run by run so that
+    a busy VM's drift hits all alike: standalone with the probe cache warm (the usual start), with it
     off (what a first start after a probe or kernel change costs: BCC compiles), and through an
-    agent started here (`run --agent`: the client alone; the agent's probes are loaded already).
-    An interpreter without the probe cache ignores EVIDENCE_PROBE_CACHE: both rows then compile."""
+    agent started here from the same checkout (`run --agent`: the client alone; the agent's probes
+    are loaded already). A checkout without the probe cache ignores EVIDENCE_PROBE_CACHE: both of
+    its standalone rows compile."""
     bundle = str(work / "true.tar.gz")
-    run_true = [*evidence, "run", *standalone, "--bundle", bundle, "--", "/bin/true"]
-    sock = work / "agent.sock"
-    agent = subprocess.Popen(
-        [*evidence, "agent", "--socket", str(sock), "--bundle-dir", str(work / "agent-bundles")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    via_agent = [*evidence, "run", "--agent", str(sock), "--bundle", bundle, "--", "/bin/true"]
+    cold_env = {**os.environ, "EVIDENCE_PROBE_CACHE": "0"}
+    cmds: dict[str, tuple[list[str], list[str]]] = {}
+    agents = []
     try:
-        deadline = time.monotonic() + 120
-        while subprocess.run(via_agent, capture_output=True, check=False).returncode != 0:
-            if agent.poll() is not None or time.monotonic() > deadline:
-                sys.exit("bench: the agent did not start")
-            time.sleep(0.5)
-        loop_wall(run_true)  # fills the probe cache, if it was empty
-        cold_env = {**os.environ, "EVIDENCE_PROBE_CACHE": "0"}
-        out: dict[str, list[float]] = {
-            "run -- true": [],
-            "run -- true, probe cache off (a first start)": [],
-            "run --agent SOCK -- true": [],
+        for n, py in enumerate(pythons):
+            evidence = [py, "-P", "-m", "evidence"]
+            help_ = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
+            standalone = ["--standalone"] if "--standalone" in help_ else []
+            sock = work / f"agent-{n}.sock"
+            agents.append(
+                subprocess.Popen(
+                    [*evidence, "agent", "--socket", str(sock), "--bundle-dir", str(work / f"agent-{n}")],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            run_true = [*evidence, "run", *standalone, "--bundle", bundle, "--", "/bin/true"]
+            via_agent = [*evidence, "run", "--agent", str(sock), "--bundle", bundle, "--", "/bin/true"]
+            cmds[py] = (run_true, via_agent)
+        deadline = time.monotonic() + 180
+        for (run_true, via_agent), agent in zip(cmds.values(), agents, strict=True):
+            while subprocess.run(via_agent, capture_output=True, check=False).returncode != 0:
+                if agent.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("bench: the agent did not start")
+                time.sleep(0.5)
+            loop_wall(run_true)  # fills the probe cache, if it was empty
+        out: dict[str, dict[str, list[float]]] = {
+            row: {py: [] for py in pythons} for row in (ROW_WARM, ROW_COLD, ROW_AGENT)
         }
         for i in range(repeat):
-            out["run -- true"].append(loop_wall(run_true))
-            if i < 3:  # each compiles for seconds: three are enough
-                out["run -- true, probe cache off (a first start)"].append(loop_wall(run_true, cold_env))
-            out["run --agent SOCK -- true"].append(loop_wall(via_agent))
+            for py, (run_true, via_agent) in cmds.items():
+                out[ROW_WARM][py].append(loop_wall(run_true))
+                if i < 3:  # each compiles for seconds: three are enough
+                    out[ROW_COLD][py].append(loop_wall(run_true, cold_env))
+                out[ROW_AGENT][py].append(loop_wall(via_agent))
         return out
     finally:
-        agent.terminate()
-        agent.wait()
+        for agent in agents:
+            agent.terminate()
+            agent.wait()
 
 
 def loop_wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
