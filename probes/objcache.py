@@ -434,6 +434,9 @@ class LoadedObject:
             table.BPF_MAP_TYPE_ARRAY: table.Array,
             table.BPF_MAP_TYPE_PROG_ARRAY: table.ProgArray,
             table.BPF_MAP_TYPE_RINGBUF: table.RingBuf,
+            table.BPF_MAP_TYPE_PERCPU_ARRAY: table.PerCpuArray,
+            table.BPF_MAP_TYPE_PERCPU_HASH: table.PerCpuHash,
+            table.BPF_MAP_TYPE_LRU_PERCPU_HASH: table.LruPerCpuHash,
         }
         cls = classes.get(m.type)
         if cls is None:
@@ -453,6 +456,19 @@ class LoadedObject:
         if cls is table.RingBuf:
             t._ringbuf = None
             t._event_class = None
+        if issubclass(cls, (table.PerCpuArray, table.PerCpuHash)):  # as their __init__ does
+            from bcc.utils import get_possible_cpus
+
+            t.reducer = None
+            t.sLeaf = t.Leaf
+            t.total_cpu = len(get_possible_cpus())
+            t.alignment = ctypes.sizeof(t.sLeaf) % 8
+            if t.alignment == 0:
+                t.Leaf = t.sLeaf * t.total_cpu
+            elif t.sLeaf in (ctypes.c_uint, ctypes.c_int):
+                t.Leaf = (ctypes.c_uint64 if t.sLeaf == ctypes.c_uint else ctypes.c_int64) * t.total_cpu
+            else:
+                raise ObjectError(f"map {m.name}: a per-CPU value must be aligned to 8 bytes")
         return t
 
     def cleanup(self) -> None:

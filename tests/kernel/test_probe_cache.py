@@ -4,6 +4,7 @@ run as nobody; an entry the kernel refuses is dropped so that the next start com
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 from pathlib import Path
@@ -69,6 +70,17 @@ def test_cold_and_warm_starts_record_alike(tmp_path: Path, monkeypatch: pytest.M
         # the programs BCC attaches by name (sched tracepoints, the fork raw tracepoint) are attached too
         assert any(b"sched_process_exit" in tp for tp in warm.bpf.tracepoint_fds)
         assert warm.bpf.raw_tracepoint_fds
+        # every map reads as BCC's own table class would: key and value types of the kernel's sizes
+        for m in warm.bpf._obj.maps:
+            if m.type == 27:  # the ring buffer: no keys nor values
+                continue
+            t = warm.bpf[m.name.encode()]
+            assert ctypes.sizeof(t.Key) == m.key_size, m
+            assert ctypes.sizeof(getattr(t, "sLeaf", t.Leaf)) == m.value_size, m
+        from bcc.utils import get_possible_cpus  # here: collecting the tests needs no BCC
+
+        counters = warm.bpf[b"wake_ctr"][ctypes.c_int(0)]  # a per-CPU array: one value per CPU
+        assert len(counters) == len(get_possible_cpus())
     finally:
         warm.close()
     assert ["/bin/echo", "cold"] in cold_execs
