@@ -13,7 +13,7 @@ the kernel. The only relocation is the map references: BCC writes each map's des
 loading writes this process's descriptor back. An object with anything else to relocate (global
 data) is not cached.
 
-The cache is root's (`CACHE_DIR`, 0700), keyed by the sha256 of everything the compile depends on
+The cache is root's (`CACHE_DIR`, 0700, in directories only root can change), keyed by the sha256 of everything the compile depends on
 (the rendered source, which holds this kernel's BTF offsets; BCC's version; the kernel release and
 build; the headers BCC compiled against), and each entry carries the sha256 of its own content: an
 entry that does not match, or that the kernel refuses, is removed and the probes are compiled
@@ -214,12 +214,22 @@ def cache_key(source: str, headers: str | None) -> str:
 
 
 def _trusted_dir(path: Path) -> bool:
-    """Ours (root's, for the recorder), not a symlink, nobody else may write or read it."""
+    """Ours (root's, for the recorder), not a symlink, nobody else may write or read it; and nobody
+    else can swap it: every directory above is root's or ours, and writable by others only when
+    sticky (as /tmp: there, others cannot rename what is not theirs)."""
     try:
         st = os.lstat(path)
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077):
+            return False
+        for parent in path.parents:
+            pst = os.stat(parent)
+            if pst.st_uid not in (0, os.geteuid()):
+                return False
+            if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+                return False
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+    return True
 
 
 def _cache_dir(root: Path) -> Path | None:

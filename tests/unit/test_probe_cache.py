@@ -120,6 +120,12 @@ def test_not_used_when_others_can_reach_it_or_when_disabled(
     objcache.cached_object("SRC", None, root)
     objcache.cached_object("SRC", None, root)
     assert len(compiler.calls) == 2 and not list(root.iterdir())
+    shared = tmp_path / "shared"  # ours and private, but in a directory others may rename it from
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    objcache.cached_object("SRC", None, shared / "probes")
+    objcache.cached_object("SRC", None, shared / "probes")
+    assert len(compiler.calls) == 4 and not list((shared / "probes").glob("*.json"))
     private = tmp_path / "private"
     monkeypatch.setenv(objcache.CACHE_ENV, "0")
     objcache.cached_object("SRC", None, private)
