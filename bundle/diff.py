@@ -6,7 +6,10 @@ their counts are kept, never the events):
   (normalised) -> the sha256 of its content (every one seen, from successful execs);
 - file: the path (normalised) -> per access class (read, write, create, exec): count, successes,
   failures;
-- network: (family, address, port) -> count, successes, failures;
+- network: (family, address, port) -> count, successes, failures; a connect whose address the run's
+  DNS answers named (its `names`) is keyed by those names instead ("NAME", names, port), and a name
+  key of A and one of B with a name in common are the same destination: a CDN answering with other
+  addresses, or another CNAME chain to the same name, is not a change;
 - denial: (operation, target, rule, enforced) -> count;
 - exit: the run's exit code (and signal); loss: events lost, by kind.
 
@@ -162,7 +165,9 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
                 b.hashes.setdefault(cmd[0], set()).add(digest)
         elif t == network_connect:
             port = "" if d.get("port") is None else str(d["port"])
-            _bump(b.network, (d["family"], n(d["address"]), port), d.get("count", 1), d["result"] == 0)
+            names = d.get("names")
+            where = ("NAME", " ".join(sorted(names))) if names else (d["family"], n(d["address"]))
+            _bump(b.network, (*where, port), d.get("count", 1), d["result"] == 0)
         elif t == policy_denial:
             key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
             _bump(b.denials, key4, d.get("count", 1), True)
@@ -221,12 +226,38 @@ def show_exec(k: tuple[str, ...]) -> str:
 
 def show_dest(k: tuple[str, str, str]) -> str:
     family, addr, port = k
+    if family == "NAME":
+        return f"{addr}:{port}" if port else addr
     host = f"[{addr}]" if family == "AF_INET6" else addr
     return f"{host}:{port}" if port else f"{addr} ({family})"
 
 
 def show_denial(k: tuple[str, str, str, str]) -> str:
     return f"{k[0]} {k[1]} (rule {k[2]}, {k[3]})"
+
+
+def _by_name(
+    a: dict[tuple[str, str, str], list[int]], b: dict[tuple[str, str, str], list[int]]
+) -> dict[tuple[str, str, str], list[int]]:
+    """B's network keys, with a name key that A lacks renamed to A's name key (same port) that has a
+    name in common with it, when B lacks that one: the same destination under another CNAME chain."""
+    theirs: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+    for key in a:
+        if key[0] == "NAME" and key not in b:
+            for name in key[1].split(" "):
+                theirs.setdefault((name, key[2]), []).append(key)
+    if not theirs:
+        return b
+    out = dict(b)
+    for key in sorted(b):
+        if key[0] != "NAME" or key in a:
+            continue
+        match = next(
+            (k for name in key[1].split(" ") for k in theirs.get((name, key[2]), []) if k not in out), None
+        )
+        if match is not None:
+            out[match] = out.pop(key)
+    return out
 
 
 def compare(a: Behaviour, b: Behaviour) -> list[Change]:
@@ -259,7 +290,7 @@ def compare(a: Behaviour, b: Behaviour) -> list[Change]:
         if notes:
             changes.append(Change("file", "changed", path, "; ".join(notes)))
 
-    changes += _compare_simple("network", a.network, b.network, show_dest)
+    changes += _compare_simple("network", a.network, _by_name(a.network, b.network), show_dest)
     changes += _compare_simple("denial", a.denials, b.denials, show_denial)
     if a.exit != b.exit:
         changes.append(Change("exit", "changed", "exit code", f"{a.exit} -> {b.exit}"))

@@ -44,6 +44,7 @@ LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 INVENTORY = "dev.evidence.inventory"
+NETWORK_DNS = "dev.evidence.network.dns"
 
 # A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
 Result = Literal[0] | str
@@ -83,17 +84,18 @@ class ProcessExec(BaseModel):
     cgroup: str | None = None  # the cgroup below the run's, when not the run's own
     container: str | None = None  # the container id, when the agent knows it (Kubernetes mode)
     # a successful exec: the program file's content (agent/recorder/exe_hash.py). `hash_source`:
-    # "exe" read through /proc/<pid>/exe, "path" read by its path (a `#!` script, or a process gone
-    # or already running something else); `not_hashed` (instead of sha256) says why not
+    # "exe" read through /proc/<pid>/exe, "inode" read by its path and shown to be the file the
+    # kernel mapped (a process gone by then), "path" read by its path without that (a `#!` script, a
+    # file replaced since); `not_hashed` (instead of sha256) says why not
     sha256: str | None = None  # hex
     size: int | None = None
-    hash_source: Literal["exe", "path"] | None = None
+    hash_source: Literal["exe", "inode", "path"] | None = None
     not_hashed: str | None = None
     # a `#!` script: the interpreter its first line names, hashed as the program is
     interpreter: str | None = None
     interpreter_sha256: str | None = None  # hex
     interpreter_size: int | None = None
-    interpreter_hash_source: Literal["exe", "path"] | None = None
+    interpreter_hash_source: Literal["exe", "inode", "path"] | None = None
     interpreter_not_hashed: str | None = None
 
 
@@ -169,6 +171,34 @@ class NetworkConnect(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
+    names: list[str] = Field(default_factory=list)  # what the run's DNS answers named the address
+
+
+class NetworkDns(BaseModel):
+    """A DNS query and its answer (one event), an answer without its query (`unasked`), or a message
+    sent to or received from port 53 that is not DNS (`malformed`, with its size)."""
+
+    model_config = _FROZEN
+    pid: int
+    ppid: int
+    exe: str | None
+    server: str
+    port: int | None = None
+    name: str | None
+    type: str | None
+    result: str  # the answer's rcode ("NOERROR", "NXDOMAIN", ...), "no answer" or "malformed"
+    answers: list[str] = Field(default_factory=list)  # "owner TYPE value", as in a zone file
+    addresses: list[str] = Field(default_factory=list)  # of the answer's A and AAAA records
+    malformed: bool = False
+    received: bool | None = None  # malformed: a message received (else sent)
+    truncated: bool = False  # malformed: only the first bytes were kept
+    size: int | None = None  # malformed: bytes kept
+    unasked: bool = False  # an answer whose query was not seen
+    count: int = 1
+    first_time: str
+    last_time: str
+    cgroup: str | None = None
+    container: str | None = None
 
 
 class Loss(BaseModel):
@@ -219,6 +249,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
     INVENTORY: Inventory,
+    NETWORK_DNS: NetworkDns,
 }
 
 
@@ -264,6 +295,8 @@ class RunInfo(BaseModel):
     headers: dict[str, Any]
     labels: dict[str, str] = Field(default_factory=dict)
     policy: dict[str, Any] | None = None
+    # the command's private network namespace (`--net`): empty, or loopback only; None: the host's
+    network: Literal["none", "loopback"] | None = None
 
 
 class Manifest(RunInfo, BundleHeader):

@@ -41,6 +41,7 @@ class Summary:
     )  # class -> path -> [count, events]
     network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # dest -> [count, exe, events]
     denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # what -> [count, events]
+    dns: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # query -> [count, exe, events]
     degradations: list[str] = dataclasses.field(default_factory=list)
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
     untracked: int = 0
@@ -82,7 +83,14 @@ class Summary:
             )
         elif t == fmt.NETWORK_CONNECT:
             dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
+            if d.get("names"):  # what the run's DNS answers named the address
+                dest += f" [{' '.join(d['names'])}]"
             entry = self.network.setdefault(dest, [0, d.get("exe"), 0])
+            entry[0] += d.get("count", 1)
+            entry[2] += 1
+        elif t == fmt.NETWORK_DNS:
+            key = dns_text(d)
+            entry = self.dns.setdefault(key, [0, d.get("exe"), 0])
             entry[0] += d.get("count", 1)
             entry[2] += 1
         elif t == fmt.POLICY_DENIAL:
@@ -114,6 +122,7 @@ class Summary:
             self.untracked += _add_counts(self.files.setdefault(klass, {}), group)
         self.untracked += _add_counts(self.network, part.network)
         self.untracked += _add_counts(self.denials, part.denials)
+        self.untracked += _add_counts(self.dns, part.dns)
         for kind, n in part.lost.items():
             self.lost[kind] = self.lost.get(kind, 0) + n
         self.degradations += part.degradations
@@ -122,6 +131,17 @@ class Summary:
 
 
 Exec = tuple[int, str, Any]  # (ppid, command line as shown, result)
+
+
+def dns_text(d: dict[str, Any]) -> str:
+    """A DNS event in one line: "name TYPE -> addresses (result) via server"."""
+    via = f"via {d['server']}" + (f":{d['port']}" if d.get("port") not in (None, 53) else "")
+    if d.get("malformed"):
+        what = "received" if d.get("received") else "sent"
+        return f"malformed message {what} ({d.get('size', 0)} bytes) {via}"
+    got = " ".join(d.get("addresses") or []) or "no address"
+    result = "" if d["result"] == "NOERROR" else f" ({d['result']})"
+    return f"{d.get('name') or '?'} {d.get('type') or '?'} -> {got}{result} {via}"
 
 
 def _add_counts(mine: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> int:
@@ -335,6 +355,11 @@ def render(s: Summary, limit: int = 50) -> str:
     lines = [
         f"  {dest}  by {v[1] or '?'}" + (f" (x{v[0]})" if v[0] > 1 else "")
         for dest, v in sorted(s.network.items())
+    ]
+    out += _limited(lines, limit) or ["  none"]
+    out += ["", f"DNS ({len(s.dns)} queries):"]
+    lines = [
+        f"  {q}  by {v[1] or '?'}" + (f" (x{v[0]})" if v[0] > 1 else "") for q, v in sorted(s.dns.items())
     ]
     out += _limited(lines, limit) or ["  none"]
     out += ["", f"Denials ({len(s.denials)}):"]

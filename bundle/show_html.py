@@ -196,6 +196,10 @@ def render(s: show.Summary, linted: show.Linted, limit: int = 50, *, path: str =
     rows = [[_code(d), _code(v[1] or "?"), str(v[0])] for d, v in _cut(sorted(s.network.items()), limit)]
     out += _table(["destination", "by", "count"], rows) + _more(len(s.network), limit)
 
+    out.append(f"<h2>DNS ({len(s.dns)} queries)</h2>")
+    rows = [[_code(q), _code(v[1] or "?"), str(v[0])] for q, v in _cut(sorted(s.dns.items()), limit)]
+    out += _table(["query", "by", "count"], rows) + _more(len(s.dns), limit)
+
     out.append(f"<h2>Denials ({len(s.denials)})</h2>")
     rows = [[_code(k), str(v[0])] for k, v in _cut(sorted(s.denials.items()), limit)]
     out += _table(["denial", "count"], rows) + _more(len(s.denials), limit)

@@ -136,6 +136,14 @@ def render(s: show.Summary, linted: show.Linted, limit: int = 50) -> str:
     table = ["| destination | by | count |", "| --- | --- | --- |", *rows] if rows else ["none"]
     out += _details(f"Network ({len(s.network)} destinations)", table + _more(len(s.network), limit))
 
+    rows = [
+        f"| {code(q, cell=True)} | {code(v[1] or '?', cell=True)} | {v[0]} |"
+        for q, v in _cut(sorted(s.dns.items()), limit)
+    ]
+    if rows:  # a section only when the run resolved names
+        table = ["| query | by | count |", "| --- | --- | --- |", *rows]
+        out += _details(f"DNS ({len(s.dns)} queries)", table + _more(len(s.dns), limit))
+
     rows = [f"| {code(k, cell=True)} | {v[0]} |" for k, v in _cut(sorted(s.denials.items()), limit)]
     table = ["| denial | count |", "| --- | --- |", *rows] if rows else ["none"]
     out += _details(f"Denials ({len(s.denials)})", table + _more(len(s.denials), limit), bool(rows))

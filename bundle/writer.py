@@ -1,7 +1,9 @@
 """Build a deterministic evidence bundle from a run's metadata and its spooled records.
 
-Two passes over the records: the first aggregates (summary mode) and computes the content-addressed
-run id; the second writes events in the order of their first occurrence in the spool. The same
+One pass over the records for a summary bundle (it aggregates and computes the content-addressed run
+id, keeping what the bundle will hold), two for full detail (the run id, then the events streamed);
+events are written in the order of their first occurrence in the spool (bundle/records.py maps a
+record to its event). The same
 records and metadata always give the same bytes: fixed tar metadata (mtime 0, uid/gid 0, mode 0644,
 no user names), gzip header mtime 0 and no file name, canonical JSON everywhere. A signed bundle
 (`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too.
@@ -27,6 +29,7 @@ from pydantic import Field
 from evidence.bundle import attestation, canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.normalize import Normalizer
+from evidence.bundle.records import Key, occurrences, summary_key, to_event
 from evidence.files import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -47,81 +50,30 @@ class RunMeta(fmt.RunInfo):
     roots: dict[str, str] = Field(default_factory=dict)  # placeholder -> path, for the run id
 
 
-# Kinds aggregated in summary mode, with the fields that make a record distinct.
-_SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container"),
-    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
-    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
-    "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
-}
-_KIND_TYPE = {
-    "exec": fmt.PROCESS_EXEC,
-    "exit": fmt.PROCESS_EXIT,
-    "open": fmt.FILE_OPEN,
-    "change": fmt.FILE_CHANGE,
-    "connect": fmt.NETWORK_CONNECT,
-    "denial": fmt.POLICY_DENIAL,
-    "inventory": fmt.INVENTORY,
-    "degradation": fmt.DEGRADATION,
-}
+class _Behaviour:
+    """What the run id is made of: what the run did, with the run's roots (workspace, tmp) replaced
+    by their placeholders, as sets (how often and when do not change it)."""
 
+    def __init__(self, meta: RunMeta) -> None:
+        self.norm = Normalizer(meta.roots)
+        self.command = self.norm.argv(meta.command)
+        self.execs: set[tuple[Any, ...]] = set()
+        self.files: set[tuple[Any, ...]] = set()
+        self.nets: set[tuple[Any, ...]] = set()
+        self.denials: set[tuple[Any, ...]] = set()
+        self.changes: set[tuple[Any, ...]] = set()
 
-def _freeze(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
-
-def _key(rec: dict[str, Any]) -> tuple[Any, ...] | None:
-    fields = _SUMMARY_KEYS.get(rec["k"])
-    if fields is None:
-        return None
-    return (rec["k"],) + tuple(_freeze(rec.get(f)) for f in fields)
-
-
-def _subject(rec: dict[str, Any]) -> str:
-    k = rec["k"]
-    if k == "exec":
-        return str(rec["filename"])
-    if k == "exit":
-        return str(rec.get("exe") or f"pid:{rec['pid']}")
-    if k in ("open", "change"):
-        return str(rec["path"])
-    if k == "connect":
-        if rec["family"] == "AF_INET6":
-            return f"[{rec['address']}]:{rec['port']}"
-        if rec.get("port") is not None:
-            return f"{rec['address']}:{rec['port']}"
-        return str(rec["address"])
-    if k == "denial":
-        return str(rec["target"])
-    if k == "inventory":
-        return str(rec.get("exe") or f"pid:{rec['pid']}")
-    if k == "degradation":
-        return str(rec["component"])
-    raise ValueError(f"unknown record kind {k!r}")
-
-
-def behaviour_digest(
-    meta: RunMeta, records: Iterable[dict[str, Any]]
-) -> tuple[str, dict[tuple[Any, ...], list[int]]]:
-    """First pass: (run id, summary aggregates {key: [count, first_t, last_t]})."""
-    norm = Normalizer(meta.roots)
-    execs: set[tuple[Any, ...]] = set()
-    files: set[tuple[Any, ...]] = set()
-    nets: set[tuple[Any, ...]] = set()
-    denials: set[tuple[Any, ...]] = set()
-    changes: set[tuple[Any, ...]] = set()
-    agg: dict[tuple[Any, ...], list[int]] = {}
-    for rec in records:
-        k = rec["k"]
+    def add(self, rec: dict[str, Any]) -> None:
+        k, norm = rec["k"], self.norm
         if k == "exec":
-            execs.add((norm.text(rec["filename"]), tuple(norm.argv(rec["argv"])), rec["result"]))
+            self.execs.add((norm.text(rec["filename"]), tuple(norm.argv(rec["argv"])), rec["result"]))
         elif k == "open":
-            files.add((norm.text(rec["path"]), tuple(rec["access"]), rec["result"]))
+            self.files.add((norm.text(rec["path"]), tuple(rec["access"]), rec["result"]))
         elif k == "connect":
-            nets.add((rec["family"], norm.text(rec["address"]), rec.get("port"), rec["result"]))
+            self.nets.add((rec["family"], norm.text(rec["address"]), rec.get("port"), rec["result"]))
         elif k == "change":
             target = rec.get("target")
-            changes.add(
+            self.changes.add(
                 (
                     rec["operation"],
                     norm.text(rec["path"]),
@@ -130,42 +82,54 @@ def behaviour_digest(
                 )
             )
         elif k == "denial":
-            denials.add((rec["operation"], norm.text(rec["target"]), rec["rule"], rec["enforced"]))
-        key = _key(rec) if meta.detail == "summary" else None
-        if key is not None:
-            # a record may stand for n occurrences up to time tl (counted by the recorder's kernel)
-            n, tl = rec.get("n", 1), rec.get("tl", rec["t"])
-            a = agg.get(key)
-            if a is None:
-                agg[key] = [n, rec["t"], tl]
-            else:
-                a[0] += n
-                a[1] = min(a[1], rec["t"])
-                a[2] = max(a[2], tl)
-    behaviour = {
-        "command": norm.argv(meta.command),
-        "execs": sorted(execs, key=repr),
-        "files": sorted(files, key=repr),
-        "connects": sorted(nets, key=repr),
-        "denials": sorted(denials, key=repr),
-    }
-    if changes:  # only when there are some: a run id made before file changes were recorded holds
-        behaviour["changes"] = sorted(changes, key=repr)
-    digest = hashlib.sha256(canonical.dumps(behaviour)).hexdigest()
-    return "run-" + digest[:32], agg
+            self.denials.add((rec["operation"], norm.text(rec["target"]), rec["rule"], rec["enforced"]))
+
+    def run_id(self) -> str:
+        behaviour = {
+            "command": self.command,
+            "execs": sorted(self.execs, key=repr),
+            "files": sorted(self.files, key=repr),
+            "connects": sorted(self.nets, key=repr),
+            "denials": sorted(self.denials, key=repr),
+        }
+        if self.changes:  # only when there are some: a run id made before file changes were recorded holds
+            behaviour["changes"] = sorted(self.changes, key=repr)
+        return "run-" + hashlib.sha256(canonical.dumps(behaviour)).hexdigest()[:32]
 
 
-def _data(rec: dict[str, Any], agg: list[int] | None) -> dict[str, Any]:
-    data = {k: v for k, v in rec.items() if k not in ("k", "t", "n", "tl")}
-    if rec["k"] in ("open", "change", "connect"):
-        # a record may stand for n occurrences up to tl (the live stream shows such a record alone)
-        count, first, last = agg if agg else (rec.get("n", 1), rec["t"], rec.get("tl", rec["t"]))
-        data["count"] = count
-        data["first_time"] = fmt.format_time(first)
-        data["last_time"] = fmt.format_time(last)
-    elif rec["k"] == "denial" and agg:
-        data["count"] = agg[0]
-    return data
+Body = Iterable[tuple[str, str, int, dict[str, Any]]]
+
+
+def _read(meta: RunMeta, records: Records) -> tuple[str, Body]:
+    """The run id and the run's events in the order of their first occurrence in the spool.
+
+    Summary: ONE pass over the records, keeping the first record of each summary key with its totals
+    (and the records that are not aggregated: execs, exits, ...), so the cost is the spool's length
+    once and the memory is what the bundle will hold. Full detail keeps every record: a first pass
+    for the run id, a second that streams the events (memory stays flat however long the run)."""
+    behaviour = _Behaviour(meta)
+    if meta.detail != "summary":
+        for rec in records():
+            behaviour.add(rec)
+        return behaviour.run_id(), (to_event(rec) for rec in records())
+    kept: list[tuple[dict[str, Any], list[int] | None]] = []
+    totals: dict[Key, list[int]] = {}
+    for rec in records():
+        behaviour.add(rec)
+        key = summary_key(rec)
+        if key is None:
+            kept.append((rec, None))
+            continue
+        n, first, last = occurrences(rec)
+        t = totals.get(key)
+        if t is None:
+            totals[key] = t = [n, first, last]
+            kept.append((rec, t))
+        else:
+            t[0] += n
+            t[1] = min(t[1], first)
+            t[2] = max(t[2], last)
+    return behaviour.run_id(), (to_event(rec, t) for rec, t in kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,19 +223,6 @@ def _head(meta: RunMeta) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
         yield fmt.DEGRADATION, d["component"], meta.started_ns, dict(d)
 
 
-def _body(
-    meta: RunMeta, records: Iterable[dict[str, Any]], agg: dict[tuple[Any, ...], list[int]]
-) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
-    emitted: set[tuple[Any, ...]] = set()
-    for rec in records:
-        key = _key(rec) if meta.detail == "summary" else None
-        if key is not None:
-            if key in emitted:
-                continue
-            emitted.add(key)
-        yield _KIND_TYPE[rec["k"]], _subject(rec), rec["t"], _data(rec, agg.get(key) if key else None)
-
-
 def _tail(meta: RunMeta, capped: dict[str, int]) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
     argv0 = meta.command[0] if meta.command else ""
     for kind in sorted(meta.lost):
@@ -321,14 +272,14 @@ def write_bundle(
     With a `signer` (signing.load_signer(key_path)), the bundle is signed: its third member is the
     attestation."""
     out_path = Path(out_path)
-    run_id, agg = behaviour_digest(meta, records())
+    run_id, body = _read(meta, records)
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
     with tempfile.TemporaryFile(dir=out_dir) as events_tmp:
         sink = _EventSink(events_tmp, run_id, meta.labels, caps)  # type: ignore[arg-type]
         for event in _head(meta):
             sink.emit(*event)
         capped: dict[str, int] = {}
-        for event in _body(meta, records(), agg):
+        for event in body:
             if not sink.emit(*event, capped=True):
                 kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
                 capped[kind] = capped.get(kind, 0) + 1

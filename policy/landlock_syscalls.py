@@ -1,4 +1,4 @@
-"""Landlock, no_new_privs, setns and signal dispositions as plain system calls: standard library only.
+"""Landlock, no_new_privs, network namespaces and signal dispositions as plain system calls: standard library only.
 
 The command launcher (agent/recorder/exec_helper.py) runs this in the process that becomes the
 command, before it execs; it must start fast and touch nothing else, so this module imports nothing
@@ -21,7 +21,12 @@ LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
 LANDLOCK_RULE_PATH_BENEATH = 1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE = 3
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
 
 # Scopes (ABI 6): a scoped domain cannot signal, or connect to abstract unix sockets of, processes
 # outside it; a Landlock domain also confines ptrace to itself and the domains nested in it.
@@ -50,6 +55,9 @@ _prctl.restype = ctypes.c_int
 _setns = _libc.setns
 _setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _setns.restype = ctypes.c_int
+_unshare = _libc.unshare
+_unshare.argtypes = [ctypes.c_int]
+_unshare.restype = ctypes.c_int
 
 
 def _errno_error(what: str) -> OSError:
@@ -123,51 +131,126 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def tty_filter() -> list[tuple[int, int, int, int]]:
-    """The classic BPF program: (code, jt, jf, k) per instruction."""
-    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
-    prog: list[tuple[int, int, int, int]] = []
-    # laid out as: per architecture, `ld arch; jeq arch; ld nr; jeq ioctl...` (an ioctl jumps to the
-    # check, another call to allow); then the check `ld cmd; jeq TIOCSTI; jeq TIOCLINUX`; allow; deny
-    blocks = list(_IOCTL.items())
-    sizes = [3 + len(nrs) for _, nrs in blocks]
-    check = sum(sizes)
-    allow_at, deny_at = check + 1 + len(TTY_INJECTION), check + 2 + len(TTY_INJECTION)
+Insn = tuple[int, int, int, int]  # a classic BPF instruction: (code, jt, jf, k)
+_LD, _JEQ, _RET = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+_ALLOW, _DENY = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO(EPERM)
+
+
+def _calls(table: dict[int, tuple[int, ...]], match_at: int, other_at: int) -> list[Insn]:
+    """The program's head, from index 0: per architecture `ld arch; jeq arch; ld nr; jeq nr...`. A
+    call `table` lists for its architecture jumps to `match_at`, any other call (or architecture) to
+    `other_at` (absolute indexes, after the head)."""
+    blocks = list(table.items())
+    prog: list[Insn] = []
     at = 0
-    for n, ((arch, nrs), size) in enumerate(zip(blocks, sizes, strict=True)):
-        nxt = at + size
-        other = nxt if n < len(blocks) - 1 else allow_at  # another architecture: the next block, or allow
-        prog.append((ld, 0, 0, 4))  # seccomp_data.arch
-        prog.append((jeq, 0, other - (at + 2), arch))
-        prog.append((ld, 0, 0, 0))  # seccomp_data.nr
+    for n, (arch, nrs) in enumerate(blocks):
+        nxt = at + 3 + len(nrs)
+        other = nxt if n < len(blocks) - 1 else other_at  # another architecture: the next block
+        prog.append((_LD, 0, 0, 4))  # seccomp_data.arch
+        prog.append((_JEQ, 0, other - (at + 2), arch))
+        prog.append((_LD, 0, 0, 0))  # seccomp_data.nr
         for i, nr in enumerate(nrs):
             here = at + 3 + i
             last = i == len(nrs) - 1
-            prog.append((jeq, check - (here + 1), (allow_at - (here + 1)) if last else 0, nr))
+            prog.append((_JEQ, match_at - (here + 1), (other_at - (here + 1)) if last else 0, nr))
         at = nxt
-    prog.append((ld, 0, 0, 24))  # low half of seccomp_data.args[1]: the ioctl's command
-    for i, cmd in enumerate(TTY_INJECTION):
-        here = check + 1 + i
-        prog.append((jeq, deny_at - (here + 1), 0, cmd))
-    prog.append((ret, 0, 0, allow))
-    prog.append((ret, 0, 0, deny))
     return prog
 
 
-def deny_tty_injection() -> None:
-    """Install tty_filter() on the calling process (kept across exec, inherited by children, cannot
-    be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
-    insns = tty_filter()
+def _head_size(table: dict[int, tuple[int, ...]]) -> int:
+    return sum(3 + len(nrs) for nrs in table.values())
+
+
+def tty_filter() -> list[Insn]:
+    """Refuses (EPERM) the ioctls TTY_INJECTION lists; everything else is allowed."""
+    check = _head_size(_IOCTL)  # the ioctl's command is checked there
+    allow_at, deny_at = check + 1 + len(TTY_INJECTION), check + 2 + len(TTY_INJECTION)
+    prog = _calls(_IOCTL, check, allow_at)
+    prog.append((_LD, 0, 0, 24))  # low half of seccomp_data.args[1]: the ioctl's command
+    for i, cmd in enumerate(TTY_INJECTION):
+        prog.append((_JEQ, deny_at - (check + 1 + i + 1), 0, cmd))
+    return [*prog, (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _DENY)]
+
+
+# seccomp: a filter that refuses io_uring_setup. io_uring operations (IORING_OP_OPENAT, CONNECT,
+# RENAMEAT, ...) run in the kernel without system calls of their own, so the syscall tracepoints the
+# recorder uses never see them: a job could open, write and connect unrecorded. Docker's and
+# containerd's default seccomp profiles refuse it too; programs fall back to plain system calls.
+_AUDIT_ARCH_AARCH64 = 0xC00000B7
+_IO_URING_SETUP = {
+    _AUDIT_ARCH_X86_64: (425, 0x40000000 | 425),  # x86_64, x32
+    _AUDIT_ARCH_I386: (425,),
+    _AUDIT_ARCH_AARCH64: (425,),
+}
+
+
+def deny_filter(table: dict[int, tuple[int, ...]]) -> list[Insn]:
+    """Refuses (EPERM) the system calls `table` lists per architecture (AUDIT_ARCH -> numbers);
+    everything else is allowed."""
+    allow_at = _head_size(table)
+    return [*_calls(table, allow_at + 1, allow_at), (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _DENY)]
+
+
+def _install(insns: list[Insn]) -> None:
     arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
     prog = _SockFprog(len(insns), arr)
     if _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise _errno_error("prctl(PR_SET_SECCOMP)")
 
 
+def deny_io_uring() -> None:
+    """Install deny_filter(io_uring_setup) on the calling process (kept across exec, inherited,
+    cannot be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(deny_filter(_IO_URING_SETUP))
+
+
+def deny_tty_injection() -> None:
+    """Install tty_filter() on the calling process (kept across exec, inherited by children, cannot
+    be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(tty_filter())
+
+
 def enter_netns(fd: int) -> None:
     if _setns(fd, CLONE_NEWNET) != 0:
         raise _errno_error("setns(CLONE_NEWNET)")
+
+
+def private_network(loopback: bool) -> None:
+    """Move the calling process into a network namespace of its own: empty, or with loopback up.
+    Without CAP_SYS_ADMIN (a client that is not root), inside a new user namespace in which the
+    caller's uid and gid map to themselves and nothing else: the command keeps its identity, has
+    no capability once it execs (its uid is not 0 there), and sees files of other users as owned by
+    the overflow uid (65534). Raises OSError."""
+    if _unshare(CLONE_NEWNET) != 0:
+        if ctypes.get_errno() != errno.EPERM:
+            raise _errno_error("unshare(CLONE_NEWNET)")
+        uid, gid = os.getuid(), os.getgid()
+        if _unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+            raise _errno_error("unshare(CLONE_NEWUSER|CLONE_NEWNET)")
+        # a non-dumpable process's /proc/self files are root's: dumpable for the three writes only
+        dumpable = _prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+        if dumpable == 0 and _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+            raise _errno_error("prctl(PR_SET_DUMPABLE)")
+        try:
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        finally:
+            if dumpable == 0:
+                not_dumpable()
+    if loopback:
+        import fcntl
+        import socket
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            req = struct.pack("16sH22x", b"lo", 0)
+            flags = struct.unpack("16sH22x", fcntl.ioctl(sock, _SIOCGIFFLAGS, req))[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
 
 
 def restrict(

@@ -228,6 +228,11 @@ _HOST_RE = re.compile(
 )
 
 
+def is_host_name(text: str) -> bool:
+    """Whether `text` is a host name a net rule accepts (letters, digits, '-', '_', dots)."""
+    return bool(_HOST_RE.match(text)) and not text.replace(".", "").isdigit()
+
+
 def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     net = ipaddress.ip_network(text, strict=False)
     if isinstance(net, ipaddress.IPv6Network) and net.prefixlen >= 96:

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import secrets
+from pathlib import Path
 from typing import Literal
 
 from evidence.errors import SetupError
@@ -29,6 +30,24 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _setns = _libc.setns
 _setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _setns.restype = ctypes.c_int
+
+
+def private_network_problem(pid: int, client: int, proc_root: Path = Path("/proc")) -> str | None:
+    """Why process `pid` does not have a network of its own (`--net` through the agent: the client's
+    child made it, policy/landlock_syscalls.py private_network), None when it does: a network
+    namespace that is neither its client's nor this process's, with no interface but loopback."""
+    try:
+        own = os.stat(proc_root / str(pid) / "ns" / "net").st_ino
+        shared = {os.stat(proc_root / str(p) / "ns" / "net").st_ino for p in (client, os.getpid())}
+        dev = (proc_root / str(pid) / "net" / "dev").read_text()
+    except OSError as e:
+        return f"its network namespace cannot be read: {e.strerror}"
+    if own in shared:
+        return "it shares its client's (or the agent's) network namespace"
+    names = {line.split(":", 1)[0].strip() for line in dev.splitlines()[2:] if ":" in line}
+    if names - {"lo"}:
+        return f"its network namespace has interfaces besides loopback: {', '.join(sorted(names - {'lo'}))}"
+    return None
 
 
 class PrivateNetns:

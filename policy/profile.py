@@ -11,7 +11,11 @@ Generalisation, so that an identical second run is not blocked by names that dif
   that tree; device files are allowed one by one (/dev/pts and /dev/shm as directories);
 - other reads, and file creations, allow their directory (`${HOME}/...` under the home directory);
   a write to an existing file outside those roots allows that file only;
-- connects allow the exact address and port (`10.0.0.1/32:443`, `[2001:db8::1]/128:443`).
+- connects allow the exact address and port (`10.0.0.1/32:443`, `[2001:db8::1]/128:443`), or, when
+  the run's own DNS lookups (dev.evidence.network.dns) answered with that address, the names it
+  asked for with the port (`registry.example:443`): a policy resolves host names when it is loaded,
+  so an address a CDN gives out on the next run is allowed too (see docs/policy-format.md for what
+  resolving once at load means).
 When any program was executed, /lib and /lib64 join the exec list: the kernel opens the dynamic
 loader itself, which leaves no open event. The deny list is the shipped default's secret paths,
 except those the run did touch. The result is checked with the policy's own evaluation before it is
@@ -26,12 +30,12 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from evidence.bundle.text import printable
 from evidence.errors import EXIT_OK, UsageError
-from evidence.policy.model import Policy, canonical_path, parse_policy, under
+from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ FILE_CHANGE = "dev.evidence.file.change"
 _NAMING = frozenset(("rename", "unlink", "rmdir", "link", "symlink", "mkdir", "mknod"))
 PROCESS_EXEC = "dev.evidence.process.exec"
 NETWORK_CONNECT = "dev.evidence.network.connect"
+NETWORK_DNS = "dev.evidence.network.dns"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 
 
@@ -92,6 +97,7 @@ class Activity:
         self.write: set[tuple[str, bool]] = set()  # (path, created: the directory must allow it)
         self.exec: set[str] = set()
         self.connects: set[tuple[str, int | None]] = set()  # (address, port)
+        self.resolved: dict[str, set[str]] = {}  # a name the run looked up -> the addresses it got
 
     def accesses(self) -> Iterable[tuple[str, str]]:
         for p, _ in self.read:
@@ -135,6 +141,12 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
             if data.get("result") in REFUSED or data.get("family") not in ("AF_INET", "AF_INET6"):
                 continue
             act.connects.add((str(data["address"]), data.get("port")))
+        elif etype == NETWORK_DNS:
+            name = data.get("name")
+            if data.get("result") == "NOERROR" and isinstance(name, str) and is_host_name(name):
+                act.resolved.setdefault(name, set()).update(
+                    _canonical(a) for a in data.get("addresses") or []
+                )
         elif etype == POLICY_DENIAL and data.get("enforced") is False:
             op, target = data.get("operation"), str(data.get("target"))
             if op in ("connect", "sendmsg"):
@@ -212,6 +224,34 @@ def _minimal(entries: Iterable[str], variables: dict[str, str]) -> list[str]:
     return sorted(out, key=lambda t: (not t.startswith("/"), t))
 
 
+def _canonical(address: str) -> str:
+    """An address as the names table keys it: IPv4-mapped IPv6 as IPv4, no zone."""
+    try:
+        addr = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+def _net_entries(act: Activity) -> list[str]:
+    """The net.allow entries of the run's connects: by the names the run looked up where its DNS
+    answers gave the address, else by address."""
+    names_of: dict[str, set[str]] = {}
+    for name, addresses in act.resolved.items():
+        for a in addresses:
+            names_of.setdefault(a, set()).add(name)
+    out: set[str] = set()
+    for address, port in act.connects:
+        names = names_of.get(_canonical(address))
+        if names:
+            out.update(f"{n}:{port}" if port else n for n in names)
+        else:
+            out.add(_net_entry(address, port))
+    return sorted(out)
+
+
 def _net_entry(address: str, port: int | None) -> str:
     addr = ipaddress.ip_address(address.split("%")[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
@@ -278,7 +318,7 @@ def build_profile(
     exe = {gen.entry(p, False, "exec") for p in act.exec}
     if act.exec:
         exe |= {"/lib", "/lib64"}
-    net_allow = sorted({_net_entry(a, p) for a, p in act.connects})
+    net_allow = _net_entries(act)
     fs = {
         "write": _minimal(write, variables),
         "exec": _minimal(exe, variables),
@@ -297,12 +337,20 @@ def build_profile(
     for _ in range(len(deny) + 1):
         fs["deny"] = deny
         text = render_policy(fs, net_allow, env, header)
-        policy = parse_policy(text, name="profile.yaml", variables=variables, resolve=None)
+        # host names resolve to what the run's own lookups answered: the check is of the run as recorded
+        policy = parse_policy(text, name="profile.yaml", variables=variables, resolve=_recorded(act))
         blocking = _blocking_denies(policy, act)
         if not blocking:
             return text, policy
         deny = [d for i, d in enumerate(deny) if i not in blocking]
     raise AssertionError("profile: could not build a policy that allows the run")  # pragma: no cover
+
+
+def _recorded(act: Activity) -> Callable[[str], list[str]]:
+    def resolve(host: str) -> list[str]:
+        return sorted(act.resolved.get(host.rstrip(".").lower(), ()))
+
+    return resolve
 
 
 def _blocking_denies(policy: Policy, act: Activity) -> set[int]:

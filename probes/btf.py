@@ -142,7 +142,19 @@ NEEDED = {
     "TASK_MM_OFF": ("task_struct", "mm"),
     "MM_ARG_START_OFF": ("mm_struct", "arg_start"),
     "MM_ARG_END_OFF": ("mm_struct", "arg_end"),
+    # the file an exec mapped (mm->exe_file->f_inode): device, inode, size and ctime, so a program
+    # gone before it could be hashed through /proc is hashed by path only if the path still names it
+    "MM_EXE_FILE_OFF": ("mm_struct", "exe_file"),
+    "FILE_INODE_OFF": ("file", "f_inode"),
+    "INODE_INO_OFF": ("inode", "i_ino"),
+    "INODE_SB_OFF": ("inode", "i_sb"),
+    "INODE_SIZE_OFF": ("inode", "i_size"),
+    "SB_DEV_OFF": ("super_block", "s_dev"),
+    "INODE_CTIME_SEC_OFF": ("inode", "i_ctime_sec"),
+    "INODE_CTIME_NSEC_OFF": ("inode", "i_ctime_nsec"),
 }
+# older kernels: ctime as a struct timespec64 (tv_sec, then tv_nsec 8 bytes on): 6.6-6.10, then before
+_CTIME_TIMESPEC = ("__i_ctime", "i_ctime")
 
 
 def probe_offsets(btf: BTF | None = None, cache_dir: Path | None = Path("/run/evidence")) -> dict[str, int]:
@@ -173,4 +185,22 @@ def probe_offsets(btf: BTF | None = None, cache_dir: Path | None = Path("/run/ev
 
 
 def _offsets(btf: BTF) -> dict[str, int]:
-    return {macro: btf.member_offset(s, m) for macro, (s, m) in NEEDED.items()}
+    out = {}
+    for macro, (s, m) in NEEDED.items():
+        if macro.startswith("INODE_CTIME_"):
+            continue
+        out[macro] = btf.member_offset(s, m)
+    try:
+        out["INODE_CTIME_SEC_OFF"] = btf.member_offset("inode", "i_ctime_sec")
+        out["INODE_CTIME_NSEC_OFF"] = btf.member_offset("inode", "i_ctime_nsec")
+    except BTFError:
+        for name in _CTIME_TIMESPEC:
+            try:
+                sec = btf.member_offset("inode", name)
+            except BTFError:
+                continue
+            out["INODE_CTIME_SEC_OFF"], out["INODE_CTIME_NSEC_OFF"] = sec, sec + 8
+            break
+        else:
+            raise
+    return out

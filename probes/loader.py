@@ -24,7 +24,7 @@ from evidence.probes.ringbuf import RingBuffer
 logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
-EV_KINDS = 15
+EV_KINDS = 17
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
 SYSCALL_HANDLERS = {
@@ -61,6 +61,11 @@ SYSCALL_HANDLERS = {
         "mknodat",
     ),
 }
+# ---- dns: on_enter_dns (record.bpf.c) on these syscalls' enter tracepoints, and on_exit_dns on the
+# exits of the receives (their message is read there). None of them has a handler above: BCC keeps
+# one program per tracepoint (connect and the sends call the DNS code from their own handlers).
+DNS_ENTER = ("close", "read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
+DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 KIND_NAMES = [
     "none",
     "exec",
@@ -77,6 +82,8 @@ KIND_NAMES = [
     "connect_past_cap",
     "agg_map_full",  # not loss: recorded one by one because the aggregation map was full
     "change",
+    "kind15",  # (another section's kind)
+    "dns",
 ]
 NOT_LOSS = frozenset(("agg_map_full",))
 # struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
@@ -123,6 +130,10 @@ class RecorderProbes:
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit")
                 self.attached.append(name)
+        for name in DNS_ENTER:
+            self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=b"on_enter_dns")
+        for name in DNS_EXIT:
+            self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit_dns")
         self._tracked = self.bpf[b"tracked"]
         self._cache = self.bpf[b"cgcache"]
         self._lost = self.bpf[b"lost"]

@@ -26,6 +26,14 @@ _TOKENS = (
     "TASK_MM_OFF",
     "MM_ARG_START_OFF",
     "MM_ARG_END_OFF",
+    "MM_EXE_FILE_OFF",
+    "FILE_INODE_OFF",
+    "INODE_INO_OFF",
+    "INODE_SB_OFF",
+    "INODE_SIZE_OFF",
+    "SB_DEV_OFF",
+    "INODE_CTIME_SEC_OFF",
+    "INODE_CTIME_NSEC_OFF",
 )
 
 

@@ -263,14 +263,18 @@ class AgentClient:
         command: list[str] | None = None,
         detail: str = "summary",
         policy: dict[str, Any] | None = None,
+        net: str | None = None,
     ) -> dict[str, Any]:
         """Have the agent move `pid` (a child of ours, waiting before exec) into a cgroup made for a
-        new run: the answer's "cgroup" is that cgroup, "session_id" the run."""
+        new run: the answer's "cgroup" is that cgroup, "session_id" the run. `net`: the private
+        network the child made itself (--net), for the manifest."""
         body: dict[str, Any] = {"isolate_pid": pid, "labels": labels or {}, "detail": detail}
         if command is not None:
             body["command"] = command
         if policy is not None:
             body["policy"] = policy
+        if net is not None:
+            body["net"] = net
         result: dict[str, Any] = self.request("POST", "/runs", body)
         return result
 

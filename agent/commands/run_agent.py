@@ -26,7 +26,12 @@ scrubbed environment and the policy's Landlock domain before it execs. The polic
 variables go to the agent with the isolate request: it attaches the connect guard to the run's
 cgroup before the command is moved in, matches denials, and puts the policy in the manifest.
 --dry-run exits 4 when anything would have been blocked; --fail-closed refuses to start when
-anything cannot be enforced. --net needs a network namespace, which this client cannot make.
+anything cannot be enforced.
+
+With --net none|loopback, the forked child moves itself into a network namespace of its own before
+the agent takes it (policy/landlock_syscalls.py: private_network; a client that is not root does so
+inside a user namespace that maps only its own uid and gid), so that set-up is not part of the run;
+the agent puts the mode in the manifest (`network`).
 """
 
 from __future__ import annotations
@@ -139,12 +144,23 @@ def _child(
     drop_fds: list[int],
     domain: Landlock | None = None,
     environ: dict[str, str] | None = None,
+    net: tuple[str, int] | None = None,
 ) -> NoReturn:
-    """In the forked child: wait for the agent to have moved us, then exec. Never returns."""
+    """In the forked child: make the private network (`net`: its mode and the pipe that says it is
+    ready), wait for the agent to have moved us, then exec. Never returns."""
     code = 127
     try:
         os.close(go_w)
         os.close(err_r)
+        if net is not None:  # before the run holds this process: the set-up is not the job's doing
+            mode, ready = net
+            try:
+                ll.private_network(loopback=mode == "loopback")
+            except OSError as e:
+                os.write(ready, f"{e.strerror or e}".encode(errors="replace")[:500])
+                os._exit(EXIT_SETUP)
+            os.write(ready, _GO)
+            os.close(ready)
         for fd in drop_fds:  # inherited by the client but not named with --pass-fd: not the job's
             with contextlib.suppress(OSError):
                 os.set_inheritable(fd, False)
@@ -158,6 +174,8 @@ def _child(
             ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
         else:
             _isolate_self()
+        ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
+        ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execve(path, argv, environ if environ is not None else os.environ)
     except OSError as e:
@@ -169,6 +187,21 @@ def _child(
     os._exit(code)
 
 
+def _wait_for_network(ready_r: int, ready_w: int, mode: str) -> None:
+    """The child's private network is made, or SetupError with why not (the child has exited)."""
+    os.close(ready_w)
+    answer = b""
+    while chunk := os.read(ready_r, 512):
+        answer += chunk
+    os.close(ready_r)
+    if answer != _GO:
+        why = answer.decode(errors="replace") or "the command's process died"
+        raise SetupError(
+            f"cannot give the command a private network (--net {mode}): {why}",
+            "unprivileged user namespaces may be disabled here (sysctl user.max_user_namespaces)",
+        )
+
+
 def _isolate_self() -> None:
     """In the child, before exec: the same domain `evidence run` gives its commands (no_new_privs and
     a Landlock domain, scoped where the ABI allows), so the job cannot make a process of its uid
@@ -178,7 +211,6 @@ def _isolate_self() -> None:
         ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
     elif nnp:
         ll.no_new_privs()
-    ll.deny_tty_injection()
 
 
 class _Forwarder:
@@ -238,11 +270,6 @@ def _bundle_target(args: argparse.Namespace) -> Path | None:
 def run_via_agent(args: argparse.Namespace, command: list[str], labels: dict[str, str]) -> int:
     if args.allow_setuid:
         raise UsageError("--allow-setuid is not available with --agent yet", "run evidence run as root")
-    if args.net:
-        raise UsageError(
-            "--net is not available with --agent: a network namespace needs privileges this client lacks",
-            "run evidence run as root without --agent",
-        )
     policy: ClientPolicy | None = None
     if args.policy:
         from evidence.policy.model import policy_file
@@ -284,25 +311,32 @@ def _run_via_agent(
 
     go_r, go_w = os.pipe()
     err_r, err_w = os.pipe()
+    ready_r, ready_w = os.pipe() if args.net else (-1, -1)
+    net = (args.net, ready_w) if args.net else None
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # inherited by the child until it execs
     pid = os.fork()
     if pid == 0:
+        if ready_r >= 0:
+            os.close(ready_r)
         if policy is not None:
-            _child(go_r, go_w, err_r, err_w, path, command, drop, policy.domain(), policy.environ)
-        _child(go_r, go_w, err_r, err_w, path, command, drop)
+            _child(go_r, go_w, err_r, err_w, path, command, drop, policy.domain(), policy.environ, net)
+        _child(go_r, go_w, err_r, err_w, path, command, drop, net=net)
     os.close(go_r)
     os.close(err_w)
     session: list[str] = []
     forwarder = _Forwarder(os.pidfd_open(pid), session)
     try:
+        if net is not None:
+            _wait_for_network(ready_r, ready_w, args.net)
         started = client.isolate(
             pid,
             labels=labels,
             command=command,
             detail=args.detail,
             policy=policy.request(args.fail_closed) if policy is not None else None,
+            net=args.net,
         )
     except Error as e:
         os.close(go_w)  # the child reads EOF and exits without running anything

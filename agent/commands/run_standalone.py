@@ -244,7 +244,7 @@ class StandaloneRun:
             from evidence.agent.recorder.enforce import Enforcement
             from evidence.policy.model import policy_file
 
-            self.enforcement = Enforcement(
+            self.enforcement = Enforcement.for_run(
                 policy_file(args.policy),
                 workspace=args.workspace or self.cwd,
                 dry_run=args.dry_run,
@@ -274,6 +274,7 @@ class StandaloneRun:
             session_id=self.session_id,
         )
         self.watchdog.watch(self.cgroup.path, self.session_id)
+        session.network = self.args.net
         self._write_run_record()
         session.degradations = list(self.degradations)
         if enforcement is not None:

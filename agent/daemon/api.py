@@ -399,26 +399,29 @@ class AgentAPI:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             raise UsageError(f"process {request.isolate_pid} has exited") from None
+        extra: dict[str, Any] = {}
+        if request.policy is not None:
+            extra["policy"] = request.policy
+        if request.net is not None:  # the client's child made it: checked, not taken on trust
+            from evidence.policy.netns import private_network_problem
+
+            why = private_network_problem(pid, peer.pid, self.proc_root)
+            if why is not None:
+                os.close(pidfd)
+                raise UsageError(
+                    f"--net {request.net}: process {request.isolate_pid} has no private network: {why}"
+                )
+            extra["net"] = request.net
         try:
-            if request.policy is None:
-                info = self.backend.isolate(
-                    pid,
-                    request.labels,
-                    self.cgroup_root,
-                    command=list(request.command),
-                    detail=request.detail,
-                    pidfd=pidfd,
-                )
-            else:
-                info = self.backend.isolate(
-                    pid,
-                    request.labels,
-                    self.cgroup_root,
-                    command=list(request.command),
-                    detail=request.detail,
-                    pidfd=pidfd,
-                    policy=request.policy,
-                )
+            info = self.backend.isolate(
+                pid,
+                request.labels,
+                self.cgroup_root,
+                command=list(request.command),
+                detail=request.detail,
+                pidfd=pidfd,
+                **extra,
+            )
         finally:
             os.close(pidfd)
         self._own(info, peer)

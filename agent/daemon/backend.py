@@ -54,8 +54,8 @@ from evidence.files import file_sha256
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
     from evidence.agent.daemon.models import PolicySpec
-    from evidence.agent.daemon.policy import AgentEnforcement
     from evidence.agent.recorder.cgroups import RunCgroup
+    from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder, Session
     from evidence.bundle.spool import SpoolWriter
 
@@ -81,7 +81,7 @@ class Run:
     seq: int = 0
     cgroup: RunCgroup | None = None  # made by the agent for this run (isolated): removed at finish
     pidfd: int | None = None  # of the isolated process, held from before it was moved in
-    enforcement: AgentEnforcement | None = None  # its policy's connect guard and denial matching
+    enforcement: Enforcement | None = None  # its policy's connect guard and denial matching
 
     @property
     def info(self) -> RunInfo:
@@ -310,6 +310,7 @@ class RecorderBackend:
         detail: str = "summary",
         pidfd: int | None = None,
         policy: PolicySpec | None = None,
+        net: str | None = None,
     ) -> RunInfo:
         """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
         tracked first, then the process is moved in, so nothing it does from then on is missed.
@@ -325,17 +326,17 @@ class RecorderBackend:
         self._require_recorder()
         enforcement = None
         if policy is not None:  # loaded and compiled before anything is made: a bad one starts nothing
-            from evidence.agent.daemon.policy import AgentEnforcement
+            from evidence.agent.daemon.policy import agent_enforcement
 
             try:
-                enforcement = AgentEnforcement(policy)
+                enforcement = agent_enforcement(policy, net)
                 enforcement.load_programs()
             except Error as e:
                 if enforcement is not None:
                     enforcement.close()
                 raise UsageError(e.message, e.hint) from None
         try:
-            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement)
+            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
         except BaseException:
             if enforcement is not None:
                 enforcement.close()
@@ -349,7 +350,8 @@ class RecorderBackend:
         command: list[str],
         detail: str,
         pidfd: int | None,
-        enforcement: AgentEnforcement | None,
+        enforcement: Enforcement | None,
+        net: str | None = None,
     ) -> RunInfo:
         from evidence.agent.recorder.cgroups import RunCgroup, isolation_home
 
@@ -384,6 +386,9 @@ class RecorderBackend:
                 }
             )
         run.cgroup = cg
+        if net is not None:
+            run.session.network = net
+            self._write_meta(run)  # recovery keeps it too
         if enforcement is not None:  # the guard holds the cgroup before the command is in it
             session = run.session
             session.policy = enforcement.manifest_policy()

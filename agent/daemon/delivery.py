@@ -79,20 +79,20 @@ def live_event(
     """A spool record as a live CloudEvent dict (the bundle's event shape, with the session as source:
     the run id is only known once the run is finished). `extensions` (lowercase alphanumeric names,
     e.g. poduid, containerid) are added to the event's attributes."""
-    from evidence.bundle import writer  # the bundle's own mapping of record kinds to types, subjects, data
+    from evidence.bundle import records  # the bundle's own mapping of a record to its event
 
-    rec = dict(record)
+    etype, subject, t_ns, data = records.to_event(dict(record))
     event: dict[str, Any] = {
         "specversion": fmt.SPECVERSION,
         "id": f"{session_id}:{seq}",
         "source": f"urn:evidence:session:{session_id}",
-        "type": writer._KIND_TYPE[rec["k"]],
-        "subject": writer._subject(rec),
-        "time": fmt.format_time(int(rec["t"])),
+        "type": etype,
+        "subject": subject,
+        "time": fmt.format_time(int(t_ns)),
         "datacontenttype": fmt.DATACONTENTTYPE,
         "sessionid": session_id,
         "seq": seq,
-        "data": writer._data(rec, None),
+        "data": data,
     }
     for name, value in (extensions or {}).items():
         if not _EXTENSION.fullmatch(name) or name in event:

@@ -197,6 +197,7 @@ class IsolateRequest(Request):
     detail: Annotated[Literal["summary", "full"], BeforeValidator(_detail)] = "summary"
     isolate_pid: Annotated[int, BeforeValidator(_isolate_pid)]
     policy: PolicySpec | None = None
+    net: Literal["none", "loopback"] | None = None  # the private network the process made itself
 
 
 class FinishRequest(Request):

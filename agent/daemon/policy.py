@@ -11,54 +11,24 @@ here: its tmp is its own.
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.enforce import Enforcement
-from evidence.policy import landlock
 from evidence.policy.model import parse_policy
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.models import PolicySpec
 
-logger = logging.getLogger(__name__)
 
-_COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
-
-
-class AgentEnforcement(Enforcement):
-    """`Enforcement` built from what the client sent (no tmp, no environment, no namespace here)."""
-
-    def __init__(self, spec: PolicySpec) -> None:  # noqa: D107 - the parent's set-up is not wanted
-        self.mode = spec.mode
-        self.workspace = spec.variables["WORKSPACE"]
-        self.tmpdir = spec.variables["TMPDIR"]
-        self.guard = None
-        self.netns = None
-        self.degradations = []
-        self._rules = {}
-        self._dry_run = spec.mode == "dry-run"
-        self._fail_closed = spec.fail_closed
-        self.env_removed = list(spec.env_removed)
-        self.policy = parse_policy(spec.text, name=spec.name, variables=dict(spec.variables))
-        self.abi = landlock.abi_version()
-        self.plan = landlock.plan(self.policy, self.abi)
-        self.degradations += [dict(d) for d in self.plan.degradations]
-        if self.policy.fs is not None and not self.plan.enforced and not self._dry_run:
-            self.degradations.append(
-                {
-                    "component": "landlock",
-                    "reason": "Landlock is not available on this kernel",
-                    "impact": "file rules are recorded but not enforced",
-                }
-            )
-
-    def load_programs(self) -> None:
-        with _COMPILE:
-            super().load_programs()
-
-    def close(self) -> None:
-        if self.guard is not None:
-            self.guard.close()
-            self.guard = None
+def agent_enforcement(spec: PolicySpec, net: str | None = None) -> Enforcement:
+    """The `Enforcement` of what the client sent: the policy parsed with the client's variables,
+    the client's tmp (not removed here) and the names it scrubbed from the environment."""
+    return Enforcement(
+        parse_policy(spec.text, name=spec.name, variables=dict(spec.variables)),
+        workspace=spec.variables["WORKSPACE"],
+        tmpdir=spec.variables["TMPDIR"],
+        dry_run=spec.mode == "dry-run",
+        fail_closed=spec.fail_closed,
+        env_removed=spec.env_removed,
+        net_mode=net,
+    )

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from evidence.agent.recorder import decode as d
+from evidence.agent.recorder.dns import Resolutions
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class Correlator:
         proc_lookup: ProcLookup | None = None,
         cgroup_name: Callable[[int], str | None] | None = None,
         abi_of: Callable[[int, str], str | None] | None = None,
-        hash_of: Callable[[int, str], Any] | None = None,  # exe_hash.Hasher: the program's sha256
+        hash_of: Callable[[int, str, Any], Any] | None = None,  # exe_hash.Hasher: the program's sha256
     ) -> None:
         self.hash_of = hash_of
         # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
@@ -170,6 +171,7 @@ class Correlator:
         self.proc_lookup = proc_lookup
         self.unpaired = 0  # result records whose enter record was lost
         self._exited: dict[int, str | None] = {}  # pid -> exe of recently exited processes
+        self.dns = Resolutions()  # ---- dns: the run's DNS queries and the names of addresses
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -209,6 +211,8 @@ class Correlator:
         for enter in list(self.pending.values()):
             out += self._named(self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter)
         self.pending.clear()
+        for query in self.dns.flush():  # ---- dns: the queries whose answer was not seen
+            out += self._named([query], {"cgid": query.pop("_cgid", 0)})
         return out
 
     def _named(self, out: list[dict[str, Any]], ev: dict[str, Any]) -> list[dict[str, Any]]:
@@ -228,6 +232,8 @@ class Correlator:
         t = ev["ts"] + self.wall_offset_ns
         if kind in _PAIRED:
             return self._complete(ev, ev["ret"], t)
+        if kind == "dns":
+            return self._dns(ev, t)
         if kind == "exec":
             stale = self.pending.get(ev["tid"])
             self.pending[ev["tid"]] = ev
@@ -377,7 +383,7 @@ class Correlator:
         p.exe = filename
         out = [self._exec_record(p, t, filename, argv, trunc, 0)]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
-            h = self.hash_of(p.pid, filename)
+            h = self.hash_of(p.pid, filename, ev.get("file"))
             out[0].update(h if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:
@@ -445,6 +451,7 @@ class Correlator:
                     "address": enter["address"],
                     "port": enter["port"],
                     "result": result_of(ret),
+                    **self._names(enter["address"]),
                 }
             ]
         if kind == "chdir" and ret == 0:
@@ -458,3 +465,19 @@ class Correlator:
             else:
                 p.fds.pop(ret, None)
         return []
+
+    # ---- dns
+
+    def _dns(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
+        """A DNS message: a query waits for its answer (the pair is one record, at the query's
+        time), an answer teaches the names of the addresses it gives."""
+        p = self._proc(ev["tgid"])
+        base = {"k": "dns", "t": t, "pid": p.pid, "ppid": p.ppid, "exe": p.exe, "_cgid": ev["cgid"]}
+        out = self.dns.feed(ev, base)
+        for rec in out:
+            rec.pop("_cgid", None)
+        return out
+
+    def _names(self, address: str) -> dict[str, list[str]]:
+        names = self.dns.names_of(address)
+        return {"names": names} if names else {}

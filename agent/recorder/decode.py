@@ -6,6 +6,7 @@ saved raw records.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import Any
@@ -36,7 +37,10 @@ KIND_NAMES = {
 }
 EV_CHANGE = 14  # after the loss-only kinds 11-13 (record.bpf.c)
 KIND_NAMES[EV_CHANGE] = "change"
-EV_KINDS = 15
+EV_DNS = 16  # ---- dns: a DNS message sent or received (kind 15 is another section's)
+KIND_NAMES[EV_DNS] = "dns"
+EV_KINDS = 17
+DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 
 F_PATH_TRUNC = 0x1
@@ -71,14 +75,20 @@ _CONNECT = struct.Struct("<qQQiI8x")  # ret, exe_tok, tok, fd, addrlen
 _DUP = struct.Struct("<qii")  # ret, oldfd, newfd
 # a file change: ret, (exe, tok unused), dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2
 _CHANGE = struct.Struct("<q16xiiIIIIHHH2x")
-_EXEC = struct.Struct("<iIIHHI")  # dfd, at_flags, old_tid, fname_len, args_len, argc
+# dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
+# (kernel encoding), ino, size, ctime (s, ns)
+_EXEC = struct.Struct("<iIIHHIIQQqI")
 _FORK = struct.Struct("<II")
 _EXIT = struct.Struct("<iI")
 _RET = struct.Struct("<IIq")
 OPEN_PATH_OFF = HDR.size + _OPEN.size  # 72
-EXEC_BUF_OFF = HDR.size + _EXEC.size  # 52
+EXEC_BUF_OFF = HDR.size + _EXEC.size  # 84
+# i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
+_NSEC_MASK = (1 << 30) - 1
 CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
+_DNS = struct.Struct("<qiHH28s4x")  # ret, fd, dir, len, the server's sockaddr
+DNS_DATA_OFF = HDR.size + _DNS.size  # 80
 
 
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
@@ -157,8 +167,17 @@ def decode(raw: bytes) -> dict[str, Any]:
             path=_cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
         )
     elif kind in (EV_EXEC, EV_EXEC_OK):
-        dfd, at_flags, old_tid, flen, alen, argc = _EXEC.unpack_from(raw, o)
+        dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns = _EXEC.unpack_from(
+            raw, o
+        )
         buf = raw[EXEC_BUF_OFF:]
+        if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
+            ev["file"] = (
+                os.makedev(kdev >> 20, kdev & 0xFFFFF),
+                ino,
+                size,
+                ctime_s * 1_000_000_000 + (ctime_ns & _NSEC_MASK),
+            )
         ev.update(
             dfd=dfd,
             at_flags=at_flags,
@@ -195,6 +214,18 @@ def decode(raw: bytes) -> dict[str, Any]:
         )
     elif kind == EV_DUP:
         ev["ret"], ev["oldfd"], ev["newfd"] = _DUP.unpack_from(raw, o)
+    elif kind == EV_DNS:
+        ret, fd, direction, n, addr = _DNS.unpack_from(raw, o)
+        family, address, port = decode_sockaddr(addr, len(addr))
+        ev.update(
+            ret=ret,
+            fd=fd,
+            received=direction == DNS_RECEIVED,
+            family=family,
+            address=address,
+            port=port,
+            payload=raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
+        )
     elif kind == EV_RET:
         sc, _, ret = _RET.unpack_from(raw, o)
         ev.update(sc=sc, ret=ret)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from evidence.agent.recorder.launch import Landlock
@@ -27,9 +28,57 @@ logger = logging.getLogger(__name__)
 _REFUSED = ("EACCES", "EPERM")
 
 
+_COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
+
+
 class Enforcement:
+    """A policy in force on one run: what it refuses, how it is enforced, what it refused.
+
+    `for_run` makes one for `evidence run` (its private tmp, scrubbed environment and network
+    namespace are made here and removed by `close`); the agent builds one from what its client made
+    and sent (agent/daemon/policy.py: the tmp and the environment are the client's)."""
+
     def __init__(
         self,
+        policy: Policy,
+        *,
+        workspace: str,
+        tmpdir: str,
+        dry_run: bool,
+        fail_closed: bool,
+        environ: Mapping[str, str] | None = None,
+        env_removed: Sequence[str] = (),
+        net_mode: str | None = None,
+        owns_tmp: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.mode = "dry-run" if dry_run else "enforce"
+        self.workspace = workspace
+        self.tmpdir = tmpdir
+        self.environ = dict(environ) if environ is not None else {}
+        self.env_removed = list(env_removed)
+        self.net_mode = net_mode
+        self.guard: ConnectGuard | None = None
+        self.netns: PrivateNetns | None = None
+        self._owns_tmp = owns_tmp
+        self._dry_run = dry_run
+        self._fail_closed = fail_closed
+        self._rules: dict[tuple[str, str], str | None] = {}
+        self.abi = landlock.abi_version()
+        self.plan = landlock.plan(policy, self.abi)
+        self.degradations: list[dict[str, str]] = [dict(d) for d in self.plan.degradations]
+        if policy.fs is not None and not self.plan.enforced and not dry_run:
+            self.degradations.append(
+                {
+                    "component": "landlock",
+                    "reason": "Landlock is not available on this kernel",
+                    "impact": "file rules are recorded but not enforced",
+                }
+            )
+
+    @classmethod
+    def for_run(
+        cls,
         policy_path: str,
         *,
         workspace: str,
@@ -37,55 +86,43 @@ class Enforcement:
         fail_closed: bool,
         net_mode: str | None,
         environ: Mapping[str, str],
-    ) -> None:
-        self.mode = "dry-run" if dry_run else "enforce"
-        self.workspace = os.path.realpath(workspace)
-        self.tmpdir = ptmp.create_private_tmp()
-        self.guard: ConnectGuard | None = None
-        self.netns: PrivateNetns | None = None
-        self.degradations: list[dict[str, str]] = []
-        self._rules: dict[tuple[str, str], str | None] = {}
+    ) -> Enforcement:
+        """The policy at `policy_path` on a run of this process's: a private tmp, the environment
+        scrubbed, and the network namespace (`net_mode`) made now."""
+        workspace = os.path.realpath(workspace)
+        tmpdir = ptmp.create_private_tmp()
         try:
-            self.policy: Policy = load_policy(policy_path, workspace=self.workspace, tmpdir=self.tmpdir)
-            self.abi = landlock.abi_version()
-            self.plan = landlock.plan(self.policy, self.abi)
-            self.degradations += [dict(d) for d in self.plan.degradations]
-            if self.policy.fs is not None and not self.plan.enforced and not dry_run:
-                self.degradations.append(
-                    {
-                        "component": "landlock",
-                        "reason": "Landlock is not available on this kernel",
-                        "impact": "file rules are recorded but not enforced",
-                    }
-                )
-            env, self.env_removed = penv.scrub(environ, self.policy.env)
-            self.environ = ptmp.tmp_environ(env, self.tmpdir)
-            self._dry_run = dry_run
-            self._fail_closed = fail_closed
+            policy = load_policy(policy_path, workspace=workspace, tmpdir=tmpdir)
+            env, removed = penv.scrub(environ, policy.env)
+            self = cls(
+                policy,
+                workspace=workspace,
+                tmpdir=tmpdir,
+                dry_run=dry_run,
+                fail_closed=fail_closed,
+                environ=ptmp.tmp_environ(env, tmpdir),
+                env_removed=removed,
+                net_mode=net_mode,
+                owns_tmp=True,
+            )
+        except BaseException:
+            ptmp.remove_private_tmp(tmpdir)
+            raise
+        try:
             if net_mode:
                 self.netns = PrivateNetns(net_mode)  # type: ignore[arg-type]
                 self.netns.create()
         except BaseException:
             self.close()
             raise
+        return self
 
     def load_programs(self) -> None:
         """Compile the connect guard (BCC: never while another BPF compile runs in this process),
         then refuse to go on under --fail-closed if anything cannot be enforced."""
         try:
             if self.policy.net is not None:
-                try:
-                    self.guard = ConnectGuard(self.policy.net, dry_run=self._dry_run)
-                    self.guard.load()
-                except SetupError as e:
-                    self.guard = None
-                    self.degradations.append(
-                        {
-                            "component": "connect_guard",
-                            "reason": e.message,
-                            "impact": "network rules are recorded but not enforced",
-                        }
-                    )
+                self._load_guard()
             if self._fail_closed and self.degradations and not self._dry_run:
                 first = self.degradations[0]
                 raise PolicyError(
@@ -95,6 +132,22 @@ class Enforcement:
         except BaseException:
             self.close()
             raise
+
+    def _load_guard(self) -> None:
+        assert self.policy.net is not None
+        try:
+            self.guard = ConnectGuard(self.policy.net, dry_run=self._dry_run)
+            with _COMPILE:
+                self.guard.load()
+        except SetupError as e:
+            self.guard = None
+            self.degradations.append(
+                {
+                    "component": "connect_guard",
+                    "reason": e.message,
+                    "impact": "network rules are recorded but not enforced",
+                }
+            )
 
     # ---- around the child ----------------------------------------------------------------------
     def attach(self, cgroup_path: str) -> None:
@@ -121,7 +174,7 @@ class Enforcement:
         if self.netns is not None:
             self.netns.remove()
             self.netns = None
-        if self.tmpdir:
+        if self._owns_tmp and self.tmpdir:
             ptmp.remove_private_tmp(self.tmpdir)
 
     # ---- what the policy says about recorded operations ----------------------------------------
@@ -185,5 +238,5 @@ class Enforcement:
             "landlock": self.plan.summary(),
             "connect_guard": self.guard is not None,
             "env_removed": list(self.env_removed),
-            "net_namespace": self.netns.mode if self.netns else None,
+            "net_namespace": self.net_mode,
         }

@@ -6,9 +6,13 @@ The /proc reads go through `proc_root` (a fake tree in unit tests). What a succe
 gains (docs/bundle-format.md, process.exec):
 
 - `sha256`, `size`, `hash_source`: of the file the exec named. `hash_source` is "exe" when it was read
-  through /proc/<pid>/exe, "path" when it was read by its path: a `#!` script (the kernel runs its
-  interpreter, so the script itself has no /proc name), or a process that had already exec'd
-  something else or was gone by the time it was hashed;
+  through /proc/<pid>/exe; "inode" when the process was gone (or had exec'd again) by the time it
+  was hashed and the file was read by its path and found to be the very file the kernel mapped at
+  the exec (the exec record's device, inode, size and ctime, agent/recorder/decode.py); "path" when
+  it was read by its path and that could not be shown: a `#!` script (the kernel maps its
+  interpreter, so the script itself has no /proc name and no identity in the record), or a path
+  that names a file other than the one that ran (replaced since, or a file system whose stat
+  reports other numbers than its inodes hold);
 - `not_hashed` instead of `sha256` when it could not be hashed, with the reason;
 - for a `#!` script also `interpreter` (the first word of its `#!` line), `interpreter_sha256`,
   `interpreter_size`, `interpreter_hash_source` (as above) or `interpreter_not_hashed`.
@@ -53,7 +57,7 @@ HASH_SECONDS = 10.0
 class FileHash:
     sha256: str | None
     size: int | None
-    source: str | None  # "exe" or "path"
+    source: str | None  # "exe", "inode" or "path"
     reason: str | None = None  # why not hashed
 
     def fields(self, prefix: str = "") -> dict[str, Any]:
@@ -70,6 +74,8 @@ class FileHash:
 
 
 FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size)
+# the file an exec mapped, as the kernel knew it at the exec: (st_dev, st_ino, st_size, st_ctime_ns)
+Ident = tuple[int, int, int, int]
 
 
 def max_size_setting() -> int:
@@ -84,6 +90,10 @@ def max_size_setting() -> int:
 
 def _key(st: os.stat_result) -> FileKey:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _ident(st: os.stat_result) -> Ident:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 def shebang_interpreter(head: bytes) -> str | None:
@@ -128,13 +138,13 @@ class ExeHasher:
         target = target.removesuffix(" (deleted)")
         return target in (filename, os.path.realpath(filename))
 
-    def lookup(self, pid: int, filename: str) -> FileHash | None:
+    def lookup(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash | None:
         """A cached answer for the program `pid` runs when /proc/<pid>/exe still names `filename`'s
         file, else None (not cached, a script, a process gone or moved on: see `hash`)."""
         try:
             st = os.stat(self._exe(pid))
         except OSError:
-            return self._gone(filename)
+            return self._gone(filename, ident)
         with self._lock:
             hit = self._cache.get(_key(st))
         if hit is None or not self._matches(pid, filename, st):
@@ -142,23 +152,26 @@ class ExeHasher:
         self.stats["hits"] += 1
         return dataclasses.replace(hit, source="exe") if hit.source != "exe" else hit
 
-    def _gone(self, filename: str) -> FileHash | None:
+    def _gone(self, filename: str, ident: Ident | None) -> FileHash | None:
         """A process gone already (most short-lived ones are, by the time their record is read): its
         file is read by path, so a cached answer for the file at that path, unless it is a script
         (whose record needs its interpreter too)."""
         try:
-            key = _key(os.stat(filename))
+            st = os.stat(filename)
         except OSError:
             return None
+        key = _key(st)
         with self._lock:
             hit = None if key in self._scripts else self._cache.get(key)
         if hit is None:
             return None
         self.stats["hits"] += 1
-        return dataclasses.replace(hit, source="path") if hit.sha256 and hit.source != "path" else hit
+        source = "inode" if ident is not None and _ident(st) == ident else "path"
+        return dataclasses.replace(hit, source=source) if hit.sha256 and hit.source != source else hit
 
-    def hash_exec(self, pid: int, filename: str) -> dict[str, Any]:
-        """The fields a successful exec record gains (see the module's docstring)."""
+    def hash_exec(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any]:
+        """The fields a successful exec record gains (see the module's docstring). `ident`: the file
+        the kernel mapped (for a script, its interpreter)."""
         head, key = self._head(filename)
         interp = shebang_interpreter(head) if head else None
         if interp is not None and key is not None:
@@ -167,18 +180,18 @@ class ExeHasher:
                     self._scripts.clear()
                 self._scripts.add(key)
         if interp is None:
-            return self._program(pid, filename).fields()
+            return self._program(pid, filename, ident).fields()
         # a script: the kernel runs the interpreter (/proc/<pid>/exe) with the script as argument
         out = self._file(filename).fields()
         out["interpreter"] = interp
-        out.update(self._program(pid, interp).fields("interpreter_"))
+        out.update(self._program(pid, interp, ident).fields("interpreter_"))
         return out
 
-    def _program(self, pid: int, filename: str) -> FileHash:
+    def _program(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash:
         got = self._via_exe(pid, filename)
         if got is not None:
             return got
-        by_path = self._file(filename)  # gone, or already running something else: by its path
+        by_path = self._file(filename, ident)  # gone, or already running something else: by its path
         if by_path.reason == UNREADABLE:
             return dataclasses.replace(by_path, reason=GONE)
         return by_path
@@ -212,13 +225,15 @@ class ExeHasher:
         except OSError:
             return b"", None
 
-    def _file(self, path: str) -> FileHash:
+    def _file(self, path: str, ident: Ident | None = None) -> FileHash:
+        """By its path: "inode" when it is the file `ident` says ran, else "path"."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return FileHash(None, None, None, UNREADABLE)
         try:
-            return self._hash_fd(fd, os.fstat(fd), "path")
+            st = os.fstat(fd)
+            return self._hash_fd(fd, st, "inode" if ident is not None and _ident(st) == ident else "path")
         finally:
             os.close(fd)
 
@@ -288,11 +303,11 @@ class Hasher:
         self.hasher = hasher or ExeHasher()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="exe-hash")
 
-    def __call__(self, pid: int, filename: str) -> dict[str, Any] | Pending:
-        hit = self.hasher.lookup(pid, filename)
+    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any] | Pending:
+        hit = self.hasher.lookup(pid, filename, ident)
         if hit is not None:
             return hit.fields()
-        return Pending(self._pool.submit(self.hasher.hash_exec, pid, filename))
+        return Pending(self._pool.submit(self.hasher.hash_exec, pid, filename, ident))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=False)
@@ -313,4 +328,4 @@ def settle(recs: list[dict[str, Any]], wait: bool = False) -> int:
     return len(recs)
 
 
-HashOf = Callable[[int, str], "dict[str, Any] | Pending"]
+HashOf = Callable[[int, str, "Ident | None"], "dict[str, Any] | Pending"]

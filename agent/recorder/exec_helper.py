@@ -61,6 +61,7 @@ def main(spec_fd: int) -> NoReturn:
         elif spec.get("no_new_privs"):
             ll.no_new_privs()
         ll.deny_tty_injection()  # the job cannot type into the terminal it shares with its caller
+        ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
         if spec.get("oom_score_adj") is not None:  # the job's own, not the recorder's protection
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write(str(int(spec["oom_score_adj"])))

@@ -29,6 +29,7 @@ from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
 from evidence.bundle.attestation import Signer
+from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool
 from evidence.bundle.writer import RunMeta, write_bundle
 from evidence.errors import SetupError
@@ -49,16 +50,13 @@ FLUSH_SECONDS = 1.0
 # kept, so a flood of distinct names cannot grow the recorder's memory or the bundle past what the
 # reader accepts. EVIDENCE_MAX_DISTINCT sets it (tests use a small value).
 MAX_DISTINCT = int(os.environ.get("EVIDENCE_MAX_DISTINCT", "100000"))
-# the fields of a summary key, by record kind (as the bundle writer aggregates them)
-_SUMMARY_FIELDS = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container"),
-    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
-    # file changes are not aggregated in the kernel (far rarer than opens): every one is a plain
-    # record, summarised by the writer, under the same cap on distinct keys (change_past_cap)
-    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
-}
+# kinds under the cap on distinct summary keys (bundle/records.py: summary_key). File changes are not
+# aggregated in the kernel (far rarer than opens): every one is a plain record, summarised by the
+# writer, under the same cap on distinct keys (change_past_cap)
+_CAPPED = ("open", "connect", "change", "dns")  # dns: plain records too (dns_past_cap)
 # what is kept of a key's first record, to write its count when the run ends
-_FIRST_FIELDS = {k: (*v, "k", "pid") for k, v in _SUMMARY_FIELDS.items()}
+_FIRST_FIELDS = {k: (*SUMMARY_KEYS[k], "k", "pid") for k in _CAPPED}
+_FIRST_FIELDS["connect"] += ("names",)  # ---- dns: what the run's DNS answers named the address
 
 
 def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
@@ -162,6 +160,7 @@ class Session:
     plain_keys: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)  # keys of plain records
     past_cap: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> not kept, counted
     policy: dict[str, Any] | None = None
+    network: str | None = None  # the command's private network (--net), for the manifest
     degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
     extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -343,6 +342,7 @@ class Recorder:
             lost=lost,
             labels=session.labels,
             policy=session.policy,
+            network=session.network,
             degradations=session.degradations,
             roots=session.roots,
         )
@@ -511,21 +511,15 @@ def _capped(session: Session, recs: list[dict[str, Any]]) -> list[dict[str, Any]
     a full map) under the same cap on distinct keys: past it, counted by kind and not kept."""
     out = []
     for r in recs:
-        fields = _SUMMARY_FIELDS.get(r["k"])
-        if fields is not None:
-            key = (r["k"], *(_frozen(r.get(f)) for f in fields))
-            if key not in session.plain_keys:
-                if len(session.plain_keys) >= session.max_distinct:
-                    kind = f"{r['k']}_past_cap"
-                    session.past_cap[kind] = session.past_cap.get(kind, 0) + 1
-                    continue
-                session.plain_keys.add(key)
+        key = summary_key(r) if r["k"] in _CAPPED else None
+        if key is not None and key not in session.plain_keys:
+            if len(session.plain_keys) >= session.max_distinct:
+                kind = f"{r['k']}_past_cap"
+                session.past_cap[kind] = session.past_cap.get(kind, 0) + 1
+                continue
+            session.plain_keys.add(key)
         out.append(r)
     return out
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _host() -> dict[str, str]:

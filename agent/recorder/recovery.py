@@ -78,6 +78,7 @@ def run_record(session: Any, **extra: Any) -> dict[str, Any]:
         "attached_late": session.attached_late,
         "detail": session.detail,
         "labels": dict(session.labels),
+        "network": session.network,
         **extra,
     }
 
@@ -209,6 +210,7 @@ def recover_spools(
             capabilities={},
             headers={},
             labels={str(k): str(v) for k, v in (info.get("labels") or {}).items()},
+            network=info.get("network") if info.get("network") in ("none", "loopback") else None,
             degradations=[degradation],
         )
         try:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from evidence.agent.recorder.cgroups import RunCgroup
 from evidence.agent.recorder.decode import decode
@@ -65,8 +66,21 @@ os.mkdir(b + '.d', 0o700)
 os.rmdir(b + '.d')
 os.unlink(c)
 os.unlink(a)
+# a DNS query and its answer on a socket connected to port 53 (the "server" is this script)
+srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); srv.bind(('127.3.5.3', 53))
+cli = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); cli.connect(('127.3.5.3', 53))
+cli.send(b'\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01')
+q, peer = srv.recvfrom(512)
+srv.sendto(q[:2] + b'\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00' + q[12:] + b'\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\xc0\x00\x02\x07', peer)
+cli.recv(512)
+cli.close(); srv.close()
 os.execv('/bin/sh', ['sh', '-c', 'exit 7'])
 """
+
+
+def jsonable(decoded: dict[str, Any]) -> dict[str, Any]:
+    """A decoded record as JSON holds it: bytes (a DNS record's payload) as hex."""
+    return {k: v.hex() if isinstance(v, bytes) else v for k, v in decoded.items()}
 
 
 def main() -> None:
@@ -88,7 +102,7 @@ def main() -> None:
     probes.untrack(cg.id)
     cg.wait_empty()
     cg.remove()
-    wanted = [{"hex": r.hex(), "decoded": decode(r)} for r in raw]
+    wanted = [{"hex": r.hex(), "decoded": jsonable(decode(r))} for r in raw]
     out = Path(__file__).with_name("raw_records.json")
     out.write_text(json.dumps(wanted, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(wanted)} records to {out}")

@@ -38,11 +38,15 @@
 #define K_CONNECT_PAST_CAP 12
 #define K_AGG_MAP_FULL 13
 #define EV_CHANGE 14  // a file change that is not an open: rename, unlink, link, chmod, ... (op)
-#define EV_KINDS 15
+#define EV_DNS 16  // a DNS message sent or received (see ---- dns)
+#define EV_KINDS 17
 
 #define SC_EXEC 2  // ret_ev.sc: exec is the only call whose result is a record of its own
 
 #define PATH_MAX_ 4096
+#define DNS_MAX_ 1024  // bytes of a DNS message kept (a power of two)
+#define DNS_SENT 0
+#define DNS_RECEIVED 1
 #define HASH_MAX_ 1024  // longer names are not aggregated (see name_token)
 // the result of a call that never returned while recorded (not a kernel code: -1,000,000)
 #define NO_RESULT_ (-1000000)
@@ -133,6 +137,13 @@ struct exec_ev {
     u16 fname_len;
     u16 args_len;  // bytes of NUL-separated argv that follow the filename
     u32 argc;      // arguments seen (may exceed the number captured)
+    // EV_EXEC_OK: the file the new image was mapped from (mm->exe_file; for a #! script, its
+    // interpreter): s_dev (kernel encoding), inode number, size and ctime. ino 0: not read.
+    u32 dev;
+    u64 ino;
+    u64 size;
+    s64 ctime_sec;
+    u32 ctime_nsec;
     char buf[4 * PATH_MAX_ + ARGS_MAX_];
 };
 
@@ -922,6 +933,11 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     e->at_flags = at_flags;
     e->old_tid = 0;
     e->argc = 0;
+    e->dev = 0;  // the file is known once the exec succeeded (EV_EXEC_OK)
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     int n = bpf_probe_read_user_str(e->buf, PATH_MAX_, filename);
     if (n < 0) {
         n = 1;
@@ -971,9 +987,27 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     void *mm = NULL;
     u64 start = 0, end = 0;
     bpf_probe_read_kernel(&mm, sizeof(mm), (void *)task + 1136);
+    e->dev = 0;
+    e->ino = 0;
+    e->size = 0;
+    e->ctime_sec = 0;
+    e->ctime_nsec = 0;
     if (mm) {
         bpf_probe_read_kernel(&start, sizeof(start), mm + 480);
         bpf_probe_read_kernel(&end, sizeof(end), mm + 488);
+        void *file = NULL, *inode = NULL, *sb = NULL;
+        bpf_probe_read_kernel(&file, sizeof(file), mm + 1312);
+        if (file)
+            bpf_probe_read_kernel(&inode, sizeof(inode), file + 32);
+        if (inode) {
+            bpf_probe_read_kernel(&e->ino, sizeof(e->ino), inode + 64);
+            bpf_probe_read_kernel(&e->size, sizeof(e->size), inode + 80);
+            bpf_probe_read_kernel(&e->ctime_sec, sizeof(e->ctime_sec), inode + 104);
+            bpf_probe_read_kernel(&e->ctime_nsec, sizeof(e->ctime_nsec), inode + 120);
+            bpf_probe_read_kernel(&sb, sizeof(sb), inode + 40);
+            if (sb)
+                bpf_probe_read_kernel(&e->dev, sizeof(e->dev), sb + 16);
+        }
     }
     u64 len = end > start ? end - start : 0;
     if (len >= ARGS_MAX_) {
@@ -1068,6 +1102,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 
 // ---- network -----------------------------------------------------------------------------
 
+// ---- dns: defined in its section below; connect and the sends run it first (BCC keeps one program
+// per tracepoint, so the DNS work on a shared tracepoint is a call, not a program of its own)
+static __always_inline int dns_enter(struct sys_enter_ctx *ctx);
+
 // A connect record for socket fd and the sockaddr at addr (of len bytes), completed at exit.
 static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, const void *addr, u32 len) {
     struct call *c = begin_call(run, EV_CONNECT, nr);
@@ -1102,6 +1140,7 @@ static __always_inline int enter_send(s32 nr, s32 fd, const void *addr, u32 len)
 
 int on_enter_send(struct sys_enter_ctx *ctx) {
     // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
+    dns_enter(ctx);
     if (ctx->nr == __NR_sendto)
         return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
     if (ctx->nr == __NR_sendmmsg && (u32)arg_beyond(ctx, 2) == 0)
@@ -1122,6 +1161,7 @@ int on_enter_send(struct sys_enter_ctx *ctx) {
 }
 
 int on_enter_connect(struct sys_enter_ctx *ctx) {
+    dns_enter(ctx);
     u32 run = current_run();
     if (run)
         enter_sockaddr(run, ctx->nr, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);
@@ -1293,6 +1333,339 @@ int on_enter_change(struct sys_enter_ctx *ctx) {
 
 #undef A
 #undef P
+
+// ---- dns ---------------------------------------------------------------------------------
+//
+// DNS messages of the run's processes, read from their buffers: what is sent on a socket connected
+// (or sending) to port 53, and what is then received on it. `dnsfds` holds the sockets: (tgid, fd)
+// -> the server, set when a tracked process connects a socket to port 53 or sends to port 53 with
+// an explicit address, cleared when it connects the socket elsewhere or closes it. `dnscount`
+// counts them per tgid bucket (tgid mod 65536, at least the sockets there: an entry the LRU map
+// drops or a process that exits without closing leaves it high, never low), so every other read,
+// write, send and receive costs one array element read (inlined by the verifier), and a process in
+// a bucket with a DNS socket one hash lookup more. A sent message is read at entry (the
+// record's ret is the length given), a received one at exit (ret: the result). User space parses
+// them (a hostile job sends what it likes to port 53: the bytes are data, never trusted).
+
+struct dns_ev {
+    struct hdr h;
+    s64 ret;       // send: the length given; receive: the call's result
+    s32 fd;
+    u16 dir;       // DNS_SENT or DNS_RECEIVED
+    u16 len;       // bytes of message that follow (at most DNS_MAX_)
+    u8 addr[28];   // the server (sockaddr_in or sockaddr_in6; family 0: not known)
+    u32 pad;
+    u8 data[2 * DNS_MAX_];  // twice the bound, so the verifier can check a masked length
+};
+
+struct dnsfd {
+    u64 gen;       // the process's generation (procs): a reused pid is another process
+    u8 addr[28];
+    u32 pad;
+};
+
+// A receive on a DNS socket between its enter and its exit, per thread.
+struct dnsrecv {
+    u64 buf;       // where the message goes (recvmsg: the first iovec's base)
+    u64 cap;       // its size
+    u64 vec;       // recvmmsg: the mmsghdr array (each message's length is read at exit)
+    s32 fd;
+    s32 nr;
+};
+
+BPF_TABLE("lru_hash", u64, struct dnsfd, dnsfds, 4096);
+BPF_TABLE("lru_hash", u32, struct dnsrecv, dnsrecvs, 4096);
+BPF_PERCPU_ARRAY(scratch_dns, struct dns_ev, 1);
+BPF_ARRAY(dnscount, u32, 65536);
+
+// Whether a process of tgid's bucket may have a DNS socket (the fast path: no hash lookup).
+static __always_inline int dns_maybe(u32 tgid) {
+    u32 i = tgid & 0xFFFF;
+    u32 *n = dnscount.lookup(&i);
+    return n && *n != 0;
+}
+
+static __always_inline void dns_count(u32 tgid, int delta) {
+    u32 i = tgid & 0xFFFF;
+    u32 *n = dnscount.lookup(&i);
+    if (n && (delta > 0 || *n > 0))
+        __sync_fetch_and_add(n, delta);
+}
+
+// Forgets fd of tgid as a DNS socket.
+static __always_inline void dns_forget(u32 tgid, s32 fd) {
+    if (!dns_maybe(tgid))
+        return;
+    u64 k = fd_key(tgid, fd);
+    if (dnsfds.delete(&k) == 0)
+        dns_count(tgid, -1);
+}
+
+// The socket's entry when fd of the current process is a DNS socket.
+static __always_inline struct dnsfd *dns_fd(s32 fd) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!dns_maybe(tgid))
+        return NULL;
+    u64 k = fd_key(tgid, fd);
+    struct dnsfd *d = dnsfds.lookup(&k);
+    if (!d)
+        return NULL;
+    struct pctx *p = procs.lookup(&tgid);
+    if (!p || p->gen != d->gen) {  // left by an earlier process of this pid
+        dns_forget(tgid, fd);
+        return NULL;
+    }
+    return d;
+}
+
+// Whether the sockaddr at uaddr (len bytes) is an IPv4 or IPv6 address with port 53; copied to out.
+static __always_inline int dns_port(const void *uaddr, u32 len, u8 *out) {
+    if (!uaddr || len < 8)
+        return 0;
+    u8 a[28] = {};
+    u32 n = len > sizeof(a) ? sizeof(a) : len;
+    barrier_var(n);
+    n &= 0x1F;
+    if (n > sizeof(a))
+        n = sizeof(a);
+    if (bpf_probe_read_user(a, n, uaddr) != 0)
+        return 0;
+    u16 family = a[0] | (a[1] << 8);
+    if ((family != 2 && family != 10) || a[2] != 0 || a[3] != 53)
+        return 0;
+    __builtin_memcpy(out, a, sizeof(a));
+    return 1;
+}
+
+// Marks fd as a DNS socket with server addr (or unmarks it: addr NULL).
+static __always_inline void dns_mark(s32 fd, const u8 *addr) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!addr) {
+        dns_forget(tgid, fd);
+        return;
+    }
+    u64 k = fd_key(tgid, fd);
+    struct pctx *p = proc_ctx(tgid);
+    if (!p)
+        return;
+    struct dnsfd d = {.gen = p->gen};
+    __builtin_memcpy(d.addr, addr, sizeof(d.addr));
+    if (dnsfds.insert(&k, &d) == 0)
+        dns_count(tgid, 1);  // a new entry (an existing one is updated without counting it again)
+    else
+        dnsfds.update(&k, &d);
+}
+
+// One DNS record: len bytes of the message at buf (user memory), to or from the server at addr.
+static __always_inline int dns_emit(u32 run, s32 fd, u16 dir, s64 ret, u64 buf, u64 len, const u8 *addr) {
+    u32 zero = 0;
+    struct dns_ev *e = scratch_dns.lookup(&zero);
+    if (!e)
+        return 0;
+    fill(&e->h, run, EV_DNS);
+    e->ret = ret;
+    e->fd = fd;
+    e->dir = dir;
+    e->pad = 0;
+    __builtin_memcpy(e->addr, addr, sizeof(e->addr));
+    u32 n = len > DNS_MAX_ ? DNS_MAX_ : len;
+    barrier_var(n);
+    n &= 2 * DNS_MAX_ - 1;
+    if (n > 0 && bpf_probe_read_user(e->data, n, (const void *)buf) != 0) {
+        e->h.flags |= F_FNAME_FAULT;  // not in memory: recorded without its bytes
+        n = 0;
+    }
+    e->len = n;
+    u64 size = offsetof(struct dns_ev, data) + (n & (2 * DNS_MAX_ - 1));
+    return emit(e, size, run, EV_DNS);
+}
+
+// The first iovec of a message (a 2-byte first iovec is a DNS-over-TCP length: the second then).
+static __always_inline void dns_iov(u64 iov, u64 iovlen, u64 *buf, u64 *len) {
+    struct { u64 base; u64 len; } v[2] = {};
+    *buf = 0;
+    *len = 0;
+    if (!iov || iovlen == 0 || bpf_probe_read_user(&v[0], sizeof(v[0]), (void *)iov) != 0)
+        return;
+    if (v[0].len == 2 && iovlen > 1 && bpf_probe_read_user(&v[1], sizeof(v[1]), (void *)(iov + 16)) == 0) {
+        *buf = v[1].base;
+        *len = v[1].len;
+        return;
+    }
+    *buf = v[0].base;
+    *len = v[0].len;
+}
+
+// struct user_msghdr's first fields: name, namelen, iov, iovlen
+struct dns_msghdr {
+    u64 name;
+    u32 namelen;
+    u32 pad;
+    u64 iov;
+    u64 iovlen;
+};
+
+// A message sent with a msghdr at uhdr on fd (d: fd's entry, or NULL: only an address to port 53
+// in the message makes it DNS).
+static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
+    struct dns_msghdr m = {};
+    if (bpf_probe_read_user(&m, sizeof(m), (void *)uhdr) != 0)
+        return;
+    u8 addr[28] = {};
+    if (m.name && dns_port((const void *)m.name, m.namelen, addr)) {
+        dns_mark(fd, addr);
+    } else if (d) {
+        __builtin_memcpy(addr, d->addr, sizeof(addr));
+    } else {
+        return;
+    }
+    u32 run = current_run();
+    if (!run)
+        return;
+    u64 buf, len;
+    dns_iov(m.iov, m.iovlen, &buf, &len);
+    dns_emit(run, fd, DNS_SENT, len, buf, len, addr);
+}
+
+// The DNS work of a syscall's entry: close (1 argument), connect, read, write, writev, sendmsg,
+// recvmsg (3), sendmmsg (4), recvmmsg (5), sendto and recvfrom (6).
+static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
+    s32 nr = ctx->nr;
+    s32 fd = (s32)ctx->args[0];
+    if (nr == __NR_close) {
+        dns_forget(bpf_get_current_pid_tgid() >> 32, fd);
+        return 0;
+    }
+    if (nr == __NR_connect) {
+        if (!current_run())
+            return 0;
+        u8 addr[28] = {};
+        if (dns_port((const void *)arg_beyond(ctx, 1), (u32)arg_beyond(ctx, 2), addr))
+            dns_mark(fd, addr);
+        else
+            dns_mark(fd, NULL);
+        return 0;
+    }
+    struct dnsfd *d = dns_fd(fd);
+    if (nr == __NR_sendto) {
+        u64 uaddr = arg_beyond(ctx, 4);
+        u8 addr[28] = {};
+        if (!d && !uaddr)
+            return 0;
+        if (uaddr && current_run() && dns_port((const void *)uaddr, (u32)arg_beyond(ctx, 5), addr)) {
+            dns_mark(fd, addr);
+        } else if (d) {
+            __builtin_memcpy(addr, d->addr, sizeof(addr));
+        } else {
+            return 0;
+        }
+        u32 run = current_run();
+        if (run)
+            dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), addr);
+        return 0;
+    }
+    if (nr == __NR_sendmsg) {
+        if (d || current_run())
+            dns_send_msg(fd, d, arg_beyond(ctx, 1));
+        return 0;
+    }
+    if (nr == __NR_sendmmsg) {
+        if (!d && !current_run())
+            return 0;
+        u64 vec = arg_beyond(ctx, 1);
+        u32 vlen = (u32)arg_beyond(ctx, 2);
+        // struct mmsghdr: a user_msghdr (56 bytes) and the length sent; the resolvers send a
+        // query or two (A and AAAA) at a time: the first two are read
+        if (vlen > 0)
+            dns_send_msg(fd, d, vec);
+        if (vlen > 1)
+            dns_send_msg(fd, dns_fd(fd), vec + 64);
+        return 0;
+    }
+    if (!d)
+        return 0;
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    if (nr == __NR_write) {
+        if (arg_beyond(ctx, 2) == 2)
+            return 0;  // a DNS-over-TCP length on its own
+        dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), d->addr);
+        return 0;
+    }
+    if (nr == __NR_writev) {
+        u64 buf, len;
+        dns_iov(arg_beyond(ctx, 1), arg_beyond(ctx, 2), &buf, &len);
+        dns_emit(run, fd, DNS_SENT, len, buf, len, d->addr);
+        return 0;
+    }
+    // a receive: where the message will be is kept until the exit
+    struct dnsrecv r = {.fd = fd, .nr = nr};
+    if (nr == __NR_read || nr == __NR_recvfrom) {
+        r.buf = arg_beyond(ctx, 1);
+        r.cap = arg_beyond(ctx, 2);
+        if (nr == __NR_read && r.cap == 2)
+            return 0;  // a DNS-over-TCP length on its own
+    } else if (nr == __NR_recvmsg) {
+        struct dns_msghdr m = {};
+        if (bpf_probe_read_user(&m, sizeof(m), (void *)arg_beyond(ctx, 1)) != 0)
+            return 0;
+        dns_iov(m.iov, m.iovlen, &r.buf, &r.cap);
+    } else if (nr == __NR_recvmmsg) {
+        r.vec = arg_beyond(ctx, 1);
+    } else {
+        return 0;
+    }
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    dnsrecvs.update(&tid, &r);
+    return 0;
+}
+
+// One received message of a recvmmsg: the message at vec[i].
+static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dnsfd *d, u32 i) {
+    struct dns_msghdr m = {};
+    u32 got = 0;
+    u64 at = r->vec + i * 64;
+    if (bpf_probe_read_user(&m, sizeof(m), (void *)at) != 0 || bpf_probe_read_user(&got, sizeof(got), (void *)(at + 56)) != 0)
+        return;
+    u64 buf, cap;
+    dns_iov(m.iov, m.iovlen, &buf, &cap);
+    dns_emit(run, r->fd, DNS_RECEIVED, got, buf, got < cap ? got : cap, d->addr);
+}
+
+int on_enter_dns(struct sys_enter_ctx *ctx) {
+    // attached to close, read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends
+    // call dns_enter from their own handlers)
+    return dns_enter(ctx);
+}
+
+int on_exit_dns(struct sys_exit_ctx *ctx) {
+    // attached to the exits of read, recvfrom, recvmsg and recvmmsg
+    u64 id = bpf_get_current_pid_tgid();
+    if (!dns_maybe(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    struct dnsrecv *r = dnsrecvs.lookup(&tid);
+    if (!r)
+        return 0;
+    struct dnsrecv rc = *r;
+    dnsrecvs.delete(&tid);
+    if (rc.nr != ctx->nr || ctx->ret <= 0)
+        return 0;
+    struct dnsfd *d = dns_fd(rc.fd);
+    u32 run = current_run();
+    if (!d || !run)
+        return 0;
+    if (rc.nr == __NR_recvmmsg) {
+        dns_recv_mmsg(run, &rc, d, 0);
+        if (ctx->ret > 1)
+            dns_recv_mmsg(run, &rc, d, 1);
+        return 0;
+    }
+    u64 n = (u64)ctx->ret;
+    dns_emit(run, rc.fd, DNS_RECEIVED, ctx->ret, rc.buf, n < rc.cap ? n : rc.cap, d->addr);
+    return 0;
+}
 
 // ---- results -----------------------------------------------------------------------------
 

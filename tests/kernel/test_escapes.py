@@ -140,6 +140,36 @@ def test_a_job_cannot_type_into_the_terminal_it_shares_with_its_caller(tmp_path:
         assert outside.rstrip().endswith("ok"), outside  # the kernel allows it: the filter is what refused
 
 
+# Set up an io_uring instance; print "ok" or the errno. Its operations (IORING_OP_OPENAT, CONNECT,
+# RENAMEAT, ...) run without system calls of their own: no syscall tracepoint would see them.
+URING = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+params = (ctypes.c_char * 120)()
+fd = libc.syscall(425, 8, params)  # io_uring_setup
+print("ok" if fd >= 0 else ctypes.get_errno())
+"""
+
+
+def test_a_job_cannot_act_through_io_uring(tmp_path: Path, agent, out: Path) -> None:  # noqa: F811
+    """io_uring would let a job open, write and connect with no system call the recorder sees: a
+    seccomp filter refuses io_uring_setup to every recorded command, standalone and through the
+    agent, with or without a policy."""
+    outside = subprocess.run([*AS_NOBODY, PY, "-c", URING], capture_output=True, text=True, timeout=60)
+    inside = evidence("run", "--bundle", str(tmp_path / "u.tar.gz"), "--", *AS_NOBODY, PY, "-c", URING)
+    assert inside.returncode == 0, inside.stderr
+    assert inside.stdout.strip() == "1", inside.stdout  # EPERM
+    proc = client(
+        agent.socket, out / "u.tar.gz", PY, "-c", URING, cwd=out, user=NOBODY, group=NOBODY, extra_groups=[]
+    )
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr + agent.output()
+    assert stdout.strip() == "1", stdout
+    disabled = Path("/proc/sys/kernel/io_uring_disabled")
+    if not disabled.exists() or disabled.read_text().strip() == "0":
+        assert outside.stdout.strip() == "ok", outside  # the kernel allows it: the filter is what refused
+
+
 def test_a_job_killed_by_a_signal_without_a_name_leaves_nothing_behind(tmp_path: Path) -> None:
     """A real-time signal (SIG40) has no name in Python: the run still ends cleanly, its leftover
     processes are killed, and the bundle says how the command died."""

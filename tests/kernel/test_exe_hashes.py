@@ -104,3 +104,33 @@ def test_a_bind_mount_in_the_jobs_own_namespace_cannot_lie(tmp_path: Path, jobdi
     assert proc.returncode == 0, proc.stderr
     (ran,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == str(tool)]
     assert ran["sha256"] == sha(other) != sha(tool) and ran["hash_source"] == "exe", ran
+
+
+def test_a_program_gone_at_once_is_hashed_as_the_file_that_ran_or_said_to_be_unproven(
+    tmp_path: Path, jobdir: Path
+) -> None:
+    """A program that exits within a millisecond is gone before /proc/<pid>/exe can be read. The exec
+    record carries the device, inode, size and ctime of the file the kernel mapped, so a hash read by
+    path is "inode" only when the path still names that very file: a job that runs a program and
+    replaces it at once (even keeping its mtime) cannot get the innocent file's hash recorded as
+    what ran."""
+    true = shutil.which("true")
+    assert true
+    prog = jobdir / "tool"
+    job = (
+        f"for i in 1 2 3 4 5 6 7 8; do {true}; done; "
+        f"cp {true} {prog} && {prog} && printf 'innocent' > {prog}.new && touch -r {prog} {prog}.new && "
+        f"mv {prog}.new {prog}"
+    )
+    proc, _, events = record(tmp_path, *AS_NOBODY, "/bin/sh", "-c", job)
+    assert proc.returncode == 0, proc.stderr
+    execs = [e["data"] for e in of_type(events, "process.exec") if e["data"]["result"] == 0]
+    trues = [d for d in execs if d["filename"] == true]
+    assert trues and all(d["sha256"] == sha(true) for d in trues), trues
+    assert {d["hash_source"] for d in trues} <= {"exe", "inode"}, trues  # never an unproven "path"
+    (tool,) = [d for d in execs if d["filename"] == str(prog)]
+    innocent = hashlib.sha256(b"innocent").hexdigest()
+    if tool.get("sha256") == innocent:  # read after the swap: by path, and said to be unproven
+        assert tool["hash_source"] == "path", tool
+    else:  # read before the swap: the program that ran
+        assert tool["sha256"] == sha(true) and tool["hash_source"] in ("exe", "inode"), tool

@@ -291,10 +291,9 @@ def test_profile_of_a_run_blocks_nothing_on_a_second_run(tmp_path: Path, world) 
     assert m2["policy"]["mode"] == "enforce"
 
 
-def test_net_none_and_loopback_namespaces(tmp_path: Path) -> None:
-    host = _listener()
-    port = host.getsockname()[1]
-    code = textwrap.dedent(
+def net_attempts(port: int) -> str:
+    """A job that connects to the host's loopback listener on `port`, then to one of its own."""
+    return textwrap.dedent(
         f"""
         import socket, json
         out = {{}}
@@ -310,15 +309,23 @@ def test_net_none_and_loopback_namespaces(tmp_path: Path) -> None:
         print(json.dumps(out))
         """
     )
+
+
+def test_net_none_and_loopback_namespaces(tmp_path: Path) -> None:
+    host = _listener()
+    port = host.getsockname()[1]
+    code = net_attempts(port)
     import json
 
     try:
-        proc, _, _ = record(tmp_path, PY, "-c", code, extra=("--net", "loopback"), name="lo.tar.gz")
+        proc, manifest, _ = record(tmp_path, PY, "-c", code, extra=("--net", "loopback"), name="lo.tar.gz")
         got = json.loads(proc.stdout)
         assert got["host"] != "ok" and got["own"] == "ok"  # its own loopback only
-        proc, _, events = record(tmp_path, PY, "-c", code, extra=("--net", "none"), name="none.tar.gz")
+        assert manifest["network"] == "loopback"
+        proc, manifest, events = record(tmp_path, PY, "-c", code, extra=("--net", "none"), name="none.tar.gz")
         got = json.loads(proc.stdout)
         assert got["host"] != "ok" and got["own"] != "ok"  # no network at all, not even loopback
+        assert manifest["network"] == "none"
         conns = [e["data"] for e in of_type(events, "network.connect") if e["data"]["port"] == port]
         assert conns and conns[0]["result"] != 0
     finally:

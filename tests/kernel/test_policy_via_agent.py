@@ -99,14 +99,59 @@ def test_dry_run_through_the_agent_exits_4(agent: Agent, world: dict[str, Any]) 
     assert manifest["policy"]["mode"] == "dry-run" and "would have been blocked" in proc.stderr
 
 
-def test_net_is_refused_through_the_agent_and_nothing_runs(agent: Agent, world: dict[str, Any]) -> None:
-    marker = world["ws"] / "ran"
-    proc = subprocess.run(
-        [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--net", "none", "--",
-         "/usr/bin/touch", str(marker)], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "--net is not available with --agent" in proc.stderr, proc.stderr
-    assert not marker.exists()
+@pytest.mark.parametrize("as_nobody", [True, False], ids=["nobody", "root"])
+def test_net_through_the_agent_as_standalone(agent: Agent, tmp_path: Path, as_nobody: bool) -> None:
+    """--net through the agent: the client's child makes its own network namespace before the agent
+    takes it (a client that is not root, inside a user namespace mapping only its own ids), the agent
+    checks it and says so in the manifest; the job reaches neither the host's loopback nor, with
+    `none`, any network at all, and its attempts are recorded."""
+    host = test_policy_run._listener()
+    port = host.getsockname()[1]
+    tmp_path.chmod(0o777)
+    who: dict[str, Any] = dict(user=NOBODY, group=NOBODY, extra_groups=[]) if as_nobody else {}
+    try:
+        for mode in ("loopback", "none"):
+            bundle = tmp_path / f"{mode}.tar.gz"
+            proc = subprocess.run(
+                [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--net", mode,
+                 "--bundle", str(bundle), "--", PY, "-c", test_policy_run.net_attempts(port)],
+                capture_output=True, text=True, timeout=120, cwd=tmp_path, **who,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr + agent.output()
+            got = json.loads(proc.stdout)
+            assert got["host"] != "ok", got  # the host's loopback listener is out of reach
+            assert (got["own"] == "ok") == (mode == "loopback"), got
+            manifest, events = read_bundle(bundle)
+            assert manifest["network"] == mode
+            conns = [e["data"] for e in events if e["type"] == "dev.evidence.network.connect"]
+            assert any(c["port"] == port and c["result"] != 0 for c in conns), conns
+            (ex,) = [
+                e["data"]
+                for e in events
+                if e["type"] == "dev.evidence.process.exec" and e["data"]["depth"] == 0
+            ]
+            assert ex["filename"] == PY  # the run holds the command from its exec, not the set-up
+    finally:
+        host.close()
+
+
+def test_a_client_that_claims_a_private_network_it_has_not_is_refused(agent: Agent) -> None:
+    """The manifest's `network` is checked, not taken on trust: a process in its client's network
+    namespace is not isolated as one with --net, and nothing of it is recorded."""
+    from evidence.agent.commands.client import AgentClient
+    from evidence.errors import UsageError
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(UsageError) as err:
+            AgentClient(str(agent.socket)).isolate(child.pid, net="none")
+        assert "no private network" in str(err.value) and "shares its client" in str(err.value)
+        assert child.poll() is None
+        with open(f"/proc/{child.pid}/cgroup") as f:
+            assert "evidence" not in f.read()  # not moved into a run
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_environment_is_scrubbed_and_private_tmp_is_used(agent: Agent, world: dict[str, Any]) -> None:
@@ -134,3 +179,12 @@ def test_a_bad_policy_starts_nothing(agent: Agent, world: dict[str, Any]) -> Non
         proc.stderr
     )
     assert not marker.exists() and agent.client.runs() == []
+
+
+def test_with_a_policy_the_command_gets_the_same_seccomp_filters(agent: Agent, world: dict[str, Any]) -> None:
+    """io_uring (and TIOCSTI) are refused on the policy path through the agent too."""
+    from tests.kernel.test_escapes import URING
+
+    proc, _, _ = through_agent(agent, world, code=URING)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1", proc.stdout  # EPERM

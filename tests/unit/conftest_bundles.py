@@ -118,6 +118,26 @@ def connect(
     )
 
 
+def dns(
+    t: int, name: str, addresses: list[str], result: str = "NOERROR", server: str = "127.0.0.53"
+) -> dict[str, Any]:
+    """A DNS query with its answer, as the recorder spools it (agent/recorder/dns.py)."""
+    return dict(
+        k="dns",
+        t=T0 + t,
+        pid=102,
+        ppid=101,
+        exe="/usr/bin/curl",
+        server=server,
+        port=53,
+        name=name,
+        type="A",
+        result=result,
+        answers=[f"{name} A {a}" for a in addresses],
+        addresses=sorted(addresses),
+    )
+
+
 def exit_(t: int, pid: int, code: int = 0) -> dict[str, Any]:
     return dict(k="exit", t=T0 + t, pid=pid, ppid=100, exe=None, exit_code=code)
 

@@ -114,11 +114,19 @@ def test_captured_kernel_records_correlate() -> None:
     c.add_root(first["tgid"], 1, "/work/main")
     out = []
     for r in RAW:
-        out += c.feed(r["decoded"])
+        out += c.feed(d.decode(bytes.fromhex(r["hex"])))
     paths = {o["path"] for o in out if o["k"] == "open"}
     assert {"/etc/hostname", "/etc/passwd", "/nonexistent/file"} <= paths
     conns = {(o["family"], o["address"]) for o in out if o["k"] == "connect"}
     assert ("AF_INET6", "::ffff:127.0.0.1") in conns and ("AF_UNIX", "/nonexistent.sock") in conns
+    (dns,) = [o for o in out if o["k"] == "dns"]  # the query and its answer: one record
+    assert (dns["name"], dns["type"], dns["result"], dns["addresses"]) == (
+        "example.org",
+        "A",
+        "NOERROR",
+        ["192.0.2.7"],
+    )
+    assert dns["server"] == "127.3.5.3" and dns["answers"] == ["example.org A 192.0.2.7"]
 
 
 def test_flags_and_access_classes() -> None:

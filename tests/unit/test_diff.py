@@ -196,3 +196,39 @@ def test_a_program_whose_content_changed(tmp_path: Path, capsys: pytest.CaptureF
             "detail": f"content changed: sha256 {'a' * 16} -> {'b' * 16}",
         }
     ]
+
+
+def test_connects_compare_by_name_where_dns_named_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def named(t: int, address: str, *names: str) -> dict[str, Any]:
+        return dict(connect(t, address, 443), names=list(names))
+
+    a = write(
+        tmp_path / "a.tar.gz",
+        [
+            *records(),
+            named(9100, "192.0.2.7", "api.example.org", "edge-1.cdn.example"),
+            named(9200, "192.0.2.9", "x.example"),
+        ],
+    )
+    # the CDN answers with other addresses and another edge name: the same destinations
+    b = write(
+        tmp_path / "b.tar.gz",
+        [
+            *records(),
+            named(9100, "198.51.100.4", "api.example.org", "edge-7.cdn.example"),
+            named(9200, "192.0.2.10", "x.example"),
+        ],
+    )
+    code, doc = _diff(a, b, capsys, "--fail-on", "any")
+    assert code == 0 and doc["differences"] == 0, doc
+    # a new name is a new destination, whatever its address
+    c = write(
+        tmp_path / "c.tar.gz",
+        [*records(), named(9100, "192.0.2.7", "evil.example"), named(9200, "192.0.2.9", "x.example")],
+    )
+    code, doc = _diff(a, c, capsys, "--fail-on", "added")
+    assert code == 1
+    assert ("network", "evil.example:443") in _keys(doc, "added")
+    assert ("network", "api.example.org edge-1.cdn.example:443") in _keys(doc, "removed")

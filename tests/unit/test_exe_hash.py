@@ -88,6 +88,41 @@ def test_gone_process_falls_back_to_the_path(env: tuple[FakeProc, exe_hash.ExeHa
     assert h.hash_exec(99, str(prog)) == {"not_hashed": "gone"}
 
 
+def _ident(path: Path) -> exe_hash.Ident:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+
+
+def test_a_gone_process_is_hashed_by_path_as_the_file_the_kernel_mapped(
+    env: tuple[FakeProc, exe_hash.ExeHasher, Path],
+) -> None:
+    """The exec record's identity of the mapped file (device, inode, size, ctime) makes a hash read by
+    path as good as one read through /proc ("inode"), and only when the path still names that file."""
+    _, h, files = env
+    prog = files / "prog"
+    prog.write_bytes(b"\x7fELF ran")
+    ran = _ident(prog)
+    assert h.hash_exec(7, str(prog), ran)["hash_source"] == "inode"
+    assert h.lookup(7, str(prog), ran).source == "inode"  # the cached answer too
+    assert h.hash_exec(7, str(prog))["hash_source"] == "path"  # no identity: not shown
+    # replaced at the path after it ran (a job covering its tracks): read, but not as the file that ran
+    prog.unlink()
+    prog.write_bytes(b"\x7fELF innocent")
+    got = h.hash_exec(7, str(prog), ran)
+    assert got["hash_source"] == "path" and got["sha256"] == sha(b"\x7fELF innocent")
+    hit = h.lookup(7, str(prog), ran)
+    assert hit is None or hit.source == "path"
+    # changed in place (same inode; the job set the mtime back): the ctime tells
+    prog2 = files / "prog2"
+    prog2.write_bytes(b"\x7fELF v1")
+    ran2 = _ident(prog2)
+    st = os.stat(prog2)
+    time.sleep(0.01)
+    prog2.write_bytes(b"\x7fELF v2")
+    os.utime(prog2, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert h.hash_exec(8, str(prog2), ran2)["hash_source"] == "path"
+
+
 def test_moved_on_process_is_not_trusted(env: tuple[FakeProc, exe_hash.ExeHasher, Path]) -> None:
     proc, h, files = env
     first, second = files / "first", files / "second"
@@ -184,7 +219,7 @@ def test_settle_keeps_order() -> None:
 def test_correlator_hook() -> None:
     seen: list[tuple[int, str]] = []
 
-    def hash_of(pid: int, filename: str) -> dict[str, object]:
+    def hash_of(pid: int, filename: str, ident: object = None) -> dict[str, object]:
         seen.append((pid, filename))
         return {"sha256": "a" * 64, "size": 9, "hash_source": "exe"}
 

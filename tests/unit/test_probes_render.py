@@ -20,6 +20,14 @@ OFFSETS = {
     "TASK_MM_OFF": 1136,
     "MM_ARG_START_OFF": 480,
     "MM_ARG_END_OFF": 488,
+    "MM_EXE_FILE_OFF": 1312,
+    "FILE_INODE_OFF": 32,
+    "INODE_INO_OFF": 64,
+    "INODE_SB_OFF": 40,
+    "INODE_SIZE_OFF": 80,
+    "SB_DEV_OFF": 16,
+    "INODE_CTIME_SEC_OFF": 104,
+    "INODE_CTIME_NSEC_OFF": 120,
 }
 
 
@@ -95,3 +103,13 @@ def test_btf_offsets_are_cached_and_a_bad_cache_is_ignored(tmp_path: Path) -> No
     cached.write_text('{"TASK_PID_OFF": "not a number"}')
     assert probe_offsets(cache_dir=tmp_path) == first  # recomputed, not trusted
     assert probe_offsets(cache_dir=None) == first
+
+
+def test_no_tracepoint_gets_two_programs() -> None:
+    """BCC keeps one attachment per tracepoint name: a second program on the same tracepoint would
+    orphan the first (never detached). The DNS handlers take only syscalls no other handler has."""
+    from evidence.probes.loader import DNS_ENTER, DNS_EXIT, SYSCALL_HANDLERS
+
+    handled = [name for names in SYSCALL_HANDLERS.values() for name in names]
+    assert len(handled) == len(set(handled))
+    assert not set(DNS_ENTER) & set(handled) and not set(DNS_EXIT) & set(handled)

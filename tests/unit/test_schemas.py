@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from evidence.bundle import format as fmt
 from evidence.bundle import schemas
 from evidence.bundle.writer import write_bundle
-from tests.unit.conftest_bundles import change, connect, denial, members, meta, records, write
+from tests.unit.conftest_bundles import change, connect, denial, dns, members, meta, records, write
 
 
 def test_committed_schemas_are_up_to_date() -> None:
@@ -46,6 +46,8 @@ def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail:
         denial(8600, "/etc/shadow"),
         change(8700, "rename", "/ws/a", "/ws/b"),
         change(8800, "chmod", "/ws/b", mode=0o600),
+        dns(8900, "example.org", ["192.0.2.7"]),
+        dict(connect(9000, "192.0.2.7"), names=["example.org"]),
     ]
     path = tmp_path / "a.tar.gz"
     write_bundle(

@@ -8,7 +8,7 @@ import pytest
 
 from evidence.bundle import container, fastpath, show, verify
 from evidence.cli import main
-from tests.unit.conftest_bundles import WS, denial, exec_, open_, records, write
+from tests.unit.conftest_bundles import WS, connect, denial, dns, exec_, open_, records, write
 
 
 def test_show_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,3 +95,31 @@ def test_show_names_the_program_when_argv_does_not(
     assert main(["show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "104 /usr/bin/id (argv: make all)" in out and "101 make test" in out
+
+
+def test_show_dns_queries_and_names_on_destinations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recs = [
+        *records(),
+        dns(9000, "api.example.org", ["192.0.2.7", "192.0.2.8"]),
+        dns(9001, "gone.example.org", [], result="NXDOMAIN"),
+        dict(
+            dns(9002, "x", []),
+            name=None,
+            type=None,
+            result="malformed",
+            malformed=True,
+            received=True,
+            size=9,
+        ),
+        dict(connect(9100, "192.0.2.7"), names=["api.example.org"]),
+    ]
+    path = write(tmp_path / "a.tar.gz", recs)
+    assert main(["show", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "DNS (3 queries):" in lines
+    assert "  api.example.org A -> 192.0.2.7 192.0.2.8 via 127.0.0.53  by /usr/bin/curl" in lines
+    assert "  gone.example.org A -> no address (NXDOMAIN) via 127.0.0.53  by /usr/bin/curl" in lines
+    assert "  malformed message received (9 bytes) via 127.0.0.53  by /usr/bin/curl" in lines
+    assert "  192.0.2.7:443 [api.example.org]  by /usr/bin/curl" in lines

@@ -180,3 +180,16 @@ def test_reports_say_whether_signed(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "Not signed: verification proves the bundle whole, not who wrote it." in "".join(
         parse(capsys.readouterr().out).text
     )
+
+
+def test_html_dns_section_with_a_hostile_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.unit.conftest_bundles import dns
+
+    name = "<script>x</script>.example"
+    path = write(tmp_path / "d.tar.gz", [*records(), dns(9000, name, ["192.0.2.7"])])
+    assert main(["show", "--format", "html", str(path)]) == 0
+    out = capsys.readouterr().out
+    page = parse(out)
+    _self_contained(page)
+    assert "DNS (1 queries)" in "".join(page.text)
+    assert f"{name} A -> 192.0.2.7 via 127.0.0.53" in page.code and "<script>" not in out

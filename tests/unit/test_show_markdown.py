@@ -132,3 +132,16 @@ def test_markdown_on_two_cpus_says_what_one_says(
             outs.append((capsys.readouterr().out, one))
     for two, one in outs:
         assert two == one and "EV004" in one and "EV005" in one
+
+
+def test_markdown_dns_section_with_a_hostile_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.unit.conftest_bundles import connect, dns
+
+    name = "a|b`<img src=x>.example"
+    path = write(tmp_path / "d.tar.gz", [*records(), dns(9000, name, ["192.0.2.7"]),
+                                         dict(connect(9100, "192.0.2.7"), names=[name])])  # fmt: skip
+    assert main(["show", "--format", "markdown", str(path)]) == 0
+    page = gfm(capsys.readouterr().out)
+    assert set(page.tags) <= ALLOWED and page.attrs == [] and page.tags.count("details") == 6
+    assert f"{name} A -> 192.0.2.7 via 127.0.0.53" in page.code
+    assert f"192.0.2.7:443 [{name}]" in page.code

@@ -1,0 +1,105 @@
+"""A recorder record and the event it becomes: one mapping, used by the bundle writer and by the
+agent's live stream (agent/daemon/delivery.py), so that a live event and the bundle's event for the
+same record never differ.
+
+A record is a dict as the recorder spools it (bundle/spool.py): `k` its kind, `t` its time (ns),
+for a summary record `n` and `tl` (how many occurrences it stands for, up to which time, counted by
+the recorder's kernel), and the event's data fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from evidence.bundle import format as fmt
+
+# the event type of each record kind
+KIND_TYPE = {
+    "exec": fmt.PROCESS_EXEC,
+    "exit": fmt.PROCESS_EXIT,
+    "open": fmt.FILE_OPEN,
+    "change": fmt.FILE_CHANGE,
+    "connect": fmt.NETWORK_CONNECT,
+    "denial": fmt.POLICY_DENIAL,
+    "inventory": fmt.INVENTORY,
+    "degradation": fmt.DEGRADATION,
+    "dns": fmt.NETWORK_DNS,
+}
+
+# Kinds aggregated in summary mode, with the fields that make a record distinct: one event per key,
+# with its count and first and last times.
+SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
+    "open": ("exe", "path", "access", "result", "cgroup", "container"),
+    "change": ("exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container"),
+    "connect": ("exe", "family", "address", "port", "result", "cgroup", "container"),
+    "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
+    "dns": ("exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container"),
+}
+# kinds whose events carry count, first_time and last_time (a denial carries its count only)
+_COUNTED = ("open", "change", "connect", "dns")
+_NOT_DATA = ("k", "t", "n", "tl")
+
+Key = tuple[Any, ...]
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def summary_key(rec: dict[str, Any]) -> Key | None:
+    """What makes a record distinct in summary mode; None for kinds that are not aggregated."""
+    fields = SUMMARY_KEYS.get(rec["k"])
+    if fields is None:
+        return None
+    return (rec["k"], *(_freeze(rec.get(f)) for f in fields))
+
+
+def occurrences(rec: dict[str, Any]) -> tuple[int, int, int]:
+    """(count, first time, last time) that one record stands for."""
+    t = rec["t"]
+    return rec.get("n", 1), t, rec.get("tl", t)
+
+
+def subject(rec: dict[str, Any]) -> str:
+    k = rec["k"]
+    if k == "exec":
+        return str(rec["filename"])
+    if k in ("exit", "inventory"):
+        return str(rec.get("exe") or f"pid:{rec['pid']}")
+    if k in ("open", "change"):
+        return str(rec["path"])
+    if k == "connect":
+        if rec["family"] == "AF_INET6":
+            return f"[{rec['address']}]:{rec['port']}"
+        if rec.get("port") is not None:
+            return f"{rec['address']}:{rec['port']}"
+        return str(rec["address"])
+    if k == "denial":
+        return str(rec["target"])
+    if k == "degradation":
+        return str(rec["component"])
+    if k == "dns":
+        return str(rec["name"] if rec.get("name") is not None else rec["server"])
+    raise ValueError(f"unknown record kind {k!r}")
+
+
+def data(rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = None) -> dict[str, Any]:
+    """The event's data. `totals`: (count, first, last) over every record of the record's summary key;
+    without it, what this one record stands for (a live event shows a record alone)."""
+    out = {k: v for k, v in rec.items() if k not in _NOT_DATA}
+    k = rec["k"]
+    if k in _COUNTED:
+        count, first, last = totals if totals else occurrences(rec)
+        out["count"] = count
+        out["first_time"] = fmt.format_time(first)
+        out["last_time"] = fmt.format_time(last)
+    elif k == "denial" and totals:
+        out["count"] = totals[0]
+    return out
+
+
+def to_event(
+    rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = None
+) -> tuple[str, str, int, dict[str, Any]]:
+    """(type, subject, time ns, data) of the event a record becomes."""
+    return KIND_TYPE[rec["k"]], subject(rec), rec["t"], data(rec, totals)

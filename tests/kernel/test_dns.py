@@ -1,0 +1,202 @@
+"""DNS over loopback, for real: a small DNS server in a network namespace the test makes, a job that
+resolves through it with glibc's resolver (`getent`, under `ip netns exec`, which bind-mounts the
+namespace's resolv.conf) and then connects to the answered address. The bundle has the queries with
+their answers, the connect carries the name, and a hostile answer (garbage bytes) is recorded as
+malformed without breaking anything."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kernel.util import of_type, record
+
+SERVER = r"""
+import socket, sys, threading
+import dns.message, dns.rrset
+
+lst = socket.socket(); lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lst.bind(("127.0.0.2", 8080)); lst.listen(16)
+def accept():
+    while True:
+        c, _ = lst.accept(); c.close()
+threading.Thread(target=accept, daemon=True).start()
+
+def answer(data):
+    try:
+        q = dns.message.from_wire(data)
+    except Exception:
+        return None
+    name = q.question[0].name.to_text()
+    if name.startswith("garbage."):
+        return data[:2] + b"\x81\x80\xff\xff\x00\x07 not dns at all \x00\xc0\x0c\xc0\x0c"
+    r = dns.message.make_response(q)
+    if name == "svc.evidence.test." and q.question[0].rdtype == 1:
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "CNAME", "edge.evidence.test."))
+        r.answer.append(dns.rrset.from_text("edge.evidence.test.", 60, "IN", "A", "127.0.0.2"))
+    elif name.startswith("by-"):  # by-write., by-tcp., by-msg.: one address each
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", "127.0.0.3"))
+    elif name != "svc.evidence.test.":
+        r.set_rcode(3)  # NXDOMAIN
+    return r.to_wire()
+
+def tcp():
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 53)); srv.listen(8)
+    while True:
+        c, _ = srv.accept()
+        n = int.from_bytes(c.recv(2), "big")
+        data = b""
+        while len(data) < n:
+            data += c.recv(n - len(data))
+        out = answer(data)
+        c.sendall(len(out).to_bytes(2, "big") + out)
+        c.close()
+threading.Thread(target=tcp, daemon=True).start()
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(("127.0.0.1", 53))
+print("ready", flush=True)
+while True:
+    data, peer = udp.recvfrom(4096)
+    out = answer(data)
+    if out is not None:
+        udp.sendto(out, peer)
+"""
+
+# A job without a resolver library: queries by hand through write/read on a connected UDP socket,
+# writev/read over TCP (length, then message), and sendmsg/recvmsg.
+BY_HAND = r"""
+import os, socket, struct
+def query(name, qid):
+    wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + wire + struct.pack(">HH", 1, 1)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.connect(("127.0.0.1", 53))
+os.write(u.fileno(), query("by-write.evidence.test", 1))
+os.read(u.fileno(), 512)
+u.sendmsg([query("by-msg.evidence.test", 2)])
+u.recvmsg(512)
+u.close()
+t = socket.create_connection(("127.0.0.1", 53))
+q = query("by-tcp.evidence.test", 3)
+os.writev(t.fileno(), [struct.pack(">H", len(q)), q])
+n = struct.unpack(">H", os.read(t.fileno(), 2))[0]
+os.read(t.fileno(), n)
+t.close()
+"""
+
+JOB = (
+    "getent ahosts svc.evidence.test > /dev/null; "
+    "getent hosts garbage.evidence.test; "
+    "getent hosts nothing.evidence.test; "
+    '/usr/bin/python3 -c "import socket; socket.create_connection((\\"127.0.0.2\\", 8080)).close()"'
+)
+
+
+@pytest.fixture
+def dns_netns() -> Iterator[str]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a network namespace")
+    name = f"evidence-test-dns-{os.getpid()}"
+    etc = Path("/etc/netns") / name
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    server = None
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        etc.mkdir(parents=True)
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-c", SERVER],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield name
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        shutil.rmtree(etc, ignore_errors=True)
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def test_dns_queries_answers_and_names_on_connects(tmp_path: Path, dns_netns: str) -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    command = ["ip", "netns", "exec", dns_netns, *nobody, "sh", "-c", JOB]
+    proc, _, events = record(tmp_path, *command, extra=("--detail", "full"))
+    assert proc.returncode == 0, proc.stderr
+    dns_events = [e["data"] for e in of_type(events, "network.dns")]
+
+    a = [d for d in dns_events if d["name"] == "svc.evidence.test" and d["type"] == "A"]
+    assert a, dns_events
+    assert a[0]["server"] == "127.0.0.1" and a[0]["port"] == 53
+    assert a[0]["result"] == "NOERROR"
+    assert a[0]["addresses"] == ["127.0.0.2"]
+    assert "svc.evidence.test CNAME edge.evidence.test" in a[0]["answers"]
+    assert a[0]["exe"] == "/usr/bin/getent"
+    aaaa = [d for d in dns_events if d["name"] == "svc.evidence.test" and d["type"] == "AAAA"]
+    assert aaaa and aaaa[0]["result"] == "NOERROR" and aaaa[0]["addresses"] == []
+
+    nx = [d for d in dns_events if d["name"] == "nothing.evidence.test"]
+    assert nx and all(d["result"] == "NXDOMAIN" for d in nx)
+
+    # the hostile server's garbage: recorded as malformed; its query stays unanswered
+    bad = [d for d in dns_events if d.get("malformed")]
+    assert bad and bad[0]["received"] is True and bad[0]["size"] > 0
+    asked = [d for d in dns_events if d["name"] == "garbage.evidence.test"]
+    assert asked and all(d["result"] == "no answer" for d in asked)
+
+    connects = [
+        e["data"]
+        for e in of_type(events, "network.connect")
+        if e["data"]["address"] == "127.0.0.2" and e["data"]["port"] == 8080
+    ]
+    assert connects and connects[0]["names"] == ["edge.evidence.test", "svc.evidence.test"]
+    # the connects to the server itself have no names (no answer named it)
+    to_server = [e["data"] for e in of_type(events, "network.connect") if e["data"]["port"] == 53]
+    assert to_server and all("names" not in c for c in to_server)
+
+
+def test_dns_summary_mode_and_show(tmp_path: Path, dns_netns: str) -> None:
+    command = ["ip", "netns", "exec", dns_netns, "sh", "-c", JOB]
+    proc, _, events = record(tmp_path, *command)
+    assert proc.returncode == 0, proc.stderr
+    dns_events = [e["data"] for e in of_type(events, "network.dns")]
+    assert any(d["name"] == "svc.evidence.test" and d["addresses"] == ["127.0.0.2"] for d in dns_events)
+    connects = [e["data"] for e in of_type(events, "network.connect") if e["data"]["address"] == "127.0.0.2"]
+    assert connects and connects[0]["names"] == ["edge.evidence.test", "svc.evidence.test"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "evidence", "show", str(tmp_path / "run.tar.gz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "  svc.evidence.test A -> 127.0.0.2 via 127.0.0.1" in shown.stdout
+    assert "127.0.0.2:8080 [edge.evidence.test svc.evidence.test]" in shown.stdout
+    assert "malformed message received" in shown.stdout
+    profile = subprocess.run(
+        [sys.executable, "-m", "evidence", "profile", str(tmp_path / "run.tar.gz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert profile.returncode == 0, profile.stderr
+    assert '"svc.evidence.test:8080"' in profile.stdout and "127.0.0.2" not in profile.stdout
+
+
+def test_dns_by_write_read_tcp_and_msghdr(tmp_path: Path, dns_netns: str) -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    command = ["ip", "netns", "exec", dns_netns, *nobody, "/usr/bin/python3", "-S", "-c", BY_HAND]
+    proc, _, events = record(tmp_path, *command, extra=("--detail", "full"))
+    assert proc.returncode == 0, proc.stderr
+    got = {d["name"]: d for d in (e["data"] for e in of_type(events, "network.dns"))}
+    for name in ("by-write.evidence.test", "by-msg.evidence.test", "by-tcp.evidence.test"):
+        assert got[name]["result"] == "NOERROR" and got[name]["addresses"] == ["127.0.0.3"], got
+        assert got[name]["server"] == "127.0.0.1" and not got[name].get("unasked")

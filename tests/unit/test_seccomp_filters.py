@@ -1,0 +1,47 @@
+"""The classic BPF seccomp programs the job gets (policy/landlock_syscalls.py), run on a small
+interpreter of the four instructions they use: what they refuse and what they let through."""
+
+from __future__ import annotations
+
+import errno
+import struct
+
+from evidence.policy import landlock_syscalls as ll
+
+X86_64, I386, AARCH64, OTHER = 0xC000003E, 0x40000003, 0xC00000B7, 0x80000016
+ALLOW, DENY = 0x7FFF0000, 0x00050000 | errno.EPERM
+
+
+def run(prog: list[tuple[int, int, int, int]], arch: int, nr: int, arg1: int = 0) -> int:
+    data = struct.pack("<iIQ6Q", nr, arch, 0, 0, arg1, 0, 0, 0, 0)  # struct seccomp_data
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == 0x20:  # BPF_LD|BPF_W|BPF_ABS
+            acc = struct.unpack_from("<I", data, k)[0]
+            pc += 1
+        elif code == 0x15:  # BPF_JMP|BPF_JEQ|BPF_K
+            pc += 1 + (jt if acc == k else jf)
+        elif code == 0x06:  # BPF_RET|BPF_K
+            return k
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+
+
+def test_io_uring_setup_is_refused_on_every_architecture_the_kernel_may_run() -> None:
+    prog = ll.deny_filter(ll._IO_URING_SETUP)
+    for arch, nr in ((X86_64, 425), (X86_64, 0x40000000 | 425), (I386, 425), (AARCH64, 425)):
+        assert run(prog, arch, nr) == DENY, (hex(arch), nr)
+    for arch, nr in ((X86_64, 0), (X86_64, 426), (X86_64, 257), (I386, 5), (AARCH64, 56), (OTHER, 425)):
+        assert run(prog, arch, nr) == ALLOW, (hex(arch), nr)
+
+
+def test_the_tty_filter_refuses_tiocsti_and_tioclinux_only() -> None:
+    prog = ll.tty_filter()
+    for cmd in ll.TTY_INJECTION:
+        assert run(prog, X86_64, 16, cmd) == DENY
+        assert run(prog, X86_64, 0x40000000 | 514, cmd) == DENY
+        assert run(prog, I386, 54, cmd) == DENY
+    assert run(prog, X86_64, 16, 0x5401) == ALLOW  # TCGETS
+    assert run(prog, X86_64, 0, 0x5412) == ALLOW  # read(), whatever its arguments
+    assert run(prog, X86_64, 425) == ALLOW
