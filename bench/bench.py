@@ -81,7 +81,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller loops (a smoke test, not the targets)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--start-repeat", type=int, default=11, help="runs of each start-cost row")
+    ap.add_argument(
+        "--baseline",
+        metavar="PY",
+        help="another checkout's interpreter, measured in the start-cost rows beside --python (before/after)",
+    )
+    ap.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated, of {', '.join(CASES)} (none: start costs only)",
+    )
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs `-m evidence`")
     ap.add_argument("--no-strace", action="store_true")
     args = ap.parse_args()
@@ -96,7 +106,7 @@ def main() -> int:
     exe = compile_workloads(work)
     rows = []
     checks = []
-    for case in args.cases.split(","):
+    for case in [c for c in args.cases.split(",") if c and c != "none"]:
         mode, n, label, opts = CASES[case]
         n //= scale
         # untraced and traced runs alternate, so drift in a noisy VM hits both alike
@@ -174,13 +184,14 @@ def main() -> int:
             checks.append((f"{label}: opens recorded + counted as not kept", opens + lost >= 2 * n, True))
         else:
             checks.append((f"{label}: events lost", lost, 0))
-    # fixed cost of a recorded run
+    # fixed cost of a recorded run: standalone (probes from the compiled-probe cache, and compiled
+    # as on a first start), and through an agent; each the whole process, median and min of
+    # `--start-repeat` runs, interleaved so that a busy VM's drift hits all alike
     true_base = statistics.median(loop_wall(["/bin/true"]) for _ in range(args.repeat))
-    true_rec = statistics.median(
-        loop_wall([*evidence, "run", *standalone, "--bundle", str(work / "true.tar.gz"), "--", "/bin/true"])
-        for _ in range(args.repeat)
-    )
-    py_start = statistics.median(loop_wall([*evidence, "--version"]) for _ in range(args.repeat))
+    pythons = [*([args.baseline] if args.baseline else []), args.python]
+    starts = start_costs(pythons, work, max(args.start_repeat, 1))
+    true_rec = statistics.median(starts[ROW_WARM][args.python])
+    py_start = statistics.median(loop_wall([args.python, "-c", "pass"]) for _ in range(args.repeat))
 
     print(
         f"\n{'workload':<24}{'untraced s':>11}{'run s':>8}{'whole':>8}{'-true':>8}{'in-loop':>9}"
@@ -196,8 +207,17 @@ def main() -> int:
         "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
         f" `evidence run -- true` ({true_rec:.2f} s);\nin-loop: the workload's own loop time, traced / untraced."
         f" RSS: peak (wait4). `evidence run -- true` adds {true_rec - true_base:.2f} s"
-        f" (of which {py_start:.2f} s is starting Python)"
+        f" (starting Python alone: {py_start:.2f} s)"
     )
+    print(
+        f"\nstart and end, whole process wall, median / min of {max(args.start_repeat, 1)} runs (interleaved):"
+    )
+    print(f"  {'':<46}" + "".join(f"{'baseline' if py == args.baseline else 'this':>22}" for py in pythons))
+    for name, per in starts.items():
+        cells = "".join(f"{statistics.median(w):>11.3f} /{min(w):>6.3f} s" for w in per.values())
+        print(f"  {name:<46}{cells}")
+    if args.baseline:
+        print(f"  baseline: {args.baseline}\n  this:     {args.python}")
     print("\nchecks:")
     ok = True
     for name, got, want in checks:
@@ -208,9 +228,64 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def loop_wall(cmd: list[str]) -> float:
+ROW_WARM = "run -- true"
+ROW_COLD = "run -- true, probe cache off (a first start)"
+ROW_AGENT = "run --agent SOCK -- true"
+
+
+def start_costs(pythons: list[str], work: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Wall times of `run -- true` per interpreter (a checkout each), interleaved run by run so that
+    a busy VM's drift hits all alike: standalone with the probe cache warm (the usual start), with it
+    off (what a first start after a probe or kernel change costs: BCC compiles), and through an
+    agent started here from the same checkout (`run --agent`: the client alone; the agent's probes
+    are loaded already). A checkout without the probe cache ignores EVIDENCE_PROBE_CACHE: both of
+    its standalone rows compile."""
+    bundle = str(work / "true.tar.gz")
+    cold_env = {**os.environ, "EVIDENCE_PROBE_CACHE": "0"}
+    cmds: dict[str, tuple[list[str], list[str]]] = {}
+    agents = []
+    try:
+        for n, py in enumerate(pythons):
+            evidence = [py, "-P", "-m", "evidence"]
+            help_ = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
+            standalone = ["--standalone"] if "--standalone" in help_ else []
+            sock = work / f"agent-{n}.sock"
+            agents.append(
+                subprocess.Popen(
+                    [*evidence, "agent", "--socket", str(sock), "--bundle-dir", str(work / f"agent-{n}")],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            run_true = [*evidence, "run", *standalone, "--bundle", bundle, "--", "/bin/true"]
+            via_agent = [*evidence, "run", "--agent", str(sock), "--bundle", bundle, "--", "/bin/true"]
+            cmds[py] = (run_true, via_agent)
+        deadline = time.monotonic() + 180
+        for (run_true, via_agent), agent in zip(cmds.values(), agents, strict=True):
+            while subprocess.run(via_agent, capture_output=True, check=False).returncode != 0:
+                if agent.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("bench: the agent did not start")
+                time.sleep(0.5)
+            loop_wall(run_true)  # fills the probe cache, if it was empty
+        out: dict[str, dict[str, list[float]]] = {
+            row: {py: [] for py in pythons} for row in (ROW_WARM, ROW_COLD, ROW_AGENT)
+        }
+        for i in range(repeat):
+            for py, (run_true, via_agent) in cmds.items():
+                out[ROW_WARM][py].append(loop_wall(run_true))
+                if i < 3:  # each compiles for seconds: three are enough
+                    out[ROW_COLD][py].append(loop_wall(run_true, cold_env))
+                out[ROW_AGENT][py].append(loop_wall(via_agent))
+        return out
+    finally:
+        for agent in agents:
+            agent.terminate()
+            agent.wait()
+
+
+def loop_wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
     t = time.monotonic()
-    subprocess.run(cmd, capture_output=True, check=False)
+    subprocess.run(cmd, capture_output=True, check=False, env=env)
     return time.monotonic() - t
 
 

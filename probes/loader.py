@@ -123,14 +123,15 @@ def detect_config(**overrides: Any) -> ProbeConfig:
 
 class RecorderProbes:
     def __init__(self, config: ProbeConfig | None = None) -> None:
-        from bcc import BPF  # imported here: only the recorder needs BCC
+        from evidence.probes import objcache  # imported here: only the recorder needs BCC
 
-        ensure_headers()
+        headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
-        self.bpf = BPF(text=self.source.encode())
+        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
+        self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
         # on_exit tail-calls on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
-        tail = self.bpf.load_func(b"on_exit_hash", BPF.TRACEPOINT)
+        tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
         self.bpf[b"exit_tail"][ctypes.c_int(0)] = ctypes.c_int(tail.fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):

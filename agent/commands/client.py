@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import logging
 import os
@@ -40,11 +39,73 @@ class AgentUnreachable(AgentError):
     exit_code = EXIT_SETUP
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class _ProtocolError(Exception):
+    """The answer is not the HTTP/1.1 the agent speaks."""
+
+
+class _Response:
+    """An HTTP/1.1 answer: status, headers (lower-case names), and a body of Content-Length bytes
+    (or up to EOF when there is none) read from the connection's buffered reader."""
+
+    MAX_LINE = 65536
+    MAX_HEADERS = 100
+
+    def __init__(self, rfile: IO[bytes]) -> None:
+        self._rfile = rfile
+        line = self._line()
+        version, _, rest = line.partition(b" ")
+        code = rest[:3]
+        if not version.startswith(b"HTTP/1.") or not code.isdigit():
+            raise _ProtocolError(f"not an HTTP answer: {line[:80]!r}")
+        self.status = int(code)
+        self.headers: dict[str, str] = {}
+        while line := self._line():
+            if len(self.headers) >= self.MAX_HEADERS:
+                raise _ProtocolError("too many header lines")
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise _ProtocolError(f"not a header line: {line[:80]!r}")
+            self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        if "transfer-encoding" in self.headers:
+            raise _ProtocolError("chunked answers are not expected from the agent")
+        length = self.headers.get("content-length")
+        try:
+            self._left: int | None = int(length) if length is not None else None
+        except ValueError:
+            raise _ProtocolError(f"bad Content-Length {length!r}") from None
+
+    def getheader(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
+    def _line(self) -> bytes:
+        line = self._rfile.readline(self.MAX_LINE + 1)
+        if len(line) > self.MAX_LINE:
+            raise _ProtocolError("header line too long")
+        if not line.endswith(b"\n"):
+            raise _ProtocolError("the agent closed the connection mid-answer")
+        return line.rstrip(b"\r\n")
+
+    def read(self, size: int = -1) -> bytes:
+        if self._left is None:
+            return self._rfile.read(size)
+        want = self._left if size < 0 else min(size, self._left)
+        data = self._rfile.read(want)  # a buffered read: short only at EOF
+        if len(data) < want:
+            raise _ProtocolError("the agent closed the connection mid-answer")
+        self._left -= len(data)
+        return data
+
+
+class _UnixConnection:
+    """One request over the agent's Unix socket (the standard library's http.client costs this
+    client more to import, ~40 ms, than a whole run through the agent takes)."""
+
     def __init__(self, path: str, timeout: float, peer_uid: int | None = None) -> None:
-        super().__init__("localhost", timeout=timeout)
         self._path = path
         self._peer_uid = peer_uid
+        self.timeout = timeout
+        self.sock: socket.socket | None = None
+        self._rfile: IO[bytes] | None = None
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -64,6 +125,34 @@ class _UnixConnection(http.client.HTTPConnection):
             raise
         self.sock = s
 
+    def request(
+        self, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        """Send one request (as http.client's HTTPConnection.request does; a str body as UTF-8)."""
+        payload = body.encode() if isinstance(body, str) else body or b""
+        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in method + path):
+            raise _ProtocolError(f"not a request line: {method!r} {path!r}")  # no header injection
+        if self.sock is None:
+            self.connect()
+        assert self.sock is not None
+        self._rfile = self.sock.makefile("rb")
+        lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(payload)}"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
+
+    def getresponse(self) -> _Response:
+        if self._rfile is None:
+            raise _ProtocolError("no request was sent")
+        return _Response(self._rfile)
+
+    def close(self) -> None:
+        if self._rfile is not None:
+            self._rfile.close()
+            self._rfile = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
 
 class AgentClient:
     """One request per connection; errors become AgentError with a one-line message."""
@@ -74,9 +163,7 @@ class AgentClient:
         self.timeout = timeout
         self.peer_uid = peer_uid
 
-    def _open(
-        self, method: str, path: str, body: dict[str, Any] | None
-    ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+    def _open(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[_UnixConnection, _Response]:
         conn = _UnixConnection(self.socket_path, self.timeout, self.peer_uid)
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
@@ -107,7 +194,7 @@ class AgentClient:
             raise AgentUnreachable(
                 f"the agent at {self.socket_path} did not answer in {self.timeout:g}s"
             ) from None
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, _ProtocolError) as e:
             conn.close()
             raise AgentUnreachable(f"talking to the agent at {self.socket_path} failed: {e}") from None
 
@@ -115,6 +202,8 @@ class AgentClient:
         conn, resp = self._open(method, path, body)
         try:
             raw = resp.read()
+        except (OSError, _ProtocolError) as e:
+            raise AgentUnreachable(f"reading the agent's answer at {self.socket_path} failed: {e}") from None
         finally:
             conn.close()
         try:
@@ -143,9 +232,12 @@ class AgentClient:
                     message = None
                 raise AgentError(f"agent: {message or f'HTTP {resp.status}'}")
             size = 0
-            while chunk := resp.read(1 << 20):
-                out.write(chunk)
-                size += len(chunk)
+            try:
+                while chunk := resp.read(1 << 20):
+                    out.write(chunk)
+                    size += len(chunk)
+            except _ProtocolError as e:
+                raise AgentError(f"downloading from the agent at {self.socket_path} failed: {e}") from None
             return size
         finally:
             conn.close()

@@ -6,13 +6,15 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
-from evidence.agent.commands import run_standalone
 from evidence.errors import Error, SetupError, UsageError
 
 logger = logging.getLogger(__name__)
 
-RUN_SPOOL_DIR = run_standalone.RUN_SPOOL_DIR  # where a run's records wait (root's alone, 0700)
+# where a standalone run's records wait for the bundle: root's alone (0700), out of the recorded
+# job's reach. Here, not in run_standalone.py: `run --agent` imports nothing it does not use.
+RUN_SPOOL_DIR = Path("/var/lib/evidence/run-spool")
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -17,13 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
 from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
 logger = logging.getLogger(__name__)
-
-# where a run's records wait for the bundle: root's alone (0700), out of the recorded job's reach
-RUN_SPOOL_DIR = Path("/var/lib/evidence/run-spool")
 
 
 def _load_probes() -> Any:
@@ -104,9 +102,7 @@ class StandaloneRun:
         self.labels = labels
         self.session_id = uuid.uuid4().hex
         self.bundle = Path(args.bundle or f"evidence-{self.session_id[:12]}.tar.gz").absolute()
-        from evidence.bundle.signing import load_signer
-
-        self.signer = load_signer(args.sign_key) if args.sign_key else None  # a bad key runs nothing
+        self.signer: Any = None  # loaded in prepare(), while the probes load
         self.cwd = os.getcwd()
         from evidence.agent.recorder.launch import inherited_fds
 
@@ -182,6 +178,10 @@ class StandaloneRun:
         from evidence.bundle.spool import private_dir
 
         try:
+            if args.sign_key:  # a bad key runs nothing
+                from evidence.bundle.signing import load_signer
+
+                self.signer = load_signer(args.sign_key)
             # first: if this process dies from here on, the run's processes die with it
             self.watchdog = Watchdog(parent_death=True)
             self._prepare_policy()

@@ -1,0 +1,499 @@
+"""A cache of the compiled probes, and the small loader that loads them without compiling.
+
+BCC compiles probes/record.bpf.c with clang on every start (1.5-2 s on a small VM, most of what
+`evidence run -- true` costs). BCC 0.26 cannot load a compiled object, but what it compiles is
+plain data: each function's BPF instructions and each map's definition. `compile_object` compiles
+once with BCC and takes those out of it; `LoadedObject` creates the maps and loads the programs
+with the bpf(2) system call itself, and offers the part of BCC's `BPF` interface the loader uses
+(`obj[b"map"]` as BCC's own table classes, `load_func`, `attach_tracepoint`, `cleanup`).
+
+Every start loads through `LoadedObject`, cache hit or not, so there is one way programs get into
+the kernel. The only relocation is the map references: BCC writes each map's descriptor into its
+`ld_imm64` instructions (BPF_PSEUDO_MAP_FD); the cache stores the map's index there instead, and
+loading writes this process's descriptor back. An object with anything else to relocate (global
+data) is not cached.
+
+The cache is root's (`CACHE_DIR`, 0700, in directories only root can change), keyed by the sha256 of everything the compile depends on
+(the rendered source, which holds this kernel's BTF offsets; BCC's version; the kernel release and
+build; the headers BCC compiled against), and each entry carries the sha256 of its own content: an
+entry that does not match, or that the kernel refuses, is removed and the probes are compiled
+again. A directory that is not root's alone is not used.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import stat
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path("/var/cache/evidence/probes")
+CACHE_ENV = "EVIDENCE_PROBE_CACHE"  # "0": never read nor write the cache
+FORMAT = 1
+KEEP = 8  # entries kept in the cache
+
+_SYS_BPF = 321 if platform.machine() == "x86_64" else 280  # aarch64: 280
+_BPF_MAP_CREATE = 0
+_BPF_PROG_LOAD = 5
+_BPF_OBJ_GET_INFO_BY_FD = 15
+_PROG_TYPE_TRACEPOINT = 5
+_LD_IMM64 = 0x18
+_PSEUDO_MAP_FD = 1
+_INSN = struct.Struct("<BBhi")  # code, dst:4|src:4, off, imm
+_MAP_INFO = struct.Struct("<IIIIII16s")  # type, id, key_size, value_size, max_entries, flags, name
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class ObjectError(Exception):
+    """The kernel refused a map or a program of the object (its message says which, and why)."""
+
+
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+    ret = int(_libc.syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr))))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+@dataclass(frozen=True)
+class MapDef:
+    name: str
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    key_desc: str
+    leaf_desc: str
+
+
+@dataclass(frozen=True)
+class CompiledObject:
+    """What BCC compiled: maps in order, and per function its instructions with map indexes."""
+
+    license: str
+    maps: tuple[MapDef, ...]
+    functions: dict[str, bytes]
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "license": self.license,
+            "maps": [m.__dict__ for m in self.maps],
+            "functions": {k: base64.b64encode(v).decode() for k, v in sorted(self.functions.items())},
+        }
+        payload = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(payload.encode()).hexdigest()
+        return json.dumps({"sha256": digest, "object": body}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> CompiledObject:
+        """Raises ValueError when the entry is not one this version wrote, whole."""
+        try:
+            doc = json.loads(raw)
+            body = doc["object"]
+            payload = json.dumps(body, sort_keys=True, separators=(",", ":"))
+            if hashlib.sha256(payload.encode()).hexdigest() != doc["sha256"] or body["format"] != FORMAT:
+                raise ValueError("checksum or format mismatch")
+            return cls(
+                license=str(body["license"]),
+                maps=tuple(MapDef(**m) for m in body["maps"]),
+                functions={str(k): base64.b64decode(v) for k, v in body["functions"].items()},
+            )
+        except (KeyError, TypeError, json.JSONDecodeError, binascii.Error) as e:
+            raise ValueError(f"not a cache entry: {e}") from e
+
+
+def relocate(insns: bytes, mapping: dict[int, int]) -> bytes:
+    """Rewrite the immediate of every `ld_imm64` map reference (BPF_PSEUDO_MAP_FD) through
+    `mapping` (descriptor -> index when storing, index -> descriptor when loading). Raises
+    ValueError for a reference the mapping does not know, or any other kind of 64-bit load with a
+    source (global data, BTF ids): those are not cached."""
+    if len(insns) % _INSN.size:
+        raise ValueError("instructions are not a whole number of 8-byte slots")
+    out = bytearray(insns)
+    i = 0
+    n = len(insns) // _INSN.size
+    while i < n:
+        code, regs, off, imm = _INSN.unpack_from(out, i * _INSN.size)
+        if code == _LD_IMM64:
+            src = regs >> 4
+            if src == _PSEUDO_MAP_FD:
+                if imm not in mapping:
+                    raise ValueError(f"instruction {i}: a map reference {imm} that is not in the object")
+                _INSN.pack_into(out, i * _INSN.size, code, regs, off, mapping[imm])
+            elif src != 0:
+                raise ValueError(f"instruction {i}: a 64-bit load of kind {src}, not cacheable")
+            i += 2  # ld_imm64 takes two slots
+        else:
+            i += 1
+    return bytes(out)
+
+
+def _map_info(fd: int) -> tuple[int, int, int, int, int]:
+    buf = ctypes.create_string_buffer(96)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", fd, len(buf), ctypes.addressof(buf)), 16)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    mtype, _id, key, value, entries, flags, _name = _MAP_INFO.unpack_from(buf.raw, 0)
+    return mtype, key, value, entries, flags
+
+
+def compile_object(source: str) -> CompiledObject:
+    """Compile with BCC (the slow part) and take out the maps and functions; BCC's own copy is
+    released before this returns."""
+    from bcc import BPF, lib
+
+    lib.bpf_num_tables.restype = ctypes.c_size_t
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    bpf = BPF(text=source.encode())
+    try:
+        module = bpf.module
+        maps: list[MapDef] = []
+        fd_to_index: dict[int, int] = {}
+        for i in range(lib.bpf_num_tables(module)):
+            name = lib.bpf_table_name(module, i)
+            fd = lib.bpf_table_fd(module, name)
+            mtype, key, value, entries, flags = _map_info(fd)
+            fd_to_index[fd] = len(maps)
+            maps.append(
+                MapDef(
+                    name=name.decode(),
+                    type=mtype,
+                    key_size=key,
+                    value_size=value,
+                    max_entries=entries,
+                    flags=flags,
+                    key_desc=(lib.bpf_table_key_desc(module, name) or b"").decode(),
+                    leaf_desc=(lib.bpf_table_leaf_desc(module, name) or b"").decode(),
+                )
+            )
+        functions = {}
+        for i in range(lib.bpf_num_functions(module)):
+            fname = lib.bpf_function_name(module, i)
+            start = lib.bpf_function_start(module, fname)
+            size = lib.bpf_function_size(module, fname)
+            functions[fname.decode()] = relocate(ctypes.string_at(start, size), fd_to_index)
+        return CompiledObject(
+            license=lib.bpf_module_license(module).decode(), maps=tuple(maps), functions=functions
+        )
+    finally:
+        bpf.cleanup()
+
+
+def _bcc_version() -> str:
+    from bcc import __version__
+
+    return str(__version__)
+
+
+def cache_key(source: str, headers: str | None) -> str:
+    uname = os.uname()
+    bcc_version = _bcc_version()
+    parts = [f"format {FORMAT}", f"bcc {bcc_version}", uname.release, uname.version, uname.machine]
+    parts.append(f"headers {headers or ''}")
+    return hashlib.sha256("\n".join([*parts, source]).encode()).hexdigest()
+
+
+def _trusted_dir(path: Path) -> bool:
+    """Ours (root's, for the recorder), not a symlink, nobody else may write or read it; and nobody
+    else can swap it: every directory above is root's or ours, and writable by others only when
+    sticky (as /tmp: there, others cannot rename what is not theirs)."""
+    try:
+        st = os.lstat(path)
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077):
+            return False
+        for parent in path.parents:
+            pst = os.stat(parent)
+            if pst.st_uid not in (0, os.geteuid()):
+                return False
+            if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _cache_dir(root: Path) -> Path | None:
+    with contextlib.suppress(OSError):
+        for p in reversed(root.parents[: len(root.parents) - 1]):
+            p.mkdir(mode=0o755, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
+    return root if _trusted_dir(root) else None
+
+
+def cached_object(source: str, headers: str | None, root: Path | None = None) -> tuple[CompiledObject, bool]:
+    """The compiled object for `source`, from the cache when it holds it, else compiled (and
+    stored, the oldest entries beyond KEEP removed). Returns (object, whether it came from the
+    cache)."""
+    root = root or CACHE_DIR
+    use = os.environ.get(CACHE_ENV, "1") != "0"
+    where = _cache_dir(root) if use else None
+    entry = where / f"{cache_key(source, headers)}.json" if where is not None else None
+    if entry is not None and entry.exists():
+        try:
+            return CompiledObject.from_json(entry.read_bytes()), True
+        except (OSError, ValueError) as e:
+            logger.warning("probe cache entry %s unusable (%s): compiling again", entry, e)
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    obj = compile_object(source)
+    if entry is not None:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(obj.to_json())
+            os.replace(tmp, entry)
+            _prune(entry.parent, keep=entry)
+        except OSError as e:
+            logger.warning("cannot store the compiled probes in %s: %s", entry.parent, e)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)
+    return obj, False
+
+
+def _prune(where: Path, keep: Path) -> None:
+    """At most KEEP entries (sources change with every probe edit and test configuration)."""
+    entries = sorted(where.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [p for p in entries if p != keep][KEEP - 1 :]:
+        with contextlib.suppress(OSError):
+            old.unlink()
+
+
+def forget(source: str, headers: str | None, root: Path | None = None) -> None:
+    """Remove the cache entry of `source` (the kernel refused what it held)."""
+    with contextlib.suppress(OSError):
+        ((root or CACHE_DIR) / f"{cache_key(source, headers)}.json").unlink()
+
+
+def load(source: str, headers: str | None, root: Path | None = None) -> LoadedObject:
+    """The probes of `source` in the kernel: maps created, programs loaded as they are asked for."""
+    obj, hit = cached_object(source, headers, root)
+    loaded = LoadedObject(obj, forget=(lambda: forget(source, headers, root)) if hit else None)
+    try:
+        loaded.autoload()
+    except BaseException:
+        loaded.cleanup()
+        raise
+    return loaded
+
+
+class LoadedObject:
+    """The maps of a CompiledObject created in the kernel; programs loaded on demand. Offers what
+    probes/loader.py uses of BCC's `BPF`: `obj[b"name"]` (BCC's table classes over our
+    descriptors), `load_func`, `attach_tracepoint` and `cleanup`."""
+
+    TRACEPOINT = _PROG_TYPE_TRACEPOINT
+
+    def __init__(self, obj: CompiledObject, forget: Callable[[], None] | None = None) -> None:
+        """`forget`: removes the cache entry `obj` came from, called when the kernel refuses it."""
+        from bcc import BPF
+
+        self._forget = forget
+        self.raw_tracepoint_fds: dict[bytes, int] = {}
+        self.Function = BPF.Function
+        self._obj = obj
+        self._map_fds: list[int] = []
+        self._tables: dict[bytes, Any] = {}
+        self.funcs: dict[bytes, Any] = {}
+        self.tracepoint_fds: dict[bytes, int] = {}
+        try:
+            for m in obj.maps:
+                self._map_fds.append(self._create_map(m))
+        except BaseException:
+            self.cleanup()
+            self._refused()
+            raise
+        self._index_to_fd = dict(enumerate(self._map_fds))
+
+    @staticmethod
+    def _create_map(m: MapDef) -> int:
+        raw = struct.pack(
+            "<IIIIIII16s",
+            m.type,
+            m.key_size,
+            m.value_size,
+            m.max_entries,
+            m.flags,
+            0,
+            0,
+            m.name[:15].encode(),
+        )
+        attr = ctypes.create_string_buffer(raw, 72)
+        try:
+            return _bpf(_BPF_MAP_CREATE, attr)
+        except OSError as e:
+            raise ObjectError(f"cannot create map {m.name}: {e.strerror}") from e
+
+    def load_func(self, func_name: bytes, prog_type: int) -> Any:
+        if func_name in self.funcs:
+            return self.funcs[func_name]
+        code = self._obj.functions.get(func_name.decode())
+        if code is None:
+            raise ObjectError(f"unknown program {func_name.decode()}")
+        insns = ctypes.create_string_buffer(relocate(code, self._index_to_fd), len(code))
+        license = ctypes.create_string_buffer(self._obj.license.encode())
+        try:
+            fd = self._prog_load(func_name, prog_type, insns, license, None)
+        except ObjectError:
+            self._refused()
+            raise
+        fn = self.Function(self, func_name, fd)
+        self.funcs[func_name] = fn
+        return fn
+
+    @staticmethod
+    def _prog_load(
+        name: bytes, prog_type: int, insns: Any, license: Any, log: ctypes.Array[ctypes.c_char] | None
+    ) -> int:
+        raw = struct.pack(
+            "<IIQQIIQII16s",
+            prog_type,
+            len(insns) // _INSN.size,
+            ctypes.addressof(insns),
+            ctypes.addressof(license),
+            1 if log is not None else 0,
+            len(log) if log is not None else 0,
+            ctypes.addressof(log) if log is not None else 0,
+            0,
+            0,
+            name[:15],
+        )
+        attr = ctypes.create_string_buffer(raw, 128)
+        try:
+            return _bpf(_BPF_PROG_LOAD, attr)
+        except OSError as e:
+            if log is None:  # again, with the verifier's log, to say why
+                return LoadedObject._prog_load(
+                    name, prog_type, insns, license, ctypes.create_string_buffer(1 << 20)
+                )
+            tail = log.value.decode(errors="replace").strip().splitlines()[-3:]
+            raise ObjectError(f"cannot load {name.decode()}: {e.strerror}: {' / '.join(tail)}") from e
+
+    def attach_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        from bcc import lib
+
+        fn = self.load_func(fn_name, self.TRACEPOINT)
+        category, name = tp.split(b":")
+        fd = lib.bpf_attach_tracepoint(fn.fd, category, name)
+        if fd < 0:
+            raise ObjectError(f"cannot attach {fn_name.decode()} to {tp.decode()}")
+        self.tracepoint_fds[tp] = fd
+
+    def autoload(self) -> None:
+        """Attach what BCC attaches by name when it compiles (its `_trace_autoload`):
+        `tracepoint__CATEGORY__NAME` and `raw_tracepoint__NAME` functions."""
+        for name in self._obj.functions:
+            fn = name.encode()
+            if name.startswith("tracepoint__"):
+                self.attach_tracepoint(tp=fn[len(b"tracepoint__") :].replace(b"__", b":"), fn_name=fn)
+            elif name.startswith("raw_tracepoint__"):
+                self.attach_raw_tracepoint(tp=fn[len(b"raw_tracepoint__") :], fn_name=fn)
+            elif name.split("__", 1)[0] in ("kprobe", "kretprobe", "kfunc", "kretfunc", "lsm"):
+                raise ObjectError(f"{name}: the probe cache attaches tracepoints only")
+
+    def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        from bcc import BPF, lib
+
+        fn = self.load_func(fn_name, BPF.RAW_TRACEPOINT)
+        fd = lib.bpf_attach_raw_tracepoint(fn.fd, tp)
+        if fd < 0:
+            raise ObjectError(f"cannot attach {fn_name.decode()} to raw tracepoint {tp.decode()}")
+        self.raw_tracepoint_fds[tp] = fd
+
+    def _refused(self) -> None:
+        """The kernel refused what the cache held: the next start compiles afresh."""
+        if self._forget is not None:
+            self._forget()
+            self._forget = None
+
+    def __getitem__(self, name: bytes) -> Any:
+        if name not in self._tables:
+            self._tables[name] = self._table(name)
+        return self._tables[name]
+
+    def _table(self, name: bytes) -> Any:
+        from bcc import BPF, table
+
+        names = [m.name.encode() for m in self._obj.maps]
+        if name not in names:
+            raise KeyError(name)
+        index = names.index(name)
+        m = self._obj.maps[index]
+        classes = {
+            table.BPF_MAP_TYPE_HASH: table.HashTable,
+            table.BPF_MAP_TYPE_LRU_HASH: table.LruHash,
+            table.BPF_MAP_TYPE_ARRAY: table.Array,
+            table.BPF_MAP_TYPE_PROG_ARRAY: table.ProgArray,
+            table.BPF_MAP_TYPE_RINGBUF: table.RingBuf,
+            table.BPF_MAP_TYPE_PERCPU_ARRAY: table.PerCpuArray,
+            table.BPF_MAP_TYPE_PERCPU_HASH: table.PerCpuHash,
+            table.BPF_MAP_TYPE_LRU_PERCPU_HASH: table.LruPerCpuHash,
+        }
+        cls = classes.get(m.type)
+        if cls is None:
+            raise ObjectError(f"map {m.name}: type {m.type} is not offered from Python by the probe cache")
+        t = cls.__new__(cls)
+        # what BCC's TableBase.__init__ sets, from our definition instead of BCC's module
+        t.bpf = self
+        t.map_id = index
+        t.map_fd = self._map_fds[index]
+        t.Key = BPF._decode_table_type(json.loads(m.key_desc)) if m.key_desc else ctypes.c_int
+        t.Leaf = BPF._decode_table_type(json.loads(m.leaf_desc)) if m.leaf_desc else ctypes.c_int
+        t.ttype = m.type
+        t.flags = m.flags
+        t._cbs = {}
+        t._name = name
+        t.max_entries = m.max_entries
+        if cls is table.RingBuf:
+            t._ringbuf = None
+            t._event_class = None
+        if issubclass(cls, (table.PerCpuArray, table.PerCpuHash)):  # as their __init__ does
+            from bcc.utils import get_possible_cpus
+
+            t.reducer = None
+            t.sLeaf = t.Leaf
+            t.total_cpu = len(get_possible_cpus())
+            t.alignment = ctypes.sizeof(t.sLeaf) % 8
+            if t.alignment == 0:
+                t.Leaf = t.sLeaf * t.total_cpu
+            elif t.sLeaf in (ctypes.c_uint, ctypes.c_int):
+                t.Leaf = (ctypes.c_uint64 if t.sLeaf == ctypes.c_uint else ctypes.c_int64) * t.total_cpu
+            else:
+                raise ObjectError(f"map {m.name}: a per-CPU value must be aligned to 8 bytes")
+        return t
+
+    def cleanup(self) -> None:
+        """Detach and close everything (each detached tracepoint waits for an RCU grace period)."""
+        for fd in [*self.tracepoint_fds.values(), *self.raw_tracepoint_fds.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.tracepoint_fds = {}
+        self.raw_tracepoint_fds = {}
+        for fn in self.funcs.values():
+            with contextlib.suppress(OSError):
+                os.close(fn.fd)
+        self.funcs = {}
+        self._tables = {}
+        for fd in self._map_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._map_fds = []
