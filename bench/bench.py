@@ -156,7 +156,10 @@ def main() -> int:
                 e for e in events if e["type"] == "dev.evidence.file.open" and e["subject"] == "/etc/hostname"
             ]
             got = sum(e["data"]["count"] for e in hits)
-            checks.append((f"{label}: opens of /etc/hostname counted", got, n))
+            if "full" in opts:  # every operation kept, or counted as lost (the target: stated)
+                checks.append((f"{label}: opens recorded + lost", got + lost, n))
+            else:
+                checks.append((f"{label}: opens of /etc/hostname counted", got, n))
         elif mode == "exec":
             execs = [
                 e
@@ -182,7 +185,7 @@ def main() -> int:
             )
             # every open is in the bundle or counted (lost, or past a cap): never silence
             checks.append((f"{label}: opens recorded + counted as not kept", opens + lost >= 2 * n, True))
-        else:
+        elif "full" not in opts:
             checks.append((f"{label}: events lost", lost, 0))
     # fixed cost of a recorded run: standalone (probes from the compiled-probe cache, and compiled
     # as on a first start), and through an agent; each the whole process, median and min of
