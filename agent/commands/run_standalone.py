@@ -292,13 +292,15 @@ class StandaloneRun:
         )
         launcher, self.launcher = self.launcher, None
         assert launcher is not None
+        # the helper becomes the command (same pid): known as the run's root before it can exec, so
+        # its exec record, however soon the consumer thread reads it, is the root's (depth 0)
+        session.pid = launcher.process.pid
+        session.correlator.add_root(launcher.process.pid, os.getpid(), self.cwd)
         try:
             launched = launcher.go(spec)
         except LaunchError as e:
             raise PolicyError(f"the policy could not be applied, the command was not started: {e}") from e
         self.child = launched.process
-        session.pid = launched.pid
-        session.correlator.add_root(launched.pid, os.getpid(), self.cwd)
         self.forwarder.child = launched.process
         if launched.exec_errno is not None:
             print(
