@@ -395,10 +395,6 @@ class AgentAPI:
         reason = self.backend.ready()
         if reason is not None:
             raise NotReady(f"the recorder is not ready: {reason}")
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            raise UsageError(f"process {request.isolate_pid} has exited") from None
         extra: dict[str, Any] = {}
         if request.policy is not None:
             extra["policy"] = request.policy
@@ -407,11 +403,14 @@ class AgentAPI:
 
             why = private_network_problem(pid, peer.pid, self.proc_root)
             if why is not None:
-                os.close(pidfd)
                 raise UsageError(
                     f"--net {request.net}: process {request.isolate_pid} has no private network: {why}"
                 )
             extra["net"] = request.net
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise UsageError(f"process {request.isolate_pid} has exited") from None
         try:
             info = self.backend.isolate(
                 pid,
