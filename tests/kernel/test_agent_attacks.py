@@ -27,7 +27,7 @@ import pytest
 
 from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from tests.kernel.test_daemon import Agent
-from tests.kernel.util import of_type, read_bundle
+from tests.kernel.util import in_cgroup, of_type, read_bundle
 
 pytestmark = pytest.mark.kernel
 
@@ -127,13 +127,10 @@ def as_nobody(agent: Agent, method: str, path: str, body: dict[str, Any] | None 
 
 
 def sleeper(cgroup: Path, *, nobody: bool) -> subprocess.Popen[bytes]:
-    procs = cgroup / "cgroup.procs"
-
-    def enter() -> None:
-        procs.write_text(str(os.getpid()))
-
     as_who = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if nobody else []
-    return subprocess.Popen([*as_who, "/bin/sleep", "600"], preexec_fn=enter)  # moved in before setpriv
+    return subprocess.Popen(
+        in_cgroup(cgroup / "cgroup.procs", *as_who, "/bin/sleep", "600")
+    )  # in before setpriv
 
 
 def test_another_users_runs_cannot_be_seen_finished_or_downloaded(agent: Agent, cgroup: Path) -> None:

@@ -23,7 +23,7 @@ from evidence.agent.recorder.recording import Recorder
 from evidence.bundle.format import parse_time
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes, detect_config
-from tests.kernel.util import PY, evidence, of_type, read_bundle, record
+from tests.kernel.util import PY, evidence, in_cgroup, of_type, read_bundle, record
 
 BUSYBOX = "/bin/busybox"  # static: it opens nothing of its own, so every open counted is the script's
 
@@ -44,13 +44,7 @@ def _run(rec: Recorder, tmp_path: Path, argv: list[str], **start: Any) -> tuple[
     try:
         session = rec.start(cg.path, argv, str(tmp_path), **start)
         before = rec.stats["records"]
-        procs = cg.procs_file()
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        p = subprocess.run(argv, preexec_fn=join, capture_output=True, check=False)
+        p = subprocess.run(in_cgroup(cg.procs_file(), *argv), capture_output=True, check=False)
         cg.wait_empty()
         manifest = rec.finish(session, tmp_path / "run.tar.gz", exit_code=p.returncode)
         records = rec.stats["records"] - before

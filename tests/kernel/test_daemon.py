@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from evidence.errors import Error
-from tests.kernel.util import PY, evidence, of_type, read_bundle
+from tests.kernel.util import PY, evidence, in_cgroup, of_type, read_bundle
 
 pytestmark = pytest.mark.kernel
 
@@ -139,14 +139,9 @@ class Job:
         self.go = tmp / f"{name}.go"
         self.marker = tmp / f"{name}-marker.txt"
         self.marker.write_text(name)
-        procs = cgroup / "cgroup.procs"
-
-        def enter() -> None:
-            procs.write_text(str(os.getpid()))
-
         self.proc = subprocess.Popen(
-            [PY, "-c", JOB, str(self.go), str(self.marker), str(port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter,
+            in_cgroup(cgroup / "cgroup.procs", PY, "-c", JOB, str(self.go), str(self.marker), str(port)),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None
         assert self.proc.stdout.readline().strip() == "listening"

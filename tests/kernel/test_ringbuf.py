@@ -11,16 +11,11 @@ from evidence.agent.recorder.decode import decode
 from evidence.agent.recorder.kernel import mount_tracefs
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes, detect_config
+from tests.kernel.util import in_cgroup
 
 
 def _run_in(cg: RunCgroup, *cmd: str) -> None:
-    procs = cg.procs_file()
-
-    def pre() -> None:
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    subprocess.run(list(cmd), preexec_fn=pre, check=True)
+    subprocess.run(in_cgroup(cg.procs_file(), *cmd), check=True)
 
 
 def test_bulk_reader_wraps_and_counts_overflow() -> None:

@@ -30,6 +30,14 @@ def evidence(
     )
 
 
+def in_cgroup(procs: str | Path, *argv: str) -> list[str]:
+    """`argv` started inside a cgroup (its `cgroup.procs` file): a shell moves itself in and execs it,
+    so the process is in the cgroup from its first instruction. Not a preexec_fn: a test process may
+    run threads (an in-process Recorder, an HTTP receiver), and Python code between fork and exec can
+    then deadlock."""
+    return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(procs), *argv]
+
+
 def read_bundle(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with tarfile.open(path, "r:gz") as tar:
         names = tar.getnames()
