@@ -23,6 +23,8 @@ _BUILTIN = [
     (re.compile(r"(?<![A-Za-z0-9])tmp\.[A-Za-z0-9]{10}(?![A-Za-z0-9])"), "tmp.<rand>"),
     (re.compile(r"[0-9a-f]{32,}"), "<rand>"),
 ]
+# whether any builtin rule can apply: one search, where most paths need no substitution at all
+_ANY = re.compile("|".join(rx.pattern for rx, _ in _BUILTIN))
 
 
 class Normalizer:
@@ -37,8 +39,9 @@ class Normalizer:
             if value == root or value.startswith(root + "/"):
                 value = placeholder + value[len(root) :]
                 break
-        for rx, repl in _BUILTIN:
-            value = rx.sub(repl, value)
+        if _ANY.search(value):
+            for rx, repl in _BUILTIN:
+                value = rx.sub(repl, value)
         for rx in self._ignore:
             value = rx.sub("<ignored>", value)
         return value

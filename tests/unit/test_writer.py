@@ -251,3 +251,39 @@ def test_an_event_longer_than_a_line_may_be_is_counted_not_written(tmp_path: Pat
     assert manifest["lost"]["by_kind"] == {"over_cap:file.open": 1}
     paths = [e["data"].get("path") for e in open_bundle(out).events()]  # verifies
     assert "/w/ok" in paths and deep not in paths
+
+
+@pytest.mark.parametrize("labels", [None, {"team": "ci", "ünï": 'q"uote\\'}])
+def test_each_line_is_the_canonical_json_of_its_event(tmp_path: Path, labels: dict | None) -> None:
+    """The sink puts a line together from canonical parts: the bytes must be exactly those of
+    canonical.dumps(event), and the root hash the one made from fmt.content_hash of each event."""
+    from evidence.bundle import canonical
+
+    odd = ["/w/\u00e9\u4e2d\U0001f600", '/w/q"b\\s', "/w/ctl\x01\x1f\x7f", "/w/\u2028line"]
+    recs = [cb.open_(1000 + i, p, ["read"]) for i, p in enumerate(odd)] + [cb.connect(9000, "::1", 443)]
+    meta = cb.meta(detail="full", labels=labels or {})
+    out = tmp_path / "b.tar.gz"
+    manifest = write_bundle(out, meta, lambda: iter(recs))
+    _, _, events, raw = _read(out)
+    assert raw.splitlines() == [canonical.dumps(e) for e in events]
+    assert manifest["root_hash"] == fmt.root_hash(fmt.content_hash(e) for e in events)
+    assert {e["subject"] for e in events} >= set(odd)
+
+
+def test_the_compressed_cap_holds_when_text_does_not_compress(tmp_path: Path) -> None:
+    """The compressed-size estimate starts only near the cap (text never grows much when deflated):
+    random paths, which compress badly, still stop at the cap, and the bundle verifies."""
+    import random
+
+    from evidence.bundle.reader import open_bundle
+    from evidence.bundle.writer import Caps
+
+    rng = random.Random(7)
+    recs = [cb.open_(1000 + i, "/w/" + rng.randbytes(300).hex(), ["read"]) for i in range(400)]
+    out = tmp_path / "c.tar.gz"
+    manifest = write_bundle(out, cb.meta(detail="full"), lambda: iter(recs), caps=Caps(compressed=60_000))
+    assert manifest["lost"]["by_kind"].get("over_cap:file.open", 0) > 0
+    assert out.stat().st_size <= 60_000 + 8_000
+    events = list(open_bundle(out).events())  # verifies
+    written = sum(1 for e in events if e["type"] == fmt.FILE_OPEN)
+    assert written + manifest["lost"]["by_kind"]["over_cap:file.open"] == 400
