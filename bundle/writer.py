@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gzip
 import hashlib
-import io
 import logging
-import os
 import tarfile
 import tempfile
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +25,7 @@ from pydantic import Field
 
 from evidence.bundle import attestation, canonical
 from evidence.bundle import format as fmt
+from evidence.bundle.deflate import Deflater, write_tar_gz
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 from evidence.files import atomic_write
@@ -163,23 +160,18 @@ class _EventSink:
 
     def __init__(
         self,
-        out: io.BufferedWriter,
+        out: Deflater,
         run_id: str,
         labels: dict[str, str] | None = None,
         caps: Caps | None = None,
     ) -> None:
         self.caps = caps or Caps()
-        self._deflate: Any = None  # the compressed-size estimate, started once it can matter
-        self._fed = 0  # bytes given to it since its last flush
-        self._flush_every = 0
-        self.compressed = 0
         self.out = out
         self.run_id = run_id
         self.labels = fmt.labels_attribute(labels)
         self.source = fmt.source_for(run_id)
         self.seq = 0
         self.size = 0
-        self.sha = hashlib.sha256()
         self.root = fmt.RootHasher()
         self.counts: dict[str, int] = {}
         dumps = canonical.dumps
@@ -228,44 +220,15 @@ class _EventSink:
             n > self.caps.line
             or self.seq >= self.caps.events
             or self.size + n > self.caps.decompressed
-            or self._compressed_past(line)
+            or self.out.compressed_bound() + n + n // 64 > self.caps.compressed
         ):
             return False
         self.root.add(hashlib.sha256(core).hexdigest())
-        self.out.write(line)
-        self.sha.update(line)
+        self.out.feed(line)
         self.size += n
         self.counts[etype] = self.counts.get(etype, 0) + 1
         self.seq += 1
         return True
-
-    def _compressed_past(self, line: bytes) -> bool:
-        """Whether `line` may take the compressed bundle past its cap: an upper bound, from a fast
-        deflate of the lines (the bundle's own deflate compresses better), flushed every so often so
-        that what it still holds is bounded too. Deflate never makes text much bigger than it is, so
-        the estimate starts only when the uncompressed size nears the cap, over what was written."""
-        cap = self.caps.compressed
-        if self._deflate is None:
-            if (self.size + len(line)) * 1.01 + 65536 <= cap:
-                return False
-            self._deflate = zlib.compressobj(1)
-            self._flush_every = max(4096, min(1 << 20, cap // 16))
-            self.out.flush()
-            fd, pos = self.out.fileno(), 0
-            while pos < self.size:
-                chunk = os.pread(fd, min(1 << 20, self.size - pos), pos)
-                if not chunk:
-                    break
-                self.compressed += len(self._deflate.compress(chunk))
-                pos += len(chunk)
-            self.compressed += len(self._deflate.flush(zlib.Z_SYNC_FLUSH))
-        self.compressed += len(self._deflate.compress(line))
-        self._fed += len(line)
-        if self._fed >= self._flush_every:
-            self.compressed += len(self._deflate.flush(zlib.Z_SYNC_FLUSH))
-            self._fed = 0
-        # a refused line stays in the estimate: it only errs high
-        return self.compressed + self._fed + self._fed // 64 + 64 > cap
 
 
 def _head(meta: RunMeta) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
@@ -339,17 +302,23 @@ def write_bundle(
     out_path = Path(out_path)
     run_id, body = _read(meta, records)
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
-    with tempfile.TemporaryFile(dir=out_dir) as events_tmp:
-        sink = _EventSink(events_tmp, run_id, meta.labels, caps)  # type: ignore[arg-type]
-        for event in _head(meta):
-            sink.emit(*event)
-        capped: dict[str, int] = {}
-        for event in body:
-            if not sink.emit(*event, capped=True):
-                kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
-                capped[kind] = capped.get(kind, 0) + 1
-        for event in _tail(meta, capped):
-            sink.emit(*event)
+    with tempfile.TemporaryFile(dir=out_dir) as deflated:
+        deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
+        try:
+            sink = _EventSink(deflater, run_id, meta.labels, caps)
+            for event in _head(meta):
+                sink.emit(*event)
+            capped: dict[str, int] = {}
+            for event in body:
+                if not sink.emit(*event, capped=True):
+                    kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
+                    capped[kind] = capped.get(kind, 0) + 1
+            for event in _tail(meta, capped):
+                sink.emit(*event)
+            events_sha = deflater.finish()
+        except BaseException:
+            deflater.abort()
+            raise
         if capped:
             logger.warning("the bundle's caps were reached: %s not written (counted as lost)", capped)
         lost = {**meta.lost, **capped}
@@ -366,23 +335,23 @@ def write_bundle(
             "counts": dict(sorted(sink.counts.items())),
             "events": sink.seq,
             "lost": {"total": lost_total, "by_kind": {k: v for k, v in sorted(lost.items())}},
-            "files": {fmt.EVENTS_NAME: {"sha256": sink.sha.hexdigest(), "size": sink.size}},
+            "files": {fmt.EVENTS_NAME: {"sha256": events_sha, "size": sink.size}},
             "root_hash": sink.root.hexdigest(),
         }
         manifest_bytes = canonical.dumps(manifest)
-        signed = b""
+        tail = []
         if signer is not None:
-            signed = attestation.member(manifest, manifest_bytes, sink.sha.hexdigest(), signer)
-        with (
-            atomic_write(out_path) as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz,
-            tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar,
-        ):
-            tar.addfile(_tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
-            events_tmp.seek(0)
-            tar.addfile(_tarinfo(fmt.EVENTS_NAME, sink.size), events_tmp)
-            if signer is not None:
-                tar.addfile(_tarinfo(fmt.ATTESTATION_NAME, len(signed)), io.BytesIO(signed))
+            signed = attestation.member(manifest, manifest_bytes, events_sha, signer)
+            tail.append((_tarinfo(fmt.ATTESTATION_NAME, len(signed)), signed))
+        with atomic_write(out_path) as raw:
+            write_tar_gz(
+                raw,
+                [(_tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), manifest_bytes)],
+                _tarinfo(fmt.EVENTS_NAME, sink.size),
+                deflated,
+                deflater,
+                tail,
+            )
     logger.info("wrote %s: %d events, run id %s", out_path, sink.seq, run_id)
     return manifest
 

@@ -8,7 +8,6 @@ recompiled per run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import mmap
 import os
@@ -106,6 +105,8 @@ _CALL = struct.Struct("<QQIiQIIQ")
 _AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
 _AVAL = struct.Struct("<QQQ")  # count, first, last
 _TS = struct.Struct("<Q")
+_U32 = struct.Struct("<I")  # an array's index, a u32 value
+_U64 = struct.Struct("<Q")
 _HDR_RUN_KIND = struct.Struct("<16xI8xH")  # struct hdr: run (at 16) and kind (at 28)
 
 
@@ -132,10 +133,10 @@ class RecorderProbes:
         self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
         # on_exit tail-calls on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
         tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
-        self.bpf[b"exit_tail"][ctypes.c_int(0)] = ctypes.c_int(tail.fd)
+        self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
-            hkey[ctypes.c_int(i)] = ctypes.c_uint64(word)
+            hkey[_U32.pack(i)] = _U64.pack(word)
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
@@ -154,12 +155,12 @@ class RecorderProbes:
         self._ring: RingBuffer | None = None
 
     def track(self, cgroup_id: int, slot: int) -> None:
-        self._tracked[ctypes.c_uint64(cgroup_id)] = ctypes.c_uint32(slot)
+        self._tracked[_U64.pack(cgroup_id)] = _U32.pack(slot)
         self.clear_cache()
 
     def untrack(self, cgroup_id: int) -> None:
         with contextlib.suppress(KeyError):
-            del self._tracked[ctypes.c_uint64(cgroup_id)]
+            del self._tracked[_U64.pack(cgroup_id)]
         self.clear_cache()
 
     def clear_cache(self) -> None:
@@ -169,14 +170,14 @@ class RecorderProbes:
 
     def reset_lost(self, slot: int) -> None:
         for kind in range(EV_KINDS):
-            self._lost[ctypes.c_int(slot * EV_KINDS + kind)] = ctypes.c_uint64(0)
+            self._lost[_U32.pack(slot * EV_KINDS + kind)] = _U64.pack(0)
 
     def read_lost(self, slot: int) -> dict[str, int]:
         """Per kind: records the ring buffer could not take, and operations not kept past the
         run's cap on distinct keys."""
         out = {}
         for kind in range(1, EV_KINDS):
-            n = self._lost[ctypes.c_int(slot * EV_KINDS + kind)].value
+            n = _U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + kind)])[0]
             name = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"kind{kind}"
             if n and name not in NOT_LOSS:
                 out[name] = int(n)
@@ -184,41 +185,30 @@ class RecorderProbes:
 
     def read_fallbacks(self, slot: int) -> int:
         """Operations recorded one by one because the aggregation map was full (not loss)."""
-        return int(self._lost[ctypes.c_int(slot * EV_KINDS + KIND_NAMES.index("agg_map_full"))].value)
+        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + KIND_NAMES.index("agg_map_full"))])[0])
 
     def set_aggregation(self, slot: int, max_distinct: int) -> None:
         """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
         `max_distinct` distinct keys (0: no aggregation, every operation is a record)."""
-        self.bpf[b"distinct"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
-        self.bpf[b"limits"][ctypes.c_int(slot)] = ctypes.c_uint32(max_distinct)
+        self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
+        self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(max_distinct)
 
     def take_aggregates(self, slot: int) -> list[tuple[tuple[int, int, int, int, int, int], int, int, int]]:
         """The aggregation map's entries of run `slot`, removed from it: (key, count, first, last)
         with key = (exe token, token, cgroup id, kind, access, result) and kernel times."""
-        self.bpf[b"limits"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
+        self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(0)
         table = self.bpf[b"agg"]
         out = []
         mine = []
-        try:  # one system call per many entries
-            items = list(table.items_lookup_batch())
-        except Exception:  # older BCC or kernel: entry by entry
-            items = list(table.items())
-        for k, v in items:
-            kb = ctypes.string_at(ctypes.addressof(k), ctypes.sizeof(k))
+        for kb, v in table.items():  # many entries per system call
             exe, tok, cgid, run, access, result, kind, _ = _AKEY.unpack(kb)
             if run != slot:
                 continue
-            count, first, last = _AVAL.unpack(ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)))
+            count, first, last = _AVAL.unpack(v)
             out.append(((exe, tok, cgid, kind, access, result), count, first, last))
-            mine.append(k)
-        try:
-            if mine:
-                table.items_delete_batch((table.Key * len(mine))(*mine))
-        except Exception:
-            for k in mine:
-                with contextlib.suppress(KeyError):
-                    del table[k]
-        self.bpf[b"distinct"][ctypes.c_int(slot)] = ctypes.c_uint32(0)
+            mine.append(kb)
+        table.delete_many(mine)
+        self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
         return out
 
     def in_flight(self, slot: int) -> list[bytes]:
@@ -227,8 +217,7 @@ class RecorderProbes:
         says NO_RESULT. Threads of a finished run are gone, so nothing completes them meanwhile."""
         table = self.bpf[b"inflight"]
         out: list[bytes] = []
-        for key, value in list(table.items()):
-            raw = ctypes.string_at(ctypes.addressof(value), ctypes.sizeof(value))
+        for key, raw in table.items():
             _, size, *_ = _CALL.unpack_from(raw, 0)
             rec = raw[_CALL.size : _CALL.size + size]
             run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= 32 else (0, 0)

@@ -5,7 +5,8 @@ BCC compiles probes/record.bpf.c with clang on every start (1.5-2 s on a small V
 plain data: each function's BPF instructions and each map's definition. `compile_object` compiles
 once with BCC and takes those out of it; `LoadedObject` creates the maps and loads the programs
 with the bpf(2) system call itself, and offers the part of BCC's `BPF` interface the loader uses
-(`obj[b"map"]` as BCC's own table classes, `load_func`, `attach_tracepoint`, `cleanup`).
+(`obj[b"map"]`, here a `Map` of raw bytes, `load_func`, `attach_tracepoint`, `cleanup`). A start
+from the cache does not load BCC at all (libbcc maps LLVM: ~60 MB of RSS).
 
 Every start loads through `LoadedObject`, cache hit or not, so there is one way programs get into
 the kernel. The only relocation is the map references: BCC writes each map's descriptor into its
@@ -48,9 +49,29 @@ KEEP = 8  # entries kept in the cache
 
 _SYS_BPF = 321 if platform.machine() == "x86_64" else 280  # aarch64: 280
 _BPF_MAP_CREATE = 0
+_BPF_MAP_LOOKUP_ELEM = 1
+_BPF_MAP_UPDATE_ELEM = 2
+_BPF_MAP_DELETE_ELEM = 3
+_BPF_MAP_GET_NEXT_KEY = 4
 _BPF_PROG_LOAD = 5
 _BPF_OBJ_GET_INFO_BY_FD = 15
+_BPF_RAW_TRACEPOINT_OPEN = 17
+_BPF_MAP_LOOKUP_BATCH = 24
+_BPF_MAP_DELETE_BATCH = 27
 _PROG_TYPE_TRACEPOINT = 5
+_PROG_TYPE_RAW_TRACEPOINT = 17
+_MAP_TYPE_PERCPU = (5, 6, 10)  # per-CPU hash, array, LRU hash: one value per possible CPU
+_SYS_PERF_EVENT_OPEN = 298 if platform.machine() == "x86_64" else 241
+_PERF_TYPE_TRACEPOINT = 2
+_PERF_FLAG_FD_CLOEXEC = 8
+_PERF_EVENT_IOC_ENABLE = 0x2400
+_PERF_EVENT_IOC_SET_BPF = 0x40042408
+_PERF_ATTR = struct.Struct("<IIQQQQQII")  # type, size, config, sample_period, sample_type,
+# read_format, flags, wakeup_events, bp_type: the head of struct perf_event_attr (the rest zero)
+_PERF_ATTR_SIZE = 128
+_ELEM = struct.Struct("<IIQQQ")  # map_fd, pad, key, value (or next_key), flags
+_BATCH = struct.Struct("<QQQQIIQQ")  # in_batch, out_batch, keys, values, count, map_fd, elem_flags, flags
+TRACEFS = Path("/sys/kernel/tracing")
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
 _INSN = struct.Struct("<BBhi")  # code, dst:4|src:4, off, imm
@@ -200,9 +221,20 @@ def compile_object(source: str) -> CompiledObject:
 
 
 def _bcc_version() -> str:
-    from bcc import __version__
+    """BCC's version, read from its module's version.py without importing BCC (importing it maps
+    libbcc and LLVM: tens of MB of RSS and tens of ms a start would pay for nothing on a hit)."""
+    import importlib.util
+    import re
 
-    return str(__version__)
+    spec = importlib.util.find_spec("bcc")
+    if spec is None or not spec.submodule_search_locations:
+        raise ObjectError("BCC is not installed (the Debian package python3-bpfcc)")
+    for where in spec.submodule_search_locations:
+        with contextlib.suppress(OSError):
+            found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", (Path(where) / "version.py").read_text())
+            if found:
+                return found.group(1)
+    raise ObjectError("cannot tell BCC's version")
 
 
 def cache_key(source: str, headers: str | None) -> str:
@@ -296,24 +328,180 @@ def load(source: str, headers: str | None, root: Path | None = None) -> LoadedOb
     return loaded
 
 
+def possible_cpus() -> int:
+    """How many CPUs the kernel may ever bring up (a per-CPU map holds a value for each)."""
+    n = 0
+    for part in Path("/sys/devices/system/cpu/possible").read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def _buf(data: bytes | int) -> ctypes.Array[ctypes.c_char]:
+    return (
+        ctypes.create_string_buffer(data)
+        if isinstance(data, int)
+        else ctypes.create_string_buffer(data, len(data))
+    )
+
+
+class Map:
+    """One BPF map, read and written with bpf(2) as raw bytes (struct-packed by the caller): what
+    the recorder needs of BCC's table classes, without loading BCC. For a per-CPU map, a value is
+    the values of every possible CPU, each padded to 8 bytes."""
+
+    def __init__(self, fd: int, m: MapDef) -> None:
+        self.map_fd = fd
+        self.name = m.name
+        self.type = m.type
+        self.key_size = m.key_size
+        self.max_entries = m.max_entries
+        self.cpus = possible_cpus() if m.type in _MAP_TYPE_PERCPU else 1
+        percpu = m.type in _MAP_TYPE_PERCPU
+        self.cpu_value_size = (m.value_size + 7) & ~7 if percpu else m.value_size
+        self.value_size = self.cpu_value_size * self.cpus
+
+    def _elem(self, cmd: int, key: bytes | None, value: Any, flags: int = 0) -> int:
+        kbuf = _buf(key) if key is not None else None
+        attr = _buf(
+            _ELEM.pack(
+                self.map_fd,
+                0,
+                ctypes.addressof(kbuf) if kbuf is not None else 0,
+                ctypes.addressof(value) if value is not None else 0,
+                flags,
+            )
+        )
+        return _bpf(cmd, attr)
+
+    def lookup(self, key: bytes) -> bytes | None:
+        value = _buf(self.value_size)
+        try:
+            self._elem(_BPF_MAP_LOOKUP_ELEM, key, value)
+        except FileNotFoundError:
+            return None
+        return value.raw[: self.value_size]
+
+    def __getitem__(self, key: bytes) -> bytes:
+        value = self.lookup(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: bytes, value: bytes) -> None:
+        if len(value) != self.value_size or len(key) != self.key_size:
+            raise ValueError(f"map {self.name}: key or value of the wrong size")
+        self._elem(_BPF_MAP_UPDATE_ELEM, key, _buf(value))
+
+    def __delitem__(self, key: bytes) -> None:
+        try:
+            self._elem(_BPF_MAP_DELETE_ELEM, key, None)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def keys(self) -> list[bytes]:
+        out: list[bytes] = []
+        key: bytes | None = None
+        nxt = _buf(self.key_size)
+        while True:
+            try:
+                self._elem(_BPF_MAP_GET_NEXT_KEY, key, nxt)
+            except FileNotFoundError:
+                return out
+            key = nxt.raw[: self.key_size]
+            out.append(key)
+            if len(out) > self.max_entries:  # entries deleted meanwhile can restart the walk
+                return out
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, value), many per system call where the kernel offers batches."""
+        with contextlib.suppress(OSError):
+            return self._lookup_batch()
+        out = []
+        for k in self.keys():
+            v = self.lookup(k)
+            if v is not None:
+                out.append((k, v))
+        return out
+
+    def _lookup_batch(self) -> list[tuple[bytes, bytes]]:
+        n = max(1, min(self.max_entries, 4096, (1 << 20) // self.value_size))  # at most ~1 MiB of values
+        keys, values = _buf(self.key_size * n), _buf(self.value_size * n)
+        token_in, token_out = _buf(max(self.key_size, 8)), _buf(max(self.key_size, 8))
+        out: list[tuple[bytes, bytes]] = []
+        first = True
+        while True:
+            attr = _buf(
+                _BATCH.pack(
+                    0 if first else ctypes.addressof(token_in),
+                    ctypes.addressof(token_out),
+                    ctypes.addressof(keys),
+                    ctypes.addressof(values),
+                    n,
+                    self.map_fd,
+                    0,
+                    0,
+                )
+            )
+            done = False
+            try:
+                _bpf(_BPF_MAP_LOOKUP_BATCH, attr)
+            except FileNotFoundError:
+                done = True  # the last batch (its count may be > 0)
+            count = _BATCH.unpack_from(attr.raw, 0)[4]
+            kraw, vraw = keys.raw, values.raw
+            ks, vs = self.key_size, self.value_size
+            out += [(kraw[i * ks : (i + 1) * ks], vraw[i * vs : (i + 1) * vs]) for i in range(count)]
+            if done:
+                return out
+            ctypes.memmove(token_in, token_out, len(token_out))
+            first = False
+
+    def delete_many(self, keys: list[bytes]) -> None:
+        """Delete `keys` (missing ones are ignored), many per system call where the kernel can."""
+        if not keys:
+            return
+        try:
+            buf = _buf(b"".join(keys))
+            attr = _buf(_BATCH.pack(0, 0, ctypes.addressof(buf), 0, len(keys), self.map_fd, 0, 0))
+            _bpf(_BPF_MAP_DELETE_BATCH, attr)
+        except OSError:
+            for k in keys:
+                with contextlib.suppress(KeyError):
+                    del self[k]
+
+    def clear(self) -> None:
+        self.delete_many(self.keys())
+
+    def per_cpu(self, value: bytes) -> list[bytes]:
+        """A per-CPU map's value as the value of each CPU."""
+        size = self.cpu_value_size
+        return [value[i * size : (i + 1) * size] for i in range(self.cpus)]
+
+
+@dataclass(frozen=True)
+class Function:
+    """A loaded program: its name and descriptor."""
+
+    name: bytes
+    fd: int
+
+
 class LoadedObject:
     """The maps of a CompiledObject created in the kernel; programs loaded on demand. Offers what
-    probes/loader.py uses of BCC's `BPF`: `obj[b"name"]` (BCC's table classes over our
-    descriptors), `load_func`, `attach_tracepoint` and `cleanup`."""
+    probes/loader.py uses of BCC's `BPF`: `obj[b"name"]` (a `Map`), `load_func`,
+    `attach_tracepoint` and `cleanup`; BCC itself is not loaded."""
 
     TRACEPOINT = _PROG_TYPE_TRACEPOINT
 
     def __init__(self, obj: CompiledObject, forget: Callable[[], None] | None = None) -> None:
         """`forget`: removes the cache entry `obj` came from, called when the kernel refuses it."""
-        from bcc import BPF
-
         self._forget = forget
         self.raw_tracepoint_fds: dict[bytes, int] = {}
-        self.Function = BPF.Function
         self._obj = obj
         self._map_fds: list[int] = []
-        self._tables: dict[bytes, Any] = {}
-        self.funcs: dict[bytes, Any] = {}
+        self._tables: dict[bytes, Map] = {}
+        self.funcs: dict[bytes, Function] = {}
         self.tracepoint_fds: dict[bytes, int] = {}
         try:
             for m in obj.maps:
@@ -343,7 +531,7 @@ class LoadedObject:
         except OSError as e:
             raise ObjectError(f"cannot create map {m.name}: {e.strerror}") from e
 
-    def load_func(self, func_name: bytes, prog_type: int) -> Any:
+    def load_func(self, func_name: bytes, prog_type: int) -> Function:
         if func_name in self.funcs:
             return self.funcs[func_name]
         code = self._obj.functions.get(func_name.decode())
@@ -356,7 +544,7 @@ class LoadedObject:
         except ObjectError:
             self._refused()
             raise
-        fn = self.Function(self, func_name, fd)
+        fn = Function(func_name, fd)
         self.funcs[func_name] = fn
         return fn
 
@@ -389,13 +577,40 @@ class LoadedObject:
             raise ObjectError(f"cannot load {name.decode()}: {e.strerror}: {' / '.join(tail)}") from e
 
     def attach_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
-        from bcc import lib
-
+        """Attach as BCC does: a perf event on the tracepoint (its id from tracefs), with the
+        program set on it."""
         fn = self.load_func(fn_name, self.TRACEPOINT)
-        category, name = tp.split(b":")
-        fd = lib.bpf_attach_tracepoint(fn.fd, category, name)
+        category, name = tp.decode().split(":")
+        try:
+            tp_id = int((TRACEFS / "events" / category / name / "id").read_text())
+        except (OSError, ValueError) as e:
+            raise ObjectError(f"cannot attach {fn_name.decode()}: no tracepoint {tp.decode()}") from e
+        attr = ctypes.create_string_buffer(
+            _PERF_ATTR.pack(_PERF_TYPE_TRACEPOINT, _PERF_ATTR_SIZE, tp_id, 1, 0, 0, 0, 1, 0), _PERF_ATTR_SIZE
+        )
+        fd = int(
+            _libc.syscall(
+                ctypes.c_long(_SYS_PERF_EVENT_OPEN),
+                attr,
+                ctypes.c_int(-1),  # any process
+                ctypes.c_int(0),  # a tracepoint's program runs on every CPU whichever is named
+                ctypes.c_int(-1),
+                ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC),
+            )
+        )
         if fd < 0:
-            raise ObjectError(f"cannot attach {fn_name.decode()} to {tp.decode()}")
+            err = ctypes.get_errno()
+            raise ObjectError(f"cannot attach {fn_name.decode()} to {tp.decode()}: {os.strerror(err)}")
+        try:
+            for request, arg in ((_PERF_EVENT_IOC_SET_BPF, fn.fd), (_PERF_EVENT_IOC_ENABLE, 0)):
+                if _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), ctypes.c_int(arg)) < 0:
+                    err = ctypes.get_errno()
+                    raise ObjectError(
+                        f"cannot attach {fn_name.decode()} to {tp.decode()}: {os.strerror(err)}"
+                    )
+        except BaseException:
+            os.close(fd)
+            raise
         self.tracepoint_fds[tp] = fd
 
     def autoload(self) -> None:
@@ -411,13 +626,15 @@ class LoadedObject:
                 raise ObjectError(f"{name}: the probe cache attaches tracepoints only")
 
     def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
-        from bcc import BPF, lib
-
-        fn = self.load_func(fn_name, BPF.RAW_TRACEPOINT)
-        fd = lib.bpf_attach_raw_tracepoint(fn.fd, tp)
-        if fd < 0:
-            raise ObjectError(f"cannot attach {fn_name.decode()} to raw tracepoint {tp.decode()}")
-        self.raw_tracepoint_fds[tp] = fd
+        fn = self.load_func(fn_name, _PROG_TYPE_RAW_TRACEPOINT)
+        name = ctypes.create_string_buffer(tp)
+        attr = ctypes.create_string_buffer(struct.pack("<QI", ctypes.addressof(name), fn.fd), 16)
+        try:
+            self.raw_tracepoint_fds[tp] = _bpf(_BPF_RAW_TRACEPOINT_OPEN, attr)
+        except OSError as e:
+            raise ObjectError(
+                f"cannot attach {fn_name.decode()} to raw tracepoint {tp.decode()}: {e.strerror}"
+            ) from e
 
     def _refused(self) -> None:
         """The kernel refused what the cache held: the next start compiles afresh."""
@@ -425,61 +642,14 @@ class LoadedObject:
             self._forget()
             self._forget = None
 
-    def __getitem__(self, name: bytes) -> Any:
+    def __getitem__(self, name: bytes) -> Map:
         if name not in self._tables:
-            self._tables[name] = self._table(name)
+            names = [m.name.encode() for m in self._obj.maps]
+            if name not in names:
+                raise KeyError(name)
+            index = names.index(name)
+            self._tables[name] = Map(self._map_fds[index], self._obj.maps[index])
         return self._tables[name]
-
-    def _table(self, name: bytes) -> Any:
-        from bcc import BPF, table
-
-        names = [m.name.encode() for m in self._obj.maps]
-        if name not in names:
-            raise KeyError(name)
-        index = names.index(name)
-        m = self._obj.maps[index]
-        classes = {
-            table.BPF_MAP_TYPE_HASH: table.HashTable,
-            table.BPF_MAP_TYPE_LRU_HASH: table.LruHash,
-            table.BPF_MAP_TYPE_ARRAY: table.Array,
-            table.BPF_MAP_TYPE_PROG_ARRAY: table.ProgArray,
-            table.BPF_MAP_TYPE_RINGBUF: table.RingBuf,
-            table.BPF_MAP_TYPE_PERCPU_ARRAY: table.PerCpuArray,
-            table.BPF_MAP_TYPE_PERCPU_HASH: table.PerCpuHash,
-            table.BPF_MAP_TYPE_LRU_PERCPU_HASH: table.LruPerCpuHash,
-        }
-        cls = classes.get(m.type)
-        if cls is None:
-            raise ObjectError(f"map {m.name}: type {m.type} is not offered from Python by the probe cache")
-        t = cls.__new__(cls)
-        # what BCC's TableBase.__init__ sets, from our definition instead of BCC's module
-        t.bpf = self
-        t.map_id = index
-        t.map_fd = self._map_fds[index]
-        t.Key = BPF._decode_table_type(json.loads(m.key_desc)) if m.key_desc else ctypes.c_int
-        t.Leaf = BPF._decode_table_type(json.loads(m.leaf_desc)) if m.leaf_desc else ctypes.c_int
-        t.ttype = m.type
-        t.flags = m.flags
-        t._cbs = {}
-        t._name = name
-        t.max_entries = m.max_entries
-        if cls is table.RingBuf:
-            t._ringbuf = None
-            t._event_class = None
-        if issubclass(cls, (table.PerCpuArray, table.PerCpuHash)):  # as their __init__ does
-            from bcc.utils import get_possible_cpus
-
-            t.reducer = None
-            t.sLeaf = t.Leaf
-            t.total_cpu = len(get_possible_cpus())
-            t.alignment = ctypes.sizeof(t.sLeaf) % 8
-            if t.alignment == 0:
-                t.Leaf = t.sLeaf * t.total_cpu
-            elif t.sLeaf in (ctypes.c_uint, ctypes.c_int):
-                t.Leaf = (ctypes.c_uint64 if t.sLeaf == ctypes.c_uint else ctypes.c_int64) * t.total_cpu
-            else:
-                raise ObjectError(f"map {m.name}: a per-CPU value must be aligned to 8 bytes")
-        return t
 
     def cleanup(self) -> None:
         """Detach and close everything (each detached tracepoint waits for an RCU grace period)."""

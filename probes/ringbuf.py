@@ -2,9 +2,11 @@
 
 BCC's `ring_buffer_poll` calls back into Python through ctypes once per record; at hundreds of
 thousands of records a second that call is most of the consumer's cost. Here the consumer page and
-the data pages are mapped directly (the kernel maps the data area twice, back to back, so a record
-never wraps), every committed record up to the producer position is sliced out in one Python loop,
-and the consumer position is advanced once per batch. Waiting is an epoll on the map's descriptor.
+the data pages are mapped directly, every committed record up to the producer position is sliced
+out in one Python loop, and the consumer position is advanced once per batch. Waiting is an epoll
+on the map's descriptor. The kernel offers the data area twice, back to back, so that a record
+never wraps; we map it once (every page of such a mapping is resident at once: a second copy would
+add the ring's whole size to the recorder's RSS) and put the rare record that wraps together.
 
 Layout (kernel/bpf/ringbuf.c): page 0 = consumer_pos (read-write); page 1 = producer_pos
 (read-only); then the data area twice. Each record starts with an 8-byte header: u32 length with
@@ -34,9 +36,10 @@ class RingBuffer:
         self.size = data_size
         self.mask = data_size - 1
         self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._prod = mmap.mmap(map_fd, page + 2 * data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        self._prod = mmap.mmap(map_fd, page + data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
         self._data = memoryview(self._prod)[page:]
         self._page = page
+        self.stitched = 0  # records that wrapped past the end of the data area (put together)
         self._epoll = select.epoll()
         self._epoll.register(map_fd, select.EPOLLIN)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -67,7 +70,13 @@ class RingBuffer:
                 break  # reserved, not yet committed: read it next time
             length = hdr & ~(_BUSY | _DISCARD)
             if not hdr & _DISCARD:
-                out.append(bytes(data[off + _HDR : off + _HDR + length]))
+                start = (off + _HDR) & mask  # the header never wraps: records are 8-byte aligned
+                end = start + length
+                if end <= self.size:
+                    out.append(bytes(data[start:end]))
+                else:
+                    out.append(bytes(data[start:]) + bytes(data[: end - self.size]))
+                    self.stitched += 1
             cons += (length + _HDR + 7) & ~7
             # re-read the producer position now and then: records keep arriving while we read
             if cons >= prod:

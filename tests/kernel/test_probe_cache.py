@@ -4,9 +4,10 @@ run as nobody; an entry the kernel refuses is dropped so that the next start com
 
 from __future__ import annotations
 
-import ctypes
 import os
+import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,17 +71,18 @@ def test_cold_and_warm_starts_record_alike(tmp_path: Path, monkeypatch: pytest.M
         # the programs BCC attaches by name (sched tracepoints, the fork raw tracepoint) are attached too
         assert any(b"sched_process_exit" in tp for tp in warm.bpf.tracepoint_fds)
         assert warm.bpf.raw_tracepoint_fds
-        # every map reads as BCC's own table class would: key and value types of the kernel's sizes
+        # every map reads and writes through bpf(2) with the kernel's key and value sizes
         for m in warm.bpf._obj.maps:
             if m.type == 27:  # the ring buffer: no keys nor values
                 continue
             t = warm.bpf[m.name.encode()]
-            assert ctypes.sizeof(t.Key) == m.key_size, m
-            assert ctypes.sizeof(getattr(t, "sLeaf", t.Leaf)) == m.value_size, m
-        from bcc.utils import get_possible_cpus  # here: collecting the tests needs no BCC
-
-        counters = warm.bpf[b"wake_ctr"][ctypes.c_int(0)]  # a per-CPU array: one value per CPU
-        assert len(counters) == len(get_possible_cpus())
+            assert t.key_size == m.key_size and t.cpu_value_size >= m.value_size, m
+            t.items()  # a batch or a walk, whichever the map offers
+        counters = warm.bpf[b"wake_ctr"]  # a per-CPU array: one value per possible CPU
+        assert len(counters.per_cpu(counters[struct.pack("<I", 0)])) == objcache.possible_cpus() >= 1
+        lost = warm.bpf[b"lost"]
+        lost[struct.pack("<I", 5)] = struct.pack("<Q", 77)
+        assert lost[struct.pack("<I", 5)] == struct.pack("<Q", 77)
     finally:
         warm.close()
     assert ["/bin/echo", "cold"] in cold_execs
@@ -105,3 +107,22 @@ def test_an_entry_the_kernel_refuses_is_forgotten(tmp_path: Path, monkeypatch: p
     finally:
         loaded.cleanup()
     assert not list(root.glob("*.json"))
+
+
+def test_a_warm_start_does_not_load_bcc() -> None:
+    """From the cache, the probes load with bpf(2) alone: neither BCC's module nor libbcc (which
+    maps LLVM, ~60 MB of RSS) is loaded."""
+    mount_tracefs()
+    ensure_headers()
+    probe = (
+        "import sys\n"
+        "from evidence.probes.loader import RecorderProbes\n"
+        "p = RecorderProbes()\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('bcc' in sys.modules, 'libbcc' in maps, 'libLLVM' in maps)\n"
+        "p.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != objcache.CACHE_ENV}
+    subprocess.run([sys.executable, "-c", probe], check=True, env=env, capture_output=True)  # fills the cache
+    out = subprocess.run([sys.executable, "-c", probe], check=True, env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False", "False"], out.stderr
