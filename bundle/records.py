@@ -96,7 +96,7 @@ def data(rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = 
         count, first, last = totals if totals else occurrences(rec)
         out["count"] = count
         out["first_time"] = fmt.format_time(first)
-        out["last_time"] = fmt.format_time(last)
+        out["last_time"] = out["first_time"] if last == first else fmt.format_time(last)
     elif k == "denial" and totals:
         out["count"] = totals[0]
     return out
