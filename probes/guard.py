@@ -1,4 +1,5 @@
-"""Load connect_guard's cgroup/sock_addr programs with BCC, fill their rule tries, attach and poll them."""
+"""Load connect_guard's cgroup/sock_addr programs (compiled by BCC once, then from the compiled-probe
+cache), fill their rule tries, attach and poll them."""
 
 # ConnectGuard renders probes/connect_guard.bpf.c (probes/render.py), fills its two LPM tries with the
 # tables policy/connect.py builds from the policy's `net` section, and attaches connect4, connect6,
@@ -11,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import mmap
 import os
+import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -22,16 +25,23 @@ from evidence.policy.connect import Entry, GuardRecord, build_tables, decode_rec
 from evidence.policy.model import NetPolicy, load_policy
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import GuardConfig, render_guard
+from evidence.probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
 PROGRAMS = ("guard_connect4", "guard_connect6", "guard_sendmsg4", "guard_sendmsg6")
 BPF_F_ALLOW_MULTI = 1 << 1
-
-
-def pack_key_words(packed: bytes) -> list[int]:
-    """Network-order address bytes as the native-order u32 words the BPF struct holds."""
-    return [int.from_bytes(packed[i : i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+PROG_TYPE_CGROUP_SOCK_ADDR = 18
+# enum bpf_attach_type: what each program is loaded and attached for
+ATTACH_TYPES = {
+    "guard_connect4": 10,  # BPF_CGROUP_INET4_CONNECT
+    "guard_connect6": 11,  # BPF_CGROUP_INET6_CONNECT
+    "guard_sendmsg4": 14,  # BPF_CGROUP_UDP4_SENDMSG
+    "guard_sendmsg6": 15,  # BPF_CGROUP_UDP6_SENDMSG
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_ENTRY = struct.Struct("<HBBI")  # struct rule_entry: port, proto, action, rule
 
 
 class ConnectGuard:
@@ -50,7 +60,8 @@ class ConnectGuard:
             v6_capacity=max(1, len(self.v6)),
         )
         self.text = render_guard(self.config)
-        self._bpf: Any = None
+        self._bpf: Any = None  # an objcache.LoadedObject
+        self._ring: RingBuffer | None = None
         self._fns: list[tuple[Any, int]] = []
         self._cgroup_fd: int | None = None
         self._pending: list[dict[str, Any]] = []
@@ -59,73 +70,54 @@ class ConnectGuard:
 
     # -- loading -------------------------------------------------------------------------------------
     def load(self) -> None:
+        """Create the maps and load the programs: compiled by BCC once per rendered source (a policy's
+        rule counts are part of it), then from the compiled-probe cache (probes/objcache.py)."""
         if self._bpf is not None:
             return
+        from evidence.probes import objcache
+
+        headers = ensure_headers()
         try:
-            from bcc import BPF, BPFAttachType, BPFProgType
+            self._bpf = objcache.load(self.text, str(headers.path) if headers.path else None)
         except ImportError as e:
             raise SetupError("BCC is not available (python3-bpfcc)", hint="install python3-bpfcc") from e
-
-        ensure_headers()
-        try:
-            self._bpf = BPF(text=self.text.encode())
-        except Exception as e:
+        except Exception as e:  # BCC raises bare Exception on compile failures
             raise SetupError(f"cannot load connect_guard: {e}") from e
-        self._fill(self._bpf[b"rules_v4"], self.v4)
-        self._fill(self._bpf[b"rules_v6"], self.v6)
-        types = {
-            "guard_connect4": BPFAttachType.CGROUP_INET4_CONNECT,
-            "guard_connect6": BPFAttachType.CGROUP_INET6_CONNECT,
-            "guard_sendmsg4": BPFAttachType.CGROUP_UDP4_SENDMSG,
-            "guard_sendmsg6": BPFAttachType.CGROUP_UDP6_SENDMSG,
-        }
-        for name in PROGRAMS:
-            fn = self._bpf.load_func(name.encode(), BPFProgType.CGROUP_SOCK_ADDR, attach_type=types[name])
-            self._fns.append((fn, types[name]))
-        self._bpf[b"denials"].open_ring_buffer(self._on_record)
+        try:
+            self._fill(self._bpf[b"rules_v4"], self.v4)
+            self._fill(self._bpf[b"rules_v6"], self.v6)
+            for name in PROGRAMS:
+                fn = self._bpf.load_func(name.encode(), PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_TYPES[name])
+                self._fns.append((fn, ATTACH_TYPES[name]))
+            self._ring = RingBuffer(self._bpf[b"denials"].map_fd, self.config.ringbuf_pages * mmap.PAGESIZE)
+        except Exception as e:
+            self.close()
+            raise SetupError(f"cannot load connect_guard: {e}") from e
 
     def _fill(self, table: Any, entries: dict[tuple[bytes, int], list[Entry]]) -> None:
+        """Each prefix's rules as struct rule_set (connect_guard.bpf.c): n, pad, then the entries."""
         for (packed, plen), rules in entries.items():
-            key = table.Key()
-            key.prefixlen = plen
-            words = pack_key_words(packed)
-            if len(words) == 1:
-                key.addr = words[0]
-            else:
-                for i, w in enumerate(words):
-                    key.addr[i] = w
-            leaf = table.Leaf()
-            leaf.n = len(rules)
+            key = _U32.pack(plen) + packed  # the address stays in network byte order
+            leaf = bytearray(table.value_size)
+            _U32.pack_into(leaf, 0, len(rules))
             for i, (port, proto, action, rid) in enumerate(rules):
-                leaf.e[i].port = port
-                leaf.e[i].proto = proto
-                leaf.e[i].action = action
-                leaf.e[i].rule = rid
-            table[key] = leaf
-
-    def _on_record(self, _ctx: Any, data: Any, size: int) -> None:
-        import ctypes
-
-        rec = decode_record(ctypes.string_at(data, size))
-        self._raw.append(rec)
-        self._pending.append(to_denial(rec, self.labels, self.net.default, self._mono_offset))
+                _ENTRY.pack_into(leaf, 8 + i * _ENTRY.size, port, proto, action, rid)
+            table[key] = bytes(leaf)
 
     # -- attach / poll / detach ----------------------------------------------------------------------
     def attach(self, cgroup_path: str) -> None:
         """Attach the four programs to a cgroup (v2 directory); its descendants are covered too."""
-        from bcc import BPF
-
         self.load()
         fd = os.open(cgroup_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         attached: list[tuple[Any, int]] = []
         try:
             for fn, atype in self._fns:
-                BPF.attach_func(fn, fd, atype, BPF_F_ALLOW_MULTI)
+                self._bpf.attach_cgroup(fn, fd, atype, BPF_F_ALLOW_MULTI)
                 attached.append((fn, atype))
         except Exception as e:
             for fn, atype in attached:
                 with contextlib.suppress(Exception):  # best effort while failing
-                    BPF.detach_func(fn, fd, atype)
+                    self._bpf.detach_cgroup(fn, fd, atype)
             os.close(fd)
             raise SetupError(f"cannot attach connect_guard to {cgroup_path}: {e}") from e
         self._cgroup_fd = fd
@@ -139,10 +131,17 @@ class ConnectGuard:
 
     def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
         """Denial records since the last poll (waits up to timeout_ms for the first one)."""
-        if self._bpf is None:
+        if self._ring is None:
             return []
-        self._bpf.ring_buffer_poll(timeout_ms)
-        out, self._pending = self._pending, []
+        raw = self._ring.read()
+        if not raw and timeout_ms > 0:
+            self._ring.wait(timeout_ms)
+            raw = self._ring.read()
+        out = []
+        for data in raw:
+            rec = decode_record(data)
+            self._raw.append(rec)
+            out.append(to_denial(rec, self.labels, self.net.default, self._mono_offset))
         return out
 
     def poll_raw(self) -> list[GuardRecord]:
@@ -154,27 +153,29 @@ class ConnectGuard:
         """Records the kernel could not put in the ring buffer (it was full)."""
         if self._bpf is None:
             return 0
-        return int(sum(v.value for v in self._bpf[b"lost"].values()))
+        return int(_U64.unpack(self._bpf[b"lost"][_U32.pack(0)])[0])
 
     def detach(self) -> None:
         """Detach from the cgroup. Records still in the ring buffer can be read with poll() until close()."""
         if self._cgroup_fd is None:
             return
-        from bcc import BPF
-
         for fn, atype in self._fns:
             try:
-                BPF.detach_func(fn, self._cgroup_fd, atype)
+                self._bpf.detach_cgroup(fn, self._cgroup_fd, atype)
             except Exception as e:  # noqa: BLE001 - report and go on detaching the others
-                logger.warning("detaching %s: %s", fn.name, e)
+                logger.warning("detaching %s: %s", fn.name.decode(), e)
         os.close(self._cgroup_fd)
         self._cgroup_fd = None
 
     def close(self) -> None:
         self.detach()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+        self._fns = []
 
     def __enter__(self) -> ConnectGuard:
         return self

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 CACHE_DIR = Path("/var/cache/evidence/probes")
 CACHE_ENV = "EVIDENCE_PROBE_CACHE"  # "0": never read nor write the cache
 FORMAT = 1
-KEEP = 8  # entries kept in the cache
+KEEP = 32  # entries kept in the cache (the recorder's, and a connect guard's per rule count)
 
 _SYS_BPF = 321 if platform.machine() == "x86_64" else 280  # aarch64: 280
 _BPF_MAP_CREATE = 0
@@ -60,6 +60,8 @@ _BPF_MAP_LOOKUP_BATCH = 24
 _BPF_MAP_DELETE_BATCH = 27
 _PROG_TYPE_TRACEPOINT = 5
 _PROG_TYPE_RAW_TRACEPOINT = 17
+_BPF_PROG_ATTACH = 8
+_BPF_PROG_DETACH = 9
 _MAP_TYPE_PERCPU = (5, 6, 10)  # per-CPU hash, array, LRU hash: one value per possible CPU
 _SYS_PERF_EVENT_OPEN = 298 if platform.machine() == "x86_64" else 241
 _PERF_TYPE_TRACEPOINT = 2
@@ -531,7 +533,7 @@ class LoadedObject:
         except OSError as e:
             raise ObjectError(f"cannot create map {m.name}: {e.strerror}") from e
 
-    def load_func(self, func_name: bytes, prog_type: int) -> Function:
+    def load_func(self, func_name: bytes, prog_type: int, expected_attach_type: int = 0) -> Function:
         if func_name in self.funcs:
             return self.funcs[func_name]
         code = self._obj.functions.get(func_name.decode())
@@ -540,7 +542,7 @@ class LoadedObject:
         insns = ctypes.create_string_buffer(relocate(code, self._index_to_fd), len(code))
         license = ctypes.create_string_buffer(self._obj.license.encode())
         try:
-            fd = self._prog_load(func_name, prog_type, insns, license, None)
+            fd = self._prog_load(func_name, prog_type, insns, license, None, expected_attach_type)
         except ObjectError:
             self._refused()
             raise
@@ -550,10 +552,15 @@ class LoadedObject:
 
     @staticmethod
     def _prog_load(
-        name: bytes, prog_type: int, insns: Any, license: Any, log: ctypes.Array[ctypes.c_char] | None
+        name: bytes,
+        prog_type: int,
+        insns: Any,
+        license: Any,
+        log: ctypes.Array[ctypes.c_char] | None,
+        expected_attach_type: int = 0,
     ) -> int:
         raw = struct.pack(
-            "<IIQQIIQII16s",
+            "<IIQQIIQII16sII",
             prog_type,
             len(insns) // _INSN.size,
             ctypes.addressof(insns),
@@ -564,6 +571,8 @@ class LoadedObject:
             0,
             0,
             name[:15],
+            0,  # prog_ifindex
+            expected_attach_type,  # what a cgroup program is for (connect4, sendmsg6, ...)
         )
         attr = ctypes.create_string_buffer(raw, 128)
         try:
@@ -571,7 +580,12 @@ class LoadedObject:
         except OSError as e:
             if log is None:  # again, with the verifier's log, to say why
                 return LoadedObject._prog_load(
-                    name, prog_type, insns, license, ctypes.create_string_buffer(1 << 20)
+                    name,
+                    prog_type,
+                    insns,
+                    license,
+                    ctypes.create_string_buffer(1 << 20),
+                    expected_attach_type,
                 )
             tail = log.value.decode(errors="replace").strip().splitlines()[-3:]
             raise ObjectError(f"cannot load {name.decode()}: {e.strerror}: {' / '.join(tail)}") from e
@@ -635,6 +649,17 @@ class LoadedObject:
             raise ObjectError(
                 f"cannot attach {fn_name.decode()} to raw tracepoint {tp.decode()}: {e.strerror}"
             ) from e
+
+    @staticmethod
+    def attach_cgroup(fn: Function, cgroup_fd: int, attach_type: int, flags: int = 0) -> None:
+        """Attach a cgroup program (BPF_PROG_ATTACH); it applies to the cgroup's descendants too."""
+        attr = ctypes.create_string_buffer(struct.pack("<IIIII", cgroup_fd, fn.fd, attach_type, flags, 0), 20)
+        _bpf(_BPF_PROG_ATTACH, attr)
+
+    @staticmethod
+    def detach_cgroup(fn: Function, cgroup_fd: int, attach_type: int) -> None:
+        attr = ctypes.create_string_buffer(struct.pack("<IIIII", cgroup_fd, fn.fd, attach_type, 0, 0), 20)
+        _bpf(_BPF_PROG_DETACH, attr)
 
     def _refused(self) -> None:
         """The kernel refused what the cache held: the next start compiles afresh."""
