@@ -8,7 +8,9 @@ The baseline keeps every key any run showed, with `runs`: in how many of the run
 `diff --baseline FILE --min-runs N NEW` counts a key as known when at least N of the baseline's runs
 showed it (default 1: ever seen), and reports each key of NEW that is not known as *added*, saying
 whether the baseline never saw it or in how few runs. Nothing is "removed" or "changed": a baseline
-says what is usual, not what must happen. The format is in docs/baseline.md.
+says what is usual, not what must happen. Keys of events in another mount namespace (mntns:
+"other", bundle/diff.py) are items with `"mntns": "other"`, distinct from the same key in the run's
+own namespace, and known only from items that carry it. The format is in docs/baseline.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evidence import __version__
 from evidence.bundle import diff
-from evidence.bundle.diff import Behaviour, Change
+from evidence.bundle.diff import Behaviour, Change, Keys
 from evidence.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ MAX_SIZE = 64 * 1024 * 1024  # bytes of a baseline file
 
 _MODEL = ConfigDict(extra="forbid", frozen=True, strict=True)
 Runs = Field(ge=1)
+# "other": the key of events in another mount namespace (absent from the file otherwise)
+MntNs = Literal["other"] | None
 
 
 class BundleRef(BaseModel):
@@ -46,6 +50,7 @@ class BundleRef(BaseModel):
     events: int = Field(ge=0)
     lost: int = Field(ge=0)
     exit: str
+    events_other_mntns: int = Field(default=0, ge=0)  # events with mntns: "other" (absent: none)
 
 
 class ExecItem(BaseModel):
@@ -53,6 +58,7 @@ class ExecItem(BaseModel):
     program: str
     argv: list[str]
     runs: int = Runs
+    mntns: MntNs = None
 
 
 class FileItem(BaseModel):
@@ -66,6 +72,7 @@ class FileItem(BaseModel):
         "rename to", "link to",
     ]  # fmt: skip
     runs: int = Runs
+    mntns: MntNs = None
 
 
 class NetworkItem(BaseModel):
@@ -74,6 +81,7 @@ class NetworkItem(BaseModel):
     address: str
     port: int | None
     runs: int = Runs
+    mntns: MntNs = None
 
 
 class DenialItem(BaseModel):
@@ -83,6 +91,7 @@ class DenialItem(BaseModel):
     rule: str
     enforced: bool
     runs: int = Runs
+    mntns: MntNs = None
 
 
 class ExitItem(BaseModel):
@@ -125,51 +134,71 @@ class Baseline(BaseModel):
                     raise ValueError(f"a {kind} item is listed twice: {key}")
                 keys.add(key)
 
-    # the behaviour keys of bundle/diff.py, with how many runs showed each
-    def exec_keys(self, min_runs: int) -> dict[tuple[str, ...], int]:
-        return {(i.program, *i.argv): i.runs for i in self.exec if i.runs >= min_runs}
+    # the behaviour keys of bundle/diff.py, with how many runs showed each; `mntns`: those of the
+    # run's own namespace (None) or of another ("other")
+    def exec_keys(self, min_runs: int, mntns: MntNs = None) -> dict[tuple[str, ...], int]:
+        return {(i.program, *i.argv): i.runs for i in self.exec if i.runs >= min_runs and i.mntns == mntns}
 
-    def file_keys(self, min_runs: int) -> dict[tuple[str, str], int]:
-        return {(i.path, i.access): i.runs for i in self.file if i.runs >= min_runs}
+    def file_keys(self, min_runs: int, mntns: MntNs = None) -> dict[tuple[str, str], int]:
+        return {(i.path, i.access): i.runs for i in self.file if i.runs >= min_runs and i.mntns == mntns}
 
-    def network_keys(self, min_runs: int) -> dict[tuple[str, str, str], int]:
+    def network_keys(self, min_runs: int, mntns: MntNs = None) -> dict[tuple[str, str, str], int]:
         return {
             (i.family, i.address, "" if i.port is None else str(i.port)): i.runs
             for i in self.network
-            if i.runs >= min_runs
+            if i.runs >= min_runs and i.mntns == mntns
         }
 
-    def denial_keys(self, min_runs: int) -> dict[tuple[str, str, str, str], int]:
+    def denial_keys(self, min_runs: int, mntns: MntNs = None) -> dict[tuple[str, str, str, str], int]:
         return {
             (i.operation, i.target, i.rule, "enforced" if i.enforced else "would deny"): i.runs
             for i in self.denial
-            if i.runs >= min_runs
+            if i.runs >= min_runs and i.mntns == mntns
         }
+
+
+class _Counts:
+    """In how many runs each key of one namespace (the run's own, or another) appeared."""
+
+    def __init__(self) -> None:
+        self.execs: dict[tuple[str, ...], int] = {}
+        self.files: dict[tuple[str, str], int] = {}
+        self.network: dict[tuple[str, str, str], int] = {}
+        self.denials: dict[tuple[str, str, str, str], int] = {}
+
+    def add(self, keys: Keys) -> None:
+        for e in keys.execs:
+            self.execs[e] = self.execs.get(e, 0) + 1
+        for p, per in keys.files.items():
+            for acc in per:
+                self.files[(p, acc)] = self.files.get((p, acc), 0) + 1
+        for n in keys.network:
+            self.network[n] = self.network.get(n, 0) + 1
+        for d in keys.denials:
+            self.denials[d] = self.denials.get(d, 0) + 1
 
 
 def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
     """Verify and reduce each bundle; count in how many runs each behaviour key appears."""
-    execs: dict[tuple[str, ...], int] = {}
-    files: dict[tuple[str, str], int] = {}
-    network: dict[tuple[str, str, str], int] = {}
-    denials: dict[tuple[str, str, str, str], int] = {}
+    own, other = _Counts(), _Counts()
     exits: dict[str, int] = {}
     refs = []
     for path in bundles:
         b = diff.behaviour(path, ignore)
         refs.append(
-            BundleRef(run_id=b.run_id, root_hash=b.root_hash, events=b.events, lost=b.lost, exit=b.exit)
+            BundleRef(
+                run_id=b.run_id,
+                root_hash=b.root_hash,
+                events=b.events,
+                lost=b.lost,
+                exit=b.exit,
+                events_other_mntns=b.other_events,
+            )
         )
-        for e in b.execs:
-            execs[e] = execs.get(e, 0) + 1
-        for p, per in b.files.items():
-            for acc in per:
-                files[(p, acc)] = files.get((p, acc), 0) + 1
-        for n in b.network:
-            network[n] = network.get(n, 0) + 1
-        for d in b.denials:
-            denials[d] = denials.get(d, 0) + 1
+        own.add(b.own())
+        other.add(b.other)
         exits[b.exit] = exits.get(b.exit, 0) + 1
+    sides: tuple[tuple[_Counts, MntNs], ...] = ((own, None), (other, "other"))  # the run's own first
     return Baseline(
         format=FORMAT,
         format_version=FORMAT_VERSION,
@@ -177,23 +206,35 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
         runs=len(refs),
         bundles=refs,
         ignore=list(ignore),
-        exec=[ExecItem(program=k[0], argv=list(k[1:]), runs=n) for k, n in sorted(execs.items())],
-        file=[FileItem(path=p, access=a, runs=n) for (p, a), n in sorted(files.items())],
+        exec=[
+            ExecItem(program=k[0], argv=list(k[1:]), runs=n, mntns=ns)
+            for c, ns in sides
+            for k, n in sorted(c.execs.items())
+        ],
+        file=[
+            FileItem(path=p, access=a, runs=n, mntns=ns)
+            for c, ns in sides
+            for (p, a), n in sorted(c.files.items())
+        ],
         network=[
-            NetworkItem(family=f, address=a, port=int(port) if port else None, runs=n)
-            for (f, a, port), n in sorted(network.items())
+            NetworkItem(family=f, address=a, port=int(port) if port else None, runs=n, mntns=ns)
+            for c, ns in sides
+            for (f, a, port), n in sorted(c.network.items())
         ],
         denial=[
-            DenialItem(operation=o, target=t, rule=r, enforced=e == "enforced", runs=n)
-            for (o, t, r, e), n in sorted(denials.items())
+            DenialItem(operation=o, target=t, rule=r, enforced=e == "enforced", runs=n, mntns=ns)
+            for c, ns in sides
+            for (o, t, r, e), n in sorted(c.denials.items())
         ],
         exit=[ExitItem(exit=x, runs=n) for x, n in sorted(exits.items())],
     )
 
 
 def dumps(bl: Baseline) -> str:
-    """The file's text: JSON, keys sorted, two-space indents: the same bundles give the same bytes."""
-    return json.dumps(bl.model_dump(mode="json"), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    """The file's text: JSON, keys sorted, two-space indents: the same bundles give the same bytes.
+    `mntns` is written only where it is "other" (its default, None, is left out)."""
+    doc = bl.model_dump(mode="json", exclude_defaults=True)
+    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def load(path: str | Path) -> Baseline:
@@ -245,9 +286,23 @@ def _seen(n: int | None, bl: Baseline) -> str:
 
 
 def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
-    """What `b` did that fewer than min_runs of the baseline's runs did, as 'added' changes."""
+    """What `b` did that fewer than min_runs of the baseline's runs did, as 'added' changes: the
+    keys of the run's own namespace, the exit code, then those of another mount namespace."""
+    out = _new_keys(bl, b.own(), min_runs, None)
+    exits = {x.exit: x.runs for x in bl.exit}
+    if exits.get(b.exit, 0) < min_runs:
+        usual = ", ".join(f"{x} in {n}" for x, n in sorted(exits.items(), key=lambda xn: -xn[1]))
+        out.append(
+            Change(
+                "exit", "added", "exit code", f"{b.exit}; {_seen(exits.get(b.exit), bl)} (baseline: {usual})"
+            )
+        )
+    return out + _new_keys(bl, b.other, min_runs, "other")
+
+
+def _new_keys(bl: Baseline, b: Keys, min_runs: int, mntns: MntNs) -> list[Change]:
     out: list[Change] = []
-    execs, all_execs = bl.exec_keys(min_runs), bl.exec_keys(1)
+    execs, all_execs = bl.exec_keys(min_runs, mntns), bl.exec_keys(1, mntns)
     for k in sorted(set(b.execs) - set(execs), key=repr):
         out.append(
             Change(
@@ -257,7 +312,7 @@ def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
                 f"{diff.fmt_counts(b.execs[k])}; {_seen(all_execs.get(k), bl)}",
             )
         )
-    files, all_files = bl.file_keys(min_runs), bl.file_keys(1)
+    files, all_files = bl.file_keys(min_runs, mntns), bl.file_keys(1, mntns)
     for path in sorted(b.files):
         per = b.files[path]
         notes = [
@@ -267,7 +322,7 @@ def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
         ]
         if notes:
             out.append(Change("file", "added", path, "; ".join(notes)))
-    nets, all_nets = bl.network_keys(min_runs), bl.network_keys(1)
+    nets, all_nets = bl.network_keys(min_runs, mntns), bl.network_keys(1, mntns)
     for n in sorted(set(b.network) - set(nets), key=repr):
         out.append(
             Change(
@@ -277,7 +332,7 @@ def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
                 f"{diff.fmt_counts(b.network[n])}; {_seen(all_nets.get(n), bl)}",
             )
         )
-    dens, all_dens = bl.denial_keys(min_runs), bl.denial_keys(1)
+    dens, all_dens = bl.denial_keys(min_runs, mntns), bl.denial_keys(1, mntns)
     for d in sorted(set(b.denials) - set(dens), key=repr):
         out.append(
             Change(
@@ -287,14 +342,8 @@ def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
                 f"{diff.fmt_counts(b.denials[d])}; {_seen(all_dens.get(d), bl)}",
             )
         )
-    exits = {x.exit: x.runs for x in bl.exit}
-    if exits.get(b.exit, 0) < min_runs:
-        usual = ", ".join(f"{x} in {n}" for x, n in sorted(exits.items(), key=lambda xn: -xn[1]))
-        out.append(
-            Change(
-                "exit", "added", "exit code", f"{b.exit}; {_seen(exits.get(b.exit), bl)} (baseline: {usual})"
-            )
-        )
+    for c in out:
+        c.mntns = mntns
     return out
 
 
@@ -310,6 +359,7 @@ def as_side(bl: Baseline, path: str, min_runs: int) -> Behaviour:
         detail="summary",
     )
     a.exit = exits[0].exit if exits else "unknown"
+    a.other_events = sum(r.events_other_mntns for r in bl.bundles)
     return a
 
 

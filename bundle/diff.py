@@ -19,6 +19,13 @@ run.started, becomes ${WORKSPACE}; its manifest.policy.tmpdir, if any, becomes $
 becomes /proc/<pid>; random temp names become <rand>; every `--ignore PATTERN` (a Python regular
 expression) match becomes <ignored>.
 
+Events of a process that left the run's mount namespace (`mntns: "other"`: it unshared, entered
+another namespace, mounted or chrooted, or is a child of one) name paths as that process saw them,
+which may be other files than the same paths in the run's namespace (a bind mount over
+/etc/hostname). Their keys (exec, file, network, and the denials of their opens and execs, matched by
+pid and path) are kept apart and compared only with the other side's keys of the same kind, and the
+report shows them apart and says how many such events each side has.
+
 Then keys only in B are "added", keys only in A "removed", and keys in both whose counts differ, that
 gained an access class, or that went from success to failure are "changed", and so is a program run
 on both sides whose content (sha256) differs. Absence in B means
@@ -37,7 +44,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +69,20 @@ _CACHE = 200_000  # entries per memo of normalised values
 
 
 @dataclasses.dataclass
+class Keys:
+    """Behaviour keys of one kind of event source. Values are [count, ok, failed]."""
+
+    execs: dict[tuple[str, ...], list[int]] = dataclasses.field(default_factory=dict)
+    hashes: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # program -> its sha256s
+    files: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    network: dict[tuple[str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class Behaviour:
-    """What one run did, reduced to normalised keys. Values are [count, ok, failed]."""
+    """What one run did, reduced to normalised keys. Values are [count, ok, failed]. `other` holds
+    the keys of events in another mount namespace (mntns: "other"), `other_events` their number."""
 
     path: str
     run_id: str
@@ -78,6 +97,12 @@ class Behaviour:
     denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
     exit: str = "unknown"
     root_hash: str = ""
+    other: Keys = dataclasses.field(default_factory=Keys)
+    other_events: int = 0
+
+    def own(self) -> Keys:
+        """The keys of the run's own mount namespace (the same tables, not copies)."""
+        return Keys(self.execs, self.hashes, self.files, self.network, self.denials)
 
 
 def roots(manifest: dict[str, Any]) -> dict[str, str]:
@@ -92,6 +117,16 @@ def _bump(table: dict[Any, list[int]], key: Any, count: int, ok: bool) -> None:
     v = table.get(key)
     if v is None:
         table[key] = [count, count if ok else 0, 0 if ok else count]
+    else:
+        v[0] += count
+        v[1 if ok else 2] += count
+
+
+def _access(files: dict[str, dict[str, list[int]]], key: str, acc: str, count: int, ok: bool) -> None:
+    per = files.setdefault(key, {})
+    v = per.get(acc)
+    if v is None:
+        per[acc] = [count, count, 0] if ok else [count, 0, count]
     else:
         v[0] += count
         v[1 if ok else 2] += count
@@ -122,10 +157,16 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
     file_open, process_exec, network_connect = fmt.FILE_OPEN, fmt.PROCESS_EXEC, fmt.NETWORK_CONNECT
     file_change = fmt.FILE_CHANGE
     policy_denial, run_finished, loss = fmt.POLICY_DENIAL, fmt.RUN_FINISHED, fmt.LOSS
+    other = b.other
+    other_paths: set[tuple[int, str]] = set()  # (pid, path) of opens and execs in another namespace
+    denials: list[tuple[int, str, tuple[str, str, str, str], int]] = []  # (pid, target, key, count)
     for ev in bundle.events():
         t = ev["type"]
         d = ev["data"]
-        if t == file_open:  # most events: _bump inlined
+        if "mntns" in d and t in _MARKED:  # another mount namespace: apart, never on the fast path
+            _other(other, t, d, n, other_paths)
+            b.other_events += d.get("count", 1)
+        elif t == file_open:  # most events: _bump inlined
             raw = d["path"]
             per = file_of.get(raw)
             if per is None:
@@ -150,33 +191,64 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
             if d.get("target") is not None and op in ("rename", "link"):
                 named.append((d["target"], op + " to"))
             for raw_name, acc in named:
-                per = files.setdefault(n(raw_name), {})
-                v = per.get(acc)
-                if v is None:
-                    per[acc] = [count, count, 0] if ok else [count, 0, count]
-                else:
-                    v[0] += count
-                    v[1 if ok else 2] += count
+                _access(files, n(raw_name), acc, count, ok)
         elif t == process_exec:
-            cmd = (n(d["filename"]), *map(n, d["argv"]))
-            _bump(b.execs, cmd, d.get("count", 1), d["result"] == 0)
-            digest = d.get("sha256")
-            if digest is not None:
-                b.hashes.setdefault(cmd[0], set()).add(digest)
+            _exec(b, d, n)
         elif t == network_connect:
-            port = "" if d.get("port") is None else str(d["port"])
-            names = d.get("names")
-            where = ("NAME", " ".join(sorted(names))) if names else (d["family"], n(d["address"]))
-            _bump(b.network, (*where, port), d.get("count", 1), d["result"] == 0)
+            _connect(b.network, d, n)
         elif t == policy_denial:
             key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
-            _bump(b.denials, key4, d.get("count", 1), True)
+            denials.append((d["pid"], d["target"], key4, d.get("count", 1)))
         elif t == run_finished:
             b.exit = f"signal {d['signal']}" if d.get("signal") else str(d["exit_code"])
         elif t == loss:
             loss_events += d.get("count", 1)
+    for pid, target, key4, count in denials:  # a denial of an open or exec in another namespace is too
+        _bump(other.denials if (pid, target) in other_paths else b.denials, key4, count, True)
     b.lost = max(b.lost, loss_events)
     return b
+
+
+# events that may carry mntns: "other" and that diff keys (namespace events are not keyed)
+_MARKED = frozenset((fmt.FILE_OPEN, fmt.FILE_CHANGE, fmt.PROCESS_EXEC, fmt.NETWORK_CONNECT))
+
+
+def _exec(keys: Keys | Behaviour, d: dict[str, Any], n: Callable[[str], str]) -> None:
+    cmd = (n(d["filename"]), *map(n, d["argv"]))
+    _bump(keys.execs, cmd, d.get("count", 1), d["result"] == 0)
+    digest = d.get("sha256")
+    if digest is not None:
+        keys.hashes.setdefault(cmd[0], set()).add(digest)
+
+
+def _connect(
+    network: dict[tuple[str, str, str], list[int]], d: dict[str, Any], n: Callable[[str], str]
+) -> None:
+    port = "" if d.get("port") is None else str(d["port"])
+    names = d.get("names")
+    where = ("NAME", " ".join(sorted(names))) if names else (d["family"], n(d["address"]))
+    _bump(network, (*where, port), d.get("count", 1), d["result"] == 0)
+
+
+def _other(
+    keys: Keys, t: str, d: dict[str, Any], n: Callable[[str], str], paths: set[tuple[int, str]]
+) -> None:
+    """An event of a process in another mount namespace, into that namespace's keys."""
+    count, ok = d.get("count", 1), d["result"] == 0
+    if t == fmt.FILE_OPEN:
+        paths.add((d["pid"], d["path"]))
+        for a in d["access"]:
+            _access(keys.files, n(d["path"]), a, count, ok)
+    elif t == fmt.FILE_CHANGE:
+        op = d["operation"]
+        _access(keys.files, n(d["path"]), op, count, ok)
+        if d.get("target") is not None and op in ("rename", "link"):
+            _access(keys.files, n(d["target"]), op + " to", count, ok)
+    elif t == fmt.PROCESS_EXEC:
+        paths.add((d["pid"], d["filename"]))
+        _exec(keys, d, n)
+    else:
+        _connect(keys.network, d, n)
 
 
 @dataclasses.dataclass
@@ -185,9 +257,13 @@ class Change:
     what: str  # added | removed | changed
     key: str
     detail: str
+    mntns: str | None = None  # "other": keys of events in another mount namespace
 
     def as_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.mntns is None:
+            del out["mntns"]
+        return out
 
 
 def fmt_counts(v: list[int]) -> str:
@@ -261,6 +337,17 @@ def _by_name(
 
 
 def compare(a: Behaviour, b: Behaviour) -> list[Change]:
+    changes = compare_keys(a.own(), b.own())
+    if a.exit != b.exit:
+        changes.append(Change("exit", "changed", "exit code", f"{a.exit} -> {b.exit}"))
+    for c in compare_keys(a.other, b.other):
+        c.mntns = "other"
+        changes.append(c)
+    return changes
+
+
+def compare_keys(a: Keys, b: Keys) -> list[Change]:
+    """The differences between two sets of keys (exec, file, network, denial)."""
     changes = _compare_simple("exec", a.execs, b.execs, show_exec)
     for program in sorted(a.hashes.keys() & b.hashes.keys()):
         ha, hb = a.hashes[program], b.hashes[program]
@@ -292,8 +379,6 @@ def compare(a: Behaviour, b: Behaviour) -> list[Change]:
 
     changes += _compare_simple("network", a.network, _by_name(a.network, b.network), show_dest)
     changes += _compare_simple("denial", a.denials, b.denials, show_denial)
-    if a.exit != b.exit:
-        changes.append(Change("exit", "changed", "exit code", f"{a.exit} -> {b.exit}"))
     return changes
 
 
@@ -331,6 +416,30 @@ def _loss_note(a: Behaviour, b: Behaviour) -> str | None:
     )
 
 
+OTHER_NS = "in another mount namespace"
+
+
+def _other_note(a: Behaviour, b: Behaviour) -> str | None:
+    if not a.other_events and not b.other_events:
+        return None
+    return (
+        f"events of processes {OTHER_NS} (mntns: other; A: {a.other_events}, B: {b.other_events}) "
+        "name paths as those processes saw them, which may be other files than the same paths in "
+        "the run's namespace: they are compared apart"
+    )
+
+
+def _groups(changes: list[Change]) -> list[tuple[str, list[Change]]]:
+    """(heading, changes) by kind: the run's own, then each kind's keys in another namespace."""
+    out = []
+    for mntns in (None, "other"):
+        for kind in KINDS:
+            group = [c for c in changes if c.kind == kind and c.mntns == mntns]
+            if group:
+                out.append((kind if mntns is None else f"{kind}, {OTHER_NS} (paths as named there)", group))
+    return out
+
+
 def _side(tag: str, x: Behaviour) -> str:
     lost = f"{x.lost} lost" if x.lost else "none lost"
     return f"{tag}: {x.path} (run {x.run_id}, {x.events} events, {lost}, exit {x.exit})"
@@ -339,18 +448,21 @@ def _side(tag: str, x: Behaviour) -> str:
 def render_text(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
     out = [_side("A", a), _side("B", b)]
     note = _loss_note(a, b)
+    other = _other_note(a, b)
     if not changes:
         out.append("No behaviour differences observed." + (f" Note: {note}." if note else ""))
+        if other:
+            out.append(f"Note: {other}.")
         return join_lines(out)
     counts = {w: sum(1 for c in changes if c.what == w) for w in ("added", "removed", "changed")}
     out.append(f"{len(changes)} differences: " + ", ".join(f"{n} {w}" for w, n in counts.items()))
     out.append("Absence in B means no event was observed in B." + (f" Note: {note}." if note else ""))
+    if other:
+        out.append(f"Note: {other}.")
     sign = {"added": "+", "removed": "-", "changed": "~"}
-    for kind in KINDS:
-        group = [c for c in changes if c.kind == kind]
-        if group:
-            out.append(f"{kind}:")
-            out += [f"  {sign[c.what]} {c.key}  ({c.detail})" for c in group]
+    for heading, group in _groups(changes):
+        out.append(f"{heading}:")
+        out += [f"  {sign[c.what]} {c.key}  ({c.detail})" for c in group]
     return join_lines(out)
 
 
@@ -363,6 +475,7 @@ def render_json(a: Behaviour, b: Behaviour, changes: list[Change], code: int, ig
             "lost": x.lost,
             "lost_by_kind": x.lost_by_kind,
             "exit": x.exit,
+            "events_other_mntns": x.other_events,
         }
 
     doc = {
@@ -370,7 +483,8 @@ def render_json(a: Behaviour, b: Behaviour, changes: list[Change], code: int, ig
         "b": side(b),
         "normalisation": {"roots": ["${WORKSPACE}", "${TMPDIR}"], "ignore": ignore},
         "note": "absence in B is absence of observed events"
-        + (f"; {_loss_note(a, b)}" if _loss_note(a, b) else ""),
+        + (f"; {_loss_note(a, b)}" if _loss_note(a, b) else "")
+        + (f"; {_other_note(a, b)}" if _other_note(a, b) else ""),
         "differences": len(changes),
         "added": [c.as_dict() for c in changes if c.what == "added"],
         "removed": [c.as_dict() for c in changes if c.what == "removed"],
@@ -392,16 +506,17 @@ def render_markdown(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
     note = _loss_note(a, b)
     if note:
         out += [f"> **Warning:** {note}.", ""]
+    other = _other_note(a, b)
+    if other:
+        out += [f"> **Warning:** {_md(other)}.", ""]
     if not changes:
         out.append("No behaviour differences observed.")
         return join_lines(out)
     out += ["_Absence in B means no event was observed in B._", ""]
-    for kind in KINDS:
-        group = [c for c in changes if c.kind == kind]
-        if group:
-            out += [f"### {kind}", "", "| | what | detail |", "|---|---|---|"]
-            out += [f"| {c.what} | `{_md(c.key)}` | {_md(c.detail)} |" for c in group]
-            out.append("")
+    for heading, group in _groups(changes):
+        out += [f"### {heading}", "", "| | what | detail |", "|---|---|---|"]
+        out += [f"| {c.what} | `{_md(c.key)}` | {_md(c.detail)} |" for c in group]
+        out.append("")
     return join_lines(out).rstrip("\n") + "\n"
 
 

@@ -40,24 +40,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _available() -> dict[str, tuple[str, str]]:
-    found = {}
-    for name, (mod, help_) in COMMANDS.items():
-        if importlib.util.find_spec(mod) is not None:
-            found[name] = (mod, help_)
-    return found
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `only`, just that subcommand is configured (its module alone imported)."""
+    """The parser. Every command is listed; only `only` is configured, its module alone imported
+    (and looked for: one that is missing is not offered). Without `only` none is: argv names no
+    command (`evidence --help`, a typo), so no command's options can be parsed, and the list with
+    each command's help is all the top-level help shows."""
     parser = argparse.ArgumentParser(prog="evidence", description="An eBPF run recorder.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"evidence {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (mod, help_) in _available().items():
+    for name, (mod, help_) in COMMANDS.items():
+        if name == only and importlib.util.find_spec(mod) is None:
+            continue
         p = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         p.set_defaults(_module=mod)
-        if only is None or name == only:
+        if name == only:
             importlib.import_module(mod).configure(p)
     return parser
 

@@ -7,7 +7,6 @@ Everything here reads the real machine; `evidence doctor` prints it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -18,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
 BTF_PATH = Path("/sys/kernel/btf/vmlinux")
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# the process's own symbols, libc's among them: not ctypes.util.find_library, which runs
+# `ldconfig -p` (and gcc when that fails) at every start of `evidence run`
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 SYS_BPF = 321

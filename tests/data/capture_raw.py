@@ -99,13 +99,15 @@ def main() -> None:
     ring = probes.ring()
     cg = RunCgroup.create(f"capture-{os.getpid()}")
     probes.track(cg.id, 1)
-    procs = cg.procs_file()
-
-    def pre() -> None:
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    subprocess.run(["/usr/bin/python3", "-S", "-c", SCRIPT], preexec_fn=pre, check=False)
+    # a shell joins the cgroup and execs the script: no preexec_fn, whose Python code between fork
+    # and exec can deadlock beside BCC's threads. A child of the shell (tee) writes the shell's pid,
+    # so the shell does nothing recorded once it is in the cgroup but exec (a redirection of its own
+    # would restore its stdout there: a dup record before the script's)
+    join = 'echo $$ | tee "$1" > /dev/null && shift && exec "$@"'
+    subprocess.run(
+        ["/bin/sh", "-c", join, "sh", str(cg.procs_file()), "/usr/bin/python3", "-S", "-c", SCRIPT],
+        check=False,
+    )
     time.sleep(0.2)
     raw = ring.read()
     probes.untrack(cg.id)

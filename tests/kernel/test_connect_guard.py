@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel.util import IO_URING
+from tests.kernel.util import IO_URING, in_cgroup, in_netns
 
 pytestmark = pytest.mark.kernel
 
@@ -46,14 +46,6 @@ def _require() -> str:
     except ImportError:
         pytest.skip("needs BCC (python3-bpfcc)")
     return mount
-
-
-def _setns(fd: int) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-        raise OSError(ctypes.get_errno(), "setns")
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +77,11 @@ def peer() -> Iterator[dict[str, str]]:
             ns.addr("add", index=pidx, address=v6_peer, prefixlen=64, flags=IFA_F_NODAD)
             ns.link("set", index=pidx, state="up")
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-        fd = os.open(f"/run/netns/{ns_name}", os.O_RDONLY)
         server = subprocess.Popen(
-            [sys.executable, "-c", SERVER, v4_peer, v6_peer],
-            preexec_fn=lambda: _setns(fd),
+            in_netns(f"/run/netns/{ns_name}", sys.executable, "-c", SERVER, v4_peer, v6_peer),
             stdout=subprocess.PIPE,
             text=True,
         )
-        os.close(fd)
         assert server.stdout is not None
         assert server.stdout.readline().strip() == "ready"
         yield {"v4": v4_peer, "v6": v6_peer, "v4_host": v4_host, "ns": ns_name}
@@ -234,13 +223,16 @@ def _policy(peer: dict[str, str]):  # noqa: ANN202
 
 
 def _run_client(cgroup: Path, peer: dict[str, str]) -> dict[str, object]:
-    def enter() -> None:
-        with open(cgroup / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
     proc = subprocess.run(
-        [sys.executable, "-c", CLIENT, peer["v4"], peer["v6"], str(cgroup / "escape")],
-        preexec_fn=enter,
+        in_cgroup(
+            cgroup / "cgroup.procs",
+            sys.executable,
+            "-c",
+            CLIENT,
+            peer["v4"],
+            peer["v6"],
+            str(cgroup / "escape"),
+        ),
         capture_output=True,
         text=True,
         timeout=60,
@@ -383,7 +375,7 @@ def test_private_netns(peer: dict[str, str], mode: str, loopback: str) -> None:
     with PrivateNetns(mode) as ns:  # type: ignore[arg-type]
         assert os.path.exists(ns.path)
         proc = subprocess.run(
-            [sys.executable, "-c", NET_PROBE], preexec_fn=ns.enter, capture_output=True, text=True, timeout=30
+            in_netns(ns.path, sys.executable, "-c", NET_PROBE), capture_output=True, text=True, timeout=30
         )
         assert proc.returncode == 0, proc.stderr
         got = json.loads(proc.stdout)
@@ -420,16 +412,11 @@ print(json.dumps(out))
 def test_io_uring_connect_is_denied_too(peer: dict[str, str], cgroup: Path) -> None:
     from evidence.probes.guard import ConnectGuard
 
-    def enter() -> None:
-        with open(cgroup / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     try:
         guard.attach(str(cgroup))
         proc = subprocess.run(
-            [sys.executable, "-c", URING_CLIENT, peer["v4"], peer["v6"]],
-            preexec_fn=enter,
+            in_cgroup(cgroup / "cgroup.procs", sys.executable, "-c", URING_CLIENT, peer["v4"], peer["v6"]),
             capture_output=True,
             text=True,
             timeout=60,

@@ -1,4 +1,4 @@
-"""Landlock on the real kernel: apply a plan in a child between fork and exec and try to break it.
+"""Landlock on the real kernel: apply a plan in a child before it execs and try to break it.
 
 Landlock needs no privilege, only a kernel that offers it; the test is skipped (a failure under
 CI=true) when landlock_create_ruleset reports no ABI.
@@ -17,7 +17,7 @@ import pytest
 
 from evidence.policy import landlock
 from evidence.policy.model import load_policy
-from tests.kernel.util import IO_URING
+from tests.kernel.util import IO_URING, landlocked
 
 pytestmark = pytest.mark.kernel
 
@@ -109,8 +109,9 @@ print(json.dumps(out))
 
 def _run_attempts(box: dict[str, Path], plan: landlock.LandlockPlan) -> dict[str, str]:
     proc = subprocess.run(
-        [PYTHON, "-I", "-S", "-c", ATTEMPTS, str(box["home"]), str(box["ws"]), str(box["outside"])],
-        preexec_fn=lambda: landlock.apply(plan),
+        landlocked(
+            plan, PYTHON, "-I", "-S", "-c", ATTEMPTS, str(box["home"]), str(box["ws"]), str(box["outside"])
+        ),
         capture_output=True,
         text=True,
         timeout=60,
@@ -183,8 +184,7 @@ def test_denials_are_attributed_by_check_file(box: dict[str, Path], abi: int) ->
 def test_compileall_on_workspace_succeeds(box: dict[str, Path], abi: int) -> None:
     plan = _plan(box, abi)
     proc = subprocess.run(
-        [PYTHON, "-I", "-m", "compileall", "-q", str(box["ws"] / "src")],
-        preexec_fn=lambda: landlock.apply(plan),
+        landlocked(plan, PYTHON, "-I", "-m", "compileall", "-q", str(box["ws"] / "src")),
         capture_output=True,
         text=True,
         timeout=120,
@@ -201,8 +201,7 @@ def test_preexisting_hardlink_is_a_degradation(box: dict[str, Path], abi: int) -
     # and it is what Landlock cannot stop: the other link is inside an allowed tree
     code = "import sys; print(open(sys.argv[1]).read().strip())"
     proc = subprocess.run(
-        [PYTHON, "-I", "-S", "-c", code, str(box["ws"] / "old_link")],
-        preexec_fn=lambda: landlock.apply(plan),
+        landlocked(plan, PYTHON, "-I", "-S", "-c", code, str(box["ws"] / "old_link")),
         capture_output=True,
         text=True,
         timeout=30,
@@ -225,8 +224,7 @@ def test_scoped_signals_cannot_leave_the_domain(box: dict[str, Path], abi: int) 
         """
     )
     proc = subprocess.run(
-        [PYTHON, "-I", "-S", "-c", code, str(os.getpid())],
-        preexec_fn=lambda: landlock.apply(plan),
+        landlocked(plan, PYTHON, "-I", "-S", "-c", code, str(os.getpid())),
         capture_output=True,
         text=True,
         timeout=30,
@@ -259,8 +257,7 @@ def test_io_uring_openat_is_confined_too(box: dict[str, Path], abi: int) -> None
         pytest.skip("io_uring is disabled on this kernel (kernel.io_uring_disabled=2)")
     plan = _plan(box, abi)
     proc = subprocess.run(
-        [PYTHON, "-I", "-S", "-c", URING_ATTEMPTS, str(box["home"])],
-        preexec_fn=lambda: landlock.apply(plan),
+        landlocked(plan, PYTHON, "-I", "-S", "-c", URING_ATTEMPTS, str(box["home"])),
         capture_output=True,
         text=True,
         timeout=30,

@@ -18,6 +18,7 @@ from evidence.agent.recorder.kernel import mount_tracefs
 from evidence.probes import objcache
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes
+from tests.kernel.util import in_cgroup
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 
@@ -28,13 +29,9 @@ def _execs_seen(probes: RecorderProbes, tag: str) -> list[list[str]]:
         ring = probes.ring()
         probes.reset_lost(3)
         probes.track(cg.id, 3)
-        procs = cg.procs_file()
-
-        def pre() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        subprocess.run([*NOBODY, "/bin/echo", tag], preexec_fn=pre, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            in_cgroup(cg.procs_file(), *NOBODY, "/bin/echo", tag), check=True, stdout=subprocess.DEVNULL
+        )
         recs = [decode(r) for r in ring.read()]
         assert probes.read_lost(3) == {}
         return [r["argv"] for r in recs if r["kind"] in ("exec", "exec_ok") and r.get("argv")]

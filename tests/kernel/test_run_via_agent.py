@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import pytest
 
 from evidence.agent.recorder.cgroups import find_cgroup2_mount
 from tests.kernel.test_daemon import Agent
-from tests.kernel.util import of_type, read_bundle
+from tests.kernel.util import as_user, in_cgroup, of_type, read_bundle
 
 pytestmark = pytest.mark.kernel
 
@@ -59,7 +59,12 @@ def out(workdir: Path) -> Path:
 
 
 def client(
-    agent_socket: Path | str, bundle: Path | None, *command: str, labels: tuple[str, ...] = (), **kw: Any
+    agent_socket: Path | str,
+    bundle: Path | None,
+    *command: str,
+    labels: tuple[str, ...] = (),
+    launcher: Callable[[list[str]], list[str]] = list,
+    **kw: Any,
 ) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "evidence", "run", "--agent", str(agent_socket)]
     if bundle is not None:
@@ -67,7 +72,7 @@ def client(
     for label in labels:
         args += ["--label", label]
     return subprocess.Popen(
-        [*args, "--", *command],
+        launcher([*args, "--", *command]),
         stdin=kw.pop("stdin", subprocess.DEVNULL),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -268,17 +273,14 @@ def _cgroup_line(text: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("0::"))
 
 
-def _in(cgroup: Path, uid: int | None = NOBODY) -> Any:
-    """A preexec_fn: the client starts in `cgroup`, as `uid` (None: as root), like a CI job's."""
+def _in(cgroup: Path, uid: int | None = NOBODY) -> Callable[[list[str]], list[str]]:
+    """A launcher for `client`: the client starts in `cgroup`, as `uid` (None: as root), like a CI
+    job's. Root's shell joins the cgroup, then setpriv drops to `uid`, then the client is exec'd."""
 
-    def enter() -> None:
-        (cgroup / "cgroup.procs").write_text("0")
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+    def launch(argv: list[str]) -> list[str]:
+        return in_cgroup(cgroup / "cgroup.procs", *(argv if uid is None else as_user(uid, *argv)))
 
-    return enter
+    return launch
 
 
 def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
@@ -286,7 +288,7 @@ def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
 ) -> None:
     mount = find_cgroup2_mount()
     bundle = out / "job.tar.gz"
-    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=_in(job_cgroup))
+    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, launcher=_in(job_cgroup))
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr + agent.output()
     # the command ran in a cgroup of its own below the job's: what limits the job limits it
@@ -305,7 +307,7 @@ def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
     try:
         marker = out / "ran"
         refused = client(
-            agent.socket, out / "r.tar.gz", "/usr/bin/touch", str(marker), cwd=out, preexec_fn=_in(job_cgroup)
+            agent.socket, out / "r.tar.gz", "/usr/bin/touch", str(marker), cwd=out, launcher=_in(job_cgroup)
         )
         _, stderr = refused.communicate(timeout=60)
         assert refused.returncode == 2 and stderr.count("\n") == 1, stderr
@@ -333,7 +335,7 @@ def test_where_the_command_could_leave_a_cgroup_below_the_clients_it_goes_elsewh
         (home / "cgroup.type").write_text("threaded")
     bundle = out / f"{case}.tar.gz"
     uid = None if case == "root" else NOBODY
-    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, preexec_fn=_in(home, uid))
+    proc = client(agent.socket, bundle, "/bin/cat", "/proc/self/cgroup", cwd=out, launcher=_in(home, uid))
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr + agent.output()
     _, events = read_bundle(bundle)

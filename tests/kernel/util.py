@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tarfile
@@ -36,6 +37,34 @@ def in_cgroup(procs: str | Path, *argv: str) -> list[str]:
     run threads (an in-process Recorder, an HTTP receiver), and Python code between fork and exec can
     then deadlock."""
     return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(procs), *argv]
+
+
+def as_user(uid: int, *argv: str) -> list[str]:
+    """`argv` run as `uid` (its group too, no supplementary groups): setpriv sets all four ids and
+    execs it. Put it after `in_cgroup` when the cgroup is root's: root joins it, then drops."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+
+
+def in_netns(path: str | Path, *argv: str) -> list[str]:
+    """`argv` started inside the network namespace at `path` (/run/netns/NAME): nsenter enters it and
+    execs it."""
+    return ["nsenter", f"--net={path}", "--", *argv]
+
+
+_LANDLOCKED = """\
+import os, pickle, sys
+from evidence.policy import landlock
+landlock.apply(pickle.loads(bytes.fromhex(sys.argv[1])))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def landlocked(plan: Any, *argv: str) -> list[str]:
+    """`argv` started in the Landlock domain of `plan` (a policy.landlock.LandlockPlan): a Python of
+    the test's venv applies it to itself with `landlock.apply`, as a preexec_fn did, then execs
+    `argv` (a path: no PATH search), which inherits the domain. The plan travels pickled (the test
+    made it)."""
+    return [sys.executable, "-c", _LANDLOCKED, pickle.dumps(plan).hex(), *argv]
 
 
 def read_bundle(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
