@@ -37,6 +37,9 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[agent,dev]'
   rm -f .venv/.installed-* && touch "$stamp"
 fi
+# Bytecode for every module, as a wheel install has it: with PYTHONDONTWRITEBYTECODE set (as some CI
+# shells do) each `evidence` start would otherwise compile its modules from source (~0.5 s)
+.venv/bin/python -m compileall -q -j 0 evidence agent bundle policy probes >/dev/null
 # Headers for BCC: `evidence doctor` explains; when the exact ones are missing, the recorder joins the
 # distro headers under /var/lib/evidence and points BCC_KERNEL_SOURCE there (never /lib/modules).
 echo "setup: ok (.venv/bin/evidence)" >&2
