@@ -16,21 +16,26 @@ import copy
 import dataclasses
 import gc
 import hashlib
+import heapq
 import logging
+import os
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from evidence.bundle import attestation, canonical
+from evidence.bundle import canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.deflate import Deflater, write_tar_gz
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 from evidence.files import atomic_write
+
+if TYPE_CHECKING:
+    from evidence.bundle import attestation
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +55,83 @@ class RunMeta(fmt.RunInfo):
     roots: dict[str, str] = Field(default_factory=dict)  # placeholder -> path, for the run id
 
 
+# Records and behaviour items the writer holds in memory at most (EVIDENCE_WRITER_MEMORY sets it;
+# tests use a small value). Past it, a summary bundle's events are streamed by a second pass over
+# the spool instead of kept, and the run id's sorted sets go to sorted runs on disk, merged when the
+# run id is made: a job that floods execs or, under full detail, distinct paths cannot grow the
+# writer's memory (the recorder's or the agent's) with the number of its records.
+MEMORY_ITEMS = int(os.environ.get("EVIDENCE_WRITER_MEMORY", "150000"))
+
+
+class _SpillSet:
+    """A set of behaviour items that yields the canonical JSON of each, sorted by repr; past the
+    budget of its _Behaviour, its items go to disk as a sorted run and are merged back."""
+
+    def __init__(self, owner: _Behaviour) -> None:
+        self.owner = owner
+        self.items: set[tuple[Any, ...]] = set()
+        self.runs: list[IO[bytes]] = []
+
+    def add(self, item: tuple[Any, ...]) -> None:
+        if item not in self.items:
+            self.items.add(item)
+            self.owner.held += 1
+            if self.owner.held > self.owner.budget:
+                self.owner.spill()
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.runs)
+
+    def spill(self) -> None:
+        run = tempfile.TemporaryFile()  # noqa: SIM115 - read back by canonical_items, closed by close()
+        for key, item in self._sorted():
+            run.write(key + b"\t" + canonical.dumps(item, check=False) + b"\n")
+        run.seek(0)
+        self.runs.append(run)
+        self.owner.held -= len(self.items)
+        self.items = set()
+
+    def _sorted(self) -> list[tuple[bytes, tuple[Any, ...]]]:
+        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr)
+        return sorted((repr(i).encode("utf-8", "surrogatepass"), i) for i in self.items)
+
+    def canonical_items(self) -> Iterator[bytes]:
+        """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""
+        streams: list[Iterator[tuple[bytes, bytes]]] = [
+            ((key, canonical.dumps(item, check=False)) for key, item in self._sorted())
+        ]
+        streams += [(tuple(line.rstrip(b"\n").split(b"\t", 1)) for line in run) for run in self.runs]  # type: ignore[misc]
+        last = None
+        for key, value in heapq.merge(*streams, key=lambda kv: kv[0]):
+            if key != last:  # an item spilled in one run and added again after it
+                last = key
+                yield value
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+
 class _Behaviour:
     """What the run id is made of: what the run did, with the run's roots (workspace, tmp) replaced
     by their placeholders, as sets (how often and when do not change it)."""
 
-    def __init__(self, meta: RunMeta) -> None:
+    def __init__(self, meta: RunMeta, budget: int | None = None) -> None:
         self.norm = Normalizer(meta.roots)
         self.command = self.norm.argv(meta.command)
-        self.execs: set[tuple[Any, ...]] = set()
-        self.files: set[tuple[Any, ...]] = set()
-        self.nets: set[tuple[Any, ...]] = set()
-        self.denials: set[tuple[Any, ...]] = set()
-        self.changes: set[tuple[Any, ...]] = set()
-        self.namespaces: set[tuple[Any, ...]] = set()
+        self.budget = MEMORY_ITEMS if budget is None else budget
+        self.held = 0
+        self.execs = _SpillSet(self)
+        self.files = _SpillSet(self)
+        self.nets = _SpillSet(self)
+        self.denials = _SpillSet(self)
+        self.changes = _SpillSet(self)
+        self.namespaces = _SpillSet(self)
+
+    def spill(self) -> None:
+        """Past the budget: the set holding the most items goes to disk."""
+        sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
+        max(sets, key=lambda s: len(s.items)).spill()
 
     def add(self, rec: dict[str, Any]) -> None:
         k, norm = rec["k"], self.norm
@@ -89,54 +158,92 @@ class _Behaviour:
             self.namespaces.add((rec["operation"], tuple(rec["flags"]), paths, rec["result"]))
 
     def run_id(self) -> str:
-        behaviour = {
-            "command": self.command,
-            "execs": sorted(self.execs, key=repr),
-            "files": sorted(self.files, key=repr),
-            "connects": sorted(self.nets, key=repr),
-            "denials": sorted(self.denials, key=repr),
+        """`run-` and the first half of the sha256 of the canonical JSON of {command, execs, files,
+        connects, denials, and changes and namespaces when there are some}, each set sorted by repr:
+        streamed into the hash, as canonical.dumps would write the whole document."""
+        parts: dict[str, _SpillSet | None] = {
+            "command": None,
+            "execs": self.execs,
+            "files": self.files,
+            "connects": self.nets,
+            "denials": self.denials,
         }
         if self.changes:  # only when there are some: a run id made before file changes were recorded holds
-            behaviour["changes"] = sorted(self.changes, key=repr)
+            parts["changes"] = self.changes
         if self.namespaces:  # the same: only when there are some
-            behaviour["namespaces"] = sorted(self.namespaces, key=repr)
-        # built here from strings, ints, booleans and None only: no check needed
-        return "run-" + hashlib.sha256(canonical.dumps(behaviour, check=False)).hexdigest()[:32]
+            parts["namespaces"] = self.namespaces
+        h = hashlib.sha256(b"{")
+        for i, name in enumerate(sorted(parts)):
+            h.update(b"," * (i > 0) + canonical.dumps(name) + b":")
+            part = parts[name]
+            if part is None:
+                h.update(canonical.dumps(self.command, check=False))
+                continue
+            h.update(b"[")
+            for j, item in enumerate(part.canonical_items()):
+                h.update(b"," * (j > 0) + item)
+            h.update(b"]")
+        h.update(b"}")
+        for part in (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces):
+            part.close()
+        return "run-" + h.hexdigest()[:32]
 
 
 Body = Iterable[tuple[str, str, int, dict[str, Any]]]
 
 
-def _read(meta: RunMeta, records: Records) -> tuple[str, Body]:
+def _read(meta: RunMeta, records: Records, memory: int | None = None) -> tuple[str, Body]:
     """The run id and the run's events in the order of their first occurrence in the spool.
 
-    Summary: ONE pass over the records, keeping the first record of each summary key with its totals
+    Summary: one pass over the records, keeping the first record of each summary key with its totals
     (and the records that are not aggregated: execs, exits, ...), so the cost is the spool's length
-    once and the memory is what the bundle will hold. Full detail keeps every record: a first pass
-    for the run id, a second that streams the events (memory stays flat however long the run)."""
-    behaviour = _Behaviour(meta)
+    once and the memory is what the bundle will hold; past `memory` records kept (MEMORY_ITEMS), they
+    are dropped and a second pass streams the events instead, so memory stays bounded. Full detail
+    keeps every record: a first pass for the run id, a second that streams the events (memory stays
+    flat however long the run). The run id's sets are bounded the same way (_SpillSet)."""
+    memory = MEMORY_ITEMS if memory is None else memory
+    behaviour = _Behaviour(meta, memory)
     if meta.detail != "summary":
         for rec in records():
             behaviour.add(rec)
         return behaviour.run_id(), (to_event(rec) for rec in records())
-    kept: list[tuple[dict[str, Any], list[int] | None]] = []
+    kept: list[tuple[dict[str, Any], list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
     for rec in records():
         behaviour.add(rec)
         key = summary_key(rec)
         if key is None:
-            kept.append((rec, None))
-            continue
-        n, first, last = occurrences(rec)
-        t = totals.get(key)
-        if t is None:
-            totals[key] = t = [n, first, last]
-            kept.append((rec, t))
+            if kept is not None:
+                kept.append((rec, None))
         else:
-            t[0] += n
-            t[1] = min(t[1], first)
-            t[2] = max(t[2], last)
-    return behaviour.run_id(), (to_event(rec, t) for rec, t in kept)
+            n, first, last = occurrences(rec)
+            t = totals.get(key)
+            if t is None:
+                totals[key] = t = [n, first, last]
+                if kept is not None:
+                    kept.append((rec, t))
+            else:
+                t[0] += n
+                t[1] = min(t[1], first)
+                t[2] = max(t[2], last)
+        if kept is not None and len(kept) > memory:
+            kept = None  # too many to hold: the events are streamed by a second pass
+    if kept is not None:
+        return behaviour.run_id(), (to_event(rec, t) for rec, t in kept)
+    return behaviour.run_id(), _second_pass(records, totals)
+
+
+def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Body:
+    """The summary's events from a second read of the records: each key's first record with its
+    totals (taken out as it is written: memory shrinks as the events go)."""
+    for rec in records():
+        key = summary_key(rec)
+        if key is None:
+            yield to_event(rec)
+            continue
+        t = totals.pop(key, None)
+        if t is not None:
+            yield to_event(rec, t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +471,8 @@ def _write_bundle(
         manifest_bytes = canonical.dumps(manifest)
         tail = []
         if signer is not None:
+            from evidence.bundle import attestation  # only a signed bundle needs it (its import costs ~60 ms)
+
             signed = attestation.member(manifest, manifest_bytes, events_sha, signer)
             tail.append((_tarinfo(fmt.ATTESTATION_NAME, len(signed)), signed))
         with atomic_write(out_path) as raw:

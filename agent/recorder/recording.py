@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
-from evidence.bundle.attestation import Signer
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool
 from evidence.bundle.writer import RunMeta, write_bundle
@@ -36,6 +35,7 @@ from evidence.errors import SetupError
 from evidence.probes.headers import Headers
 
 if TYPE_CHECKING:
+    from evidence.bundle.attestation import Signer
     from evidence.probes.loader import RecorderProbes
 
 logger = logging.getLogger(__name__)

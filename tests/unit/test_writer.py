@@ -287,3 +287,71 @@ def test_the_compressed_cap_holds_when_text_does_not_compress(tmp_path: Path) ->
     events = list(open_bundle(out).events())  # verifies
     written = sum(1 for e in events if e["type"] == fmt.FILE_OPEN)
     assert written + manifest["lost"]["by_kind"]["over_cap:file.open"] == 400
+
+
+def _reference_run_id(meta: RunMeta, recs: list[dict]) -> str:
+    """The run id as the writer made it before its sets could go to disk: every set in memory,
+    sorted by repr, one canonical document."""
+    from evidence.bundle import canonical
+    from evidence.bundle.writer import _Behaviour
+
+    b = _Behaviour(meta, budget=10**9)
+    for r in recs:
+        b.add(r)
+    doc: dict = {"command": b.command}
+    for name, part in (("execs", b.execs), ("files", b.files), ("connects", b.nets), ("denials", b.denials)):
+        doc[name] = sorted(part.items, key=repr)
+    for name, part in (("changes", b.changes), ("namespaces", b.namespaces)):
+        if part:
+            doc[name] = sorted(part.items, key=repr)
+    return "run-" + hashlib.sha256(canonical.dumps(doc)).hexdigest()[:32]
+
+
+def _flood(n: int) -> list[dict]:
+    recs: list[dict] = []
+    for i in range(n):
+        recs.append(
+            {
+                "k": "exec", "t": 1000 + i, "pid": 10 + i, "ppid": 1, "depth": 1, "filename": "/bin/true",
+                "argv": ["/bin/true", f"arg-{i % (n // 2 + 1)}", "\u00e9\t\"q"], "argv_truncated": False,
+                "cwd": "/", "result": 0,
+            }
+        )  # fmt: skip
+        recs.append(_open(2000 + i, f"/w/f{i % 7}/\u4e2d{i}", "ENOENT" if i % 3 else 0))
+        if i % 5 == 0:
+            recs.append(cb.connect(3000 + i, f"10.0.{i % 9}.1", 443))
+    recs.append(
+        {"k": "change", "t": 9000, "pid": 7, "ppid": 1, "exe": "/bin/mv", "operation": "rename",
+         "path": "/w/a", "target": "/w/b", "mode": None, "uid": None, "gid": None, "result": 0}
+    )  # fmt: skip
+    return recs
+
+
+@pytest.mark.parametrize("memory", [3, 50, 10**9])
+def test_a_bounded_writer_writes_the_same_bundle(tmp_path: Path, memory: int) -> None:
+    """Past its memory budget, the writer puts the run id's sets on disk and streams a summary's
+    events in a second pass: the run id and the bundle are byte for byte what an unbounded writer
+    makes, for summary and full detail."""
+    from evidence.bundle import writer
+
+    recs = _flood(400)
+    for detail in ("summary", "full"):
+        meta = META.model_copy(update={"detail": detail})
+        run_id, body = writer._read(meta, lambda: iter(recs), memory=memory)
+        assert run_id == _reference_run_id(meta, recs)
+        events = list(body)
+        ref_id, ref_body = writer._read(meta, lambda: iter(recs), memory=10**9)
+        assert (run_id, events) == (ref_id, list(ref_body))
+
+
+def test_the_writer_holds_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evidence.bundle.writer import _Behaviour
+
+    b = _Behaviour(META, budget=100)
+    most = 0
+    for r in _flood(2000):
+        b.add(r)
+        most = max(most, b.held)
+    assert most <= 100
+    assert b.execs.runs and b.files.runs  # the biggest sets went to disk
+    assert b.run_id() == _reference_run_id(META, _flood(2000))
