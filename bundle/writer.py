@@ -83,7 +83,7 @@ class _SpillSet:
         return bool(self.items or self.runs)
 
     def spill(self) -> None:
-        run = tempfile.TemporaryFile()  # noqa: SIM115 - read back by canonical_items, closed by close()
+        run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
         for key, item in self._sorted():
             run.write(key + b"\t" + canonical.dumps(item, check=False) + b"\n")
         run.seek(0)
@@ -116,8 +116,9 @@ class _Behaviour:
     """What the run id is made of: what the run did, with the run's roots (workspace, tmp) replaced
     by their placeholders, as sets (how often and when do not change it)."""
 
-    def __init__(self, meta: RunMeta, budget: int | None = None) -> None:
+    def __init__(self, meta: RunMeta, budget: int | None = None, tmp_dir: Path | None = None) -> None:
         self.norm = Normalizer(meta.roots)
+        self.tmp_dir = tmp_dir  # where sets past the budget go (beside the bundle: not a tmpfs in RAM)
         self.command = self.norm.argv(meta.command)
         self.budget = MEMORY_ITEMS if budget is None else budget
         self.held = 0
@@ -192,7 +193,9 @@ class _Behaviour:
 Body = Iterable[tuple[str, str, int, dict[str, Any]]]
 
 
-def _read(meta: RunMeta, records: Records, memory: int | None = None) -> tuple[str, Body]:
+def _read(
+    meta: RunMeta, records: Records, memory: int | None = None, tmp_dir: Path | None = None
+) -> tuple[str, Body]:
     """The run id and the run's events in the order of their first occurrence in the spool.
 
     Summary: one pass over the records, keeping the first record of each summary key with its totals
@@ -202,7 +205,7 @@ def _read(meta: RunMeta, records: Records, memory: int | None = None) -> tuple[s
     keeps every record: a first pass for the run id, a second that streams the events (memory stays
     flat however long the run). The run id's sets are bounded the same way (_SpillSet)."""
     memory = MEMORY_ITEMS if memory is None else memory
-    behaviour = _Behaviour(meta, memory)
+    behaviour = _Behaviour(meta, memory, tmp_dir)
     if meta.detail != "summary":
         for rec in records():
             behaviour.add(rec)
@@ -430,8 +433,8 @@ def _no_cycle_collection() -> Iterator[None]:
 def _write_bundle(
     out_path: Path, meta: RunMeta, records: Records, caps: Caps | None, signer: attestation.Signer | None
 ) -> dict[str, Any]:
-    run_id, body = _read(meta, records)
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
+    run_id, body = _read(meta, records, tmp_dir=out_dir)
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
         deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
         try:
