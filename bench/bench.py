@@ -344,7 +344,7 @@ def main() -> int:
                 skipped.append((CASES[case].label, row))
             else:
                 rows.append(row)
-        if agents is not None and any(CASES[c].agent for c in cases):
+        if agents is not None:  # started for a case through it
             agent_rss = agents.peak_rss_kib(args.python)
         if agents is None:
             agents = Agents(pythons, work)
@@ -361,44 +361,10 @@ def main() -> int:
         for row in rows:
             row.start = true_agent if CASES[row.case].agent else true_rec
 
-        print(
-            f"\n{'workload':<24}{'untraced s':>11}{'run s':>8}{'whole':>8}{'-true':>8}{'in-loop':>9}"
-            f"{'tail s':>8}{'RSS MB':>8}{'run RSS':>9}{'strace':>8}{'events':>9}{'lost':>9}"
-        )
-        for r in rows:
-            print(
-                f"{r.label:<24}{r.base:>11.2f}{r.wall:>8.2f}{r.whole:>7.2f}x{r.minus_true:>7.2f}x{r.loop:>8.2f}x"
-                f"{r.tail:>8.2f}{r.base_rss / 1024:>8.0f}{r.rss / 1024:>9.0f}{r.strace:>7.1f}x{r.events:>9}{r.lost:>9}"
-            )
-        for label, why in skipped:
-            print(f"{label:<24} skipped: {why}")
-        print(
-            "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
-            f" `evidence run -- true` ({true_rec:.2f} s;\nthrough the agent: `run --agent SOCK -- true`,"
-            f" {true_agent:.2f} s); in-loop: the workload's own loop time, traced / untraced; tail: from the"
-            "\nend of the command's work (its children waited for) to `evidence run`'s exit. RSS: peak (wait4;"
-            " through the agent, the client's"
-            + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
-            + f"). `evidence run -- true` adds"
-            f" {true_rec - true_base:.2f} s (starting Python alone: {py_start:.2f} s)."
-            " Builds run under `workloads run`."
-        )
-        print(f"\nstart and end, whole process wall, median / min of {args.start_repeat} runs (interleaved):")
-        print(
-            f"  {'':<46}" + "".join(f"{'baseline' if py == args.baseline else 'this':>22}" for py in pythons)
-        )
-        for name, per in starts.items():
-            cells = "".join(f"{statistics.median(w):>11.3f} /{min(w):>6.3f} s" for w in per.values())
-            print(f"  {name:<46}{cells}")
-        if args.baseline:
-            print(f"  baseline: {args.baseline}\n  this:     {args.python}")
-        print("\nchecks:")
-        ok = True
-        for name, got, want in checks:
-            good = got == want
-            ok &= good
-            print(f"  {'ok  ' if good else 'FAIL'} {name}: {got} (want {want})")
-        print_targets({r.case: r for r in rows}, true_rec, true_agent, args.quick)
+        print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
+        print_starts(starts, pythons, args)
+        ok = print_checks(checks)
+        print_targets({r.case: r for r in rows}, true_rec, true_agent, true_base, args.quick)
         return 0 if ok else 1
     finally:
         if agents is not None:
@@ -538,7 +504,65 @@ def run_case(
     )
 
 
-def print_targets(rows: dict[str, Row], true_rec: float, true_agent: float, quick: bool) -> None:
+def print_table(
+    rows: list[Row],
+    skipped: list[tuple[str, str]],
+    true_rec: float,
+    true_agent: float,
+    true_adds: float,
+    py_start: float,
+    agent_rss: int,
+) -> None:
+    print(
+        f"\n{'workload':<24}{'untraced s':>11}{'run s':>8}{'whole':>8}{'-true':>8}{'in-loop':>9}"
+        f"{'tail s':>8}{'RSS MB':>8}{'run RSS':>9}{'strace':>8}{'events':>9}{'lost':>9}"
+    )
+    for r in rows:
+        strace = f"{r.strace:>7.1f}x" if r.strace == r.strace else f"{'-':>8}"  # NaN: not run
+        print(
+            f"{r.label:<24}{r.base:>11.2f}{r.wall:>8.2f}{r.whole:>7.2f}x{r.minus_true:>7.2f}x{r.loop:>8.2f}x"
+            f"{r.tail:>8.2f}{r.base_rss / 1024:>8.0f}{r.rss / 1024:>9.0f}{strace}{r.events:>9}{r.lost:>9}"
+        )
+    for label, why in skipped:
+        print(f"{label:<24} skipped: {why}")
+    print(
+        "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
+        f" `evidence run -- true` ({true_rec:.2f} s;\nthrough the agent: `run --agent SOCK -- true`,"
+        f" {true_agent:.2f} s); in-loop: the workload's own loop time, traced / untraced; tail: from the"
+        "\nend of the command's work (its children waited for) to `evidence run`'s exit. RSS: peak (wait4;"
+        " through the agent, the client's"
+        + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
+        + f"). `evidence run -- true` adds {true_adds:.2f} s (starting Python alone: {py_start:.2f} s)."
+        "\nBuilds run under `workloads run`. The cases through the agent (and their untraced runs) ran"
+        " with its probes attached."
+    )
+
+
+def print_starts(
+    starts: dict[str, dict[str, list[float]]], pythons: list[str], args: argparse.Namespace
+) -> None:
+    print(f"\nstart and end, whole process wall, median / min of {args.start_repeat} runs (interleaved):")
+    print(f"  {'':<46}" + "".join(f"{'baseline' if py == args.baseline else 'this':>22}" for py in pythons))
+    for name, per in starts.items():
+        cells = "".join(f"{statistics.median(w):>11.3f} /{min(w):>6.3f} s" for w in per.values())
+        print(f"  {name:<46}{cells}")
+    if args.baseline:
+        print(f"  baseline: {args.baseline}\n  this:     {args.python}")
+
+
+def print_checks(checks: list[tuple[str, object, object]]) -> bool:
+    print("\nchecks:")
+    ok = True
+    for name, got, want in checks:
+        good = got == want
+        ok &= good
+        print(f"  {'ok  ' if good else 'FAIL'} {name}: {got} (want {want})")
+    return ok
+
+
+def print_targets(
+    rows: dict[str, Row], true_rec: float, true_agent: float, true_base: float, quick: bool
+) -> None:
     """Issue 9's targets, each with the figure of this run and the untraced baseline it was measured
     against. Not part of the exit code."""
     targets: list[tuple[str, float | None, float, str, str]] = []  # (what, got, limit, unit, detail)
@@ -572,7 +596,13 @@ def print_targets(rows: dict[str, Row], true_rec: float, true_agent: float, quic
     add("2 x 1M distinct, summary: peak RSS of `evidence run`", "distinct", "rss_mb", 400, " MB")
     add("1M opens of 10 paths, summary: tail", "open10", "tail", 0.3, " s")
     targets.append(
-        ("standalone `evidence run -- true`, median", true_rec, 1.0, " s", "untraced /bin/true ~0")
+        (
+            "standalone `evidence run -- true`, median",
+            true_rec,
+            1.0,
+            " s",
+            f"untraced /bin/true {true_base:.3f} s",
+        )
     )
     targets.append(("`evidence run --agent SOCK -- true`, median", true_agent, 0.2, " s", "the client alone"))
     print(f"\ntargets (issue 9; {'--quick: small N, not the targets' if quick else 'this run'}):")
