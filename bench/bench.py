@@ -610,7 +610,7 @@ def print_targets(
         if got is None:
             print(f"  ---- {what}: not measured ({detail})")
             continue
-        fmt = {"": ".0f", " MB": ".0f", "x": ".2f", " s": ".3f"}[unit]
+        fmt = {"": ".0f", " MB": ".0f", "x": ".3f", " s": ".3f"}[unit]
         want = f"target {limit:g}" if unit == "" else f"target <= {limit:g}{unit}"
         print(f"  {'ok  ' if got <= limit else 'MISS'} {what}: {got:{fmt}}{unit} ({want}; {detail})")
     print("  (lint 1M <= 5 s, diff 1M <= 10 s: bench/bundles.py, which `make bench` runs next)")
