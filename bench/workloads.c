@@ -1,5 +1,7 @@
-// Benchmark workloads for bench/bench.py. Each prints its own loop time in ns on stdout, so the
-// ratios compare the work itself, not the recorder's start-up.
+// Benchmark workloads for bench/bench.py. Each prints one line on stdout: its own loop time in ns
+// (so the in-loop ratios compare the work itself, not the recorder's start-up) and the
+// CLOCK_REALTIME ns at which all its work was done (its children waited for), from which bench
+// takes the tail: how long `evidence run` still ran after the command's work ended.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -11,22 +13,49 @@
 #include <time.h>
 #include <unistd.h>
 
-static long long now_ns(void) {
+static long long clock_ns(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static long long now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
+
+static void done(long long t0) {
+    long long loop = now_ns() - t0;
+    printf("%lld %lld\n", loop, clock_ns(CLOCK_REALTIME));
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 3 && !strcmp(argv[1], "run")) {
+        // run CMD [ARGS...]: the command's own wall, its exit status passed on
+        long long t0 = now_ns();
+        pid_t p = fork();
+        if (p == 0) {
+            execvp(argv[2], argv + 2);
+            perror(argv[2]);
+            _exit(127);
+        }
+        int st = 0;
+        if (p < 0 || waitpid(p, &st, 0) < 0)
+            return 125;
+        fflush(stdout);  // the command's output (same stdout) comes first
+        done(t0);
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
     if (argc < 3) {
-        fprintf(stderr, "usage: %s open|exec|connect|distinct N\n", argv[0]);
+        fprintf(stderr, "usage: %s open|exec|connect|distinct N [PATH...] | run CMD [ARGS...]\n", argv[0]);
         return 2;
     }
     long n = atol(argv[2]);
     long long t0 = now_ns();
     if (!strcmp(argv[1], "open")) {
+        // N opens cycling over the PATHs given (default: /etc/hostname)
+        char *dflt[] = {"/etc/hostname"};
+        char **paths = argc > 3 ? argv + 3 : dflt;
+        int np = argc > 3 ? argc - 3 : 1;
         for (long i = 0; i < n; i++) {
-            int fd = open("/etc/hostname", O_RDONLY);
+            int fd = open(paths[i % np], O_RDONLY);
             if (fd >= 0)
                 close(fd);
         }
@@ -78,7 +107,10 @@ int main(int argc, char **argv) {
             }
             close(c);
         }
+    } else {
+        fprintf(stderr, "%s: unknown mode %s\n", argv[0], argv[1]);
+        return 2;
     }
-    printf("%lld\n", now_ns() - t0);
+    done(t0);
     return 0;
 }
