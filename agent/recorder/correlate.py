@@ -58,6 +58,7 @@ _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 51
 # not a kernel code: the result of a call whose result never came (lost, or still in progress at the end)
 NO_RESULT = -1_000_000
 _RESTART[-NO_RESULT] = "NO_RESULT"
+_PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
 
 
 @functools.lru_cache(maxsize=512)
@@ -242,6 +243,10 @@ class Correlator:
         self.tgid_of: Callable[[int], int | None] | None = None
         # a pid -> its cgroup2 path (as /proc/<pid>/cgroup says, from the cgroup2 mount), injected
         self.cgroup_of: Callable[[int], str | None] | None = None
+        # open_record's caches: a path's bytes (and base) -> (raw path, resolved path); cgroup id ->
+        # (cgroup name, container id)
+        self._paths: dict[Any, tuple[str, str]] = {}
+        self._cgroups: dict[int, tuple[str | None, str | None]] = {}
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -268,6 +273,86 @@ class Correlator:
             where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
             return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
         return posixpath.normpath(posixpath.join(base, path)) if path else base
+
+    def open_record(
+        self,
+        ts: int,
+        cgid: int,
+        tgid: int,
+        flags: int,
+        ret: int,
+        dfd: int,
+        oflags: int,
+        mode: int,
+        raw: bytes,
+    ) -> list[dict[str, Any]]:
+        """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
+        bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
+        the most frequent records, and most name a path the run named before: the decoded and
+        resolved path is cached by what it depends on (the bytes, and for a relative path the
+        directory it is resolved against)."""
+        p = self.procs.get(tgid) or self._proc(tgid)
+        if flags & d.F_FNAME_FAULT:
+            path = raw_path = UNREADABLE
+        else:
+            if raw[:1] == b"/":
+                key: Any = raw
+            else:
+                base = p.cwd if dfd == AT_FDCWD else p.fds.get(dfd)
+                key = (raw, base, dfd if base is None else AT_FDCWD)
+            hit = self._paths.get(key)
+            if hit is None:
+                raw_path = raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
+                path = self._resolve(p, raw_path, dfd)
+                if len(self._paths) >= _PATH_CACHE:
+                    self._paths.clear()
+                self._paths[key] = (raw_path, path)
+            else:
+                raw_path, path = hit
+        names, access = decode_open_flags(oflags)
+        t = ts + self.wall_offset_ns
+        if ret >= 0:
+            p.fds[ret] = path
+            result: int | str = 0
+            out = self._leaving(p, path, t) if "write" in access else []
+        else:
+            result = errno_name(-ret)
+            out = []
+        rec = {
+            "k": "open",
+            "t": t,
+            "pid": p.pid,
+            "ppid": p.ppid,
+            "exe": p.exe,
+            "path": path,
+            "raw_path": raw_path,
+            "dirfd": None if dfd == AT_FDCWD else dfd,
+            "flags": names,
+            "access": access,
+            "mode": mode if "create" in access else None,
+            "result": result,
+        }
+        out.append(rec)
+        if self.cgroup_name is not None:
+            name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
+            if name is not None:
+                for r in out:
+                    r["cgroup"] = name
+                    if container:
+                        r["container"] = container
+        if flags & d.F_OTHER_NS:
+            rec["mntns"] = "other"
+        return out
+
+    def _cgroup_named(self, cgid: int) -> tuple[str | None, str | None]:
+        """(cgroup name, container id) of a cgroup id, cached: a cgroup's name does not change."""
+        assert self.cgroup_name is not None
+        name = self.cgroup_name(cgid)
+        container = self.container_of(name) if name is not None and self.container_of else None
+        if len(self._cgroups) >= _PATH_CACHE:
+            self._cgroups.clear()
+        self._cgroups[cgid] = (name, container)
+        return name, container
 
     def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         """Consume one decoded record; return the spool records it completes."""
@@ -349,9 +434,9 @@ class Correlator:
     def _named(self, out: list[dict[str, Any]], ev: dict[str, Any]) -> list[dict[str, Any]]:
         """The records, with the cgroup (and container) of the record `ev` when not the run's own."""
         if out and self.cgroup_name is not None:
-            name = self.cgroup_name(ev.get("cgid", 0))
+            cgid = ev.get("cgid", 0)
+            name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
-                container = self.container_of(name) if self.container_of else None
                 for rec in out:
                     rec["cgroup"] = name
                     if container:

@@ -269,10 +269,12 @@ def decode(raw: bytes) -> dict[str, Any]:
     return ev
 
 
-# An open record's header and fields in one unpack (the fast path of decode_many).
-_OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
-_KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
-_OPEN_KIND = struct.pack("<H", EV_OPEN)
+# An open record's header and fields in one unpack (the fast path of decode_many and of the
+# recorder): ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len
+OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
+KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
+OPEN_KIND = struct.pack("<H", EV_OPEN)  # those two bytes of an open record
+_OPEN_REC, _KIND_OFF, _OPEN_KIND = OPEN_REC, KIND_OFF, OPEN_KIND
 
 
 def decode_many(raws: list[bytes]) -> tuple[list[dict[str, Any]], int]:

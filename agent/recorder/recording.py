@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 import uuid
@@ -484,52 +485,124 @@ class Recorder:
                         logger.warning("flush of %s failed: %s", session.spool.path, e)
 
     def _process(self, batch: list[bytes]) -> None:
+        """Decode, correlate and spool a batch. Opens, by far the most frequent records, take one
+        unpack and go to the correlator as fields (Correlator.open_record), not as a decoded dict."""
         self.stats["batches"] += 1
         self.stats["records"] += len(batch)
         out: dict[int, list[dict[str, Any]]] = {}
-        evs, errors = dec.decode_many(batch)
+        hashing: set[int] = set()  # runs whose records may carry an exe hash still being computed
+        sessions = self._sessions
+        errors = stray = 0
+        unpack = dec.OPEN_REC.unpack_from
+        path_off = dec.OPEN_PATH_OFF
+        open_kind = dec.OPEN_KIND
+        kind_off = dec.KIND_OFF
+        ts_of = _TS.unpack_from
+        # The last open that made one record: its bytes after the time, and that record. An open whose
+        # bytes after the time are the same (same run, cgroup, thread, flags, result, path) right after
+        # it makes the same record at its own time: nothing between them changed what it depends on
+        # (the process's exe and tables change only through other records, which reset this).
+        last_tail = b""
+        last_rec: dict[str, Any] = {}
+        session = None
+        for raw in batch:
+            if raw[kind_off : kind_off + 2] == open_kind and len(raw) >= path_off:
+                tail = raw[8:]
+                if tail == last_tail and session is not None and not session.finished:
+                    rec = last_rec.copy()
+                    rec["t"] = ts_of(raw)[0] + session.correlator.wall_offset_ns
+                    recs = [rec]
+                else:
+                    ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, _, plen = unpack(
+                        raw
+                    )
+                    session = sessions.get(run)
+                    if session is None or session.finished:
+                        stray += 1
+                        last_tail = b""
+                        continue
+                    recs = session.correlator.open_record(
+                        ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen]
+                    )
+                    if len(recs) == 1:
+                        last_tail, last_rec = tail, recs[0].copy()
+                    else:
+                        last_tail = b""
+                if flags & dec.F_STATE:
+                    continue  # counted by the kernel already: it only updated the cwd and descriptor tables
+                if flags & dec.F_FIRST:
+                    self._first(
+                        session,
+                        (exe_tok, tok, cgid, dec.EV_OPEN, oflags & dec.ACCESS_BITS, min(ret, 0)),
+                        recs,
+                    )
+                elif session.max_distinct:
+                    recs = _capped(session, recs)
+            else:
+                last_tail = b""
+                try:
+                    ev = dec.decode(raw)
+                except (dec.DecodeError, ValueError, struct.error):
+                    errors += 1
+                    continue
+                run = ev["run"]
+                session = sessions.get(run)
+                if session is None or session.finished:
+                    stray += 1
+                    continue
+                recs = session.correlator.feed(ev)
+                if not recs:
+                    continue
+                hashing.add(run)
+                flags = ev["flags"]
+                if flags & dec.F_STATE:
+                    continue  # counted by the kernel already: it only updated the cwd and descriptor tables
+                if flags & dec.F_FIRST:
+                    self._first(session, dec.agg_key(ev), recs)
+                elif session.max_distinct:
+                    recs = _capped(session, recs)
+            got = out.get(run)
+            if got is None:
+                out[run] = recs
+            else:
+                got += recs
         self.stats["decode_errors"] += errors
-        for ev in evs:
-            session = self._sessions.get(ev["run"])
-            if session is None or session.finished:
-                self.stats["stray"] += 1
-                continue
-            recs = session.correlator.feed(ev)
-            if not recs:
-                continue
-            flags = ev["flags"]
-            if flags & dec.F_STATE:
-                continue  # counted by the kernel already: it only updated the cwd and descriptor tables
-            if flags & dec.F_FIRST:
-                key = dec.agg_key(ev)
-                for r in recs:
-                    fields = _FIRST_FIELDS.get(r["k"])
-                    if fields is not None:
-                        session.firsts[key] = {f: r[f] for f in fields if f in r}
-            elif session.max_distinct:
-                recs = _capped(session, recs)
-            out.setdefault(ev["run"], []).extend(recs)
+        self.stats["stray"] += stray
         for slot, recs in out.items():
-            session = self._sessions.get(slot)
+            session = sessions.get(slot)
             if session is not None and not session.finished:
-                self._write(session, recs)
+                self._write(session, recs, settle=slot in hashing)
 
-    def _write(self, session: Session, recs: list[dict[str, Any]]) -> None:
+    @staticmethod
+    def _first(session: Session, key: tuple[int, ...], recs: list[dict[str, Any]]) -> None:
+        """Keep what the first record of a key the kernel aggregates said (its count comes later)."""
+        for r in recs:
+            fields = _FIRST_FIELDS.get(r["k"])
+            if fields is not None:
+                session.firsts[key] = {f: r[f] for f in fields if f in r}
+
+    def _write(self, session: Session, recs: list[dict[str, Any]], settle: bool = True) -> None:
         """Spool `recs` after the records held back (in order), up to the first exec whose hash is
-        still being computed (exe_hash.settle)."""
+        still being computed (exe_hash.settle). `settle=False`: no record of `recs` is an exec (none
+        can wait for a hash), so only records held back before need it."""
         if session.held:
             session.held.extend(recs)
             recs = session.held
-        ready = exe_hash.settle(recs)  # returns at the first hash not ready: 0 while still held
-        if ready == 0:
-            session.held = recs
-            return
-        recs, session.held = (recs, []) if ready == len(recs) else (recs[:ready], recs[ready:])
+            settle = True
+        if settle:
+            ready = exe_hash.settle(recs)  # returns at the first hash not ready: 0 while still held
+            if ready == 0:
+                session.held = recs
+                return
+            recs, session.held = (recs, []) if ready == len(recs) else (recs[:ready], recs[ready:])
         if session.observer is not None:
             recs += session.observer(recs)
         session.spool.write_many(recs)
         session.records += len(recs)
         session.dirty = True
+
+
+_TS = struct.Struct("<Q")  # struct hdr: ts
 
 
 def _capped(session: Session, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

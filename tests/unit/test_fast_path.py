@@ -1,0 +1,157 @@
+"""The recorder's fast path for opens (Correlator.open_record, the repeat cache in Recorder._process)
+makes exactly the records of the general path: decode() then feed(). No kernel: raw records as the
+probes write them, fed through both."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from evidence.agent.recorder import decode as d
+from evidence.agent.recorder import recording
+from evidence.agent.recorder.correlate import Correlator
+from evidence.bundle.spool import SpoolWriter, read_spool
+from tests.unit.test_recording_flush import FakeProbes
+
+RAW = [
+    bytes.fromhex(r["hex"])
+    for r in json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
+]
+CGID = 7
+
+
+def open_raw(
+    path: bytes,
+    ts: int = 1,
+    ret: int = 3,
+    dfd: int = -100,
+    oflags: int = 0,
+    mode: int = 0,
+    flags: int = 0,
+    tgid: int = 10,
+    cgid: int = CGID,
+    run: int = 1,
+) -> bytes:
+    body = struct.pack("<qQQiIIHH", ret, 0, 0, dfd, oflags, mode, 0, len(path) + 1) + path + b"\0"
+    return d.HDR.pack(ts, cgid, run, tgid, tgid, d.EV_OPEN, flags) + body
+
+
+def chdir_raw(path: bytes, ts: int = 1, tgid: int = 10) -> bytes:
+    body = struct.pack("<qQQiIIHH", 0, 0, 0, -100, 0, 0, 0, len(path) + 1) + path + b"\0"
+    return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_CHDIR, 0) + body
+
+
+def dup_raw(oldfd: int, newfd: int, ts: int = 1, tgid: int = 10) -> bytes:
+    return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_DUP, 0) + struct.pack("<qii", newfd, oldfd, newfd)
+
+
+def correlator() -> Correlator:
+    c = Correlator(1000)
+    c.add_root(10, 1, "/home/u", exe="/bin/sh")
+    c.cgroup_name = lambda cgid: None if cgid == CGID else f"sub/{cgid}"
+    c.container_of = lambda name: "c0ffee" if name == "sub/8" else None
+    c.cgroup_mount = "/sys/fs/cgroup"
+    c.run_cgroup = "/sys/fs/cgroup/run"
+    return c
+
+
+def general(raws: list[bytes]) -> list[dict[str, Any]]:
+    """The records the general path makes: decode(), then feed()."""
+    c = correlator()
+    out: list[dict[str, Any]] = []
+    for raw in raws:
+        out += c.feed(d.decode(raw))
+    return out
+
+
+MIXED = [
+    open_raw(b"/etc/hostname", ts=1),
+    open_raw(b"/etc/hostname", ts=2),  # a repeat: the same record at its own time
+    open_raw(b"/etc/hostname", ts=3, ret=-2),  # same path, another result
+    open_raw(b"a.txt", ts=4),  # relative: the cwd
+    chdir_raw(b"/srv", ts=5),
+    open_raw(b"a.txt", ts=6),  # the same bytes after a chdir: another file
+    open_raw(b"a.txt", ts=7),
+    open_raw(b"c", ts=8, dfd=3, ret=4),  # through a descriptor
+    open_raw(b"c", ts=9, dfd=77, ret=-9),  # an unknown descriptor
+    dup_raw(4, 3, ts=10),
+    open_raw(b"c", ts=11, dfd=3, ret=4),  # the same bytes, fd 3 now names another directory
+    open_raw(b"x", ts=12, flags=d.F_FNAME_FAULT, ret=-14),
+    open_raw(b"/etc/passwd", ts=13, flags=d.F_OTHER_NS),
+    open_raw(b"/etc/passwd", ts=14, cgid=8),  # a nested cgroup, in a container
+    open_raw(b"/etc/passwd", ts=15, cgid=9),
+    open_raw(b"/sys/fs/cgroup/other/cgroup.procs", ts=16, oflags=1, ret=5),  # a way out: two records
+    open_raw(b"/sys/fs/cgroup/other/cgroup.procs", ts=17, oflags=1, ret=5),
+    open_raw(b"new", ts=18, oflags=0o101, mode=0o640, ret=6),
+    open_raw(b"a\xffb/../c", ts=19, ret=-2),
+    open_raw(b"/etc/hostname", ts=20, tgid=11),  # a process first seen now
+]
+
+
+def test_open_record_makes_the_records_feed_makes() -> None:
+    c = correlator()
+    fast: list[dict[str, Any]] = []
+    for raw in [*RAW, *MIXED]:
+        if raw[d.KIND_OFF : d.KIND_OFF + 2] == d.OPEN_KIND:
+            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen = d.OPEN_REC.unpack_from(
+                raw
+            )
+            off = d.OPEN_PATH_OFF
+            fast += c.open_record(ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[off : off + plen])
+        else:
+            fast += c.feed(d.decode(raw))
+    want = general([*RAW, *MIXED])
+    assert fast == want
+    assert json.dumps(fast) == json.dumps(want)  # the same keys in the same order: the same spool bytes
+    paths = [r.get("path") for r in want if r["k"] == "open"]
+    assert "/home/u/a.txt" in paths and "/srv/a.txt" in paths and "/srv/c" in paths
+    assert any(r.get("container") == "c0ffee" for r in want)
+    assert any(r.get("mntns") == "other" for r in want)
+    assert sum(r["k"] == "degradation" for r in want) == 2
+
+
+def spooled(path: Path) -> list[dict[str, Any]]:
+    return list(read_spool(path))
+
+
+def process(tmp_path: Path, batches: list[list[bytes]]) -> list[dict[str, Any]]:
+    """The records a full-detail run's spool gets from Recorder._process over `batches`."""
+    rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
+    rec.close()  # its threads stop: _process runs here alone
+    spool = SpoolWriter(tmp_path / "s.spool.zst")
+    session = recording.Session(
+        slot=1,
+        session_id="s",
+        cgroup_path=tmp_path,
+        cgroup_id=CGID,
+        command=["x"],
+        cwd="/home/u",
+        detail="full",
+        labels={},
+        spool=spool,
+        correlator=correlator(),
+        started_ns=0,
+    )
+    rec._sessions[1] = session
+    for batch in batches:
+        rec._process(batch)
+    spool.close()
+    assert session.records == len(spooled(spool.path))
+    return spooled(spool.path)
+
+
+def test_process_spools_what_the_general_path_makes(tmp_path: Path) -> None:
+    raws = [*RAW, *MIXED, *(open_raw(b"/etc/hostname", ts=100 + i) for i in range(50))]
+    stray = open_raw(b"/etc/hostname", ts=99, run=2)  # no such run: counted, not spooled
+    got = process(tmp_path, [raws[:40], [stray, *raws[40:]]])
+    want = json.loads(json.dumps(general(raws)))  # as the spool gives them back: tuples as lists
+    assert got == want
+    assert [r["t"] for r in got[-50:]] == [1100 + i for i in range(50)]
+
+
+def test_repeats_of_a_relative_open_follow_the_cwd(tmp_path: Path) -> None:
+    raws = [open_raw(b"a", ts=1), open_raw(b"a", ts=2), chdir_raw(b"/v", ts=3), open_raw(b"a", ts=4)]
+    got = process(tmp_path, [raws])
+    assert [(r["path"], r["t"]) for r in got] == [("/home/u/a", 1001), ("/home/u/a", 1002), ("/v/a", 1004)]
