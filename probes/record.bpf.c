@@ -1,7 +1,8 @@
 // evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir, dup, and namespace, mount and ptrace calls of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
-// (struct offsets come from the running kernel's BTF, never from the installed headers).
+// (struct offsets come from the running kernel's BTF, never from the installed headers), and
+// the line of record kinds with their #defines (EV_*, K_*: defined once, in probes/kinds.py).
 // Only tracepoint arguments, BPF helpers and BTF-derived offsets are used.
 //
 // One file of ~1,100 lines on purpose: BCC compiles one text, and every program here shares the
@@ -21,25 +22,7 @@
 
 #include <asm/unistd.h>  // syscall numbers (ABI: the same in any kernel's headers)
 
-#define EV_EXEC 1
-#define EV_EXEC_OK 2
-#define EV_FORK 3
-#define EV_EXIT 4
-#define EV_OPEN 5
-#define EV_CONNECT 6
-#define EV_CHDIR 7
-#define EV_FCHDIR 8
-#define EV_DUP 9
-#define EV_RET 10
-// lost[] kinds that are not records: what a run did past its cap on distinct summary keys (not
-// kept, counted), and operations recorded one by one because the aggregation map was full
-#define K_OPEN_PAST_CAP 11
-#define K_CONNECT_PAST_CAP 12
-#define K_AGG_MAP_FULL 13
-#define EV_CHANGE 14  // a file change that is not an open: rename, unlink, link, chmod, ... (op)
-#define EV_NS 15  // a namespace, mount, chroot or ptrace call (op; see ---- namespaces and mounts)
-#define EV_DNS 16  // a DNS message sent or received (see ---- dns)
-#define EV_KINDS 17
+RECORD_KINDS
 
 #define SC_EXEC 2  // ret_ev.sc: exec is the only call whose result is a record of its own
 

@@ -2,7 +2,8 @@
 
 The .bpf.c files are package data with UPPERCASE tokens; `render` (record.bpf.c) and `render_guard`
 (connect_guard.bpf.c, tokens written `__NAME__`) replace each one and fail if any is left unfilled,
-so a typo can never reach the compiler as an undefined macro.
+so a typo can never reach the compiler as an undefined macro. record.bpf.c's RECORD_KINDS line
+becomes the #defines of the record kinds, from probes/kinds.py (their one definition).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from importlib import resources
+
+from evidence.probes import kinds
 
 _TOKENS = (
     "ARGS_BYTES",
@@ -83,12 +86,14 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     if missing:
         raise RenderError(f"no value for {', '.join(missing)}")
     text = source if source is not None else template()
+    # the record kinds, defined once (probes/kinds.py): their #defines in place of the line
+    text = re.sub(r"^RECORD_KINDS$", lambda _: kinds.c_defines(), text, count=1, flags=re.MULTILINE)
     text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)
     defines = []
     if config.have_group_dead:
         defines.append("#define HAVE_GROUP_DEAD 1")
     text = "\n".join(defines) + "\n" + text
-    left = re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
+    left = re.findall(r"\b(" + "|".join((*_TOKENS, "RECORD_KINDS")) + r")\b", text)
     if left:
         raise RenderError(f"unfilled tokens: {sorted(set(left))}")
     return text

@@ -11,37 +11,24 @@ import socket
 import struct
 from typing import Any
 
-(
-    EV_EXEC,
-    EV_EXEC_OK,
-    EV_FORK,
-    EV_EXIT,
-    EV_OPEN,
-    EV_CONNECT,
-    EV_CHDIR,
-    EV_FCHDIR,
-    EV_DUP,
-    EV_RET,
-) = range(1, 11)
-KIND_NAMES = {
-    EV_EXEC: "exec",
-    EV_EXEC_OK: "exec_ok",
-    EV_FORK: "fork",
-    EV_EXIT: "exit",
-    EV_OPEN: "open",
-    EV_CONNECT: "connect",
-    EV_CHDIR: "chdir",
-    EV_FCHDIR: "fchdir",
-    EV_DUP: "dup",
-    EV_RET: "ret",
-}
-EV_CHANGE = 14  # after the loss-only kinds 11-13 (record.bpf.c)
-KIND_NAMES[EV_CHANGE] = "change"
-EV_NS = 15  # a namespace, mount, chroot or ptrace call (op)
-KIND_NAMES[EV_NS] = "namespace"
-EV_DNS = 16  # ---- dns: a DNS message sent or received
-KIND_NAMES[EV_DNS] = "dns"
-EV_KINDS = 17
+from evidence.probes import kinds
+
+# the record kinds, defined once (probes/kinds.py; record.bpf.c gets them from there too)
+EV_EXEC = kinds.EV_EXEC
+EV_EXEC_OK = kinds.EV_EXEC_OK
+EV_FORK = kinds.EV_FORK
+EV_EXIT = kinds.EV_EXIT
+EV_OPEN = kinds.EV_OPEN
+EV_CONNECT = kinds.EV_CONNECT
+EV_CHDIR = kinds.EV_CHDIR
+EV_FCHDIR = kinds.EV_FCHDIR
+EV_DUP = kinds.EV_DUP
+EV_RET = kinds.EV_RET
+EV_CHANGE = kinds.EV_CHANGE  # a file change that is not an open (op)
+EV_NS = kinds.EV_NS  # a namespace, mount, chroot or ptrace call (op)
+EV_DNS = kinds.EV_DNS  # ---- dns: a DNS message sent or received
+EV_KINDS = kinds.EV_KINDS
+KIND_NAMES = kinds.RECORD_NAMES
 DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 

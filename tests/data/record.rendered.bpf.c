@@ -2,7 +2,8 @@
 // evidence recorder probes: exec, fork, exit, open, file changes, connect, chdir, dup, and namespace, mount and ptrace calls of tracked cgroups.
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
-// (struct offsets come from the running kernel's BTF, never from the installed headers).
+// (struct offsets come from the running kernel's BTF, never from the installed headers), and
+// the line of record kinds with their #defines (EV_*, K_*: defined once, in probes/kinds.py).
 // Only tracepoint arguments, BPF helpers and BTF-derived offsets are used.
 //
 // One file of ~1,100 lines on purpose: BCC compiles one text, and every program here shares the
