@@ -53,9 +53,11 @@ class SpoolWriter:
         self._z.write(orjson.dumps(record) + b"\n")
         self.records += 1
 
-    def write_many(self, records: list[dict[str, Any]]) -> None:
+    def write_many(self, records: list[dict[str, Any]] | list[dict[str, Any] | bytes]) -> None:
+        """Append records; an item that is bytes is a record's line already (with its newline)."""
         if records:
-            self._z.write(b"".join(orjson.dumps(r) + b"\n" for r in records))
+            dumps = orjson.dumps
+            self._z.write(b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in records))
             self.records += len(records)
 
     def flush(self) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
@@ -489,7 +491,7 @@ class Recorder:
         unpack and go to the correlator as fields (Correlator.open_record), not as a decoded dict."""
         self.stats["batches"] += 1
         self.stats["records"] += len(batch)
-        out: dict[int, list[dict[str, Any]]] = {}
+        out: dict[int, list[Any]] = {}  # records (dicts), and spool lines (bytes) of lined runs
         hashing: set[int] = set()  # runs whose records may carry an exe hash still being computed
         sessions = self._sessions
         errors = stray = 0
@@ -502,16 +504,29 @@ class Recorder:
         # bytes after the time are the same (same run, cgroup, thread, flags, result, path) right after
         # it makes the same record at its own time: nothing between them changed what it depends on
         # (the process's exe and tables change only through other records, which reset this).
+        # A repeat of a run whose spool takes lines (_takes_lines) is its spool line, made from the
+        # last record's line with its own time: no dict, no serialisation (`lined`: such runs).
         last_tail = b""
         last_rec: dict[str, Any] = {}
+        last_line: tuple[bytes, bytes] | None = None
+        lined: set[int] = set()
         session = None
+        run = flags = 0
         for raw in batch:
+            recs: list[Any]
             if raw[kind_off : kind_off + 2] == open_kind and len(raw) >= path_off:
                 tail = raw[8:]
                 if tail == last_tail and session is not None and not session.finished:
-                    rec = last_rec.copy()
-                    rec["t"] = ts_of(raw)[0] + session.correlator.wall_offset_ns
-                    recs = [rec]
+                    t = ts_of(raw)[0] + session.correlator.wall_offset_ns
+                    if last_line is None and _takes_lines(session, flags):
+                        last_line = _line_around_time(last_rec)
+                    if last_line is not None:
+                        recs = [last_line[0] + b"%d" % t + last_line[1]]
+                        lined.add(run)
+                    else:
+                        rec = last_rec.copy()
+                        rec["t"] = t
+                        recs = [rec]
                 else:
                     ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, _, plen = unpack(
                         raw
@@ -525,7 +540,7 @@ class Recorder:
                         ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen]
                     )
                     if len(recs) == 1:
-                        last_tail, last_rec = tail, recs[0].copy()
+                        last_tail, last_rec, last_line = tail, recs[0].copy(), None
                     else:
                         last_tail = b""
                 if flags & dec.F_STATE:
@@ -571,7 +586,7 @@ class Recorder:
         for slot, recs in out.items():
             session = sessions.get(slot)
             if session is not None and not session.finished:
-                self._write(session, recs, settle=slot in hashing)
+                self._write(session, recs, settle=slot in hashing, lines=slot in lined)
 
     @staticmethod
     def _first(session: Session, key: tuple[int, ...], recs: list[dict[str, Any]]) -> None:
@@ -581,10 +596,14 @@ class Recorder:
             if fields is not None:
                 session.firsts[key] = {f: r[f] for f in fields if f in r}
 
-    def _write(self, session: Session, recs: list[dict[str, Any]], settle: bool = True) -> None:
+    def _write(self, session: Session, recs: list[Any], settle: bool = True, lines: bool = False) -> None:
         """Spool `recs` after the records held back (in order), up to the first exec whose hash is
         still being computed (exe_hash.settle). `settle=False`: no record of `recs` is an exec (none
-        can wait for a hash), so only records held back before need it."""
+        can wait for a hash), so only records held back before need it. `lines`: some of `recs` are
+        spool lines already (bytes), for a SpoolWriter; they become records again if anything else
+        is to look at them (a hash to settle, records held back, an observer set meanwhile)."""
+        if lines and (settle or session.held or session.observer is not None):
+            recs = [orjson.loads(r) if r.__class__ is bytes else r for r in recs]
         if session.held:
             session.held.extend(recs)
             recs = session.held
@@ -603,6 +622,30 @@ class Recorder:
 
 
 _TS = struct.Struct("<Q")  # struct hdr: ts
+_OPEN_LINE_HEAD = b'{"k":"open","t":'
+
+
+def _takes_lines(session: Session, flags: int) -> bool:
+    """Whether a repeated open of `session` may go to its spool as a line (bytes), not a record:
+    every operation is kept (full detail: nothing to cap or count first), nothing looks at the
+    records on their way (no observer), and the spool is a plain SpoolWriter (a wrapper passes
+    records on)."""
+    return (
+        session.max_distinct == 0
+        and not flags & (dec.F_FIRST | dec.F_STATE)
+        and session.observer is None
+        and type(session.spool) is SpoolWriter
+    )
+
+
+def _line_around_time(rec: dict[str, Any]) -> tuple[bytes, bytes]:
+    """An open record's spool line without its time: (before, after), the line being before + the
+    time in decimal + after (with the newline)."""
+    line = orjson.dumps(rec)
+    if not line.startswith(_OPEN_LINE_HEAD):  # pragma: no cover - correlate.py makes "k", then "t"
+        raise ValueError("an open record that does not start with its kind and time")
+    comma = line.index(b",", len(_OPEN_LINE_HEAD))
+    return _OPEN_LINE_HEAD, line[comma:] + b"\n"
 
 
 def _capped(session: Session, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -116,8 +116,11 @@ def spooled(path: Path) -> list[dict[str, Any]]:
     return list(read_spool(path))
 
 
-def process(tmp_path: Path, batches: list[list[bytes]]) -> list[dict[str, Any]]:
-    """The records a full-detail run's spool gets from Recorder._process over `batches`."""
+def process(
+    tmp_path: Path, batches: list[list[bytes]], observed: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """The records a full-detail run's spool gets from Recorder._process over `batches` (with an
+    observer that keeps what it is shown in `observed`, if given)."""
     rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
     rec.close()  # its threads stop: _process runs here alone
     spool = SpoolWriter(tmp_path / "s.spool.zst")
@@ -134,6 +137,8 @@ def process(tmp_path: Path, batches: list[list[bytes]]) -> list[dict[str, Any]]:
         correlator=correlator(),
         started_ns=0,
     )
+    if observed is not None:
+        session.observer = lambda recs: observed.extend(recs) or []
     rec._sessions[1] = session
     for batch in batches:
         rec._process(batch)
@@ -155,3 +160,25 @@ def test_repeats_of_a_relative_open_follow_the_cwd(tmp_path: Path) -> None:
     raws = [open_raw(b"a", ts=1), open_raw(b"a", ts=2), chdir_raw(b"/v", ts=3), open_raw(b"a", ts=4)]
     got = process(tmp_path, [raws])
     assert [(r["path"], r["t"]) for r in got] == [("/home/u/a", 1001), ("/home/u/a", 1002), ("/v/a", 1004)]
+
+
+REPEATS = [open_raw(b"/etc/hostname", ts=100 + i) for i in range(20)]
+EXEC = next(r for r in RAW if r[d.KIND_OFF : d.KIND_OFF + 2] == struct.pack("<H", d.EV_EXEC_OK))
+
+
+def test_repeats_are_spool_lines_of_the_same_bytes(tmp_path: Path) -> None:
+    # full detail, no observer, a plain SpoolWriter: repeats go to the spool as lines
+    got = process(tmp_path, [REPEATS])
+    assert got == json.loads(json.dumps(general(REPEATS)))
+
+
+def test_an_observer_is_shown_records_never_lines(tmp_path: Path) -> None:
+    seen: list[Any] = []
+    got = process(tmp_path, [REPEATS, [*REPEATS, EXEC]], observed=seen)
+    assert all(isinstance(r, dict) for r in seen) and len(seen) == len(got) == 41
+    assert got == json.loads(json.dumps(general([*REPEATS, *REPEATS, EXEC])))
+
+
+def test_lines_become_records_again_when_an_exec_is_in_the_batch(tmp_path: Path) -> None:
+    batch = [*REPEATS[:10], EXEC, *REPEATS[10:]]
+    assert process(tmp_path, [batch]) == json.loads(json.dumps(general(batch)))
