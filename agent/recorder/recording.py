@@ -2,10 +2,12 @@
 
 Threads:
 - poller: waits on the ring buffer (wakeups are batched by the probes, and it polls on a short timer),
-  collects raw records into a batch and hands whole batches to a bounded queue. When the queue is
+  lets records gather a few milliseconds after a wakeup (GATHER_SECONDS), collects the raw records
+  into a batch and hands whole batches to a bounded queue. When the queue is
   full it stops reading, so back-pressure lands in the kernel's ring buffer, where every record that
   does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
-- correlator: decodes each batch, routes records to their run by slot, correlates them and appends
+- correlator: takes the batches waiting in the queue together (COALESCE), decodes them (opens, the
+  bulk of any run, in one unpack each), routes records to their run by slot, correlates them and appends
   the results to the run's zstandard spool on disk, so memory stays flat however long the run is.
   It flushes every spool with new records at least once a second (FLUSH_SECONDS), so a recorder
   killed outright loses at most about a second of records.
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 50
 QUEUE_BATCHES = 256
+GATHER_SECONDS = 0.005  # after a wakeup, the poller waits this long before it reads (see _poll_loop)
+COALESCE = 65536  # records: the correlator processes the batches waiting in the queue together, up to this
 # Each run's spool is flushed to disk at least this often while records arrive (and within this
 # long after the last ones): a recorder killed with SIGKILL leaves at most about this much unwritten.
 FLUSH_SECONDS = 1.0
@@ -441,6 +445,9 @@ class Recorder:
             try:
                 if self._barriers.empty():
                     self._ring.wait(POLL_MS)
+                    # let records gather: one read of many, not many reads of a few (a kernel wakeup
+                    # comes every WAKEUP_EVERY records, and each read and batch has a cost of its own)
+                    self._stop.wait(GATHER_SECONDS)
                 self._drain_ring()
                 if not self._barriers.empty():
                     barriers = []
@@ -461,16 +468,33 @@ class Recorder:
             except queue.Empty:
                 pass
             else:
-                if item is None:
-                    return
-                if isinstance(item, threading.Event):
-                    item.set()
-                else:
-                    self._process(item)
+                for after in self._process_waiting(item) if isinstance(item, list) else [item]:
+                    if after is None:
+                        return
+                    after.set()
             now = time.monotonic()
             if now >= next_flush:
                 self._flush_spools()
                 next_flush = now + FLUSH_SECONDS
+
+    def _process_waiting(self, batch: list[bytes]) -> list[threading.Event | None]:
+        """Process `batch` together with the batches queued behind it (up to COALESCE records): a
+        consumer that keeps up reads the ring buffer often, a few records at a time, and each batch
+        has a cost of its own. Returns the barrier or stop that ended the run of batches, if one
+        did, for the caller to handle after them (a barrier still follows every record read
+        before it)."""
+        after: list[threading.Event | None] = []
+        while len(batch) < COALESCE:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, list):
+                after.append(item)
+                break
+            batch += item
+        self._process(batch)
+        return after
 
     def _flush_spools(self) -> None:
         """Flush the spools written to since the last flush (on the correlator thread, the only one

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,33 @@ def test_an_observer_is_shown_records_never_lines(tmp_path: Path) -> None:
 def test_lines_become_records_again_when_an_exec_is_in_the_batch(tmp_path: Path) -> None:
     batch = [*REPEATS[:10], EXEC, *REPEATS[10:]]
     assert process(tmp_path, [batch]) == json.loads(json.dumps(general(batch)))
+
+
+def test_waiting_batches_are_processed_together_up_to_a_barrier(tmp_path: Path) -> None:
+    rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
+    rec.close()  # its threads stop: the queue is read here alone
+    spool = SpoolWriter(tmp_path / "s.spool.zst")
+    corr = correlator()
+    rec._sessions[1] = recording.Session(
+        slot=1,
+        session_id="s",
+        cgroup_path=tmp_path,
+        cgroup_id=CGID,
+        command=["x"],
+        cwd="/home/u",
+        detail="full",
+        labels={},
+        spool=spool,
+        correlator=corr,
+        started_ns=0,
+    )
+    barrier = threading.Event()
+    for item in ([REPEATS[0]], REPEATS[1:5], barrier, REPEATS[5:]):
+        rec._queue.put(item)
+    first = rec._queue.get()
+    assert isinstance(first, list)
+    assert rec._process_waiting(first) == [barrier]  # what was read before the barrier is spooled first
+    assert rec.stats["batches"] == 1 and rec.stats["records"] == 5
+    assert rec._queue.get_nowait() == REPEATS[5:]
+    spool.close()
+    assert [r["t"] for r in spooled(spool.path)] == [1100 + i for i in range(5)]
