@@ -247,6 +247,9 @@ class Correlator:
         # (cgroup name, container id)
         self._paths: dict[Any, tuple[str, str]] = {}
         self._cgroups: dict[int, tuple[str | None, str | None]] = {}
+        # (pid, path) of the writes to another cgroup's procs said already (of opens counted in the
+        # kernel: the first of each key says it with its record)
+        self._left: set[tuple[int, str]] = set()
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -290,7 +293,8 @@ class Correlator:
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
         the most frequent records, and most name a path the run named before: the decoded and
         resolved path is cached by what it depends on (the bytes, and for a relative path the
-        directory it is resolved against)."""
+        directory it is resolved against). An open the kernel counted already (F_STATE) only updates
+        the descriptor table and makes no record (Recorder._process would drop it)."""
         p = self.procs.get(tgid) or self._proc(tgid)
         if flags & d.F_FNAME_FAULT:
             path = raw_path = UNREADABLE
@@ -309,6 +313,14 @@ class Correlator:
                 self._paths[key] = (raw_path, path)
             else:
                 raw_path, path = hit
+        if flags & d.F_STATE:  # counted by the kernel already: only the descriptor table needs it,
+            if ret < 0:  # and a write to another cgroup's procs its degradation (even past the cap)
+                return []
+            p.fds[ret] = path
+            if not oflags & 3 or (p.pid, path) in self._left:
+                return []
+            self._left.add((p.pid, path))  # said once per process and file: a repeat adds nothing
+            return self._leaving(p, path, ts + self.wall_offset_ns)
         names, access = decode_open_flags(oflags)
         t = ts + self.wall_offset_ns
         if ret >= 0:

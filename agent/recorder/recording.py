@@ -563,13 +563,15 @@ class Recorder:
                     recs = session.correlator.open_record(
                         ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen]
                     )
-                    if len(recs) == 1:
+                    if len(recs) == 1 and not flags & dec.F_STATE:
                         last_tail, last_rec, last_line = tail, recs[0].copy(), None
                     else:
                         last_tail = b""
-                if flags & dec.F_STATE:
-                    continue  # counted by the kernel already: it only updated the cwd and descriptor tables
-                if flags & dec.F_FIRST:
+                if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
+                    if not recs:
+                        continue
+                    # what is left is a degradation (a write to another cgroup's procs): kept
+                elif flags & dec.F_FIRST:
                     self._first(
                         session,
                         (exe_tok, tok, cgid, dec.EV_OPEN, oflags & dec.ACCESS_BITS, min(ret, 0)),
@@ -594,9 +596,11 @@ class Recorder:
                     continue
                 hashing.add(run)
                 flags = ev["flags"]
-                if flags & dec.F_STATE:
-                    continue  # counted by the kernel already: it only updated the cwd and descriptor tables
-                if flags & dec.F_FIRST:
+                if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
+                    if not recs:
+                        continue
+                    # what is left is a degradation (a write to another cgroup's procs): kept
+                elif flags & dec.F_FIRST:
                     self._first(session, dec.agg_key(ev), recs)
                 elif session.max_distinct:
                     recs = _capped(session, recs)

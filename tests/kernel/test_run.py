@@ -380,6 +380,26 @@ def test_a_job_that_moves_itself_out_of_the_runs_cgroup_is_flagged(tmp_path: Pat
     assert "EV002" in lint.stdout
 
 
+def test_moving_out_past_the_cap_on_distinct_keys_is_still_flagged(tmp_path: Path) -> None:
+    """A job that first floods distinct paths past the run's cap (its opens are then counted in the
+    kernel, not sent) and then moves itself out of the run's cgroup is still flagged: the open of
+    cgroup.procs for writing says so even though it makes no record of its own."""
+    import os
+
+    from evidence.agent.recorder.cgroups import find_cgroup2_mount
+
+    procs = find_cgroup2_mount() / "cgroup.procs"
+    flood = "for i in $(seq 40); do cat /nonexistent/$i 2>/dev/null; done"
+    env = {**os.environ, "EVIDENCE_MAX_DISTINCT": "8"}
+    proc, manifest, events = record(
+        tmp_path, "sh", "-c", f"{flood}; echo $$ > {procs}; echo $$ > {procs}; cat /etc/hostname", env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert manifest["lost"]["by_kind"].get("open_past_cap", 0) > 0  # the cap was reached first
+    (d,) = [e["data"] for e in of_type(events, "degradation") if e["data"]["component"] == "cgroup"]
+    assert str(procs) in d["reason"] and "not recorded" in d["impact"]  # once, not per write
+
+
 def test_sends_to_an_address_without_connect_are_recorded(tmp_path: Path) -> None:
     """UDP sendto/sendmsg/sendmmsg to an explicit address reach the network as surely as a
     connect: each is a network.connect to that address. Sends on a connected socket are not
