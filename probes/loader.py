@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from evidence.probes import btf
+from evidence.probes import btf, kinds
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import ProbeConfig, render
 from evidence.probes.ringbuf import RingBuffer
@@ -23,7 +23,7 @@ from evidence.probes.ringbuf import RingBuffer
 logger = logging.getLogger(__name__)
 
 TRACEFS = Path("/sys/kernel/tracing")
-EV_KINDS = 17
+EV_KINDS = kinds.EV_KINDS
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
 SYSCALL_HANDLERS = {
@@ -79,25 +79,8 @@ SYSCALL_HANDLERS = {
 # one program per tracepoint (connect and the sends call the DNS code from their own handlers).
 DNS_ENTER = ("close", "read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
 DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
-KIND_NAMES = [
-    "none",
-    "exec",
-    "exec_ok",
-    "fork",
-    "exit",
-    "open",
-    "connect",
-    "chdir",
-    "fchdir",
-    "dup",
-    "ret",
-    "open_past_cap",  # not kept: past the run's cap on distinct summary keys (counted)
-    "connect_past_cap",
-    "agg_map_full",  # not loss: recorded one by one because the aggregation map was full
-    "change",
-    "namespace",  # 15: namespace, mount, chroot and ptrace calls
-    "dns",  # 16
-]
+# a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
+KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
 # struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
 _CALL = struct.Struct("<QQIiQIIQ")
@@ -178,14 +161,14 @@ class RecorderProbes:
         out = {}
         for kind in range(1, EV_KINDS):
             n = _U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + kind)])[0]
-            name = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"kind{kind}"
+            name = KIND_NAMES[kind]
             if n and name not in NOT_LOSS:
                 out[name] = int(n)
         return out
 
     def read_fallbacks(self, slot: int) -> int:
         """Operations recorded one by one because the aggregation map was full (not loss)."""
-        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + KIND_NAMES.index("agg_map_full"))])[0])
+        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + kinds.K_AGG_MAP_FULL)])[0])
 
     def set_aggregation(self, slot: int, max_distinct: int) -> None:
         """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
