@@ -13,11 +13,6 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-import dns.flags
-import dns.message
-import dns.rcode
-import dns.rdatatype
-
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # queries waiting for their answer (past it the oldest is recorded unanswered)
@@ -46,6 +41,10 @@ def _text(name: Any) -> str:
 def parse(payload: bytes) -> Message | None:
     """The DNS message in `payload` (a DNS-over-TCP length prefix allowed), None when it is not one.
     Hostile bytes cannot make it raise."""
+    # dnspython is imported at the first DNS message, outside the try below (an import error must not
+    # pass for a malformed message); most runs send none, and the import costs ~40 ms of every start
+    import dns.message  # noqa: F401 - _parse's imports then cost nothing
+
     candidates = [payload]
     if len(payload) > 2 and int.from_bytes(payload[:2], "big") == len(payload) - 2:
         candidates.append(payload[2:])
@@ -58,6 +57,11 @@ def parse(payload: bytes) -> Message | None:
 
 
 def _parse(data: bytes) -> Message:
+    import dns.flags
+    import dns.message
+    import dns.rcode
+    import dns.rdatatype
+
     msg = dns.message.from_wire(data, one_rr_per_rrset=True)
     name = qtype = None
     if msg.question:

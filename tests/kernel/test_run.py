@@ -400,6 +400,29 @@ def test_moving_out_past_the_cap_on_distinct_keys_is_still_flagged(tmp_path: Pat
     assert str(procs) in d["reason"] and "not recorded" in d["impact"]  # once, not per write
 
 
+def test_an_exec_flood_past_the_writers_memory_is_written_whole(tmp_path: Path) -> None:
+    """Execs are never aggregated: a job (as nobody) that runs many distinct commands would grow the
+    writer's memory with each. Past its budget (EVIDENCE_WRITER_MEMORY, small here) the writer puts
+    the run id's sets on disk and streams the events in a second pass: every exec is still in the
+    bundle, which verifies, and the run id is the one an unbounded writer gives the same spool."""
+    import os
+
+    script = "i=0; while [ $i -lt 300 ]; do /bin/true flood-$i; i=$((i+1)); done"
+    nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    runs = {}
+    for memory in ("40", "1000000"):
+        env = {**os.environ, "EVIDENCE_WRITER_MEMORY": memory}
+        proc, manifest, events = record(
+            tmp_path, *nobody, "sh", "-c", script, env=env, name=f"{memory}.tar.gz"
+        )
+        assert proc.returncode == 0, proc.stderr
+        argv = {tuple(e["data"]["argv"]) for e in of_type(events, "process.exec")}
+        assert {("/bin/true", f"flood-{i}") for i in range(300)} <= argv
+        assert evidence("lint", str(tmp_path / f"{memory}.tar.gz")).returncode in (0, 1)
+        runs[memory] = manifest["run_id"]
+    assert runs["40"] == runs["1000000"]  # the same behaviour, the same run id, bounded or not
+
+
 def test_sends_to_an_address_without_connect_are_recorded(tmp_path: Path) -> None:
     """UDP sendto/sendmsg/sendmmsg to an explicit address reach the network as surely as a
     connect: each is a network.connect to that address. Sends on a connected socket are not
