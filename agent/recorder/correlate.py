@@ -321,30 +321,8 @@ class Correlator:
                 return []
             self._left.add((p.pid, path))  # said once per process and file: a repeat adds nothing
             return self._leaving(p, path, ts + self.wall_offset_ns)
-        names, access = decode_open_flags(oflags)
-        t = ts + self.wall_offset_ns
-        if ret >= 0:
-            p.fds[ret] = path
-            result: int | str = 0
-            out = self._leaving(p, path, t) if "write" in access else []
-        else:
-            result = errno_name(-ret)
-            out = []
-        rec = {
-            "k": "open",
-            "t": t,
-            "pid": p.pid,
-            "ppid": p.ppid,
-            "exe": p.exe,
-            "path": path,
-            "raw_path": raw_path,
-            "dirfd": None if dfd == AT_FDCWD else dfd,
-            "flags": names,
-            "access": access,
-            "mode": mode if "create" in access else None,
-            "result": result,
-        }
-        out.append(rec)
+        out = self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret)
+        rec = out[-1]
         if self.cgroup_name is not None:
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
@@ -354,6 +332,35 @@ class Correlator:
                         r["container"] = container
         if flags & d.F_OTHER_NS:
             rec["mntns"] = "other"
+        return out
+
+    def _open(
+        self, p: Proc, t: int, path: str, raw_path: str, dfd: int, oflags: int, mode: int, ret: int
+    ) -> list[dict[str, Any]]:
+        """An open's record, last, after the degradation a write to another cgroup's procs makes;
+        a descriptor it returns now names `path`. One shape for open_record and feed."""
+        names, access = decode_open_flags(oflags)
+        out = []
+        if ret >= 0:
+            p.fds[ret] = path
+            if "write" in access:
+                out = self._leaving(p, path, t)
+        out.append(
+            {
+                "k": "open",
+                "t": t,
+                "pid": p.pid,
+                "ppid": p.ppid,
+                "exe": p.exe,
+                "path": path,
+                "raw_path": raw_path,
+                "dirfd": None if dfd == AT_FDCWD else dfd,
+                "flags": names,
+                "access": access,
+                "mode": mode if "create" in access else None,
+                "result": result_of(ret),
+            }
+        )
         return out
 
     def _cgroup_named(self, cgid: int) -> tuple[str | None, str | None]:
@@ -640,27 +647,7 @@ class Correlator:
                 path = enter["path"] = UNREADABLE
             else:
                 path = self._resolve(p, enter["path"], enter["dfd"])
-            if ret >= 0:
-                p.fds[ret] = path
-            names, access = decode_open_flags(enter["oflags"])
-            creates = "create" in access
-            out = self._leaving(p, path, t) if ret >= 0 and "write" in access else []
-            return out + [
-                {
-                    "k": "open",
-                    "t": t,
-                    "pid": p.pid,
-                    "ppid": p.ppid,
-                    "exe": p.exe,
-                    "path": path,
-                    "raw_path": enter["path"],
-                    "dirfd": None if enter["dfd"] == AT_FDCWD else enter["dfd"],
-                    "flags": names,
-                    "access": access,
-                    "mode": enter["mode"] if creates else None,
-                    "result": result_of(ret),
-                }
-            ]
+            return self._open(p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret)
         if kind == "change":
             return [self._change(p, enter, ret, t)]
         if kind == "namespace":
