@@ -321,15 +321,10 @@ class Correlator:
                 return []
             self._left.add((p.pid, path))  # said once per process and file: a repeat adds nothing
             return self._leaving(p, path, ts + self.wall_offset_ns)
-        out = self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret)
+        out = self._named(
+            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret), cgid
+        )
         rec = out[-1]
-        if self.cgroup_name is not None:
-            name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
-            if name is not None:
-                for r in out:
-                    r["cgroup"] = name
-                    if container:
-                        r["container"] = container
         if flags & d.F_OTHER_NS:
             rec["mntns"] = "other"
         return out
@@ -375,7 +370,7 @@ class Correlator:
 
     def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
         """Consume one decoded record; return the spool records it completes."""
-        out = self._named(self._feed(ev), ev)
+        out = self._named(self._feed(ev), ev.get("cgid", 0))
         if out and ev["flags"] & d.F_OTHER_NS:
             # by a process that left the run's mount or user namespace (or mounted, or chrooted):
             # its paths may name other files than the same paths in the run's namespace
@@ -444,16 +439,17 @@ class Correlator:
         are read from the kernel's map by the recorder and come as records with NO_RESULT.)"""
         out: list[dict[str, Any]] = []
         for enter in list(self.pending.values()):
-            out += self._named(self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter)
+            out += self._named(
+                self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter.get("cgid", 0)
+            )
         self.pending.clear()
         for query in self.dns.flush():  # ---- dns: the queries whose answer was not seen
-            out += self._named([query], {"cgid": query.pop("_cgid", 0)})
+            out += self._named([query], query.pop("_cgid", 0))
         return out
 
-    def _named(self, out: list[dict[str, Any]], ev: dict[str, Any]) -> list[dict[str, Any]]:
-        """The records, with the cgroup (and container) of the record `ev` when not the run's own."""
+    def _named(self, out: list[dict[str, Any]], cgid: int) -> list[dict[str, Any]]:
+        """The records, with the cgroup (and container) of cgroup `cgid` when not the run's own."""
         if out and self.cgroup_name is not None:
-            cgid = ev.get("cgid", 0)
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
                 for rec in out:
