@@ -117,13 +117,11 @@ def spooled(path: Path) -> list[dict[str, Any]]:
     return list(read_spool(path))
 
 
-def process(
-    tmp_path: Path, batches: list[list[bytes]], observed: list[Any] | None = None
-) -> list[dict[str, Any]]:
-    """The records a full-detail run's spool gets from Recorder._process over `batches` (with an
-    observer that keeps what it is shown in `observed`, if given)."""
+def stopped_recorder(tmp_path: Path) -> tuple[recording.Recorder, recording.Session, SpoolWriter]:
+    """A Recorder whose threads are stopped (its queue and _process run in the test alone), with
+    one full-detail run in slot 1 spooling to a plain SpoolWriter."""
     rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
-    rec.close()  # its threads stop: _process runs here alone
+    rec.close()
     spool = SpoolWriter(tmp_path / "s.spool.zst")
     session = recording.Session(
         slot=1,
@@ -138,9 +136,18 @@ def process(
         correlator=correlator(),
         started_ns=0,
     )
+    rec._sessions[1] = session
+    return rec, session, spool
+
+
+def process(
+    tmp_path: Path, batches: list[list[bytes]], observed: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """The records a full-detail run's spool gets from Recorder._process over `batches` (with an
+    observer that keeps what it is shown in `observed`, if given)."""
+    rec, session, spool = stopped_recorder(tmp_path)
     if observed is not None:
         session.observer = lambda recs: observed.extend(recs) or []
-    rec._sessions[1] = session
     for batch in batches:
         rec._process(batch)
     spool.close()
@@ -186,23 +193,7 @@ def test_lines_become_records_again_when_an_exec_is_in_the_batch(tmp_path: Path)
 
 
 def test_waiting_batches_are_processed_together_up_to_a_barrier(tmp_path: Path) -> None:
-    rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
-    rec.close()  # its threads stop: the queue is read here alone
-    spool = SpoolWriter(tmp_path / "s.spool.zst")
-    corr = correlator()
-    rec._sessions[1] = recording.Session(
-        slot=1,
-        session_id="s",
-        cgroup_path=tmp_path,
-        cgroup_id=CGID,
-        command=["x"],
-        cwd="/home/u",
-        detail="full",
-        labels={},
-        spool=spool,
-        correlator=corr,
-        started_ns=0,
-    )
+    rec, _, spool = stopped_recorder(tmp_path)
     barrier = threading.Event()
     for item in ([REPEATS[0]], REPEATS[1:5], barrier, REPEATS[5:]):
         rec._queue.put(item)

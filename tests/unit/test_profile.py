@@ -11,6 +11,7 @@ from evidence.bundle.writer import RunMeta, write_bundle
 from evidence.cli import main
 from evidence.policy.model import load_policy, parse_policy
 from evidence.policy.profile import build_profile, collect
+from tests.unit import conftest_bundles as cb
 
 T0 = 1_700_000_000_000_000_000
 
@@ -319,44 +320,15 @@ def test_profile_to_file(dirs: dict[str, str]) -> None:
 
 
 def test_connects_the_run_resolved_are_allowed_by_name(dirs: dict[str, str]) -> None:
-    def conn(t: int, family: str, address: str, port: int) -> dict[str, Any]:
-        return dict(
-            k="connect",
-            t=T0 + t,
-            pid=102,
-            ppid=101,
-            exe="/usr/bin/curl",
-            family=family,
-            address=address,
-            port=port,
-            result=0,
-        )
-
-    def dns(t: int, name: str, addresses: list[str], result: str = "NOERROR") -> dict[str, Any]:
-        return dict(
-            k="dns",
-            t=T0 + t,
-            pid=102,
-            ppid=101,
-            exe="/usr/bin/curl",
-            server="127.0.0.53",
-            port=53,
-            name=name,
-            type="A",
-            result=result,
-            answers=[],
-            addresses=addresses,
-        )
-
     records = [
         *_records(dirs),
-        dns(30, "registry.example", ["192.0.2.7", "2001:db8::7"]),
-        dns(31, "evil name", ["192.0.2.66"]),  # not a host name a rule can hold: the address is allowed
-        dns(32, "gone.example", [], result="NXDOMAIN"),
-        conn(33, "AF_INET", "127.0.0.53", 53),
-        conn(34, "AF_INET6", "::ffff:192.0.2.7", 443),
-        conn(35, "AF_INET6", "2001:db8::7", 443),
-        conn(36, "AF_INET", "192.0.2.66", 80),
+        cb.dns(30, "registry.example", ["192.0.2.7", "2001:db8::7"]),
+        cb.dns(31, "evil name", ["192.0.2.66"]),  # not a host name a rule can hold: the address is allowed
+        cb.dns(32, "gone.example", [], result="NXDOMAIN"),
+        cb.connect(33, "127.0.0.53", 53),
+        cb.connect(34, "::ffff:192.0.2.7", 443, family="AF_INET6"),
+        cb.connect(35, "2001:db8::7", 443, family="AF_INET6"),
+        cb.connect(36, "192.0.2.66", 80),
     ]
     bundle = _bundle(dirs, records)
     from evidence.bundle.reader import read_events, read_manifest
