@@ -12,17 +12,15 @@ import logging
 import mmap
 import os
 import struct
-from pathlib import Path
 from typing import Any
 
-from evidence.probes import btf, kinds
+from evidence.probes import btf, kinds, objcache
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import ProbeConfig, render
 from evidence.probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
-TRACEFS = Path("/sys/kernel/tracing")
 EV_KINDS = kinds.EV_KINDS
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
@@ -95,7 +93,7 @@ _HDR_RUN_KIND = struct.Struct("<16xI8xH")  # struct hdr: run (at 16) and kind (a
 
 def detect_config(**overrides: Any) -> ProbeConfig:
     """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here."""
-    events = TRACEFS / "events"
+    events = objcache.TRACEFS / "events"
     exit_fmt = (events / "sched/sched_process_exit/format").read_text()
     values: dict[str, Any] = {
         "offsets": btf.probe_offsets(),
@@ -107,8 +105,6 @@ def detect_config(**overrides: Any) -> ProbeConfig:
 
 class RecorderProbes:
     def __init__(self, config: ProbeConfig | None = None) -> None:
-        from evidence.probes import objcache  # imported here: only the recorder needs BCC
-
         headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
@@ -123,7 +119,7 @@ class RecorderProbes:
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
-                if not (TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
+                if not (objcache.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
                     continue
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit")

@@ -73,7 +73,7 @@ _PERF_ATTR = struct.Struct("<IIQQQQQII")  # type, size, config, sample_period, s
 _PERF_ATTR_SIZE = 128
 _ELEM = struct.Struct("<IIQQQ")  # map_fd, pad, key, value (or next_key), flags
 _BATCH = struct.Struct("<QQQQIIQQ")  # in_batch, out_batch, keys, values, count, map_fd, elem_flags, flags
-TRACEFS = Path("/sys/kernel/tracing")
+TRACEFS = Path("/sys/kernel/tracing")  # where tracepoints are named (the recorder mounts it)
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
 _INSN = struct.Struct("<BBhi")  # code, dst:4|src:4, off, imm
@@ -358,8 +358,8 @@ class Map:
         self.type = m.type
         self.key_size = m.key_size
         self.max_entries = m.max_entries
-        self.cpus = possible_cpus() if m.type in _MAP_TYPE_PERCPU else 1
         percpu = m.type in _MAP_TYPE_PERCPU
+        self.cpus = possible_cpus() if percpu else 1
         self.cpu_value_size = (m.value_size + 7) & ~7 if percpu else m.value_size
         self.value_size = self.cpu_value_size * self.cpus
 

@@ -13,9 +13,10 @@ import os
 import re
 from pathlib import Path
 
+from evidence.probes.objcache import TRACEFS as TRACEFS  # doctor reads it here
+
 logger = logging.getLogger(__name__)
 
-TRACEFS = Path("/sys/kernel/tracing")
 BTF_PATH = Path("/sys/kernel/btf/vmlinux")
 # the process's own symbols, libc's among them: not ctypes.util.find_library, which runs
 # `ldconfig -p` (and gcc when that fails) at every start of `evidence run`
