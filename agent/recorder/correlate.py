@@ -319,8 +319,10 @@ class Correlator:
             p.fds[ret] = path
             if not oflags & 3 or (p.pid, path) in self._left:
                 return []
-            self._left.add((p.pid, path))  # said once per process and file: a repeat adds nothing
-            return self._leaving(p, path, ts + self.wall_offset_ns)
+            out = self._leaving(p, path, ts + self.wall_offset_ns)
+            if out:  # said once per process and file: a repeat adds nothing
+                self._left.add((p.pid, path))
+            return out
         out = self._named(
             self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret), cgid
         )

@@ -204,3 +204,24 @@ def test_waiting_batches_are_processed_together_up_to_a_barrier(tmp_path: Path) 
     assert rec._queue.get_nowait() == REPEATS[5:]
     spool.close()
     assert [r["t"] for r in spooled(spool.path)] == [1100 + i for i in range(5)]
+
+
+def test_counted_opens_make_no_record_and_leaving_the_run_is_said_once() -> None:
+    """An open the kernel counted already (F_STATE) only updates the descriptor table; a write to
+    another cgroup's procs still says the process may leave the run, once per process and file;
+    the set that remembers it holds only those, however many files are written."""
+    c = correlator()
+    for i in range(1000):
+        raw = open_raw(f"/home/u/out{i}".encode(), ts=i, oflags=0o1, flags=d.F_STATE)
+        assert c.open_record(*_fields(raw)) == []
+    assert c.procs[10].fds[3] == "/home/u/out999"
+    procs = open_raw(b"/sys/fs/cgroup/cgroup.procs", ts=2000, oflags=0o1, flags=d.F_STATE)
+    (said,) = c.open_record(*_fields(procs))
+    assert said["k"] == "degradation" and "/sys/fs/cgroup/cgroup.procs" in said["reason"]
+    assert c.open_record(*_fields(procs)) == []  # said once
+    assert c._left == {(10, "/sys/fs/cgroup/cgroup.procs")}
+
+
+def _fields(raw: bytes) -> tuple[Any, ...]:
+    ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen = d.OPEN_REC.unpack_from(raw)
+    return ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[d.OPEN_PATH_OFF : d.OPEN_PATH_OFF + plen]
