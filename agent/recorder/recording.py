@@ -536,6 +536,7 @@ class Recorder:
         lined: set[int] = set()
         session = None
         run = flags = 0
+        first: tuple[int, ...] = ()  # the kernel's aggregation key of a record marked F_FIRST
         for raw in batch:
             recs: list[Any]
             if raw[kind_off : kind_off + 2] == open_kind and len(raw) >= path_off:
@@ -567,18 +568,8 @@ class Recorder:
                         last_tail, last_rec, last_line = tail, recs[0].copy(), None
                     else:
                         last_tail = b""
-                if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
-                    if not recs:
-                        continue
-                    # what is left is a degradation (a write to another cgroup's procs): kept
-                elif flags & dec.F_FIRST:
-                    self._first(
-                        session,
-                        (exe_tok, tok, cgid, dec.EV_OPEN, oflags & dec.ACCESS_BITS, min(ret, 0)),
-                        recs,
-                    )
-                elif session.max_distinct:
-                    recs = _capped(session, recs)
+                if flags & dec.F_FIRST:
+                    first = (exe_tok, tok, cgid, dec.EV_OPEN, oflags & dec.ACCESS_BITS, min(ret, 0))
             else:
                 last_tail = b""
                 try:
@@ -596,14 +587,16 @@ class Recorder:
                     continue
                 hashing.add(run)
                 flags = ev["flags"]
-                if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
-                    if not recs:
-                        continue
-                    # what is left is a degradation (a write to another cgroup's procs): kept
-                elif flags & dec.F_FIRST:
-                    self._first(session, dec.agg_key(ev), recs)
-                elif session.max_distinct:
-                    recs = _capped(session, recs)
+                if flags & dec.F_FIRST:
+                    first = dec.agg_key(ev)
+            if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
+                if not recs:
+                    continue
+                # what is left is a degradation (a write to another cgroup's procs): kept
+            elif flags & dec.F_FIRST:
+                self._first(session, first, recs)
+            elif session.max_distinct:
+                recs = _capped(session, recs)
             got = out.get(run)
             if got is None:
                 out[run] = recs
