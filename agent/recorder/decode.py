@@ -256,49 +256,8 @@ def decode(raw: bytes) -> dict[str, Any]:
     return ev
 
 
-# An open record's header and fields in one unpack (the fast path of decode_many and of the
-# recorder): ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len
+# An open record's header and fields in one unpack (the recorder's fast path, Recorder._process):
+# ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len
 OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
 KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
 OPEN_KIND = struct.pack("<H", EV_OPEN)  # those two bytes of an open record
-_OPEN_REC, _KIND_OFF, _OPEN_KIND = OPEN_REC, KIND_OFF, OPEN_KIND
-
-
-def decode_many(raws: list[bytes]) -> tuple[list[dict[str, Any]], int]:
-    """decode() over a batch: (records, how many could not be decoded). Opens, by far the most
-    frequent records, take one unpack and one dict each."""
-    out: list[dict[str, Any]] = []
-    append = out.append
-    errors = 0
-    unpack = _OPEN_REC.unpack_from
-    path_off = OPEN_PATH_OFF
-    for raw in raws:
-        if raw[_KIND_OFF : _KIND_OFF + 2] == _OPEN_KIND and len(raw) >= path_off:
-            ts, cgid, run, tgid, tid, _, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, plen = unpack(raw)
-            append(
-                {
-                    "kind": "open",
-                    "ts": ts,
-                    "cgid": cgid,
-                    "run": run,
-                    "tgid": tgid,
-                    "tid": tid,
-                    "flags": flags,
-                    "ret": ret,
-                    "exe_tok": exe_tok,
-                    "tok": tok,
-                    "dfd": dfd,
-                    "oflags": oflags,
-                    "mode": mode,
-                    "sc": sc,
-                    "path": raw[path_off : path_off + plen]
-                    .split(b"\0", 1)[0]
-                    .decode("utf-8", "backslashreplace"),
-                }
-            )
-            continue
-        try:
-            append(decode(raw))
-        except (DecodeError, ValueError, struct.error):
-            errors += 1
-    return out, errors

@@ -85,11 +85,3 @@ def test_non_utf8_paths_are_escaped_not_lost() -> None:
         + b"a\xffb\0\0"
     )
     assert d.decode(raw)["path"] == "a\\xffb"
-
-
-def test_decode_many_is_decode_over_a_batch() -> None:
-    raws = [bytes.fromhex(r["hex"]) for r in RECORDS]
-    bad = [b"\0" * 10, d.HDR.pack(1, 7, 1, 1, 1, 99, 0)]
-    evs, errors = d.decode_many(raws + bad)
-    assert evs == [d.decode(r) for r in raws] and errors == 2
-    assert sum(1 for e in evs if e["kind"] == "open") > 10  # the fast path is exercised
