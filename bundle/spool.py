@@ -1,7 +1,8 @@
 """The spool: correlated records streamed to disk as zstandard-compressed JSON lines.
 
 The recorder appends records while the run goes on, so its memory stays flat however long the run;
-the bundle writer reads the spool (twice) when the run ends. A record is a flat dict with "k" (kind)
+the bundle writer reads the spool when the run ends (what the run id is made of is fed to it as the
+records are written: `feed`). A record is a flat dict with "k" (kind)
 and "t" (kernel time in ns since the epoch) plus the fields of its event's data.
 """
 
@@ -11,7 +12,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,8 +42,17 @@ def private_dir(path: Path) -> Path:
 
 
 class SpoolWriter:
-    def __init__(self, path: str | Path, level: int = 3) -> None:
+    """`feed`, when given, is called with every batch of records as it is written (bytes items are
+    spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        level: int = 3,
+        feed: Callable[[list[dict[str, Any]] | list[dict[str, Any] | bytes]], None] | None = None,
+    ) -> None:
         self.path = Path(path)
+        self.feed = feed
         # a new file, never through a symlink or over one already there
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._raw: IO[bytes] = os.fdopen(fd, "wb")
@@ -50,8 +60,7 @@ class SpoolWriter:
         self.records = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        self._z.write(orjson.dumps(record) + b"\n")
-        self.records += 1
+        self.write_many([record])
 
     def write_many(self, records: list[dict[str, Any]] | list[dict[str, Any] | bytes]) -> None:
         """Append records; an item that is bytes is a record's line already (with its newline)."""
@@ -59,6 +68,8 @@ class SpoolWriter:
             dumps = orjson.dumps
             self._z.write(b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in records))
             self.records += len(records)
+            if self.feed is not None:
+                self.feed(records)
 
     def flush(self) -> None:
         self._z.flush(zstandard.FLUSH_BLOCK)

@@ -1,9 +1,10 @@
 """Build a deterministic evidence bundle from a run's metadata and its spooled records.
 
-One pass over the records for a summary bundle (it aggregates and computes the content-addressed run
-id, keeping what the bundle will hold), two for full detail (the run id, then the events streamed);
-events are written in the order of their first occurrence in the spool (bundle/records.py maps a
-record to its event). The same
+One pass over the records: what the content-addressed run id is made of (`Behaviour`) is fed by the
+recorder as it spools them, so a summary bundle's pass aggregates and a full bundle's pass streams the
+events (without it, as for a spool recovered after a crash, the pass feeds it too, and full detail
+takes a second pass). Events are written in the order of their first occurrence in the spool
+(bundle/records.py maps a record to its event). The same
 records and metadata always give the same bytes: fixed tar metadata (mtime 0, uid/gid 0, mode 0644,
 no user names), gzip header mtime 0 and no file name, canonical JSON everywhere. A signed bundle
 (`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too.
@@ -21,7 +22,7 @@ import logging
 import os
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -61,13 +62,15 @@ class RunMeta(fmt.RunInfo):
 # run id is made: a job that floods execs or, under full detail, distinct paths cannot grow the
 # writer's memory (the recorder's or the agent's) with the number of its records.
 MEMORY_ITEMS = int(os.environ.get("EVIDENCE_WRITER_MEMORY", "150000"))
+# A run's Behaviour while it is recorded holds a quarter of that: an agent records many runs at once.
+RECORDING_ITEMS = max(1, MEMORY_ITEMS // 4)
 
 
 class _SpillSet:
     """A set of behaviour items that yields the canonical JSON of each, sorted by repr; past the
-    budget of its _Behaviour, its items go to disk as a sorted run and are merged back."""
+    budget of its Behaviour, its items go to disk as a sorted run and are merged back."""
 
-    def __init__(self, owner: _Behaviour) -> None:
+    def __init__(self, owner: Behaviour) -> None:
         self.owner = owner
         self.items: set[tuple[Any, ...]] = set()
         self.runs: list[IO[bytes]] = []
@@ -112,15 +115,20 @@ class _SpillSet:
             run.close()
 
 
-class _Behaviour:
+class Behaviour:
     """What the run id is made of: what the run did, with the run's roots (workspace, tmp) replaced
-    by their placeholders, as sets (how often and when do not change it)."""
+    by their placeholders, as sets (how often and when do not change it). Fed record by record: by
+    the recorder as it spools them (SpoolWriter's `feed`), so that the writer need not read the spool
+    for it, or by the writer's own pass over the records. Its run id is made once."""
 
-    def __init__(self, meta: RunMeta, budget: int | None = None, tmp_dir: Path | None = None) -> None:
-        self.norm = Normalizer(meta.roots)
+    def __init__(
+        self, roots: Mapping[str, str] | None = None, budget: int | None = None, tmp_dir: Path | None = None
+    ) -> None:
+        self.roots = dict(roots or {})  # the writer uses it only for a run with these same roots
+        self.norm = Normalizer(self.roots)
         self.tmp_dir = tmp_dir  # where sets past the budget go (beside the bundle: not a tmpfs in RAM)
-        self.command = self.norm.argv(meta.command)
         self.budget = MEMORY_ITEMS if budget is None else budget
+        self.closed = False
         self.held = 0
         self.execs = _SpillSet(self)
         self.files = _SpillSet(self)
@@ -133,6 +141,14 @@ class _Behaviour:
         """Past the budget: the set holding the most items goes to disk."""
         sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
         max(sets, key=lambda s: len(s.items)).spill()
+
+    def add_many(self, recs: Iterable[dict[str, Any] | bytes]) -> None:
+        """Add records as they are spooled; an item that is bytes is a spool line the recorder made
+        from the record before it (a repeated open, the same but for its time): nothing new here."""
+        add = self.add
+        for rec in recs:
+            if rec.__class__ is not bytes:
+                add(rec)  # type: ignore[arg-type]
 
     def add(self, rec: dict[str, Any]) -> None:
         k, norm = rec["k"], self.norm
@@ -158,7 +174,7 @@ class _Behaviour:
             paths = tuple(norm.text(p) for p in rec["paths"])
             self.namespaces.add((rec["operation"], tuple(rec["flags"]), paths, rec["result"]))
 
-    def run_id(self) -> str:
+    def run_id(self, command: list[str]) -> str:
         """`run-` and the first half of the sha256 of the canonical JSON of {command, execs, files,
         connects, denials, and changes and namespaces when there are some}, each set sorted by repr:
         streamed into the hash, as canonical.dumps would write the whole document."""
@@ -178,23 +194,32 @@ class _Behaviour:
             h.update(b"," * (i > 0) + canonical.dumps(name) + b":")
             part = parts[name]
             if part is None:
-                h.update(canonical.dumps(self.command, check=False))
+                h.update(canonical.dumps(self.norm.argv(command), check=False))
                 continue
             h.update(b"[")
             for j, item in enumerate(part.canonical_items()):
                 h.update(b"," * (j > 0) + item)
             h.update(b"]")
         h.update(b"}")
+        self.close()
+        return "run-" + h.hexdigest()[:32]
+
+    def close(self) -> None:
+        """Let go of the sets' runs on disk; a closed Behaviour makes no run id."""
+        self.closed = True
         for part in (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces):
             part.close()
-        return "run-" + h.hexdigest()[:32]
 
 
 Body = Iterable[tuple[str, str, int, dict[str, Any]]]
 
 
 def _read(
-    meta: RunMeta, records: Records, memory: int | None = None, tmp_dir: Path | None = None
+    meta: RunMeta,
+    records: Records,
+    memory: int | None = None,
+    tmp_dir: Path | None = None,
+    behaviour: Behaviour | None = None,
 ) -> tuple[str, Body]:
     """The run id and the run's events in the order of their first occurrence in the spool.
 
@@ -202,18 +227,24 @@ def _read(
     (and the records that are not aggregated: execs, exits, ...), so the cost is the spool's length
     once and the memory is what the bundle will hold; past `memory` records kept (MEMORY_ITEMS), they
     are dropped and a second pass streams the events instead, so memory stays bounded. Full detail
-    keeps every record: a first pass for the run id, a second that streams the events (memory stays
-    flat however long the run). The run id's sets are bounded the same way (_SpillSet)."""
+    keeps every record: one pass streams the events (memory stays flat however long the run). The
+    run id's sets are bounded the same way (_SpillSet). `behaviour`: fed with every record already
+    (by the recorder, as it spooled them); without it, the pass feeds one, and full detail takes a
+    first pass of its own for it."""
     memory = MEMORY_ITEMS if memory is None else memory
-    behaviour = _Behaviour(meta, memory, tmp_dir)
+    fed = behaviour is not None
+    if behaviour is None:
+        behaviour = Behaviour(meta.roots, memory, tmp_dir)
     if meta.detail != "summary":
-        for rec in records():
-            behaviour.add(rec)
-        return behaviour.run_id(), (to_event(rec) for rec in records())
+        if not fed:
+            for rec in records():
+                behaviour.add(rec)
+        return behaviour.run_id(meta.command), (to_event(rec) for rec in records())
     kept: list[tuple[dict[str, Any], list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
+    add = (lambda rec: None) if fed else behaviour.add
     for rec in records():
-        behaviour.add(rec)
+        add(rec)
         key = summary_key(rec)
         if key is None:
             if kept is not None:
@@ -232,8 +263,8 @@ def _read(
         if kept is not None and len(kept) > memory:
             kept = None  # too many to hold: the events are streamed by a second pass
     if kept is not None:
-        return behaviour.run_id(), (to_event(rec, t) for rec, t in kept)
-    return behaviour.run_id(), _second_pass(records, totals)
+        return behaviour.run_id(meta.command), (to_event(rec, t) for rec, t in kept)
+    return behaviour.run_id(meta.command), _second_pass(records, totals)
 
 
 def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Body:
@@ -406,14 +437,19 @@ def write_bundle(
     caps: Caps | None = None,
     *,
     signer: attestation.Signer | None = None,
+    behaviour: Behaviour | None = None,
 ) -> dict[str, Any]:
     """Write the bundle atomically (temp file + rename) and return its manifest. Records past the
     caps are counted by kind (`over_cap:<type>` in the manifest's lost), never silently dropped.
     With a `signer` (signing.load_signer(key_path)), the bundle is signed: its third member is the
-    attestation."""
+    attestation. `behaviour`: the run id's Behaviour, fed with every one of `records` as they were
+    spooled (used only when made with the run's roots and not used before; else it is rebuilt)."""
     out_path = Path(out_path)
+    if behaviour is not None and (behaviour.closed or behaviour.roots != dict(meta.roots)):
+        behaviour.close()
+        behaviour = None
     with _no_cycle_collection():
-        return _write_bundle(out_path, meta, records, caps, signer)
+        return _write_bundle(out_path, meta, records, caps, signer, behaviour)
 
 
 @contextlib.contextmanager
@@ -431,10 +467,15 @@ def _no_cycle_collection() -> Iterator[None]:
 
 
 def _write_bundle(
-    out_path: Path, meta: RunMeta, records: Records, caps: Caps | None, signer: attestation.Signer | None
+    out_path: Path,
+    meta: RunMeta,
+    records: Records,
+    caps: Caps | None,
+    signer: attestation.Signer | None,
+    behaviour: Behaviour | None,
 ) -> dict[str, Any]:
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
-    run_id, body = _read(meta, records, tmp_dir=out_dir)
+    run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour)
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
         deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
         try:

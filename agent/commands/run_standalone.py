@@ -272,6 +272,9 @@ class StandaloneRun:
             detail=self.args.detail,
             labels=self.labels,
             session_id=self.session_id,
+            roots=None
+            if enforcement is None
+            else {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace},
         )
         self.watchdog.watch(self.cgroup.path, self.session_id)
         session.network = self.args.net
@@ -280,7 +283,6 @@ class StandaloneRun:
         if enforcement is not None:
             session.policy = enforcement.manifest_policy()
             session.degradations += list(enforcement.degradations)
-            session.roots = {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace}
             session.observer = enforcement.observe
             enforcement.attach(str(self.cgroup.path))
         spec = LaunchSpec(

@@ -195,6 +195,7 @@ class RecorderBackend:
         session_id: str | None = None,
         detail: str = "summary",
         command: list[str] | None = None,
+        roots: dict[str, str] | None = None,
     ) -> Run:
         rec = self._require_recorder()
         cgroup = Path(cgroup)
@@ -212,7 +213,7 @@ class RecorderBackend:
             self._starting.add(cgroup)
         try:
             return self._start_locked_out(
-                rec, cgroup, labels, pid, bundle_name, extensions, session_id, detail, command
+                rec, cgroup, labels, pid, bundle_name, extensions, session_id, detail, command, roots
             )
         finally:
             with self._lock:
@@ -229,6 +230,7 @@ class RecorderBackend:
         session_id: str | None = None,
         detail: str = "summary",
         command: list[str] | None = None,
+        roots: dict[str, str] | None = None,
     ) -> Run:
         before = cgroup_pids(cgroup)
         argv: list[str] = []
@@ -256,6 +258,7 @@ class RecorderBackend:
                 attached_late=bool(before),
                 session_id=sid,
                 wrap_spool=observed,
+                roots=roots,
             )
         except FileNotFoundError:
             raise UsageError(f"{cgroup} is gone") from None
@@ -372,7 +375,15 @@ class RecorderBackend:
             cg = RunCgroup.create(sid, Path(mount))
         try:
             run = self.start_run(
-                cg.path, labels, pid=pid, session_id=sid, detail=detail, command=list(command)
+                cg.path,
+                labels,
+                pid=pid,
+                session_id=sid,
+                detail=detail,
+                command=list(command),
+                roots=None
+                if enforcement is None
+                else {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace},
             )
         except BaseException:
             cg.remove()
@@ -393,7 +404,6 @@ class RecorderBackend:
             session = run.session
             session.policy = enforcement.manifest_policy()
             session.degradations += list(enforcement.degradations)
-            session.roots = {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace}
             session.observer = enforcement.observe
             run.enforcement = enforcement
             enforcement.attach(str(cg.path))

@@ -35,7 +35,7 @@ from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool
-from evidence.bundle.writer import RunMeta, write_bundle
+from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, write_bundle
 from evidence.errors import SetupError
 from evidence.probes.headers import Headers
 
@@ -195,6 +195,8 @@ class Session:
     degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
     extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
+    # what the run id is made of, fed by the spool as records are written (the writer's Behaviour)
+    behaviour: Behaviour | None = None
     finished: bool = False
     cgroup_names: Any = None  # evidence.agent.recorder.cgroups.CgroupNames for this run's subtree
     # Called with each batch of correlated records; returns records to add (policy denials).
@@ -247,10 +249,12 @@ class Recorder:
         session_id: str | None = None,
         wrap_spool: Callable[[SpoolWriter], Spool] | None = None,
         max_distinct: int | None = None,
+        roots: dict[str, str] | None = None,
     ) -> Session:
         """Start recording `cgroup_path` (a new run slot). `wrap_spool` wraps the run's spool before
         the cgroup is tracked, so that the wrapper sees every record the run gets. `max_distinct`:
-        the run's cap on distinct summary keys (default: the recorder's)."""
+        the run's cap on distinct summary keys (default: the recorder's). `roots`: the run's private
+        tmp and workspace ({placeholder: path}), which its run id names by their placeholders."""
         from evidence.agent.recorder.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
@@ -261,7 +265,8 @@ class Recorder:
             cgid = cgroup_id(cgroup_path)  # first: a cgroup already gone leaves no spool behind
             names = CgroupNames(cgroup_path, cgid)
             self.spool_dir.mkdir(parents=True, exist_ok=True)
-            raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst")
+            behaviour = Behaviour(roots, RECORDING_ITEMS, self.spool_dir)
+            raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst", feed=behaviour.add_many)
             spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
             session = Session(
                 slot=slot,
@@ -273,6 +278,8 @@ class Recorder:
                 detail=detail,
                 labels=dict(labels or {}),
                 spool=spool,
+                roots=dict(roots or {}),
+                behaviour=behaviour,
                 correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi, hash_of=self.hasher),
                 cgroup_names=names,
                 started_ns=time.time_ns(),
@@ -380,8 +387,11 @@ class Recorder:
             roots=session.roots,
         )
         spool_path = session.spool.path
+        behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
         try:
-            manifest = write_bundle(bundle_path, meta, lambda: read_spool(spool_path), signer=signer)
+            manifest = write_bundle(
+                bundle_path, meta, lambda: read_spool(spool_path), signer=signer, behaviour=behaviour
+            )
         except BaseException:
             # never lose what was recorded: the spool stays for a retry or for recovery
             logger.info("run %s: bundle not written; its records stay in %s", session.session_id, spool_path)

@@ -206,3 +206,53 @@ def test_a_floods_bundle_verifies_and_states_what_was_not_kept(tmp_path: Path) -
     kept = sum(_counts(events, "/nonexistent/flood/").values())
     assert kept + past == 20000 and 0 < kept < 1000
     assert json.loads(lint.stdout) is not None
+
+
+@pytest.mark.parametrize("detail", ["summary", "full"])
+def test_the_run_id_fed_while_spooling_is_the_one_a_pass_over_the_spool_gives(
+    recorder: Recorder, tmp_path: Path, detail: str
+) -> None:
+    """The recorder feeds the run id's sets as it spools (repeated opens of a full-detail run go to
+    the spool as lines, which feed nothing): the bundle's run id is the one a pass over every
+    record spooled gives, with the run's roots replaced by their placeholders."""
+    import orjson
+
+    from evidence.bundle.writer import Behaviour
+
+    work = tmp_path / "ws"
+    work.mkdir()
+    (work / "a").write_text("a")
+    spooled: list[dict] = []
+    lines = 0
+    start = rec_start = recorder.start
+
+    def teeing(*args: Any, **kw: Any) -> Any:
+        session = rec_start(*args, **kw)
+        feed = session.spool.feed
+
+        def tee(recs: list) -> None:
+            nonlocal lines
+            lines += sum(isinstance(r, bytes) for r in recs)
+            spooled.extend(orjson.loads(r) if isinstance(r, bytes) else dict(r) for r in recs)
+            feed(recs)
+
+        session.spool.feed = tee
+        return session
+
+    recorder.start = teeing  # type: ignore[method-assign]
+    try:
+        # enough repeats that most come in batches of their own (a batch with an exec is all records)
+        code = f"import os\nfor i in range(5000): os.close(os.open('{work}/a', os.O_RDONLY))"
+        argv = ["/bin/sh", "-c", f'{PY} -S -c "{code}"; cat {work}/none {work}/a >/dev/null 2>&1']
+        manifest, events, _ = _run(recorder, tmp_path, argv, detail=detail, roots={"${WORKSPACE}": str(work)})
+    finally:
+        recorder.start = start  # type: ignore[method-assign]
+    opens = [e for e in of_type(events, "file.open") if e["data"]["path"] == f"{work}/a"]
+    assert sum(e["data"]["count"] for e in opens) == 5001
+    assert (lines > 1000) == (detail == "full")  # full detail: the repeats spooled as lines
+    reference = Behaviour({"${WORKSPACE}": str(work)})
+    reference.add_many(spooled)
+    assert manifest["run_id"] == reference.run_id(argv)
+    other = Behaviour({})  # the placeholder is part of it: without the roots, another run id
+    other.add_many(spooled)
+    assert manifest["run_id"] != other.run_id(argv)

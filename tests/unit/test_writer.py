@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from evidence.bundle import format as fmt
@@ -293,12 +295,12 @@ def _reference_run_id(meta: RunMeta, recs: list[dict]) -> str:
     """The run id as the writer made it before its sets could go to disk: every set in memory,
     sorted by repr, one canonical document."""
     from evidence.bundle import canonical
-    from evidence.bundle.writer import _Behaviour
+    from evidence.bundle.writer import Behaviour
 
-    b = _Behaviour(meta, budget=10**9)
+    b = Behaviour(meta.roots, budget=10**9)
     for r in recs:
         b.add(r)
-    doc: dict = {"command": b.command}
+    doc: dict = {"command": b.norm.argv(meta.command)}
     for name, part in (("execs", b.execs), ("files", b.files), ("connects", b.nets), ("denials", b.denials)):
         doc[name] = sorted(part.items, key=repr)
     for name, part in (("changes", b.changes), ("namespaces", b.namespaces)):
@@ -345,13 +347,63 @@ def test_a_bounded_writer_writes_the_same_bundle(tmp_path: Path, memory: int) ->
 
 
 def test_the_writer_holds_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from evidence.bundle.writer import _Behaviour
+    from evidence.bundle.writer import Behaviour
 
-    b = _Behaviour(META, budget=100)
+    b = Behaviour(META.roots, budget=100)
     most = 0
     for r in _flood(2000):
         b.add(r)
         most = max(most, b.held)
     assert most <= 100
     assert b.execs.runs and b.files.runs  # the biggest sets went to disk
-    assert b.run_id() == _reference_run_id(META, _flood(2000))
+    assert b.run_id(META.command) == _reference_run_id(META, _flood(2000))
+
+
+@pytest.mark.parametrize("detail", ["summary", "full"])
+def test_a_behaviour_fed_while_spooling_gives_the_same_bundle_in_one_pass(
+    tmp_path: Path, detail: str
+) -> None:
+    """The recorder feeds the run id's Behaviour as it spools (SpoolWriter's feed, repeated opens as
+    spool lines): the bundle is byte for byte the one a writer that reads the spool for it makes,
+    and the records are read once, for summary and for full detail."""
+    from evidence.bundle.writer import Behaviour
+
+    meta = META.model_copy(update={"detail": detail, "roots": {"${WORKSPACE}": "/w"}})
+    recs = _flood(300)
+    behaviour = Behaviour(meta.roots, budget=40, tmp_dir=tmp_path)  # small: its sets go to disk too
+    spool = tmp_path / "run.spool.zst"
+    with SpoolWriter(spool, feed=behaviour.add_many) as w:
+        for i in range(0, len(recs), 7):
+            w.write_many(recs[i : i + 7])
+        line = orjson.dumps(recs[1]) + b"\n"  # a repeat the recorder spools as a line, no record
+        w.write_many([recs[1], line, line])
+    reads = 0
+
+    def records() -> Iterator[dict]:
+        nonlocal reads
+        reads += 1
+        return read_spool(spool)
+
+    fed, plain = tmp_path / "fed.tar.gz", tmp_path / "plain.tar.gz"
+    m1 = write_bundle(fed, meta, records, behaviour=behaviour)
+    assert reads == 1
+    m2 = write_bundle(plain, meta, lambda: read_spool(spool))
+    assert m1["run_id"] == m2["run_id"] == _reference_run_id(meta, list(read_spool(spool)))
+    assert fed.read_bytes() == plain.read_bytes()
+
+
+def test_a_behaviour_of_other_roots_or_used_before_is_not_trusted(tmp_path: Path) -> None:
+    """A Behaviour made with other roots than the run's (they were set after it started), or whose
+    run id was made already (a retry), is rebuilt from the records: the run id is still right."""
+    from evidence.bundle.writer import Behaviour
+
+    meta = META.model_copy(update={"detail": "full", "roots": {"${WORKSPACE}": "/w"}})
+    recs = _flood(50)
+    want = _reference_run_id(meta, recs)
+    for roots, used in (({}, False), (meta.roots, True)):
+        b = Behaviour(roots)
+        b.add_many(recs)
+        if used:
+            b.run_id(meta.command)
+        m = write_bundle(tmp_path / "b.tar.gz", meta, lambda: iter(recs), behaviour=b)
+        assert m["run_id"] == want
