@@ -11,6 +11,14 @@ add the ring's whole size to the recorder's RSS) and put the rare record that wr
 Layout (kernel/bpf/ringbuf.c): page 0 = consumer_pos (read-write); page 1 = producer_pos
 (read-only); then the data area twice. Each record starts with an 8-byte header: u32 length with
 BUSY (bit 31) and DISCARD (bit 30) flags, u32 page offset. Records are 8-byte aligned.
+
+The producer reads consumer_pos, without a lock, at every reservation, and refuses one when
+`new producer_pos - consumer_pos` exceeds the ring's size. So the consumer position must change in
+one aligned 8-byte store from its old value to its new one: never through `struct.pack_into`,
+which zeroes its destination before it writes the value. A producer that read the 0 in between,
+once it had gone round the ring (its position past the ring's size), found the ring full and
+dropped the record, however empty the ring was (`bench/bench.py` case `open10`: 17-40 records
+lost per million).
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import struct
 _BUSY = 1 << 31
 _DISCARD = 1 << 30
 _HDR = 8
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
@@ -38,6 +45,10 @@ class RingBuffer:
         self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         self._prod = mmap.mmap(map_fd, page + data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
         self._data = memoryview(self._prod)[page:]
+        # the positions through 8-byte views: one aligned load or store each (memoryview sets a
+        # 'Q' with one memcpy of 8 bytes), never struct.pack_into (see the module's docstring)
+        self._cons_pos = memoryview(self._cons).cast("Q")
+        self._prod_pos = memoryview(self._prod)[:page].cast("Q")
         self._page = page
         self.stitched = 0  # records that wrapped past the end of the data area (put together)
         self._epoll = select.epoll()
@@ -56,10 +67,15 @@ class RingBuffer:
         """Make a wait() in another thread return now (a drain or a shutdown is waiting)."""
         os.eventfd_write(self._wake, 1)
 
+    @property
+    def position(self) -> int:
+        """The consumer position: bytes consumed since the ring was created (headers included)."""
+        return int(self._cons_pos[0])
+
     def read(self, max_records: int = 65536) -> list[bytes]:
         """Every committed record available now (up to max_records), oldest first."""
-        cons = _U64.unpack_from(self._cons, 0)[0]
-        prod = _U64.unpack_from(self._prod, 0)[0]
+        cons = self._cons_pos[0]
+        prod = self._prod_pos[0]
         out: list[bytes] = []
         data = self._data
         mask = self.mask
@@ -80,13 +96,15 @@ class RingBuffer:
             cons += (length + _HDR + 7) & ~7
             # re-read the producer position now and then: records keep arriving while we read
             if cons >= prod:
-                prod = _U64.unpack_from(self._prod, 0)[0]
-        _U64.pack_into(self._cons, 0, cons)
+                prod = self._prod_pos[0]
+        self._cons_pos[0] = cons
         return out
 
     def close(self) -> None:
         self._epoll.close()
         os.close(self._wake)
         self._data.release()
+        self._cons_pos.release()
+        self._prod_pos.release()
         self._prod.close()
         self._cons.close()
