@@ -4,14 +4,16 @@ same record never differ.
 
 A record is a dict as the recorder spools it (bundle/spool.py): `k` its kind, `t` its time (ns),
 for a summary record `n` and `tl` (how many occurrences it stands for, up to which time, counted by
-the recorder's kernel), and the event's data fields.
+the recorder's kernel), and the event's data fields. Its type, per kind: bundle/record_types.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Final, cast
 
 from evidence.bundle import format as fmt
+from evidence.bundle.record_types import SpoolRecord, SummaryRecord
 
 # the event type of each record kind
 KIND_TYPE = {
@@ -39,60 +41,64 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     "dns": ("exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container"),
 }  # fmt: skip
 # kinds whose events carry count, first_time and last_time (a denial carries its count only)
-_COUNTED = ("open", "change", "connect", "dns")
+_COUNTED: Final = ("open", "change", "connect", "dns")  # a tuple: mypy narrows by it
 _NOT_DATA = ("k", "t", "n", "tl")
 
 Key = tuple[Any, ...]
 
 
-def summary_key(rec: dict[str, Any]) -> Key | None:
+def summary_key(rec: SpoolRecord) -> Key | None:
     """What makes a record distinct in summary mode; None for kinds that are not aggregated."""
     fields = SUMMARY_KEYS.get(rec["k"])
     if fields is None:
         return None
-    # one call a record of the spool (a list comprehension: this is the writer's hottest line)
-    return (rec["k"], *[tuple(v) if type(v) is list else v for v in map(rec.get, fields)])
+    # fields named at run time (SUMMARY_KEYS): read through the record as a plain mapping. One call a
+    # record of the spool (a list comprehension: this is the writer's hottest line)
+    get = cast(Mapping[str, object], rec).get
+    return (rec["k"], *[tuple(v) if type(v) is list else v for v in map(get, fields)])
 
 
-def occurrences(rec: dict[str, Any]) -> tuple[int, int, int]:
+def occurrences(rec: SummaryRecord) -> tuple[int, int, int]:
     """(count, first time, last time) that one record stands for."""
     t = rec["t"]
     return rec.get("n", 1), t, rec.get("tl", t)
 
 
-def subject(rec: dict[str, Any]) -> str:
-    k = rec["k"]
-    if k == "exec":
-        return str(rec["filename"])
-    if k in ("exit", "inventory"):
-        return str(rec.get("exe") or f"pid:{rec['pid']}")
-    if k in ("open", "change"):
+def subject(rec: SpoolRecord) -> str:
+    # each test of `k` narrows the record's type (mypy cannot narrow through a local copy of it);
+    # the most frequent kinds first
+    if rec["k"] == "open" or rec["k"] == "change":
         return str(rec["path"])
-    if k == "connect":
+    if rec["k"] == "exec":
+        return str(rec["filename"])
+    if rec["k"] == "exit" or rec["k"] == "inventory":
+        return str(rec.get("exe") or f"pid:{rec['pid']}")
+    if rec["k"] == "connect":
         if rec["family"] == "AF_INET6":
             return f"[{rec['address']}]:{rec['port']}"
         if rec.get("port") is not None:
             return f"{rec['address']}:{rec['port']}"
         return str(rec["address"])
-    if k == "denial":
+    if rec["k"] == "denial":
         return str(rec["target"])
-    if k == "degradation":
+    if rec["k"] == "degradation":
         return str(rec["component"])
-    if k == "dns":
+    if rec["k"] == "dns":
         return str(rec["name"] if rec.get("name") is not None else rec["server"])
-    if k == "namespace":
+    if rec["k"] == "namespace":
         if rec.get("target_pid") is not None and rec["operation"] != "clone":
             return f"{rec['operation']} pid:{rec['target_pid']}"
         return " ".join((rec["operation"], *rec["paths"]))
-    raise ValueError(f"unknown record kind {k!r}")
+    raise ValueError(f"unknown record kind {rec['k']!r}")
 
 
-def data(rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = None) -> dict[str, Any]:
-    """The event's data. `totals`: (count, first, last) over every record of the record's summary key;
-    without it, what this one record stands for (a live event shows a record alone)."""
+def data(rec: SpoolRecord, totals: tuple[int, int, int] | list[int] | None = None) -> dict[str, Any]:
+    """The event's data (JSON values, as bundle/format.py's data models describe them). `totals`:
+    (count, first, last) over every record of the record's summary key; without it, what this one
+    record stands for (a live event shows a record alone)."""
     out = {k: v for k, v in rec.items() if k not in _NOT_DATA}
     k = rec["k"]
-    if k in _COUNTED:
+    if rec["k"] in _COUNTED:
         count, first, last = totals if totals else occurrences(rec)
         out["count"] = count
         out["first_time"] = fmt.format_time(first)
@@ -103,7 +109,7 @@ def data(rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = 
 
 
 def to_event(
-    rec: dict[str, Any], totals: tuple[int, int, int] | list[int] | None = None
+    rec: SpoolRecord, totals: tuple[int, int, int] | list[int] | None = None
 ) -> tuple[str, str, int, dict[str, Any]]:
     """(type, subject, time ns, data) of the event a record becomes."""
     return KIND_TYPE[rec["k"]], subject(rec), rec["t"], data(rec, totals)

@@ -3,7 +3,8 @@
 The recorder appends records while the run goes on, so its memory stays flat however long the run;
 the bundle writer reads the spool when the run ends (what the run id is made of is fed to it as the
 records are written: `feed`). A record is a flat dict with "k" (kind)
-and "t" (kernel time in ns since the epoch) plus the fields of its event's data.
+and "t" (kernel time in ns since the epoch) plus the fields of its event's data: its type is one of
+bundle/record_types.py's (`SpoolRecord`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import orjson
 import zstandard
 
-KINDS = ("exec", "exit", "open", "connect", "denial", "inventory", "degradation")
+from evidence.bundle.record_types import SpoolRecord
 
 
 def private_dir(path: Path) -> Path:
@@ -49,7 +50,7 @@ class SpoolWriter:
         self,
         path: str | Path,
         level: int = 3,
-        feed: Callable[[list[dict[str, Any]] | list[dict[str, Any] | bytes]], None] | None = None,
+        feed: Callable[[Sequence[SpoolRecord | bytes]], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.feed = feed
@@ -59,10 +60,10 @@ class SpoolWriter:
         self._z = zstandard.ZstdCompressor(level=level).stream_writer(self._raw, closefd=False)
         self.records = 0
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: SpoolRecord) -> None:
         self.write_many([record])
 
-    def write_many(self, records: list[dict[str, Any]] | list[dict[str, Any] | bytes]) -> None:
+    def write_many(self, records: Sequence[SpoolRecord | bytes]) -> None:
         """Append records; an item that is bytes is a record's line already (with its newline)."""
         if records:
             dumps = orjson.dumps
@@ -87,7 +88,9 @@ class SpoolWriter:
         self.close()
 
 
-def read_spool(path: str | Path) -> Iterator[dict[str, Any]]:
+def read_spool(path: str | Path) -> Iterator[SpoolRecord]:
+    """The records of a spool, in order. Typed as what the recorder wrote (orjson gives untyped
+    values: a spool is the recorder's own file, in a directory only it may write to)."""
     with open(path, "rb") as raw:
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
         tail = b""

@@ -24,7 +24,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from pydantic import Field
 
@@ -32,6 +32,7 @@ from evidence.bundle import canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.deflate import Deflater, write_tar_gz
 from evidence.bundle.normalize import Normalizer
+from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 from evidence.files import atomic_write
 
@@ -40,7 +41,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Records = Callable[[], Iterable[dict[str, Any]]]
+Records = Callable[[], Iterable[SpoolRecord]]
+# occurrences() takes a record of a kind the writer sums up (record_types.SummaryRecord), which is
+# what a record whose summary_key() is not None is: mypy cannot follow that, so _read calls it
+# through this alias (a cast once, not one per record)
+_occurrences = cast("Callable[[SpoolRecord], tuple[int, int, int]]", occurrences)
 
 
 class RunMeta(fmt.RunInfo):
@@ -142,23 +147,24 @@ class Behaviour:
         sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
         max(sets, key=lambda s: len(s.items)).spill()
 
-    def add_many(self, recs: Iterable[dict[str, Any] | bytes]) -> None:
+    def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
         """Add records as they are spooled; an item that is bytes is a spool line the recorder made
         from the record before it (a repeated open, the same but for its time): nothing new here."""
         add = self.add
         for rec in recs:
-            if rec.__class__ is not bytes:
-                add(rec)  # type: ignore[arg-type]
+            if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
+                add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__
 
-    def add(self, rec: dict[str, Any]) -> None:
-        k, norm = rec["k"], self.norm
-        if k == "exec":
-            self.execs.add((norm.text(rec["filename"]), tuple(norm.argv(rec["argv"])), rec["result"]))
-        elif k == "open":
+    def add(self, rec: SpoolRecord) -> None:
+        norm = self.norm
+        # each test of `k` narrows the record's type (not through a local copy): opens first
+        if rec["k"] == "open":
             self.files.add((norm.text(rec["path"]), tuple(rec["access"]), rec["result"]))
-        elif k == "connect":
+        elif rec["k"] == "exec":
+            self.execs.add((norm.text(rec["filename"]), tuple(norm.argv(rec["argv"])), rec["result"]))
+        elif rec["k"] == "connect":
             self.nets.add((rec["family"], norm.text(rec["address"]), rec.get("port"), rec["result"]))
-        elif k == "change":
+        elif rec["k"] == "change":
             target = rec.get("target")
             self.changes.add(
                 (
@@ -168,9 +174,9 @@ class Behaviour:
                     rec["result"],
                 )
             )
-        elif k == "denial":
+        elif rec["k"] == "denial":
             self.denials.add((rec["operation"], norm.text(rec["target"]), rec["rule"], rec["enforced"]))
-        elif k == "namespace":
+        elif rec["k"] == "namespace":
             paths = tuple(norm.text(p) for p in rec["paths"])
             self.namespaces.add((rec["operation"], tuple(rec["flags"]), paths, rec["result"]))
 
@@ -240,7 +246,7 @@ def _read(
             for rec in records():
                 behaviour.add(rec)
         return behaviour.run_id(meta.command), (to_event(rec) for rec in records())
-    kept: list[tuple[dict[str, Any], list[int] | None]] | None = []
+    kept: list[tuple[SpoolRecord, list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
     add = (lambda rec: None) if fed else behaviour.add
     for rec in records():
@@ -250,7 +256,7 @@ def _read(
             if kept is not None:
                 kept.append((rec, None))
         else:
-            n, first, last = occurrences(rec)
+            n, first, last = _occurrences(rec)
             t = totals.get(key)
             if t is None:
                 totals[key] = t = [n, first, last]

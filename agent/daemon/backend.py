@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from evidence.agent.recorder.cgroups import RunCgroup
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder, Session
+    from evidence.bundle.record_types import SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
 logger = logging.getLogger(__name__)
@@ -413,7 +414,7 @@ class RecorderBackend:
             self.watchdog.watch(cg.path, sid)
         proc = read_process(pid)
         if proc is not None:
-            run.session.correlator.add_root(pid, int(proc["ppid"]), cast(str, proc["cwd"] or ""))
+            run.session.correlator.add_root(pid, proc["ppid"], proc["cwd"] or "")
         try:
             if proc is None or (pidfd is not None and exits.observe(pidfd, 0).state != "running"):
                 raise ProcessLookupError
@@ -443,7 +444,7 @@ class RecorderBackend:
             logger.warning("run %s: could not be abandoned cleanly: %s", run.session.session_id, e)
         tmp.unlink(missing_ok=True)
 
-    def _observe(self, run: Run, recs: list[dict[str, Any]]) -> None:
+    def _observe(self, run: Run, recs: Sequence[SpoolRecord]) -> None:
         counts: dict[str, int] = {}
         for r in recs:
             k = str(r.get("k"))

@@ -46,6 +46,7 @@ from cloudevents.core.v1.event import CloudEvent
 
 from evidence.agent.daemon import metrics as m
 from evidence.bundle import format as fmt
+from evidence.bundle.record_types import SpoolRecord
 from evidence.files import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,14 @@ class Backoff:
 
 
 def live_event(
-    session_id: str, seq: int, record: Mapping[str, Any], extensions: Mapping[str, Any] | None = None
+    session_id: str, seq: int, record: SpoolRecord, extensions: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """A spool record as a live CloudEvent dict (the bundle's event shape, with the session as source:
     the run id is only known once the run is finished). `extensions` (lowercase alphanumeric names,
     e.g. poduid, containerid) are added to the event's attributes."""
     from evidence.bundle import records  # the bundle's own mapping of a record to its event
 
-    etype, subject, t_ns, data = records.to_event(dict(record))
+    etype, subject, t_ns, data = records.to_event(record)
     event: dict[str, Any] = {
         "specversion": fmt.SPECVERSION,
         "id": f"{session_id}:{seq}",

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from evidence.bundle.record_types import SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
 
@@ -26,11 +27,11 @@ class ObservedSpool:
     passes every batch to `observe` as it is written. Thread-safe (the recorder's worker writes,
     the housekeeping thread flushes, the finishing thread closes)."""
 
-    def __init__(self, inner: SpoolWriter, observe: Callable[[list[dict[str, Any]]], None]) -> None:
+    def __init__(self, inner: SpoolWriter, observe: Callable[[Sequence[SpoolRecord]], None]) -> None:
         self._inner = inner
         self._observe = observe
         self._lock = threading.Lock()
-        self._held: list[dict[str, Any]] | None = []  # None once the prelude is written
+        self._held: list[SpoolRecord] | None = []  # None once the prelude is written
         self._closed = False
         self._dirty = False
 
@@ -48,13 +49,13 @@ class ObservedSpool:
         except FileNotFoundError:
             return 0
 
-    def _write(self, recs: list[dict[str, Any]]) -> None:
+    def _write(self, recs: Sequence[SpoolRecord]) -> None:
         if recs:
             self._inner.write_many(recs)
             self._dirty = True
             self._observe(recs)
 
-    def set_prelude(self, recs: list[dict[str, Any]]) -> None:
+    def set_prelude(self, recs: Sequence[SpoolRecord]) -> None:
         """Write `recs` (the inventory), then whatever arrived meanwhile."""
         with self._lock:
             if self._held is None or self._closed:
@@ -63,14 +64,14 @@ class ObservedSpool:
             self._write(list(recs))
             self._write(held)
 
-    def write_many(self, recs: list[dict[str, Any]]) -> None:
+    def write_many(self, recs: Sequence[SpoolRecord]) -> None:
         with self._lock:
             if self._held is not None:
                 self._held.extend(recs)
             else:
                 self._write(recs)
 
-    def write(self, rec: dict[str, Any]) -> None:
+    def write(self, rec: SpoolRecord) -> None:
         self.write_many([rec])
 
     def flush(self) -> None:

@@ -17,10 +17,22 @@ import os
 import posixpath
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final, cast
 
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder.dns import Resolutions
+from evidence.bundle.record_types import (
+    Access,
+    ChangeRecord,
+    ConnectRecord,
+    DegradationRecord,
+    DnsRecord,
+    ExecRecord,
+    ExitRecord,
+    NamespaceRecord,
+    OpenRecord,
+    Result,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +64,19 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
 _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
 
 
+# What the correlator makes (bundle/record_types.py): every kind of spool record but denials (a
+# policy's, enforce.py) and the inventory (inventory.py)
+Correlated = (
+    ExecRecord
+    | ExitRecord
+    | OpenRecord
+    | ChangeRecord
+    | ConnectRecord
+    | DnsRecord
+    | NamespaceRecord
+    | DegradationRecord
+)
+
 # the kernel's own codes for a system call interrupted by a signal and restarted (include/linux/errno.h):
 # the restarted call is recorded again, with its own result
 _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
@@ -66,12 +91,12 @@ def errno_name(code: int) -> str:
     return errno.errorcode.get(code) or _RESTART.get(code) or f"E{code}"
 
 
-def result_of(ret: int) -> int | str:
+def result_of(ret: int) -> Result:
     return 0 if ret >= 0 else errno_name(-ret)
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_open_flags(flags: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def decode_open_flags(flags: int) -> tuple[tuple[str, ...], tuple[Access, ...]]:
     """(flag names, access classes) of open(2) flags. Cached: a run uses few distinct values, and
     the tuples are shared by the records (never mutate them)."""
     acc = flags & os.O_ACCMODE
@@ -89,7 +114,7 @@ def decode_open_flags(flags: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
             rest &= ~bit
     if rest:
         names.append(f"0x{rest:x}")
-    access: list[str] = []
+    access: list[Access] = []
     is_path = bool(flags & getattr(os, "O_PATH", 0))
     if not is_path and acc in (os.O_RDONLY, os.O_RDWR):
         access.append("read")
@@ -126,11 +151,19 @@ ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
 
 
 # record kinds that carry their own result (paired in the kernel)
-_PAIRED = frozenset(("open", "change", "connect", "chdir", "fchdir", "dup", "namespace"))
+_PAIRED: Final = (
+    "open",
+    "change",
+    "connect",
+    "chdir",
+    "fchdir",
+    "dup",
+    "namespace",
+)  # a tuple: mypy narrows by it
 
 # what a file change needs, by operation: the access class of its (first) path; every change also
 # needs write access to the directory that holds the name it adds or removes (policy/profile.py)
-CHANGE_ACCESS: dict[str, tuple[str, ...]] = {
+CHANGE_ACCESS: dict[str, tuple[Access, ...]] = {
     "rename": ("write", "create"),
     "unlink": ("write",),
     "rmdir": ("write",),
@@ -183,7 +216,7 @@ _PTRACE_REQUESTS = {
     0x4206: "PTRACE_SEIZE",
 }
 _MS_BIND, _MS_MOVE = 0x1000, 0x2000
-_MNTNS_KINDS = frozenset(("open", "change", "exec", "connect", "namespace"))
+_MNTNS_KINDS: Final = ("open", "change", "exec", "connect", "namespace")  # a tuple: mypy narrows by it
 
 
 def _bit_names(value: int, table: tuple[tuple[int, str], ...]) -> list[str]:
@@ -217,7 +250,8 @@ class Correlator:
         proc_lookup: ProcLookup | None = None,
         cgroup_name: Callable[[int], str | None] | None = None,
         abi_of: Callable[[int, str], str | None] | None = None,
-        hash_of: Callable[[int, str, Any], Any] | None = None,  # exe_hash.Hasher: the program's sha256
+        # exe_hash.Hasher: the program's hash fields, or an exe_hash.Pending
+        hash_of: Callable[[int, str, Any], object] | None = None,
     ) -> None:
         self.hash_of = hash_of
         # (pid, filename) -> "ia32" for a 32-bit x86 program: the kernel's syscall tracepoints do
@@ -233,7 +267,7 @@ class Correlator:
         self.cgroup_mount: str | None = None
         self.run_cgroup: str | None = None
         self.procs: dict[int, Proc] = {}
-        self.pending: dict[int, dict[str, Any]] = {}
+        self.pending: dict[int, d.ExecEvent] = {}  # a thread's exec attempt, until its result
         self.proc_lookup = proc_lookup
         self.unpaired = 0  # result records whose enter record was lost
         self._exited: dict[int, str | None] = {}  # pid -> exe of recently exited processes
@@ -288,7 +322,7 @@ class Correlator:
         oflags: int,
         mode: int,
         raw: bytes,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Correlated]:
         """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
         the most frequent records, and most name a path the run named before: the decoded and
@@ -327,17 +361,17 @@ class Correlator:
             self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret), cgid
         )
         rec = out[-1]
-        if flags & d.F_OTHER_NS:
+        if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
             rec["mntns"] = "other"
         return out
 
     def _open(
         self, p: Proc, t: int, path: str, raw_path: str, dfd: int, oflags: int, mode: int, ret: int
-    ) -> list[dict[str, Any]]:
+    ) -> list[Correlated]:
         """An open's record, last, after the degradation a write to another cgroup's procs makes;
         a descriptor it returns now names `path`. One shape for open_record and feed."""
         names, access = decode_open_flags(oflags)
-        out = []
+        out: list[Correlated] = []
         if ret >= 0:
             p.fds[ret] = path
             if "write" in access:
@@ -370,7 +404,7 @@ class Correlator:
         self._cgroups[cgid] = (name, container)
         return name, container
 
-    def feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, ev: d.RawEvent) -> list[Correlated]:
         """Consume one decoded record; return the spool records it completes."""
         out = self._named(self._feed(ev), ev.get("cgid", 0))
         if out and ev["flags"] & d.F_OTHER_NS:
@@ -396,7 +430,7 @@ class Correlator:
         where = mount.rstrip("/") + cg
         return where == run or where.startswith(run + "/")
 
-    def _namespace(self, p: Proc, ev: dict[str, Any], ret: int, t: int) -> dict[str, Any]:
+    def _namespace(self, p: Proc, ev: d.NamespaceEvent, ret: int, t: int) -> NamespaceRecord:
         """A namespace, mount, chroot or ptrace call. `paths`: what the call names, resolved like an
         open's (mount: source and target, the source only when a bind or move names a path;
         move_mount: from and to; pivot_root: new root and put_old)."""
@@ -413,7 +447,7 @@ class Correlator:
                 paths.append(raw)  # a device or a name ("none", "proc", "overlay"), not a path
             else:
                 paths.append(self._resolve(p, raw, dfd))
-        rec: dict[str, Any] = {
+        rec: NamespaceRecord = {
             "k": "namespace",
             "t": t,
             "pid": p.pid,
@@ -424,8 +458,9 @@ class Correlator:
             "paths": paths,
             "result": result_of(ret),
         }
-        if ev.get("fstype"):
-            rec["fstype"] = ev["fstype"]
+        fstype = ev["fstype"]
+        if fstype:
+            rec["fstype"] = fstype
         if op in ("ptrace", "process_vm_writev"):
             rec["target_pid"] = ev["target"]
             rec["target_in_run"] = self.in_run(ev["target"])
@@ -435,11 +470,11 @@ class Correlator:
             rec["target_pid"] = ret  # the child
         return rec
 
-    def flush(self) -> list[dict[str, Any]]:
+    def flush(self) -> list[Correlated]:
         """The execs still waiting for their result when the run ends (in progress, or a result the
         ring buffer lost): recorded with the result NO_RESULT, not dropped. (Other calls in flight
         are read from the kernel's map by the recorder and come as records with NO_RESULT.)"""
-        out: list[dict[str, Any]] = []
+        out: list[Correlated] = []
         for enter in list(self.pending.values()):
             out += self._named(
                 self._complete(enter, NO_RESULT, enter["ts"] + self.wall_offset_ns), enter.get("cgid", 0)
@@ -449,7 +484,7 @@ class Correlator:
             out += self._named([query], query.pop("_cgid", 0))
         return out
 
-    def _named(self, out: list[dict[str, Any]], cgid: int) -> list[dict[str, Any]]:
+    def _named(self, out: list[Correlated], cgid: int) -> list[Correlated]:
         """The records, with the cgroup (and container) of cgroup `cgid` when not the run's own."""
         if out and self.cgroup_name is not None:
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
@@ -460,30 +495,29 @@ class Correlator:
                         rec["container"] = container
         return out
 
-    def _feed(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
-        kind = ev["kind"]
+    def _feed(self, ev: d.RawEvent) -> list[Correlated]:
         t = ev["ts"] + self.wall_offset_ns
-        if kind in _PAIRED:
+        if ev["kind"] in _PAIRED:
             return self._complete(ev, ev["ret"], t)
-        if kind == "dns":
+        if ev["kind"] == "dns":
             return self._dns(ev, t)
-        if kind == "exec":
+        if ev["kind"] == "exec":
             stale = self.pending.get(ev["tid"])
             self.pending[ev["tid"]] = ev
             if stale is None:
                 return []
             # the thread's previous exec returned, but its result was lost: recorded, not dropped
             return self._complete(stale, NO_RESULT, stale["ts"] + self.wall_offset_ns)
-        if kind == "ret":
+        if ev["kind"] == "ret":
             enter = self.pending.pop(ev["tid"], None)
             if enter is None:
                 if ev["sc"] != d.SC_EXEC:  # a successful exec's result follows exec_ok, which took it
                     self.unpaired += 1
                 return []
             return self._complete(enter, ev["ret"], ev["ts"] + self.wall_offset_ns)
-        if kind == "exec_ok":
+        if ev["kind"] == "exec_ok":
             return self._exec_ok(ev, t)
-        if kind == "fork":
+        if ev["kind"] == "fork":
             parent = self._proc(ev["tgid"])
             self.procs[ev["child"]] = Proc(
                 pid=ev["child"],
@@ -494,29 +528,28 @@ class Correlator:
                 fds=dict(parent.fds),
             )
             return []
-        if kind == "exit":
+        if ev["kind"] == "exit":
             p = self._proc(ev["tgid"])
             code, sig = split_status(ev["status"])
             self.procs.pop(ev["tgid"], None)
             if len(self._exited) >= 4096:
                 self._exited.pop(next(iter(self._exited)))
             self._exited[p.pid] = p.exe
-            return [
-                {
-                    "k": "exit",
-                    "t": t,
-                    "pid": p.pid,
-                    "ppid": p.ppid,
-                    "exe": p.exe,
-                    "exit_code": code,
-                    "signal": sig,
-                }
-            ]
+            rec: ExitRecord = {
+                "k": "exit",
+                "t": t,
+                "pid": p.pid,
+                "ppid": p.ppid,
+                "exe": p.exe,
+                "exit_code": code,
+                "signal": sig,
+            }
+            return [rec]
         return []
 
     def _exec_record(
-        self, p: Proc, t: int, filename: str, argv: list[str], trunc: bool, result: int | str
-    ) -> dict[str, Any]:
+        self, p: Proc, t: int, filename: str, argv: list[str], trunc: bool, result: Result
+    ) -> ExecRecord:
         return {
             "k": "exec",
             "t": t,
@@ -530,7 +563,7 @@ class Correlator:
             "result": result,
         }
 
-    def _leaving(self, p: Proc, path: str, t: int) -> list[dict[str, Any]]:
+    def _leaving(self, p: Proc, path: str, t: int) -> list[Correlated]:
         """A degradation when a process opens for writing the cgroup.procs or cgroup.threads of a
         cgroup outside the run's: it can move processes out of the run's cgroup, and what they do
         there is not recorded (only root, or a job a cgroup is delegated to, may)."""
@@ -555,7 +588,7 @@ class Correlator:
             }
         ]
 
-    def _change(self, p: Proc, ev: dict[str, Any], ret: int, t: int) -> dict[str, Any]:
+    def _change(self, p: Proc, ev: d.ChangeEvent, ret: int, t: int) -> ChangeRecord:
         """A file change that is not an open, its paths resolved like an open's (cwd, dirfd). `path`
         is the name the call changes (rename's and link's old name, symlink's new link) and `target`
         the second name (rename's and link's new name, symlink's content as given, unresolved); a
@@ -564,6 +597,7 @@ class Correlator:
         kernel's tokens do)."""
         op = ev["op"]
         flags = ev["flags"]
+        raw: str | None
         if ev["path"] is None:  # fchmod/fchown: the descriptor's path
             path = p.fds.get(ev["dfd"]) or f"<unknown fd {ev['dfd']}>"
             raw = None
@@ -574,7 +608,7 @@ class Correlator:
         else:
             raw = ev["path"]
             path = self._resolve(p, raw, ev["dfd"])
-        rec: dict[str, Any] = {
+        rec: ChangeRecord = {
             "k": "change",
             "t": t,
             "pid": p.pid,
@@ -603,7 +637,7 @@ class Correlator:
             rec["at_flags"] = ev["at_flags"]
         return rec
 
-    def _exec_ok(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
+    def _exec_ok(self, ev: d.ExecOkEvent, t: int) -> list[Correlated]:
         old = ev["old_tid"] or ev["tid"]
         enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
         p = self._proc(ev["tgid"])
@@ -614,7 +648,8 @@ class Correlator:
         if ev["flags"] & d.F_ARGS_FAULT and enter:
             argv = enter["argv"]
         p.exe = filename
-        out = [self._exec_record(p, t, filename, argv, trunc, 0)]
+        rec = self._exec_record(p, t, filename, argv, trunc, 0)
+        out: list[Correlated] = [rec]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
             where = filename
             if ev["flags"] & d.F_OTHER_NS and filename.startswith("/"):
@@ -622,7 +657,9 @@ class Correlator:
                 # process's own root (gone by then: not hashed, never the wrong file)
                 where = f"/proc/{p.pid}/root{filename}"
             h = self.hash_of(p.pid, where, ev.get("file"))
-            out[0].update(h if isinstance(h, dict) else {"_hash": h})
+            # exe_hash names its fields at run time (a prefix for an interpreter's): typed here
+            # (cast to the whole record: mypy's update() takes no TypedDict with fewer keys)
+            rec.update(cast(ExecRecord, h) if isinstance(h, dict) else {"_hash": h})
         abi = self.abi_of(p.pid, filename) if self.abi_of else None
         if abi:
             out.append(
@@ -636,21 +673,32 @@ class Correlator:
             )
         return out
 
-    def _complete(self, enter: dict[str, Any], ret: int, t_ret: int) -> list[dict[str, Any]]:
-        kind = enter["kind"]
+    def _complete(
+        self,
+        enter: d.OpenEvent
+        | d.ChangeEvent
+        | d.ConnectEvent
+        | d.ChdirEvent
+        | d.FchdirEvent
+        | d.DupEvent
+        | d.NamespaceEvent
+        | d.ExecEvent,
+        ret: int,
+        t_ret: int,
+    ) -> list[Correlated]:
         p = self._proc(enter["tgid"])
         t = enter["ts"] + self.wall_offset_ns
-        if kind == "open":
+        if enter["kind"] == "open":
             if enter["flags"] & d.F_FNAME_FAULT:
                 path = enter["path"] = UNREADABLE
             else:
                 path = self._resolve(p, enter["path"], enter["dfd"])
             return self._open(p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret)
-        if kind == "change":
+        if enter["kind"] == "change":
             return [self._change(p, enter, ret, t)]
-        if kind == "namespace":
+        if enter["kind"] == "namespace":
             return [self._namespace(p, enter, ret, t)]
-        if kind == "exec":
+        if enter["kind"] == "exec":
             if ret == 0:
                 return []  # exec_ok already recorded it
             filename = self._resolve(p, enter["filename"], enter["dfd"])
@@ -659,26 +707,29 @@ class Correlator:
                     p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)
                 )
             ]
-        if kind == "connect":
-            return [
-                {
-                    "k": "connect",
-                    "t": t,
-                    "pid": p.pid,
-                    "ppid": p.ppid,
-                    "exe": p.exe,
-                    "family": enter["family"],
-                    "address": enter["address"],
-                    "port": enter["port"],
-                    "result": result_of(ret),
-                    **self._names(enter["address"]),
-                }
-            ]
-        if kind == "chdir" and ret == 0:
-            p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
-        elif kind == "fchdir" and ret == 0:
-            p.cwd = p.fds.get(enter["fd"])  # a directory we never saw opened: the cwd is unknown
-        elif kind == "dup" and ret >= 0:
+        if enter["kind"] == "connect":
+            rec: ConnectRecord = {
+                "k": "connect",
+                "t": t,
+                "pid": p.pid,
+                "ppid": p.ppid,
+                "exe": p.exe,
+                "family": enter["family"],
+                "address": enter["address"],
+                "port": enter["port"],
+                "result": result_of(ret),
+            }
+            names = self.dns.names_of(enter["address"])
+            if names:  # what the run's DNS answers named the address
+                rec["names"] = names
+            return [rec]
+        if enter["kind"] == "chdir":
+            if ret == 0:
+                p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
+        elif enter["kind"] == "fchdir":
+            if ret == 0:
+                p.cwd = p.fds.get(enter["fd"])  # a directory we never saw opened: the cwd is unknown
+        elif enter["kind"] == "dup" and ret >= 0:
             src = p.fds.get(enter["oldfd"])
             if src is not None:
                 p.fds[ret] = src
@@ -688,16 +739,12 @@ class Correlator:
 
     # ---- dns
 
-    def _dns(self, ev: dict[str, Any], t: int) -> list[dict[str, Any]]:
+    def _dns(self, ev: d.DnsEvent, t: int) -> list[Correlated]:
         """A DNS message: a query waits for its answer (the pair is one record, at the query's
         time), an answer teaches the names of the addresses it gives."""
         p = self._proc(ev["tgid"])
-        base = {"k": "dns", "t": t, "pid": p.pid, "ppid": p.ppid, "exe": p.exe, "_cgid": ev["cgid"]}
-        out = self.dns.feed(ev, base)
-        for rec in out:
+        out: list[Correlated] = []
+        for rec in self.dns.feed(ev, t, p.pid, p.ppid, p.exe):
             rec.pop("_cgid", None)
+            out.append(rec)
         return out
-
-    def _names(self, address: str) -> dict[str, list[str]]:
-        names = self.dns.names_of(address)
-        return {"names": names} if names else {}

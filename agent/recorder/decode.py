@@ -1,7 +1,10 @@
 """Decode the probes' raw ring-buffer records (bytes) into dicts. Pure: no BCC, no root.
 
 The layouts mirror the structs in probes/record.bpf.c; tests/unit/test_decode.py checks them against
-saved raw records.
+saved raw records. Each kind's decoded dict has a type here (a TypedDict, `kind` its Literal
+discriminator: `RawEvent` is their union), checked by tests/unit/test_record_types.py against what
+the saved raw records decode to; the correlator turns them into the spool's records
+(bundle/record_types.py).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Any
+from typing import Literal, NotRequired, TypedDict
 
 from evidence.probes import kinds
 
@@ -99,14 +102,177 @@ DNS_DATA_OFF = HDR.size + _DNS.size  # 80
 NS_BUF_OFF = HDR.size + _NS.size  # 88
 
 
+class _Header(TypedDict):
+    """struct hdr: every record's first fields."""
+
+    ts: int  # monotonic ns
+    cgid: int  # the task's own cgroup id
+    run: int  # the run's slot
+    tgid: int
+    tid: int
+    flags: int  # F_*
+
+
+class _ExecFields(_Header):
+    dfd: int
+    at_flags: int
+    old_tid: int
+    argc: int
+    filename: str
+    argv: list[str]
+    # (st_dev, st_ino, st_size, st_ctime_ns) of the file mapped (exec_ok, when the kernel read it)
+    file: NotRequired[tuple[int, int, int, int]]
+
+
+class ExecEvent(_ExecFields):
+    kind: Literal["exec"]  # an attempt, with its argv (its result follows as a RetEvent)
+
+
+class ExecOkEvent(_ExecFields):
+    kind: Literal["exec_ok"]  # a success (sched_process_exec), argv read from the new image
+
+
+class ForkEvent(_Header):
+    kind: Literal["fork"]
+    child: int
+
+
+class ExitEvent(_Header):
+    kind: Literal["exit"]
+    status: int  # a wait status
+
+
+class OpenEvent(_Header):
+    kind: Literal["open"]
+    ret: int
+    exe_tok: int
+    tok: int
+    dfd: int
+    oflags: int
+    mode: int
+    sc: int
+    path: str
+
+
+class ConnectEvent(_Header):
+    kind: Literal["connect"]
+    ret: int
+    exe_tok: int
+    tok: int
+    fd: int
+    family: str
+    address: str
+    port: int | None
+
+
+class _DirEvent(_Header):
+    ret: int
+    fd: int
+    path: str | None
+
+
+class ChdirEvent(_DirEvent):
+    kind: Literal["chdir"]
+
+
+class FchdirEvent(_DirEvent):
+    kind: Literal["fchdir"]
+
+
+class ChangeEvent(_Header):
+    kind: Literal["change"]
+    ret: int
+    op: str  # CHANGE_OPS
+    dfd: int
+    dfd2: int
+    mode: int
+    uid: int
+    gid: int
+    at_flags: int
+    path: str | None
+    path2: str | None
+
+
+class NamespaceEvent(_Header):
+    kind: Literal["namespace"]
+    ret: int
+    op: str  # NS_OPS
+    ns_flags: int
+    target: int
+    dfd: int
+    dfd2: int
+    fstype: str | None
+    path: str | None
+    path2: str | None
+
+
+class DupEvent(_Header):
+    kind: Literal["dup"]
+    ret: int
+    oldfd: int
+    newfd: int
+
+
+class DnsEvent(_Header):
+    kind: Literal["dns"]
+    ret: int
+    fd: int
+    received: bool
+    family: str
+    address: str
+    port: int | None
+    payload: bytes
+
+
+class RetEvent(_Header):
+    kind: Literal["ret"]
+    sc: int
+    ret: int
+
+
+RawEvent = (
+    ExecEvent
+    | ExecOkEvent
+    | ForkEvent
+    | ExitEvent
+    | OpenEvent
+    | ConnectEvent
+    | ChdirEvent
+    | FchdirEvent
+    | ChangeEvent
+    | NamespaceEvent
+    | DupEvent
+    | DnsEvent
+    | RetEvent
+)
+# a record kind's number -> the type of what decode() makes of it (names from probes/kinds.py)
+EVENT_TYPES: dict[int, type] = {
+    EV_EXEC: ExecEvent,
+    EV_EXEC_OK: ExecOkEvent,
+    EV_FORK: ForkEvent,
+    EV_EXIT: ExitEvent,
+    EV_OPEN: OpenEvent,
+    EV_CONNECT: ConnectEvent,
+    EV_CHDIR: ChdirEvent,
+    EV_FCHDIR: FchdirEvent,
+    EV_CHANGE: ChangeEvent,
+    EV_NS: NamespaceEvent,
+    EV_DUP: DupEvent,
+    EV_DNS: DnsEvent,
+    EV_RET: RetEvent,
+}
+
+
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
 
 
-def agg_key(ev: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
+def agg_key(ev: OpenEvent | ConnectEvent) -> tuple[int, int, int, int, int, int]:
     """The kernel's aggregation key of an open or connect record (as `struct akey`, without the run):
     (exe token, path or address token, cgroup id, kind, access bits, result)."""
-    kind = EV_OPEN if ev["kind"] == "open" else EV_CONNECT
-    access = ev["oflags"] & ACCESS_BITS if kind == EV_OPEN else ev["flags"] & (F_SEND | F_FNAME_FAULT)
+    if ev["kind"] == "open":
+        kind, access = EV_OPEN, ev["oflags"] & ACCESS_BITS
+    else:
+        kind, access = EV_CONNECT, ev["flags"] & (F_SEND | F_FNAME_FAULT)
     ret = ev["ret"]
     return (ev["exe_tok"], ev["tok"], ev["cgid"], kind, access, ret if ret < 0 else 0)
 
@@ -148,111 +314,158 @@ def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int | None]:
     return "OTHER", f"family={family}", None
 
 
-def decode(raw: bytes) -> dict[str, Any]:
+def decode(raw: bytes) -> RawEvent:
+    """The decoded record: `kind` (its name, probes/kinds.py), its header's fields and its own."""
     if len(raw) < HDR.size:
         raise DecodeError(f"record of {len(raw)} bytes is shorter than its header")
     ts, cgid, run, tgid, tid, kind, flags = HDR.unpack_from(raw, 0)
-    ev: dict[str, Any] = {
-        "kind": KIND_NAMES.get(kind, kind),
-        "ts": ts,
-        "cgid": cgid,
-        "run": run,
-        "tgid": tgid,
-        "tid": tid,
-        "flags": flags,
-    }
+    if kind in (EV_EXEC, EV_EXEC_OK):
+        return _exec(raw, kind, ts, cgid, run, tgid, tid, flags)
+    hdr: _Header = {"ts": ts, "cgid": cgid, "run": run, "tgid": tgid, "tid": tid, "flags": flags}
     o = HDR.size
     if kind == EV_OPEN:
         ret, exe_tok, tok, dfd, oflags, mode, sc, plen = _OPEN.unpack_from(raw, o)
-        ev.update(
-            ret=ret,
-            exe_tok=exe_tok,
-            tok=tok,
-            dfd=dfd,
-            oflags=oflags,
-            mode=mode,
-            sc=sc,
-            path=_cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
-        )
-    elif kind in (EV_EXEC, EV_EXEC_OK):
-        dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns = _EXEC.unpack_from(
-            raw, o
-        )
-        buf = raw[EXEC_BUF_OFF:]
-        if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
-            ev["file"] = (
-                os.makedev(kdev >> 20, kdev & 0xFFFFF),
-                ino,
-                size,
-                ctime_s * 1_000_000_000 + (ctime_ns & _NSEC_MASK),
-            )
-        ev.update(
-            dfd=dfd,
-            at_flags=at_flags,
-            old_tid=old_tid,
-            argc=argc,
-            filename=_cstr(buf[:flen]),
-            argv=_argv(buf[flen : flen + alen]),
-        )
-    elif kind == EV_FORK:
-        ev["child"] = _FORK.unpack_from(raw, o)[0]
-    elif kind == EV_EXIT:
-        ev["status"] = _EXIT.unpack_from(raw, o)[0]
-    elif kind == EV_CONNECT:
+        return {
+            "kind": "open",
+            **hdr,
+            "ret": ret,
+            "exe_tok": exe_tok,
+            "tok": tok,
+            "dfd": dfd,
+            "oflags": oflags,
+            "mode": mode,
+            "sc": sc,
+            "path": _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
+        }
+    if kind == EV_FORK:
+        return {"kind": "fork", **hdr, "child": _FORK.unpack_from(raw, o)[0]}
+    if kind == EV_EXIT:
+        return {"kind": "exit", **hdr, "status": _EXIT.unpack_from(raw, o)[0]}
+    if kind == EV_CONNECT:
         ret, exe_tok, tok, fd, addrlen = _CONNECT.unpack_from(raw, o)
         family, address, port = decode_sockaddr(raw[CONNECT_ADDR_OFF : CONNECT_ADDR_OFF + 128], addrlen)
-        ev.update(ret=ret, exe_tok=exe_tok, tok=tok, fd=fd, family=family, address=address, port=port)
-    elif kind in (EV_CHDIR, EV_FCHDIR):
+        return {
+            "kind": "connect",
+            **hdr,
+            "ret": ret,
+            "exe_tok": exe_tok,
+            "tok": tok,
+            "fd": fd,
+            "family": family,
+            "address": address,
+            "port": port,
+        }
+    if kind in (EV_CHDIR, EV_FCHDIR):
         ret, _, _, fd, _, _, _, plen = _OPEN.unpack_from(raw, o)
-        ev.update(ret=ret, fd=fd, path=_cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None)
-    elif kind == EV_CHANGE:
+        path = _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
+        if kind == EV_CHDIR:
+            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path}
+        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path}
+    if kind == EV_CHANGE:
         ret, dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
         buf = raw[CHANGE_BUF_OFF:]
-        ev.update(
-            ret=ret,
-            op=CHANGE_OPS.get(op, f"op{op}"),
-            dfd=dfd,
-            dfd2=dfd2,
-            mode=mode,
-            uid=uid,
-            gid=gid,
-            at_flags=at_flags,
-            path=_cstr(buf[:len1]) if len1 else None,
-            path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
-        )
-    elif kind == EV_NS:
+        return {
+            "kind": "change",
+            **hdr,
+            "ret": ret,
+            "op": CHANGE_OPS.get(op, f"op{op}"),
+            "dfd": dfd,
+            "dfd2": dfd2,
+            "mode": mode,
+            "uid": uid,
+            "gid": gid,
+            "at_flags": at_flags,
+            "path": _cstr(buf[:len1]) if len1 else None,
+            "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
+        }
+    if kind == EV_NS:
         ret, nflags, target, dfd, dfd2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
         buf = raw[NS_BUF_OFF:]
-        ev.update(
-            ret=ret,
-            op=NS_OPS.get(op, f"op{op}"),
-            ns_flags=nflags,
-            target=target,
-            dfd=dfd,
-            dfd2=dfd2,
-            fstype=_cstr(fstype) or None,
-            path=_cstr(buf[:len1]) if len1 else None,
-            path2=_cstr(buf[len1 : len1 + len2]) if len2 else None,
-        )
-    elif kind == EV_DUP:
-        ev["ret"], ev["oldfd"], ev["newfd"] = _DUP.unpack_from(raw, o)
-    elif kind == EV_DNS:
+        return {
+            "kind": "namespace",
+            **hdr,
+            "ret": ret,
+            "op": NS_OPS.get(op, f"op{op}"),
+            "ns_flags": nflags,
+            "target": target,
+            "dfd": dfd,
+            "dfd2": dfd2,
+            "fstype": _cstr(fstype) or None,
+            "path": _cstr(buf[:len1]) if len1 else None,
+            "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
+        }
+    if kind == EV_DUP:
+        ret, oldfd, newfd = _DUP.unpack_from(raw, o)
+        return {"kind": "dup", **hdr, "ret": ret, "oldfd": oldfd, "newfd": newfd}
+    if kind == EV_DNS:
         ret, fd, direction, n, addr = _DNS.unpack_from(raw, o)
         family, address, port = decode_sockaddr(addr, len(addr))
-        ev.update(
-            ret=ret,
-            fd=fd,
-            received=direction == DNS_RECEIVED,
-            family=family,
-            address=address,
-            port=port,
-            payload=raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
-        )
-    elif kind == EV_RET:
+        return {
+            "kind": "dns",
+            **hdr,
+            "ret": ret,
+            "fd": fd,
+            "received": direction == DNS_RECEIVED,
+            "family": family,
+            "address": address,
+            "port": port,
+            "payload": raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
+        }
+    if kind == EV_RET:
         sc, _, ret = _RET.unpack_from(raw, o)
-        ev.update(sc=sc, ret=ret)
+        return {"kind": "ret", **hdr, "sc": sc, "ret": ret}
+    raise DecodeError(f"unknown record kind {kind}")
+
+
+def _exec(
+    raw: bytes, kind: int, ts: int, cgid: int, run: int, tgid: int, tid: int, flags: int
+) -> ExecEvent | ExecOkEvent:
+    """An exec's attempt (EV_EXEC) or success (EV_EXEC_OK)."""
+    dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns = _EXEC.unpack_from(
+        raw, HDR.size
+    )
+    buf = raw[EXEC_BUF_OFF:]
+    filename, argv = _cstr(buf[:flen]), _argv(buf[flen : flen + alen])
+    ev: ExecEvent | ExecOkEvent
+    if kind == EV_EXEC:
+        ev = {
+            "kind": "exec",
+            "ts": ts,
+            "cgid": cgid,
+            "run": run,
+            "tgid": tgid,
+            "tid": tid,
+            "flags": flags,
+            "dfd": dfd,
+            "at_flags": at_flags,
+            "old_tid": old_tid,
+            "argc": argc,
+            "filename": filename,
+            "argv": argv,
+        }
     else:
-        raise DecodeError(f"unknown record kind {kind}")
+        ev = {
+            "kind": "exec_ok",
+            "ts": ts,
+            "cgid": cgid,
+            "run": run,
+            "tgid": tgid,
+            "tid": tid,
+            "flags": flags,
+            "dfd": dfd,
+            "at_flags": at_flags,
+            "old_tid": old_tid,
+            "argc": argc,
+            "filename": filename,
+            "argv": argv,
+        }
+    if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
+        ev["file"] = (
+            os.makedev(kdev >> 20, kdev & 0xFFFFF),
+            ino,
+            size,
+            ctime_s * 1_000_000_000 + (ctime_ns & _NSEC_MASK),
+        )
     return ev
 
 

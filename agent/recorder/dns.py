@@ -11,7 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from evidence.bundle.record_types import DnsRecord
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.decode import DnsEvent
 
 logger = logging.getLogger(__name__)
 
@@ -107,27 +112,36 @@ class Resolutions:
     """Pairs a run's DNS messages into `dns` records and keeps address -> names for its connects."""
 
     def __init__(self) -> None:
-        # (server, id, name) -> (the query's record, the query)
-        self.pending: OrderedDict[tuple[str, int, str | None], dict[str, Any]] = OrderedDict()
+        # (server, id, name) -> the query's record
+        self.pending: OrderedDict[tuple[str, int, str | None], DnsRecord] = OrderedDict()
         self.names: OrderedDict[str, list[str]] = OrderedDict()
 
-    def feed(self, ev: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
-        """A decoded `dns` record; `base` holds the record fields of its process (k, t, pid, ppid,
-        exe). Returns the records it completes."""
-        rec = dict(base, server=ev["address"], port=ev["port"])
-        msg = parse(ev["payload"])
+    def feed(self, ev: DnsEvent, t: int, pid: int, ppid: int, exe: str | None) -> list[DnsRecord]:
+        """A decoded `dns` record, by process `pid` (its parent `ppid`, its program `exe`) at time
+        `t`. Returns the records it completes, each with `_cgid` (its cgroup id) for the caller."""
+        payload = ev["payload"]
+        msg = parse(payload)
+        rec: DnsRecord
         if msg is None:
-            rec.update(
-                name=None,
-                type=None,
-                result="malformed",
-                answers=[],
-                addresses=[],
-                malformed=True,
-                received=ev["received"],
-                size=len(ev["payload"]),
-            )
-            if ev["payload"] and len(ev["payload"]) < ev["ret"]:
+            rec = {
+                "k": "dns",
+                "t": t,
+                "pid": pid,
+                "ppid": ppid,
+                "exe": exe,
+                "_cgid": ev["cgid"],
+                "server": ev["address"],
+                "port": ev["port"],
+                "name": None,
+                "type": None,
+                "result": "malformed",
+                "answers": [],
+                "addresses": [],
+                "malformed": True,
+                "received": ev["received"],
+                "size": len(payload),
+            }
+            if payload and len(payload) < ev["ret"]:
                 rec["truncated"] = True
             return [rec]
         key = (ev["address"], msg.id, msg.name)
@@ -137,20 +151,47 @@ class Resolutions:
                 return []
             if len(self.pending) >= MAX_PENDING:
                 out.append(self.pending.popitem(last=False)[1])
-            rec.update(name=msg.name, type=msg.type, result=NO_ANSWER, answers=[], addresses=[])
-            self.pending[key] = rec
+            self.pending[key] = {
+                "k": "dns",
+                "t": t,
+                "pid": pid,
+                "ppid": ppid,
+                "exe": exe,
+                "_cgid": ev["cgid"],
+                "server": ev["address"],
+                "port": ev["port"],
+                "name": msg.name,
+                "type": msg.type,
+                "result": NO_ANSWER,
+                "answers": [],
+                "addresses": [],
+            }
             return out
         query = self.pending.pop(key, None)
         if query is not None:
             rec = query  # the query's time, process and server; the answer's content
         else:
-            rec.update(name=msg.name, type=msg.type, unasked=True)
+            rec = {
+                "k": "dns",
+                "t": t,
+                "pid": pid,
+                "ppid": ppid,
+                "exe": exe,
+                "_cgid": ev["cgid"],
+                "server": ev["address"],
+                "port": ev["port"],
+                "name": msg.name,
+                "type": msg.type,
+                "unasked": True,
+                # replaced below, in this order (a record's keys keep the order they were made in)
+                "result": "",
+                "answers": [],
+                "addresses": [],
+            }
         addresses = addresses_of(msg)
-        rec.update(
-            result=msg.rcode,
-            answers=[f"{owner} {rtype} {value}" for owner, rtype, value in msg.answers],
-            addresses=addresses,
-        )
+        rec["result"] = msg.rcode
+        rec["answers"] = [f"{owner} {rtype} {value}" for owner, rtype, value in msg.answers]
+        rec["addresses"] = addresses
         for address in addresses:
             self._learn(address, owner_names(msg, address))
         return [rec]
@@ -170,7 +211,7 @@ class Resolutions:
             found = self.names.get(address[7:])
         return list(found) if found else None
 
-    def flush(self) -> list[dict[str, Any]]:
+    def flush(self) -> list[DnsRecord]:
         """The queries whose answer was not seen, recorded with the result "no answer"."""
         out = list(self.pending.values())
         self.pending.clear()

@@ -12,9 +12,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from evidence.agent.recorder.launch import Landlock
+from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 from evidence.policy import env as penv
 from evidence.policy import landlock
@@ -159,10 +160,12 @@ class Enforcement:
         Landlock here). The network namespace, if any, is `self.netns`."""
         return Landlock.of_plan(self.plan) if self.mode == "enforce" else None
 
-    def poll_denials(self, exe_of: Callable[[int], str | None], timeout_ms: int = 0) -> list[dict[str, Any]]:
+    def poll_denials(self, exe_of: Callable[[int], str | None], timeout_ms: int = 0) -> list[DenialRecord]:
         if self.guard is None:
             return []
-        out = self.guard.poll(timeout_ms)
+        # policy/connect.py's to_denial makes them (a DenialRecord: PolicyDenial's shape, k and t);
+        # the guard (probes/guard.py) hands them on as plain dicts
+        out = cast("list[DenialRecord]", self.guard.poll(timeout_ms))
         for rec in out:
             rec["exe"] = exe_of(rec["pid"])
         return out
@@ -178,17 +181,18 @@ class Enforcement:
             ptmp.remove_private_tmp(self.tmpdir)
 
     # ---- what the policy says about recorded operations ----------------------------------------
-    def observe(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def observe(self, records: Sequence[SpoolRecord]) -> list[DenialRecord]:
         """Denial records for opens and execs the policy refuses (enforced, or would-block)."""
         if self.policy.fs is None:
             return []
-        out = []
+        out: list[DenialRecord] = []
         for rec in records:
-            k = rec["k"]
-            if k == "open":
-                target, accesses = rec["path"], rec["access"]
-            elif k == "exec":
+            accesses: Sequence[str]
+            if rec["k"] == "open":
+                target, accesses, exe = rec["path"], rec["access"], rec.get("exe")
+            elif rec["k"] == "exec":
                 target, accesses = rec["filename"], ["exec"]
+                exe = target
             else:
                 continue
             result = rec["result"]
@@ -206,7 +210,7 @@ class Enforcement:
                         "k": "denial",
                         "t": rec["t"],
                         "pid": rec["pid"],
-                        "exe": rec.get("exe") if k == "open" else target,
+                        "exe": exe,
                         "operation": access,
                         "target": target,
                         "rule": rule,

@@ -31,8 +31,11 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, cast
+
+if TYPE_CHECKING:
+    from evidence.bundle.record_types import ExecRecord, SpoolRecord
 
 logger = logging.getLogger(__name__)
 
@@ -281,9 +284,10 @@ class Pending:
     def ready(self) -> bool:
         return self.future.done() or time.monotonic() >= self.deadline
 
-    def apply(self, rec: dict[str, Any]) -> None:
+    def apply(self, rec: ExecRecord) -> None:
         try:
-            rec.update(self.future.result(max(0.0, self.deadline - time.monotonic())))
+            # fields named at run time (FileHash.fields' prefix): typed as the record's own
+            rec.update(cast("ExecRecord", self.future.result(max(0.0, self.deadline - time.monotonic()))))
         except concurrent.futures.TimeoutError:
             logger.warning("hash of %s: given up after %.0f s", rec.get("filename"), HASH_SECONDS)
             rec["not_hashed"] = TIMEOUT
@@ -292,7 +296,7 @@ class Pending:
             rec["not_hashed"] = UNREADABLE
 
 
-PENDING = "_hash"  # the key an exec record holds its Pending under until it is spooled
+PENDING: Final = "_hash"  # the key an exec record holds its Pending under until it is spooled
 
 
 class Hasher:
@@ -313,13 +317,15 @@ class Hasher:
         self._pool.shutdown(wait=False, cancel_futures=False)
 
 
-def settle(recs: list[dict[str, Any]], wait: bool = False) -> int:
+def settle(recs: Sequence[SpoolRecord], wait: bool = False) -> int:
     """Fill in the hashes that are ready (all of them with `wait`, each within its deadline) and return
     how many of `recs`, from the start, can be spooled now: records stay in order, so those after a
     pending one wait too."""
     for i, rec in enumerate(recs):
+        if rec["k"] != "exec":  # only an exec's record waits for a hash
+            continue
         pending = rec.get(PENDING)
-        if pending is None:
+        if not isinstance(pending, Pending):  # None: its fields are there already
             continue
         if not wait and not pending.ready():
             return i

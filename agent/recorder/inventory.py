@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
+
+from evidence.bundle.record_types import InventoryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +202,15 @@ def socket_inodes(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
     return inodes
 
 
-def read_process(pid: int, proc_root: Path = Path("/proc")) -> dict[str, Any] | None:
+class ProcessInfo(TypedDict):
+    pid: int
+    ppid: int
+    argv: list[str]
+    cwd: str | None
+    exe: str | None
+
+
+def read_process(pid: int, proc_root: Path = Path("/proc")) -> ProcessInfo | None:
     """pid, ppid, argv, cwd, exe of a live process; None once it has gone."""
     base = proc_root / str(pid)
     try:
@@ -260,11 +270,11 @@ class _SocketLookup:
 
 def take_inventory(
     cgroup_dir: str | Path, now_ns: int | None = None, proc_root: Path = Path("/proc")
-) -> list[dict[str, Any]]:
+) -> list[InventoryRecord]:
     """One record per process in the cgroup tree, by pid; each with its sockets, sorted."""
     t = time.time_ns() if now_ns is None else now_ns
     lookup = _SocketLookup(proc_root)
-    records: list[dict[str, Any]] = []
+    records: list[InventoryRecord] = []
     for pid in cgroup_pids(cgroup_dir):
         info = read_process(pid, proc_root)
         if info is None:
@@ -278,7 +288,7 @@ def take_inventory(
     return records
 
 
-def summarize(records: Iterable[dict[str, Any]]) -> str:
+def summarize(records: Iterable[InventoryRecord]) -> str:
     recs = list(records)
     n_sock = sum(len(r["sockets"]) for r in recs)
     return f"{len(recs)} process(es), {n_sock} socket(s)"

@@ -24,15 +24,16 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
 
 from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
-from evidence.agent.recorder.correlate import Correlator
+from evidence.agent.recorder.correlate import Correlated, Correlator
+from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool
 from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, write_bundle
@@ -148,7 +149,7 @@ class Spool(Protocol):
     @property
     def path(self) -> Path: ...
 
-    def write_many(self, recs: list[dict[str, Any]]) -> None: ...
+    def write_many(self, recs: Sequence[SpoolRecord]) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -187,21 +188,21 @@ class Session:
     # --detail summary: distinct keys kept (0: every operation is a record, --detail full)
     max_distinct: int = 0
     # the kernel's aggregation key -> what its first record said (counts come from the kernel)
-    firsts: dict[tuple[int, ...], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    firsts: dict[tuple[int, ...], dict[str, object]] = dataclasses.field(default_factory=dict)
     plain_keys: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)  # keys of plain records
     past_cap: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> not kept, counted
     policy: dict[str, Any] | None = None
     network: str | None = None  # the command's private network (--net), for the manifest
     degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    extra_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    extra_records: list[SpoolRecord] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     # what the run id is made of, fed by the spool as records are written (the writer's Behaviour)
     behaviour: Behaviour | None = None
     finished: bool = False
     cgroup_names: Any = None  # evidence.agent.recorder.cgroups.CgroupNames for this run's subtree
     # Called with each batch of correlated records; returns records to add (policy denials).
-    observer: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
-    held: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # from an exec still hashed
+    observer: Callable[[Sequence[SpoolRecord]], list[DenialRecord]] | None = None
+    held: list[SpoolRecord] = dataclasses.field(default_factory=list)  # from an exec still hashed
 
 
 class Recorder:
@@ -352,7 +353,7 @@ class Recorder:
                 }
             )
         # calls whose result never came (in progress when the run ended): recorded with NO_RESULT
-        pending: list[dict[str, Any]] = []
+        pending: list[SpoolRecord] = []
         for raw in in_flight:
             with contextlib.suppress(dec.DecodeError, ValueError):
                 pending += session.correlator.feed(dec.decode(raw))
@@ -404,26 +405,30 @@ class Recorder:
         session: Session,
         aggregates: list[tuple[tuple[int, int, int, int, int, int], int, int, int]],
         lost: dict[str, int],
-    ) -> list[dict[str, Any]]:
+    ) -> list[SpoolRecord]:
         """Records with the counts the kernel kept: for each aggregated key seen more than once, its
         first record's key fields with `n` (the occurrences after the first) and `tl` (the last
         time), which the bundle writer adds to that key's summary. A key whose first record never
         reached the correlator is counted as lost."""
         off = self.wall_offset_ns
-        out: list[dict[str, Any]] = []
+        out: list[SpoolRecord] = []
         for key, count, first, last in aggregates:
-            rec = session.firsts.get(key)
-            if rec is None:
+            fields = session.firsts.get(key)
+            if fields is None:
                 kind = "open" if key[3] == dec.EV_OPEN else "connect"
                 lost[kind] = lost.get(kind, 0) + count
                 continue
             if count > 1:
-                upd = dict(rec)
-                upd.update(t=first + off, tl=last + off, n=count - 1)
+                # a partial record: the first's key fields, enough for the writer's summary key and
+                # totals (never an event of its own: its key's first record came before it)
+                fields = dict(fields)
+                fields.update(t=first + off, tl=last + off, n=count - 1)
+                upd = cast(SpoolRecord, fields)
                 out.append(upd)
                 if session.observer is not None:  # the denials of the repeats, with their count
                     for den in session.observer([upd]):
-                        den.update(n=count - 1, tl=last + off)
+                        den["n"] = count - 1
+                        den["tl"] = last + off
                         out.append(den)
         session.firsts.clear()
         session.plain_keys.clear()
@@ -525,7 +530,7 @@ class Recorder:
         unpack and go to the correlator as fields (Correlator.open_record), not as a decoded dict."""
         self.stats["batches"] += 1
         self.stats["records"] += len(batch)
-        out: dict[int, list[Any]] = {}  # records (dicts), and spool lines (bytes) of lined runs
+        out: dict[int, list[SpoolRecord | bytes]] = {}  # records, and spool lines of lined runs
         hashing: set[int] = set()  # runs whose records may carry an exe hash still being computed
         sessions = self._sessions
         errors = stray = 0
@@ -541,18 +546,19 @@ class Recorder:
         # A repeat of a run whose spool takes lines (_takes_lines) is its spool line, made from the
         # last record's line with its own time: no dict, no serialisation (`lined`: such runs).
         last_tail = b""
-        last_rec: dict[str, Any] = {}
+        last_rec: Correlated | None = None
         last_line: tuple[bytes, bytes] | None = None
         lined: set[int] = set()
         session = None
         run = flags = 0
         first: tuple[int, ...] = ()  # the kernel's aggregation key of a record marked F_FIRST
         for raw in batch:
-            recs: list[Any]
+            recs: Sequence[Correlated | bytes]
             if raw[kind_off : kind_off + 2] == open_kind and len(raw) >= path_off:
                 tail = raw[8:]
                 if tail == last_tail and session is not None and not session.finished:
                     t = ts_of(raw)[0] + session.correlator.wall_offset_ns
+                    assert last_rec is not None  # set with last_tail
                     if last_line is None and _takes_lines(session, flags):
                         last_line = _line_around_time(last_rec)
                     if last_line is not None:
@@ -592,12 +598,13 @@ class Recorder:
                 if session is None or session.finished:
                     stray += 1
                     continue
-                recs = session.correlator.feed(ev)
-                if not recs:
+                correlated = session.correlator.feed(ev)
+                if not correlated:
                     continue
+                recs = correlated
                 hashing.add(run)
                 flags = ev["flags"]
-                if flags & dec.F_FIRST:
+                if flags & dec.F_FIRST and ev["kind"] in ("open", "connect"):  # the kernel's only
                     first = dec.agg_key(ev)
             if flags & dec.F_STATE:  # counted by the kernel already: it only updated the tables
                 if not recs:
@@ -609,46 +616,61 @@ class Recorder:
                 recs = _capped(session, recs)
             got = out.get(run)
             if got is None:
-                out[run] = recs
-            else:
-                got += recs
+                out[run] = got = []
+            got += recs
         self.stats["decode_errors"] += errors
         self.stats["stray"] += stray
-        for slot, recs in out.items():
+        for slot, spooled in out.items():
             session = sessions.get(slot)
             if session is not None and not session.finished:
-                self._write(session, recs, settle=slot in hashing, lines=slot in lined)
+                self._write(session, spooled, settle=slot in hashing, lines=slot in lined)
 
     @staticmethod
-    def _first(session: Session, key: tuple[int, ...], recs: list[dict[str, Any]]) -> None:
-        """Keep what the first record of a key the kernel aggregates said (its count comes later)."""
+    def _first(session: Session, key: tuple[int, ...], recs: Sequence[Correlated | bytes]) -> None:
+        """Keep what the first record of a key the kernel aggregates said (its count comes later).
+        (No line among `recs`: a first is never a repeat.)"""
         for r in recs:
-            fields = _FIRST_FIELDS.get(r["k"])
+            # the fields are named at run time (_FIRST_FIELDS): read through a plain mapping
+            rec = cast(Mapping[str, object], r)
+            fields = _FIRST_FIELDS.get(cast(str, rec["k"]))
             if fields is not None:
-                session.firsts[key] = {f: r[f] for f in fields if f in r}
+                session.firsts[key] = {f: rec[f] for f in fields if f in rec}
 
-    def _write(self, session: Session, recs: list[Any], settle: bool = True, lines: bool = False) -> None:
+    def _write(
+        self, session: Session, recs: Sequence[SpoolRecord | bytes], settle: bool = True, lines: bool = False
+    ) -> None:
         """Spool `recs` after the records held back (in order), up to the first exec whose hash is
         still being computed (exe_hash.settle). `settle=False`: no record of `recs` is an exec (none
         can wait for a hash), so only records held back before need it. `lines`: some of `recs` are
         spool lines already (bytes), for a SpoolWriter; they become records again if anything else
         is to look at them (a hash to settle, records held back, an observer set meanwhile)."""
-        if lines and (settle or session.held or session.observer is not None):
-            recs = [orjson.loads(r) if r.__class__ is bytes else r for r in recs]
+        if lines and not (settle or session.held or session.observer is not None):
+            # spool lines, only ever for a plain SpoolWriter (_takes_lines), and nothing to look at them
+            cast(SpoolWriter, session.spool).write_many(recs)
+            session.records += len(recs)
+            session.dirty = True
+            return
+        records: list[SpoolRecord]
+        if lines:
+            records = [orjson.loads(r) if isinstance(r, bytes) else r for r in recs]
+        else:
+            records = cast("list[SpoolRecord]", recs)  # no line among them: records only
         if session.held:
-            session.held.extend(recs)
-            recs = session.held
+            session.held.extend(records)
+            records = session.held
             settle = True
         if settle:
-            ready = exe_hash.settle(recs)  # returns at the first hash not ready: 0 while still held
+            ready = exe_hash.settle(records)  # returns at the first hash not ready: 0 while still held
             if ready == 0:
-                session.held = recs
+                session.held = records
                 return
-            recs, session.held = (recs, []) if ready == len(recs) else (recs[:ready], recs[ready:])
+            records, session.held = (
+                (records, []) if ready == len(records) else (records[:ready], records[ready:])
+            )
         if session.observer is not None:
-            recs += session.observer(recs)
-        session.spool.write_many(recs)
-        session.records += len(recs)
+            records += session.observer(records)
+        session.spool.write_many(records)
+        session.records += len(records)
         session.dirty = True
 
 
@@ -669,7 +691,7 @@ def _takes_lines(session: Session, flags: int) -> bool:
     )
 
 
-def _line_around_time(rec: dict[str, Any]) -> tuple[bytes, bytes]:
+def _line_around_time(rec: Correlated) -> tuple[bytes, bytes]:
     """An open record's spool line without its time: (before, after), the line being before + the
     time in decimal + after (with the newline)."""
     line = orjson.dumps(rec)
@@ -679,11 +701,12 @@ def _line_around_time(rec: dict[str, Any]) -> tuple[bytes, bytes]:
     return _OPEN_LINE_HEAD, line[comma:] + b"\n"
 
 
-def _capped(session: Session, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _capped(session: Session, recs: Sequence[Correlated | bytes]) -> list[Correlated | bytes]:
     """Plain records of a summary run (not aggregated in the kernel: an unknown dirfd, a long path,
-    a full map) under the same cap on distinct keys: past it, counted by kind and not kept."""
-    out = []
-    for r in recs:
+    a full map) under the same cap on distinct keys: past it, counted by kind and not kept. (No
+    line among `recs`: a summary run's spool takes none.)"""
+    out: list[Correlated | bytes] = []
+    for r in cast("Sequence[Correlated]", recs):
         key = summary_key(r) if r["k"] in _CAPPED else None
         if key is not None and key not in session.plain_keys:
             if len(session.plain_keys) >= session.max_distinct:

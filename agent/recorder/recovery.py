@@ -21,9 +21,12 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evidence.files import write_atomic
+
+if TYPE_CHECKING:
+    from evidence.bundle.record_types import SpoolRecord
 
 BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz")  # as the agent's API accepts
 
@@ -44,12 +47,12 @@ def unique_path(path: Path) -> Path:
     return path.with_name(f"{stem}-{n}.tar.gz")
 
 
-def tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator[dict[str, Any]]]:
+def tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator[SpoolRecord]]:
     """The records of a spool whose writer died: everything up to the first unreadable byte
     (state["error"] says what stopped the reading, if anything did)."""
     from evidence.bundle.spool import read_spool
 
-    def gen() -> Iterator[dict[str, Any]]:
+    def gen() -> Iterator[SpoolRecord]:
         it = read_spool(path)
         while True:
             try:

@@ -131,13 +131,15 @@ def test_query_and_answer_pair_into_one_record_and_name_later_connects() -> None
 
 def test_an_answer_from_another_server_or_id_does_not_complete_a_query() -> None:
     r = Resolutions()
-    base = {"k": "dns", "t": 1, "pid": 7, "ppid": 1, "exe": None}
+    base = (1, 7, 1, None)  # t, pid, ppid, exe
     q = _query("a.example", qid=1)
-    assert r.feed(_ev(bytes(q.to_wire()), received=False), base) == []
+    assert r.feed(_ev(bytes(q.to_wire()), received=False), *base) == []
     spoofed = _answer(_query("a.example", qid=2), ("a.example.", "A", "203.0.113.5"))
-    (rec,) = r.feed(_ev(spoofed, received=True), base)
+    (rec,) = r.feed(_ev(spoofed, received=True), *base)
     assert rec.get("unasked") is True
-    (elsewhere,) = r.feed(_ev(_answer(q, ("a.example.", "A", "203.0.113.6")), True, address="10.0.0.1"), base)
+    (elsewhere,) = r.feed(
+        _ev(_answer(q, ("a.example.", "A", "203.0.113.6")), True, address="10.0.0.1"), *base
+    )
     assert elsewhere.get("unasked") is True
     (left,) = r.flush()
     assert left["name"] == "a.example" and left["result"] == "no answer"
@@ -145,12 +147,12 @@ def test_an_answer_from_another_server_or_id_does_not_complete_a_query() -> None
 
 def test_malformed_messages_are_records_and_the_tables_stay_bounded() -> None:
     r = Resolutions()
-    base = {"k": "dns", "t": 1, "pid": 7, "ppid": 1, "exe": None}
-    (bad,) = r.feed(_ev(b"\x12\x34garbage", received=True), base)
+    base = (1, 7, 1, None)  # t, pid, ppid, exe
+    (bad,) = r.feed(_ev(b"\x12\x34garbage", received=True), *base)
     assert bad["malformed"] is True and bad["result"] == "malformed" and bad["size"] == 9
     out = []
     for i in range(5000):
-        out += r.feed(_ev(bytes(_query(f"n{i}.example", qid=i % 65536).to_wire()), False), base)
+        out += r.feed(_ev(bytes(_query(f"n{i}.example", qid=i % 65536).to_wire()), False), *base)
     assert len(r.pending) <= 4096 and len(out) == 5000 - len(r.pending)
 
 
