@@ -24,11 +24,17 @@ Result = int | str
 Access = Literal["read", "write", "create", "exec"]
 
 
-class Placed(TypedDict, total=False):
-    """Where an operation happened, when not in the run's own cgroup and namespace (correlate.py)."""
+class InCgroup(TypedDict, total=False):
+    """Where a process was, when not in the run's own cgroup (correlate.py)."""
 
     cgroup: str  # the cgroup below the run's
     container: str  # the container id its scope name carries
+
+
+class Placed(InCgroup, total=False):
+    """Where an operation on paths or addresses happened, when not in the run's own cgroup and
+    mount namespace (correlate.py)."""
+
     mntns: Literal["other"]  # by a process that left the run's mount or user namespace
 
 
@@ -68,7 +74,7 @@ class ExecRecord(ExeHash, Placed):
     result: Result
 
 
-class ExitRecord(Placed):
+class ExitRecord(InCgroup):
     k: Literal["exit"]
     t: int
     pid: int
@@ -124,7 +130,7 @@ class ConnectRecord(Placed, Counted):
     names: NotRequired[list[str]]  # what the run's DNS answers named the address
 
 
-class DnsRecord(Placed, Counted):
+class DnsRecord(InCgroup, Counted):
     k: Literal["dns"]
     t: int
     pid: int
@@ -189,16 +195,15 @@ class InventoryRecord(TypedDict):
     sockets: list[str]
 
 
-class DegradationRecord(TypedDict):
+class DegradationRecord(InCgroup):
+    # InCgroup: the correlator names the cgroup of every record it makes in a cgroup below the
+    # run's, its degradations too (format.Degradation has no such fields: lint's data check fails
+    # such a bundle)
     k: Literal["degradation"]
     t: int
     component: str
     reason: str
     impact: str
-    # the correlator names the cgroup of every record it makes in a cgroup below the run's, these too
-    # (format.Degradation has no such fields: a bundle holding one fails lint's data check)
-    cgroup: NotRequired[str]
-    container: NotRequired[str]
 
 
 SpoolRecord = (

@@ -97,13 +97,12 @@ def data(rec: SpoolRecord, totals: tuple[int, int, int] | list[int] | None = Non
     (count, first, last) over every record of the record's summary key; without it, what this one
     record stands for (a live event shows a record alone)."""
     out = {k: v for k, v in rec.items() if k not in _NOT_DATA}
-    k = rec["k"]
-    if rec["k"] in _COUNTED:
+    if rec["k"] in _COUNTED:  # narrows the record's type: occurrences() reads its count
         count, first, last = totals if totals else occurrences(rec)
         out["count"] = count
         out["first_time"] = fmt.format_time(first)
         out["last_time"] = out["first_time"] if last == first else fmt.format_time(last)
-    elif k == "denial" and totals:
+    elif rec["k"] == "denial" and totals:
         out["count"] = totals[0]
     return out
 

@@ -150,16 +150,9 @@ class Proc:
 ProcLookup = Callable[[int], tuple[int, str | None, str | None] | None]
 
 
-# record kinds that carry their own result (paired in the kernel)
-_PAIRED: Final = (
-    "open",
-    "change",
-    "connect",
-    "chdir",
-    "fchdir",
-    "dup",
-    "namespace",
-)  # a tuple: mypy narrows by it
+# record kinds that carry their own result (paired in the kernel); a tuple, not a set: mypy narrows
+# a record's type by `in` it
+_PAIRED: Final = ("open", "change", "connect", "chdir", "fchdir", "dup", "namespace")
 
 # what a file change needs, by operation: the access class of its (first) path; every change also
 # needs write access to the directory that holds the name it adds or removes (policy/profile.py)
@@ -216,7 +209,7 @@ _PTRACE_REQUESTS = {
     0x4206: "PTRACE_SEIZE",
 }
 _MS_BIND, _MS_MOVE = 0x1000, 0x2000
-_MNTNS_KINDS: Final = ("open", "change", "exec", "connect", "namespace")  # a tuple: mypy narrows by it
+_MNTNS_KINDS: Final = ("open", "change", "exec", "connect", "namespace")  # a tuple, as _PAIRED
 
 
 def _bit_names(value: int, table: tuple[tuple[int, str], ...]) -> list[str]:
@@ -458,7 +451,7 @@ class Correlator:
             "paths": paths,
             "result": result_of(ret),
         }
-        fstype = ev["fstype"]
+        fstype = ev.get("fstype")
         if fstype:
             rec["fstype"] = fstype
         if op in ("ptrace", "process_vm_writev"):

@@ -546,7 +546,7 @@ class Recorder:
         # A repeat of a run whose spool takes lines (_takes_lines) is its spool line, made from the
         # last record's line with its own time: no dict, no serialisation (`lined`: such runs).
         last_tail = b""
-        last_rec: Correlated | None = None
+        last_rec = cast("Correlated", {})  # read only once last_tail (empty now) has matched
         last_line: tuple[bytes, bytes] | None = None
         lined: set[int] = set()
         session = None
@@ -558,7 +558,6 @@ class Recorder:
                 tail = raw[8:]
                 if tail == last_tail and session is not None and not session.finished:
                     t = ts_of(raw)[0] + session.correlator.wall_offset_ns
-                    assert last_rec is not None  # set with last_tail
                     if last_line is None and _takes_lines(session, flags):
                         last_line = _line_around_time(last_rec)
                     if last_line is not None:
