@@ -9,8 +9,7 @@ the recorder's kernel), and the event's data fields. Its type, per kind: bundle/
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from evidence.bundle import format as fmt
 from evidence.bundle.record_types import SpoolRecord, SummaryRecord
@@ -52,10 +51,8 @@ def summary_key(rec: SpoolRecord) -> Key | None:
     fields = SUMMARY_KEYS.get(rec["k"])
     if fields is None:
         return None
-    # fields named at run time (SUMMARY_KEYS): read through the record as a plain mapping. One call a
-    # record of the spool (a list comprehension: this is the writer's hottest line)
-    get = cast(Mapping[str, object], rec).get
-    return (rec["k"], *[tuple(v) if type(v) is list else v for v in map(get, fields)])
+    # one call a record of the spool (a list comprehension: this is the writer's hottest line)
+    return (rec["k"], *[tuple(v) if type(v) is list else v for v in map(rec.get, fields)])
 
 
 def occurrences(rec: SummaryRecord) -> tuple[int, int, int]:

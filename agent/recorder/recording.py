@@ -612,7 +612,7 @@ class Recorder:
             elif flags & dec.F_FIRST:
                 self._first(session, first, recs)
             elif session.max_distinct:
-                recs = _capped(session, recs)
+                recs = _capped_batch(session, recs)
             got = out.get(run)
             if got is None:
                 out[run] = got = []
@@ -700,12 +700,11 @@ def _line_around_time(rec: Correlated) -> tuple[bytes, bytes]:
     return _OPEN_LINE_HEAD, line[comma:] + b"\n"
 
 
-def _capped(session: Session, recs: Sequence[Correlated | bytes]) -> list[Correlated | bytes]:
+def _capped(session: Session, recs: Sequence[Correlated]) -> list[Correlated | bytes]:
     """Plain records of a summary run (not aggregated in the kernel: an unknown dirfd, a long path,
-    a full map) under the same cap on distinct keys: past it, counted by kind and not kept. (No
-    line among `recs`: a summary run's spool takes none.)"""
+    a full map) under the same cap on distinct keys: past it, counted by kind and not kept."""
     out: list[Correlated | bytes] = []
-    for r in cast("Sequence[Correlated]", recs):
+    for r in recs:
         key = summary_key(r) if r["k"] in _CAPPED else None
         if key is not None and key not in session.plain_keys:
             if len(session.plain_keys) >= session.max_distinct:
@@ -715,6 +714,12 @@ def _capped(session: Session, recs: Sequence[Correlated | bytes]) -> list[Correl
             session.plain_keys.add(key)
         out.append(r)
     return out
+
+
+# _process calls _capped with what its variable `recs` holds, records and spool lines to mypy; for a
+# summary run (the only one capped) records only, as a summary run's spool takes no lines
+# (_takes_lines). Said once here, not with a cast per record.
+_capped_batch = cast("Callable[[Session, Sequence[Correlated | bytes]], list[Correlated | bytes]]", _capped)
 
 
 def _host() -> dict[str, str]:
