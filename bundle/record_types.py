@@ -195,10 +195,9 @@ class InventoryRecord(TypedDict):
     sockets: list[str]
 
 
-class DegradationRecord(InCgroup):
-    # InCgroup: the correlator names the cgroup of every record it makes in a cgroup below the
-    # run's, its degradations too (format.Degradation has no such fields: lint's data check fails
-    # such a bundle)
+class DegradationRecord(TypedDict):
+    # about the run, not one of its cgroups: the correlator names no cgroup in it (format.Degradation
+    # has no such fields)
     k: Literal["degradation"]
     t: int
     component: str

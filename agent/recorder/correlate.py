@@ -478,11 +478,14 @@ class Correlator:
         return out
 
     def _named(self, out: list[Correlated], cgid: int) -> list[Correlated]:
-        """The records, with the cgroup (and container) of cgroup `cgid` when not the run's own."""
+        """The records, with the cgroup (and container) of cgroup `cgid` when not the run's own (not
+        a degradation: it is about the run, and its event has no such fields)."""
         if out and self.cgroup_name is not None:
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
                 for rec in out:
+                    if rec["k"] == "degradation":
+                        continue
                     rec["cgroup"] = name
                     if container:
                         rec["container"] = container

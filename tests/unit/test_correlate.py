@@ -181,6 +181,28 @@ def test_what_a_job_could_hide_behind_is_named() -> None:
     assert deg["component"] == "cgroup" and "/sys/fs/cgroup/cgroup.procs" in deg["reason"]
 
 
+def test_a_way_out_from_a_nested_cgroup_is_a_degradation_the_bundle_accepts() -> None:
+    """A process in a cgroup below the run's (a container) that opens another cgroup's cgroup.procs
+    for writing: its open names its cgroup and container, the degradation (about the run) does not,
+    so the bundle's data check accepts it."""
+    from evidence.bundle import format as fmt
+    from evidence.bundle.records import to_event
+
+    c = Correlator(0, cgroup_name=lambda cgid: None if cgid == 1 else "sub/docker-" + "ab" * 32 + ".scope")
+    c.cgroup_mount, c.run_cgroup = "/sys/fs/cgroup", "/sys/fs/cgroup/evidence/s1"
+    c.container_of = lambda name: "ab" * 32
+    c.add_root(10, 1, "/w")
+    out = feed(
+        c, ev("open", path="/sys/fs/cgroup/cgroup.procs", dfd=-100, oflags=0o1, mode=0, sc=0, ret=7, cgid=5)
+    )
+    (op,) = [o for o in out if o["k"] == "open"]
+    (deg,) = [o for o in out if o["k"] == "degradation"]
+    assert op["cgroup"].startswith("sub/docker-") and op["container"] == "ab" * 32
+    assert "cgroup" not in deg and "container" not in deg
+    etype, _, _, data = to_event(deg)
+    fmt.DATA_MODELS[etype].model_validate(data)  # what lint's data check applies
+
+
 def test_a_call_whose_result_never_came_is_recorded_not_dropped() -> None:
     """An exec whose result the ring buffer lost (the thread's next exec arrives first), an exec
     still in progress when the run ends, and a connect the kernel still had in flight (it comes

@@ -168,8 +168,6 @@ def test_record_types_match_the_bundles_data_models() -> None:
         model = fmt.DATA_MODELS[records.KIND_TYPE[kind]]
         fields = set(get_type_hints(td)) - not_data
         extra = fields - set(model.model_fields)
-        # the correlator names the cgroup of a degradation it makes below the run's cgroup, which
-        # format.Degradation does not allow (record_types.DegradationRecord says so)
-        assert extra == ({"cgroup", "container"} if kind == "degradation" else set()), kind
+        assert extra == set(), kind
         required = {n for n, f in model.model_fields.items() if f.is_required()} - computed
         assert required <= required_keys(td), kind
