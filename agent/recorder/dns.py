@@ -108,6 +108,34 @@ def owner_names(msg: Message, address: str) -> list[str]:
     return sorted(n for n in names if n)
 
 
+def _record(
+    ev: DnsEvent,
+    t: int,
+    pid: int,
+    ppid: int,
+    exe: str | None,
+    name: str | None,
+    type_: str | None,
+    result: str,
+) -> DnsRecord:
+    """A `dns` record of message `ev` by process `pid` at time `t`, with no answers yet."""
+    return {
+        "k": "dns",
+        "t": t,
+        "pid": pid,
+        "ppid": ppid,
+        "exe": exe,
+        "_cgid": ev["cgid"],
+        "server": ev["address"],
+        "port": ev["port"],
+        "name": name,
+        "type": type_,
+        "result": result,
+        "answers": [],
+        "addresses": [],
+    }
+
+
 class Resolutions:
     """Pairs a run's DNS messages into `dns` records and keeps address -> names for its connects."""
 
@@ -121,26 +149,11 @@ class Resolutions:
         `t`. Returns the records it completes, each with `_cgid` (its cgroup id) for the caller."""
         payload = ev["payload"]
         msg = parse(payload)
-        rec: DnsRecord
         if msg is None:
-            rec = {
-                "k": "dns",
-                "t": t,
-                "pid": pid,
-                "ppid": ppid,
-                "exe": exe,
-                "_cgid": ev["cgid"],
-                "server": ev["address"],
-                "port": ev["port"],
-                "name": None,
-                "type": None,
-                "result": "malformed",
-                "answers": [],
-                "addresses": [],
-                "malformed": True,
-                "received": ev["received"],
-                "size": len(payload),
-            }
+            rec = _record(ev, t, pid, ppid, exe, None, None, "malformed")
+            rec["malformed"] = True
+            rec["received"] = ev["received"]
+            rec["size"] = len(payload)
             if payload and len(payload) < ev["ret"]:
                 rec["truncated"] = True
             return [rec]
@@ -151,43 +164,14 @@ class Resolutions:
                 return []
             if len(self.pending) >= MAX_PENDING:
                 out.append(self.pending.popitem(last=False)[1])
-            self.pending[key] = {
-                "k": "dns",
-                "t": t,
-                "pid": pid,
-                "ppid": ppid,
-                "exe": exe,
-                "_cgid": ev["cgid"],
-                "server": ev["address"],
-                "port": ev["port"],
-                "name": msg.name,
-                "type": msg.type,
-                "result": NO_ANSWER,
-                "answers": [],
-                "addresses": [],
-            }
+            self.pending[key] = _record(ev, t, pid, ppid, exe, msg.name, msg.type, NO_ANSWER)
             return out
         query = self.pending.pop(key, None)
         if query is not None:
             rec = query  # the query's time, process and server; the answer's content
-        else:
-            rec = {
-                "k": "dns",
-                "t": t,
-                "pid": pid,
-                "ppid": ppid,
-                "exe": exe,
-                "_cgid": ev["cgid"],
-                "server": ev["address"],
-                "port": ev["port"],
-                "name": msg.name,
-                "type": msg.type,
-                "unasked": True,
-                # replaced below, in this order (a record's keys keep the order they were made in)
-                "result": "",
-                "answers": [],
-                "addresses": [],
-            }
+        else:  # an answer to no query seen (its result and content are set below)
+            rec = _record(ev, t, pid, ppid, exe, msg.name, msg.type, "")
+            rec["unasked"] = True
         addresses = addresses_of(msg)
         rec["result"] = msg.rcode
         rec["answers"] = [f"{owner} {rtype} {value}" for owner, rtype, value in msg.answers]
