@@ -146,6 +146,12 @@ NEEDED = {
     # gone before it could be hashed through /proc is hashed by path only if the path still names it
     "MM_EXE_FILE_OFF": ("mm_struct", "exe_file"),
     "FILE_INODE_OFF": ("file", "f_inode"),
+    # what a descriptor names now (task->files->fdt->fd[n]->f_inode), for the identity checks of
+    # records resolved against a descriptor (record.bpf.c fd_inode)
+    "TASK_FILES_OFF": ("task_struct", "files"),
+    "FILES_FDT_OFF": ("files_struct", "fdt"),
+    "FDT_MAX_FDS_OFF": ("fdtable", "max_fds"),
+    "FDT_FD_OFF": ("fdtable", "fd"),
     "INODE_INO_OFF": ("inode", "i_ino"),
     "INODE_SB_OFF": ("inode", "i_sb"),
     "INODE_SIZE_OFF": ("inode", "i_size"),

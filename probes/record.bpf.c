@@ -77,6 +77,8 @@ struct open_ev {
     u32 mode;
     u16 sc;       // which syscall: 0 openat, 1 openat2, 2 open, 3 creat
     u16 path_len; // bytes of path that follow, including the NUL
+    u64 dino;     // what dfd names at entry (its struct inode's address, fd_inode), 0: not read
+    u64 rino;     // what the descriptor returned names (read at exit), 0: none
     char path[PATH_MAX_];
 };
 
@@ -91,6 +93,8 @@ struct change_ev {
     u64 tok;      // unused
     s32 dfd;      // what path 1 is resolved against (AT_FDCWD, a dirfd, or fchmod/fchown's fd)
     s32 dfd2;     // the same for path 2 (rename, link, symlink's link path)
+    u64 dino;     // what dfd names at entry (fd_inode), 0: not read (AT_FDCWD)
+    u64 dino2;    // the same for dfd2
     u32 mode;     // chmod, mkdir, mknod
     u32 uid;      // chown
     u32 gid;      // chown
@@ -122,6 +126,8 @@ struct ns_ev {
     u64 target;      // ptrace, process_vm_writev: the target pid; setns: the fd; fsmount: the fs fd
     s32 dfd;         // move_mount's from_dfd, open_tree's dfd
     s32 dfd2;        // move_mount's to_dfd
+    u64 dino;        // what dfd names at entry (fd_inode), 0: not read
+    u64 dino2;       // the same for dfd2
     char fstype[16]; // mount: the filesystem type (at most 15 bytes)
     u16 op;          // NS_*
     u16 len1;
@@ -145,6 +151,8 @@ struct exec_ev {
     u64 size;
     s64 ctime_sec;
     u32 ctime_nsec;
+    u32 pad;
+    u64 dino;      // EV_EXEC: what dfd names at entry (fd_inode), 0: not read
     char buf[4 * PATH_MAX_ + ARGS_MAX_];
 };
 
@@ -167,7 +175,7 @@ struct connect_ev {
     u64 tok;
     s32 fd;
     u32 addrlen;
-    u64 pad;      // the address at the offset of open_ev.path: one hash for both
+    u64 pad[3];   // the address at the offset of open_ev.path: one hash for both
     u8 addr[128];
 };
 
@@ -176,6 +184,7 @@ struct dup_ev {
     s64 ret;
     s32 oldfd;
     s32 newfd;
+    u64 rino;     // what the descriptor returned names (read at exit), 0: none
 };
 
 // A call between its enter and its exit, one per thread. `refetch` is the user pointer of a path
@@ -274,6 +283,7 @@ struct pctx {
 struct fdtok {
     u64 gen;
     u64 tok;
+    u64 ino;  // what the descriptor named when its token was set (fd_inode)
 };
 
 struct akey {
@@ -394,22 +404,54 @@ static __always_inline u64 fd_key(u32 tgid, s32 fd) {
     return ((u64)tgid << 32) | (u32)fd;
 }
 
-// The token of what descriptor fd names, 0 when unknown.
-static __always_inline u64 fd_token(struct pctx *p, u32 tgid, s32 fd) {
+// What descriptor fd of the current process names now: the address of its file's struct inode
+// (task->files->fdt->fd[fd]->f_inode, offsets from BTF), 0 when fd is not open. Stable while the
+// inode lives, equal for every open of the same file, different for another file: the identity
+// that tells a descriptor the tables know from one put at its number unseen (F_DUPFD, SCM_RIGHTS,
+// pidfd_getfd, a table shared by CLONE_FILES: close is not a record).
+static __always_inline u64 fd_inode(s32 fd) {
+    if (fd < 0)
+        return 0;
+    void *task = (void *)bpf_get_current_task();
+    void *files = NULL, *fdt = NULL, *arr = NULL, *file = NULL;
+    u32 max = 0;
+    u64 inode = 0;
+    bpf_probe_read_kernel(&files, sizeof(files), task + TASK_FILES_OFF);
+    if (!files)
+        return 0;
+    bpf_probe_read_kernel(&fdt, sizeof(fdt), files + FILES_FDT_OFF);
+    if (!fdt)
+        return 0;
+    bpf_probe_read_kernel(&max, sizeof(max), fdt + FDT_MAX_FDS_OFF);
+    if ((u32)fd >= max)
+        return 0;
+    bpf_probe_read_kernel(&arr, sizeof(arr), fdt + FDT_FD_OFF);
+    if (!arr)
+        return 0;
+    bpf_probe_read_kernel(&file, sizeof(file), arr + (u64)(u32)fd * 8);
+    if (!file)
+        return 0;
+    bpf_probe_read_kernel(&inode, sizeof(inode), file + FILE_INODE_OFF);
+    return inode;
+}
+
+// The token of what descriptor fd names, 0 when unknown: the kernel set one, and fd names now
+// (ino, from fd_inode) what it named then.
+static __always_inline u64 fd_token(struct pctx *p, u32 tgid, s32 fd, u64 ino) {
     u64 k = fd_key(tgid, fd);
     struct fdtok *t = fds.lookup(&k);
-    if (!t || t->gen != p->gen)
+    if (!t || t->gen != p->gen || ino == 0 || t->ino != ino)
         return 0;
     return t->tok;
 }
 
-static __always_inline void set_fd_token(struct pctx *p, u32 tgid, s32 fd, u64 tok) {
+static __always_inline void set_fd_token(struct pctx *p, u32 tgid, s32 fd, u64 tok, u64 ino) {
     u64 k = fd_key(tgid, fd);
     if (tok == 0) {
         fds.delete(&k);
         return;
     }
-    struct fdtok t = {.gen = p->gen, .tok = tok};
+    struct fdtok t = {.gen = p->gen, .tok = tok, .ino = ino};
     fds.update(&k, &t);
 }
 
@@ -424,7 +466,7 @@ static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len
     *len = e->path_len > 0 ? e->path_len - 1 : 0;  // without the NUL
     if (e->path[0] == '/')
         return 0;
-    u64 base = e->dfd == -100 ? p->cwd : fd_token(p, e->h.tgid, e->dfd);
+    u64 base = e->dfd == -100 ? p->cwd : fd_token(p, e->h.tgid, e->dfd, e->dino);
     if (base == 0)
         *unknown = 1;
     return base;
@@ -677,13 +719,14 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
         struct pctx *p = proc_ctx(tgid);
         if (!p)
             return 1;
-        if (kind == EV_DUP) {
-            set_fd_token(p, tgid, (s32)ret, fd_token(p, tgid, c->ev.dup.oldfd));
+        if (kind == EV_DUP) {  // the new descriptor names what oldfd names: its token if oldfd is known as that
+            u64 ino = c->ev.dup.rino;
+            set_fd_token(p, tgid, (s32)ret, fd_token(p, tgid, c->ev.dup.oldfd, ino), ino);
             return 1;
         }
         u64 t = 0;
         if (kind == EV_FCHDIR)
-            t = fd_token(p, tgid, c->ev.open.dfd);
+            t = fd_token(p, tgid, c->ev.open.dfd, c->ev.open.dino);
         else
             t = c->htok;
         p->cwd = t ? t : random_token();
@@ -704,8 +747,11 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
         k->access = h->flags & (F_SEND | F_FNAME_FAULT);
     int fd_changes = 0;
     if (kind == EV_OPEN && ret >= 0) {
-        fd_changes = fd_token(p, tgid, (s32)ret) != tok;
-        set_fd_token(p, tgid, (s32)ret, tok);
+        // what user space keeps for the descriptor changes: another token, or the same name on
+        // another file (a directory removed and made again: user space needs its new inode)
+        u64 ino = c->ev.open.rino;
+        fd_changes = fd_token(p, tgid, (s32)ret, ino) != tok;
+        set_fd_token(p, tgid, (s32)ret, tok, ino);
     }
     if (tok == 0)
         return 1;  // resolved against something the kernel cannot name: a plain record
@@ -778,7 +824,7 @@ static __always_inline int settle_and_emit(struct call *c) {
         if (kind == EV_OPEN && ret >= 0) {
             struct pctx *p = procs.lookup(&tgid);
             if (p)
-                set_fd_token(p, tgid, (s32)ret, 0);  // user space did not see what fd names now
+                set_fd_token(p, tgid, (s32)ret, 0, 0);  // user space did not see what fd names now
         }
     }
     return 0;
@@ -807,6 +853,12 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     if (!c || c->ev.h.kind == 0 || c->nr != ctx->nr)
         return 0;
     c->ev.open.ret = ctx->ret;
+    if (ctx->ret >= 0) {  // a new descriptor: what it names, for the identity checks
+        if (c->ev.h.kind == EV_OPEN)
+            c->ev.open.rino = fd_inode((s32)ctx->ret);
+        else if (c->ev.h.kind == EV_DUP)
+            c->ev.dup.rino = fd_inode((s32)ctx->ret);
+    }
     if (c->ev.h.kind == EV_NS)
         ns_exit(c);
     if (c->ev.h.kind == EV_CHANGE || c->ev.h.kind == EV_NS) {
@@ -856,7 +908,10 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     e->flags = flags;
     e->mode = mode;
     e->sc = sc;
+    e->rino = 0;
     read_path(c, filename);
+    // a relative path (or one not read yet) through a dirfd: what the dirfd names now
+    e->dino = dfd != -100 && e->path[0] != '/' ? fd_inode(dfd) : 0;
     return 0;
 }
 
@@ -959,6 +1014,8 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
         e->h.flags |= F_PATH_TRUNC;
     }
     e->fname_len = n;
+    e->pad = 0;
+    e->dino = dfd != -100 && e->buf[0] != '/' ? fd_inode(dfd) : 0;  // execveat: what dfd names now
     u32 alen = read_argv(e, n & (PATH_MAX_ - 1), argv);
     e->args_len = alen;
     u64 size = offsetof(struct exec_ev, buf) + ((n + alen) & BUF_MASK);
@@ -987,6 +1044,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     e->at_flags = 0;
     e->old_tid = args->old_pid;
     e->argc = 0;
+    e->pad = 0;
+    e->dino = 0;
     unsigned short loc = args->data_loc_filename & 0xFFFF;
     int n = bpf_probe_read_kernel_str(e->buf, PATH_MAX_, (void *)args + loc);
     if (n < 0) {
@@ -1198,6 +1257,8 @@ int on_enter_chdir(struct sys_enter_ctx *ctx) {
     e->flags = 0;
     e->mode = 0;
     e->sc = 0;
+    e->dino = 0;
+    e->rino = 0;
     read_path(c, (const char *)ctx->args[0]);
     return 0;
 }
@@ -1214,6 +1275,8 @@ int on_enter_fchdir(struct sys_enter_ctx *ctx) {
     e->flags = 0;
     e->mode = 0;
     e->sc = 0;
+    e->dino = fd_inode(e->dfd);  // the directory it changes to (checked like a dirfd)
+    e->rino = 0;
     e->path_len = 0;
     c->size = offsetof(struct open_ev, path);
     return 0;
@@ -1228,6 +1291,7 @@ static __always_inline int enter_dup(s32 nr, s32 oldfd, s32 newfd) {
         return 0;
     c->ev.dup.oldfd = oldfd;
     c->ev.dup.newfd = newfd;
+    c->ev.dup.rino = 0;
     c->size = sizeof(struct dup_ev);
     return 0;
 }
@@ -1258,6 +1322,9 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     e->op = op;
     e->pad = 0;
     read_change_paths(c, p1, p2);
+    // what the dirfds name now (fchmod, fchown: the descriptor itself); rare calls: read for any path
+    e->dino = dfd != -100 ? fd_inode(dfd) : 0;
+    e->dino2 = dfd2 != -100 && p2 ? fd_inode(dfd2) : 0;
     return 0;
 }
 
@@ -1394,6 +1461,8 @@ static __always_inline int enter_ns(s32 nr, u16 op, u64 flags, u64 target, s32 d
     e->op = op;
     e->pad = 0;
     read_change_paths(c, p1, p2);
+    e->dino = dfd != -100 && p1 ? fd_inode(dfd) : 0;  // what the dirfds name now
+    e->dino2 = dfd2 != -100 && p2 ? fd_inode(dfd2) : 0;
     return 0;
 }
 

@@ -143,7 +143,9 @@ class Proc:
     depth: int
     exe: str | None
     cwd: str | None
-    fds: dict[int, str] = dataclasses.field(default_factory=dict)
+    # descriptor -> (the path it was opened as, what it named: its inode's identity, decode.py's
+    # rino); an entry is used only while the descriptor still names that inode (_fd_path)
+    fds: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 # Looks a live process up in /proc (injected so correlation stays pure): (ppid, cwd, exe) or None.
@@ -295,10 +297,25 @@ class Correlator:
             self.procs[tgid] = p
         return p
 
-    def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD) -> str:
+    @staticmethod
+    def _fd_path(proc: Proc, fd: int, ino: int) -> str | None:
+        """The path descriptor `fd` was opened as, if it names now (`ino`, read by the kernel when
+        the call used it) what it named then; else None, and the entry is dropped: another file was
+        put at that number unseen (F_DUPFD, SCM_RIGHTS, pidfd_getfd, a shared table; close is not a
+        record), and resolving against the old name would name the wrong file."""
+        entry = proc.fds.get(fd)
+        if entry is None:
+            return None
+        if ino and entry[1] == ino:
+            return entry[0]
+        del proc.fds[fd]
+        return None
+
+    def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0) -> str:
+        """`path` resolved against the cwd, or against descriptor `dfd` when it names `ino` still."""
         if path.startswith("/"):
             return posixpath.normpath(path).replace("//", "/")
-        base = proc.cwd if dfd == AT_FDCWD else proc.fds.get(dfd)
+        base = proc.cwd if dfd == AT_FDCWD else self._fd_path(proc, dfd, ino)
         if base is None:
             where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
             return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
@@ -315,13 +332,16 @@ class Correlator:
         oflags: int,
         mode: int,
         raw: bytes,
+        dino: int = 0,
+        rino: int = 0,
     ) -> list[Correlated]:
         """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
         the most frequent records, and most name a path the run named before: the decoded and
         resolved path is cached by what it depends on (the bytes, and for a relative path the
         directory it is resolved against). An open the kernel counted already (F_STATE) only updates
-        the descriptor table and makes no record (Recorder._process would drop it)."""
+        the descriptor table and makes no record (Recorder._process would drop it). `dino`: what
+        dfd named at entry, `rino`: what the descriptor returned names (decode.py)."""
         p = self.procs.get(tgid) or self._proc(tgid)
         if flags & d.F_FNAME_FAULT:
             path = raw_path = UNREADABLE
@@ -329,12 +349,12 @@ class Correlator:
             if raw[:1] == b"/":
                 key: Any = raw
             else:
-                base = p.cwd if dfd == AT_FDCWD else p.fds.get(dfd)
+                base = p.cwd if dfd == AT_FDCWD else self._fd_path(p, dfd, dino)
                 key = (raw, base, dfd if base is None else AT_FDCWD)
             hit = self._paths.get(key)
             if hit is None:
                 raw_path = raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
-                path = self._resolve(p, raw_path, dfd)
+                path = self._resolve(p, raw_path, dfd, dino)
                 if len(self._paths) >= _PATH_CACHE:
                     self._paths.clear()
                 self._paths[key] = (raw_path, path)
@@ -343,7 +363,7 @@ class Correlator:
         if flags & d.F_STATE:  # counted by the kernel already: only the descriptor table needs it,
             if ret < 0:  # and a write to another cgroup's procs its degradation (even past the cap)
                 return []
-            p.fds[ret] = path
+            p.fds[ret] = (path, rino)
             if not oflags & 3 or (p.pid, path) in self._left:
                 return []
             out = self._leaving(p, path, ts + self.wall_offset_ns)
@@ -351,7 +371,7 @@ class Correlator:
                 self._left.add((p.pid, path))
             return out
         out = self._named(
-            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret), cgid
+            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret, rino), cgid
         )
         rec = out[-1]
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
@@ -359,14 +379,24 @@ class Correlator:
         return out
 
     def _open(
-        self, p: Proc, t: int, path: str, raw_path: str, dfd: int, oflags: int, mode: int, ret: int
+        self,
+        p: Proc,
+        t: int,
+        path: str,
+        raw_path: str,
+        dfd: int,
+        oflags: int,
+        mode: int,
+        ret: int,
+        rino: int = 0,
     ) -> list[Correlated]:
         """An open's record, last, after the degradation a write to another cgroup's procs makes;
-        a descriptor it returns now names `path`. One shape for open_record and feed."""
+        a descriptor it returns now names `path` (while it names inode `rino`). One shape for
+        open_record and feed."""
         names, access = decode_open_flags(oflags)
         out: list[Correlated] = []
         if ret >= 0:
-            p.fds[ret] = path
+            p.fds[ret] = (path, rino)
             if "write" in access:
                 out = self._leaving(p, path, t)
         out.append(
@@ -429,8 +459,11 @@ class Correlator:
         move_mount: from and to; pivot_root: new root and put_old)."""
         op = ev["op"]
         paths: list[str] = []
-        for i, (raw, dfd, fault) in enumerate(
-            ((ev["path"], ev["dfd"], d.F_FNAME_FAULT), (ev["path2"], ev["dfd2"], d.F_PATH2_FAULT))
+        for i, (raw, dfd, ino, fault) in enumerate(
+            (
+                (ev["path"], ev["dfd"], ev["dino"], d.F_FNAME_FAULT),
+                (ev["path2"], ev["dfd2"], ev["dino2"], d.F_PATH2_FAULT),
+            )
         ):
             if raw is None:
                 continue
@@ -439,7 +472,7 @@ class Correlator:
             elif op == "mount" and i == 0 and not (ev["ns_flags"] & (_MS_BIND | _MS_MOVE)):
                 paths.append(raw)  # a device or a name ("none", "proc", "overlay"), not a path
             else:
-                paths.append(self._resolve(p, raw, dfd))
+                paths.append(self._resolve(p, raw, dfd, ino))
         rec: NamespaceRecord = {
             "k": "namespace",
             "t": t,
@@ -595,7 +628,7 @@ class Correlator:
         flags = ev["flags"]
         raw: str | None
         if ev["path"] is None:  # fchmod/fchown: the descriptor's path
-            path = p.fds.get(ev["dfd"]) or f"<unknown fd {ev['dfd']}>"
+            path = self._fd_path(p, ev["dfd"], ev["dino"]) or f"<unknown fd {ev['dfd']}>"
             raw = None
         elif flags & d.F_FNAME_FAULT:
             path = raw = UNREADABLE
@@ -603,7 +636,7 @@ class Correlator:
             path = raw = ev["path"]
         else:
             raw = ev["path"]
-            path = self._resolve(p, raw, ev["dfd"])
+            path = self._resolve(p, raw, ev["dfd"], ev["dino"])
         rec: ChangeRecord = {
             "k": "change",
             "t": t,
@@ -618,7 +651,7 @@ class Correlator:
         }
         if ev["path2"] is not None or op in ("rename", "link", "symlink"):
             raw2 = ev["path2"] or ""
-            path2 = UNREADABLE if flags & d.F_PATH2_FAULT else self._resolve(p, raw2, ev["dfd2"])
+            path2 = UNREADABLE if flags & d.F_PATH2_FAULT else self._resolve(p, raw2, ev["dfd2"], ev["dino2"])
             if op == "symlink":  # the link made is the path; its content is the target
                 rec["path"], rec["target"] = path2, path
                 rec["raw_path"] = UNREADABLE if flags & d.F_PATH2_FAULT else raw2
@@ -638,7 +671,8 @@ class Correlator:
         enter = self.pending.pop(old, None) or self.pending.pop(ev["tid"], None)
         p = self._proc(ev["tgid"])
         dfd = enter["dfd"] if enter else AT_FDCWD
-        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD)
+        dino = enter["dino"] if enter else 0
+        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD, dino)
         trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
         argv = ev["argv"]
         if ev["flags"] & d.F_ARGS_FAULT and enter:
@@ -688,8 +722,10 @@ class Correlator:
             if enter["flags"] & d.F_FNAME_FAULT:
                 path = enter["path"] = UNREADABLE
             else:
-                path = self._resolve(p, enter["path"], enter["dfd"])
-            return self._open(p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret)
+                path = self._resolve(p, enter["path"], enter["dfd"], enter["dino"])
+            return self._open(
+                p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
+            )
         if enter["kind"] == "change":
             return [self._change(p, enter, ret, t)]
         if enter["kind"] == "namespace":
@@ -697,7 +733,7 @@ class Correlator:
         if enter["kind"] == "exec":
             if ret == 0:
                 return []  # exec_ok already recorded it
-            filename = self._resolve(p, enter["filename"], enter["dfd"])
+            filename = self._resolve(p, enter["filename"], enter["dfd"], enter["dino"])
             return [
                 self._exec_record(
                     p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)
@@ -724,11 +760,13 @@ class Correlator:
                 p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
         elif enter["kind"] == "fchdir":
             if ret == 0:
-                p.cwd = p.fds.get(enter["fd"])  # a directory we never saw opened: the cwd is unknown
+                # a directory we never saw opened, or not the one we saw: the cwd is unknown
+                p.cwd = self._fd_path(p, enter["fd"], enter["dino"])
         elif enter["kind"] == "dup" and ret >= 0:
-            src = p.fds.get(enter["oldfd"])
+            # the new descriptor names what oldfd names (rino): oldfd's path if that is what it named
+            src = self._fd_path(p, enter["oldfd"], enter["rino"])
             if src is not None:
-                p.fds[ret] = src
+                p.fds[ret] = (src, enter["rino"])
             else:
                 p.fds.pop(ret, None)
         return []

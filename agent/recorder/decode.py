@@ -77,29 +77,32 @@ NS_OPS = {
 
 HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 # Calls paired in the kernel (open, chdir, fchdir, connect, dup): one record each, the result first.
-# exe_tok and tok: the kernel's aggregation key (with cgid, kind, access and result) when F_FIRST
-_OPEN = struct.Struct("<qQQiIIHH")  # ret, exe_tok, tok, dfd, flags, mode, sc, path_len (+chdir, fchdir)
-_CONNECT = struct.Struct("<qQQiI8x")  # ret, exe_tok, tok, fd, addrlen
-_DUP = struct.Struct("<qii")  # ret, oldfd, newfd
-# a file change: ret, (exe, tok unused), dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2
-_CHANGE = struct.Struct("<q16xiiIIIIHHH2x")
-# a namespace call: ret, flags, target, dfd, dfd2, fstype, op, len1, len2 (the paths as a change's)
-_NS = struct.Struct("<qQQii16sHHH2x")
+# exe_tok and tok: the kernel's aggregation key (with cgid, kind, access and result) when F_FIRST.
+# dino, dino2: what a dirfd named at entry, rino: what the descriptor a call returned names, each
+# the address of the file's struct inode in the kernel (0: not read): identities, compared with
+# what the descriptor table learnt, never written to a bundle
+_OPEN = struct.Struct("<qQQiIIHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, sc, path_len, dino, rino
+_CONNECT = struct.Struct("<qQQiI24x")  # ret, exe_tok, tok, fd, addrlen
+_DUP = struct.Struct("<qiiQ")  # ret, oldfd, newfd, rino
+# a file change: ret, (exe, tok unused), dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2
+_CHANGE = struct.Struct("<q16xiiQQIIIIHHH2x")
+# a namespace call: ret, flags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 (the paths as a change's)
+_NS = struct.Struct("<qQQiiQQ16sHHH2x")
 # dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
-# (kernel encoding), ino, size, ctime (s, ns)
-_EXEC = struct.Struct("<iIIHHIIQQqI")
+# (kernel encoding), ino, size, ctime (s, ns); then (exec) dino
+_EXEC = struct.Struct("<iIIHHIIQQqI4xQ")
 _FORK = struct.Struct("<II")
 _EXIT = struct.Struct("<iI")
 _RET = struct.Struct("<IIq")
-OPEN_PATH_OFF = HDR.size + _OPEN.size  # 72
-EXEC_BUF_OFF = HDR.size + _EXEC.size  # 84
+OPEN_PATH_OFF = HDR.size + _OPEN.size  # 88
+EXEC_BUF_OFF = HDR.size + _EXEC.size  # 96
 # i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
 _NSEC_MASK = (1 << 30) - 1
-CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 72
-CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 88
+CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 88
+CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 104
 _DNS = struct.Struct("<qiHH28s4x")  # ret, fd, dir, len, the server's sockaddr
 DNS_DATA_OFF = HDR.size + _DNS.size  # 80
-NS_BUF_OFF = HDR.size + _NS.size  # 88
+NS_BUF_OFF = HDR.size + _NS.size  # 104
 
 
 class _Header(TypedDict):
@@ -120,6 +123,7 @@ class _ExecFields(_Header):
     argc: int
     filename: str
     argv: list[str]
+    dino: int  # exec: what dfd named at entry (its inode's address), 0: not read
     # (st_dev, st_ino, st_size, st_ctime_ns) of the file mapped (exec_ok, when the kernel read it)
     file: NotRequired[tuple[int, int, int, int]]
 
@@ -152,6 +156,8 @@ class OpenEvent(_Header):
     mode: int
     sc: int
     path: str
+    dino: int  # what dfd named at entry (its inode's address), 0: not read
+    rino: int  # what the descriptor returned names, 0: none
 
 
 class ConnectEvent(_Header):
@@ -169,6 +175,7 @@ class _DirEvent(_Header):
     ret: int
     fd: int
     path: str | None
+    dino: int  # fchdir: what fd named at entry (its inode's address); chdir: 0
 
 
 class ChdirEvent(_DirEvent):
@@ -185,6 +192,8 @@ class ChangeEvent(_Header):
     op: str  # CHANGE_OPS
     dfd: int
     dfd2: int
+    dino: int  # what dfd and dfd2 named at entry (their inodes' addresses), 0: not read
+    dino2: int
     mode: int
     uid: int
     gid: int
@@ -201,6 +210,8 @@ class NamespaceEvent(_Header):
     target: int
     dfd: int
     dfd2: int
+    dino: int  # what dfd and dfd2 named at entry (their inodes' addresses), 0: not read
+    dino2: int
     fstype: str | None
     path: str | None
     path2: str | None
@@ -211,6 +222,7 @@ class DupEvent(_Header):
     ret: int
     oldfd: int
     newfd: int
+    rino: int  # what the descriptor returned names (its inode's address), 0: none
 
 
 class DnsEvent(_Header):
@@ -324,7 +336,7 @@ def decode(raw: bytes) -> RawEvent:
     hdr: _Header = {"ts": ts, "cgid": cgid, "run": run, "tgid": tgid, "tid": tid, "flags": flags}
     o = HDR.size
     if kind == EV_OPEN:
-        ret, exe_tok, tok, dfd, oflags, mode, sc, plen = _OPEN.unpack_from(raw, o)
+        ret, exe_tok, tok, dfd, oflags, mode, sc, plen, dino, rino = _OPEN.unpack_from(raw, o)
         return {
             "kind": "open",
             **hdr,
@@ -336,6 +348,8 @@ def decode(raw: bytes) -> RawEvent:
             "mode": mode,
             "sc": sc,
             "path": _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
+            "dino": dino,
+            "rino": rino,
         }
     if kind == EV_FORK:
         return {"kind": "fork", **hdr, "child": _FORK.unpack_from(raw, o)[0]}
@@ -356,13 +370,13 @@ def decode(raw: bytes) -> RawEvent:
             "port": port,
         }
     if kind in (EV_CHDIR, EV_FCHDIR):
-        ret, _, _, fd, _, _, _, plen = _OPEN.unpack_from(raw, o)
+        ret, _, _, fd, _, _, _, plen, dino, _ = _OPEN.unpack_from(raw, o)
         path = _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
         if kind == EV_CHDIR:
-            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path}
-        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path}
+            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino}
+        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino}
     if kind == EV_CHANGE:
-        ret, dfd, dfd2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
+        ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
         buf = raw[CHANGE_BUF_OFF:]
         return {
             "kind": "change",
@@ -371,6 +385,8 @@ def decode(raw: bytes) -> RawEvent:
             "op": CHANGE_OPS.get(op, f"op{op}"),
             "dfd": dfd,
             "dfd2": dfd2,
+            "dino": dino,
+            "dino2": dino2,
             "mode": mode,
             "uid": uid,
             "gid": gid,
@@ -379,7 +395,7 @@ def decode(raw: bytes) -> RawEvent:
             "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
         }
     if kind == EV_NS:
-        ret, nflags, target, dfd, dfd2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
+        ret, nflags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
         buf = raw[NS_BUF_OFF:]
         return {
             "kind": "namespace",
@@ -390,13 +406,15 @@ def decode(raw: bytes) -> RawEvent:
             "target": target,
             "dfd": dfd,
             "dfd2": dfd2,
+            "dino": dino,
+            "dino2": dino2,
             "fstype": _cstr(fstype) or None,
             "path": _cstr(buf[:len1]) if len1 else None,
             "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
         }
     if kind == EV_DUP:
-        ret, oldfd, newfd = _DUP.unpack_from(raw, o)
-        return {"kind": "dup", **hdr, "ret": ret, "oldfd": oldfd, "newfd": newfd}
+        ret, oldfd, newfd, rino = _DUP.unpack_from(raw, o)
+        return {"kind": "dup", **hdr, "ret": ret, "oldfd": oldfd, "newfd": newfd, "rino": rino}
     if kind == EV_DNS:
         ret, fd, direction, n, addr = _DNS.unpack_from(raw, o)
         family, address, port = decode_sockaddr(addr, len(addr))
@@ -421,7 +439,7 @@ def _exec(
     raw: bytes, kind: int, ts: int, cgid: int, run: int, tgid: int, tid: int, flags: int
 ) -> ExecEvent | ExecOkEvent:
     """An exec's attempt (EV_EXEC) or success (EV_EXEC_OK)."""
-    dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns = _EXEC.unpack_from(
+    dfd, at_flags, old_tid, flen, alen, argc, kdev, ino, size, ctime_s, ctime_ns, dino = _EXEC.unpack_from(
         raw, HDR.size
     )
     buf = raw[EXEC_BUF_OFF:]
@@ -442,6 +460,7 @@ def _exec(
             "argc": argc,
             "filename": filename,
             "argv": argv,
+            "dino": dino,
         }
     else:
         ev = {
@@ -458,6 +477,7 @@ def _exec(
             "argc": argc,
             "filename": filename,
             "argv": argv,
+            "dino": dino,
         }
     if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
         ev["file"] = (
@@ -470,7 +490,7 @@ def _exec(
 
 
 # An open record's header and fields in one unpack (the recorder's fast path, Recorder._process):
-# ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len
+# ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len, dino, rino
 OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
 KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
 OPEN_KIND = struct.pack("<H", EV_OPEN)  # those two bytes of an open record

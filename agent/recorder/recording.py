@@ -568,8 +568,8 @@ class Recorder:
                         rec["t"] = t
                         recs = [rec]
                 else:
-                    ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, _, plen = unpack(
-                        raw
+                    ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, _, plen, *ids = (
+                        unpack(raw)
                     )
                     session = sessions.get(run)
                     if session is None or session.finished:
@@ -577,7 +577,7 @@ class Recorder:
                         last_tail = b""
                         continue
                     recs = session.correlator.open_record(
-                        ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen]
+                        ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen], *ids
                     )
                     if len(recs) == 1 and not flags & dec.F_STATE:
                         last_tail, last_rec, last_line = tail, recs[0].copy(), None

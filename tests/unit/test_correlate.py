@@ -12,7 +12,9 @@ RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").re
 
 
 def ev(kind: str, tgid: int = 10, tid: int | None = None, ts: int = 1, **kw):  # a decoded record
-    return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **kw}
+    # dino, dino2, rino: what a descriptor named (decode.py), 0 unless given: not read
+    ids = {"dino": 0, "dino2": 0, "rino": 0}
+    return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **ids, **kw}
 
 
 def ret(sc: int, value: int, tgid: int = 10, **kw):  # an exec's result record
@@ -26,6 +28,9 @@ def feed(c: Correlator, *evs):
     return out
 
 
+SRV, ETC, TMP = 0xFFFF0001000, 0xFFFF0002000, 0xFFFF0003000  # what descriptors name (inodes' addresses)
+
+
 def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
     c = Correlator(wall_offset_ns=1000)
     c.add_root(10, 1, "/home/u")
@@ -34,10 +39,10 @@ def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
         ev("open", path="a.txt", dfd=-100, oflags=0, mode=0, sc=0, ret=3),
         ev("chdir", path="../v", fd=-100, ret=0),
         ev("open", path="b.txt", dfd=-100, oflags=0, mode=0, sc=0, ret=-2),
-        ev("open", path="/srv", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=4),
-        ev("open", path="c/d", dfd=4, oflags=0o101, mode=0o600, sc=0, ret=5),
-        ev("dup", oldfd=4, newfd=9, ret=9),
-        ev("fchdir", fd=9, path=None, ret=0),
+        ev("open", path="/srv", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=4, rino=SRV),
+        ev("open", path="c/d", dfd=4, oflags=0o101, mode=0o600, sc=0, ret=5, dino=SRV, rino=0x2000),
+        ev("dup", oldfd=4, newfd=9, ret=9, rino=SRV),
+        ev("fchdir", fd=9, path=None, ret=0, dino=SRV),
         ev("open", path="e", dfd=-100, oflags=0, mode=0, sc=0, ret=6),
         ev("open", path="f", dfd=77, oflags=0, mode=0, sc=0, ret=-9),
     )

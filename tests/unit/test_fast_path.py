@@ -34,18 +34,22 @@ def open_raw(
     tgid: int = 10,
     cgid: int = CGID,
     run: int = 1,
+    dino: int = 0,
+    rino: int = 0,
 ) -> bytes:
-    body = struct.pack("<qQQiIIHH", ret, 0, 0, dfd, oflags, mode, 0, len(path) + 1) + path + b"\0"
+    body = (
+        struct.pack("<qQQiIIHHQQ", ret, 0, 0, dfd, oflags, mode, 0, len(path) + 1, dino, rino) + path + b"\0"
+    )
     return d.HDR.pack(ts, cgid, run, tgid, tgid, d.EV_OPEN, flags) + body
 
 
 def chdir_raw(path: bytes, ts: int = 1, tgid: int = 10) -> bytes:
-    body = struct.pack("<qQQiIIHH", 0, 0, 0, -100, 0, 0, 0, len(path) + 1) + path + b"\0"
+    body = struct.pack("<qQQiIIHHQQ", 0, 0, 0, -100, 0, 0, 0, len(path) + 1, 0, 0) + path + b"\0"
     return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_CHDIR, 0) + body
 
 
-def dup_raw(oldfd: int, newfd: int, ts: int = 1, tgid: int = 10) -> bytes:
-    return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_DUP, 0) + struct.pack("<qii", newfd, oldfd, newfd)
+def dup_raw(oldfd: int, newfd: int, ts: int = 1, tgid: int = 10, rino: int = 0) -> bytes:
+    return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_DUP, 0) + struct.pack("<qiiQ", newfd, oldfd, newfd, rino)
 
 
 def correlator() -> Correlator:
@@ -96,11 +100,13 @@ def test_open_record_makes_the_records_feed_makes() -> None:
     fast: list[dict[str, Any]] = []
     for raw in [*RAW, *MIXED]:
         if raw[d.KIND_OFF : d.KIND_OFF + 2] == d.OPEN_KIND:
-            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen = d.OPEN_REC.unpack_from(
-                raw
+            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+                d.OPEN_REC.unpack_from(raw)
             )
             off = d.OPEN_PATH_OFF
-            fast += c.open_record(ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[off : off + plen])
+            fast += c.open_record(
+                ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[off : off + plen], dino, rino
+            )
         else:
             fast += c.feed(d.decode(raw))
     want = general([*RAW, *MIXED])
@@ -212,9 +218,9 @@ def test_counted_opens_make_no_record_and_leaving_the_run_is_said_once() -> None
     the set that remembers it holds only those, however many files are written."""
     c = correlator()
     for i in range(1000):
-        raw = open_raw(f"/home/u/out{i}".encode(), ts=i, oflags=0o1, flags=d.F_STATE)
+        raw = open_raw(f"/home/u/out{i}".encode(), ts=i, oflags=0o1, flags=d.F_STATE, rino=0x1000 + i)
         assert c.open_record(*_fields(raw)) == []
-    assert c.procs[10].fds[3] == "/home/u/out999"
+    assert c.procs[10].fds[3] == ("/home/u/out999", 0x1000 + 999)
     procs = open_raw(b"/sys/fs/cgroup/cgroup.procs", ts=2000, oflags=0o1, flags=d.F_STATE)
     (said,) = c.open_record(*_fields(procs))
     assert said["k"] == "degradation" and "/sys/fs/cgroup/cgroup.procs" in said["reason"]
@@ -223,5 +229,19 @@ def test_counted_opens_make_no_record_and_leaving_the_run_is_said_once() -> None
 
 
 def _fields(raw: bytes) -> tuple[Any, ...]:
-    ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen = d.OPEN_REC.unpack_from(raw)
-    return ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[d.OPEN_PATH_OFF : d.OPEN_PATH_OFF + plen]
+    ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+        d.OPEN_REC.unpack_from(raw)
+    )
+    return (
+        ts,
+        cgid,
+        tgid,
+        flags,
+        ret,
+        dfd,
+        oflags,
+        mode,
+        raw[d.OPEN_PATH_OFF : d.OPEN_PATH_OFF + plen],
+        dino,
+        rino,
+    )

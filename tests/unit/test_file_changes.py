@@ -18,9 +18,12 @@ from tests.unit.conftest_bundles import WS, change, members, records, write
 
 def ev(tgid: int = 10, **kw: Any) -> dict[str, Any]:  # a decoded change record
     base = {"kind": "change", "ts": 1, "run": 1, "tgid": tgid, "tid": tgid, "flags": 0, "ret": 0}
-    base.update(dfd=-100, dfd2=0, mode=0, uid=0, gid=0, at_flags=0, path=None, path2=None)
+    base.update(dfd=-100, dfd2=0, dino=0, dino2=0, mode=0, uid=0, gid=0, at_flags=0, path=None, path2=None)
     base.update(kw)
     return base
+
+
+SRV = 0xFFFF0001000  # what descriptor 4 names (its inode's address, decode.py's rino)
 
 
 def test_paths_are_resolved_like_opens_both_paths_and_descriptors() -> None:
@@ -28,13 +31,13 @@ def test_paths_are_resolved_like_opens_both_paths_and_descriptors() -> None:
     c.add_root(10, 1, "/home/u")
     c.feed(
         {"kind": "open", "ts": 1, "run": 1, "tgid": 10, "tid": 10, "flags": 0, "path": "/srv", "dfd": -100}
-        | {"oflags": 0o200000, "mode": 0, "sc": 0, "ret": 4}
+        | {"oflags": 0o200000, "mode": 0, "sc": 0, "ret": 4, "dino": 0, "rino": SRV}
     )
     out = []
-    out += c.feed(ev(op="rename", path="a", dfd=4, path2="../b", dfd2=-100, at_flags=1))
+    out += c.feed(ev(op="rename", path="a", dfd=4, dino=SRV, path2="../b", dfd2=-100, at_flags=1))
     out += c.feed(ev(op="link", path="/etc/x", path2="y", dfd2=-100, ret=-1))
-    out += c.feed(ev(op="symlink", path="../t", path2="s", dfd2=4))
-    out += c.feed(ev(op="chmod", path=None, dfd=4, mode=0o100755))
+    out += c.feed(ev(op="symlink", path="../t", path2="s", dfd2=4, dino2=SRV))
+    out += c.feed(ev(op="chmod", path=None, dfd=4, dino=SRV, mode=0o100755))
     out += c.feed(ev(op="chown", path="f", uid=0xFFFFFFFF, gid=0))
     out += c.feed(ev(op="unlink", path="g", dfd=7, ret=-13))
     rename, link, symlink, fchmod, chown, unlink = out

@@ -101,11 +101,13 @@ def correlated() -> list[Any]:
     for r in RAW:
         raw = bytes.fromhex(r["hex"])
         if raw[d.KIND_OFF : d.KIND_OFF + 2] == d.OPEN_KIND:
-            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen = d.OPEN_REC.unpack_from(
-                raw
+            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+                d.OPEN_REC.unpack_from(raw)
             )
             path = raw[d.OPEN_PATH_OFF : d.OPEN_PATH_OFF + plen]
-            out += c.open_record(ts, cgid, tgid, flags | d.F_OTHER_NS, ret, dfd, oflags, mode, path)
+            out += c.open_record(
+                ts, cgid, tgid, flags | d.F_OTHER_NS, ret, dfd, oflags, mode, path, dino, rino
+            )
         else:
             out += c.feed(d.decode(raw))
     return out

@@ -48,7 +48,7 @@ class FakeProbes:
 
 
 def _open_record(path: bytes, ts: int) -> bytes:
-    body = struct.pack("<qQQiIIHH", 3, 0, 0, -100, 0, 0, 0, len(path) + 1) + path + b"\0"
+    body = struct.pack("<qQQiIIHHQQ", 3, 0, 0, -100, 0, 0, 0, len(path) + 1, 0, 0) + path + b"\0"
     return d.HDR.pack(ts, 1, 1, 10, 10, d.EV_OPEN, 0) + body
 
 
