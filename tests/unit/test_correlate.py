@@ -58,6 +58,59 @@ def test_open_resolution_cwd_chdir_dirfd_dup_fchdir() -> None:
     assert out[0]["t"] == 1001
 
 
+def test_a_descriptor_that_names_another_file_now_is_not_resolved_against() -> None:
+    """fd 3 = /etc and fd 4 = /tmp are recorded; fd 4 then names /etc (put there unseen: F_DUPFD,
+    SCM_RIGHTS, pidfd_getfd). Every record through it carries what it names now (ETC), so nothing
+    resolves against /tmp: the path is unknown, and the stale entry is dropped."""
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    opened = feed(
+        c,
+        ev("open", path="/etc", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=3, rino=ETC),
+        ev("open", path="/tmp", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=4, rino=TMP),
+        ev("fork", child=11),
+    )
+    assert opened[-1]["path"] == "/tmp"
+    assert c.procs[11].fds == {3: ("/etc", ETC), 4: ("/tmp", TMP)}  # copied at fork, identities too
+    out = feed(
+        c,
+        ev("open", path="passwd", dfd=4, oflags=0, mode=0, sc=0, ret=5, dino=ETC, rino=0x9000),
+        ev("open", path="hosts", dfd=4, oflags=0, mode=0, sc=0, ret=6, dino=TMP, rino=0x9100),  # dropped
+        ev("open", path="group", dfd=3, oflags=0, mode=0, sc=0, ret=7, dino=ETC, rino=0x9200),  # still /etc
+    )
+    assert [o["path"] for o in out] == ["<unknown fd 4>/passwd", "<unknown fd 4>/hosts", "/etc/group"]
+    # the same through the fast path (open_record), in the child that copied the table
+    raw = b"shadow\0"
+    (fast,) = c.open_record(5, 0, 11, 0, 5, 4, 0, 0, raw, ETC, 0x9300)
+    assert fast["path"] == "<unknown fd 4>/shadow" and 4 not in c.procs[11].fds
+    # fchdir, dup, a change, a failed execveat through such a descriptor (the child's fd 3 now: /tmp)
+    c.procs[11].fds[3] = ("/etc", ETC)
+    rest = feed(
+        c,
+        ev("dup", tgid=11, oldfd=3, newfd=8, ret=8, rino=TMP),  # fd 3 names /tmp now: 8 unknown
+        ev("open", tgid=11, path="x", dfd=8, oflags=0, mode=0, sc=0, ret=-2, dino=TMP),
+        ev("change", tgid=11, op="mkdir", path="d", dfd=3, dfd2=0, dino=TMP, dino2=0, path2=None)
+        | {"ret": 0, "mode": 0o755, "uid": 0, "gid": 0, "at_flags": 0},
+        ev("exec", tgid=11, filename="sh", argv=["sh"], dfd=3, dino=TMP, at_flags=0, old_tid=0, argc=1),
+        ret(d.SC_EXEC, -2, tgid=11),
+        ev("fchdir", tgid=10, fd=4, path=None, ret=0, dino=ETC),  # the parent's 4 was dropped above
+        ev("open", tgid=10, path="motd", dfd=-100, oflags=0, mode=0, sc=0, ret=9),
+    )
+    assert [r.get("path", r.get("filename")) for r in rest] == [
+        "<unknown fd 8>/x",
+        "<unknown fd 3>/d",
+        "<unknown fd 3>/sh",
+        "<unknown cwd>/motd",
+    ]
+    c.procs[10].fds[4] = ("/tmp", TMP)
+    feed(c, ev("fchdir", tgid=10, fd=4, path=None, ret=0, dino=ETC))
+    assert c.procs[10].cwd is None and 4 not in c.procs[10].fds  # fchdir through a mismatch: unknown
+    # an open the kernel counted (F_STATE) teaches the new identity of the same path
+    c.open_record(6, 0, 10, d.F_STATE, 4, -100, 0o200000, 0, b"/tmp\0", 0, 0x7777)
+    (again,) = c.open_record(7, 0, 10, 0, 5, 4, 0, 0, b"a\0", 0x7777, 0x9400)
+    assert again["path"] == "/tmp/a"
+
+
 def test_fork_exec_exit_tree_and_depth() -> None:
     c = Correlator(0)
     c.add_root(10, 1, "/w")
