@@ -427,30 +427,29 @@ static __always_inline u64 fd_key(u32 tgid, s32 fd) {
 // (task->files->fdt->fd[fd]->f_inode, offsets from BTF), 0 when fd is not open. Stable while the
 // inode lives, equal for every open of the same file, different for another file: the identity
 // that tells a descriptor the tables know from one put at its number unseen (F_DUPFD, SCM_RIGHTS,
-// pidfd_getfd, a table shared by CLONE_FILES: close is not a record).
+// pidfd_getfd, a table shared by CLONE_FILES: close is not a record). It costs an open's exit two
+// helper calls: the task, its files and its fdtable are BTF pointers (bpf_get_current_task_btf),
+// loaded directly (the verifier checks each load against the kernel's BTF at that offset, and a
+// NULL pointer reads as 0); the array's slot and the file's f_inode are read with the helper.
 static __always_inline u64 fd_inode(s32 fd) {
     if (fd < 0)
         return 0;
-    void *task = (void *)bpf_get_current_task();
-    void *files = NULL, *fdt = NULL, *arr = NULL, *file = NULL;
-    u32 max = 0;
-    u64 inode = 0;
-    bpf_probe_read_kernel(&files, sizeof(files), task + 1824);
+    char *task = (char *)bpf_get_current_task_btf();
+    char *files = *(char **)(task + 1824);
     if (!files)
         return 0;
-    bpf_probe_read_kernel(&fdt, sizeof(fdt), files + 32);
+    char *fdt = *(char **)(files + 32);
     if (!fdt)
         return 0;
-    bpf_probe_read_kernel(&max, sizeof(max), fdt + 0);
-    if ((u32)fd >= max)
+    u32 max = *(u32 *)(fdt + 0);
+    u64 arr = *(u64 *)(fdt + 8);
+    if ((u32)fd >= max || !arr)
         return 0;
-    bpf_probe_read_kernel(&arr, sizeof(arr), fdt + 8);
-    if (!arr)
-        return 0;
-    bpf_probe_read_kernel(&file, sizeof(file), arr + (u64)(u32)fd * 8);
+    u64 file = 0, inode = 0;
+    bpf_probe_read_kernel(&file, sizeof(file), (void *)(arr + (u64)(u32)fd * 8));
     if (!file)
         return 0;
-    bpf_probe_read_kernel(&inode, sizeof(inode), file + 32);
+    bpf_probe_read_kernel(&inode, sizeof(inode), (void *)(file + 32));
     return inode;
 }
 

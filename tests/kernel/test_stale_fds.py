@@ -2,7 +2,7 @@
 (fcntl F_DUPFD, SCM_RIGHTS to oneself, pidfd_getfd; close is not a record), must not make the
 bundle name the wrong file: records resolved against a descriptor carry what it names (its inode,
 read by the kernel), and a table entry is used only while the descriptor names that inode still.
-Each attack runs as nobody, in summary and in full detail; a directory removed and made again at
+Each attack (an open through it, and an execveat) runs as nobody, in summary and in full detail; a directory removed and made again at
 the same path, opened and used as a dirfd, still resolves exactly."""
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ ATTACKS = {
     "passwd": """
 os.close(tmp)
 new = fcntl.fcntl(etc, fcntl.F_DUPFD, tmp)
+# execveat through it (fails: not executable; the attempt is recorded)
+libc = ctypes.CDLL(None, use_errno=True)
+argv = (ctypes.c_char_p * 2)(b'passwd', None)
+assert libc.syscall(322, new, b'passwd', argv, argv, 0) == -1  # execveat
 """,
     # a descriptor sent to oneself over a socketpair (the pair moved out of the way first)
     "group": """
@@ -138,6 +142,8 @@ def test_a_descriptor_put_unseen_at_a_known_number_is_never_misnamed(
         # honest: a descriptor the recorder cannot name, never the decoy's name
         assert f"<unknown fd 4>/{name}" in opens, (name, sorted(opens))
         assert f"/tmp/{name}" not in opens
+    execs = {e["data"]["filename"] for e in of_type(events, "process.exec")}
+    assert "<unknown fd 4>/passwd" in execs and "/tmp/passwd" not in execs
     # fchdir through it: the cwd is unknown, not /tmp
     assert "<unknown cwd>/services" in opens and "/tmp/services" not in opens
     # a change through it
