@@ -1,9 +1,10 @@
 """A descriptor put at a number the recorder's tables know, in a way the recorder does not see
-(fcntl F_DUPFD, SCM_RIGHTS to oneself, pidfd_getfd; close is not a record), must not make the
-bundle name the wrong file: records resolved against a descriptor carry what it names (its inode,
-read by the kernel), and a table entry is used only while the descriptor names that inode still.
-Each attack (an open through it, and an execveat) runs as nobody, in summary and in full detail; a directory removed and made again at
-the same path, opened and used as a dirfd, still resolves exactly."""
+(fcntl F_DUPFD, SCM_RIGHTS to oneself, pidfd_getfd, a table shared by CLONE_FILES; close is not a
+record), must not make the bundle name the wrong file: records resolved against a descriptor carry
+what it names (its inode, read by the kernel), and a table entry is used only while the descriptor
+names that inode still. Each attack (opens, an execveat, fchdir, mkdir through it) runs as nobody,
+in summary and in full detail; a directory removed and made again at the same path, opened and
+used as a dirfd, still resolves exactly."""
 
 from __future__ import annotations
 
@@ -57,6 +58,25 @@ new = libc.syscall(438, 100, etc, 0)  # pidfd_getfd
 assert new >= 0, ctypes.get_errno()
 """,
 }
+
+# a descriptor table shared by clone(CLONE_FILES): the parent's dup2 is recorded for the parent,
+# while the child's table (copied at the fork) still says fd 4 = /tmp
+_CLONE_FILES = """
+import ctypes, os
+r, w = os.pipe(); os.dup2(r, 100); os.dup2(w, 101); os.close(r); os.close(w)
+etc = os.open('/etc', os.O_RDONLY | os.O_DIRECTORY)
+tmp = os.open('/tmp', os.O_RDONLY | os.O_DIRECTORY)
+assert (etc, tmp) == (3, 4), (etc, tmp)
+libc = ctypes.CDLL(None, use_errno=True)
+pid = libc.syscall(56, 0x400 | 17, 0, 0, 0, 0)  # clone(CLONE_FILES | SIGCHLD)
+if pid == 0:
+    os.read(100, 1)
+    os.close(os.open('shells', os.O_RDONLY, dir_fd=4))
+    os._exit(0)
+os.dup2(etc, tmp)
+os.write(101, b'x')
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+"""
 
 # What a job could do with it: open through the descriptor, fchdir to it and open relative to the
 # cwd, make a directory through it (the decoy: /tmp)
@@ -115,6 +135,7 @@ def _script(workdir: Path) -> str:
     """One shell command: each case in a process of its own (its descriptors numbered from 3)."""
     cases = [_SETUP + body + _USE.format(name=name) for name, body in ATTACKS.items()]
     cases += [
+        _CLONE_FILES,
         _SETUP + _FCHDIR,
         _CHANGE.format(w=str(workdir)),
         "import os\n" + _REMADE.format(w=str(workdir)),
@@ -144,6 +165,8 @@ def test_a_descriptor_put_unseen_at_a_known_number_is_never_misnamed(
         assert f"/tmp/{name}" not in opens
     execs = {e["data"]["filename"] for e in of_type(events, "process.exec")}
     assert "<unknown fd 4>/passwd" in execs and "/tmp/passwd" not in execs
+    # through a table shared by CLONE_FILES
+    assert "<unknown fd 4>/shells" in opens and "/tmp/shells" not in opens
     # fchdir through it: the cwd is unknown, not /tmp
     assert "<unknown cwd>/services" in opens and "/tmp/services" not in opens
     # a change through it
