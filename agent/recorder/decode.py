@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict, cast
 
 from evidence.probes import kinds
 
@@ -444,10 +444,12 @@ def _exec(
     )
     buf = raw[EXEC_BUF_OFF:]
     filename, argv = _cstr(buf[:flen]), _argv(buf[flen : flen + alen])
-    ev: ExecEvent | ExecOkEvent
-    if kind == EV_EXEC:
-        ev = {
-            "kind": "exec",
+    # the two kinds have the same fields: one dict, typed by its kind (mypy cannot narrow a Literal
+    # chosen at run time)
+    ev = cast(
+        "ExecEvent | ExecOkEvent",
+        {
+            "kind": "exec" if kind == EV_EXEC else "exec_ok",
             "ts": ts,
             "cgid": cgid,
             "run": run,
@@ -461,24 +463,8 @@ def _exec(
             "filename": filename,
             "argv": argv,
             "dino": dino,
-        }
-    else:
-        ev = {
-            "kind": "exec_ok",
-            "ts": ts,
-            "cgid": cgid,
-            "run": run,
-            "tgid": tgid,
-            "tid": tid,
-            "flags": flags,
-            "dfd": dfd,
-            "at_flags": at_flags,
-            "old_tid": old_tid,
-            "argc": argc,
-            "filename": filename,
-            "argv": argv,
-            "dino": dino,
-        }
+        },
+    )
     if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
         ev["file"] = (
             os.makedev(kdev >> 20, kdev & 0xFFFFF),
