@@ -141,11 +141,11 @@ class Behaviour:
         self.denials = _SpillSet(self)
         self.changes = _SpillSet(self)
         self.namespaces = _SpillSet(self)
+        self.sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
 
     def spill(self) -> None:
         """Past the budget: the set holding the most items goes to disk."""
-        sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
-        max(sets, key=lambda s: len(s.items)).spill()
+        max(self.sets, key=lambda s: len(s.items)).spill()
 
     def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
         """Add records as they are spooled; an item that is bytes is a spool line the recorder made
@@ -213,7 +213,7 @@ class Behaviour:
     def close(self) -> None:
         """Let go of the sets' runs on disk; a closed Behaviour makes no run id."""
         self.closed = True
-        for part in (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces):
+        for part in self.sets:
             part.close()
 
 
@@ -248,9 +248,9 @@ def _read(
         return behaviour.run_id(meta.command), (to_event(rec) for rec in records())
     kept: list[tuple[SpoolRecord, list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
-    add = (lambda rec: None) if fed else behaviour.add
     for rec in records():
-        add(rec)
+        if not fed:
+            behaviour.add(rec)
         key = summary_key(rec)
         if key is None:
             if kept is not None:
