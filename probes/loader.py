@@ -75,7 +75,7 @@ SYSCALL_HANDLERS = {
 # ---- dns: on_enter_dns (record.bpf.c) on these syscalls' enter tracepoints, and on_exit_dns on the
 # exits of the receives (their message is read there). None of them has a handler above: BCC keeps
 # one program per tracepoint (connect and the sends call the DNS code from their own handlers).
-DNS_ENTER = ("close", "read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
+DNS_ENTER = ("read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
 DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES

@@ -1581,12 +1581,15 @@ static __always_inline void ns_fork(u32 run, u32 child) {
 //
 // DNS messages of the run's processes, read from their buffers: what is sent on a socket connected
 // (or sending) to port 53, and what is then received on it. `dnsfds` holds the sockets: (tgid, fd)
-// -> the server, set when a tracked process connects a socket to port 53 or sends to port 53 with
-// an explicit address, cleared when it connects the socket elsewhere or closes it. `dnscount`
-// counts them per tgid bucket (tgid mod 65536, at least the sockets there: an entry the LRU map
-// drops or a process that exits without closing leaves it high, never low), so every other read,
-// write, send and receive costs one array element read (inlined by the verifier), and a process in
-// a bucket with a DNS socket one hash lookup more. A sent message is read at entry (the
+// -> the server and the socket's identity (fd_inode), set when a tracked process connects a socket
+// to port 53 or sends to port 53 with an explicit address, cleared when it connects the socket
+// elsewhere or when the descriptor is found naming another file (closed and its number reused, or
+// replaced by dup2 or a received descriptor: close is not traced, which spares every close on the
+// machine a tracepoint program). `dnscount` counts them per tgid bucket (tgid mod 65536, at least
+// the sockets there: an entry the LRU map drops, a socket closed, or a process that exits leaves it
+// high, never low), so every other read, write, send and receive costs one array element read
+// (inlined by the verifier), and a process in a bucket with a DNS socket one hash lookup more (and
+// one fd_inode read when the lookup finds an entry). A sent message is read at entry (the
 // record's ret is the length given), a received one at exit (ret: the result). User space parses
 // them (a hostile job sends what it likes to port 53: the bytes are data, never trusted).
 
@@ -1603,6 +1606,7 @@ struct dns_ev {
 
 struct dnsfd {
     u64 gen;       // the process's generation (procs): a reused pid is another process
+    u64 ino;       // what the descriptor named when it was marked (fd_inode): the socket
     u8 addr[28];
     u32 pad;
 };
@@ -1654,7 +1658,8 @@ static __always_inline struct dnsfd *dns_fd(s32 fd) {
     if (!d)
         return NULL;
     struct pctx *p = procs.lookup(&tgid);
-    if (!p || p->gen != d->gen) {  // left by an earlier process of this pid
+    // left by an earlier process of this pid, or the number names another file now
+    if (!p || p->gen != d->gen || fd_inode(fd) != d->ino) {
         dns_forget(tgid, fd);
         return NULL;
     }
@@ -1691,7 +1696,7 @@ static __always_inline void dns_mark(s32 fd, const u8 *addr) {
     struct pctx *p = proc_ctx(tgid);
     if (!p)
         return;
-    struct dnsfd d = {.gen = p->gen};
+    struct dnsfd d = {.gen = p->gen, .ino = fd_inode(fd)};
     __builtin_memcpy(d.addr, addr, sizeof(d.addr));
     if (dnsfds.insert(&k, &d) == 0)
         dns_count(tgid, 1);  // a new entry (an existing one is updated without counting it again)
@@ -1770,15 +1775,11 @@ static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
     dns_emit(run, fd, DNS_SENT, len, buf, len, addr);
 }
 
-// The DNS work of a syscall's entry: close (1 argument), connect, read, write, writev, sendmsg,
-// recvmsg (3), sendmmsg (4), recvmmsg (5), sendto and recvfrom (6).
+// The DNS work of a syscall's entry: connect, read, write, writev, sendmsg, recvmsg (3), sendmmsg
+// (4), recvmmsg (5), sendto and recvfrom (6).
 static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
     s32 nr = ctx->nr;
     s32 fd = (s32)ctx->args[0];
-    if (nr == __NR_close) {
-        dns_forget(bpf_get_current_pid_tgid() >> 32, fd);
-        return 0;
-    }
     if (nr == __NR_connect) {
         if (!current_run())
             return 0;
@@ -1877,7 +1878,7 @@ static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dns
 }
 
 int on_enter_dns(struct sys_enter_ctx *ctx) {
-    // attached to close, read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends
+    // attached to read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends
     // call dns_enter from their own handlers)
     return dns_enter(ctx);
 }

@@ -200,3 +200,46 @@ def test_dns_by_write_read_tcp_and_msghdr(tmp_path: Path, dns_netns: str) -> Non
     for name in ("by-write.evidence.test", "by-msg.evidence.test", "by-tcp.evidence.test"):
         assert got[name]["result"] == "NOERROR" and got[name]["addresses"] == ["127.0.0.3"], got
         assert got[name]["server"] == "127.0.0.1" and not got[name].get("unasked")
+
+
+# A job that reuses a DNS socket's descriptor number for a file, two ways: the socket closed and the
+# number given to the next open (close is not traced), and a file put over a live socket's number
+# by dup2 (no close call at all). What it then writes and reads there is file I/O, never DNS.
+REUSED = r"""
+import os, socket, struct
+def query(name, qid):
+    wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + wire + struct.pack(">HH", 1, 1)
+def dns(name, qid):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(("127.0.0.1", 53))
+    os.write(s.fileno(), query(name, qid))
+    os.read(s.fileno(), 512)
+    return s
+def file_io(fd, name, qid):
+    os.write(fd, query(name, qid))
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.read(fd, 512)
+s = dns("by-write.evidence.test", 1)
+n = s.fileno()
+s.close()
+f = os.open("/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
+assert f == n, (f, n)
+file_io(f, "closed-reused.evidence.test", 2)
+s = dns("by-msg.evidence.test", 3)
+g = os.open("/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
+os.dup2(g, s.fileno())
+file_io(s.fileno(), "dup2-over.evidence.test", 4)
+"""
+
+
+def test_a_dns_sockets_number_reused_for_a_file_is_not_dns(tmp_path: Path, dns_netns: str) -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    command = ["ip", "netns", "exec", dns_netns, *nobody, "/usr/bin/python3", "-S", "-c", REUSED]
+    for detail in ("full", "summary"):
+        proc, _, events = record(tmp_path, *command, extra=("--detail", detail), name=f"{detail}.tar.gz")
+        assert proc.returncode == 0, proc.stderr
+        got = {d["name"]: d for d in (e["data"] for e in of_type(events, "network.dns"))}
+        assert sorted(got) == ["by-msg.evidence.test", "by-write.evidence.test"], got
+        for d in got.values():
+            assert d["result"] == "NOERROR" and d["addresses"] == ["127.0.0.3"], got
