@@ -27,6 +27,7 @@ import base64
 import binascii
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -79,12 +80,20 @@ _PSEUDO_MAP_FD = 1
 _INSN = struct.Struct("<BBhi")  # code, dst:4|src:4, off, imm
 _MAP_INFO = struct.Struct("<IIIIII16s")  # type, id, key_size, value_size, max_entries, flags, name
 
+# The verifier gives up with EAGAIN when a signal is pending for the loading thread (a SIGCHLD, a
+# terminal resized, a profiler): tried again, as libbpf does, rather than failing the run and
+# forgetting a good cache entry.
+_LOAD_ATTEMPTS = 10
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
 class ObjectError(Exception):
     """The kernel refused a map or a program of the object (its message says which, and why)."""
+
+
+class LoadInterrupted(ObjectError):
+    """Signals kept interrupting a program's verification: not a refusal of the cached object."""
 
 
 def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
@@ -187,7 +196,13 @@ def compile_object(source: str) -> CompiledObject:
     lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
     lib.bpf_table_name.restype = ctypes.c_char_p
     lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    bpf = BPF(text=source.encode())
+    for attempt in range(3):
+        try:
+            bpf = BPF(text=source.encode())
+            break
+        except Exception as e:  # BCC raises plain Exceptions; a signal in its loads: compiled again
+            if attempt == 2 or os.strerror(errno.EAGAIN) not in str(e):
+                raise
     try:
         module = bpf.module
         maps: list[MapDef] = []
@@ -543,6 +558,8 @@ class LoadedObject:
         license = ctypes.create_string_buffer(self._obj.license.encode())
         try:
             fd = self._prog_load(func_name, prog_type, insns, license, None, expected_attach_type)
+        except LoadInterrupted:
+            raise  # the entry is good: kept
         except ObjectError:
             self._refused()
             raise
@@ -576,7 +593,15 @@ class LoadedObject:
         )
         attr = ctypes.create_string_buffer(raw, 128)
         try:
-            return _bpf(_BPF_PROG_LOAD, attr)
+            for _ in range(_LOAD_ATTEMPTS):
+                try:
+                    return _bpf(_BPF_PROG_LOAD, attr)
+                except OSError as e:
+                    if e.errno != errno.EAGAIN:
+                        raise
+            raise LoadInterrupted(
+                f"cannot load {name.decode()}: interrupted by signals {_LOAD_ATTEMPTS} times in a row"
+            )
         except OSError as e:
             if log is None:  # again, with the verifier's log, to say why
                 return LoadedObject._prog_load(
