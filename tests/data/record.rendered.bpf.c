@@ -769,7 +769,8 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
         // another file (a directory removed and made again: user space needs its new inode)
         u64 ino = c->ev.open.rino;
         fd_changes = fd_token(p, tgid, (s32)ret, ino) != tok;
-        set_fd_token(p, tgid, (s32)ret, tok, ino);
+        if (fd_changes || tok == 0)  // else the entry holds this generation, token and inode already
+            set_fd_token(p, tgid, (s32)ret, tok, ino);
     }
     if (tok == 0)
         return 1;  // resolved against something the kernel cannot name: a plain record
