@@ -152,6 +152,11 @@ NEEDED = {
     "FILES_FDT_OFF": ("files_struct", "fdt"),
     "FDT_MAX_FDS_OFF": ("fdtable", "max_fds"),
     "FDT_FD_OFF": ("fdtable", "fd"),
+    # the working directory (task->fs->pwd.dentry->d_inode), for the same checks of relative names
+    "TASK_FS_OFF": ("task_struct", "fs"),
+    "FS_PWD_OFF": ("fs_struct", "pwd"),
+    "PATH_DENTRY_OFF": ("path", "dentry"),
+    "DENTRY_INODE_OFF": ("dentry", "d_inode"),
     "INODE_INO_OFF": ("inode", "i_ino"),
     "INODE_SB_OFF": ("inode", "i_sb"),
     "INODE_SIZE_OFF": ("inode", "i_size"),

@@ -278,6 +278,7 @@ struct pctx {
     u64 gen;
     u64 exe;
     u64 cwd;
+    u64 cwd_ino;  // the directory `cwd` stands for (cwd_inode), 0 until known
 };
 
 struct fdtok {
@@ -434,6 +435,25 @@ static __always_inline u64 fd_inode(s32 fd) {
     return inode;
 }
 
+// The current thread's working directory: the address of its struct inode
+// (task->fs->pwd.dentry->d_inode, offsets from BTF), 0 when not known. A cwd is per thread and
+// can change without a chdir of this process being seen: one shared by clone(CLONE_FS) follows
+// the other process's chdir, a thread's unshare(CLONE_FS) makes it its own, and another thread's
+// chdir can land while a call is in flight. Relative names carry it (dino, read at entry) like a
+// dirfd's identity, and the cwd's token is used only while it stands for that directory.
+static __always_inline u64 cwd_inode(void) {
+    char *task = (char *)bpf_get_current_task_btf();
+    char *fs = *(char **)(task + TASK_FS_OFF);
+    if (!fs)
+        return 0;
+    char *dentry = *(char **)(fs + FS_PWD_OFF + PATH_DENTRY_OFF);
+    if (!dentry)
+        return 0;
+    u64 inode = 0;
+    bpf_probe_read_kernel(&inode, sizeof(inode), dentry + DENTRY_INODE_OFF);
+    return inode;
+}
+
 // The token of what descriptor fd names, 0 when unknown: the kernel set one, and fd names now
 // (ino, from fd_inode) what it named then.
 static __always_inline u64 fd_token(struct pctx *p, u32 tgid, s32 fd, u64 ino) {
@@ -454,6 +474,24 @@ static __always_inline void set_fd_token(struct pctx *p, u32 tgid, s32 fd, u64 t
     fds.update(&k, &t);
 }
 
+// The cwd's token for a name resolved against the directory `ino` (cwd_inode at the call's entry),
+// 0 when the kernel cannot name it. A process's first relative name ties its token to the
+// directory; a cwd changed unseen (CLONE_FS, unshare) gets a new token for its new directory, once
+// it holds still; one that changed while the call was in flight leaves the call unknown.
+static __always_inline u64 cwd_base(struct pctx *p, u64 ino) {
+    if (ino == 0 || ino == p->cwd_ino)
+        return p->cwd;
+    if (p->cwd_ino == 0) {
+        p->cwd_ino = ino;
+        return p->cwd;
+    }
+    if (cwd_inode() != ino)
+        return 0;
+    p->cwd = random_token();
+    p->cwd_ino = ino;
+    return p->cwd;
+}
+
 // What the path of an open/chdir record is resolved against: 0 for an absolute path, the cwd's or
 // the dirfd's token, or 0 with *unknown = 1 when the kernel cannot name it (user space resolves it
 // from its own tables). An unreadable path gets base 1 and no bytes: one fixed token.
@@ -465,7 +503,7 @@ static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len
     *len = e->path_len > 0 ? e->path_len - 1 : 0;  // without the NUL
     if (e->path[0] == '/')
         return 0;
-    u64 base = e->dfd == -100 ? p->cwd : fd_token(p, e->h.tgid, e->dfd, e->dino);
+    u64 base = e->dfd == -100 ? cwd_base(p, e->dino) : fd_token(p, e->h.tgid, e->dfd, e->dino);
     if (base == 0)
         *unknown = 1;
     return base;
@@ -729,6 +767,7 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
         else
             t = c->htok;
         p->cwd = t ? t : random_token();
+        p->cwd_ino = c->ev.open.rino;  // the new cwd, read at exit
         return 1;
     }
     if (kind != EV_OPEN && kind != EV_CONNECT)
@@ -858,6 +897,8 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
             c->ev.open.rino = fd_inode((s32)ctx->ret);
         else if (c->ev.h.kind == EV_DUP)
             c->ev.dup.rino = fd_inode((s32)ctx->ret);
+        else if (c->ev.h.kind == EV_CHDIR || c->ev.h.kind == EV_FCHDIR)
+            c->ev.open.rino = cwd_inode();  // the directory it changed to
     }
     if (c->ev.h.kind == EV_NS)
         ns_exit(c);
@@ -910,8 +951,8 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     e->sc = sc;
     e->rino = 0;
     read_path(c, filename);
-    // a relative path (or one not read yet) through a dirfd: what the dirfd names now
-    e->dino = dfd != -100 && e->path[0] != '/' ? fd_inode(dfd) : 0;
+    // a relative path (or one not read yet): what the dirfd, or the cwd, names now
+    e->dino = e->path[0] == '/' ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
     return 0;
 }
 
@@ -1015,7 +1056,8 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     }
     e->fname_len = n;
     e->pad = 0;
-    e->dino = dfd != -100 && e->buf[0] != '/' ? fd_inode(dfd) : 0;  // execveat: what dfd names now
+    // a relative name: what dfd (execveat), or the cwd, names now
+    e->dino = e->buf[0] == '/' ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
     u32 alen = read_argv(e, n & (PATH_MAX_ - 1), argv);
     e->args_len = alen;
     u64 size = offsetof(struct exec_ev, buf) + ((n + alen) & BUF_MASK);
@@ -1121,7 +1163,7 @@ RAW_TRACEPOINT_PROBE(sched_process_fork) {
     ns_fork(run, tgid);
     struct pctx *pp = proc_ctx(bpf_get_current_pid_tgid() >> 32);
     if (pp) {  // the child runs the same program in the same cwd; its descriptors are its own
-        struct pctx child = {.gen = random_token(), .exe = pp->exe, .cwd = pp->cwd};
+        struct pctx child = {.gen = random_token(), .exe = pp->exe, .cwd = pp->cwd, .cwd_ino = pp->cwd_ino};
         u32 ct = tgid;
         procs.update(&ct, &child);
     }
@@ -1257,9 +1299,9 @@ int on_enter_chdir(struct sys_enter_ctx *ctx) {
     e->flags = 0;
     e->mode = 0;
     e->sc = 0;
-    e->dino = 0;
     e->rino = 0;
     read_path(c, (const char *)ctx->args[0]);
+    e->dino = e->path[0] == '/' ? 0 : cwd_inode();  // what a relative path is resolved against
     return 0;
 }
 
@@ -1322,9 +1364,10 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     e->op = op;
     e->pad = 0;
     read_change_paths(c, p1, p2);
-    // what the dirfds name now (fchmod, fchown: the descriptor itself); rare calls: read for any path
-    e->dino = dfd != -100 ? fd_inode(dfd) : 0;
-    e->dino2 = dfd2 != -100 && p2 ? fd_inode(dfd2) : 0;
+    // what the dirfds, or the cwd, name now (fchmod, fchown: the descriptor itself); rare calls:
+    // read for any path
+    e->dino = dfd != -100 ? fd_inode(dfd) : cwd_inode();
+    e->dino2 = !p2 ? 0 : dfd2 != -100 ? fd_inode(dfd2) : cwd_inode();
     return 0;
 }
 

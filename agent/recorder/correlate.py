@@ -84,6 +84,7 @@ _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 51
 NO_RESULT = -1_000_000
 _RESTART[-NO_RESULT] = "NO_RESULT"
 _PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
+_CWD_PATHS = 4096  # directories entered by a chdir, by identity (Correlator._cwd_paths)
 
 
 @functools.lru_cache(maxsize=512)
@@ -143,6 +144,9 @@ class Proc:
     depth: int
     exe: str | None
     cwd: str | None
+    # the directory `cwd` names (its inode's identity, the kernel's cwd_inode), 0 until known: a
+    # relative name is resolved against `cwd` only while the kernel says the cwd is that directory
+    cwd_ino: int = 0
     # descriptor -> (the path it was opened as, what it named: its inode's identity, decode.py's
     # rino); an entry is used only while the descriptor still names that inode (_fd_path)
     fds: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
@@ -279,6 +283,10 @@ class Correlator:
         # (pid, path) of the writes to another cgroup's procs said already (of opens counted in the
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
+        # directory identity -> the path a chdir or fchdir of the run was seen to enter it by: the
+        # name of a cwd changed unseen (shared by clone(CLONE_FS), a thread's own after
+        # unshare(CLONE_FS), or changed while a call was in flight); the newest _CWD_PATHS kept
+        self._cwd_paths: dict[int, str] = {}
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -311,11 +319,37 @@ class Correlator:
         del proc.fds[fd]
         return None
 
+    def _cwd(self, proc: Proc, ino: int) -> str | None:
+        """The path of the directory `ino` (the cwd, as the kernel read it when the call began) for
+        a name `proc` gave relative to its cwd; None when it cannot be named. The cwd can change
+        without a chdir of this process: clone(CLONE_FS) shares it with another process, a thread
+        makes its own with unshare(CLONE_FS), another thread's chdir lands while a call is in
+        flight. A directory a chdir of the run entered is named by that path; else the process's
+        first relative name ties its cwd to the directory."""
+        if not ino or ino == proc.cwd_ino:
+            return proc.cwd
+        known = self._cwd_paths.get(ino)
+        if known is not None:
+            return known
+        if not proc.cwd_ino:
+            proc.cwd_ino = ino
+            return proc.cwd
+        return None
+
+    def _entered(self, proc: Proc, ino: int) -> None:
+        """A chdir or fchdir of `proc` succeeded into the directory `ino` (read at its exit)."""
+        proc.cwd_ino = ino
+        if ino and proc.cwd is not None:
+            self._cwd_paths.pop(ino, None)
+            if len(self._cwd_paths) >= _CWD_PATHS:
+                del self._cwd_paths[next(iter(self._cwd_paths))]
+            self._cwd_paths[ino] = proc.cwd
+
     def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0) -> str:
-        """`path` resolved against the cwd, or against descriptor `dfd` when it names `ino` still."""
+        """`path` resolved against the cwd, or against descriptor `dfd`, when it names `ino` still."""
         if path.startswith("/"):
             return posixpath.normpath(path).replace("//", "/")
-        base = proc.cwd if dfd == AT_FDCWD else self._fd_path(proc, dfd, ino)
+        base = self._cwd(proc, ino) if dfd == AT_FDCWD else self._fd_path(proc, dfd, ino)
         if base is None:
             where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
             return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
@@ -349,7 +383,7 @@ class Correlator:
             if raw[:1] == b"/":
                 key: Any = raw
             else:
-                base = p.cwd if dfd == AT_FDCWD else self._fd_path(p, dfd, dino)
+                base = self._cwd(p, dino) if dfd == AT_FDCWD else self._fd_path(p, dfd, dino)
                 key = (raw, base, dfd if base is None else AT_FDCWD)
             hit = self._paths.get(key)
             if hit is None:
@@ -554,6 +588,7 @@ class Correlator:
                 depth=parent.depth + 1 if parent.depth >= 0 else -1,
                 exe=parent.exe,
                 cwd=parent.cwd,
+                cwd_ino=parent.cwd_ino,
                 fds=dict(parent.fds),
             )
             return []
@@ -757,11 +792,16 @@ class Correlator:
             return [rec]
         if enter["kind"] == "chdir":
             if ret == 0:
-                p.cwd = None if enter["flags"] & d.F_FNAME_FAULT else self._resolve(p, enter["path"] or "")
+                if enter["flags"] & d.F_FNAME_FAULT:
+                    p.cwd = None
+                else:
+                    p.cwd = self._resolve(p, enter["path"] or "", AT_FDCWD, enter["dino"])
+                self._entered(p, enter["rino"])
         elif enter["kind"] == "fchdir":
             if ret == 0:
                 # a directory we never saw opened, or not the one we saw: the cwd is unknown
                 p.cwd = self._fd_path(p, enter["fd"], enter["dino"])
+                self._entered(p, enter["rino"])
         elif enter["kind"] == "dup" and ret >= 0:
             # the new descriptor names what oldfd names (rino): oldfd's path if that is what it named
             src = self._fd_path(p, enter["oldfd"], enter["rino"])

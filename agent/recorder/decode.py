@@ -175,7 +175,8 @@ class _DirEvent(_Header):
     ret: int
     fd: int
     path: str | None
-    dino: int  # fchdir: what fd named at entry (its inode's address); chdir: 0
+    dino: int  # fchdir: what fd named at entry; chdir: the cwd a relative path is resolved against
+    rino: int  # the directory it changed to (the cwd read at exit), 0: not read
 
 
 class ChdirEvent(_DirEvent):
@@ -370,11 +371,11 @@ def decode(raw: bytes) -> RawEvent:
             "port": port,
         }
     if kind in (EV_CHDIR, EV_FCHDIR):
-        ret, _, _, fd, _, _, _, plen, dino, _ = _OPEN.unpack_from(raw, o)
+        ret, _, _, fd, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)
         path = _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
         if kind == EV_CHDIR:
-            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino}
-        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino}
+            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino, "rino": rino}
+        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino, "rino": rino}
     if kind == EV_CHANGE:
         ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
         buf = raw[CHANGE_BUF_OFF:]

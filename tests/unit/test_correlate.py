@@ -284,3 +284,35 @@ def test_a_call_whose_result_never_came_is_recorded_not_dropped() -> None:
         ("exec", "/bin/c", "NO_RESULT"),
     ]
     assert c.flush() == [] and c.pending == {}
+
+
+def test_a_cwd_changed_unseen_is_named_by_its_identity() -> None:
+    """A relative name carries the cwd the kernel read when the call began (dino): the process's
+    cwd is used only while it is that directory. A directory a chdir of the run entered is named by
+    that path (clone(CLONE_FS): the other process's chdir; a chdir landing while an open is in
+    flight); one never entered is unknown, not the process's last cwd."""
+    home, shared, other = 0xFFFF0010000, 0xFFFF0020000, 0xFFFF0030000
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    opn = {"dfd": -100, "oflags": 0, "mode": 0, "sc": 0, "ret": 3}
+    out = feed(
+        c,
+        ev("open", path="a", dino=home, **opn),  # the first relative name ties /home/u to `home`
+        ev("fork", child=11),
+        ev("chdir", tgid=11, path="/srv", fd=-100, ret=0, rino=shared),  # CLONE_FS: moves 10 too
+        ev("open", path="b", dino=shared, **opn),  # 10, in /srv now without a chdir of its own
+        ev("open", path="c", dino=home, **opn),  # an open that began before a chdir landed
+        ev("open", path="d", dino=other, **opn),  # a directory no chdir of the run entered
+        ev("open", path="e", tgid=11, dino=shared, **opn),
+        ev("chdir", tgid=11, path="x", fd=-100, ret=0, dino=shared, rino=other),
+        ev("open", path="f", tgid=11, dino=other, **opn),
+    )
+    assert [o["path"] for o in out] == [
+        "/home/u/a",
+        "/srv/b",
+        "/home/u/c",
+        "<unknown cwd>/d",
+        "/srv/e",
+        "/srv/x/f",
+    ]
+    assert c.procs[10].cwd == "/home/u" and c.procs[11].cwd == "/srv/x"
