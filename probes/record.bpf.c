@@ -54,6 +54,8 @@ RECORD_KINDS
 #define F_PATH2_FAULT 0x80  // EV_CHANGE: the second path could not be read
 #define F_PATH2_TRUNC 0x100 // EV_CHANGE: the second path is truncated
 #define F_OTHER_NS 0x200    // by a process that left the run's mount or user namespace, mounted or chrooted
+#define F_IN_ROOT 0x400     // EV_OPEN: openat2 with RESOLVE_IN_ROOT: the path, even absolute, is below dfd
+#define RESOLVE_IN_ROOT_ 0x10
 
 struct hdr {
     u64 ts;
@@ -501,7 +503,7 @@ static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len
         return 1;
     }
     *len = e->path_len > 0 ? e->path_len - 1 : 0;  // without the NUL
-    if (e->path[0] == '/')
+    if (e->path[0] == '/' && !(e->h.flags & F_IN_ROOT))
         return 0;
     u64 base = e->dfd == -100 ? cwd_base(p, e->dino) : fd_token(p, e->h.tgid, e->dfd, e->dino);
     if (base == 0)
@@ -937,7 +939,7 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
 
 // ---- opens -------------------------------------------------------------------------------
 
-static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc) {
+static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc, u64 resolve) {
     u32 run = current_run();
     if (!run)
         return 0;
@@ -951,8 +953,10 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     e->sc = sc;
     e->rino = 0;
     read_path(c, filename);
+    if (resolve & RESOLVE_IN_ROOT_)
+        e->h.flags |= F_IN_ROOT;  // absolute names too are resolved below dfd (or the cwd)
     // a relative path (or one not read yet): what the dirfd, or the cwd, names now
-    e->dino = e->path[0] == '/' ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
+    e->dino = e->path[0] == '/' && !(resolve & RESOLVE_IN_ROOT_) ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
     return 0;
 }
 
@@ -960,20 +964,20 @@ int on_enter_open(struct sys_enter_ctx *ctx) {
     switch (ctx->nr) {
     // attached to openat, openat2 (4 arguments), open (3) and creat (2)
     case __NR_openat:
-        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0);
+        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0, 0);
     case __NR_openat2: {
-        u64 how[2] = {};
+        u64 how[3] = {};  // struct open_how: flags, mode, resolve
         bpf_probe_read_user(how, sizeof(how), (void *)arg_beyond(ctx, 2));
-        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1);
+        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1, how[2]);
     }
 #ifdef __NR_open
     case __NR_open:
-        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2);
+        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2, 0);
 #endif
 #ifdef __NR_creat
     case __NR_creat:
         // creat(path, mode) == open(path, O_CREAT|O_WRONLY|O_TRUNC, mode)
-        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3);
+        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3, 0);
 #endif
     }
     return 0;

@@ -345,9 +345,15 @@ class Correlator:
                 del self._cwd_paths[next(iter(self._cwd_paths))]
             self._cwd_paths[ino] = proc.cwd
 
-    def _resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0) -> str:
-        """`path` resolved against the cwd, or against descriptor `dfd`, when it names `ino` still."""
-        if path.startswith("/"):
+    def _resolve(
+        self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0, in_root: bool = False
+    ) -> str:
+        """`path` resolved against the cwd, or against descriptor `dfd`, when it names `ino` still.
+        `in_root` (openat2's RESOLVE_IN_ROOT): the directory is the root of the name, absolute or not,
+        and `..` stops there."""
+        if in_root:
+            path = posixpath.normpath("/" + path).lstrip("/")
+        elif path.startswith("/"):
             return posixpath.normpath(path).replace("//", "/")
         base = self._cwd(proc, ino) if dfd == AT_FDCWD else self._fd_path(proc, dfd, ino)
         if base is None:
@@ -380,15 +386,16 @@ class Correlator:
         if flags & d.F_FNAME_FAULT:
             path = raw_path = UNREADABLE
         else:
-            if raw[:1] == b"/":
+            in_root = bool(flags & d.F_IN_ROOT)
+            if raw[:1] == b"/" and not in_root:
                 key: Any = raw
             else:
                 base = self._cwd(p, dino) if dfd == AT_FDCWD else self._fd_path(p, dfd, dino)
-                key = (raw, base, dfd if base is None else AT_FDCWD)
+                key = (raw, base, dfd if base is None else AT_FDCWD, in_root)
             hit = self._paths.get(key)
             if hit is None:
                 raw_path = raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
-                path = self._resolve(p, raw_path, dfd, dino)
+                path = self._resolve(p, raw_path, dfd, dino, in_root)
                 if len(self._paths) >= _PATH_CACHE:
                     self._paths.clear()
                 self._paths[key] = (raw_path, path)
@@ -757,7 +764,9 @@ class Correlator:
             if enter["flags"] & d.F_FNAME_FAULT:
                 path = enter["path"] = UNREADABLE
             else:
-                path = self._resolve(p, enter["path"], enter["dfd"], enter["dino"])
+                path = self._resolve(
+                    p, enter["path"], enter["dfd"], enter["dino"], bool(enter["flags"] & d.F_IN_ROOT)
+                )
             return self._open(
                 p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
             )

@@ -45,6 +45,7 @@ F_STATE = 0x40  # already counted by the kernel: only for the cwd and descriptor
 F_PATH2_FAULT = 0x80  # a change record's second path could not be read
 F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
 F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
+F_IN_ROOT = 0x400  # an open by openat2 with RESOLVE_IN_ROOT: its path, even absolute, is below its dirfd
 
 # struct change_ev's op: what a file change record is
 CHANGE_OPS = {

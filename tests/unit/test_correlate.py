@@ -316,3 +316,20 @@ def test_a_cwd_changed_unseen_is_named_by_its_identity() -> None:
         "/srv/x/f",
     ]
     assert c.procs[10].cwd == "/home/u" and c.procs[11].cwd == "/srv/x"
+
+
+def test_openat2_resolve_in_root_names_are_below_their_dirfd() -> None:
+    """openat2 with RESOLVE_IN_ROOT: an absolute name, and `..`, stay below the dirfd."""
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    etc = 0xFFFF0040000
+    opn = {"oflags": 0, "mode": 0, "sc": 1, "ret": 4}
+    out = feed(
+        c,
+        ev("open", path="/etc", dfd=-100, oflags=0o200000, mode=0, sc=0, ret=3, rino=etc),
+        ev("open", path="/passwd", dfd=3, dino=etc, flags=d.F_IN_ROOT, **opn),
+        ev("open", path="../../group", dfd=3, dino=etc, flags=d.F_IN_ROOT, **opn),
+        ev("open", path="/x", dfd=-100, flags=d.F_IN_ROOT, **opn),
+        ev("open", path="/passwd", dfd=3, dino=etc, **opn),
+    )
+    assert [o["path"] for o in out] == ["/etc", "/etc/passwd", "/etc/group", "/home/u/x", "/passwd"]
