@@ -784,6 +784,9 @@ class Correlator:
                 )
             ]
         if enter["kind"] == "connect":
+            address = enter["address"]
+            if enter["family"] == "AF_UNIX" and address and address[0] not in "/@<":
+                address = self._resolve(p, address, AT_FDCWD, enter["dino"])  # a file in the cwd
             rec: ConnectRecord = {
                 "k": "connect",
                 "t": t,
@@ -791,7 +794,7 @@ class Correlator:
                 "ppid": p.ppid,
                 "exe": p.exe,
                 "family": enter["family"],
-                "address": enter["address"],
+                "address": address,
                 "port": enter["port"],
                 "result": result_of(ret),
             }

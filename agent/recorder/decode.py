@@ -83,7 +83,7 @@ HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 # the address of the file's struct inode in the kernel (0: not read): identities, compared with
 # what the descriptor table learnt, never written to a bundle
 _OPEN = struct.Struct("<qQQiIIHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, sc, path_len, dino, rino
-_CONNECT = struct.Struct("<qQQiI24x")  # ret, exe_tok, tok, fd, addrlen
+_CONNECT = struct.Struct("<qQQiI8xQ8x")  # ret, exe_tok, tok, fd, addrlen, dino
 _DUP = struct.Struct("<qiiQ")  # ret, oldfd, newfd, rino
 # a file change: ret, (exe, tok unused), dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2
 _CHANGE = struct.Struct("<q16xiiQQIIIIHHH2x")
@@ -170,6 +170,7 @@ class ConnectEvent(_Header):
     family: str
     address: str
     port: int | None
+    dino: int  # a relative AF_UNIX path: the cwd at entry (its inode's address), else 0
 
 
 class _DirEvent(_Header):
@@ -358,7 +359,7 @@ def decode(raw: bytes) -> RawEvent:
     if kind == EV_EXIT:
         return {"kind": "exit", **hdr, "status": _EXIT.unpack_from(raw, o)[0]}
     if kind == EV_CONNECT:
-        ret, exe_tok, tok, fd, addrlen = _CONNECT.unpack_from(raw, o)
+        ret, exe_tok, tok, fd, addrlen, dino = _CONNECT.unpack_from(raw, o)
         family, address, port = decode_sockaddr(raw[CONNECT_ADDR_OFF : CONNECT_ADDR_OFF + 128], addrlen)
         return {
             "kind": "connect",
@@ -370,6 +371,7 @@ def decode(raw: bytes) -> RawEvent:
             "family": family,
             "address": address,
             "port": port,
+            "dino": dino,
         }
     if kind in (EV_CHDIR, EV_FCHDIR):
         ret, _, _, fd, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)

@@ -196,7 +196,9 @@ struct connect_ev {
     u64 tok;
     s32 fd;
     u32 addrlen;
-    u64 pad[3];   // the address at the offset of open_ev.path: one hash for both
+    u64 pad;      // the address at the offset of open_ev.path: one hash for both
+    u64 dino;     // an AF_UNIX path that is relative: the cwd at entry (cwd_inode), else 0
+    u64 pad2;
     u8 addr[128];
 };
 
@@ -737,6 +739,14 @@ static __always_inline void prepare_hash(struct call *c) {
         c->hlen = e->addrlen > sizeof(e->addr) - 1 ? sizeof(e->addr) - 1 : e->addrlen;
         c->hbase = 0x636f6e6e656374ULL;  // "connect": apart from any path's
         c->hskip = 0;
+        if (e->dino) {  // a relative AF_UNIX path: hashed against the cwd's token, like an open's
+            struct pctx *p = proc_ctx(c->ev.h.tgid);
+            u64 base = p ? cwd_base(p, e->dino) : 0;
+            if (base)
+                c->hbase = base;
+            else
+                c->hskip = 2;
+        }
         return;
     }
     if (kind == EV_CHDIR && (c->ev.h.flags & F_FNAME_FAULT))
@@ -1262,6 +1272,11 @@ static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, co
     __builtin_memset(e->addr, 0, sizeof(e->addr));
     if (n > 0 && bpf_probe_read_user(e->addr, n, addr) != 0)
         e->h.flags |= F_FNAME_FAULT;
+    e->pad = 0;
+    e->pad2 = 0;
+    // AF_UNIX (1) with a path that is not absolute (nor abstract: a NUL first): it names a file in
+    // the cwd, so the cwd is part of what it names
+    e->dino = n > 2 && e->addr[0] == 1 && e->addr[1] == 0 && e->addr[2] != '/' && e->addr[2] != 0 ? cwd_inode() : 0;
     c->size = sizeof(struct connect_ev);
     return 0;
 }

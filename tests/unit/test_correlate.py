@@ -333,3 +333,19 @@ def test_openat2_resolve_in_root_names_are_below_their_dirfd() -> None:
         ev("open", path="/passwd", dfd=3, dino=etc, **opn),
     )
     assert [o["path"] for o in out] == ["/etc", "/etc/passwd", "/etc/group", "/home/u/x", "/passwd"]
+
+
+def test_a_relative_unix_socket_path_names_a_file_in_the_cwd() -> None:
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/srv/a")
+    a, b = 0xFFFF0050000, 0xFFFF0060000
+    conn = {"fd": 3, "family": "AF_UNIX", "port": None, "ret": 0}
+    out = feed(
+        c,
+        ev("connect", address="sock", dino=a, **conn),
+        ev("chdir", path="../b", fd=-100, ret=0, dino=a, rino=b),
+        ev("connect", address="sock", dino=b, **conn),
+        ev("connect", address="/run/x.sock", **conn),
+        ev("connect", address="@abstract", **conn),
+    )
+    assert [o["address"] for o in out] == ["/srv/a/sock", "/srv/b/sock", "/run/x.sock", "@abstract"]
