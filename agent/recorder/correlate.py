@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import posixpath
+import re
 import signal
 from collections.abc import Callable
 from typing import Any, Final, cast
@@ -85,6 +86,9 @@ NO_RESULT = -1_000_000
 _RESTART[-NO_RESULT] = "NO_RESULT"
 _PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
 _CWD_PATHS = 4096  # directories entered by a chdir, by identity (Correlator._cwd_paths)
+# names through magic links: /proc/self/fd/N, /proc/thread-self/fd/N, /proc/<pid>/fd/N, /dev/fd/N
+_MAGIC: Final = ("/proc/", "/dev/fd/")
+_FD_LINK: Final = re.compile(r"/(?:proc/(?:self|thread-self|([0-9]+))/fd|dev/fd)/([0-9]+)")
 
 
 @functools.lru_cache(maxsize=512)
@@ -345,6 +349,17 @@ class Correlator:
                 del self._cwd_paths[next(iter(self._cwd_paths))]
             self._cwd_paths[ino] = proc.cwd
 
+    @staticmethod
+    def _through_fd(proc: Proc, path: str, rino: int) -> str:
+        """An open of /proc/self/fd/N (thread-self, the process's own pid, /dev/fd/N) opens what
+        descriptor N names: named after the table's entry for N when the descriptor returned is
+        that file (`rino`), else as given."""
+        m = _FD_LINK.fullmatch(path)
+        if m is None or not rino or (m.group(1) is not None and int(m.group(1)) != proc.pid):
+            return path
+        entry = proc.fds.get(int(m.group(2)))
+        return entry[0] if entry is not None and entry[1] == rino else path
+
     def _resolve(
         self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0, in_root: bool = False
     ) -> str:
@@ -396,9 +411,12 @@ class Correlator:
             if hit is None:
                 raw_path = raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
                 path = self._resolve(p, raw_path, dfd, dino, in_root)
-                if len(self._paths) >= _PATH_CACHE:
-                    self._paths.clear()
-                self._paths[key] = (raw_path, path)
+                if path.startswith(_MAGIC):  # another file each time: named each time, never cached
+                    path = self._through_fd(p, path, rino)
+                else:
+                    if len(self._paths) >= _PATH_CACHE:
+                        self._paths.clear()
+                    self._paths[key] = (raw_path, path)
             else:
                 raw_path, path = hit
         if flags & d.F_STATE:  # counted by the kernel already: only the descriptor table needs it,
@@ -767,6 +785,8 @@ class Correlator:
                 path = self._resolve(
                     p, enter["path"], enter["dfd"], enter["dino"], bool(enter["flags"] & d.F_IN_ROOT)
                 )
+                if path.startswith(_MAGIC):
+                    path = self._through_fd(p, path, enter["rino"])
             return self._open(
                 p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
             )

@@ -759,6 +759,13 @@ static __always_inline void prepare_hash(struct call *c) {
     c->hbase = path_base(p, &c->ev.open, &len, &unknown);
     c->hlen = len;
     c->hskip = unknown ? 2 : 0;
+    // /proc (and /dev/fd) names through magic links (/proc/self/fd/N, .../cwd, .../root): the same
+    // name is another file each time, so each open is a plain record that user space names
+    char *n = c->ev.open.path;
+    if (kind == EV_OPEN && n[0] == '/' &&
+        ((n[1] == 'p' && n[2] == 'r' && n[3] == 'o' && n[4] == 'c' && n[5] == '/') ||
+         (n[1] == 'd' && n[2] == 'e' && n[3] == 'v' && n[4] == '/' && n[5] == 'f' && n[6] == 'd' && n[7] == '/')))
+        c->hskip = 2;
 }
 
 // c->htok = the token of what prepare_hash set. The inputs are read back from the map value, so the

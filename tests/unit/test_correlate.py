@@ -349,3 +349,32 @@ def test_a_relative_unix_socket_path_names_a_file_in_the_cwd() -> None:
         ev("connect", address="@abstract", **conn),
     )
     assert [o["address"] for o in out] == ["/srv/a/sock", "/srv/b/sock", "/run/x.sock", "@abstract"]
+
+
+def test_an_open_through_proc_self_fd_names_the_file_the_descriptor_names() -> None:
+    """/proc/self/fd/N (thread-self, the own pid, /dev/fd/N) opens what N names: its table entry's
+    path when the descriptor returned is that very file (rino), else the name as given."""
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    f, g = 0xFFFF0070000, 0xFFFF0080000
+    opn = {"dfd": -100, "mode": 0, "sc": 0}
+    out = feed(
+        c,
+        ev("open", path="/srv/victim", oflags=0o10000000, ret=3, rino=f, **opn),  # O_PATH
+        ev("open", path="/proc/self/fd/3", oflags=1, ret=4, rino=f, **opn),
+        ev("open", path="/dev/fd/3", oflags=0, ret=5, rino=f, **opn),
+        ev("open", path="/proc/10/fd/3", oflags=0, ret=6, rino=f, **opn),
+        ev("open", path="/proc/11/fd/3", oflags=0, ret=7, rino=f, **opn),  # another process's
+        ev("open", path="/proc/self/fd/3", oflags=0, ret=8, rino=g, **opn),  # not that file
+        ev("open", path="/proc/thread-self/fd/9", oflags=0, ret=-9, **opn),
+    )
+    assert [o["path"] for o in out] == [
+        "/srv/victim",
+        "/srv/victim",
+        "/srv/victim",
+        "/srv/victim",
+        "/proc/11/fd/3",
+        "/proc/self/fd/3",
+        "/proc/thread-self/fd/9",
+    ]
+    assert [o["raw_path"] for o in out][1] == "/proc/self/fd/3"
