@@ -85,6 +85,7 @@ _CALL = struct.Struct("<QQIiQIIQ")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
 _AVAL = struct.Struct("<QQQ")  # count, first, last
+_AKEY_RUN = struct.Struct("<24xI")  # struct akey: run
 _TS = struct.Struct("<Q")
 _U32 = struct.Struct("<I")  # an array's index, a u32 value
 _U64 = struct.Struct("<Q")
@@ -177,16 +178,24 @@ class RecorderProbes:
         with key = (exe token, token, cgroup id, kind, access, result) and kernel times."""
         self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(0)
         table = self.bpf[b"agg"]
+        keys, values = table.items_raw()  # many entries per system call, unpacked in bulk
         out = []
-        mine = []
-        for kb, v in table.items():  # many entries per system call
-            exe, tok, cgid, run, access, result, kind, _ = _AKEY.unpack(kb)
+        others = False  # entries of other runs (an agent's concurrent runs) stay in the map
+        for (exe, tok, cgid, run, access, result, kind, _), (count, first, last) in zip(
+            _AKEY.iter_unpack(keys), _AVAL.iter_unpack(values), strict=True
+        ):
             if run != slot:
+                others = True
                 continue
-            count, first, last = _AVAL.unpack(v)
             out.append(((exe, tok, cgid, kind, access, result), count, first, last))
-            mine.append(kb)
-        table.delete_many(mine)
+        if others:
+            size = _AKEY.size
+            keys = b"".join(
+                keys[i : i + size]
+                for i in range(0, len(keys), size)
+                if _AKEY_RUN.unpack_from(keys, i)[0] == slot
+            )
+        table.delete_many(keys)
         self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
         return out
 

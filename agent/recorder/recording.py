@@ -36,7 +36,7 @@ from evidence.agent.recorder.correlate import Correlated, Correlator
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool
-from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, write_bundle
+from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
 from evidence.errors import SetupError
 from evidence.probes.headers import Headers
 
@@ -319,6 +319,21 @@ class Recorder:
         signal: str | None = None,
         cut_short: bool = False,
         signer: Signer | None = None,
+    ) -> dict[str, Any]:
+        """End the run and write its bundle; its manifest. The cyclic garbage collector is off
+        meanwhile (writer.no_cycle_collection): the run's aggregates and first records, 100,000 of
+        each past a flood, would make it walk every object alive again and again."""
+        with no_cycle_collection():
+            return self._finish(session, bundle_path, exit_code, signal, cut_short, signer)
+
+    def _finish(
+        self,
+        session: Session,
+        bundle_path: str | Path,
+        exit_code: int | None,
+        signal: str | None,
+        cut_short: bool,
+        signer: Signer | None,
     ) -> dict[str, Any]:
         with self._lock:
             self.probes.untrack(session.cgroup_id)

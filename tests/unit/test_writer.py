@@ -407,3 +407,37 @@ def test_a_behaviour_of_other_roots_or_used_before_is_not_trusted(tmp_path: Path
             b.run_id(meta.command)
         m = write_bundle(tmp_path / "b.tar.gz", meta, lambda: iter(recs), behaviour=b)
         assert m["run_id"] == want
+
+
+def test_repeats_but_for_the_time_make_the_same_bytes_as_records_made_one_by_one(tmp_path: Path) -> None:
+    """Full detail: a record that repeats the one before it but for its time has its event's data
+    put together from the first one's canonical bytes cut at the time. Each line must still be
+    canonical.dumps of to_event's event for its own record, also when a field holds the very text
+    of a time (the record's own, or a sample the writer cuts at), and for kinds with no time in
+    their data."""
+    from evidence.bundle import canonical
+    from evidence.bundle.records import to_event
+
+    own = cb.T0 + 2000
+    odd = [fmt.format_time(own), fmt.format_time(0), fmt.format_time(999_999_999_999), "/etc/x"]
+    recs: list[dict] = []
+    for i, path in enumerate(odd):
+        recs += [cb.open_(2000 + 1000 * i + j, path, ["read"]) for j in range(4)]
+    recs += [cb.exec_(9000 + j, 5, 1, "/bin/true", ["true"]) for j in range(3)]
+    recs += [cb.open_(9500, "/etc/y", ["read"]), cb.open_(9600, "/etc/y", ["read"], pid=7)]
+    meta = cb.meta(detail="full")
+    out = tmp_path / "r.tar.gz"
+    manifest = write_bundle(out, meta, lambda: iter([dict(r) for r in recs]))
+    _, _, events, raw = _read(out)
+    lines = raw.splitlines()
+    assert lines == [canonical.dumps(e) for e in events]
+    body = events[1 : 1 + len(recs)]
+    for rec, e in zip(recs, body, strict=True):
+        etype, subject, t_ns, data = to_event(dict(rec))  # type: ignore[arg-type]
+        assert (e["type"], e["subject"], e["time"], e["data"]) == (
+            etype,
+            subject,
+            fmt.format_time(t_ns),
+            data,
+        )
+    assert manifest["root_hash"] == fmt.root_hash(fmt.content_hash(e) for e in events)
