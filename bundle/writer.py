@@ -229,10 +229,23 @@ class _Split:
     parts: tuple[bytes, ...]
 
 
-Event = tuple[str, str, int, "dict[str, Any] | _Split"]  # type, subject, time (ns), data
-Body = Iterable[Event]
+@dataclasses.dataclass(frozen=True)
+class _FullDetail:
+    """Full detail's body: the records themselves, one event each, in order (_EventSink.write_full
+    writes them; iterated, the events as to_event makes them)."""
+
+    records: Records
+
+    def __iter__(self) -> Iterator[Event]:
+        return (to_event(rec) for rec in self.records())
+
+
+Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data
+Body = Iterable[Event]  # a _FullDetail for full detail
 # two times a record's event is made at, to find (and check) where its time stands in its data
 _SAMPLE_NS = (0, 999_999_999_999)
+# content hashes gathered before they go into the root hash, in one update
+_ROOT_BATCH = 4096
 
 
 def _read(
@@ -260,7 +273,7 @@ def _read(
         if not fed:
             for rec in records():
                 behaviour.add(rec)
-        return behaviour.run_id(meta.command), _full_events(records)
+        return behaviour.run_id(meta.command), _FullDetail(records)
     kept: list[tuple[SpoolRecord, list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
     for rec in records():
@@ -288,33 +301,6 @@ def _read(
     return behaviour.run_id(meta.command), _second_pass(records, totals)
 
 
-def _full_events(records: Records) -> Body:
-    """Full detail: one event per record, in order. A record that repeats the one before it but for
-    its time (a loop opening one file: the recorder spools each repeat as the same line with its own
-    time) makes the same event but for its times, so its data is put together from the canonical
-    bytes of the first one's, cut at its time (_split_at_time), instead of made and serialised
-    again: a flood of one open is written three times as fast. The bytes are the same."""
-    prev: SpoolRecord | None = None
-    split: _Split | None = None  # prev's, once tried (`tried`): None when not possible
-    tried = False
-    for rec in records():
-        if prev is not None:
-            t = rec["t"]
-            rec["t"] = prev["t"]
-            same = rec == prev
-            rec["t"] = t
-            if same:
-                if not tried:
-                    split, tried = _split_at_time(prev), True
-                if split is not None:
-                    yield split.etype, split.subject, t, split
-                    continue
-                yield to_event(rec)
-                continue
-        prev, split, tried = rec, None, False
-        yield to_event(rec)
-
-
 def _split_at_time(rec: SpoolRecord) -> _Split | None:
     """`rec`'s event's canonical data cut where its time stands, if that is the only place where
     the event depends on the record's time: made at one sample time, cut at its quoted RFC 3339
@@ -339,7 +325,7 @@ def _split_at_time(rec: SpoolRecord) -> _Split | None:
     return _Split(etype, subj, tuple(cut))
 
 
-def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Body:
+def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Iterator[Event]:
     """The summary's events from a second read of the records: each key's first record with its
     totals (taken out as it is written: memory shrinks as the events go)."""
     for rec in records():
@@ -387,7 +373,6 @@ class _EventSink:
         self.source = fmt.source_for(run_id)
         self.seq = 0
         self.size = 0
-        self.root = fmt.RootHasher()
         self.counts: dict[str, int] = {}
         dumps = canonical.dumps
         labels_part = b"" if self.labels is None else b'"labels":' + dumps(self.labels) + b","
@@ -399,18 +384,14 @@ class _EventSink:
         self._types: dict[str, bytes] = {}
         self._subject: str | None = None  # the last subject, and its canonical JSON
         self._subject_json = b""
+        self._sha = hashlib.sha256()  # copied for each content hash: cheaper than a new one
+        self._hashes: list[str] = []  # content hashes not yet in the root hash
+        self._root = hashlib.sha256()  # root_hash: as fmt.RootHasher makes it
 
-    def _line(
-        self, etype: str, subject: str, t_ns: int, data: dict[str, Any] | _Split
-    ) -> tuple[bytes, bytes]:
+    def _line(self, etype: str, subject: str, t_ns: int, data: dict[str, Any]) -> tuple[bytes, bytes]:
         """(the event's canonical JSON line, the canonical JSON its content hash is taken over)."""
-        time = fmt.format_time(t_ns).encode()
-        if data.__class__ is _Split:  # a repeat's data: the parts joined by its quoted time
-            d = b'"' + time + b'"'
-            d = d.join(data.parts)
-        else:
-            d = _dumps(data)
-        if subject is self._subject:  # the same string object: repeats, and runs of one path
+        d = _dumps(data)
+        if subject is self._subject:  # the same string object: runs of one path
             s = self._subject_json
         else:
             s = self._subject_json = _dumps(subject)
@@ -431,7 +412,7 @@ class _EventSink:
                 b',"subject":',
                 s,
                 b',"time":"',
-                time,
+                fmt.format_time(t_ns).encode(),
                 b'"',
                 ty,
                 b"\n",
@@ -439,11 +420,12 @@ class _EventSink:
         )
         return line, b"".join((b'{"data":', d, self._core_mid, s, ty))
 
-    def emit(
-        self, etype: str, subject: str, t_ns: int, data: dict[str, Any] | _Split, capped: bool = False
-    ) -> bool:
+    def emit(self, etype: str, subject: str, t_ns: int, data: dict[str, Any], capped: bool = False) -> bool:
         """Write one event; with `capped`, only if the bundle's caps leave room (False: not written)."""
         line, core = self._line(etype, subject, t_ns, data)
+        return self._put(etype, line, core, capped)
+
+    def _put(self, etype: str, line: bytes, core: bytes, capped: bool) -> bool:
         n = len(line)
         if capped and (
             n > self.caps.line
@@ -452,12 +434,83 @@ class _EventSink:
             or self.out.compressed_bound() + n + n // 64 > self.caps.compressed
         ):
             return False
-        self.root.add(hashlib.sha256(core).hexdigest())
+        h = self._sha.copy()
+        h.update(core)
+        self._hashes.append(h.hexdigest())
+        if len(self._hashes) >= _ROOT_BATCH:
+            self._to_root()
         self.out.feed(line)
         self.size += n
         self.counts[etype] = self.counts.get(etype, 0) + 1
         self.seq += 1
         return True
+
+    def _to_root(self) -> None:
+        """The content hashes gathered so far into the root hash: each 64 hex digits and a newline,
+        the bytes fmt.RootHasher takes them as, in one update."""
+        if self._hashes:
+            self._hashes.append("")
+            self._root.update("\n".join(self._hashes).encode("ascii"))
+            self._hashes.clear()
+
+    def root_hash(self) -> str:
+        self._to_root()
+        return self._root.hexdigest()
+
+    def write_full(self, records: Iterable[SpoolRecord], capped: dict[str, int]) -> None:
+        """Full detail: an event per record, under the caps (what they leave out counted by type
+        in `capped`). A record that repeats the one before it but for its time (a loop opening one
+        file: the recorder spools each repeat as the same line with its own time) makes the same
+        event but for its times, so its data is put together from the canonical bytes of the first
+        one's, cut at its time (_split_at_time), instead of made and serialised again: a flood of
+        one open is written about twice as fast. The bytes are the same."""
+        prev: SpoolRecord | None = None
+        prev_t = 0
+        # prev's data cut at its time, and the parts of its line and hash that do not change
+        split: tuple[str, tuple[bytes, ...], bytes, bytes, bytes] | None = None
+        tried = False
+        for rec in records:
+            if prev is not None:
+                t = rec["t"]
+                rec["t"] = prev_t
+                same = rec == prev
+                rec["t"] = t
+                if same:
+                    if not tried:
+                        split, tried = self._prepare(prev), True
+                    if split is not None:
+                        etype, parts, after_seq, end, core_end = split
+                        time = fmt.format_time(t).encode()
+                        d = b'"' + time + b'"'
+                        d = d.join(parts)
+                        seq = b"%d" % self.seq
+                        line = b"".join(
+                            (b'{"data":', d, self._id, seq, self._runid, seq, after_seq, time, end)
+                        )
+                        if not self._put(etype, line, b"".join((b'{"data":', d, core_end)), True):
+                            kind = "over_cap:" + etype.removeprefix("dev.evidence.")
+                            capped[kind] = capped.get(kind, 0) + 1
+                        continue
+                else:
+                    prev, prev_t, split, tried = rec, rec["t"], None, False
+            else:
+                prev, prev_t = rec, rec["t"]
+            event = to_event(rec)
+            if not self.emit(*event, capped=True):
+                kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
+                capped[kind] = capped.get(kind, 0) + 1
+
+    def _prepare(self, rec: SpoolRecord) -> tuple[str, tuple[bytes, ...], bytes, bytes, bytes] | None:
+        """For write_full: `rec`'s event type, its data cut at its time, and its line's and
+        content hash's constant parts (after the seq up to the time, after the time, after the
+        data); None when its data cannot be cut so."""
+        split = _split_at_time(rec)
+        if split is None:
+            return None
+        s = _dumps(split.subject)
+        ty = b',"type":' + _dumps(split.etype) + b"}"
+        after_seq = self._source + b',"subject":' + s + b',"time":"'
+        return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
 
 
 def _head(meta: RunMeta) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
@@ -569,10 +622,13 @@ def _write_bundle(
             for head in _head(meta):
                 sink.emit(*head)
             capped: dict[str, int] = {}
-            for event in body:
-                if not sink.emit(*event, capped=True):
-                    kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
-                    capped[kind] = capped.get(kind, 0) + 1
+            if isinstance(body, _FullDetail):
+                sink.write_full(body.records(), capped)
+            else:
+                for event in body:
+                    if not sink.emit(*event, capped=True):
+                        kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
+                        capped[kind] = capped.get(kind, 0) + 1
             for end in _tail(meta, capped):
                 sink.emit(*end)
             events_sha = deflater.finish()
@@ -596,7 +652,7 @@ def _write_bundle(
             "events": sink.seq,
             "lost": {"total": lost_total, "by_kind": {k: v for k, v in sorted(lost.items())}},
             "files": {fmt.EVENTS_NAME: {"sha256": events_sha, "size": sink.size}},
-            "root_hash": sink.root.hexdigest(),
+            "root_hash": sink.root_hash(),
         }
         manifest_bytes = canonical.dumps(manifest)
         tail = []
