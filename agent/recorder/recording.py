@@ -225,6 +225,8 @@ class Recorder:
         self.capabilities: dict[str, Any] = capabilities or {}
         self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._sessions: dict[int, Session] = {}
+        # finished runs' slots whose aggregation entries are being removed (_release): not reused yet
+        self._releasing: dict[int, threading.Thread] = {}
         self.hasher = exe_hash.Hasher(exe_hash.ExeHasher(max_size=exe_hash.max_size_setting()))
         self._lock = threading.Lock()
         self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
@@ -259,7 +261,14 @@ class Recorder:
         from evidence.agent.recorder.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
-            slot = next((s for s in range(1, self.probes.config.max_runs) if s not in self._sessions), None)
+            slot = next(
+                (
+                    s
+                    for s in range(1, self.probes.config.max_runs)
+                    if s not in self._sessions and s not in self._releasing
+                ),
+                None,
+            )
             if slot is None:
                 raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
             sid = session_id or uuid.uuid4().hex
@@ -344,8 +353,9 @@ class Recorder:
             session.finished = True
             del self._sessions[session.slot]
             in_flight = self.probes.in_flight(session.slot)
-            aggregates = self.probes.take_aggregates(session.slot)
+            aggregates, agg_keys = self.probes.read_aggregates(session.slot)
             fallbacks = self.probes.read_fallbacks(session.slot)
+            self._release(session.slot, agg_keys)
         if session.correlator.unpaired:
             lost["unpaired_results"] = session.correlator.unpaired
         counted = self._counted(session, aggregates, lost)
@@ -449,7 +459,33 @@ class Recorder:
         session.plain_keys.clear()
         return out
 
+    def _release(self, slot: int, agg_keys: bytes) -> None:
+        """Remove run `slot`'s entries from the kernel's aggregation map on a thread of its own,
+        while its bundle is written (a flood's hundred thousand keys take the kernel a few tenths
+        of a second; the system call lets go of the GIL); the slot goes to no other run until then.
+        Called with the lock held."""
+
+        def release() -> None:
+            try:
+                self.probes.drop_aggregates(slot, agg_keys)
+            except Exception:  # pragma: no cover - the map is the kernel's: keep the slot out of use
+                logger.exception("cannot remove the aggregates of slot %d: it is not used again", slot)
+                return
+            with self._lock:
+                self._releasing.pop(slot, None)
+
+        thread = threading.Thread(target=release, name="evidence-release", daemon=True)
+        self._releasing[slot] = thread
+        thread.start()
+
     def close(self, background: bool = False) -> None:
+        """Stop the threads and unload the probes; `background`: see RecorderProbes.close (a slot
+        still being released is then left to the kernel, which frees the map with the probes)."""
+        if not background:
+            with self._lock:
+                releasing = list(self._releasing.values())
+            for thread in releasing:
+                thread.join(timeout=30)
         self._stop.set()
         self._ring.wake()
         self._poller.join(timeout=2)
