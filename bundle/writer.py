@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import hashlib
 import heapq
+import itertools
 import logging
 import os
 import tarfile
@@ -109,9 +110,14 @@ class _SpillSet:
         streams: list[Iterator[tuple[bytes, bytes]]] = [
             ((key, canonical.dumps(item, check=False)) for key, item in self._sorted())
         ]
+        if not self.runs:  # all in memory: each item once already
+            for _, value in streams[0]:
+                yield value
+            return
         streams += [(tuple(line.rstrip(b"\n").split(b"\t", 1)) for line in run) for run in self.runs]  # type: ignore[misc]
         last = None
-        for key, value in heapq.merge(*streams, key=lambda kv: kv[0]):
+        # (key, value) pairs compare by key first, and one key has one value: no key function needed
+        for key, value in heapq.merge(*streams):
             if key != last:  # an item spilled in one run and added again after it
                 last = key
                 yield value
@@ -204,8 +210,11 @@ class Behaviour:
                 h.update(canonical.dumps(self.norm.argv(command), check=False))
                 continue
             h.update(b"[")
-            for j, item in enumerate(part.canonical_items()):
-                h.update(b"," * (j > 0) + item)
+            items = part.canonical_items()
+            sep = b""
+            while chunk := list(itertools.islice(items, 4096)):  # a few at a time: the set may be big
+                h.update(sep + b",".join(chunk))
+                sep = b","
             h.update(b"]")
         h.update(b"}")
         self.close()
