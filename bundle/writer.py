@@ -18,7 +18,6 @@ import dataclasses
 import gc
 import hashlib
 import heapq
-import itertools
 import logging
 import os
 import tarfile
@@ -210,11 +209,8 @@ class Behaviour:
                 h.update(canonical.dumps(self.norm.argv(command), check=False))
                 continue
             h.update(b"[")
-            items = part.canonical_items()
-            sep = b""
-            while chunk := list(itertools.islice(items, 4096)):  # a few at a time: the set may be big
-                h.update(sep + b",".join(chunk))
-                sep = b","
+            for j, item in enumerate(part.canonical_items()):
+                h.update(b"," * (j > 0) + item)
             h.update(b"]")
         h.update(b"}")
         self.close()
