@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
+import orjson
 from pydantic import Field
 
 from evidence.bundle import canonical
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Records = Callable[[], Iterable[SpoolRecord]]
+Lines = Callable[[], Iterable[bytes]]  # the same records as the spool's lines (spool.read_spool_lines)
 # occurrences() takes a record of a kind the writer sums up (record_types.SummaryRecord), which is
 # what a record whose summary_key() is not None is: mypy cannot follow that, so _read calls it
 # through this alias (a cast once, not one per record)
@@ -240,9 +242,53 @@ class _FullDetail:
     writes them; iterated, the events as to_event makes them)."""
 
     records: Records
+    lines: Lines | None = None  # the same records as the spool's lines: repeats are told apart unparsed
 
     def __iter__(self) -> Iterator[Event]:
         return (to_event(rec) for rec in self.records())
+
+    def marked(self) -> Iterator[SpoolRecord | int]:
+        """The records, each repeat of the one before it but for its time as that time (an int)."""
+        return _marked_lines(self.lines()) if self.lines is not None else _marked(self.records())
+
+
+def _marked(records: Iterable[SpoolRecord]) -> Iterator[SpoolRecord | int]:
+    """`records`, a record that is the one before it but for its time as its time alone."""
+    prev: SpoolRecord | None = None
+    for rec in records:
+        if prev is not None:
+            t = rec["t"]
+            rec["t"] = prev["t"]
+            same = rec == prev
+            rec["t"] = t
+            if same:
+                yield t
+                continue
+        prev = rec
+        yield rec
+
+
+def _marked_lines(lines: Iterable[bytes]) -> Iterator[SpoolRecord | int]:
+    """_marked over the spool's lines: a line that is the line before it but for the digits of its
+    time ({"k":"KIND","t":DIGITS,...: the kind first and the time second, as the recorder writes
+    every record) is that time, not parsed; any other line is parsed."""
+    head = tail = b""  # the last line parsed, before and after its time ("": not of that form)
+    for line in lines:
+        i = line.find(b'","t":', 6)
+        if i > 0 and head:
+            j = line.find(b",", i + 6)
+            if j > 0 and line[:i] == head and line[j:] == tail:
+                digits = line[i + 6 : j]
+                if digits.isdigit() and (digits[0] != 0x30 or len(digits) == 1):  # JSON: no leading zero
+                    yield int(digits)
+                    continue
+        rec: SpoolRecord = orjson.loads(line)
+        j = line.find(b",", i + 6) if i > 0 else -1
+        if j > 0 and line.startswith(b'{"k":"') and b'"' not in line[6:i] and line[i + 6 : j].isdigit():
+            head, tail = line[:i], line[j:]
+        else:
+            head = tail = b""
+        yield rec
 
 
 Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data
@@ -259,6 +305,7 @@ def _read(
     memory: int | None = None,
     tmp_dir: Path | None = None,
     behaviour: Behaviour | None = None,
+    lines: Lines | None = None,
 ) -> tuple[str, Body]:
     """The run id and the run's events in the order of their first occurrence in the spool.
 
@@ -278,7 +325,7 @@ def _read(
         if not fed:
             for rec in records():
                 behaviour.add(rec)
-        return behaviour.run_id(meta.command), _FullDetail(records)
+        return behaviour.run_id(meta.command), _FullDetail(records, lines)
     kept: list[tuple[SpoolRecord, list[int] | None]] | None = []
     totals: dict[Key, list[int]] = {}
     for rec in records():
@@ -462,44 +509,40 @@ class _EventSink:
         self._to_root()
         return self._root.hexdigest()
 
-    def write_full(self, records: Iterable[SpoolRecord], capped: dict[str, int]) -> None:
+    def write_full(self, marked: Iterable[SpoolRecord | int], capped: dict[str, int]) -> None:
         """Full detail: an event per record, under the caps (what they leave out counted by type
-        in `capped`). A record that repeats the one before it but for its time (a loop opening one
-        file: the recorder spools each repeat as the same line with its own time) makes the same
-        event but for its times, so its data is put together from the canonical bytes of the first
-        one's, cut at its time (_split_at_time), instead of made and serialised again: a flood of
-        one open is written about twice as fast. The bytes are the same."""
+        in `capped`). `marked` (_FullDetail.marked): the records, a record that repeats the one
+        before it but for its time (a loop opening one file: the recorder spools each repeat as the
+        same line with its own time) as its time alone. Such a repeat makes the same event but for
+        its times, so its data is put together from the canonical bytes of the first one's, cut at
+        its time (_split_at_time), instead of made and serialised again: a flood of one open is
+        written about three times as fast. The bytes are the same."""
         prev: SpoolRecord | None = None
-        prev_t = 0
         # prev's data cut at its time, and the parts of its line and hash that do not change
         split: tuple[str, tuple[bytes, ...], bytes, bytes, bytes] | None = None
         tried = False
-        for rec in records:
-            if prev is not None:
-                t = rec["t"]
-                rec["t"] = prev_t
-                same = rec == prev
+        for item in marked:
+            if item.__class__ is int:
+                t = item
+                assert prev is not None  # a repeat follows a record
+                if not tried:
+                    split, tried = self._prepare(prev), True
+                if split is not None:
+                    etype, parts, after_seq, end, core_end = split
+                    time = fmt.format_time(t).encode()
+                    d = b'"' + time + b'"'
+                    d = d.join(parts)
+                    seq = b"%d" % self.seq
+                    line = b"".join((b'{"data":', d, self._id, seq, self._runid, seq, after_seq, time, end))
+                    if not self._put(etype, line, b"".join((b'{"data":', d, core_end)), True):
+                        kind = "over_cap:" + etype.removeprefix("dev.evidence.")
+                        capped[kind] = capped.get(kind, 0) + 1
+                    continue
+                rec = prev.copy()
                 rec["t"] = t
-                if same:
-                    if not tried:
-                        split, tried = self._prepare(prev), True
-                    if split is not None:
-                        etype, parts, after_seq, end, core_end = split
-                        time = fmt.format_time(t).encode()
-                        d = b'"' + time + b'"'
-                        d = d.join(parts)
-                        seq = b"%d" % self.seq
-                        line = b"".join(
-                            (b'{"data":', d, self._id, seq, self._runid, seq, after_seq, time, end)
-                        )
-                        if not self._put(etype, line, b"".join((b'{"data":', d, core_end)), True):
-                            kind = "over_cap:" + etype.removeprefix("dev.evidence.")
-                            capped[kind] = capped.get(kind, 0) + 1
-                        continue
-                else:
-                    prev, prev_t, split, tried = rec, rec["t"], None, False
             else:
-                prev, prev_t = rec, rec["t"]
+                rec = prev = cast(SpoolRecord, item)
+                split, tried = None, False
             event = to_event(rec)
             if not self.emit(*event, capped=True):
                 kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
@@ -582,18 +625,21 @@ def write_bundle(
     *,
     signer: attestation.Signer | None = None,
     behaviour: Behaviour | None = None,
+    lines: Lines | None = None,
 ) -> dict[str, Any]:
     """Write the bundle atomically (temp file + rename) and return its manifest. Records past the
     caps are counted by kind (`over_cap:<type>` in the manifest's lost), never silently dropped.
     With a `signer` (signing.load_signer(key_path)), the bundle is signed: its third member is the
     attestation. `behaviour`: the run id's Behaviour, fed with every one of `records` as they were
-    spooled (used only when made with the run's roots and not used before; else it is rebuilt)."""
+    spooled (used only when made with the run's roots and not used before; else it is rebuilt).
+    `lines`: the same records as the spool's lines (spool.read_spool_lines), which full detail
+    reads instead: a repeat of the line before it but for its time is not parsed."""
     out_path = Path(out_path)
     if behaviour is not None and (behaviour.closed or behaviour.roots != dict(meta.roots)):
         behaviour.close()
         behaviour = None
     with no_cycle_collection():
-        return _write_bundle(out_path, meta, records, caps, signer, behaviour)
+        return _write_bundle(out_path, meta, records, caps, signer, behaviour, lines)
 
 
 @contextlib.contextmanager
@@ -617,9 +663,10 @@ def _write_bundle(
     caps: Caps | None,
     signer: attestation.Signer | None,
     behaviour: Behaviour | None,
+    lines: Lines | None,
 ) -> dict[str, Any]:
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
-    run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour)
+    run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour, lines=lines)
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
         deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
         try:
@@ -628,7 +675,7 @@ def _write_bundle(
                 sink.emit(*head)
             capped: dict[str, int] = {}
             if isinstance(body, _FullDetail):
-                sink.write_full(body.records(), capped)
+                sink.write_full(body.marked(), capped)
             else:
                 for event in body:
                     if not sink.emit(*event, capped=True):

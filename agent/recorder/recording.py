@@ -35,7 +35,7 @@ from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlated, Correlator
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
-from evidence.bundle.spool import SpoolWriter, read_spool
+from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
 from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
 from evidence.errors import SetupError
 from evidence.probes.headers import Headers
@@ -416,7 +416,12 @@ class Recorder:
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
         try:
             manifest = write_bundle(
-                bundle_path, meta, lambda: read_spool(spool_path), signer=signer, behaviour=behaviour
+                bundle_path,
+                meta,
+                lambda: read_spool(spool_path),
+                signer=signer,
+                behaviour=behaviour,
+                lines=lambda: read_spool_lines(spool_path),
             )
         except BaseException:
             # never lose what was recorded: the spool stays for a retry or for recovery
