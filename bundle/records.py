@@ -9,7 +9,7 @@ the recorder's kernel), and the event's data fields. Its type, per kind: bundle/
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from evidence.bundle import format as fmt
 from evidence.bundle.record_types import SpoolRecord, SummaryRecord
@@ -41,7 +41,6 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 # kinds whose events carry count, first_time and last_time (a denial carries its count only)
 _COUNTED: Final = ("open", "change", "connect", "dns")  # a tuple: mypy narrows by it
-_NOT_DATA = ("k", "t", "n", "tl")
 
 Key = tuple[Any, ...]
 
@@ -93,7 +92,12 @@ def data(rec: SpoolRecord, totals: tuple[int, int, int] | list[int] | None = Non
     """The event's data (JSON values, as bundle/format.py's data models describe them). `totals`:
     (count, first, last) over every record of the record's summary key; without it, what this one
     record stands for (a live event shows a record alone)."""
-    out = {k: v for k, v in rec.items() if k not in _NOT_DATA}
+    out = cast("dict[str, Any]", rec.copy())  # a copy less four keys: far cheaper than a comprehension
+    del out["k"], out["t"]
+    if "n" in out:
+        del out["n"]
+    if "tl" in out:
+        del out["tl"]
     if rec["k"] in _COUNTED:  # narrows the record's type: occurrences() reads its count
         count, first, last = totals if totals else occurrences(rec)
         out["count"] = count

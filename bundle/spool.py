@@ -105,3 +105,20 @@ def read_spool(path: str | Path) -> Iterator[SpoolRecord]:
                     yield orjson.loads(line)
         if tail.strip():
             yield orjson.loads(tail)
+
+
+def read_spool_lines(path: str | Path) -> Iterator[bytes]:
+    """The lines of a spool, in order, each a record's JSON (what read_spool parses): for a reader
+    that can tell lines apart without parsing them (the bundle writer's repeats, full detail)."""
+    with open(path, "rb") as raw:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
+        tail = b""
+        while True:
+            chunk = reader.read(1 << 20)
+            if not chunk:
+                break
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            yield from filter(None, lines)
+        if tail.strip():
+            yield tail

@@ -85,6 +85,7 @@ _CALL = struct.Struct("<QQIiQIIQ")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
 _AVAL = struct.Struct("<QQQ")  # count, first, last
+_AKEY_RUN = struct.Struct("<24xI")  # struct akey: run
 _TS = struct.Struct("<Q")
 _U32 = struct.Struct("<I")  # an array's index, a u32 value
 _U64 = struct.Struct("<Q")
@@ -175,20 +176,42 @@ class RecorderProbes:
     def take_aggregates(self, slot: int) -> list[tuple[tuple[int, int, int, int, int, int], int, int, int]]:
         """The aggregation map's entries of run `slot`, removed from it: (key, count, first, last)
         with key = (exe token, token, cgroup id, kind, access, result) and kernel times."""
-        self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(0)
-        table = self.bpf[b"agg"]
-        out = []
-        mine = []
-        for kb, v in table.items():  # many entries per system call
-            exe, tok, cgid, run, access, result, kind, _ = _AKEY.unpack(kb)
-            if run != slot:
-                continue
-            count, first, last = _AVAL.unpack(v)
-            out.append(((exe, tok, cgid, kind, access, result), count, first, last))
-            mine.append(kb)
-        table.delete_many(mine)
-        self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
+        out, keys = self.read_aggregates(slot)
+        self.drop_aggregates(slot, keys)
         return out
+
+    def read_aggregates(
+        self, slot: int
+    ) -> tuple[list[tuple[tuple[int, int, int, int, int, int], int, int, int]], bytes]:
+        """Stop aggregating run `slot` and read its entries of the aggregation map, as
+        take_aggregates gives them, with their keys as one string of bytes: for drop_aggregates,
+        which removes them (deleting a hundred thousand entries takes the kernel a few tenths of a
+        second: the recorder does it on a thread of its own while the bundle is written)."""
+        self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(0)
+        keys, values = self.bpf[b"agg"].items_raw()  # many entries per system call, unpacked in bulk
+        out = []
+        others = False  # entries of other runs (an agent's concurrent runs) stay in the map
+        for (exe, tok, cgid, run, access, result, kind, _), (count, first, last) in zip(
+            _AKEY.iter_unpack(keys), _AVAL.iter_unpack(values), strict=True
+        ):
+            if run != slot:
+                others = True
+                continue
+            out.append(((exe, tok, cgid, kind, access, result), count, first, last))
+        if others:
+            size = _AKEY.size
+            keys = b"".join(
+                keys[i : i + size]
+                for i in range(0, len(keys), size)
+                if _AKEY_RUN.unpack_from(keys, i)[0] == slot
+            )
+        return out, keys
+
+    def drop_aggregates(self, slot: int, keys: bytes) -> None:
+        """Remove run `slot`'s entries (`keys`, from read_aggregates) from the aggregation map and
+        reset its count of distinct keys: the slot is ready for another run."""
+        self.bpf[b"agg"].delete_many(keys)
+        self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
 
     def in_flight(self, slot: int) -> list[bytes]:
         """The records of the calls of run `slot` that are between their enter and their exit (a

@@ -432,20 +432,30 @@ class Map:
 
     def items(self) -> list[tuple[bytes, bytes]]:
         """Every (key, value), many per system call where the kernel offers batches."""
+        keys, values = self.items_raw()
+        ks, vs = self.key_size, self.value_size
+        return [(keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]) for i in range(len(keys) // ks)]
+
+    def items_raw(self) -> tuple[bytes, bytes]:
+        """Every key and every value, each set as one string of bytes (entry i's key at i * key_size,
+        its value at i * value_size), for struct.iter_unpack: many entries per system call where
+        the kernel offers batches, and no bytes object per entry."""
         with contextlib.suppress(OSError):
             return self._lookup_batch()
-        out = []
+        keys, values = [], []
         for k in self.keys():
             v = self.lookup(k)
             if v is not None:
-                out.append((k, v))
-        return out
+                keys.append(k)
+                values.append(v)
+        return b"".join(keys), b"".join(values)
 
-    def _lookup_batch(self) -> list[tuple[bytes, bytes]]:
+    def _lookup_batch(self) -> tuple[bytes, bytes]:
         n = max(1, min(self.max_entries, 4096, (1 << 20) // self.value_size))  # at most ~1 MiB of values
         keys, values = _buf(self.key_size * n), _buf(self.value_size * n)
         token_in, token_out = _buf(max(self.key_size, 8)), _buf(max(self.key_size, 8))
-        out: list[tuple[bytes, bytes]] = []
+        kparts: list[bytes] = []
+        vparts: list[bytes] = []
         first = True
         while True:
             attr = _buf(
@@ -466,26 +476,28 @@ class Map:
             except FileNotFoundError:
                 done = True  # the last batch (its count may be > 0)
             count = _BATCH.unpack_from(attr.raw, 0)[4]
-            kraw, vraw = keys.raw, values.raw
-            ks, vs = self.key_size, self.value_size
-            out += [(kraw[i * ks : (i + 1) * ks], vraw[i * vs : (i + 1) * vs]) for i in range(count)]
+            kparts.append(ctypes.string_at(keys, count * self.key_size))
+            vparts.append(ctypes.string_at(values, count * self.value_size))
             if done:
-                return out
+                return b"".join(kparts), b"".join(vparts)
             ctypes.memmove(token_in, token_out, len(token_out))
             first = False
 
-    def delete_many(self, keys: list[bytes]) -> None:
-        """Delete `keys` (missing ones are ignored), many per system call where the kernel can."""
-        if not keys:
+    def delete_many(self, keys: list[bytes] | bytes) -> None:
+        """Delete `keys` (missing ones are ignored), many per system call where the kernel can:
+        a list of keys, or keys one after the other in one string of bytes (as items_raw gives)."""
+        raw = keys if isinstance(keys, bytes) else b"".join(keys)
+        n = len(raw) // self.key_size
+        if not n:
             return
         try:
-            buf = _buf(b"".join(keys))
-            attr = _buf(_BATCH.pack(0, 0, ctypes.addressof(buf), 0, len(keys), self.map_fd, 0, 0))
+            buf = _buf(raw)
+            attr = _buf(_BATCH.pack(0, 0, ctypes.addressof(buf), 0, n, self.map_fd, 0, 0))
             _bpf(_BPF_MAP_DELETE_BATCH, attr)
         except OSError:
-            for k in keys:
+            for i in range(n):
                 with contextlib.suppress(KeyError):
-                    del self[k]
+                    del self[raw[i * self.key_size : (i + 1) * self.key_size]]
 
     def clear(self) -> None:
         self.delete_many(self.keys())

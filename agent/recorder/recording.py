@@ -35,8 +35,8 @@ from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlated, Correlator
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
-from evidence.bundle.spool import SpoolWriter, read_spool
-from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, write_bundle
+from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
+from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
 from evidence.errors import SetupError
 from evidence.probes.headers import Headers
 
@@ -225,6 +225,8 @@ class Recorder:
         self.capabilities: dict[str, Any] = capabilities or {}
         self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._sessions: dict[int, Session] = {}
+        # finished runs' slots whose aggregation entries are being removed (_release): not reused yet
+        self._releasing: dict[int, threading.Thread] = {}
         self.hasher = exe_hash.Hasher(exe_hash.ExeHasher(max_size=exe_hash.max_size_setting()))
         self._lock = threading.Lock()
         self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
@@ -259,7 +261,14 @@ class Recorder:
         from evidence.agent.recorder.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
-            slot = next((s for s in range(1, self.probes.config.max_runs) if s not in self._sessions), None)
+            slot = next(
+                (
+                    s
+                    for s in range(1, self.probes.config.max_runs)
+                    if s not in self._sessions and s not in self._releasing
+                ),
+                None,
+            )
             if slot is None:
                 raise SetupError("too many concurrent runs", f"at most {self.probes.config.max_runs - 1}")
             sid = session_id or uuid.uuid4().hex
@@ -320,6 +329,21 @@ class Recorder:
         cut_short: bool = False,
         signer: Signer | None = None,
     ) -> dict[str, Any]:
+        """End the run and write its bundle; its manifest. The cyclic garbage collector is off
+        meanwhile (writer.no_cycle_collection): the run's aggregates and first records, 100,000 of
+        each past a flood, would make it walk every object alive again and again."""
+        with no_cycle_collection():
+            return self._finish(session, bundle_path, exit_code, signal, cut_short, signer)
+
+    def _finish(
+        self,
+        session: Session,
+        bundle_path: str | Path,
+        exit_code: int | None,
+        signal: str | None,
+        cut_short: bool,
+        signer: Signer | None,
+    ) -> dict[str, Any]:
         with self._lock:
             self.probes.untrack(session.cgroup_id)
         self.drain()  # everything the kernel wrote for this run before untrack is now spooled
@@ -329,8 +353,9 @@ class Recorder:
             session.finished = True
             del self._sessions[session.slot]
             in_flight = self.probes.in_flight(session.slot)
-            aggregates = self.probes.take_aggregates(session.slot)
+            aggregates, agg_keys = self.probes.read_aggregates(session.slot)
             fallbacks = self.probes.read_fallbacks(session.slot)
+            self._release(session.slot, agg_keys)
         if session.correlator.unpaired:
             lost["unpaired_results"] = session.correlator.unpaired
         counted = self._counted(session, aggregates, lost)
@@ -391,7 +416,12 @@ class Recorder:
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
         try:
             manifest = write_bundle(
-                bundle_path, meta, lambda: read_spool(spool_path), signer=signer, behaviour=behaviour
+                bundle_path,
+                meta,
+                lambda: read_spool(spool_path),
+                signer=signer,
+                behaviour=behaviour,
+                lines=lambda: read_spool_lines(spool_path),
             )
         except BaseException:
             # never lose what was recorded: the spool stays for a retry or for recovery
@@ -434,7 +464,33 @@ class Recorder:
         session.plain_keys.clear()
         return out
 
+    def _release(self, slot: int, agg_keys: bytes) -> None:
+        """Remove run `slot`'s entries from the kernel's aggregation map on a thread of its own,
+        while its bundle is written (a flood's hundred thousand keys take the kernel a few tenths
+        of a second; the system call lets go of the GIL); the slot goes to no other run until then.
+        Called with the lock held."""
+
+        def release() -> None:
+            try:
+                self.probes.drop_aggregates(slot, agg_keys)
+            except Exception:  # pragma: no cover - the map is the kernel's: keep the slot out of use
+                logger.exception("cannot remove the aggregates of slot %d: it is not used again", slot)
+                return
+            with self._lock:
+                self._releasing.pop(slot, None)
+
+        thread = threading.Thread(target=release, name="evidence-release", daemon=True)
+        self._releasing[slot] = thread
+        thread.start()
+
     def close(self, background: bool = False) -> None:
+        """Stop the threads and unload the probes; `background`: see RecorderProbes.close (a slot
+        still being released is then left to the kernel, which frees the map with the probes)."""
+        if not background:
+            with self._lock:
+                releasing = list(self._releasing.values())
+            for thread in releasing:
+                thread.join(timeout=30)
         self._stop.set()
         self._ring.wake()
         self._poller.join(timeout=2)

@@ -155,6 +155,24 @@ def test_the_distinct_key_cap_counts_what_it_does_not_keep(recorder: Recorder, t
     assert loss["data"]["kind"] == "open_past_cap" and loss["data"]["count"] == past
 
 
+def test_a_finished_runs_keys_leave_the_map_and_its_slot_is_not_reused_before(
+    recorder: Recorder, tmp_path: Path
+) -> None:
+    """A run's keys are removed from the kernel's aggregation map on a thread of their own while
+    its bundle is written, and its slot goes to no other run before that: runs back to back, the
+    same opens, each counts exactly its own (3, then 5, never 8); then the map holds no key."""
+    paths = [f"/nonexistent/reuse/{i}" for i in range(300)]
+    for n in (3, 5, 2):
+        (tmp_path / str(n)).mkdir()
+        _, events, _ = _run(recorder, tmp_path / str(n), _loop(paths, n))
+        assert _counts(events, "/nonexistent/reuse/") == dict.fromkeys(paths, n)
+    agg = recorder.probes.bpf[b"agg"]
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing: the kernel is busy
+    while agg.items_raw()[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agg.items_raw()[0] == b""
+
+
 def test_a_full_aggregation_map_falls_back_to_one_record_each(tmp_path: Path) -> None:
     mount_tracefs()
     ensure_headers()

@@ -407,3 +407,75 @@ def test_a_behaviour_of_other_roots_or_used_before_is_not_trusted(tmp_path: Path
             b.run_id(meta.command)
         m = write_bundle(tmp_path / "b.tar.gz", meta, lambda: iter(recs), behaviour=b)
         assert m["run_id"] == want
+
+
+def test_repeats_but_for_the_time_make_the_same_bytes_as_records_made_one_by_one(tmp_path: Path) -> None:
+    """Full detail: a record that repeats the one before it but for its time has its event's data
+    put together from the first one's canonical bytes cut at the time. Each line must still be
+    canonical.dumps of to_event's event for its own record, also when a field holds the very text
+    of a time (the record's own, or a sample the writer cuts at), and for kinds with no time in
+    their data."""
+    from evidence.bundle import canonical
+    from evidence.bundle.records import to_event
+
+    own = cb.T0 + 2000
+    odd = [fmt.format_time(own), fmt.format_time(0), fmt.format_time(999_999_999_999), "/etc/x"]
+    recs: list[dict] = []
+    for i, path in enumerate(odd):
+        recs += [cb.open_(2000 + 1000 * i + j, path, ["read"]) for j in range(4)]
+    recs += [cb.exec_(9000 + j, 5, 1, "/bin/true", ["true"]) for j in range(3)]
+    recs += [cb.open_(9500, "/etc/y", ["read"]), cb.open_(9600, "/etc/y", ["read"], pid=7)]
+    meta = cb.meta(detail="full")
+    out = tmp_path / "r.tar.gz"
+    manifest = write_bundle(out, meta, lambda: iter([dict(r) for r in recs]))
+    _, _, events, raw = _read(out)
+    lines = raw.splitlines()
+    assert lines == [canonical.dumps(e) for e in events]
+    body = events[1 : 1 + len(recs)]
+    for rec, e in zip(recs, body, strict=True):
+        etype, subject, t_ns, data = to_event(dict(rec))  # type: ignore[arg-type]
+        assert (e["type"], e["subject"], e["time"], e["data"]) == (
+            etype,
+            subject,
+            fmt.format_time(t_ns),
+            data,
+        )
+    assert manifest["root_hash"] == fmt.root_hash(fmt.content_hash(e) for e in events)
+
+
+def test_full_detail_read_from_the_spools_lines_is_the_same_bundle(tmp_path: Path) -> None:
+    """The recorder hands the writer the spool's lines too: a line that is the one before it but for
+    the digits of its time is taken as a repeat unparsed (writer._marked_lines); any other line is
+    parsed. The bundle is byte for byte the one written from the parsed records."""
+    from evidence.bundle import writer
+    from evidence.bundle.spool import read_spool_lines
+
+    own = cb.T0 + 2000
+    recs: list[dict] = []
+    for i, path in enumerate([fmt.format_time(own), "/etc/x", '/w/q"b\\s', "/w/\u4e2d"]):
+        recs += [cb.open_(2000 + 1000 * i + j, path, ["read"]) for j in range(4)]
+    recs += [cb.exec_(9000 + j, 5, 1, "/bin/true", ["true"]) for j in range(3)]
+    recs += [
+        {"k": "exit", "pid": 5, "t": cb.T0 + 9900 + j, "ppid": 1, "code": 0} for j in range(2)
+    ]  # time not second
+    spool = tmp_path / "s.spool.zst"
+    with SpoolWriter(spool) as w:
+        w.write_many(recs)
+    lines = list(read_spool_lines(spool))
+    marked = list(writer._marked_lines(lines))
+    assert marked[:4] == [recs[0], recs[1]["t"], recs[2]["t"], recs[3]["t"]]
+    assert marked[-2:] == recs[-2:]  # parsed: the time is not where the recorder puts it
+    # every repeat but the exit's (its time is not second: its line is parsed, and it is a repeat
+    # to the parsed records' test, writer._marked)
+    repeats = [
+        r["t"]
+        for i, r in enumerate(recs[:-2])
+        if i and r["k"] == recs[i - 1]["k"] and r.get("path") == recs[i - 1].get("path")
+    ]
+    assert [m for m in marked if type(m) is int] == repeats
+    assert [m for m in writer._marked(read_spool(spool)) if type(m) is int] == [*repeats, recs[-1]["t"]]
+    meta = cb.meta(detail="full")
+    a, b = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    write_bundle(a, meta, lambda: read_spool(spool))
+    write_bundle(b, meta, lambda: read_spool(spool), lines=lambda: read_spool_lines(spool))
+    assert a.read_bytes() == b.read_bytes()
