@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from evidence.agent.recorder.launch import Landlock
-from evidence.bundle.record_types import DenialRecord, SpoolRecord
+from evidence.bundle.record_types import ConnectRecord, DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 from evidence.policy import env as penv
 from evidence.policy import landlock
@@ -188,6 +188,11 @@ class Enforcement:
         out: list[DenialRecord] = []
         for rec in records:
             accesses: Sequence[str]
+            if rec["k"] == "connect":
+                denial = self._unix_connect(rec)
+                if denial is not None:
+                    out.append(denial)
+                continue
             if rec["k"] == "open":
                 target, accesses, exe = rec["path"], rec["access"], rec.get("exe")
             elif rec["k"] == "exec":
@@ -220,6 +225,29 @@ class Enforcement:
                 )
                 break
         return out
+
+    def _unix_connect(self, rec: ConnectRecord) -> DenialRecord | None:
+        """A connect (or send) to a pathname unix socket the file rules give no access at all: Landlock
+        does not check connects to pathname sockets (only their creation), so it went through. Recorded
+        as a denial that was not enforced, whatever the mode (a server of another uid, such as the
+        system bus or a container runtime's socket, answers a job the policy keeps out of /run)."""
+        path = rec["address"]
+        if rec["family"] != "AF_UNIX" or rec["result"] != 0 or not path.startswith("/"):
+            return None
+        rule = self._file_rule(path, "read")  # write implies read: no access at all
+        if rule is None:
+            return None
+        return {
+            "k": "denial",
+            "t": rec["t"],
+            "pid": rec["pid"],
+            "exe": rec.get("exe"),
+            "operation": "connect",
+            "target": path,
+            "rule": rule,
+            "enforced": False,
+            "result": rec["result"],
+        }
 
     def _file_rule(self, path: str, access: str) -> str | None:
         key = (path, access)

@@ -1,0 +1,71 @@
+"""Red team: past an enforced policy. Landlock checks opens, execs and the creation of sockets, not a
+connect to a pathname unix socket that exists: a job (as nobody) under `--policy default`, which
+gives it no access to /run, still talks to a server listening there (the system bus, a container
+runtime). The bundle must say so: the connect, and a policy denial that was not enforced
+(docs/threat-model.md, row 26)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import textwrap
+from pathlib import Path
+
+from tests.kernel.util import PY, as_user, of_type, record
+
+NOBODY = 65534
+
+
+def test_a_connect_to_a_unix_socket_the_policy_keeps_out_of_reach_is_a_denial_not_enforced(
+    tmp_path: Path,
+) -> None:
+    where = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/run"))
+    where.chmod(0o755)
+    path = where / "server.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(path))
+        os.chmod(path, 0o777)
+        server.listen(8)
+        ws = tmp_path / "ws"
+        ws.mkdir()
+        script = textwrap.dedent(
+            f"""
+            import socket
+            try:
+                open({str(path)!r})
+            except PermissionError:
+                pass  # the file rules hold for an open
+            else:
+                raise SystemExit('opened')
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect({str(path)!r})
+            s.sendall(b'from the job')
+            """
+        )
+        proc, manifest, events = record(
+            tmp_path,
+            *as_user(NOBODY, PY, "-c", script),
+            extra=("--policy", "default", "--workspace", str(ws)),
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert manifest["policy"]["mode"] == "enforce"
+        conn, _ = server.accept()
+        assert conn.recv(64) == b"from the job"  # it went through: Landlock does not check it
+        conn.close()
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        where.rmdir()
+    (connect,) = [e["data"] for e in of_type(events, "network.connect") if e["data"]["address"] == str(path)]
+    assert connect["family"] == "AF_UNIX" and connect["result"] == 0
+    denials = {
+        (d["operation"], d["enforced"], d["result"], d["rule"])
+        for d in (e["data"] for e in of_type(events, "policy.denial"))
+        if d["target"] == str(path)
+    }
+    assert denials == {
+        ("read", True, "EACCES", "fs.read: not allowed"),
+        ("connect", False, 0, "fs.read: not allowed"),
+    }
