@@ -4,7 +4,7 @@ a NUL-free 4,096-byte path that ends where the mapping ends, a symlink loop, soc
 families, wrong lengths and bad pointers, execve with a NULL argv, with a bad argv pointer and
 past E2BIG, and execveat of a memfd. All were recorded right: the run exits 0, the bundle verifies
 and lints clean at the default level, and each attempt is in it with its result
-(docs/threat-model.md, row 28)."""
+(docs/threat-model.md, row 24)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Red team: names the bundle gives to what a hostile job (as nobody) opened, executed or connected
 to. Each test performs the attack for real and asserts the correct outcome; the ones the recorder
 gets wrong today, and that need probes/record.bpf.c to get right, are strict xfails that say what
-the fix is (docs/threat-model.md, rows 22-25)."""
+the fix is (docs/threat-model.md, rows 25, 26, 27 and 38)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 connect to a pathname unix socket that exists: a job (as nobody) under `--policy default`, which
 gives it no access to /run, still talks to a server listening there (the system bus, a container
 runtime). The bundle must say so: the connect, and a policy denial that was not enforced
-(docs/threat-model.md, row 26)."""
+(docs/threat-model.md, row 23)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Red team: races between the threads of a hostile job (as nobody) that make the bundle name the
-wrong file, made deterministic (an open held in flight by a FIFO). docs/threat-model.md, row 27."""
+wrong file, made deterministic (an open held in flight by a FIFO). docs/threat-model.md, row 28."""
 
 from __future__ import annotations
 
