@@ -1,7 +1,7 @@
 """Red team: names the bundle gives to what a hostile job (as nobody) opened, executed or connected
 to. Each test performs the attack for real and asserts the correct outcome; the ones the recorder
 gets wrong today, and that need probes/record.bpf.c to get right, are strict xfails that say what
-the fix is (docs/threat-model.md, rows 25, 26, 27 and 38)."""
+the fix is (docs/threat-model.md, rows 25-27, 29, 30 and 38)."""
 
 from __future__ import annotations
 
@@ -159,3 +159,70 @@ def test_relative_unix_socket_paths_are_resolved_and_kept_apart(tmp_path: Path, 
         if e["data"]["family"] == "AF_UNIX" and e["data"]["address"].endswith("sock")
     )
     assert got == sorted([(str(a / "sock"), 1), (str(b / "sock"), 1)])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cwd is kept per process (record.bpf.c's procs, correlate's Proc): a chdir by a process "
+    "that shares the cwd through clone(CLONE_FS) is not seen as the other's; needs the cwd's identity "
+    "(task->fs->pwd's inode, BTF offsets) read with each relative open, as a dirfd's (row 21)",
+)
+@pytest.mark.parametrize("detail", ["summary", "full"])
+def test_a_cwd_shared_by_clone_fs_and_changed_by_the_child_does_not_rename_the_parents_opens(
+    tmp_path: Path, detail: str
+) -> None:
+    """The parent (cwd /tmp) makes a child with clone(CLONE_FS); the child does chdir("/etc"),
+    which moves the parent too; the parent then opens "passwd": /etc/passwd. The bundle said
+    /tmp/passwd (no such file), result 0. Correct: /etc/passwd, or `<unknown cwd>/passwd`."""
+    script = textwrap.dedent(
+        """
+        import ctypes, os
+        os.chdir('/tmp')
+        r, w = os.pipe()
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = libc.syscall(56, 0x200 | 17, 0, 0, 0, 0)  # clone(CLONE_FS | SIGCHLD)
+        if pid == 0:
+            os.chdir('/etc')
+            os.write(w, b'x')
+            os._exit(0)
+        os.read(r, 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert os.getcwd() == '/etc'
+        assert open('passwd').read(5) == 'root:'
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script), extra=("--detail", detail))
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = _opens(events, "passwd")
+    assert rec["result"] == 0
+    assert rec["path"] in ("/etc/passwd", "<unknown cwd>/passwd")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="unshare(CLONE_FS) is not traced and the cwd is kept per process: a thread's private "
+    "chdir is taken for the whole process's; needs the cwd's identity read with each relative open",
+)
+def test_a_threads_private_cwd_does_not_rename_the_other_threads_opens(tmp_path: Path) -> None:
+    """A thread does unshare(CLONE_FS) (its cwd becomes its own), then chdir("/tmp"); the main
+    thread, still in /etc, opens "passwd": /etc/passwd. The bundle said /tmp/passwd."""
+    script = textwrap.dedent(
+        """
+        import ctypes, os, threading
+        os.chdir('/etc')
+        libc = ctypes.CDLL(None, use_errno=True)
+        def private():
+            assert libc.unshare(0x200) == 0, ctypes.get_errno()  # CLONE_FS
+            os.chdir('/tmp')
+        t = threading.Thread(target=private)
+        t.start()
+        t.join()
+        assert os.getcwd() == '/etc'
+        assert open('passwd').read(5) == 'root:'
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = _opens(events, "passwd")
+    assert rec["result"] == 0
+    assert rec["path"] in ("/etc/passwd", "<unknown cwd>/passwd")
