@@ -91,6 +91,26 @@ def max_size_setting() -> int:
         return DEFAULT_MAX_SIZE
 
 
+def read_head(path: str, size: int) -> tuple[bytes, os.stat_result] | None:
+    """The first `size` bytes of the regular file at `path` (and its stat), None when it is not one
+    or cannot be read. Opened without blocking: the job can put a FIFO at the path of a program it
+    ran (rename is atomic), and a plain open of it as root would wait for a writer for ever (found by
+    the red team: `evidence run` hung after writing its bundle, the agent's hash workers for good)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return os.read(fd, size), st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _key(st: os.stat_result) -> FileKey:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -222,11 +242,8 @@ class ExeHasher:
     # -- files --------------------------------------------------------------------------------------
 
     def _head(self, filename: str) -> tuple[bytes, FileKey | None]:
-        try:
-            with open(filename, "rb") as f:
-                return f.read(_SHEBANG_MAX), _key(os.fstat(f.fileno()))
-        except OSError:
-            return b"", None
+        head = read_head(filename, _SHEBANG_MAX)
+        return (head[0], _key(head[1])) if head is not None else (b"", None)
 
     def _file(self, path: str, ident: Ident | None = None) -> FileHash:
         """By its path: "inode" when it is the file `ident` says ran, else "path"."""
