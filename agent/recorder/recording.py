@@ -141,6 +141,9 @@ def elf_abi(pid: int, filename: str) -> str | None:
     return None
 
 
+DRAIN_SECONDS = 30  # how long finish waits for the consumer to spool what the kernel wrote
+
+
 class Spool(Protocol):
     """Where a run's records go: a SpoolWriter, or something wrapping one (Recorder.start)."""
 
@@ -300,13 +303,16 @@ class Recorder:
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
 
-    def drain(self) -> None:
-        """Return once every record the kernel had written before this call is in its spool."""
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Return once every record the kernel had written before this call is in its spool: True,
+        or False when the consumer did not get there within `timeout` (stuck, or dead)."""
         ev = threading.Event()
         self._barriers.put(ev)
         self._ring.wake()
-        if not ev.wait(timeout=30):
+        if not ev.wait(timeout=timeout):
             logger.warning("drain timed out: the consumer is stuck")
+            return False
+        return True
 
     def finish(
         self,
@@ -320,8 +326,19 @@ class Recorder:
     ) -> dict[str, Any]:
         with self._lock:
             self.probes.untrack(session.cgroup_id)
-        self.drain()  # everything the kernel wrote for this run before untrack is now spooled
+        # everything the kernel wrote for this run before untrack is now spooled, unless the consumer
+        # is stuck: those records were written to the ring (no reservation failed, no loss counted)
+        # and are not in the spool, so the bundle must say so
+        drained = self.drain()
         finished_ns = time.time_ns()
+        if not drained:
+            session.degradations.append(
+                {
+                    "component": "recorder",
+                    "reason": f"the ring buffer's consumer did not drain the run's records within {DRAIN_SECONDS} s of its end",
+                    "impact": "records the kernel wrote for this run may be missing, and are not counted as lost",
+                }
+            )
         with self._lock:
             lost = self.probes.read_lost(session.slot)
             session.finished = True
