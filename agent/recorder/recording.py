@@ -76,8 +76,8 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
         return None
     cwd = exe = None
     try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-        exe = os.readlink(f"/proc/{pid}/exe")
+        cwd = dec.path_text(os.readlink(f"/proc/{pid}/cwd"))
+        exe = dec.path_text(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
         pass
     return ppid, cwd, exe
