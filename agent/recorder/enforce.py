@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+from evidence.agent.recorder.decode import path_text
 from evidence.agent.recorder.launch import Landlock
 from evidence.bundle.record_types import ConnectRecord, DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
@@ -27,6 +28,18 @@ from evidence.probes.guard import ConnectGuard
 logger = logging.getLogger(__name__)
 
 _REFUSED = ("EACCES", "EPERM")
+
+
+def _as_text(value: Any) -> Any:
+    """`value` (JSON-able) with every str as text: lone surrogates (bytes os.getcwd() and friends
+    could not decode) as \\xNN, so that the manifest can be written at all."""
+    if isinstance(value, str):
+        return path_text(value)
+    if isinstance(value, dict):
+        return {_as_text(k): _as_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_text(v) for v in value]
+    return value
 
 
 _COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
@@ -262,6 +275,11 @@ class Enforcement:
         return rule
 
     def manifest_policy(self) -> dict[str, Any]:
+        """What the manifest says of the policy. Its paths (the workspace, ${WORKSPACE}, Landlock's
+        rules) come from the file system as str: a name that is not UTF-8 is written as \\xNN."""
+        return cast(dict[str, Any], _as_text(self._manifest_policy()))
+
+    def _manifest_policy(self) -> dict[str, Any]:
         return {
             **self.policy.summary(),
             "mode": self.mode,

@@ -135,19 +135,24 @@ def test_hostile_names_addresses_and_execs_are_recorded_and_the_bundle_verifies(
     assert "EV006" in lint.stdout  # a program from a file descriptor, with no file behind it
 
 
-def test_a_cwd_whose_name_is_not_utf8_is_recorded_as_text(tmp_path: Path, place: Path) -> None:
+@pytest.mark.parametrize("policy", [(), ("--policy", "default")], ids=["observe", "policy"])
+def test_a_cwd_whose_name_is_not_utf8_is_recorded_as_text(
+    tmp_path: Path, place: Path, policy: tuple[str, ...]
+) -> None:
     """`evidence run` started in a directory whose name is not UTF-8 (its caller's cwd, os.getcwd()
     gives lone surrogates): the run failed (exit 70, no bundle: the spool's encoder raised and the
-    consumer died). Now the cwd is recorded with such bytes as \\xNN, like the kernel's names, and
+    consumer died; with a policy, the manifest could not be written). Now the cwd is recorded with such bytes as \\xNN, like the kernel's names, and
     the job (as nobody) works there as anywhere."""
     bad = os.fsencode(place) + b"/bad\xffdir"
     os.mkdir(bad)
     os.chmod(bad, 0o777)
     script = "open('made-here', 'w').write('x'); print(open('made-here').read())"
-    proc, manifest, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script), cwd=bad)
+    proc, manifest, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script), cwd=bad, extra=policy)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "x\n"
     text = f"{place}/bad\\xffdir"
     assert manifest["cwd"] == text
+    if policy:  # the workspace is the cwd: the manifest's policy names it as text too
+        assert manifest["policy"]["workspace"] == text and manifest["policy"]["mode"] == "enforce"
     made = {e["data"]["path"] for e in of_type(events, "file.open") if e["data"]["raw_path"] == "made-here"}
     assert made == {f"{text}/made-here"}
