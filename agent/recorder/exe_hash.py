@@ -1,6 +1,6 @@
 """Hashes of the programs that ran: sha256 and size of the file an exec ran, read through
 /proc/<pid>/exe (the very file the kernel mapped: a replaced or bind-mounted path cannot lie about
-it), cached by (device, inode, mtime, size) so a program run 10,000 times is hashed once.
+it), cached by (device, inode, mtime, size, ctime) so a program run 10,000 times is hashed once.
 
 The /proc reads go through `proc_root` (a fake tree in unit tests). What a successful exec record
 gains (docs/bundle-format.md, process.exec):
@@ -76,7 +76,7 @@ class FileHash:
         }
 
 
-FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size)
+FileKey = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size, st_ctime_ns)
 # the file an exec mapped, as the kernel knew it at the exec: (st_dev, st_ino, st_size, st_ctime_ns)
 Ident = tuple[int, int, int, int]
 
@@ -112,7 +112,9 @@ def read_head(path: str, size: int) -> tuple[bytes, os.stat_result] | None:
 
 
 def _key(st: os.stat_result) -> FileKey:
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    # the ctime too: the owner of a file can rewrite it in place and put its mtime back (utimensat),
+    # but no user can set the ctime (red team: a program rewritten so got the old one's hash)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns)
 
 
 def _ident(st: os.stat_result) -> Ident:
