@@ -69,3 +69,40 @@ def test_a_connect_to_a_unix_socket_the_policy_keeps_out_of_reach_is_a_denial_no
         ("read", True, "EACCES", "fs.read: not allowed"),
         ("connect", False, 0, "fs.read: not allowed"),
     }
+
+
+def test_an_mptcp_connect_to_a_denied_address_is_refused_and_denied(tmp_path: Path) -> None:
+    """MPTCP (IPPROTO_MPTCP, a protocol of its own on a stream socket) goes through the same cgroup
+    connect hook as TCP: refused (EPERM), recorded, denied. Handled; kept as a test."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f'version: 1\nnet:\n  default: allow\n  deny: ["127.0.0.1/32:{port}"]\n')
+    script = textwrap.dedent(
+        f"""
+        import socket
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262)  # IPPROTO_MPTCP
+        try:
+            s.connect(('127.0.0.1', {port}))
+        except PermissionError:
+            print('refused')
+        """
+    )
+    try:
+        proc, _, events = record(
+            tmp_path, *as_user(NOBODY, PY, "-c", script), extra=("--policy", str(policy))
+        )
+    finally:
+        listener.close()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "refused\n"
+    (connect,) = [e["data"] for e in of_type(events, "network.connect") if e["data"]["port"] == port]
+    assert connect["result"] == "EPERM"
+    (denial,) = [e["data"] for e in of_type(events, "policy.denial")]
+    assert (denial["operation"], denial["enforced"], denial["target"]) == (
+        "connect",
+        True,
+        f"127.0.0.1:{port}",
+    )
