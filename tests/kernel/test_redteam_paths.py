@@ -1,11 +1,12 @@
 """Red team: names the bundle gives to what a hostile job (as nobody) opened, executed or connected
 to. Each test performs the attack for real and asserts the correct outcome; the ones the recorder
 gets wrong today, and that need probes/record.bpf.c to get right, are strict xfails that say what
-the fix is (docs/threat-model.md, rows 25-27, 29, 30 and 38)."""
+the fix is (docs/threat-model.md, rows 25-27, 29, 30, 36 and 38)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import textwrap
@@ -226,3 +227,36 @@ def test_a_threads_private_cwd_does_not_rename_the_other_threads_opens(tmp_path:
     (rec,) = _opens(events, "passwd")
     assert rec["result"] == 0
     assert rec["path"] in ("/etc/passwd", "<unknown cwd>/passwd")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an open of /proc/self/fd/N is recorded by that name: user space could name the file from "
+    "its descriptor table (the kernel's rino checks it), but record.bpf.c aggregates such opens by the "
+    "literal name, so in summary one key would count opens of different files",
+)
+def test_a_write_through_proc_self_fd_of_an_o_path_descriptor_names_the_file(tmp_path: Path) -> None:
+    """open(F, O_PATH) (no access: Landlock does not check it either), then open("/proc/self/fd/N",
+    O_WRONLY) writes F. The bundle said a write of "/proc/self/fd/3"; which file it was is not in
+    it (opens do not record the descriptor they return). Correct: the write names F."""
+    target = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/tmp"))
+    try:
+        target.chmod(0o777)
+        script = textwrap.dedent(
+            f"""
+            import os
+            f = {str(target / "victim")!r}
+            os.close(os.open(f, os.O_WRONLY | os.O_CREAT, 0o600))
+            p = os.open(f, os.O_PATH)
+            assert p == 3, p
+            os.write(os.open('/proc/self/fd/3', os.O_WRONLY), b'planted')
+            """
+        )
+        proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+        assert proc.returncode == 0, proc.stderr
+        assert (target / "victim").read_bytes() == b"planted"
+    finally:
+        shutil.rmtree(target)
+    (rec,) = _opens(events, "/proc/self/fd/3")
+    assert rec["access"] == ["write"] and rec["result"] == 0
+    assert rec["path"] == str(target / "victim")
