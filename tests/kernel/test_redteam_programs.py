@@ -7,7 +7,8 @@ bytes by path (is it a script? a 32-bit ELF?): a plain open of a FIFO waits for 
 forwarded to the job, which is gone); through an agent, its two hash workers would hang for good
 and every later exec wait 10 s for its hash (docs/threat-model.md, row 31).
 
-Lie about a hash: rewrite a program in place and put its mtime back (row 34)."""
+Lie about a hash: rewrite a program in place and put its mtime back (row 34); run it through a name
+the recorder resolves wrong (row 37)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +121,28 @@ def test_a_program_rewritten_in_place_with_its_mtime_put_back_is_hashed_again(
     first = Path("/usr/bin/sleep").read_bytes()
     second = first.replace(b"Usage", b"usage", 1)
     assert [r.get("sha256") for r in runs] == [sha256(first).hexdigest(), sha256(second).hexdigest()], runs
+
+
+def test_a_program_run_through_a_dotdot_after_a_symlink_is_still_hashed(tmp_path: Path, place: Path) -> None:
+    """exec of DIR/l/../bin/sleep with l -> /usr/lib: the kernel runs /usr/bin/sleep, the recorder's
+    name for it is DIR/bin/sleep (row 26: '..' collapsed lexically) and that name names nothing, so
+    the program was `not_hashed`: the hash, which a path cannot fool, was lost too. The process's
+    /proc/<pid>/exe is now hashed when it is the very file the kernel mapped (the probe's device,
+    inode, size and ctime), whatever the name."""
+    from hashlib import sha256
+
+    from tests.kernel.util import PY, record
+
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess
+        os.symlink('/usr/lib', {str(place / "l")!r})
+        subprocess.run([{str(place / "l" / ".." / "bin" / "sleep")!r}, '2'], check=True)
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+    assert proc.returncode == 0, proc.stderr
+    (run,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["argv"][1:] == ["2"]]
+    assert run["result"] == 0
+    assert run.get("sha256") == sha256(Path("/usr/bin/sleep").read_bytes()).hexdigest(), run
+    assert run["hash_source"] == "exe"
