@@ -1,7 +1,8 @@
 """Red team: names the bundle gives to what a hostile job (as nobody) opened, executed or connected
 to. Each test performs the attack for real and asserts the correct outcome; the ones the recorder
 gets wrong today, and that need probes/record.bpf.c to get right, are strict xfails that say what
-the fix is (docs/threat-model.md, rows 25-27, 29, 30, 36 and 38)."""
+the fix is (docs/threat-model.md, rows 25-27, 29, 30, 36 and 38; 25, 27, 29 and 30 were fixed in
+record.bpf.c after they were found)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,6 @@ def _opens(events: list[dict], raw: str) -> list[dict]:
     return [e["data"] for e in of_type(events, "file.open") if e["data"]["raw_path"] == raw]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="record.bpf.c reads flags and mode of openat2's open_how, not resolve: RESOLVE_IN_ROOT "
-    "makes an absolute path relative to the dirfd, and the bundle names /passwd for /etc/passwd",
-)
 def test_openat2_resolve_in_root_is_named_under_its_dirfd(tmp_path: Path) -> None:
     """openat2(fd of /etc, "/passwd", RESOLVE_IN_ROOT) opens /etc/passwd: the bundle must not say
     "/passwd" (a file that does not exist) was read."""
@@ -135,11 +131,6 @@ def two_sockets() -> Iterator[tuple[Path, Path, list[socket.socket]]]:
         d.rmdir()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="record.bpf.c aggregates a connect by its address bytes alone: a relative AF_UNIX path is "
-    "neither resolved against the cwd nor kept apart by it, so two sockets become one 'sock'",
-)
 def test_relative_unix_socket_paths_are_resolved_and_kept_apart(tmp_path: Path, two_sockets) -> None:
     """chdir to each directory and connect to "sock" there: two different servers. The bundle had
     one connect to "sock" with count 2 (and a policy cannot check a name without its directory)."""
@@ -162,12 +153,6 @@ def test_relative_unix_socket_paths_are_resolved_and_kept_apart(tmp_path: Path, 
     assert got == sorted([(str(a / "sock"), 1), (str(b / "sock"), 1)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cwd is kept per process (record.bpf.c's procs, correlate's Proc): a chdir by a process "
-    "that shares the cwd through clone(CLONE_FS) is not seen as the other's; needs the cwd's identity "
-    "(task->fs->pwd's inode, BTF offsets) read with each relative open, as a dirfd's (row 21)",
-)
 @pytest.mark.parametrize("detail", ["summary", "full"])
 def test_a_cwd_shared_by_clone_fs_and_changed_by_the_child_does_not_rename_the_parents_opens(
     tmp_path: Path, detail: str
@@ -199,11 +184,6 @@ def test_a_cwd_shared_by_clone_fs_and_changed_by_the_child_does_not_rename_the_p
     assert rec["path"] in ("/etc/passwd", "<unknown cwd>/passwd")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unshare(CLONE_FS) is not traced and the cwd is kept per process: a thread's private "
-    "chdir is taken for the whole process's; needs the cwd's identity read with each relative open",
-)
 def test_a_threads_private_cwd_does_not_rename_the_other_threads_opens(tmp_path: Path) -> None:
     """A thread does unshare(CLONE_FS) (its cwd becomes its own), then chdir("/tmp"); the main
     thread, still in /etc, opens "passwd": /etc/passwd. The bundle said /tmp/passwd."""

@@ -25,12 +25,6 @@ def place() -> Iterator[Path]:
     shutil.rmtree(d)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="record.bpf.c takes an open's cwd token at the open's exit, and user space the cwd of the "
-    "last chdir record before it: a chdir by another thread while the open is in flight names the "
-    "other directory",
-)
 def test_a_cwd_changed_while_an_open_is_in_flight_does_not_rename_what_was_opened(
     tmp_path: Path, place: Path
 ) -> None:
