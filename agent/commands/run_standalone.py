@@ -261,6 +261,7 @@ class StandaloneRun:
     # -- launch --------------------------------------------------------------------------------------
     def launch(self) -> None:
         from evidence.agent.recorder.cgroups import RunCgroup
+        from evidence.agent.recorder.decode import path_text
         from evidence.agent.recorder.launch import LaunchError, LaunchSpec
 
         enforcement = self.enforcement
@@ -268,7 +269,7 @@ class StandaloneRun:
         self.session = session = self.recorder.start(
             self.cgroup.path,
             self.command,
-            self.cwd,
+            path_text(self.cwd),
             detail=self.args.detail,
             labels=self.labels,
             session_id=self.session_id,
@@ -297,7 +298,7 @@ class StandaloneRun:
         # the helper becomes the command (same pid): known as the run's root before it can exec, so
         # its exec record, however soon the consumer thread reads it, is the root's (depth 0)
         session.pid = launcher.process.pid
-        session.correlator.add_root(launcher.process.pid, os.getpid(), self.cwd)
+        session.correlator.add_root(launcher.process.pid, os.getpid(), path_text(self.cwd))
         try:
             launched = launcher.go(spec)
         except LaunchError as e:

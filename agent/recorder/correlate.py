@@ -797,7 +797,12 @@ class Correlator:
         if enter["kind"] == "exec":
             if ret == 0:
                 return []  # exec_ok already recorded it
-            filename = self._resolve(p, enter["filename"], enter["dfd"], enter["dino"])
+            if enter["flags"] & d.F_FNAME_FAULT:
+                # not in memory at entry (the kernel faults it in, a probe cannot): never resolved
+                # as "" (that names the cwd); a successful exec is named by the kernel (exec_ok)
+                filename = UNREADABLE
+            else:
+                filename = self._resolve(p, enter["filename"], enter["dfd"], enter["dino"])
             return [
                 self._exec_record(
                     p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)

@@ -296,6 +296,13 @@ class DecodeError(ValueError):
     pass
 
 
+def path_text(name: str) -> str:
+    """A name read from the system as str (os.readlink, os.getcwd: bytes that are not UTF-8 become
+    lone surrogates, which no JSON encoder takes) in the form the kernel's names get: such bytes as
+    \\xNN. A job picks its cwd's name: one that is not UTF-8 crashed the recorder's consumer."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def _cstr(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
 

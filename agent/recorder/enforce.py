@@ -14,8 +14,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+from evidence.agent.recorder.decode import path_text
 from evidence.agent.recorder.launch import Landlock
-from evidence.bundle.record_types import DenialRecord, SpoolRecord
+from evidence.bundle.record_types import ConnectRecord, DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 from evidence.policy import env as penv
 from evidence.policy import landlock
@@ -27,6 +28,18 @@ from evidence.probes.guard import ConnectGuard
 logger = logging.getLogger(__name__)
 
 _REFUSED = ("EACCES", "EPERM")
+
+
+def _as_text(value: Any) -> Any:
+    """`value` (JSON-able) with every str as text: lone surrogates (bytes os.getcwd() and friends
+    could not decode) as \\xNN, so that the manifest can be written at all."""
+    if isinstance(value, str):
+        return path_text(value)
+    if isinstance(value, dict):
+        return {_as_text(k): _as_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_text(v) for v in value]
+    return value
 
 
 _COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
@@ -188,6 +201,11 @@ class Enforcement:
         out: list[DenialRecord] = []
         for rec in records:
             accesses: Sequence[str]
+            if rec["k"] == "connect":
+                denial = self._unix_connect(rec)
+                if denial is not None:
+                    out.append(denial)
+                continue
             if rec["k"] == "open":
                 target, accesses, exe = rec["path"], rec["access"], rec.get("exe")
             elif rec["k"] == "exec":
@@ -221,6 +239,29 @@ class Enforcement:
                 break
         return out
 
+    def _unix_connect(self, rec: ConnectRecord) -> DenialRecord | None:
+        """A connect (or send) to a pathname unix socket the file rules give no access at all: Landlock
+        does not check connects to pathname sockets (only their creation), so it went through. Recorded
+        as a denial that was not enforced, whatever the mode (a server of another uid, such as the
+        system bus or a container runtime's socket, answers a job the policy keeps out of /run)."""
+        path = rec["address"]
+        if rec["family"] != "AF_UNIX" or rec["result"] != 0 or not path.startswith("/"):
+            return None
+        rule = self._file_rule(path, "read")  # write implies read: no access at all
+        if rule is None:
+            return None
+        return {
+            "k": "denial",
+            "t": rec["t"],
+            "pid": rec["pid"],
+            "exe": rec.get("exe"),
+            "operation": "connect",
+            "target": path,
+            "rule": rule,
+            "enforced": False,
+            "result": rec["result"],
+        }
+
     def _file_rule(self, path: str, access: str) -> str | None:
         key = (path, access)
         try:
@@ -234,6 +275,11 @@ class Enforcement:
         return rule
 
     def manifest_policy(self) -> dict[str, Any]:
+        """What the manifest says of the policy. Its paths (the workspace, ${WORKSPACE}, Landlock's
+        rules) come from the file system as str: a name that is not UTF-8 is written as \\xNN."""
+        return cast(dict[str, Any], _as_text(self._manifest_policy()))
+
+    def _manifest_policy(self) -> dict[str, Any]:
         return {
             **self.policy.summary(),
             "mode": self.mode,

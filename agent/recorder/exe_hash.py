@@ -1,6 +1,6 @@
 """Hashes of the programs that ran: sha256 and size of the file an exec ran, read through
 /proc/<pid>/exe (the very file the kernel mapped: a replaced or bind-mounted path cannot lie about
-it), cached by (device, inode, mtime, size) so a program run 10,000 times is hashed once.
+it), cached by (device, inode, mtime, size, ctime) so a program run 10,000 times is hashed once.
 
 The /proc reads go through `proc_root` (a fake tree in unit tests). What a successful exec record
 gains (docs/bundle-format.md, process.exec):
@@ -76,7 +76,7 @@ class FileHash:
         }
 
 
-FileKey = tuple[int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size)
+FileKey = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size, st_ctime_ns)
 # the file an exec mapped, as the kernel knew it at the exec: (st_dev, st_ino, st_size, st_ctime_ns)
 Ident = tuple[int, int, int, int]
 
@@ -91,12 +91,41 @@ def max_size_setting() -> int:
         return DEFAULT_MAX_SIZE
 
 
+def read_head(path: str, size: int) -> tuple[bytes, os.stat_result] | None:
+    """The first `size` bytes of the regular file at `path` (and its stat), None when it is not one
+    or cannot be read. Opened without blocking: the job can put a FIFO at the path of a program it
+    ran (rename is atomic), and a plain open of it as root would wait for a writer for ever (found by
+    the red team: `evidence run` hung after writing its bundle, the agent's hash workers for good)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return os.read(fd, size), st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _key(st: os.stat_result) -> FileKey:
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    # the ctime too: the owner of a file can rewrite it in place and put its mtime back (utimensat),
+    # but no user can set the ctime (red team: a program rewritten so got the old one's hash)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns)
 
 
 def _ident(st: os.stat_result) -> Ident:
     return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+
+
+def _is(st: os.stat_result, ident: Ident | None) -> bool:
+    """Whether `st` is the file the kernel mapped at the exec (`ident`, read by the probe): then
+    /proc/<pid>/exe is the program that ran, whatever its path says (a name the recorder cannot
+    resolve, such as one with `..` after a symlink: red team)."""
+    return ident is not None and _ident(st) == ident
 
 
 def shebang_interpreter(head: bytes) -> str | None:
@@ -150,7 +179,7 @@ class ExeHasher:
             return self._gone(filename, ident)
         with self._lock:
             hit = self._cache.get(_key(st))
-        if hit is None or not self._matches(pid, filename, st):
+        if hit is None or not (_is(st, ident) or self._matches(pid, filename, st)):
             return None
         self.stats["hits"] += 1
         return dataclasses.replace(hit, source="exe") if hit.source != "exe" else hit
@@ -191,7 +220,7 @@ class ExeHasher:
         return out
 
     def _program(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash:
-        got = self._via_exe(pid, filename)
+        got = self._via_exe(pid, filename, ident)
         if got is not None:
             return got
         by_path = self._file(filename, ident)  # gone, or already running something else: by its path
@@ -199,14 +228,14 @@ class ExeHasher:
             return dataclasses.replace(by_path, reason=GONE)
         return by_path
 
-    def _via_exe(self, pid: int, filename: str) -> FileHash | None:
+    def _via_exe(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash | None:
         try:
             fd = os.open(self._exe(pid), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
-            if not self._matches(pid, filename, st):
+            if not _is(st, ident) and not self._matches(pid, filename, st):
                 return None
             # the process may have exec'd again between the open and the check
             try:
@@ -222,11 +251,8 @@ class ExeHasher:
     # -- files --------------------------------------------------------------------------------------
 
     def _head(self, filename: str) -> tuple[bytes, FileKey | None]:
-        try:
-            with open(filename, "rb") as f:
-                return f.read(_SHEBANG_MAX), _key(os.fstat(f.fileno()))
-        except OSError:
-            return b"", None
+        head = read_head(filename, _SHEBANG_MAX)
+        return (head[0], _key(head[1])) if head is not None else (b"", None)
 
     def _file(self, path: str, ident: Ident | None = None) -> FileHash:
         """By its path: "inode" when it is the file `ident` says ran, else "path"."""

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TypedDict
 
+from evidence.agent.recorder.decode import path_text
 from evidence.bundle.record_types import InventoryRecord
 
 logger = logging.getLogger(__name__)
@@ -228,9 +229,13 @@ def read_process(pid: int, proc_root: Path = Path("/proc")) -> ProcessInfo | Non
         "pid": pid,
         "ppid": ppid,
         "argv": [a.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for a in argv],
-        "cwd": _readlink(base / "cwd"),
-        "exe": _readlink(base / "exe"),
+        "cwd": _text(_readlink(base / "cwd")),
+        "exe": _text(_readlink(base / "exe")),
     }
+
+
+def _text(name: str | None) -> str | None:
+    return path_text(name) if name is not None else None
 
 
 def _netns_of(pid: int, proc_root: Path) -> tuple[int, str] | None:

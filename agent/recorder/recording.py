@@ -76,8 +76,8 @@ def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
         return None
     cwd = exe = None
     try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-        exe = os.readlink(f"/proc/{pid}/exe")
+        cwd = dec.path_text(os.readlink(f"/proc/{pid}/cwd"))
+        exe = dec.path_text(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
         pass
     return ppid, cwd, exe
@@ -132,15 +132,16 @@ def elf_abi(pid: int, filename: str) -> str | None:
     very file it runs, or from its path if it is gone already), else None."""
     head = b""
     for path in (f"/proc/{pid}/exe", filename):
-        try:
-            with open(path, "rb") as f:
-                head = f.read(20)
+        got = exe_hash.read_head(path, 20)  # never blocks (a FIFO the job put at the path)
+        if got is not None:
+            head = got[0]
             break
-        except OSError:
-            continue
     if len(head) >= 20 and head[:4] == b"\x7fELF" and head[4] == 1 and head[18:20] == b"\x03\x00":
         return "ia32"
     return None
+
+
+DRAIN_SECONDS = 30  # how long finish waits for the consumer to spool what the kernel wrote
 
 
 class Spool(Protocol):
@@ -311,13 +312,16 @@ class Recorder:
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
 
-    def drain(self) -> None:
-        """Return once every record the kernel had written before this call is in its spool."""
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Return once every record the kernel had written before this call is in its spool: True,
+        or False when the consumer did not get there within `timeout` (stuck, or dead)."""
         ev = threading.Event()
         self._barriers.put(ev)
         self._ring.wake()
-        if not ev.wait(timeout=30):
+        if not ev.wait(timeout=timeout):
             logger.warning("drain timed out: the consumer is stuck")
+            return False
+        return True
 
     def finish(
         self,
@@ -346,8 +350,19 @@ class Recorder:
     ) -> dict[str, Any]:
         with self._lock:
             self.probes.untrack(session.cgroup_id)
-        self.drain()  # everything the kernel wrote for this run before untrack is now spooled
+        # everything the kernel wrote for this run before untrack is now spooled, unless the consumer
+        # is stuck: those records were written to the ring (no reservation failed, no loss counted)
+        # and are not in the spool, so the bundle must say so
+        drained = self.drain()
         finished_ns = time.time_ns()
+        if not drained:
+            session.degradations.append(
+                {
+                    "component": "recorder",
+                    "reason": f"the ring buffer's consumer did not drain the run's records within {DRAIN_SECONDS} s of its end",
+                    "impact": "records the kernel wrote for this run may be missing, and are not counted as lost",
+                }
+            )
         with self._lock:
             lost = self.probes.read_lost(session.slot)
             session.finished = True

@@ -158,6 +158,21 @@ def test_a_path_unreadable_at_entry_and_exit_is_marked() -> None:
     assert [o["path"] for o in out] == ["/etc/locale", "<unreadable path>"]
 
 
+def test_a_failed_exec_whose_name_was_unreadable_is_not_named_after_the_cwd() -> None:
+    """A failed exec's name is what the probe read at entry; not resident then (and no exec_ok to
+    name it), it is <unreadable path>, not "" resolved against the cwd (found by the red team: the
+    bundle said the job tried to execute its working directory)."""
+    c = Correlator(0)
+    c.add_root(10, 1, "/w")
+    flags = d.F_FNAME_FAULT | d.F_ARGS_FAULT
+    out = feed(
+        c,
+        {**ev("exec", filename="", argv=[], dfd=-100, at_flags=0, old_tid=0, argc=0), "flags": flags},
+        ret(d.SC_EXEC, -14),
+    )
+    assert [(o["filename"], o["result"]) for o in out] == [("<unreadable path>", "EFAULT")]
+
+
 def test_result_without_enter_is_counted() -> None:
     c = Correlator(0)
     assert c.feed(ret(d.SC_EXEC, -2)) == [] and c.unpaired == 0  # a failed exec's result, no attempt

@@ -254,3 +254,37 @@ def test_a_hash_that_never_comes_is_given_up() -> None:
     time.sleep(0.06)
     assert exe_hash.settle(recs) == 1
     assert recs[0] == {"k": "exec", "filename": "/fuse/x", "not_hashed": "timeout"}
+
+
+def test_a_fifo_put_at_a_programs_path_is_never_opened_to_wait(
+    env: tuple[FakeProc, exe_hash.ExeHasher, Path],
+) -> None:
+    """The job renames a FIFO over the program it just ran: reading the path (the script check, the
+    ELF class, the hash by path) must not wait for a writer that never comes (red team: `evidence
+    run` hung after its bundle, and the agent's hash workers for good)."""
+    import threading
+
+    from evidence.agent.recorder.recording import elf_abi
+
+    proc, h, files = env
+    prog = files / "prog"
+    prog.write_bytes(b"\x7fELF program")
+    proc.run(70, prog)
+    fifo = files / "fifo"
+    os.mkfifo(fifo)
+    os.replace(fifo, prog)  # the process runs the old file; the path is a FIFO now
+    got: list[object] = []
+
+    def read_all() -> None:
+        got.append(h.hash_exec(71, str(prog)))  # pid 71: gone, so the path is read
+        got.append(elf_abi(71, str(prog)))
+
+    t = threading.Thread(target=read_all, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    if t.is_alive():  # let the thread go before failing
+        os.close(os.open(prog, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("blocked opening a FIFO")
+    fields, abi = got
+    assert isinstance(fields, dict) and "sha256" not in fields and fields["not_hashed"]
+    assert abi is None

@@ -88,3 +88,37 @@ def test_records_reach_the_disk_within_about_a_second(tmp_path: Path) -> None:
         spool.close()
     finally:
         rec.close()
+
+
+def test_a_stuck_consumer_makes_drain_say_so(tmp_path: Path) -> None:
+    """finish() drains the ring into the spool before it reads the loss counters; when the consumer
+    is stuck (red team: a read of a FIFO put at a program's path blocked it), drain returns False and
+    finish records a degradation: those records are neither spooled nor counted as lost."""
+    rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
+    release = threading.Event()
+
+    class StuckCorrelator(Correlator):
+        def open_record(self, *args: Any, **kw: Any) -> Any:
+            release.wait(30)
+            return super().open_record(*args, **kw)
+
+    spool = SpoolWriter(tmp_path / "s.spool.zst")
+    try:
+        assert rec.drain(timeout=5)  # nothing to wait for
+        corr = StuckCorrelator(0)
+        corr.add_root(10, 1, "/w")
+        rec._sessions[1] = recording.Session(
+            slot=1, session_id="s", cgroup_path=tmp_path, cgroup_id=1, command=["x"], cwd="/w",
+            detail="full", labels={}, spool=spool, correlator=corr, started_ns=0,
+        )  # fmt: skip
+        with rec.probes.fake_ring.lock:  # type: ignore[attr-defined]
+            rec.probes.fake_ring.pending.append(_open_record(b"/etc/hostname", 5))  # type: ignore[attr-defined]
+        time.sleep(0.5)  # the consumer takes the batch and sticks in it
+        assert not rec.drain(timeout=1)
+        release.set()
+        assert rec.drain(timeout=10)
+    finally:
+        release.set()
+        rec._sessions.clear()
+        spool.close()
+        rec.close()
