@@ -72,5 +72,5 @@ def test_a_cwd_changed_while_an_open_is_in_flight_does_not_rename_what_was_opene
         assert proc.returncode == 0, proc.stderr
         (rec,) = [e["data"] for e in of_type(events, "file.open") if e["data"]["raw_path"] == "fifo"]
         assert rec["result"] == 0
-        assert rec["path"] in (str(real / "fifo"), "<unknown cwd>/fifo"), detail
+        assert rec["path"] == str(real / "fifo"), detail  # the directory a chdir of the run entered
         (real / "fifo").unlink()
