@@ -381,7 +381,8 @@ class _Part:
         times = self.times
         if not times:
             return "", "", True, lambda: times
-        return min(times), max(times), times == sorted(times), lambda: times
+        in_order = sorted(times)
+        return in_order[0], in_order[-1], times == in_order, lambda: times
 
     def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
         k = (code, key)
