@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 _FAIL_ON = {"error": 0, "warn": 1, "info": 2, "none": -1}  # index into SEVERITIES reached
 MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
+MAX_PLAIN = 50_000  # strings remembered to hold no secret, each at most MAX_PLAIN_LEN long
+MAX_PLAIN_LEN = 4096
 CLOCK_TOLERANCE_NS = 1_000_000_000
 TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WRITE_OK = (
@@ -196,8 +198,16 @@ class Finding:
         }
 
 
-def _under(path: str, roots: Iterable[str]) -> bool:
-    return any(path == r or path.startswith(r + "/") for r in roots if r)
+class _Roots:
+    """Whether a path is one of some roots or under one (an empty root stands for none)."""
+
+    def __init__(self, roots: Iterable[str]) -> None:
+        kept = tuple(r for r in roots if r)
+        self.exact = frozenset(kept)
+        self.prefixes = tuple(r + "/" for r in kept)
+
+    def holds(self, path: str) -> bool:
+        return path in self.exact or path.startswith(self.prefixes)
 
 
 def _redact(secret: str) -> str:
@@ -313,6 +323,14 @@ class _Rules:
             roots["${TMPDIR}"] = self.tmpdir
         self.norm = Normalizer(roots)
         self.ips: dict[str, bool] = {}  # address -> not loopback
+        # strings seen to hold nothing that looks like a secret (paths and subjects repeat: a
+        # lookup costs less than _maybe_secret), bounded: a hostile bundle may show any number
+        self.plain: set[str] = set()
+        self.write_ok = _Roots((self.workspace, self.tmpdir, *WRITE_OK))  # EV004 does not judge these
+        self.temp = _Roots((*TEMP_DIRS, self.tmpdir))  # EV006
+        self.in_workspace = _Roots((self.workspace,))
+        # EV009: places the job can write
+        self.writable = _Roots((*TEMP_DIRS, self.tmpdir, self.workspace if self.workspace != "/" else ""))
 
     def part(self, seq: int) -> _Part:
         return _Part(self, seq)
@@ -330,6 +348,7 @@ class _Part:
         self.finished = False
         self.cut_short = False
         self.lost_events = 0
+        self.plain = rules.plain
         self._dispatch: dict[str, Callable[[dict[str, Any]], None]] = {
             fmt.RUN_STARTED: self._started,
             fmt.RUN_FINISHED: self._finished,
@@ -345,7 +364,7 @@ class _Part:
         }
 
     def __getstate__(self) -> dict[str, Any]:  # what goes back from the helper: the results
-        state = {k: v for k, v in self.__dict__.items() if k not in ("rules", "_dispatch", "times")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("rules", "plain", "_dispatch", "times")}
         low, last, ordered, _ = self.clock()
         state["times"] = []
         state["_clock"] = (low, last, ordered, "\n".join(self.times))  # one string pickles fast
@@ -362,7 +381,8 @@ class _Part:
         times = self.times
         if not times:
             return "", "", True, lambda: times
-        return min(times), max(times), times == sorted(times), lambda: times
+        in_order = sorted(times)
+        return in_order[0], in_order[-1], times == in_order, lambda: times
 
     def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
         k = (code, key)
@@ -376,8 +396,8 @@ class _Part:
         data = ev["data"]
         self.times.append(data.get("first_time", ev["time"]) if type(data) is dict else ev["time"])
         subject = ev["subject"]
-        if _maybe_secret(subject):
-            self._secrets(subject, "subject", ev)
+        if subject not in self.plain:
+            self._text(subject, "subject", ev)
         handler = self._dispatch.get(ev["type"])
         if handler is not None:
             handler(ev)
@@ -385,6 +405,16 @@ class _Part:
             self._other_ns(ev)
 
     # -- rules
+
+    def _text(self, text: str, where: str, ev: dict[str, Any]) -> None:
+        """Looks for a secret in `text` (a subject, a path), unless it is known to hold none."""
+        plain = self.plain
+        if text in plain:
+            return
+        if _maybe_secret(text):
+            self._secrets(text, where, ev)
+        elif len(plain) < MAX_PLAIN and len(text) <= MAX_PLAIN_LEN:
+            plain.add(text)
 
     def _secrets(self, text: str, where: str, ev: dict[str, Any]) -> None:
         for kind, rx in _SECRETS:
@@ -417,8 +447,8 @@ class _Part:
         d = ev["data"]
         self._argv(d["argv"], "argv", ev)
         filename = d["filename"]
-        if filename != ev["subject"] and _maybe_secret(filename):
-            self._secrets(filename, "path", ev)
+        if filename != ev["subject"]:
+            self._text(filename, "path", ev)
         if d["result"] == 0 and filename.startswith("/"):
             rules = self.rules
             if _FD_PATH.match(filename):
@@ -428,11 +458,9 @@ class _Part:
                     rules.norm.text(filename),
                     ev,
                 )
-            elif _under(filename, (*TEMP_DIRS, rules.tmpdir)) and not _under(filename, (rules.workspace,)):
+            elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
                 self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
-            if _under(
-                filename, (*TEMP_DIRS, rules.tmpdir, rules.workspace if rules.workspace != "/" else "")
-            ):
+            if rules.writable.holds(filename):
                 digest = d.get("sha256")
                 what = (
                     f"sha256 {digest}"
@@ -449,18 +477,17 @@ class _Part:
     def _open(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
         path = d["path"]
-        if path != ev["subject"] and _maybe_secret(path):
-            self._secrets(path, "path", ev)
+        plain = self.plain
+        if path != ev["subject"] and path not in plain:
+            self._text(path, "path", ev)
         raw = d["raw_path"]
-        if raw != path and _maybe_secret(raw):
-            self._secrets(raw, "path", ev)
+        if raw != path and raw not in plain:
+            self._text(raw, "path", ev)
         if d["result"] != 0 or not path.startswith("/"):
             return
         access = d["access"]
         rules = self.rules
-        if ("write" in access or "create" in access) and not _under(
-            path, (rules.workspace, rules.tmpdir, *WRITE_OK)
-        ):
+        if ("write" in access or "create" in access) and not rules.write_ok.holds(path):
             exe = d.get("exe") or "?"
             self.add(
                 "EV004",
@@ -474,13 +501,13 @@ class _Part:
         op = d["operation"]
         names = [d["path"]] + ([d["target"]] if d.get("target") is not None and op != "symlink" else [])
         for name in (*names, d.get("raw_path"), d.get("target")):
-            if name and name != ev["subject"] and _maybe_secret(name):
-                self._secrets(name, "path", ev)
+            if name and name != ev["subject"]:
+                self._text(name, "path", ev)
         if d["result"] != 0:
             return
         rules = self.rules
         for path in names:
-            if path.startswith("/") and not _under(path, (rules.workspace, rules.tmpdir, *WRITE_OK)):
+            if path.startswith("/") and not rules.write_ok.holds(path):
                 exe = d.get("exe") or "?"
                 self.add(
                     "EV004",
@@ -532,8 +559,8 @@ class _Part:
 
     def _denial(self, ev: dict[str, Any]) -> None:
         target = ev["data"]["target"]
-        if target != ev["subject"] and _maybe_secret(target):
-            self._secrets(target, "path", ev)
+        if target != ev["subject"]:
+            self._text(target, "path", ev)
 
     def _namespace(self, ev: dict[str, Any]) -> None:
         d = ev["data"]

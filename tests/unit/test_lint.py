@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from evidence.bundle import container, fastpath, lint, verify
 from evidence.cli import main
@@ -287,3 +289,31 @@ def test_lint_on_two_cpus_finds_exactly_what_one_finds(
     assert [f.as_dict() for f in two] == [f.as_dict() for f in one]
     assert dropped_two == dropped_one > 0
     assert {f.rule.code for f in one} >= {"EV003", "EV004", "EV008"}
+
+
+def test_a_secret_is_found_every_time_strings_repeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Strings seen to hold no secret are remembered (paths repeat): a path with a secret in it is
+    never remembered so, and counts every time; a path seen clean stays clean."""
+    secret = WS + "/sk-abcdefghijklmnopqrstu.txt"
+    recs = [*records()]
+    for i in range(4):
+        recs.append(open_(10_000 + i * 100, WS + "/src/main.c", ["read"]))
+        recs.append(open_(10_050 + i * 100, secret, ["read"]))
+    _, doc = _lint(write(tmp_path / "a.tar.gz", recs, detail="full"), capsys, "--fail-on", "none")
+    ev3 = [f for f in doc["findings"] if f["rule"] == "EV003"]
+    assert len(ev3) == 1 and ev3[0]["count"] == 4 and "main.c" not in ev3[0]["message"]
+
+
+_ROOT_PARTS = st.sampled_from(["", "/", "a", "ab", "/a", "/ab", "/a/b", "//", "a/"])
+
+
+@given(
+    path=st.lists(_ROOT_PARTS, max_size=4).map("".join),
+    roots=st.lists(st.lists(_ROOT_PARTS, max_size=3).map("".join), max_size=4),
+)
+def test_roots_agree_with_the_plain_definition(path: str, roots: list[str]) -> None:
+    """_Roots.holds(path): path is a root or under one, empty roots standing for none."""
+    expected = any(path == r or path.startswith(r + "/") for r in roots if r)
+    assert lint._Roots(roots).holds(path) is expected
