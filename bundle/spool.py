@@ -91,20 +91,7 @@ class SpoolWriter:
 def read_spool(path: str | Path) -> Iterator[SpoolRecord]:
     """The records of a spool, in order. Typed as what the recorder wrote (orjson gives untyped
     values: a spool is the recorder's own file, in a directory only it may write to)."""
-    with open(path, "rb") as raw:
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
-        tail = b""
-        while True:
-            chunk = reader.read(1 << 20)
-            if not chunk:
-                break
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            for line in lines:
-                if line:
-                    yield orjson.loads(line)
-        if tail.strip():
-            yield orjson.loads(tail)
+    return map(orjson.loads, read_spool_lines(path))
 
 
 def read_spool_lines(path: str | Path) -> Iterator[bytes]:

@@ -9,10 +9,7 @@ and lints clean at the default level, and each attempt is in it with its result
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,14 +76,6 @@ if pid == 0:
     os._exit(99)
 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 """
-
-
-@pytest.fixture
-def place() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/tmp"))
-    d.chmod(0o777)
-    yield d
-    shutil.rmtree(d)
 
 
 @pytest.mark.parametrize("detail", ["summary", "full"])

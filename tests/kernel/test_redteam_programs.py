@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +35,6 @@ for i in 1 2 3; do
 done
 wait
 """
-
-
-@pytest.fixture
-def place() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/tmp"))
-    d.chmod(0o777)
-    yield d
-    shutil.rmtree(d)
 
 
 def _unblock(place: Path) -> None:

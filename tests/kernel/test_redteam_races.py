@@ -3,26 +3,12 @@ wrong file, made deterministic (an open held in flight by a FIFO). docs/threat-m
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tests.kernel.util import PY, as_user, of_type, record
 
 NOBODY = 65534
-
-
-@pytest.fixture
-def place() -> Iterator[Path]:
-    """A directory nobody can enter and execute from (pytest's tmp_path is root's 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d)
 
 
 def test_a_cwd_changed_while_an_open_is_in_flight_does_not_rename_what_was_opened(
