@@ -121,13 +121,6 @@ def _ident(st: os.stat_result) -> Ident:
     return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
-def _is(st: os.stat_result, ident: Ident | None) -> bool:
-    """Whether `st` is the file the kernel mapped at the exec (`ident`, read by the probe): then
-    /proc/<pid>/exe is the program that ran, whatever its path says (a name the recorder cannot
-    resolve, such as one with `..` after a symlink: red team)."""
-    return ident is not None and _ident(st) == ident
-
-
 def shebang_interpreter(head: bytes) -> str | None:
     """The interpreter a `#!` line names (its first word), or None when `head` is not a script."""
     if not head.startswith(b"#!"):
@@ -179,7 +172,7 @@ class ExeHasher:
             return self._gone(filename, ident)
         with self._lock:
             hit = self._cache.get(_key(st))
-        if hit is None or not (_is(st, ident) or self._matches(pid, filename, st)):
+        if hit is None or not self._matches(pid, filename, st):
             return None
         self.stats["hits"] += 1
         return dataclasses.replace(hit, source="exe") if hit.source != "exe" else hit
@@ -220,7 +213,7 @@ class ExeHasher:
         return out
 
     def _program(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash:
-        got = self._via_exe(pid, filename, ident)
+        got = self._via_exe(pid, filename)
         if got is not None:
             return got
         by_path = self._file(filename, ident)  # gone, or already running something else: by its path
@@ -228,14 +221,14 @@ class ExeHasher:
             return dataclasses.replace(by_path, reason=GONE)
         return by_path
 
-    def _via_exe(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash | None:
+    def _via_exe(self, pid: int, filename: str) -> FileHash | None:
         try:
             fd = os.open(self._exe(pid), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
-            if not _is(st, ident) and not self._matches(pid, filename, st):
+            if not self._matches(pid, filename, st):
                 return None
             # the process may have exec'd again between the open and the check
             try:

@@ -112,6 +112,12 @@ def test_a_program_rewritten_in_place_with_its_mtime_put_back_is_hashed_again(
     assert [r.get("sha256") for r in runs] == [sha256(first).hexdigest(), sha256(second).hexdigest()], runs
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="hashing /proc/<pid>/exe because it is the file the kernel mapped, whatever the name, "
+    "gives a script the hash of its interpreter (the kernel maps the interpreter): row 37 stays open "
+    "with row 26 until the recorder has the kernel's own name of what ran",
+)
 def test_a_program_run_through_a_dotdot_after_a_symlink_is_still_hashed(tmp_path: Path, place: Path) -> None:
     """exec of DIR/l/../bin/sleep with l -> /usr/lib: the kernel runs /usr/bin/sleep, the recorder's
     name for it is DIR/bin/sleep (row 26: '..' collapsed lexically) and that name names nothing, so
