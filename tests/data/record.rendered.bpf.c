@@ -1690,7 +1690,10 @@ struct dnsrecv {
     s32 nr;
 };
 
-BPF_TABLE("lru_hash", u64, struct dnsfd, dnsfds, 4096);
+// Shared by every run, and a closed socket's entry stays until the LRU drops it (close is not
+// traced): large, so that a job churning sockets to port 53 must make 65,536 of them to push
+// another's live entry out (about 7 MB of kernel memory)
+BPF_TABLE("lru_hash", u64, struct dnsfd, dnsfds, 65536);
 BPF_TABLE("lru_hash", u32, struct dnsrecv, dnsrecvs, 4096);
 BPF_PERCPU_ARRAY(scratch_dns, struct dns_ev, 1);
 BPF_ARRAY(dnscount, u32, 65536);
