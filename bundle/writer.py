@@ -295,8 +295,6 @@ Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data
 Body = Iterable[Event]  # a _FullDetail for full detail
 # two times a record's event is made at, to find (and check) where its time stands in its data
 _SAMPLE_NS = (0, 999_999_999_999)
-# content hashes gathered before they go into the root hash, in one update
-_ROOT_BATCH = 4096
 
 
 def _read(
@@ -437,8 +435,7 @@ class _EventSink:
         self._subject: str | None = None  # the last subject, and its canonical JSON
         self._subject_json = b""
         self._sha = hashlib.sha256()  # copied for each content hash: cheaper than a new one
-        self._hashes: list[str] = []  # content hashes not yet in the root hash
-        self._root = hashlib.sha256()  # root_hash: as fmt.RootHasher makes it
+        self.root = fmt.RootHasher()
 
     def _line(self, etype: str, subject: str, t_ns: int, data: dict[str, Any]) -> tuple[bytes, bytes]:
         """(the event's canonical JSON line, the canonical JSON its content hash is taken over)."""
@@ -488,26 +485,12 @@ class _EventSink:
             return False
         h = self._sha.copy()
         h.update(core)
-        self._hashes.append(h.hexdigest())
-        if len(self._hashes) >= _ROOT_BATCH:
-            self._to_root()
+        self.root.add(h.hexdigest())
         self.out.feed(line)
         self.size += n
         self.counts[etype] = self.counts.get(etype, 0) + 1
         self.seq += 1
         return True
-
-    def _to_root(self) -> None:
-        """The content hashes gathered so far into the root hash: each 64 hex digits and a newline,
-        the bytes fmt.RootHasher takes them as, in one update."""
-        if self._hashes:
-            self._hashes.append("")
-            self._root.update("\n".join(self._hashes).encode("ascii"))
-            self._hashes.clear()
-
-    def root_hash(self) -> str:
-        self._to_root()
-        return self._root.hexdigest()
 
     def write_full(self, marked: Iterable[SpoolRecord | int], capped: dict[str, int]) -> None:
         """Full detail: an event per record, under the caps (what they leave out counted by type
@@ -704,7 +687,7 @@ def _write_bundle(
             "events": sink.seq,
             "lost": {"total": lost_total, "by_kind": {k: v for k, v in sorted(lost.items())}},
             "files": {fmt.EVENTS_NAME: {"sha256": events_sha, "size": sink.size}},
-            "root_hash": sink.root_hash(),
+            "root_hash": sink.root.hexdigest(),
         }
         manifest_bytes = canonical.dumps(manifest)
         tail = []
