@@ -458,6 +458,11 @@ static __always_inline u64 cwd_inode(void) {
     return inode;
 }
 
+// What a name given relative to dfd is resolved against, now: the cwd (AT_FDCWD) or the dirfd.
+static __always_inline u64 dir_inode(s32 dfd) {
+    return dfd == -100 ? cwd_inode() : fd_inode(dfd);
+}
+
 // The token of what descriptor fd names, 0 when unknown: the kernel set one, and fd names now
 // (ino, from fd_inode) what it named then.
 static __always_inline u64 fd_token(struct pctx *p, u32 tgid, s32 fd, u64 ino) {
@@ -973,7 +978,7 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     if (resolve & RESOLVE_IN_ROOT_)
         e->h.flags |= F_IN_ROOT;  // absolute names too are resolved below dfd (or the cwd)
     // a relative path (or one not read yet): what the dirfd, or the cwd, names now
-    e->dino = e->path[0] == '/' && !(resolve & RESOLVE_IN_ROOT_) ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
+    e->dino = e->path[0] == '/' && !(resolve & RESOLVE_IN_ROOT_) ? 0 : dir_inode(dfd);
     return 0;
 }
 
@@ -1078,7 +1083,7 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     e->fname_len = n;
     e->pad = 0;
     // a relative name: what dfd (execveat), or the cwd, names now
-    e->dino = e->buf[0] == '/' ? 0 : dfd == -100 ? cwd_inode() : fd_inode(dfd);
+    e->dino = e->buf[0] == '/' ? 0 : dir_inode(dfd);
     u32 alen = read_argv(e, n & (PATH_MAX_ - 1), argv);
     e->args_len = alen;
     u64 size = offsetof(struct exec_ev, buf) + ((n + alen) & BUF_MASK);
@@ -1392,8 +1397,8 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     read_change_paths(c, p1, p2);
     // what the dirfds, or the cwd, name now (fchmod, fchown: the descriptor itself); rare calls:
     // read for any path
-    e->dino = dfd != -100 ? fd_inode(dfd) : cwd_inode();
-    e->dino2 = !p2 ? 0 : dfd2 != -100 ? fd_inode(dfd2) : cwd_inode();
+    e->dino = dir_inode(dfd);
+    e->dino2 = p2 ? dir_inode(dfd2) : 0;
     return 0;
 }
 
