@@ -432,3 +432,11 @@ def root_hash(content_hashes: Iterable[str]) -> str:
     for c in content_hashes:
         h.add(c)
     return h.hexdigest()
+
+
+def has_dotdot(name: str) -> bool:
+    """Whether a recorded name has a '..' component. The recorder keeps one only where the
+    component before it may be a symlink (a name the kernel could not name, docs/bundle-format.md):
+    such a name says what the process asked for, not where it led, so a check of where a file is
+    takes it to be anywhere."""
+    return ".." in name and ".." in name.split("/")

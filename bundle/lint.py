@@ -458,6 +458,13 @@ class _Part:
                     rules.norm.text(filename),
                     ev,
                 )
+            elif fmt.has_dotdot(filename):  # where it leads is not known: a temp directory, maybe
+                self.add(
+                    "EV006",
+                    f"executed {filename}: a '..' after a component that may be a symlink, so from anywhere",
+                    rules.norm.text(filename),
+                    ev,
+                )
             elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
                 self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
             if rules.writable.holds(filename):
@@ -487,7 +494,9 @@ class _Part:
             return
         access = d["access"]
         rules = self.rules
-        if ("write" in access or "create" in access) and not rules.write_ok.holds(path):
+        if ("write" in access or "create" in access) and (
+            not rules.write_ok.holds(path) or fmt.has_dotdot(path)
+        ):
             exe = d.get("exe") or "?"
             self.add(
                 "EV004",
@@ -507,7 +516,7 @@ class _Part:
             return
         rules = self.rules
         for path in names:
-            if path.startswith("/") and not rules.write_ok.holds(path):
+            if path.startswith("/") and (not rules.write_ok.holds(path) or fmt.has_dotdot(path)):
                 exe = d.get("exe") or "?"
                 self.add(
                     "EV004",

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 
+from evidence.bundle.format import has_dotdot
 from evidence.errors import PolicyError
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,11 @@ class FsPolicy(BaseModel):
         raise ValueError(f"unknown access {access!r} (one of {', '.join(ACCESSES)})")
 
     def check(self, path: str, access: str) -> Decision | None:
+        lists = self.allow_lists(access)
+        if has_dotdot(path):  # a '..' after what may be a symlink: it may lead anywhere
+            return Decision(
+                rule=f"fs.{lists[0][0]}: '..' after a component: where the name leads is not known"
+            )
         path = os.path.normpath(path) if path.startswith("/") else path
         best: tuple[int, int, str] | None = None  # (specificity, deny=1, rule label)
         for i, rule in enumerate(self.deny):
@@ -206,7 +212,6 @@ class FsPolicy(BaseModel):
                 cand = (rule.specificity, 1, f"fs.deny[{i}]: {rule.text}")
                 if best is None or cand[:2] > best[:2]:
                     best = cand
-        lists = self.allow_lists(access)
         for name, rules in lists:
             for i, rule in enumerate(rules):
                 if rule.matches(path):

@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from evidence.bundle.format import has_dotdot
 from evidence.bundle.text import printable
 from evidence.errors import EXIT_OK, UsageError
 from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
@@ -105,6 +106,7 @@ class Activity:
         self.connects: set[tuple[str, int | None]] = set()  # (address, port)
         self.resolved: dict[str, set[str]] = {}  # a name the run looked up -> the addresses it got
         self.other_ns = 0  # file and exec events in another mount namespace, left out
+        self.unplaced: set[str] = set()  # names with a '..' after a component (where they led is not known)
 
     def accesses(self) -> Iterable[tuple[str, str]]:
         for p, _ in self.read:
@@ -174,6 +176,13 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
             act.write.add((target, False))
         elif op == "exec":
             act.exec.add(target)
+    # a '..' after a component that may be a symlink: no rule can be made for where it led
+    for paths in (act.read, act.write):
+        for entry in [e for e in paths if has_dotdot(e[0])]:
+            paths.discard(entry)
+            act.unplaced.add(entry[0])
+    act.unplaced.update(p for p in act.exec if has_dotdot(p))
+    act.exec.difference_update(act.unplaced)
     return act
 
 
@@ -357,6 +366,13 @@ def build_profile(
             "are not allowed here: their paths name files in that namespace, not these"
         )
         header[1] = "It allows what that run did in its own mount namespace. See docs/policy-format.md."
+        header.append(left_out)
+        logger.warning("%s (an identical run may be blocked there)", left_out)
+    if act.unplaced:
+        left_out = (
+            f"{len(act.unplaced)} names with '..' after a component that may be a symlink "
+            f"(e.g. {printable(min(act.unplaced))}) are not allowed here: where they led is not known"
+        )
         header.append(left_out)
         logger.warning("%s (an identical run may be blocked there)", left_out)
     for _ in range(len(deny) + 1):

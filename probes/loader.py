@@ -80,8 +80,8 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok; the record follows
-_CALL = struct.Struct("<QQIiQIIQ")
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff; the record follows
+_CALL = struct.Struct("<QQIiQIIQII")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
 _AVAL = struct.Struct("<QQQ")  # count, first, last
@@ -111,9 +111,11 @@ class RecorderProbes:
         self.source = render(self.config)
         # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
         self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
-        # on_exit tail-calls on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
+        # on_exit tail-calls on_exit_name and on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
         tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
         self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
+        naming = self.bpf.load_func(b"on_exit_name", self.bpf.TRACEPOINT)  # the kernel's names
+        self.bpf[b"exit_tail"][_U32.pack(1)] = _U32.pack(naming.fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
             hkey[_U32.pack(i)] = _U64.pack(word)
@@ -220,7 +222,7 @@ class RecorderProbes:
         table = self.bpf[b"inflight"]
         out: list[bytes] = []
         for key, raw in table.items():
-            _, size, *_ = _CALL.unpack_from(raw, 0)
+            _, _, size, *_ = _CALL.unpack_from(raw, 0)
             rec = raw[_CALL.size : _CALL.size + size]
             run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= 32 else (0, 0)
             if run == slot and kind != 0:

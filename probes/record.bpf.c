@@ -55,6 +55,7 @@ RECORD_KINDS
 #define F_PATH2_TRUNC 0x100 // EV_CHANGE: the second path is truncated
 #define F_OTHER_NS 0x200    // by a process that left the run's mount or user namespace, mounted or chrooted
 #define F_IN_ROOT 0x400     // EV_OPEN: openat2 with RESOLVE_IN_ROOT: the path, even absolute, is below dfd
+#define F_KNAME 0x800       // EV_OPEN, EV_CHDIR, EV_FCHDIR: the kernel's name of the file (the new cwd) follows the path
 #define RESOLVE_IN_ROOT_ 0x10
 
 struct hdr {
@@ -203,6 +204,8 @@ struct call {
     u32 hlen;  // ... the name's length (path or address, at the same offset) ...
     u32 hskip; // ... and whether there is nothing to hash (1) or no known base (2)
     u64 htok;  // the name's token, 0 when none
+    u32 dotdot; // the name may have a '..' component (maybe_dotdot): an open is named by the kernel
+    u32 koff;   // kernel_name: where the name built backward starts (kept here, not in a register)
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -417,7 +420,7 @@ static __always_inline u64 fd_key(u32 tgid, s32 fd) {
 // helper calls: the task, its files and its fdtable are BTF pointers (bpf_get_current_task_btf),
 // loaded directly (the verifier checks each load against the kernel's BTF at that offset, and a
 // NULL pointer reads as 0); the array's slot and the file's f_inode are read with the helper.
-static __always_inline u64 fd_inode(s32 fd) {
+static __always_inline u64 fd_file(s32 fd) {
     if (fd < 0)
         return 0;
     char *task = (char *)bpf_get_current_task_btf();
@@ -431,8 +434,13 @@ static __always_inline u64 fd_inode(s32 fd) {
     u64 arr = *(u64 *)(fdt + FDT_FD_OFF);
     if ((u32)fd >= max || !arr)
         return 0;
-    u64 file = 0, inode = 0;
+    u64 file = 0;
     bpf_probe_read_kernel(&file, sizeof(file), (void *)(arr + (u64)(u32)fd * 8));
+    return file;
+}
+
+static __always_inline u64 fd_inode(s32 fd) {
+    u64 file = fd_file(fd), inode = 0;
     if (!file)
         return 0;
     bpf_probe_read_kernel(&inode, sizeof(inode), (void *)(file + FILE_INODE_OFF));
@@ -641,7 +649,47 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     c->refetch = 0;
     c->refetch2 = 0;
     c->nr = nr;
+    c->dotdot = 0;
     return c;
+}
+
+// ---- the kernel's names ------------------------------------------------------------------
+//
+// A name is resolved by user space lexically against its base, which is right for every name but
+// one with '..' after a component: that component may be a symlink (or a /proc magic link), and
+// `/tmp/l/../passwd` with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd. Such an open, and every
+// chdir and fchdir (so that a cwd is always the kernel's name of it, and a relative name's leading
+// '..' is its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
+// chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks it.
+
+#define DOTS_ 0x2e2e2e2e2e2e2e2eULL
+#define LOW7_ 0x7f7f7f7f7f7f7f7fULL
+#define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
+#define KNAME_DEPTH_ 64  // dentries and mounts walked up; a deeper name is not given
+
+// Whether a name (len bytes without the NUL, in the call's record) may have a '..' component: two
+// dots side by side anywhere (a superset: user space tells a '..' component from "a..b"). A name
+// longer than HASH_MAX_ is assumed to.
+static __always_inline u32 maybe_dotdot(const char *path, u32 len) {
+    if (len > HASH_MAX_)
+        return 1;
+    u32 words = (len + 7) / 8;
+    u64 carry = 0;
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < HASH_MAX_ / 8; i++) {
+        if (i >= words)
+            break;
+        u64 m = *(const u64 *)(path + i * 8);
+        u32 rest = len - i * 8;
+        if (rest < 8)  // past the name (the NUL, bytes of an earlier name): no dots
+            m &= (1ULL << (rest * 8)) - 1;
+        u64 x = m ^ DOTS_;
+        u64 d = ~(((x & LOW7_) + LOW7_) | x | LOW7_);  // 0x80 in each byte that is '.'
+        if ((d & (d >> 8)) || (carry && (d & 0x80)))
+            return 1;
+        carry = d >> 63;
+    }
+    return 0;
 }
 
 // Reads a path into the call's open/chdir record at entry; keeps the pointer when not resident.
@@ -653,8 +701,12 @@ static __always_inline void read_path(struct call *c, const char *filename) {
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
         c->refetch = (u64)filename;
+        c->dotdot = 1;  // read again at exit: not known yet
     } else if (n == sizeof(e->path)) {
         e->h.flags |= F_PATH_TRUNC;
+        c->dotdot = 1;
+    } else {
+        c->dotdot = maybe_dotdot(e->path, n > 0 ? n - 1 : 0);
     }
     e->path_len = n;
     u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
@@ -713,12 +765,12 @@ static __always_inline void prepare_hash(struct call *c) {
     c->htok = 0;
     u32 kind = c->ev.h.kind;
     u32 run = c->ev.h.run;
-    if (kind != EV_OPEN && kind != EV_CONNECT && kind != EV_CHDIR)
+    // a chdir's cwd is named by the kernel (kernel_name): its token is a random one (settle), since
+    // the same name can reach another directory later and user space names the cwd by where it is
+    if (kind != EV_OPEN && kind != EV_CONNECT)
         return;
-    if (kind == EV_CHDIR && c->ev.open.ret < 0)
-        return;  // a failed chdir changes nothing
     u32 *lim = limits.lookup(&run);
-    if (kind != EV_CHDIR && (!lim || *lim == 0))
+    if (!lim || *lim == 0)
         return;  // --detail full: every operation is a record
     if (kind == EV_CONNECT) {
         struct connect_ev *e = &c->ev.conn;
@@ -735,8 +787,6 @@ static __always_inline void prepare_hash(struct call *c) {
         }
         return;
     }
-    if (kind == EV_CHDIR && (c->ev.h.flags & F_FNAME_FAULT))
-        return;
     struct pctx *p = proc_ctx(c->ev.h.tgid);
     if (!p)
         return;
@@ -751,6 +801,8 @@ static __always_inline void prepare_hash(struct call *c) {
     if (kind == EV_OPEN && n[0] == '/' &&
         ((n[1] == 'p' && n[2] == 'r' && n[3] == 'o' && n[4] == 'c' && n[5] == '/') ||
          (n[1] == 'd' && n[2] == 'e' && n[3] == 'v' && n[4] == '/' && n[5] == 'f' && n[6] == 'd' && n[7] == '/')))
+        c->hskip = 2;
+    if (c->dotdot)  // named by the kernel, which may name it another file each time
         c->hskip = 2;
 }
 
@@ -785,12 +837,9 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
             set_fd_token(p, tgid, (s32)ret, fd_token(p, tgid, c->ev.dup.oldfd, ino), ino);
             return 1;
         }
-        u64 t = 0;
-        if (kind == EV_FCHDIR)
-            t = fd_token(p, tgid, c->ev.open.dfd, c->ev.open.dino);
-        else
-            t = c->htok;
-        p->cwd = t ? t : random_token();
+        // the new cwd: user space names it by the kernel's name of it (kernel_name), which another
+        // chdir to the same name may not have: a token of its own
+        p->cwd = random_token();
         p->cwd_ino = c->ev.open.rino;  // the new cwd, read at exit
         return 1;
     }
@@ -904,7 +953,113 @@ int on_exit_hash(struct sys_exit_ctx *ctx) {
     return settle_and_emit(c);
 }
 
-BPF_PROG_ARRAY(exit_tail, 1);
+BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
+
+// Writes the kernel's name of the file an open returned (ret) or of the new cwd (chdir, fchdir)
+// after the record's path, with its NUL, and sets F_KNAME; nothing when the name cannot be had
+// (not below the process's root, deeper than KNAME_DEPTH_, longer than KNAME_MAX_). The name is
+// built backward in the call's record past open_ev.path (the union is as large as change_ev),
+// then moved to just after the path. Reads race a concurrent rename as d_path's do without
+// rename_lock: a name the file had, or its new one.
+static __always_inline void kernel_name(struct call *c, s64 ret) {
+    struct open_ev *e = &c->ev.open;
+    u32 plen = e->path_len;
+    if (plen > PATH_MAX_ - 1)
+        return;
+    char *task = (char *)bpf_get_current_task_btf();
+    u64 fs = 0, vfsmnt = 0, dentry = 0, root_mnt = 0, root_dentry = 0;
+    bpf_probe_read_kernel(&fs, sizeof(fs), task + TASK_FS_OFF);
+    if (!fs)
+        return;
+    bpf_probe_read_kernel(&root_mnt, 8, (void *)(fs + FS_ROOT_OFF + PATH_MNT_OFF));
+    bpf_probe_read_kernel(&root_dentry, 8, (void *)(fs + FS_ROOT_OFF + PATH_DENTRY_OFF));
+    if (c->ev.h.kind == EV_OPEN) {
+        u64 file = fd_file((s32)ret);
+        if (!file)
+            return;
+        bpf_probe_read_kernel(&vfsmnt, 8, (void *)(file + FILE_PATH_OFF + PATH_MNT_OFF));
+        bpf_probe_read_kernel(&dentry, 8, (void *)(file + FILE_PATH_OFF + PATH_DENTRY_OFF));
+    } else {
+        bpf_probe_read_kernel(&vfsmnt, 8, (void *)(fs + FS_PWD_OFF + PATH_MNT_OFF));
+        bpf_probe_read_kernel(&dentry, 8, (void *)(fs + FS_PWD_OFF + PATH_DENTRY_OFF));
+    }
+    if (!vfsmnt || !dentry)
+        return;
+    char *area = (char *)&c->ev + offsetof(struct open_ev, path) + PATH_MAX_;
+    area[KNAME_MAX_ - 1] = 0;
+    // the offset goes through the map value on each turn: the verifier then sees an unknown number
+    // (each use is masked) and not a range per turn and way through it, which it cannot prune
+    c->koff = KNAME_MAX_ - 1;
+    u64 mnt = vfsmnt - MOUNT_MNT_OFF;
+    int named = 0;
+#pragma clang loop unroll(disable)
+    for (int i = 0; i < KNAME_DEPTH_; i++) {
+        if (dentry == root_dentry && vfsmnt == root_mnt) {
+            named = 1;
+            break;
+        }
+        u64 mnt_root = 0, parent = 0;
+        bpf_probe_read_kernel(&mnt_root, 8, (void *)(vfsmnt + VFSMOUNT_ROOT_OFF));
+        bpf_probe_read_kernel(&parent, 8, (void *)(dentry + DENTRY_PARENT_OFF));
+        if (dentry == mnt_root) {  // up to where the mount is mounted
+            u64 up = 0;
+            bpf_probe_read_kernel(&up, 8, (void *)(mnt + MOUNT_PARENT_OFF));
+            if (!up || up == mnt)
+                break;  // the top of its mount tree, and the process's root was not met: no name
+            bpf_probe_read_kernel(&dentry, 8, (void *)(mnt + MOUNT_MOUNTPOINT_OFF));
+            mnt = up;
+            vfsmnt = mnt + MOUNT_MNT_OFF;
+            continue;
+        }
+        if (dentry == parent || !parent)
+            break;  // a root that is not its mount's root
+        u32 off = *(volatile u32 *)&c->koff;
+        u32 qlen = 0;
+        u64 qname = 0;
+        bpf_probe_read_kernel(&qlen, 4, (void *)(dentry + DENTRY_NAME_OFF + QSTR_LEN_OFF));
+        bpf_probe_read_kernel(&qname, 8, (void *)(dentry + DENTRY_NAME_OFF + QSTR_NAME_OFF));
+        if (qlen == 0 || qlen > 255 || qlen + 1 > off)
+            break;
+        off -= qlen;
+        u32 at = off & (KNAME_MAX_ - 1);
+        barrier_var(at);
+        u32 size = qlen & 255;
+        barrier_var(size);
+        bpf_probe_read_kernel(area + at, size, (void *)qname);
+        off -= 1;
+        area[off & (KNAME_MAX_ - 1)] = '/';
+        *(volatile u32 *)&c->koff = off;
+        dentry = parent;
+    }
+    if (!named)
+        return;
+    u32 off = *(volatile u32 *)&c->koff;
+    if (off == KNAME_MAX_ - 1) {  // the root itself
+        off -= 1;
+        area[off & (KNAME_MAX_ - 1)] = '/';
+    }
+    u32 klen = KNAME_MAX_ - off;  // with the NUL
+    char *dst = (char *)&c->ev + offsetof(struct open_ev, path) + (plen & (PATH_MAX_ - 1));
+    klen &= 2 * KNAME_MAX_ - 1;
+    barrier_var(klen);
+    bpf_probe_read_kernel(dst, klen, area + (off & (KNAME_MAX_ - 1)));
+    c->size = offsetof(struct open_ev, path) + plen + klen;
+    e->h.flags |= F_KNAME;
+}
+
+// The kernel's name of what a call reached, then on_exit_hash (which hashes the name only if
+// prepare_hash said to, and settles the call): a program of its own, so that the verifier walks
+// neither the walk's loop once per path through the rest nor the rest once per way out of the loop.
+int on_exit_name(struct sys_exit_ctx *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c || c->ev.h.kind == 0)
+        return 0;
+    kernel_name(c, c->ev.open.ret);
+    exit_tail.call(ctx, 0);
+    emit_call(c);  // only if on_exit_hash is not in exit_tail (the loader puts it there first)
+    return 0;
+}
 
 static __always_inline void ns_exit(struct call *c);  // ---- namespaces and mounts
 
@@ -952,6 +1107,9 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         }
     }
     prepare_hash(c);
+    u32 kind = c->ev.h.kind;
+    if (ctx->ret >= 0 && ((kind == EV_OPEN && c->dotdot) || kind == EV_CHDIR || kind == EV_FCHDIR))
+        exit_tail.call(ctx, 1);  // on_exit_name: the kernel's name, then the hash and the record
     if (c->hskip == 0)
         exit_tail.call(ctx, 0);
     // no hash needed, or the tail call failed: without a token, a plain record

@@ -22,6 +22,7 @@ from typing import Any, Final, cast
 
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder.dns import Resolutions
+from evidence.bundle.format import has_dotdot
 from evidence.bundle.record_types import (
     Access,
     ChangeRecord,
@@ -91,6 +92,37 @@ _MAGIC: Final = ("/proc/", "/dev/fd/")
 _FD_LINK: Final = re.compile(r"/(?:proc/(?:self|thread-self|([0-9]+))/fd|dev/fd)/([0-9]+)")
 
 
+def normal(name: str) -> str:
+    """An absolute name without '.' and empty components, and without '..' at the root (/.. is /).
+    A '..' after a component stays: that component may be a symlink (or a /proc magic link), and
+    `/tmp/l/../passwd` with l -> /etc/ssh is /etc/passwd, not /tmp/passwd (threat model row 26).
+    Such an open, and every cwd, are named by the kernel (record.bpf.c kernel_name); what is left
+    is named as given, never as a third file."""
+    if not has_dotdot(name):
+        return posixpath.normpath(name).replace("//", "/")
+    parts: list[str] = []
+    for c in name.split("/"):
+        if c in ("", ".") or (c == ".." and not parts):
+            continue
+        parts.append(c)
+    return "/" + "/".join(parts)
+
+
+def join(base: str, name: str, real: bool) -> str:
+    """A relative `name` against the directory `base` (absolute, normal). `real`: `base` is the
+    kernel's name of the directory (no symlink in it), so the name's leading '..' are its real
+    ancestors; else they stay."""
+    if real and name.startswith("."):
+        comps = name.split("/")
+        i = 0
+        while i < len(comps) and comps[i] in ("", ".", ".."):
+            if comps[i] == ".." and base != "/":
+                base = posixpath.dirname(base)
+            i += 1
+        name = "/".join(comps[i:])
+    return normal(base + "/" + name) if name else base
+
+
 @functools.lru_cache(maxsize=512)
 def errno_name(code: int) -> str:
     return errno.errorcode.get(code) or _RESTART.get(code) or f"E{code}"
@@ -151,6 +183,9 @@ class Proc:
     # the directory `cwd` names (its inode's identity, the kernel's cwd_inode), 0 until known: a
     # relative name is resolved against `cwd` only while the kernel says the cwd is that directory
     cwd_ino: int = 0
+    # `cwd` is the kernel's name of it (a chdir's F_KNAME, os.getcwd, /proc/<pid>/cwd): no symlink
+    # in it, so a relative name's leading '..' are its real ancestors (join)
+    cwd_real: bool = True
     # descriptor -> (the path it was opened as, what it named: its inode's identity, decode.py's
     # rino); an entry is used only while the descriptor still names that inode (_fd_path)
     fds: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
@@ -290,7 +325,7 @@ class Correlator:
         # directory identity -> the path a chdir or fchdir of the run was seen to enter it by: the
         # name of a cwd changed unseen (shared by clone(CLONE_FS), a thread's own after
         # unshare(CLONE_FS), or changed while a call was in flight); the newest _CWD_PATHS kept
-        self._cwd_paths: dict[int, str] = {}
+        self._cwd_paths: dict[int, tuple[str, bool]] = {}  # (path, the kernel's name of it)
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -323,31 +358,40 @@ class Correlator:
         del proc.fds[fd]
         return None
 
-    def _cwd(self, proc: Proc, ino: int) -> str | None:
+    def _cwd(self, proc: Proc, ino: int) -> tuple[str | None, bool]:
         """The path of the directory `ino` (the cwd, as the kernel read it when the call began) for
-        a name `proc` gave relative to its cwd; None when it cannot be named. The cwd can change
-        without a chdir of this process: clone(CLONE_FS) shares it with another process, a thread
-        makes its own with unshare(CLONE_FS), another thread's chdir lands while a call is in
-        flight. A directory a chdir of the run entered is named by that path; else the process's
-        first relative name ties its cwd to the directory."""
+        a name `proc` gave relative to its cwd, and whether it is the kernel's name of it; None when
+        it cannot be named. The cwd can change without a chdir of this process: clone(CLONE_FS)
+        shares it with another process, a thread makes its own with unshare(CLONE_FS), another
+        thread's chdir lands while a call is in flight. A directory a chdir of the run entered is
+        named by that chdir's name of it; else the process's first relative name ties its cwd to
+        the directory."""
         if not ino or ino == proc.cwd_ino:
-            return proc.cwd
+            return proc.cwd, proc.cwd_real
         known = self._cwd_paths.get(ino)
         if known is not None:
             return known
         if not proc.cwd_ino:
             proc.cwd_ino = ino
-            return proc.cwd
-        return None
+            return proc.cwd, proc.cwd_real
+        return None, False
 
-    def _entered(self, proc: Proc, ino: int) -> None:
-        """A chdir or fchdir of `proc` succeeded into the directory `ino` (read at its exit)."""
-        proc.cwd_ino = ino
-        if ino and proc.cwd is not None:
+    def _base(self, proc: Proc, dfd: int, ino: int) -> tuple[str | None, bool]:
+        """What a relative name is resolved against: the cwd or descriptor dfd's path (while they
+        name `ino`), and whether that is the kernel's name of it (only a cwd is)."""
+        if dfd == AT_FDCWD:
+            return self._cwd(proc, ino)
+        return self._fd_path(proc, dfd, ino), False
+
+    def _entered(self, proc: Proc, ino: int, cwd: str | None, real: bool) -> None:
+        """A chdir or fchdir of `proc` succeeded into the directory `ino` (read at its exit), named
+        `cwd` (`real`: by the kernel)."""
+        proc.cwd, proc.cwd_real, proc.cwd_ino = cwd, real, ino
+        if ino and cwd is not None:
             self._cwd_paths.pop(ino, None)
             if len(self._cwd_paths) >= _CWD_PATHS:
                 del self._cwd_paths[next(iter(self._cwd_paths))]
-            self._cwd_paths[ino] = proc.cwd
+            self._cwd_paths[ino] = (cwd, real)
 
     @staticmethod
     def _through_fd(proc: Proc, path: str, rino: int) -> str:
@@ -367,14 +411,14 @@ class Correlator:
         `in_root` (openat2's RESOLVE_IN_ROOT): the directory is the root of the name, absolute or not,
         and `..` stops there."""
         if in_root:
-            path = posixpath.normpath("/" + path).lstrip("/")
+            path = normal("/" + path).lstrip("/")
         elif path.startswith("/"):
-            return posixpath.normpath(path).replace("//", "/")
-        base = self._cwd(proc, ino) if dfd == AT_FDCWD else self._fd_path(proc, dfd, ino)
+            return normal(path)
+        base, real = self._base(proc, dfd, ino)
         if base is None:
             where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
             return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
-        return posixpath.normpath(posixpath.join(base, path)) if path else base
+        return join(base, path, real and not in_root)
 
     def open_record(
         self,
@@ -389,6 +433,7 @@ class Correlator:
         raw: bytes,
         dino: int = 0,
         rino: int = 0,
+        kname: bytes = b"",
     ) -> list[Correlated]:
         """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
@@ -396,20 +441,23 @@ class Correlator:
         resolved path is cached by what it depends on (the bytes, and for a relative path the
         directory it is resolved against). An open the kernel counted already (F_STATE) only updates
         the descriptor table and makes no record (Recorder._process would drop it). `dino`: what
-        dfd named at entry, `rino`: what the descriptor returned names (decode.py)."""
+        dfd named at entry, `rino`: what the descriptor returned names, `kname`: the kernel's name of
+        it (F_KNAME: the bytes after the path; see _open_path) (decode.py)."""
         p = self.procs.get(tgid) or self._proc(tgid)
-        if flags & d.F_FNAME_FAULT:
-            path = raw_path = UNREADABLE
+        if flags & (d.F_FNAME_FAULT | d.F_KNAME):
+            raw_path = UNREADABLE if flags & d.F_FNAME_FAULT else d.cstr(raw)
+            kn = d.cstr(kname) if flags & d.F_KNAME else None
+            path = self._open_path(p, raw_path, dfd, dino, flags, rino, kn)
         else:
             in_root = bool(flags & d.F_IN_ROOT)
             if raw[:1] == b"/" and not in_root:
                 key: Any = raw
             else:
-                base = self._cwd(p, dino) if dfd == AT_FDCWD else self._fd_path(p, dfd, dino)
-                key = (raw, base, dfd if base is None else AT_FDCWD, in_root)
+                base, real = self._base(p, dfd, dino)
+                key = (raw, base, real, dfd if base is None else AT_FDCWD, in_root)
             hit = self._paths.get(key)
             if hit is None:
-                raw_path = raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
+                raw_path = d.cstr(raw)
                 path = self._resolve(p, raw_path, dfd, dino, in_root)
                 if path.startswith(_MAGIC):  # another file each time: named each time, never cached
                     path = self._through_fd(p, path, rino)
@@ -436,6 +484,20 @@ class Correlator:
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
             rec["mntns"] = "other"
         return out
+
+    def _open_path(
+        self, p: Proc, raw_path: str, dfd: int, dino: int, flags: int, rino: int, kname: str | None
+    ) -> str:
+        """The path an open names: the kernel's name of the file it opened (`kname`) when the name
+        as given has a '..' component or could not be read, else the name resolved (never cached:
+        the same name is another file when a symlink before its '..' changes)."""
+        unreadable = bool(flags & d.F_FNAME_FAULT)
+        if kname is not None and (unreadable or has_dotdot(raw_path)):
+            return kname
+        if unreadable:
+            return UNREADABLE
+        path = self._resolve(p, raw_path, dfd, dino, bool(flags & d.F_IN_ROOT))
+        return self._through_fd(p, path, rino) if path.startswith(_MAGIC) else path
 
     def _open(
         self,
@@ -614,6 +676,7 @@ class Correlator:
                 exe=parent.exe,
                 cwd=parent.cwd,
                 cwd_ino=parent.cwd_ino,
+                cwd_real=parent.cwd_real,
                 fds=dict(parent.fds),
             )
             return []
@@ -780,13 +843,10 @@ class Correlator:
         t = enter["ts"] + self.wall_offset_ns
         if enter["kind"] == "open":
             if enter["flags"] & d.F_FNAME_FAULT:
-                path = enter["path"] = UNREADABLE
-            else:
-                path = self._resolve(
-                    p, enter["path"], enter["dfd"], enter["dino"], bool(enter["flags"] & d.F_IN_ROOT)
-                )
-                if path.startswith(_MAGIC):
-                    path = self._through_fd(p, path, enter["rino"])
+                enter["path"] = UNREADABLE
+            path = self._open_path(
+                p, enter["path"], enter["dfd"], enter["dino"], enter["flags"], enter["rino"], enter["kname"]
+            )
             return self._open(
                 p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
             )
@@ -827,18 +887,21 @@ class Correlator:
             if names:  # what the run's DNS answers named the address
                 rec["names"] = names
             return [rec]
-        if enter["kind"] == "chdir":
+        if enter["kind"] in ("chdir", "fchdir"):
             if ret == 0:
-                if enter["flags"] & d.F_FNAME_FAULT:
-                    p.cwd = None
+                # named by the kernel; else (too deep, not below the process's root) by the name
+                # as given, or the descriptor's path: a directory never seen opened, or not the one
+                # seen, makes the cwd unknown
+                cwd = enter["kname"]
+                if cwd is not None:
+                    self._entered(p, enter["rino"], cwd, True)
+                elif enter["kind"] == "fchdir":
+                    self._entered(p, enter["rino"], self._fd_path(p, enter["fd"], enter["dino"]), False)
+                elif enter["flags"] & d.F_FNAME_FAULT:
+                    self._entered(p, enter["rino"], None, False)
                 else:
-                    p.cwd = self._resolve(p, enter["path"] or "", AT_FDCWD, enter["dino"])
-                self._entered(p, enter["rino"])
-        elif enter["kind"] == "fchdir":
-            if ret == 0:
-                # a directory we never saw opened, or not the one we saw: the cwd is unknown
-                p.cwd = self._fd_path(p, enter["fd"], enter["dino"])
-                self._entered(p, enter["rino"])
+                    path = self._resolve(p, enter["path"] or "", AT_FDCWD, enter["dino"])
+                    self._entered(p, enter["rino"], path, False)
         elif enter["kind"] == "dup" and ret >= 0:
             # the new descriptor names what oldfd names (rino): oldfd's path if that is what it named
             src = self._fd_path(p, enter["oldfd"], enter["rino"])

@@ -46,6 +46,9 @@ F_PATH2_FAULT = 0x80  # a change record's second path could not be read
 F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
 F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
 F_IN_ROOT = 0x400  # an open by openat2 with RESOLVE_IN_ROOT: its path, even absolute, is below its dirfd
+# an open whose name may have a '..' component, a chdir or fchdir: the kernel's name of the file
+# opened (of the new cwd) follows the path (record.bpf.c kernel_name)
+F_KNAME = 0x800
 
 # struct change_ev's op: what a file change record is
 CHANGE_OPS = {
@@ -159,6 +162,7 @@ class OpenEvent(_Header):
     path: str
     dino: int  # what dfd named at entry (its inode's address), 0: not read
     rino: int  # what the descriptor returned names, 0: none
+    kname: str | None  # the kernel's name of the file opened (F_KNAME), else None
 
 
 class ConnectEvent(_Header):
@@ -179,6 +183,7 @@ class _DirEvent(_Header):
     path: str | None
     dino: int  # fchdir: what fd named at entry; chdir: the cwd a relative path is resolved against
     rino: int  # the directory it changed to (the cwd read at exit), 0: not read
+    kname: str | None  # the kernel's name of the new cwd (F_KNAME), else None
 
 
 class ChdirEvent(_DirEvent):
@@ -303,7 +308,8 @@ def path_text(name: str) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
-def _cstr(raw: bytes) -> str:
+def cstr(raw: bytes) -> str:
+    """A NUL-terminated name of the kernel's as str (bytes not UTF-8 as \\xNN)."""
     return raw.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
 
 
@@ -330,7 +336,7 @@ def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int | None]:
         path = raw[2 : max(2, min(addrlen, len(raw)))]
         if path[:1] == b"\0":  # abstract socket
             return "AF_UNIX", "@" + path[1:].rstrip(b"\0").decode("utf-8", "backslashreplace"), None
-        return "AF_UNIX", _cstr(path), None
+        return "AF_UNIX", cstr(path), None
     if family == socket.AF_UNSPEC:
         return "AF_UNSPEC", "", None
     return "OTHER", f"family={family}", None
@@ -357,9 +363,10 @@ def decode(raw: bytes) -> RawEvent:
             "oflags": oflags,
             "mode": mode,
             "sc": sc,
-            "path": _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
+            "path": cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
             "dino": dino,
             "rino": rino,
+            "kname": cstr(raw[OPEN_PATH_OFF + plen :]) if flags & F_KNAME else None,
         }
     if kind == EV_FORK:
         return {"kind": "fork", **hdr, "child": _FORK.unpack_from(raw, o)[0]}
@@ -382,10 +389,29 @@ def decode(raw: bytes) -> RawEvent:
         }
     if kind in (EV_CHDIR, EV_FCHDIR):
         ret, _, _, fd, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)
-        path = _cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
+        path = cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
+        kname = cstr(raw[OPEN_PATH_OFF + plen :]) if flags & F_KNAME else None
         if kind == EV_CHDIR:
-            return {"kind": "chdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino, "rino": rino}
-        return {"kind": "fchdir", **hdr, "ret": ret, "fd": fd, "path": path, "dino": dino, "rino": rino}
+            return {
+                "kind": "chdir",
+                **hdr,
+                "ret": ret,
+                "fd": fd,
+                "path": path,
+                "dino": dino,
+                "rino": rino,
+                "kname": kname,
+            }
+        return {
+            "kind": "fchdir",
+            **hdr,
+            "ret": ret,
+            "fd": fd,
+            "path": path,
+            "dino": dino,
+            "rino": rino,
+            "kname": kname,
+        }
     if kind == EV_CHANGE:
         ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
         buf = raw[CHANGE_BUF_OFF:]
@@ -402,8 +428,8 @@ def decode(raw: bytes) -> RawEvent:
             "uid": uid,
             "gid": gid,
             "at_flags": at_flags,
-            "path": _cstr(buf[:len1]) if len1 else None,
-            "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
+            "path": cstr(buf[:len1]) if len1 else None,
+            "path2": cstr(buf[len1 : len1 + len2]) if len2 else None,
         }
     if kind == EV_NS:
         ret, nflags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 = _NS.unpack_from(raw, o)
@@ -419,9 +445,9 @@ def decode(raw: bytes) -> RawEvent:
             "dfd2": dfd2,
             "dino": dino,
             "dino2": dino2,
-            "fstype": _cstr(fstype) or None,
-            "path": _cstr(buf[:len1]) if len1 else None,
-            "path2": _cstr(buf[len1 : len1 + len2]) if len2 else None,
+            "fstype": cstr(fstype) or None,
+            "path": cstr(buf[:len1]) if len1 else None,
+            "path2": cstr(buf[len1 : len1 + len2]) if len2 else None,
         }
     if kind == EV_DUP:
         ret, oldfd, newfd, rino = _DUP.unpack_from(raw, o)
@@ -454,7 +480,7 @@ def _exec(
         raw, HDR.size
     )
     buf = raw[EXEC_BUF_OFF:]
-    filename, argv = _cstr(buf[:flen]), _argv(buf[flen : flen + alen])
+    filename, argv = cstr(buf[:flen]), _argv(buf[flen : flen + alen])
     # the two kinds have the same fields: one dict, typed by its kind (mypy cannot narrow a Literal
     # chosen at run time)
     ev = cast(

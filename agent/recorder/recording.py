@@ -639,16 +639,43 @@ class Recorder:
                         rec["t"] = t
                         recs = [rec]
                 else:
-                    ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, _, plen, *ids = (
-                        unpack(raw)
-                    )
+                    (
+                        ts,
+                        cgid,
+                        run,
+                        tgid,
+                        _,
+                        _,
+                        flags,
+                        ret,
+                        exe_tok,
+                        tok,
+                        dfd,
+                        oflags,
+                        mode,
+                        _,
+                        plen,
+                        dino,
+                        rino,
+                    ) = unpack(raw)
                     session = sessions.get(run)
                     if session is None or session.finished:
                         stray += 1
                         last_tail = b""
                         continue
                     recs = session.correlator.open_record(
-                        ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[path_off : path_off + plen], *ids
+                        ts,
+                        cgid,
+                        tgid,
+                        flags,
+                        ret,
+                        dfd,
+                        oflags,
+                        mode,
+                        raw[path_off : path_off + plen],
+                        dino,
+                        rino,
+                        kname=raw[path_off + plen :] if flags & dec.F_KNAME else b"",
                     )
                     if len(recs) == 1 and not flags & dec.F_STATE:
                         last_tail, last_rec, last_line = tail, recs[0].copy(), None

@@ -274,3 +274,32 @@ def test_the_run_id_fed_while_spooling_is_the_one_a_pass_over_the_spool_gives(
     other = Behaviour({})  # the placeholder is part of it: without the roots, another run id
     other.add_many(spooled)
     assert manifest["run_id"] != other.run_id(argv)
+
+
+def test_a_call_in_flight_when_the_run_ends_is_recorded_without_a_result(
+    recorder: Recorder, tmp_path: Path
+) -> None:
+    """A run finished while a process of it waits in an open (a FIFO without a writer): the call is
+    taken out of the kernel's table of calls in flight and recorded, its result NO_RESULT (the
+    loader read the record's size from the wrong field of struct call, and found none)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cg = RunCgroup.create(f"agg-test-{os.getpid()}-{time.monotonic_ns()}")
+    argv = [BUSYBOX, "cat", str(fifo)]
+    p = None
+    try:
+        session = recorder.start(cg.path, argv, str(tmp_path))
+        p = subprocess.Popen(in_cgroup(cg.procs_file(), *argv))
+        deadline = time.monotonic() + 10
+        while "fifo" not in Path(f"/proc/{p.pid}/wchan").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        recorder.finish(session, tmp_path / "run.tar.gz", exit_code=None)
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        cg.wait_empty()
+        cg.remove()
+    _, events = read_bundle(tmp_path / "run.tar.gz")
+    opens = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == str(fifo)]
+    assert [o["result"] for o in opens] == ["NO_RESULT"], opens

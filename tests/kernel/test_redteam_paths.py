@@ -1,7 +1,7 @@
 """Red team: names the bundle gives to what a hostile job (as nobody) opened, executed or connected
 to. Each test performs the attack for real and asserts the correct outcome; the ones the recorder
 gets wrong today, and that need probes/record.bpf.c to get right, are strict xfails that say what
-the fix is (docs/threat-model.md, rows 25-27, 29, 30, 36 and 38; 25, 27, 29 and 30 were fixed in
+the fix is (docs/threat-model.md, rows 25-27, 29, 30, 36 and 38; 25-27, 29 and 30 were fixed in
 record.bpf.c after they were found)."""
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def test_openat2_resolve_in_root_is_named_under_its_dirfd(tmp_path: Path) -> Non
     assert rec["path"] == "/etc/passwd"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="correlate.py collapses '..' lexically (posixpath.normpath): after a symlink or a /proc "
-    "magic link the result is a third name; the kernel's own name of the file needs record.bpf.c",
-)
 def test_dotdot_after_a_magic_link_is_not_collapsed_into_another_name(tmp_path: Path) -> None:
     """fd 3 = /etc/ssh; open("/proc/self/fd/3/../passwd") reads /etc/passwd, and chdir to
     /proc/self/fd/3 then open("../group") reads /etc/group. The bundle said /proc/self/fd/passwd and
@@ -75,6 +70,87 @@ def test_dotdot_after_a_magic_link_is_not_collapsed_into_another_name(tmp_path: 
     (group,) = _opens(events, "../group")
     assert passwd["path"] in ("/etc/passwd", "/proc/self/fd/3/../passwd")
     assert group["path"] in ("/etc/group", "/proc/self/fd/3/../group")
+
+
+@pytest.mark.parametrize("detail", ["summary", "full"])
+def test_a_dotdot_after_a_symlink_is_named_by_the_kernel_each_time(
+    tmp_path: Path, place: Path, detail: str
+) -> None:
+    """l -> x/sub: "l/../f" opens x/f; l retargeted to y/sub, the same name opens y/f. Each open is
+    named by the kernel (never lexically DIR/f, never aggregated under the first one's name), by
+    its absolute name and relative to the cwd, three times each."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        os.chdir({str(place)!r})
+        for d in ('x', 'y'):
+            os.makedirs(d + '/sub')
+            open(d + '/f', 'w').write(d)
+        for target in ('x/sub', 'y/sub'):
+            os.symlink(target, 'l')
+            for _ in range(3):
+                for name in ('l/../f', {str(place)!r} + '/l/../f'):
+                    assert open(name).read() == target[0]
+            os.unlink('l')
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script), extra=("--detail", detail))
+    assert proc.returncode == 0, proc.stderr
+    opened = _opens(events, "l/../f") + _opens(events, f"{place}/l/../f")
+    assert {o["path"] for o in opened} == {f"{place}/x/f", f"{place}/y/f"}, opened
+    for path in ("x/f", "y/f"):  # (a summary keeps one raw name of a path's opens)
+        assert sum(o.get("count", 1) for o in opened if o["path"] == f"{place}/{path}") == 6
+
+
+def test_a_cwd_entered_through_a_symlink_is_its_kernel_name(tmp_path: Path, place: Path) -> None:
+    """chdir("l") with l -> x/sub: the cwd is x/sub, so "../f" is x/f (opened, or not: a failed
+    open's leading '..' is the real parent too), and a '..' after a component of the name that the
+    kernel did not name (the open failed) stays: never a third name."""
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess
+        os.chdir({str(place)!r})
+        os.makedirs('x/sub')
+        open('x/f', 'w').write('x')
+        os.symlink('x/sub', 'l')
+        os.chdir('l')
+        assert open('../f').read() == 'x'
+        for name in ('../missing', 'nope/../g'):
+            try:
+                open(name)
+            except FileNotFoundError:
+                pass
+        subprocess.run(['/bin/true'])
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+    assert proc.returncode == 0, proc.stderr
+    assert [o["path"] for o in _opens(events, "../f")] == [f"{place}/x/f"]
+    assert [o["path"] for o in _opens(events, "../missing")] == [f"{place}/x/missing"]
+    assert [o["path"] for o in _opens(events, "nope/../g")] == [f"{place}/x/sub/nope/../g"]
+    (true,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/bin/true"]
+    assert true["cwd"] == f"{place}/x/sub"
+
+
+def test_a_name_too_deep_for_the_kernel_to_name_keeps_its_dotdot(tmp_path: Path, place: Path) -> None:
+    """A directory 70 levels deep (deeper than the probe walks): the kernel gives no name for the
+    cwd or for "../f" opened there, and the bundle keeps the name as given, '..' and all, for a
+    file that was read (never a third name)."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        deep = {str(place)!r} + ''.join('/d%d' % i for i in range(70))
+        os.makedirs(deep)
+        open(os.path.dirname(deep) + '/f', 'w').write('deep')
+        os.chdir(deep)
+        assert open('../f').read() == 'deep'
+        print(deep)
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+    assert proc.returncode == 0, proc.stderr
+    deep = proc.stdout.strip().splitlines()[-1]
+    assert [o["path"] for o in _opens(events, "../f")] == [f"{deep}/../f"]
 
 
 def test_a_failed_exec_of_a_name_not_in_memory_is_not_named_after_the_cwd(tmp_path: Path) -> None:

@@ -112,18 +112,12 @@ def test_a_program_rewritten_in_place_with_its_mtime_put_back_is_hashed_again(
     assert [r.get("sha256") for r in runs] == [sha256(first).hexdigest(), sha256(second).hexdigest()], runs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hashing /proc/<pid>/exe because it is the file the kernel mapped, whatever the name, "
-    "gives a script the hash of its interpreter (the kernel maps the interpreter): row 37 stays open "
-    "with row 26 until the recorder has the kernel's own name of what ran",
-)
 def test_a_program_run_through_a_dotdot_after_a_symlink_is_still_hashed(tmp_path: Path, place: Path) -> None:
-    """exec of DIR/l/../bin/sleep with l -> /usr/lib: the kernel runs /usr/bin/sleep, the recorder's
-    name for it is DIR/bin/sleep (row 26: '..' collapsed lexically) and that name names nothing, so
-    the program was `not_hashed`: the hash, which a path cannot fool, was lost too. The process's
-    /proc/<pid>/exe is now hashed when it is the very file the kernel mapped (the probe's device,
-    inode, size and ctime), whatever the name."""
+    """exec of DIR/l/../bin/sleep with l -> /usr/lib: the kernel runs /usr/bin/sleep. The recorder
+    named it DIR/bin/sleep ('..' collapsed lexically, row 26), a name of nothing, so the program was
+    `not_hashed`: the hash, which a path cannot fool, was lost too. The name now keeps its '..' (an
+    exec has no descriptor for the kernel to name), which names the program that ran, and the
+    program is hashed (and proven the file the kernel mapped)."""
     from hashlib import sha256
 
     from tests.kernel.util import PY, record
@@ -139,5 +133,6 @@ def test_a_program_run_through_a_dotdot_after_a_symlink_is_still_hashed(tmp_path
     assert proc.returncode == 0, proc.stderr
     (run,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["argv"][1:] == ["2"]]
     assert run["result"] == 0
+    assert run["filename"] == f"{place}/l/../bin/sleep"
     assert run.get("sha256") == sha256(Path("/usr/bin/sleep").read_bytes()).hexdigest(), run
     assert run["hash_source"] == "exe"

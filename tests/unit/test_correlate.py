@@ -13,7 +13,7 @@ RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").re
 
 def ev(kind: str, tgid: int = 10, tid: int | None = None, ts: int = 1, **kw):  # a decoded record
     # dino, dino2, rino: what a descriptor named (decode.py), 0 unless given: not read
-    ids = {"dino": 0, "dino2": 0, "rino": 0}
+    ids = {"dino": 0, "dino2": 0, "rino": 0, "kname": None}
     return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **ids, **kw}
 
 
@@ -393,3 +393,61 @@ def test_an_open_through_proc_self_fd_names_the_file_the_descriptor_names() -> N
         "/proc/thread-self/fd/9",
     ]
     assert [o["raw_path"] for o in out][1] == "/proc/self/fd/3"
+
+
+def test_normal_and_join_keep_a_dotdot_after_a_component() -> None:
+    """A '..' after a component may follow a symlink: kept. One at the root is the root, and a
+    relative name's leading ones go up a base that is the kernel's name (no symlink in it)."""
+    from evidence.agent.recorder.correlate import join, normal
+
+    assert normal("/tmp/l/../passwd") == "/tmp/l/../passwd"
+    assert normal("/../etc/./passwd") == "/etc/passwd"
+    assert normal("//etc//passwd") == "/etc/passwd"
+    assert normal("/a/..") == "/a/.."
+    assert join("/etc/ssh", "../group", real=True) == "/etc/group"
+    assert join("/etc/ssh", "./../../x/../y", real=True) == "/x/../y"
+    assert join("/etc/ssh", "../group", real=False) == "/etc/ssh/../group"
+    assert join("/", "../x", real=True) == "/x"
+    assert join("/etc", "..", real=True) == "/"
+
+
+def test_an_open_with_a_dotdot_is_named_by_the_kernel_and_a_cwd_by_its_kernel_name() -> None:
+    """F_KNAME: the kernel's name of the file opened (of the new cwd). It names an open whose name
+    has a '..' component, or could not be read; a name without one ("a..b": the probe's check is
+    a superset) is resolved as given. A chdir the kernel did not name keeps its name, whose
+    leading '..' then stay too."""
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    opn = {"dfd": -100, "mode": 0, "sc": 0, "oflags": 0}
+    kn = d.F_KNAME
+    out = feed(
+        c,
+        ev("open", path="/tmp/l/../passwd", ret=3, flags=kn, kname="/etc/passwd", **opn),
+        ev("open", path="/tmp/l/../passwd", ret=4, flags=kn, kname="/srv/passwd", **opn),
+        ev("open", path="l/../x", ret=-2, **opn),
+        ev("open", path="a..b", ret=5, flags=kn, kname="/elsewhere/a..b", **opn),
+        ev("open", path="", ret=6, flags=kn | d.F_FNAME_FAULT, kname="/etc/shadow", **opn),
+        ev("chdir", path="/tmp/l", fd=-100, ret=0, flags=kn, kname="/etc/ssh"),
+        ev("open", path="../group", ret=7, flags=kn, kname="/etc/group", **opn),
+        ev("open", path="../missing", ret=-2, **opn),
+        ev("chdir", path="/var/run", fd=-100, ret=0),  # not named by the kernel: as given
+        ev("open", path="../missing", ret=-2, **opn),
+    )
+    assert [o["path"] for o in out] == [
+        "/etc/passwd",
+        "/srv/passwd",
+        "/home/u/l/../x",
+        "/home/u/a..b",
+        "/etc/shadow",
+        "/etc/group",
+        "/etc/missing",
+        "/var/run/../missing",
+    ]
+    assert out[4]["raw_path"] == "<unreadable path>"
+    # the fast path (open_record, from the record's bytes) names them the same
+    c2 = Correlator(wall_offset_ns=0)
+    c2.add_root(10, 1, "/home/u")
+    (a,) = c2.open_record(1, 0, 10, kn, 3, -100, 0, 0, b"/tmp/l/../passwd\0", 0, 0, kname=b"/etc/passwd\0")
+    (b,) = c2.open_record(2, 0, 10, kn, 3, -100, 0, 0, b"/tmp/l/../passwd\0", 0, 0, kname=b"/srv/passwd\0")
+    (e,) = c2.open_record(3, 0, 10, 0, -2, -100, 0, 0, b"/tmp/l/../nope\0", 0, 0)
+    assert [a["path"], b["path"], e["path"]] == ["/etc/passwd", "/srv/passwd", "/tmp/l/../nope"]

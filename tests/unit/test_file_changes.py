@@ -31,7 +31,7 @@ def test_paths_are_resolved_like_opens_both_paths_and_descriptors() -> None:
     c.add_root(10, 1, "/home/u")
     c.feed(
         {"kind": "open", "ts": 1, "run": 1, "tgid": 10, "tid": 10, "flags": 0, "path": "/srv", "dfd": -100}
-        | {"oflags": 0o200000, "mode": 0, "sc": 0, "ret": 4, "dino": 0, "rino": SRV}
+        | {"oflags": 0o200000, "mode": 0, "sc": 0, "ret": 4, "dino": 0, "rino": SRV, "kname": None}
     )
     out = []
     out += c.feed(ev(op="rename", path="a", dfd=4, dino=SRV, path2="../b", dfd2=-100, at_flags=1))

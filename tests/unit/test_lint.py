@@ -83,6 +83,9 @@ def test_clean_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixture
         ([connect(9100, "2606:4700::1111", 443, family="AF_INET6", result="ECONNREFUSED")], {}, "EV005"),
         ([exec_(9100, 200, 101, "/tmp/dropper", ["/tmp/dropper"])], {}, "EV006"),
         ([exec_(9100, 200, 101, "/dev/shm/x", ["x"])], {}, "EV006"),
+        # a '..' after a component that may be a symlink: it may lead anywhere, even out of the workspace
+        ([open_(9100, WS + "/l/../x", ["write"])], {}, "EV004"),
+        ([exec_(9100, 200, 101, WS + "/l/../tool", ["tool"])], {}, "EV006"),
         ([], {"cut_short": True}, "EV007"),
         ([open_(-2_000_000_000, WS + "/late", ["read"])], {}, "EV008"),
     ],

@@ -312,6 +312,23 @@ def test_collect_skips_refusals() -> None:
     assert act.read == set() and act.exec == {"/d"}
 
 
+def test_names_with_a_dotdot_after_a_component_are_left_out_and_said() -> None:
+    """The recorder keeps '..' after a component only where it may follow a symlink: no rule can
+    be made for where such a name led, so the profile leaves it out (and says how many)."""
+    act = collect(
+        [
+            {
+                "type": "dev.evidence.file.open",
+                "data": {"path": "/w/l/../x", "access": ["read"], "result": 0},
+            },
+            {"type": "dev.evidence.file.open", "data": {"path": "/w/y", "access": ["write"], "result": 0}},
+            {"type": "dev.evidence.process.exec", "data": {"filename": "/w/l/../tool", "result": 0}},
+        ]
+    )
+    assert act.read == set() and act.write == {("/w/y", False)} and act.exec == set()
+    assert act.unplaced == {"/w/l/../x", "/w/l/../tool"}
+
+
 def test_profile_to_file(dirs: dict[str, str]) -> None:
     bundle = _bundle(dirs, _records(dirs))
     out = Path(dirs["root"]) / "p.yaml"
