@@ -206,6 +206,8 @@ struct call {
     u64 htok;  // the name's token, 0 when none
     u32 dotdot; // the name may have a '..' component (maybe_dotdot): an open is named by the kernel
     u32 koff;   // kernel_name: where the name built backward starts (kept here, not in a register)
+    u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
+    u32 pad;
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -763,6 +765,7 @@ static __always_inline void read_change_paths(struct call *c, const char *p1, co
 static __always_inline void prepare_hash(struct call *c) {
     c->hskip = 1;
     c->htok = 0;
+    c->hoff = 0;
     u32 kind = c->ev.h.kind;
     u32 run = c->ev.h.run;
     // a chdir's cwd is named by the kernel (kernel_name): its token is a random one (settle), since
@@ -802,8 +805,8 @@ static __always_inline void prepare_hash(struct call *c) {
         ((n[1] == 'p' && n[2] == 'r' && n[3] == 'o' && n[4] == 'c' && n[5] == '/') ||
          (n[1] == 'd' && n[2] == 'e' && n[3] == 'v' && n[4] == '/' && n[5] == 'f' && n[6] == 'd' && n[7] == '/')))
         c->hskip = 2;
-    if (c->dotdot)  // named by the kernel, which may name it another file each time
-        c->hskip = 2;
+    if (c->dotdot)  // not by its name: named by the kernel, which may name another file each time
+        c->hskip = 2;  // (on_exit_name hashes the kernel's name instead)
 }
 
 // c->htok = the token of what prepare_hash set. The inputs are read back from the map value, so the
@@ -814,7 +817,8 @@ static __always_inline void hash_name(struct call *c) {
         return;
     u64 base = *(volatile u64 *)&c->hbase;
     u32 len = *(volatile u32 *)&c->hlen;
-    c->htok = name_token(base, (u64)c->ev.open.path, len);
+    u32 off = *(volatile u32 *)&c->hoff;
+    c->htok = name_token(base, (u64)c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
 }
 
 // What a completed call changes in the kernel's tokens, and whether it is a record: 0 when an open
@@ -1045,6 +1049,16 @@ static __always_inline void kernel_name(struct call *c, s64 ret) {
     bpf_probe_read_kernel(dst, klen, area + (off & (KNAME_MAX_ - 1)));
     c->size = offsetof(struct open_ev, path) + plen + klen;
     e->h.flags |= F_KNAME;
+    // an open is aggregated by the kernel's name, which is what user space names it by: the same
+    // name is the same record whatever the name as given was
+    u32 run = e->h.run;
+    u32 *lim = limits.lookup(&run);
+    if (c->ev.h.kind == EV_OPEN && lim && *lim != 0 && klen > 1) {
+        c->hbase = 0x6b6e616d65ULL;  // "kname": apart from the names as given
+        c->hlen = klen - 1;
+        c->hoff = plen;
+        c->hskip = 0;
+    }
 }
 
 // The kernel's name of what a call reached, then on_exit_hash (which hashes the name only if

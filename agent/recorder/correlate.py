@@ -488,13 +488,13 @@ class Correlator:
     def _open_path(
         self, p: Proc, raw_path: str, dfd: int, dino: int, flags: int, rino: int, kname: str | None
     ) -> str:
-        """The path an open names: the kernel's name of the file it opened (`kname`) when the name
-        as given has a '..' component or could not be read, else the name resolved (never cached:
-        the same name is another file when a symlink before its '..' changes)."""
-        unreadable = bool(flags & d.F_FNAME_FAULT)
-        if kname is not None and (unreadable or has_dotdot(raw_path)):
+        """The path an open names: the kernel's name of the file it opened (`kname`: given when the
+        name as given may have a '..' component or could not be read; the kernel aggregates such
+        opens by it), else the name resolved (never cached: the same name is another file when a
+        symlink before its '..' changes)."""
+        if kname is not None:
             return kname
-        if unreadable:
+        if flags & d.F_FNAME_FAULT:
             return UNREADABLE
         path = self._resolve(p, raw_path, dfd, dino, bool(flags & d.F_IN_ROOT))
         return self._through_fd(p, path, rino) if path.startswith(_MAGIC) else path
