@@ -98,6 +98,27 @@ def test_a_repeated_open_is_counted_in_the_kernel(recorder: Recorder, tmp_path: 
     assert records < 1000  # one record for the 5000 opens, not 5000 (or 10000)
 
 
+def test_opens_named_by_the_kernel_are_counted_by_that_name(recorder: Recorder, tmp_path: Path) -> None:
+    """A name with '..' is named by the kernel (the file it opened), and counted in the kernel by
+    that name: 5,000 opens of /etc/ssh/../hostname and of /proc/self/fd/N/../hostname are few
+    records, and exactly 10,000 opens of /etc/hostname (a summary keeps one of the names given)."""
+    code = textwrap.dedent(
+        """
+        import os
+        d = os.open('/etc/ssh', os.O_RDONLY | os.O_DIRECTORY)
+        for name in ('/etc/ssh/../hostname', '/proc/self/fd/%d/../hostname' % d):
+            for i in range(5000):
+                os.close(os.open(name, os.O_RDONLY))
+        """
+    )
+    manifest, events, records = _run(recorder, tmp_path, [PY, "-S", "-c", code])
+    opened = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == "/etc/hostname"]
+    assert sum(o["count"] for o in opened) == 10000, opened
+    assert {o["raw_path"] for o in opened} <= {"/etc/ssh/../hostname", "/proc/self/fd/3/../hostname"}
+    assert manifest["lost"]["total"] == 0
+    assert records < 1000
+
+
 def test_paths_resolve_as_before_while_repeats_are_not_records(tmp_path: Path) -> None:
     """A dirfd number that named B and then A again (through an open the kernel only counted), a
     child using an inherited dirfd, and chdir back and forth: every open resolves as it did."""
