@@ -80,8 +80,8 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff, hoff, pad; the
-# record follows
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff, hoff, owner;
+# the record follows
 _CALL = struct.Struct("<QQIiQIIQIIII")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
@@ -172,9 +172,11 @@ class RecorderProbes:
 
     def set_aggregation(self, slot: int, max_distinct: int) -> None:
         """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
-        `max_distinct` distinct keys (0: no aggregation, every operation is a record)."""
+        `max_distinct` distinct keys (0: no aggregation, every operation is a record). Called when a
+        run takes the slot: its share of the calls-in-flight table starts empty too."""
         self.bpf[b"distinct"][_U32.pack(slot)] = _U32.pack(0)
         self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(max_distinct)
+        self.bpf[b"inflight_n"][_U32.pack(slot)] = _U32.pack(0)  # a new run's share of `inflight`
 
     def take_aggregates(self, slot: int) -> list[tuple[tuple[int, int, int, int, int, int], int, int, int]]:
         """The aggregation map's entries of run `slot`, removed from it: (key, count, first, last)

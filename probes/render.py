@@ -22,6 +22,7 @@ _TOKENS = (
     "RINGBUF_PAGES",
     "WAKEUP_EVERY",
     "INFLIGHT_MAX",
+    "INFLIGHT_RUN",
     "AGG_MAX",
     "TASK_PID_OFF",
     "TASK_TGID_OFF",
@@ -73,6 +74,7 @@ class ProbeConfig:
     ringbuf_pages: int = 16384  # 64 MiB with 4 KiB pages (power of two): a 300k-open burst fits
     wakeup_every: int = 64  # records per CPU between consumer wakeups
     inflight_max: int = 16384  # threads with a call between enter and exit (allocated on demand)
+    inflight_per_run: int = 4096  # ... of them held by one run: past it, the run's own calls are lost
     agg_max: int = 262144  # aggregation keys of all runs (allocated on demand; past it: one record each)
     have_group_dead: bool = True  # sched_process_exit has group_dead (6.16+)
 
@@ -90,6 +92,8 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
         raise RenderError("args_bytes must be a power of two <= 8192")
     if not _power_of_two(config.ringbuf_pages):
         raise RenderError("ringbuf_pages must be a power of two")
+    if not 0 < config.inflight_per_run <= config.inflight_max:
+        raise RenderError("inflight_per_run must be in 1..inflight_max")
     values = {
         "ARGS_BYTES": config.args_bytes,
         "MAX_ARGS": config.max_args,
@@ -98,6 +102,7 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
         "RINGBUF_PAGES": config.ringbuf_pages,
         "WAKEUP_EVERY": config.wakeup_every,
         "INFLIGHT_MAX": config.inflight_max,
+        "INFLIGHT_RUN": config.inflight_per_run,
         "AGG_MAX": config.agg_max,
         **config.offsets,
     }

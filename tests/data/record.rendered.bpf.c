@@ -56,6 +56,7 @@
 #define MAXARG_ 128
 #define MAX_RUNS_ 1024
 #define CG_DEPTH_ 32
+#define INFLIGHT_RUN_ 4096  // entries of `inflight` one run may hold
 // Offsets into the exec buffer are masked with BUF_MASK so the verifier can bound them:
 // filename (<= PATH_MAX_) + argv (< ARGS_MAX_) always fits below BUF_MASK.
 #define BUF_MASK (4 * PATH_MAX_ - 1)
@@ -226,7 +227,7 @@ struct call {
     u32 dotdot; // the name may have a '..' component (maybe_dotdot): an open is named by the kernel
     u32 koff;   // kernel_name: where the name built backward starts (kept here, not in a register)
     u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
-    u32 pad;
+    u32 owner;  // the run slot the entry is counted in (inflight_n) since its thread's first call
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -281,8 +282,11 @@ BPF_PERCPU_ARRAY(call_zero, struct call, 1);  // never written: the first value 
 BPF_HASH(nsmark, u32, u8, 65536);
 
 // thread id -> its call in flight. Allocated on demand (only tracked threads have one), kept while
-// the thread lives (removed at its exit), so a call costs no allocation and no 4 KiB copy.
+// the thread lives (removed at its exit), so a call costs no allocation and no 4 KiB copy. A run
+// holds at most INFLIGHT_RUN_ entries (inflight_n): a job with more live threads than that loses
+// their calls, counted in its own run, and cannot take the table from the machine's other runs.
 BPF_F_TABLE("hash", u32, struct call, inflight, 16384, BPF_F_NO_PREALLOC);
+BPF_ARRAY(inflight_n, u32, MAX_RUNS_);  // per run slot: entries of `inflight` it holds
 
 // ---- in-kernel aggregation (--detail summary) ---------------------------------------------
 //
@@ -651,14 +655,21 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     if (!c) {
         u32 zero = 0;
         struct call *z = call_zero.lookup(&zero);
-        if (!z)
+        u32 *held = inflight_n.lookup(&run);
+        if (!z || !held)
             return NULL;
+        if (*held >= INFLIGHT_RUN_) {  // the run's share of the table is taken: its own loss
+            count_lost(run, kind);
+            return NULL;
+        }
         inflight.update(&tid, z);
         c = inflight.lookup(&tid);
         if (!c) {
             count_lost(run, kind);
             return NULL;
         }
+        __sync_fetch_and_add(held, 1);
+        c->owner = run;
     } else if (c->ev.h.kind != 0) {
         c->ev.open.ret = NO_RESULT_;
         emit_call(c);
@@ -1402,6 +1413,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     if (c) {
         if (c->ev.h.kind != 0)
             emit_call(c);  // a call that never returned: recorded with NO_RESULT, not dropped
+        u32 owner = c->owner;
+        u32 *held = inflight_n.lookup(&owner);
+        if (held && *held > 0)  // (0: the slot was given to a new run since)
+            __sync_fetch_and_add(held, -1);
         inflight.delete(&tid);
     }
 #ifdef HAVE_GROUP_DEAD

@@ -324,3 +324,49 @@ def test_a_call_in_flight_when_the_run_ends_is_recorded_without_a_result(
     _, events = read_bundle(tmp_path / "run.tar.gz")
     opens = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == str(fifo)]
     assert [o["result"] for o in opens] == ["NO_RESULT"], opens
+
+
+def test_a_job_with_many_threads_loses_only_its_own_calls(tmp_path: Path) -> None:
+    """The calls-in-flight table is the machine's (an agent records many runs with it): a job whose
+    threads (alive, each after one open) would fill it takes at most its run's share, its own calls
+    past it are counted as its loss, and another run at the same time loses nothing. Small sizes
+    (16 entries, 4 a run) stand for the real ones (16,384 and 4,096)."""
+    rec = Recorder(
+        tmp_path / "spool", probes=RecorderProbes(detect_config(inflight_max=16, inflight_per_run=4))
+    )
+    many = textwrap.dedent(
+        """
+        import os, threading, time
+        def one():
+            os.close(os.open('/etc/hostname', os.O_RDONLY))
+            time.sleep(4)
+        ts = [threading.Thread(target=one) for _ in range(20)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        """
+    )
+    few = "import os; os.close(os.open('/etc/passwd', os.O_RDONLY))"
+    cgs = [RunCgroup.create(f"agg-test-{os.getpid()}-{i}-{time.monotonic_ns()}") for i in range(2)]
+    try:
+        sessions = [
+            rec.start(cg.path, [PY, "-S", "-c", c], str(tmp_path))
+            for cg, c in zip(cgs, (many, few), strict=True)
+        ]
+        hog = subprocess.Popen(in_cgroup(cgs[0].procs_file(), PY, "-S", "-c", many))
+        time.sleep(1.5)  # its threads hold what they can of the table now
+        other = subprocess.run(in_cgroup(cgs[1].procs_file(), PY, "-S", "-c", few), check=True)
+        assert hog.wait() == 0
+        manifests = []
+        for i, (cg, session) in enumerate(zip(cgs, sessions, strict=True)):
+            cg.wait_empty()
+            manifests.append(rec.finish(session, tmp_path / f"run{i}.tar.gz", exit_code=0))
+    finally:
+        rec.close()
+        for cg in cgs:
+            cg.remove()
+    assert other.returncode == 0
+    assert manifests[1]["lost"]["total"] == 0, manifests[1]["lost"]
+    _, events = read_bundle(tmp_path / "run1.tar.gz")
+    assert any(e["data"]["path"] == "/etc/passwd" for e in of_type(events, "file.open"))
+    # 20 threads, one open each, and a share of 4 (its main thread holds one already)
+    assert manifests[0]["lost"]["by_kind"].get("open", 0) >= 20 - 4, manifests[0]["lost"]

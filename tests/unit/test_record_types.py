@@ -85,8 +85,10 @@ def correlated() -> list[Any]:
     those optional fields are there too), each by feed() and, for opens, by open_record()."""
     hashes = [{"sha256": "ab" * 32, "size": 10, "hash_source": "exe"}, {"not_hashed": "gone"}]
 
+    calls = iter(range(1_000_000))
+
     def hash_of(pid: int, filename: str, ident: object) -> dict[str, Any]:
-        return hashes[len(filename) % 2]
+        return hashes[next(calls) % 2]  # each kind of answer, whatever the captured names are
 
     out: list[Any] = []
     for named in (False, True):
