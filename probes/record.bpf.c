@@ -1722,8 +1722,9 @@ static __always_inline int enter_ns(s32 nr, u16 op, u64 flags, u64 target, s32 d
     e->op = op;
     e->pad = 0;
     read_change_paths(c, p1, p2);
-    e->dino = dfd != -100 && p1 ? fd_inode(dfd) : 0;  // what the dirfds name now
-    e->dino2 = dfd2 != -100 && p2 ? fd_inode(dfd2) : 0;
+    // what the dirfds, or the cwd, name now (rare calls: read for any path, like a change's)
+    e->dino = p1 ? dir_inode(dfd) : 0;
+    e->dino2 = p2 ? dir_inode(dfd2) : 0;
     return 0;
 }
 

@@ -285,6 +285,33 @@ def test_a_threads_private_cwd_does_not_rename_the_other_threads_opens(tmp_path:
     assert rec["path"] == "/etc/passwd"  # the directory a chdir of the run entered
 
 
+def test_a_threads_private_cwd_does_not_rename_the_other_threads_namespace_calls(tmp_path: Path) -> None:
+    """The same with a namespace call: in a user namespace of its own, the main thread (in /etc)
+    does chroot("ssh") after a thread with a private cwd did chdir("/tmp"): /etc/ssh, not
+    /tmp/ssh (namespace calls now carry the cwd's identity like opens)."""
+    script = textwrap.dedent(
+        """
+        import ctypes, os, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.unshare(0x10000000) == 0, ctypes.get_errno()  # CLONE_NEWUSER: may chroot
+        os.chdir('/etc')
+        def private():
+            assert libc.unshare(0x200) == 0, ctypes.get_errno()  # CLONE_FS
+            os.chdir('/tmp')
+        t = threading.Thread(target=private)
+        t.start()
+        t.join()
+        assert os.getcwd() == '/etc'
+        os.chroot('ssh')
+        """
+    )
+    proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = [e["data"] for e in of_type(events, "process.namespace") if e["data"]["operation"] == "chroot"]
+    assert rec["result"] == 0
+    assert rec["paths"] == ["/etc/ssh"]
+
+
 def test_a_write_through_proc_self_fd_of_an_o_path_descriptor_names_the_file(tmp_path: Path) -> None:
     """open(F, O_PATH) (no access: Landlock does not check it either), then open("/proc/self/fd/N",
     O_WRONLY) writes F. The bundle said a write of "/proc/self/fd/3"; which file it was is not in
