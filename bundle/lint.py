@@ -78,7 +78,9 @@ RULES: dict[str, Rule] = {
              "workspace (manifest.policy.workspace, else the run's cwd), outside the run's TMPDIR "
              "and outside the usual scratch places (/tmp, /var/tmp, /dev/shm, /dev/null, ttys, "
              "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
-             "not hermetic and may tamper with the machine. Relative paths are not judged."),
+             "not hermetic and may tamper with the machine. A path that keeps a '..' after a "
+             "component (the recorder had no kernel name for it; that component may be a symlink) "
+             "may lead anywhere and is judged outside. Relative paths are not judged."),
         Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
              "The run had no policy (manifest.policy is null), and a process connected (or tried "
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
@@ -87,8 +89,9 @@ RULES: dict[str, Rule] = {
              "A process.exec that succeeded ran a binary under /tmp, /var/tmp, /dev/shm or the "
              "run's TMPDIR (but not inside the workspace), or from a file descriptor the recorder "
              "did not see opened (/dev/fd/N: a memfd, or a descriptor passed in), which leaves no "
-             "file to inspect. Droppers and downloaded tools run from there; check where the "
-             "binary came from."),
+             "file to inspect; or through a name that keeps a '..' after a component (that "
+             "component may be a symlink: the program may be from anywhere). Droppers and "
+             "downloaded tools run from there; check where the binary came from."),
         Rule("EV007", "run-not-finished", "error", "The run was not recorded to its end",
              "There is no dev.evidence.run.finished event, or the manifest says cut_short: the "
              "recorder stopped before the run ended (killed, timeout, agent restart). Anything the "
