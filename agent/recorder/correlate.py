@@ -322,8 +322,8 @@ class Correlator:
         # (pid, path) of the writes to another cgroup's procs said already (of opens counted in the
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
-        # directory identity -> the path a chdir or fchdir of the run was seen to enter it by: the
-        # name of a cwd changed unseen (shared by clone(CLONE_FS), a thread's own after
+        # directory identity -> its name when a chdir or fchdir of the run entered it (the kernel's,
+        # or the name as given when the kernel gave none): the name of a cwd changed unseen (shared by clone(CLONE_FS), a thread's own after
         # unshare(CLONE_FS), or changed while a call was in flight); the newest _CWD_PATHS kept
         self._cwd_paths: dict[int, tuple[str, bool]] = {}  # (path, the kernel's name of it)
 
