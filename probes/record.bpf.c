@@ -670,10 +670,13 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
 //
 // A name is resolved by user space lexically against its base, which is right for every name but
 // one with '..' after a component: that component may be a symlink (or a /proc magic link), and
-// `/tmp/l/../passwd` with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd. Such an open, and every
-// chdir and fchdir (so that a cwd is always the kernel's name of it, and a relative name's leading
-// '..' is its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
-// chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks it.
+// `/tmp/l/../passwd` with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd. Such an open, every
+// open that may write (a write through /tmp/l/passwd is a write of /etc/passwd: lint judges where
+// it went, and the name the job wrote in its memory may change between the probe's read and the
+// kernel's), and every chdir and fchdir (so that a cwd is always the kernel's name of it, and a
+// relative name's leading '..' is its real parent), carry the kernel's own name of what they
+// reached (F_KNAME): the dentry chain of the file (or the new cwd) up to the process's root, across
+// mounts, as d_path walks it.
 
 #define DOTS_ 0x2e2e2e2e2e2e2e2eULL
 #define LOW7_ 0x7f7f7f7f7f7f7f7fULL
@@ -770,6 +773,7 @@ static __always_inline void read_change_paths(struct call *c, const char *p1, co
 }
 
 #define ACCESS_BITS (03 | 0100 | 01000 | 010000000 | 020200000)  // ACCMODE CREAT TRUNC PATH TMPFILE
+#define WRITE_BITS (03 | 0100 | 01000)  // an open that may write or create: named by the kernel
 
 // Sets what hash_name hashes for the call: an open's or chdir's path against its base, or a
 // connect's address (the bytes as given, up to 127).
@@ -1133,7 +1137,8 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     }
     prepare_hash(c);
     u32 kind = c->ev.h.kind;
-    if (ctx->ret >= 0 && ((kind == EV_OPEN && c->dotdot) || kind == EV_CHDIR || kind == EV_FCHDIR))
+    if (ctx->ret >= 0 && ((kind == EV_OPEN && (c->dotdot || (c->ev.open.flags & WRITE_BITS))) ||
+                          kind == EV_CHDIR || kind == EV_FCHDIR))
         exit_tail.call(ctx, 1);  // on_exit_name: the kernel's name, then the hash and the record
     if (c->hskip == 0)
         exit_tail.call(ctx, 0);

@@ -6,6 +6,7 @@ record.bpf.c after they were found)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel.util import PY, as_user, of_type, record
+from tests.kernel.util import PY, as_user, evidence, of_type, record
 
 NOBODY = 65534
 
@@ -130,6 +131,35 @@ def test_a_cwd_entered_through_a_symlink_is_its_kernel_name(tmp_path: Path, plac
     assert [o["path"] for o in _opens(events, "nope/../g")] == [f"{place}/x/sub/nope/../g"]
     (true,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/bin/true"]
     assert true["cwd"] == f"{place}/x/sub"
+
+
+def test_a_write_through_a_symlink_is_named_where_it_went(tmp_path: Path, place: Path) -> None:
+    """A job (no policy: lint's EV004 is what says it wrote outside the workspace) writes through a
+    symlink in /tmp to a directory elsewhere: the open is named by the kernel, the file it wrote,
+    and lint flags it. Before, the bundle said /tmp/.../l/written, a scratch place: nothing to see.
+    A read through the same symlink keeps its name as given (a true name, through the link)."""
+    out = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/lib"))
+    out.chmod(0o777)
+    (out / "readme").write_text("r")
+    try:
+        script = textwrap.dedent(
+            f"""
+            import os
+            os.chdir({str(place)!r})
+            os.symlink({str(out)!r}, 'l')
+            open('l/written', 'w').write('w')
+            assert open('l/readme').read() == 'r'
+            """
+        )
+        proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+        assert proc.returncode == 0, proc.stderr
+        assert [o["path"] for o in _opens(events, "l/written")] == [f"{out}/written"]
+        assert [o["path"] for o in _opens(events, "l/readme")] == [f"{place}/l/readme"]
+        lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+        findings = json.loads(lint.stdout)["findings"]
+        assert any(f["rule"] == "EV004" and f"{out}/written" in f["message"] for f in findings), findings
+    finally:
+        shutil.rmtree(out)
 
 
 def test_a_name_too_deep_for_the_kernel_to_name_keeps_its_dotdot(tmp_path: Path, place: Path) -> None:
