@@ -80,11 +80,11 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff, hoff, owner;
-# the record follows
-_CALL = struct.Struct("<QQIiQIIQIIII")
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff, hoff, owner,
+# walked, pad; the record follows
+_CALL = struct.Struct("<QQIiQIIQIIIIII")
 # struct akey and struct aval, as bytes
-_AKEY = struct.Struct("<QQQIIiHH")  # exe, tok, cgid, run, access, result, kind, pad
+_AKEY = struct.Struct("<QQQIIiHHQ")  # exe, tok, cgid, run, access, result, kind, pad, ino
 _AVAL = struct.Struct("<QQQ")  # count, first, last
 _AKEY_RUN = struct.Struct("<24xI")  # struct akey: run
 _TS = struct.Struct("<Q")
@@ -178,7 +178,9 @@ class RecorderProbes:
         self.bpf[b"limits"][_U32.pack(slot)] = _U32.pack(max_distinct)
         self.bpf[b"inflight_n"][_U32.pack(slot)] = _U32.pack(0)  # a new run's share of `inflight`
 
-    def take_aggregates(self, slot: int) -> list[tuple[tuple[int, int, int, int, int, int], int, int, int]]:
+    def take_aggregates(
+        self, slot: int
+    ) -> list[tuple[tuple[int, int, int, int, int, int, int], int, int, int]]:
         """The aggregation map's entries of run `slot`, removed from it: (key, count, first, last)
         with key = (exe token, token, cgroup id, kind, access, result) and kernel times."""
         out, keys = self.read_aggregates(slot)
@@ -187,7 +189,7 @@ class RecorderProbes:
 
     def read_aggregates(
         self, slot: int
-    ) -> tuple[list[tuple[tuple[int, int, int, int, int, int], int, int, int]], bytes]:
+    ) -> tuple[list[tuple[tuple[int, int, int, int, int, int, int], int, int, int]], bytes]:
         """Stop aggregating run `slot` and read its entries of the aggregation map, as
         take_aggregates gives them, with their keys as one string of bytes: for drop_aggregates,
         which removes them (deleting a hundred thousand entries takes the kernel a few tenths of a
@@ -196,13 +198,13 @@ class RecorderProbes:
         keys, values = self.bpf[b"agg"].items_raw()  # many entries per system call, unpacked in bulk
         out = []
         others = False  # entries of other runs (an agent's concurrent runs) stay in the map
-        for (exe, tok, cgid, run, access, result, kind, _), (count, first, last) in zip(
+        for (exe, tok, cgid, run, access, result, kind, _, ino), (count, first, last) in zip(
             _AKEY.iter_unpack(keys), _AVAL.iter_unpack(values), strict=True
         ):
             if run != slot:
                 others = True
                 continue
-            out.append(((exe, tok, cgid, kind, access, result), count, first, last))
+            out.append(((exe, tok, cgid, kind, access, result, ino), count, first, last))
         if others:
             size = _AKEY.size
             keys = b"".join(

@@ -286,15 +286,15 @@ EVENT_TYPES: dict[int, type] = {
 ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
 
 
-def agg_key(ev: OpenEvent | ConnectEvent) -> tuple[int, int, int, int, int, int]:
+def agg_key(ev: OpenEvent | ConnectEvent) -> tuple[int, int, int, int, int, int, int]:
     """The kernel's aggregation key of an open or connect record (as `struct akey`, without the run):
-    (exe token, path or address token, cgroup id, kind, access bits, result)."""
-    if ev["kind"] == "open":
-        kind, access = EV_OPEN, ev["oflags"] & ACCESS_BITS
-    else:
-        kind, access = EV_CONNECT, ev["flags"] & (F_SEND | F_FNAME_FAULT)
+    (exe token, path or address token, cgroup id, kind, access bits, result, what an open opened)."""
     ret = ev["ret"]
-    return (ev["exe_tok"], ev["tok"], ev["cgid"], kind, access, ret if ret < 0 else 0)
+    if ev["kind"] == "open":
+        kind, access, ino = EV_OPEN, ev["oflags"] & ACCESS_BITS, ev["rino"] if ret >= 0 else 0
+    else:
+        kind, access, ino = EV_CONNECT, ev["flags"] & (F_SEND | F_FNAME_FAULT), 0
+    return (ev["exe_tok"], ev["tok"], ev["cgid"], kind, access, ret if ret < 0 else 0, ino)
 
 
 class DecodeError(ValueError):

@@ -448,7 +448,7 @@ class Recorder:
     def _counted(
         self,
         session: Session,
-        aggregates: list[tuple[tuple[int, int, int, int, int, int], int, int, int]],
+        aggregates: list[tuple[tuple[int, int, int, int, int, int, int], int, int, int]],
         lost: dict[str, int],
     ) -> list[SpoolRecord]:
         """Records with the counts the kernel kept: for each aggregated key seen more than once, its
@@ -682,7 +682,15 @@ class Recorder:
                     else:
                         last_tail = b""
                 if flags & dec.F_FIRST:
-                    first = (exe_tok, tok, cgid, dec.EV_OPEN, oflags & dec.ACCESS_BITS, min(ret, 0))
+                    first = (
+                        exe_tok,
+                        tok,
+                        cgid,
+                        dec.EV_OPEN,
+                        oflags & dec.ACCESS_BITS,
+                        min(ret, 0),
+                        rino if ret >= 0 else 0,
+                    )
             else:
                 last_tail = b""
                 try:

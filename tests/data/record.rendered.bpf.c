@@ -228,6 +228,8 @@ struct call {
     u32 koff;   // kernel_name: where the name built backward starts (kept here, not in a register)
     u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
     u32 owner;  // the run slot the entry is counted in (inflight_n) since its thread's first call
+    u32 walked; // on_exit_name ran for the call (the kernel's name, if it could be had, is in it)
+    u32 pad;
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -328,6 +330,7 @@ struct akey {
     s32 result;  // 0 or -errno
     u16 kind;
     u16 pad;
+    u64 ino;     // open: what it opened (its inode's address, rino), 0 when it failed; connect: 0
 };
 
 struct aval {
@@ -682,20 +685,22 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     c->refetch2 = 0;
     c->nr = nr;
     c->dotdot = 0;
+    c->walked = 0;
     return c;
 }
 
 // ---- the kernel's names ------------------------------------------------------------------
 //
-// A name is resolved by user space lexically against its base, which is right for every name but
-// one with '..' after a component: that component may be a symlink (or a /proc magic link), and
-// `/tmp/l/../passwd` with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd. Such an open, every
-// open that may write (a write through /tmp/l/passwd is a write of /etc/passwd: lint judges where
-// it went, and the name the job wrote in its memory may change between the probe's read and the
-// kernel's), and every chdir and fchdir (so that a cwd is always the kernel's name of it, and a
-// relative name's leading '..' is its real parent), carry the kernel's own name of what they
-// reached (F_KNAME): the dentry chain of the file (or the new cwd) up to the process's root, across
-// mounts, as d_path walks it.
+// A name is resolved by user space lexically against its base, which is wrong for a name with '..'
+// after a component (that component may be a symlink or a /proc magic link: `/tmp/l/../passwd`
+// with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd), and the probe reads the name from the
+// job's memory before the kernel does (another thread can change it in between). So a successful
+// open that becomes a record, and every chdir and fchdir (a cwd is always the kernel's name of
+// it, and a relative name's leading '..' its real parent), carry the kernel's own name of what
+// they reached (F_KNAME): the dentry chain of the file (or the new cwd) up to the process's root,
+// across mounts, as d_path walks it. In summary, a read's repeats counted under a key are the same
+// file (the key has its inode) and are not walked; a '..', a /proc name, an unknown base and a
+// write are walked each time and aggregated by the kernel's name.
 
 #define DOTS_ 0x2e2e2e2e2e2e2e2eULL
 #define LOW7_ 0x7f7f7f7f7f7f7f7fULL
@@ -853,6 +858,26 @@ static __always_inline void hash_name(struct call *c) {
     u32 len = *(volatile u32 *)&c->hlen;
     u32 off = *(volatile u32 *)&c->hoff;
     c->htok = name_token(base, (u64)c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
+    c->hskip = 3;  // hashed: on_exit_name keeps this token (see on_exit_hash)
+}
+
+// The aggregation key of a completed open or connect whose token is `tok`.
+static __always_inline void fill_key(struct call *c, struct pctx *p, u64 tok, struct akey *k) {
+    struct hdr *h = &c->ev.h;
+    s64 ret = c->ev.open.ret;
+    k->exe = p->exe;
+    k->tok = tok;
+    k->cgid = h->cgid;
+    k->run = h->run;
+    k->kind = h->kind;
+    k->result = ret < 0 ? (s32)ret : 0;
+    if (h->kind == EV_OPEN) {
+        k->access = c->ev.open.flags & ACCESS_BITS;
+        k->ino = ret >= 0 ? c->ev.open.rino : 0;
+    } else {
+        k->access = h->flags & (F_SEND | F_FNAME_FAULT);
+        k->ino = 0;
+    }
 }
 
 // What a completed call changes in the kernel's tokens, and whether it is a record: 0 when an open
@@ -890,10 +915,6 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
     if (!p)
         return 1;
     u64 tok = c->htok;
-    if (kind == EV_OPEN)
-        k->access = c->ev.open.flags & ACCESS_BITS;
-    else
-        k->access = h->flags & (F_SEND | F_FNAME_FAULT);
     int fd_changes = 0;
     if (kind == EV_OPEN && ret >= 0) {
         // what user space keeps for the descriptor changes: another token, or the same name on
@@ -907,12 +928,7 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
         return 1;  // resolved against something the kernel cannot name: a plain record
     if (h->flags & F_OTHER_NS)
         return 1;  // another mount namespace: a plain record, never merged with the run's own names
-    k->exe = p->exe;
-    k->tok = tok;
-    k->cgid = h->cgid;
-    k->run = run;
-    k->kind = kind;
-    k->result = ret < 0 ? (s32)ret : 0;
+    fill_key(c, p, tok, k);
     c->ev.open.exe = p->exe;  // the same offsets in connect_ev
     c->ev.open.tok = tok;
     struct aval *v = agg.lookup(k);
@@ -980,18 +996,33 @@ static __always_inline int settle_and_emit(struct call *c) {
     return 0;
 }
 
+BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
+
 // The second half of on_exit, a program of its own (a tail call) so that the verifier walks the
 // hash loop from one clean state instead of once per path through the first half.
+//
+// A successful open that will be a record (its key's first, or one the kernel does not count) and
+// was not named by the kernel yet goes to on_exit_name first, which comes back here: the record
+// names the file the kernel opened, not the name the job's memory held when the probe read it
+// (another thread can change it before the kernel reads it). A repeat counted under a key is the
+// same file (the key has its inode), so only a key's first open costs the walk.
 int on_exit_hash(struct sys_exit_ctx *ctx) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct call *c = inflight.lookup(&tid);
     if (!c || c->ev.h.kind == 0)
         return 0;
     hash_name(c);
+    if (c->ev.h.kind == EV_OPEN && c->ev.open.ret >= 0 && !c->walked) {
+        struct pctx *p = procs.lookup(&c->ev.h.tgid);
+        struct akey k = {};
+        if (p && c->htok)
+            fill_key(c, p, c->htok, &k);
+        if (!p || !c->htok || !agg.lookup(&k))
+            exit_tail.call(ctx, 1);
+    }
     return settle_and_emit(c);
 }
 
-BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
 
 // Writes the kernel's name of the file an open returned (ret) or of the new cwd (chdir, fchdir)
 // after the record's path, with its NUL, and sets F_KNAME; nothing when the name cannot be had
@@ -1083,11 +1114,13 @@ static __always_inline void kernel_name(struct call *c, s64 ret) {
     bpf_probe_read_kernel(dst, klen, area + (off & (KNAME_MAX_ - 1)));
     c->size = offsetof(struct open_ev, path) + plen + klen;
     e->h.flags |= F_KNAME;
-    // an open is aggregated by the kernel's name, which is what user space names it by: the same
-    // name is the same record whatever the name as given was
+    // an open whose name as given was not hashed (a '..', a magic link, an unknown base) or that
+    // writes is aggregated by the kernel's name, which is what user space names it by: the same
+    // name is the same record whatever the name as given was (a read's name as given, hashed
+    // already, keeps its token: its key has the inode, see on_exit_hash)
     u32 run = e->h.run;
     u32 *lim = limits.lookup(&run);
-    if (c->ev.h.kind == EV_OPEN && lim && *lim != 0 && klen > 1) {
+    if (c->ev.h.kind == EV_OPEN && lim && *lim != 0 && klen > 1 && c->hskip != 3) {
         c->hbase = 0x6b6e616d65ULL;  // "kname": apart from the names as given
         c->hlen = klen - 1;
         c->hoff = plen;
@@ -1103,6 +1136,7 @@ int on_exit_name(struct sys_exit_ctx *ctx) {
     struct call *c = inflight.lookup(&tid);
     if (!c || c->ev.h.kind == 0)
         return 0;
+    c->walked = 1;
     kernel_name(c, c->ev.open.ret);
     exit_tail.call(ctx, 0);
     emit_call(c);  // only if on_exit_hash is not in exit_tail (the loader puts it there first)
@@ -1156,7 +1190,12 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     }
     prepare_hash(c);
     u32 kind = c->ev.h.kind;
-    if (ctx->ret >= 0 && ((kind == EV_OPEN && (c->dotdot || (c->ev.open.flags & WRITE_BITS))) ||
+    u32 run = c->ev.h.run;
+    u32 *lim = limits.lookup(&run);
+    int full = !lim || *lim == 0;  // --detail full: every open is a record, named by the kernel
+    // (hskip 2: a /proc name, or a base the kernel cannot name: a record each time, named by the
+    // kernel and aggregated by that name)
+    if (ctx->ret >= 0 && ((kind == EV_OPEN && (c->dotdot || full || c->hskip == 2 || (c->ev.open.flags & WRITE_BITS))) ||
                           kind == EV_CHDIR || kind == EV_FCHDIR))
         exit_tail.call(ctx, 1);  // on_exit_name: the kernel's name, then the hash and the record
     if (c->hskip == 0)
