@@ -80,9 +80,9 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, dotdot, koff, hoff, owner,
-# walked, pad; the record follows
-_CALL = struct.Struct("<QQIiQIIQIIIIII")
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, koff, hoff, owner, walked;
+# the record follows
+_CALL = struct.Struct("<QQIiQIIQIIII")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHHQ")  # exe, tok, cgid, run, access, result, kind, pad, ino
 _AVAL = struct.Struct("<QQQ")  # count, first, last

@@ -323,8 +323,9 @@ class Correlator:
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
         # directory identity -> its name when a chdir or fchdir of the run entered it (the kernel's,
-        # or the name as given when the kernel gave none): the name of a cwd changed unseen (shared by clone(CLONE_FS), a thread's own after
-        # unshare(CLONE_FS), or changed while a call was in flight); the newest _CWD_PATHS kept
+        # or the name as given when the kernel gave none): the name of a cwd changed unseen
+        # (shared by clone(CLONE_FS), a thread's own after unshare(CLONE_FS), or changed while a
+        # call was in flight); the newest _CWD_PATHS kept
         self._cwd_paths: dict[int, tuple[str, bool]] = {}  # (path, the kernel's name of it)
 
     def exe_of(self, pid: int) -> str | None:
@@ -488,10 +489,10 @@ class Correlator:
     def _open_path(
         self, p: Proc, raw_path: str, dfd: int, dino: int, flags: int, rino: int, kname: str | None
     ) -> str:
-        """The path an open names: the kernel's name of the file it opened (`kname`: given when the
-        name as given may have a '..' component or could not be read; the kernel aggregates such
-        opens by it), else the name resolved (never cached: the same name is another file when a
-        symlink before its '..' changes)."""
+        """The path an open names: the kernel's name of the file it opened (`kname`: given for a
+        successful open that is a record: record.bpf.c kernel_name), else the name as given,
+        resolved (the kernel had no name for it, or it failed, or it only updates the descriptor
+        table: F_STATE)."""
         if kname is not None:
             return kname
         if flags & d.F_FNAME_FAULT:

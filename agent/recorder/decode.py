@@ -46,8 +46,8 @@ F_PATH2_FAULT = 0x80  # a change record's second path could not be read
 F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
 F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
 F_IN_ROOT = 0x400  # an open by openat2 with RESOLVE_IN_ROOT: its path, even absolute, is below its dirfd
-# an open whose name may have a '..' component, a chdir or fchdir: the kernel's name of the file
-# opened (of the new cwd) follows the path (record.bpf.c kernel_name)
+# a successful open that is a record, a chdir or fchdir: the kernel's name of the file opened (of
+# the new cwd) follows the path (record.bpf.c kernel_name)
 F_KNAME = 0x800
 
 # struct change_ev's op: what a file change record is

@@ -224,12 +224,10 @@ struct call {
     u32 hlen;  // ... the name's length (path or address, at the same offset) ...
     u32 hskip; // ... and whether there is nothing to hash (1) or no known base (2)
     u64 htok;  // the name's token, 0 when none
-    u32 dotdot; // the name may have a '..' component (maybe_dotdot): an open is named by the kernel
     u32 koff;   // kernel_name: where the name built backward starts (kept here, not in a register)
     u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
     u32 owner;  // the run slot the entry is counted in (inflight_n) since its thread's first call
     u32 walked; // on_exit_name ran for the call (the kernel's name, if it could be had, is in it)
-    u32 pad;
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -684,7 +682,6 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     c->refetch = 0;
     c->refetch2 = 0;
     c->nr = nr;
-    c->dotdot = 0;
     c->walked = 0;
     return c;
 }
@@ -693,44 +690,18 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
 //
 // A name is resolved by user space lexically against its base, which is wrong for a name with '..'
 // after a component (that component may be a symlink or a /proc magic link: `/tmp/l/../passwd`
-// with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd), and the probe reads the name from the
-// job's memory before the kernel does (another thread can change it in between). So a successful
-// open that becomes a record, and every chdir and fchdir (a cwd is always the kernel's name of
-// it, and a relative name's leading '..' its real parent), carry the kernel's own name of what
-// they reached (F_KNAME): the dentry chain of the file (or the new cwd) up to the process's root,
-// across mounts, as d_path walks it. In summary, a read's repeats counted under a key are the same
-// file (the key has its inode) and are not walked; a '..', a /proc name, an unknown base and a
-// write are walked each time and aggregated by the kernel's name.
+// with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd), names a symlink's path rather than the
+// file reached, and the probe reads the name from the job's memory before the kernel does
+// (another thread can change it in between). So a successful open that becomes a record, and
+// every chdir and fchdir (a cwd is always the kernel's name of it, and a relative name's leading
+// '..' its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
+// chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks
+// it. In summary an open's key has the inode it opened, so the repeats counted under a key are
+// the same file and are not walked: only a key's first open is (on_exit_hash); an open whose base
+// the kernel cannot name is walked each time and aggregated by the kernel's name.
 
-#define DOTS_ 0x2e2e2e2e2e2e2e2eULL
-#define LOW7_ 0x7f7f7f7f7f7f7f7fULL
 #define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
 #define KNAME_DEPTH_ 64  // dentries and mounts walked up; a deeper name is not given
-
-// Whether a name (len bytes without the NUL, in the call's record) may have a '..' component: two
-// dots side by side anywhere (a superset: user space tells a '..' component from "a..b"). A name
-// longer than HASH_MAX_ is assumed to.
-static __always_inline u32 maybe_dotdot(const char *path, u32 len) {
-    if (len > HASH_MAX_)
-        return 1;
-    u32 words = (len + 7) / 8;
-    u64 carry = 0;
-#pragma clang loop unroll(disable)
-    for (u32 i = 0; i < HASH_MAX_ / 8; i++) {
-        if (i >= words)
-            break;
-        u64 m = *(const u64 *)(path + i * 8);
-        u32 rest = len - i * 8;
-        if (rest < 8)  // past the name (the NUL, bytes of an earlier name): no dots
-            m &= (1ULL << (rest * 8)) - 1;
-        u64 x = m ^ DOTS_;
-        u64 d = ~(((x & LOW7_) + LOW7_) | x | LOW7_);  // 0x80 in each byte that is '.'
-        if ((d & (d >> 8)) || (carry && (d & 0x80)))
-            return 1;
-        carry = d >> 63;
-    }
-    return 0;
-}
 
 // Reads a path into the call's open/chdir record at entry; keeps the pointer when not resident.
 static __always_inline void read_path(struct call *c, const char *filename) {
@@ -741,12 +712,8 @@ static __always_inline void read_path(struct call *c, const char *filename) {
         e->path[0] = 0;
         e->h.flags |= F_FNAME_FAULT;
         c->refetch = (u64)filename;
-        c->dotdot = 1;  // read again at exit: not known yet
     } else if (n == sizeof(e->path)) {
         e->h.flags |= F_PATH_TRUNC;
-        c->dotdot = 1;
-    } else {
-        c->dotdot = maybe_dotdot(e->path, n > 0 ? n - 1 : 0);
     }
     e->path_len = n;
     u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
@@ -797,7 +764,6 @@ static __always_inline void read_change_paths(struct call *c, const char *p1, co
 }
 
 #define ACCESS_BITS (03 | 0100 | 01000 | 010000000 | 020200000)  // ACCMODE CREAT TRUNC PATH TMPFILE
-#define WRITE_BITS (03 | 0100 | 01000)  // an open that may write or create: named by the kernel
 
 // Sets what hash_name hashes for the call: an open's or chdir's path against its base, or a
 // connect's address (the bytes as given, up to 127).
@@ -837,15 +803,6 @@ static __always_inline void prepare_hash(struct call *c) {
     c->hbase = path_base(p, &c->ev.open, &len, &unknown);
     c->hlen = len;
     c->hskip = unknown ? 2 : 0;
-    // /proc (and /dev/fd) names through magic links (/proc/self/fd/N, .../cwd, .../root): the same
-    // name is another file each time, so each open is a plain record that user space names
-    char *n = c->ev.open.path;
-    if (kind == EV_OPEN && n[0] == '/' &&
-        ((n[1] == 'p' && n[2] == 'r' && n[3] == 'o' && n[4] == 'c' && n[5] == '/') ||
-         (n[1] == 'd' && n[2] == 'e' && n[3] == 'v' && n[4] == '/' && n[5] == 'f' && n[6] == 'd' && n[7] == '/')))
-        c->hskip = 2;
-    if (c->dotdot)  // not by its name: named by the kernel, which may name another file each time
-        c->hskip = 2;  // (on_exit_name hashes the kernel's name instead)
 }
 
 // c->htok = the token of what prepare_hash set. The inputs are read back from the map value, so the
@@ -1193,10 +1150,9 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     u32 run = c->ev.h.run;
     u32 *lim = limits.lookup(&run);
     int full = !lim || *lim == 0;  // --detail full: every open is a record, named by the kernel
-    // (hskip 2: a /proc name, or a base the kernel cannot name: a record each time, named by the
-    // kernel and aggregated by that name)
-    if (ctx->ret >= 0 && ((kind == EV_OPEN && (c->dotdot || full || c->hskip == 2 || (c->ev.open.flags & WRITE_BITS))) ||
-                          kind == EV_CHDIR || kind == EV_FCHDIR))
+    // (hskip 2: a base the kernel cannot name: no token of the name as given, a record each time,
+    // named by the kernel and aggregated by that name; else on_exit_hash walks a key's first open)
+    if (ctx->ret >= 0 && ((kind == EV_OPEN && (full || c->hskip == 2)) || kind == EV_CHDIR || kind == EV_FCHDIR))
         exit_tail.call(ctx, 1);  // on_exit_name: the kernel's name, then the hash and the record
     if (c->hskip == 0)
         exit_tail.call(ctx, 0);

@@ -411,11 +411,11 @@ def test_normal_and_join_keep_a_dotdot_after_a_component() -> None:
     assert join("/etc", "..", real=True) == "/"
 
 
-def test_an_open_with_a_dotdot_is_named_by_the_kernel_and_a_cwd_by_its_kernel_name() -> None:
-    """F_KNAME: the kernel's name of the file opened (of the new cwd), given for an open whose name
-    may have a '..' component (two dots side by side: "a..b" too) or could not be read, which is
-    then named by it (the kernel aggregates such opens by it). A chdir the kernel did not name
-    keeps its name, whose leading '..' then stay too."""
+def test_an_open_is_named_by_the_kernel_when_it_says_and_a_cwd_by_its_kernel_name() -> None:
+    """F_KNAME: the kernel's name of the file opened (of the new cwd), given for a successful open
+    that is a record (even one whose name could not be read), which is then named by it. Without
+    it (a failed open), a '..' after a component stays. A chdir the kernel did not name keeps its
+    name, whose leading '..' then stay too."""
     c = Correlator(wall_offset_ns=0)
     c.add_root(10, 1, "/home/u")
     opn = {"dfd": -100, "mode": 0, "sc": 0, "oflags": 0}
