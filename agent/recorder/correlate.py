@@ -15,14 +15,13 @@ import functools
 import logging
 import os
 import posixpath
-import re
 import signal
 from collections.abc import Callable
 from typing import Any, Final, cast
 
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder.dns import Resolutions
-from evidence.bundle.format import has_dotdot
+from evidence.agent.recorder.names import AT_FDCWD, MAGIC, UNREADABLE, Names
 from evidence.bundle.record_types import (
     Access,
     ChangeRecord,
@@ -38,8 +37,6 @@ from evidence.bundle.record_types import (
 
 logger = logging.getLogger(__name__)
 
-AT_FDCWD = -100
-UNREADABLE = "<unreadable path>"
 
 _FLAG_NAMES = [
     (getattr(os, name), name)
@@ -86,41 +83,6 @@ _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 51
 NO_RESULT = -1_000_000
 _RESTART[-NO_RESULT] = "NO_RESULT"
 _PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
-_CWD_PATHS = 4096  # directories entered by a chdir, by identity (Correlator._cwd_paths)
-# names through magic links: /proc/self/fd/N, /proc/thread-self/fd/N, /proc/<pid>/fd/N, /dev/fd/N
-_MAGIC: Final = ("/proc/", "/dev/fd/")
-_FD_LINK: Final = re.compile(r"/(?:proc/(?:self|thread-self|([0-9]+))/fd|dev/fd)/([0-9]+)")
-
-
-def normal(name: str) -> str:
-    """An absolute name without '.' and empty components, and without '..' at the root (/.. is /).
-    A '..' after a component stays: that component may be a symlink (or a /proc magic link), and
-    `/tmp/l/../passwd` with l -> /etc/ssh is /etc/passwd, not /tmp/passwd (threat model row 26).
-    Such an open, and every cwd, are named by the kernel (record.bpf.c kernel_name); what is left
-    is named as given, never as a third file."""
-    if not has_dotdot(name):
-        return posixpath.normpath(name).replace("//", "/")
-    parts: list[str] = []
-    for c in name.split("/"):
-        if c in ("", ".") or (c == ".." and not parts):
-            continue
-        parts.append(c)
-    return "/" + "/".join(parts)
-
-
-def join(base: str, name: str, real: bool) -> str:
-    """A relative `name` against the directory `base` (absolute, normal). `real`: `base` is the
-    kernel's name of the directory (no symlink in it), so the name's leading '..' are its real
-    ancestors; else they stay."""
-    if real and name.startswith("."):
-        comps = name.split("/")
-        i = 0
-        while i < len(comps) and comps[i] in ("", ".", ".."):
-            if comps[i] == ".." and base != "/":
-                base = posixpath.dirname(base)
-            i += 1
-        name = "/".join(comps[i:])
-    return normal(base + "/" + name) if name else base
 
 
 @functools.lru_cache(maxsize=512)
@@ -322,11 +284,7 @@ class Correlator:
         # (pid, path) of the writes to another cgroup's procs said already (of opens counted in the
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
-        # directory identity -> its name when a chdir or fchdir of the run entered it (the kernel's,
-        # or the name as given when the kernel gave none): the name of a cwd changed unseen
-        # (shared by clone(CLONE_FS), a thread's own after unshare(CLONE_FS), or changed while a
-        # call was in flight); the newest _CWD_PATHS kept
-        self._cwd_paths: dict[int, tuple[str, bool]] = {}  # (path, the kernel's name of it)
+        self.names = Names()  # how names are resolved (its table of directories chdirs entered)
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -344,82 +302,6 @@ class Correlator:
             p = Proc(pid=tgid, ppid=ppid, depth=parent.depth + 1 if parent else -1, exe=exe, cwd=cwd)
             self.procs[tgid] = p
         return p
-
-    @staticmethod
-    def _fd_path(proc: Proc, fd: int, ino: int) -> str | None:
-        """The path descriptor `fd` was opened as, if it names now (`ino`, read by the kernel when
-        the call used it) what it named then; else None, and the entry is dropped: another file was
-        put at that number unseen (F_DUPFD, SCM_RIGHTS, pidfd_getfd, a shared table; close is not a
-        record), and resolving against the old name would name the wrong file."""
-        entry = proc.fds.get(fd)
-        if entry is None:
-            return None
-        if ino and entry[1] == ino:
-            return entry[0]
-        del proc.fds[fd]
-        return None
-
-    def _cwd(self, proc: Proc, ino: int) -> tuple[str | None, bool]:
-        """The path of the directory `ino` (the cwd, as the kernel read it when the call began) for
-        a name `proc` gave relative to its cwd, and whether it is the kernel's name of it; None when
-        it cannot be named. The cwd can change without a chdir of this process: clone(CLONE_FS)
-        shares it with another process, a thread makes its own with unshare(CLONE_FS), another
-        thread's chdir lands while a call is in flight. A directory a chdir of the run entered is
-        named by that chdir's name of it; else the process's first relative name ties its cwd to
-        the directory."""
-        if not ino or ino == proc.cwd_ino:
-            return proc.cwd, proc.cwd_real
-        known = self._cwd_paths.get(ino)
-        if known is not None:
-            return known
-        if not proc.cwd_ino:
-            proc.cwd_ino = ino
-            return proc.cwd, proc.cwd_real
-        return None, False
-
-    def _base(self, proc: Proc, dfd: int, ino: int) -> tuple[str | None, bool]:
-        """What a relative name is resolved against: the cwd or descriptor dfd's path (while they
-        name `ino`), and whether that is the kernel's name of it (only a cwd is)."""
-        if dfd == AT_FDCWD:
-            return self._cwd(proc, ino)
-        return self._fd_path(proc, dfd, ino), False
-
-    def _entered(self, proc: Proc, ino: int, cwd: str | None, real: bool) -> None:
-        """A chdir or fchdir of `proc` succeeded into the directory `ino` (read at its exit), named
-        `cwd` (`real`: by the kernel)."""
-        proc.cwd, proc.cwd_real, proc.cwd_ino = cwd, real, ino
-        if ino and cwd is not None:
-            self._cwd_paths.pop(ino, None)
-            if len(self._cwd_paths) >= _CWD_PATHS:
-                del self._cwd_paths[next(iter(self._cwd_paths))]
-            self._cwd_paths[ino] = (cwd, real)
-
-    @staticmethod
-    def _through_fd(proc: Proc, path: str, rino: int) -> str:
-        """An open of /proc/self/fd/N (thread-self, the process's own pid, /dev/fd/N) opens what
-        descriptor N names: named after the table's entry for N when the descriptor returned is
-        that file (`rino`), else as given."""
-        m = _FD_LINK.fullmatch(path)
-        if m is None or not rino or (m.group(1) is not None and int(m.group(1)) != proc.pid):
-            return path
-        entry = proc.fds.get(int(m.group(2)))
-        return entry[0] if entry is not None and entry[1] == rino else path
-
-    def _resolve(
-        self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0, in_root: bool = False
-    ) -> str:
-        """`path` resolved against the cwd, or against descriptor `dfd`, when it names `ino` still.
-        `in_root` (openat2's RESOLVE_IN_ROOT): the directory is the root of the name, absolute or not,
-        and `..` stops there."""
-        if in_root:
-            path = normal("/" + path).lstrip("/")
-        elif path.startswith("/"):
-            return normal(path)
-        base, real = self._base(proc, dfd, ino)
-        if base is None:
-            where = "cwd" if dfd == AT_FDCWD else f"fd {dfd}"
-            return f"<unknown {where}>/{path}" if path else f"<unknown {where}>"
-        return join(base, path, real and not in_root)
 
     def open_record(
         self,
@@ -448,20 +330,20 @@ class Correlator:
         if flags & (d.F_FNAME_FAULT | d.F_KNAME):
             raw_path = UNREADABLE if flags & d.F_FNAME_FAULT else d.cstr(raw)
             kn = d.cstr(kname) if flags & d.F_KNAME else None
-            path = self._open_path(p, raw_path, dfd, dino, flags, rino, kn)
+            path = self.names.open_path(p, raw_path, dfd, dino, flags, rino, kn)
         else:
             in_root = bool(flags & d.F_IN_ROOT)
             if raw[:1] == b"/" and not in_root:
                 key: Any = raw
             else:
-                base, real = self._base(p, dfd, dino)
+                base, real = self.names.base(p, dfd, dino)
                 key = (raw, base, real, dfd if base is None else AT_FDCWD, in_root)
             hit = self._paths.get(key)
             if hit is None:
                 raw_path = d.cstr(raw)
-                path = self._resolve(p, raw_path, dfd, dino, in_root)
-                if path.startswith(_MAGIC):  # another file each time: named each time, never cached
-                    path = self._through_fd(p, path, rino)
+                path = self.names.resolve(p, raw_path, dfd, dino, in_root)
+                if path.startswith(MAGIC):  # another file each time: named each time, never cached
+                    path = self.names.through_fd(p, path, rino)
                 else:
                     if len(self._paths) >= _PATH_CACHE:
                         self._paths.clear()
@@ -485,20 +367,6 @@ class Correlator:
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
             rec["mntns"] = "other"
         return out
-
-    def _open_path(
-        self, p: Proc, raw_path: str, dfd: int, dino: int, flags: int, rino: int, kname: str | None
-    ) -> str:
-        """The path an open names: the kernel's name of the file it opened (`kname`: given for a
-        successful open that is a record: record.bpf.c kernel_name), else the name as given,
-        resolved (the kernel had no name for it, or it failed, or it only updates the descriptor
-        table: F_STATE)."""
-        if kname is not None:
-            return kname
-        if flags & d.F_FNAME_FAULT:
-            return UNREADABLE
-        path = self._resolve(p, raw_path, dfd, dino, bool(flags & d.F_IN_ROOT))
-        return self._through_fd(p, path, rino) if path.startswith(_MAGIC) else path
 
     def _open(
         self,
@@ -594,7 +462,7 @@ class Correlator:
             elif op == "mount" and i == 0 and not (ev["ns_flags"] & (_MS_BIND | _MS_MOVE)):
                 paths.append(raw)  # a device or a name ("none", "proc", "overlay"), not a path
             else:
-                paths.append(self._resolve(p, raw, dfd, ino))
+                paths.append(self.names.resolve(p, raw, dfd, ino))
         rec: NamespaceRecord = {
             "k": "namespace",
             "t": t,
@@ -752,7 +620,7 @@ class Correlator:
         flags = ev["flags"]
         raw: str | None
         if ev["path"] is None:  # fchmod/fchown: the descriptor's path
-            path = self._fd_path(p, ev["dfd"], ev["dino"]) or f"<unknown fd {ev['dfd']}>"
+            path = self.names.fd_path(p, ev["dfd"], ev["dino"]) or f"<unknown fd {ev['dfd']}>"
             raw = None
         elif flags & d.F_FNAME_FAULT:
             path = raw = UNREADABLE
@@ -760,7 +628,7 @@ class Correlator:
             path = raw = ev["path"]
         else:
             raw = ev["path"]
-            path = self._resolve(p, raw, ev["dfd"], ev["dino"])
+            path = self.names.resolve(p, raw, ev["dfd"], ev["dino"])
         rec: ChangeRecord = {
             "k": "change",
             "t": t,
@@ -775,7 +643,11 @@ class Correlator:
         }
         if ev["path2"] is not None or op in ("rename", "link", "symlink"):
             raw2 = ev["path2"] or ""
-            path2 = UNREADABLE if flags & d.F_PATH2_FAULT else self._resolve(p, raw2, ev["dfd2"], ev["dino2"])
+            path2 = (
+                UNREADABLE
+                if flags & d.F_PATH2_FAULT
+                else self.names.resolve(p, raw2, ev["dfd2"], ev["dino2"])
+            )
             if op == "symlink":  # the link made is the path; its content is the target
                 rec["path"], rec["target"] = path2, path
                 rec["raw_path"] = UNREADABLE if flags & d.F_PATH2_FAULT else raw2
@@ -796,7 +668,7 @@ class Correlator:
         p = self._proc(ev["tgid"])
         dfd = enter["dfd"] if enter else AT_FDCWD
         dino = enter["dino"] if enter else 0
-        filename = self._resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD, dino)
+        filename = self.names.resolve(p, ev["filename"], dfd if dfd != 0 else AT_FDCWD, dino)
         trunc = bool(ev["flags"] & d.F_ARGS_TRUNC)
         argv = ev["argv"]
         if ev["flags"] & d.F_ARGS_FAULT and enter:
@@ -845,7 +717,7 @@ class Correlator:
         if enter["kind"] == "open":
             if enter["flags"] & d.F_FNAME_FAULT:
                 enter["path"] = UNREADABLE
-            path = self._open_path(
+            path = self.names.open_path(
                 p, enter["path"], enter["dfd"], enter["dino"], enter["flags"], enter["rino"], enter["kname"]
             )
             return self._open(
@@ -863,7 +735,7 @@ class Correlator:
                 # as "" (that names the cwd); a successful exec is named by the kernel (exec_ok)
                 filename = UNREADABLE
             else:
-                filename = self._resolve(p, enter["filename"], enter["dfd"], enter["dino"])
+                filename = self.names.resolve(p, enter["filename"], enter["dfd"], enter["dino"])
             return [
                 self._exec_record(
                     p, t, filename, enter["argv"], bool(enter["flags"] & d.F_ARGS_TRUNC), result_of(ret)
@@ -872,7 +744,7 @@ class Correlator:
         if enter["kind"] == "connect":
             address = enter["address"]
             if enter["family"] == "AF_UNIX" and address and address[0] not in "/@<":
-                address = self._resolve(p, address, AT_FDCWD, enter["dino"])  # a file in the cwd
+                address = self.names.resolve(p, address, AT_FDCWD, enter["dino"])  # a file in the cwd
             rec: ConnectRecord = {
                 "k": "connect",
                 "t": t,
@@ -895,17 +767,19 @@ class Correlator:
                 # seen, makes the cwd unknown
                 cwd = enter["kname"]
                 if cwd is not None:
-                    self._entered(p, enter["rino"], cwd, True)
+                    self.names.entered(p, enter["rino"], cwd, True)
                 elif enter["kind"] == "fchdir":
-                    self._entered(p, enter["rino"], self._fd_path(p, enter["fd"], enter["dino"]), False)
+                    self.names.entered(
+                        p, enter["rino"], self.names.fd_path(p, enter["fd"], enter["dino"]), False
+                    )
                 elif enter["flags"] & d.F_FNAME_FAULT:
-                    self._entered(p, enter["rino"], None, False)
+                    self.names.entered(p, enter["rino"], None, False)
                 else:
-                    path = self._resolve(p, enter["path"] or "", AT_FDCWD, enter["dino"])
-                    self._entered(p, enter["rino"], path, False)
+                    path = self.names.resolve(p, enter["path"] or "", AT_FDCWD, enter["dino"])
+                    self.names.entered(p, enter["rino"], path, False)
         elif enter["kind"] == "dup" and ret >= 0:
             # the new descriptor names what oldfd names (rino): oldfd's path if that is what it named
-            src = self._fd_path(p, enter["oldfd"], enter["rino"])
+            src = self.names.fd_path(p, enter["oldfd"], enter["rino"])
             if src is not None:
                 p.fds[ret] = (src, enter["rino"])
             else:

@@ -195,6 +195,7 @@ class Session:
     policy: dict[str, Any] | None = None
     network: str | None = None  # the command's private network (--net), for the manifest
     degradations: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    failed: int = 0  # records of batches the correlator failed on (a bug: logged), not recorded
     extra_records: list[SpoolRecord] = dataclasses.field(default_factory=list)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     # what the run id is made of, fed by the spool as records are written (the writer's Behaviour)
@@ -233,7 +234,7 @@ class Recorder:
         self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
         self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0}
+        self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0, "failed_batches": 0}
         self._ring = self.probes.ring()
         self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
@@ -373,6 +374,15 @@ class Recorder:
             self._release(session.slot, agg_keys)
         if session.correlator.unpaired:
             lost["unpaired_results"] = session.correlator.unpaired
+        if session.failed:
+            lost["not_correlated"] = session.failed
+            session.degradations.append(
+                {
+                    "component": "recorder",
+                    "reason": f"correlating {session.failed} records failed (a bug: the recorder's log says where)",
+                    "impact": "those records are not in the bundle (counted as lost, not_correlated); the rest is",
+                }
+            )
         counted = self._counted(session, aggregates, lost)
         for kind, n in session.past_cap.items():
             lost[kind] = lost.get(kind, 0) + n
@@ -509,7 +519,10 @@ class Recorder:
         self._stop.set()
         self._ring.wake()
         self._poller.join(timeout=2)
-        self._queue.put(None)
+        try:  # (a full queue and a correlator that is gone must not hang the end of a run)
+            self._queue.put(None, timeout=5)
+        except queue.Full:
+            logger.warning("the correlator does not take its queue: not waiting for it")
         self._worker.join(timeout=5)
         self.hasher.close()
         self.probes.close(background=background)
@@ -579,7 +592,15 @@ class Recorder:
                 after.append(item)
                 break
             batch += item
-        self._process(batch)
+        try:
+            self._process(batch)
+        except Exception:  # a bug must not stop the recording, nor hang the run at its end
+            logger.exception("correlating a batch of %d records failed: they are not recorded", len(batch))
+            self.stats["failed_batches"] += 1
+            with self._lock:
+                for session in self._sessions.values():  # whose they were is not known: every live run's
+                    if not session.finished:
+                        session.failed += len(batch)
         return after
 
     def _flush_spools(self) -> None:

@@ -398,7 +398,7 @@ def test_an_open_through_proc_self_fd_names_the_file_the_descriptor_names() -> N
 def test_normal_and_join_keep_a_dotdot_after_a_component() -> None:
     """A '..' after a component may follow a symlink: kept. One at the root is the root, and a
     relative name's leading ones go up a base that is the kernel's name (no symlink in it)."""
-    from evidence.agent.recorder.correlate import join, normal
+    from evidence.agent.recorder.names import join, normal
 
     assert normal("/tmp/l/../passwd") == "/tmp/l/../passwd"
     assert normal("/../etc/./passwd") == "/etc/passwd"

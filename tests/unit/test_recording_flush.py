@@ -16,7 +16,7 @@ import zstandard
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder import recording
 from evidence.agent.recorder.correlate import Correlator
-from evidence.bundle.spool import SpoolWriter
+from evidence.bundle.spool import SpoolWriter, read_spool
 
 
 class FakeRing:
@@ -119,6 +119,44 @@ def test_a_stuck_consumer_makes_drain_say_so(tmp_path: Path) -> None:
         assert rec.drain(timeout=10)
     finally:
         release.set()
+        rec._sessions.clear()
+        spool.close()
+        rec.close()
+
+
+def test_a_batch_the_correlator_fails_on_is_counted_and_the_run_still_ends(tmp_path: Path) -> None:
+    """A bug in correlation (an exception on a batch) killed the correlator thread: the ring's
+    records then filled its queue, and `evidence run` hung for ever at its end (seen in a bench
+    run). Now the batch is logged, counted as lost (`not_correlated`) with a degradation, later
+    batches are recorded, and close() returns."""
+    rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
+    calls = 0
+
+    class BrokenOnce(Correlator):
+        def open_record(self, *args: Any, **kw: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug")
+            return super().open_record(*args, **kw)
+
+    spool = SpoolWriter(tmp_path / "s.spool.zst")
+    try:
+        corr = BrokenOnce(0)
+        corr.add_root(10, 1, "/w")
+        session = recording.Session(
+            slot=1, session_id="s", cgroup_path=tmp_path, cgroup_id=1, command=["x"], cwd="/w",
+            detail="full", labels={}, spool=spool, correlator=corr, started_ns=0,
+        )  # fmt: skip
+        rec._sessions[1] = session
+        for path in (b"/etc/hostname", b"/etc/passwd"):
+            with rec.probes.fake_ring.lock:  # type: ignore[attr-defined]
+                rec.probes.fake_ring.pending.append(_open_record(path, 5))  # type: ignore[attr-defined]
+            assert rec.drain(timeout=10)
+        assert rec.stats["failed_batches"] == 1 and session.failed == 1
+        spool.flush()
+        assert [r["path"] for r in read_spool(tmp_path / "s.spool.zst")] == ["/etc/passwd"]
+    finally:
         rec._sessions.clear()
         spool.close()
         rec.close()
