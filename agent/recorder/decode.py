@@ -391,9 +391,11 @@ def decode(raw: bytes) -> RawEvent:
         ret, _, _, fd, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)
         path = cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
         kname = cstr(raw[OPEN_PATH_OFF + plen :]) if flags & F_KNAME else None
-        if kind == EV_CHDIR:
-            return {
-                "kind": "chdir",
+        # the two kinds have the same fields: one dict, typed by its kind (as _exec's)
+        return cast(
+            "ChdirEvent | FchdirEvent",
+            {
+                "kind": "chdir" if kind == EV_CHDIR else "fchdir",
                 **hdr,
                 "ret": ret,
                 "fd": fd,
@@ -401,17 +403,8 @@ def decode(raw: bytes) -> RawEvent:
                 "dino": dino,
                 "rino": rino,
                 "kname": kname,
-            }
-        return {
-            "kind": "fchdir",
-            **hdr,
-            "ret": ret,
-            "fd": fd,
-            "path": path,
-            "dino": dino,
-            "rino": rino,
-            "kname": kname,
-        }
+            },
+        )
     if kind == EV_CHANGE:
         ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
         buf = raw[CHANGE_BUF_OFF:]

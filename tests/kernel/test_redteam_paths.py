@@ -290,24 +290,28 @@ def test_a_cwd_shared_by_clone_fs_and_changed_by_the_child_does_not_rename_the_p
     assert rec["path"] == "/etc/passwd"  # the directory a chdir of the run entered
 
 
+# a thread makes its cwd its own (unshare(CLONE_FS), not traced) and goes to /tmp; the main thread
+# stays in /etc (what comes after it runs there)
+_PRIVATE_CWD = textwrap.dedent(
+    """
+    import ctypes, os, threading
+    os.chdir('/etc')
+    libc = ctypes.CDLL(None, use_errno=True)
+    def private():
+        assert libc.unshare(0x200) == 0, ctypes.get_errno()  # CLONE_FS
+        os.chdir('/tmp')
+    t = threading.Thread(target=private)
+    t.start()
+    t.join()
+    assert os.getcwd() == '/etc'
+    """
+)
+
+
 def test_a_threads_private_cwd_does_not_rename_the_other_threads_opens(tmp_path: Path) -> None:
     """A thread does unshare(CLONE_FS) (its cwd becomes its own), then chdir("/tmp"); the main
     thread, still in /etc, opens "passwd": /etc/passwd. The bundle said /tmp/passwd."""
-    script = textwrap.dedent(
-        """
-        import ctypes, os, threading
-        os.chdir('/etc')
-        libc = ctypes.CDLL(None, use_errno=True)
-        def private():
-            assert libc.unshare(0x200) == 0, ctypes.get_errno()  # CLONE_FS
-            os.chdir('/tmp')
-        t = threading.Thread(target=private)
-        t.start()
-        t.join()
-        assert os.getcwd() == '/etc'
-        assert open('passwd').read(5) == 'root:'
-        """
-    )
+    script = _PRIVATE_CWD + "assert open('passwd').read(5) == 'root:'\n"
     proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
     assert proc.returncode == 0, proc.stderr
     (rec,) = _opens(events, "passwd")
@@ -319,22 +323,8 @@ def test_a_threads_private_cwd_does_not_rename_the_other_threads_namespace_calls
     """The same with a namespace call: in a user namespace of its own, the main thread (in /etc)
     does chroot("ssh") after a thread with a private cwd did chdir("/tmp"): /etc/ssh, not
     /tmp/ssh (namespace calls now carry the cwd's identity like opens)."""
-    script = textwrap.dedent(
-        """
-        import ctypes, os, threading
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.unshare(0x10000000) == 0, ctypes.get_errno()  # CLONE_NEWUSER: may chroot
-        os.chdir('/etc')
-        def private():
-            assert libc.unshare(0x200) == 0, ctypes.get_errno()  # CLONE_FS
-            os.chdir('/tmp')
-        t = threading.Thread(target=private)
-        t.start()
-        t.join()
-        assert os.getcwd() == '/etc'
-        os.chroot('ssh')
-        """
-    )
+    userns = "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0  # CLONE_NEWUSER: may chroot\n"
+    script = userns + _PRIVATE_CWD + "os.chroot('ssh')\n"
     proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
     assert proc.returncode == 0, proc.stderr
     (rec,) = [e["data"] for e in of_type(events, "process.namespace") if e["data"]["operation"] == "chroot"]
