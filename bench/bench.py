@@ -225,8 +225,10 @@ def prepare_build(mode: str, work: Path, py: str | None, quick: bool) -> tuple[l
 
 
 def stdlib_sources(copy: Path, quick: bool) -> set[str]:
+    """The copy's .py files by the names a bundle gives them: an open is named by the kernel, so a
+    file reached through a symlink (Debian's sitecustomize.py -> /etc/python3.11/) by its target."""
     found = copy.glob("*.py") if quick else copy.rglob("*.py")
-    return {str(p) for p in found if p.is_file() and not any(d.is_symlink() for d in p.parents)}
+    return {os.path.realpath(p) for p in found if p.is_file() and not any(d.is_symlink() for d in p.parents)}
 
 
 class Agents:
