@@ -25,7 +25,8 @@ EV_KINDS = kinds.EV_KINDS
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint.
 SYSCALL_HANDLERS = {
-    "on_enter_open": ("openat", "openat2", "open", "creat"),
+    "on_enter_openat": ("openat",),
+    "on_enter_open": ("openat2", "open", "creat"),
     "on_enter_exec": ("execve", "execveat"),
     "on_enter_connect": ("connect",),
     "on_enter_send": ("sendto", "sendmsg", "sendmmsg"),

@@ -537,8 +537,9 @@ static __always_inline u64 cwd_base(struct pctx *p, u64 ino) {
 
 // What the path of an open/chdir record is resolved against: 0 for an absolute path, the cwd's or
 // the dirfd's token, or 0 with *unknown = 1 when the kernel cannot name it (user space resolves it
-// from its own tables). An unreadable path gets base 1 and no bytes: one fixed token.
-static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len, int *unknown) {
+// from its own tables). An unreadable path gets base 1 and no bytes: one fixed token. The
+// process's tokens are looked up for a relative name only (*unknown = 2 when they cannot be had).
+static __always_inline u64 path_base(struct open_ev *e, u32 *len, int *unknown) {
     if (e->h.flags & F_FNAME_FAULT) {
         *len = 0;
         return 1;
@@ -546,15 +547,20 @@ static __always_inline u64 path_base(struct pctx *p, struct open_ev *e, u32 *len
     *len = e->path_len > 0 ? e->path_len - 1 : 0;  // without the NUL
     if (e->path[0] == '/' && !(e->h.flags & F_IN_ROOT))
         return 0;
+    struct pctx *p = proc_ctx(e->h.tgid);
+    if (!p) {
+        *unknown = 2;
+        return 0;
+    }
     u64 base = e->dfd == -100 ? cwd_base(p, e->dino) : fd_token(p, e->h.tgid, e->dfd, e->dino);
     if (base == 0)
         *unknown = 1;
     return base;
 }
 
-// The run slot of the current task: its cgroup or the nearest tracked ancestor.
-static __always_inline u32 current_run(void) {
-    u64 cg = bpf_get_current_cgroup_id();
+// The run slot of a task in cgroup `cg` (the current one): its cgroup or the nearest tracked
+// ancestor.
+static __always_inline u32 run_of(u64 cg) {
     u32 *hit = cgcache.lookup(&cg);
     if (hit)
         return *hit;
@@ -574,6 +580,10 @@ static __always_inline u32 current_run(void) {
     return run;
 }
 
+static __always_inline u32 current_run(void) {
+    return run_of(bpf_get_current_cgroup_id());
+}
+
 static __always_inline void count_lost(u32 run, u32 kind) {
     u32 idx = run * EV_KINDS + kind;
     u64 *c = lost.lookup(&idx);
@@ -581,16 +591,20 @@ static __always_inline void count_lost(u32 run, u32 kind) {
         __sync_fetch_and_add(c, 1);
 }
 
-static __always_inline void fill(struct hdr *h, u32 run, u16 kind) {
-    u64 id = bpf_get_current_pid_tgid();
+// The header of a record of the current thread (id: bpf_get_current_pid_tgid, cg: its cgroup id).
+static __always_inline void fill_as(struct hdr *h, u32 run, u16 kind, u64 id, u64 cg) {
     h->ts = bpf_ktime_get_ns();
-    h->cgid = bpf_get_current_cgroup_id();
+    h->cgid = cg;
     h->run = run;
     h->tgid = id >> 32;
     h->tid = (u32)id;
     h->kind = kind;
     u32 tgid = id >> 32;
     h->flags = nsmark.lookup(&tgid) ? F_OTHER_NS : 0;
+}
+
+static __always_inline void fill(struct hdr *h, u32 run, u16 kind) {
+    fill_as(h, run, kind, bpf_get_current_pid_tgid(), bpf_get_current_cgroup_id());
 }
 
 // Wake the consumer once every 64 records per CPU, not for each one; it also polls
@@ -650,8 +664,9 @@ static __always_inline int emit_call(struct call *c) {
 // The current thread's call slot, filled with a header for `kind`: NULL (counted as lost) when
 // the map is full. A call still in flight there never returned (its thread was stopped by an
 // exec, or the exit was not seen): it is emitted first with NO_RESULT, not dropped.
-static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
+static __always_inline struct call *begin_call_as(u32 run, u16 kind, s32 nr, u64 cg) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
     struct call *c = inflight.lookup(&tid);
     if (!c) {
         u32 zero = 0;
@@ -675,7 +690,7 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
         c->ev.open.ret = NO_RESULT_;
         emit_call(c);
     }
-    fill(&c->ev.h, run, kind);
+    fill_as(&c->ev.h, run, kind, id, cg);
     c->ev.open.ret = NO_RESULT_;
     c->ev.open.exe = 0;
     c->ev.open.tok = 0;
@@ -684,6 +699,10 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     c->nr = nr;
     c->walked = 0;
     return c;
+}
+
+static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
+    return begin_call_as(run, kind, nr, bpf_get_current_cgroup_id());
 }
 
 // ---- the kernel's names ------------------------------------------------------------------
@@ -697,7 +716,7 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
 // '..' its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
 // chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks
 // it. In summary an open's key has the inode it opened, so the repeats counted under a key are
-// the same file and are not walked: only a key's first open is (on_exit_hash); an open whose base
+// the same file and are not walked: only a key's first open is (settle); an open whose base
 // the kernel cannot name is walked each time and aggregated by the kernel's name.
 
 #define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
@@ -795,12 +814,12 @@ static __always_inline void prepare_hash(struct call *c) {
         }
         return;
     }
-    struct pctx *p = proc_ctx(c->ev.h.tgid);
-    if (!p)
-        return;
     u32 len = 0;
     int unknown = 0;
-    c->hbase = path_base(p, &c->ev.open, &len, &unknown);
+    u64 base = path_base(&c->ev.open, &len, &unknown);
+    if (unknown == 2)
+        return;  // no room for the process's tokens: a plain record
+    c->hbase = base;
     c->hlen = len;
     c->hskip = unknown ? 2 : 0;
 }
@@ -815,7 +834,7 @@ static __always_inline void hash_name(struct call *c) {
     u32 len = *(volatile u32 *)&c->hlen;
     u32 off = *(volatile u32 *)&c->hoff;
     c->htok = name_token(base, (u64)c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
-    c->hskip = 3;  // hashed: on_exit_name keeps this token (see on_exit_hash)
+    c->hskip = 3;  // hashed: on_exit_name keeps this token (see settle)
 }
 
 // The aggregation key of a completed open or connect whose token is `tok`.
@@ -837,10 +856,20 @@ static __always_inline void fill_key(struct call *c, struct pctx *p, u64 tok, st
     }
 }
 
+BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
+
 // What a completed call changes in the kernel's tokens, and whether it is a record: 0 when an open
 // or connect was counted under a key already kept (or past the cap) and changed nothing user space
 // keeps. F_FIRST marks a key's first record (then *first = 1 and *k is its key).
-static __always_inline int settle(struct call *c, struct akey *k, int *first) {
+//
+// A successful open that will be a record (its key's first, or one the kernel does not count) and
+// was not named by the kernel yet goes to on_exit_name first, which comes back to on_exit_hash and
+// so here again: the record names the file the kernel opened, not the name the job's memory held
+// when the probe read it (another thread can change it before the kernel reads it). That is
+// decided at the one lookup of the key a repeat costs, before anything is changed, so that the
+// second pass decides the same; a repeat counted under a key is the same file (the key has its
+// inode), so only a key's first open costs the walk.
+static __always_inline int settle(struct sys_exit_ctx *ctx, struct call *c, struct akey *k, int *first) {
     struct hdr *h = &c->ev.h;
     u32 kind = h->kind;
     s64 ret = c->ev.open.ret;
@@ -868,29 +897,46 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
     u32 *lim = limits.lookup(&run);
     if (!lim || *lim == 0)
         return 1;  // --detail full: every operation is a record
+    int opened = kind == EV_OPEN && ret >= 0;
     struct pctx *p = proc_ctx(tgid);
-    if (!p)
+    if (!p) {
+        if (opened && !c->walked)
+            exit_tail.call(ctx, 1);  // a plain record: named by the kernel
         return 1;
+    }
     u64 tok = c->htok;
     int fd_changes = 0;
-    if (kind == EV_OPEN && ret >= 0) {
+    u64 ino = 0;
+    if (opened) {
         // what user space keeps for the descriptor changes: another token, or the same name on
         // another file (a directory removed and made again: user space needs its new inode)
-        u64 ino = c->ev.open.rino;
+        ino = c->ev.open.rino;
         fd_changes = fd_token(p, tgid, (s32)ret, ino) != tok;
-        if (fd_changes || tok == 0)  // else the entry holds this generation, token and inode already
-            set_fd_token(p, tgid, (s32)ret, tok, ino);
     }
-    if (tok == 0)
-        return 1;  // resolved against something the kernel cannot name: a plain record
-    if (h->flags & F_OTHER_NS)
-        return 1;  // another mount namespace: a plain record, never merged with the run's own names
-    fill_key(c, p, tok, k);
+    // tok 0: resolved against something the kernel cannot name; F_OTHER_NS: another mount
+    // namespace, never merged with the run's own names: each a plain record
+    int plain = tok == 0 || (h->flags & F_OTHER_NS);
+    struct aval *v = NULL;
+    u32 *nd = NULL;
+    int walk = plain;
+    if (!plain) {
+        fill_key(c, p, tok, k);
+        v = agg.lookup(k);
+        if (!v) {  // a key's first record; past the cap, a record only when fd_changes
+            nd = distinct.lookup(&run);
+            walk = !nd || *nd < *lim || fd_changes;
+        }
+    }
+    if (walk && opened && !c->walked)
+        exit_tail.call(ctx, 1);  // on_exit_name, then back to on_exit_hash (if it fails: the name as given)
+    // from here on, state changes
+    if (opened && (fd_changes || tok == 0))  // else the entry holds this generation, token and inode already
+        set_fd_token(p, tgid, (s32)ret, tok, ino);
+    if (plain)
+        return 1;
     c->ev.open.exe = p->exe;  // the same offsets in connect_ev
     c->ev.open.tok = tok;
-    struct aval *v = agg.lookup(k);
     if (!v) {
-        u32 *nd = distinct.lookup(&run);
         if (!nd)
             return 1;
         if (*nd >= *lim) {
@@ -927,10 +973,10 @@ static __always_inline int settle(struct call *c, struct akey *k, int *first) {
 // At exit: the result goes into the record, a path not resident at entry is read again, and the
 // one record is emitted (or, for a key counted in `agg`, not).
 // Settles a call whose token is in c->htok and emits its record if it is one.
-static __always_inline int settle_and_emit(struct call *c) {
+static __always_inline int settle_and_emit(struct sys_exit_ctx *ctx, struct call *c) {
     struct akey k = {};
     int first = 0;
-    if (!settle(c, &k, &first)) {
+    if (!settle(ctx, c, &k, &first)) {
         c->ev.h.kind = 0;  // counted in `agg`, and nothing user space keeps changed
         return 0;
     }
@@ -953,31 +999,16 @@ static __always_inline int settle_and_emit(struct call *c) {
     return 0;
 }
 
-BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
-
 // The second half of on_exit, a program of its own (a tail call) so that the verifier walks the
-// hash loop from one clean state instead of once per path through the first half.
-//
-// A successful open that will be a record (its key's first, or one the kernel does not count) and
-// was not named by the kernel yet goes to on_exit_name first, which comes back here: the record
-// names the file the kernel opened, not the name the job's memory held when the probe read it
-// (another thread can change it before the kernel reads it). A repeat counted under a key is the
-// same file (the key has its inode), so only a key's first open costs the walk.
+// hash loop from one clean state instead of once per path through the first half. A successful
+// open that is to be a record is named by the kernel first (settle).
 int on_exit_hash(struct sys_exit_ctx *ctx) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct call *c = inflight.lookup(&tid);
     if (!c || c->ev.h.kind == 0)
         return 0;
     hash_name(c);
-    if (c->ev.h.kind == EV_OPEN && c->ev.open.ret >= 0 && !c->walked) {
-        struct pctx *p = procs.lookup(&c->ev.h.tgid);
-        struct akey k = {};
-        if (p && c->htok)
-            fill_key(c, p, c->htok, &k);
-        if (!p || !c->htok || !agg.lookup(&k))
-            exit_tail.call(ctx, 1);
-    }
-    return settle_and_emit(c);
+    return settle_and_emit(ctx, c);
 }
 
 
@@ -1074,7 +1105,7 @@ static __always_inline void kernel_name(struct call *c, s64 ret) {
     // an open whose name as given was not hashed (a '..', a magic link, an unknown base) or that
     // writes is aggregated by the kernel's name, which is what user space names it by: the same
     // name is the same record whatever the name as given was (a read's name as given, hashed
-    // already, keeps its token: its key has the inode, see on_exit_hash)
+    // already, keeps its token: its key has the inode, see settle)
     u32 run = e->h.run;
     u32 *lim = limits.lookup(&run);
     if (c->ev.h.kind == EV_OPEN && lim && *lim != 0 && klen > 1 && c->hskip != 3) {
@@ -1151,23 +1182,24 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     u32 *lim = limits.lookup(&run);
     int full = !lim || *lim == 0;  // --detail full: every open is a record, named by the kernel
     // (hskip 2: a base the kernel cannot name: no token of the name as given, a record each time,
-    // named by the kernel and aggregated by that name; else on_exit_hash walks a key's first open)
+    // named by the kernel and aggregated by that name; else settle walks a key's first open)
     if (ctx->ret >= 0 && ((kind == EV_OPEN && (full || c->hskip == 2)) || kind == EV_CHDIR || kind == EV_FCHDIR))
         exit_tail.call(ctx, 1);  // on_exit_name: the kernel's name, then the hash and the record
     if (c->hskip == 0)
         exit_tail.call(ctx, 0);
     // no hash needed, or the tail call failed: without a token, a plain record
     c->htok = 0;
-    return settle_and_emit(c);
+    return settle_and_emit(ctx, c);
 }
 
 // ---- opens -------------------------------------------------------------------------------
 
 static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc, u64 resolve) {
-    u32 run = current_run();
+    u64 cg = bpf_get_current_cgroup_id();
+    u32 run = run_of(cg);
     if (!run)
         return 0;
-    struct call *c = begin_call(run, EV_OPEN, nr);
+    struct call *c = begin_call_as(run, EV_OPEN, nr, cg);
     if (!c)
         return 0;
     struct open_ev *e = &c->ev.open;
@@ -1184,11 +1216,15 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     return 0;
 }
 
+// openat, the open almost every program makes, has a program of its own: its four arguments are
+// read from the tracepoint's record directly, not through a helper each (arg_beyond)
+int on_enter_openat(struct sys_enter_ctx *ctx) {
+    return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)ctx->args[2], (u32)ctx->args[3], 0, 0);
+}
+
 int on_enter_open(struct sys_enter_ctx *ctx) {
     switch (ctx->nr) {
-    // attached to openat, openat2 (4 arguments), open (3) and creat (2)
-    case __NR_openat:
-        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)arg_beyond(ctx, 2), (u32)arg_beyond(ctx, 3), 0, 0);
+    // attached to openat2 (4 arguments), open (3) and creat (2)
     case __NR_openat2: {
         u64 how[3] = {};  // struct open_how: flags, mode, resolve
         bpf_probe_read_user(how, sizeof(how), (void *)arg_beyond(ctx, 2));
