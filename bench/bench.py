@@ -88,7 +88,9 @@ class Row:
     label: str
     base: float  # untraced wall, median
     wall: float  # `evidence run` wall, median
-    start: float  # the fixed start cost to subtract for -true: `run -- true` (or via the agent)
+    start: float  # the fixed start cost to subtract for -true: `run -- true` (or via the agent), median
+    # of runs interleaved with the case's own (a drift of the VM between the case and the start-cost
+    # rows, measured at the end, would otherwise land in -true)
     loop: float  # in-loop ratio
     base_rss: int
     rss: int
@@ -119,9 +121,34 @@ def compile_workloads(out: Path) -> Path:
     return exe
 
 
+def wait_released(timeout: float = 60.0) -> None:
+    """Wait until no earlier `evidence run` is still releasing its probes. Its `evidence-detach`
+    child closes the tracepoints' perf events after it exited, one grace period each (seconds);
+    while they are registered every system call on the machine costs more (a loop of opens: 13%,
+    and 30% before the programs were detached first), so an untraced run measured then would make
+    every ratio look better than it is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text()
+            except OSError:
+                continue
+            comm, _, rest = fields.partition("(")[2].rpartition(")")
+            if comm == "evidence-detach" and rest.split()[0] != "Z":
+                busy = True
+                break
+        if not busy:
+            return
+        time.sleep(0.1)
+
+
 def measure(cmd: list[str]) -> Sample:
-    """Run cmd to its end, its stdout and stderr to temp files. The tail is taken with the clock the
-    workload printed its end with (CLOCK_REALTIME), right after wait4 returns."""
+    """Run cmd to its end, its stdout and stderr to temp files, once no earlier run's probes are
+    being released (wait_released). The tail is taken with the clock the workload printed its end
+    with (CLOCK_REALTIME), right after wait4 returns."""
+    wait_released()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t = time.monotonic()
         p = subprocess.Popen(cmd, stdout=out, stderr=err)
@@ -368,8 +395,6 @@ def main() -> int:
         py_start = statistics.median(loop_wall([args.python, "-c", "pass"]) for _ in range(args.repeat))
         agents.stop()
         agents = None
-        for row in rows:
-            row.start = true_agent if CASES[row.case].agent else true_rec
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
@@ -417,8 +442,9 @@ def run_case(
     else:
         run_help = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
         how = ["--standalone"] if "--standalone" in run_help else []  # never through an agent
-    bases, traced = [], []
+    bases, traced, trues = [], [], []
     bundle = work / f"{case}.tar.gz"
+    run_true = [*evidence, "run", *how, "--bundle", str(work / f"{case}-true.tar.gz"), "--", "/bin/true"]
     for i in range(args.repeat):
         out = (
             [str(work / f"{case}-out-{i}-{side}") for side in ("base", "run")]
@@ -426,6 +452,7 @@ def run_case(
             else []
         )
         bases.append(measure([*workload, *out[:1]]))
+        trues.append(loop_wall(run_true))
         bundle = work / f"{case}-{i}.tar.gz"
         traced.append(
             measure([*evidence, "run", *how, "--bundle", str(bundle), *c.opts, "--", *workload, *out[1:]])
@@ -503,7 +530,7 @@ def run_case(
         label=c.label,
         base=statistics.median(b.wall for b in bases),
         wall=statistics.median(t.wall for t in traced),
-        start=0.0,
+        start=statistics.median(trues),
         loop=statistics.median(t.loop_ns for t in traced) / base_ns,
         base_rss=max(b.rss_kib for b in bases),
         rss=max(t.rss_kib for t in traced),
@@ -537,8 +564,9 @@ def print_table(
         print(f"{label:<24} skipped: {why}")
     print(
         "\nwhole: `evidence run` process wall / untraced process wall; -true: the same after subtracting"
-        f" `evidence run -- true` ({true_rec:.2f} s;\nthrough the agent: `run --agent SOCK -- true`,"
-        f" {true_agent:.2f} s); in-loop: the workload's own loop time, traced / untraced; tail: from the"
+        " `evidence run -- true` (run beside\neach case's runs, the same way: standalone or through the"
+        f" agent; at the end, {true_rec:.2f} s and {true_agent:.2f} s); in-loop: the workload's own\nloop"
+        " time, traced / untraced; tail: from the"
         "\nend of the command's work (its children waited for) to `evidence run`'s exit. RSS: peak (wait4;"
         " through the agent, the client's"
         + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
@@ -664,6 +692,7 @@ def start_costs(
 
 
 def loop_wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    wait_released()
     t = time.monotonic()
     subprocess.run(cmd, capture_output=True, check=False, env=env)
     return time.monotonic() - t

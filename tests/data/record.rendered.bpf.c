@@ -280,6 +280,7 @@ BPF_PERCPU_ARRAY(call_zero, struct call, 1);  // never written: the first value 
 // tgid -> 1: a process of a run that left the run's mount or user namespace, mounted, or chrooted
 // (or a child of one); its records carry F_OTHER_NS (see ---- namespaces and mounts)
 BPF_HASH(nsmark, u32, u8, 65536);
+BPF_ARRAY(nslive, u64, 1);  // entries in nsmark: while there are none, a record needs no lookup there
 
 // thread id -> its call in flight. Allocated on demand (only tracked threads have one), kept while
 // the thread lives (removed at its exit), so a call costs no allocation and no 4 KiB copy. A run
@@ -600,7 +601,9 @@ static __always_inline void fill_as(struct hdr *h, u32 run, u16 kind, u64 id, u6
     h->tid = (u32)id;
     h->kind = kind;
     u32 tgid = id >> 32;
-    h->flags = nsmark.lookup(&tgid) ? F_OTHER_NS : 0;
+    u32 zero = 0;
+    u64 *marks = nslive.lookup(&zero);
+    h->flags = marks && *marks && nsmark.lookup(&tgid) ? F_OTHER_NS : 0;
 }
 
 static __always_inline void fill(struct hdr *h, u32 run, u16 kind) {
@@ -856,7 +859,7 @@ static __always_inline void fill_key(struct call *c, struct pctx *p, u64 tok, st
     }
 }
 
-BPF_PROG_ARRAY(exit_tail, 2);  // 0: on_exit_hash, 1: on_exit_name
+BPF_PROG_ARRAY(exit_tail, 3);  // 0: on_exit_hash, 1: on_exit_name, 2: on_exit
 
 // What a completed call changes in the kernel's tokens, and whether it is a record: 0 when an open
 // or connect was counted under a key already kept (or past the cap) and changed nothing user space
@@ -1133,6 +1136,25 @@ int on_exit_name(struct sys_exit_ctx *ctx) {
 
 static __always_inline void ns_exit(struct call *c);  // ---- namespaces and mounts
 
+// An open's or chdir's path that was not resident at entry, read again now the kernel paged it in.
+static __always_inline void refetch_path(struct call *c) {
+    struct open_ev *e = &c->ev.open;
+    int n = bpf_probe_read_user_str(e->path, sizeof(e->path), (const char *)c->refetch);
+    c->refetch = 0;
+    if (n > 0) {
+        e->h.flags &= ~F_FNAME_FAULT;
+        if (n == sizeof(e->path))
+            e->h.flags |= F_PATH_TRUNC;
+        e->path_len = n;
+        u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
+        if (n >= PATH_MAX_)
+            size = sizeof(struct open_ev);
+        c->size = size;
+    } else {
+        e->path[0] = 0;
+    }
+}
+
 // At exit: the result goes into the record, a path not resident at entry is read again, and the
 // one record is emitted (or, for a key counted in `agg`, not).
 static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
@@ -1160,21 +1182,7 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         c->refetch = 0;
         c->refetch2 = 0;
     } else if (c->refetch) {
-        struct open_ev *e = &c->ev.open;
-        int n = bpf_probe_read_user_str(e->path, sizeof(e->path), (const char *)c->refetch);
-        c->refetch = 0;
-        if (n > 0) {
-            e->h.flags &= ~F_FNAME_FAULT;
-            if (n == sizeof(e->path))
-                e->h.flags |= F_PATH_TRUNC;
-            e->path_len = n;
-            u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
-            if (n >= PATH_MAX_)
-                size = sizeof(struct open_ev);
-            c->size = size;
-        } else {
-            e->path[0] = 0;
-        }
+        refetch_path(c);
     }
     prepare_hash(c);
     u32 kind = c->ev.h.kind;
@@ -1189,6 +1197,33 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         exit_tail.call(ctx, 0);
     // no hash needed, or the tail call failed: without a token, a plain record
     c->htok = 0;
+    return settle_and_emit(ctx, c);
+}
+
+// openat's exit, the one nearly every open takes: finish_call's way for an open, with the name's
+// hash here rather than in on_exit_hash (a tail call, and the thread's call looked up again, saved
+// on every open: this program has no other kind of call to verify the hash loop after). Anything
+// else goes to on_exit (exit_tail 2).
+int on_exit_openat(struct sys_exit_ctx *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c || c->ev.h.kind == 0 || c->nr != ctx->nr)
+        return 0;
+    if (c->ev.h.kind != EV_OPEN) {
+        exit_tail.call(ctx, 2);
+        return 0;
+    }
+    c->ev.open.ret = ctx->ret;
+    if (ctx->ret >= 0)  // the new descriptor: what it names, for the identity checks
+        c->ev.open.rino = fd_inode((s32)ctx->ret);
+    if (c->refetch)
+        refetch_path(c);
+    prepare_hash(c);
+    u32 run = c->ev.h.run;
+    u32 *lim = limits.lookup(&run);
+    if (ctx->ret >= 0 && (!lim || *lim == 0 || c->hskip == 2))
+        exit_tail.call(ctx, 1);  // on_exit_name (as finish_call)
+    hash_name(c);
     return settle_and_emit(ctx, c);
 }
 
@@ -1465,7 +1500,12 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 #endif
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     procs.delete(&tgid);
-    nsmark.delete(&tgid);
+    if (nsmark.delete(&tgid) == 0) {
+        u32 zero = 0;
+        u64 *marks = nslive.lookup(&zero);
+        if (marks)
+            __sync_fetch_and_add(marks, -1);
+    }
     u32 run = current_run();
     if (!run)
         return 0;
@@ -1842,6 +1882,21 @@ int on_enter_ns(struct sys_enter_ctx *ctx) {
 #undef A
 #undef P
 
+// Marks process tgid (counted in nslive once, however often it is marked); a mark that cannot be
+// made is counted as lost, so the bundle says events may be missing a mark.
+static __always_inline void ns_mark(u32 tgid, u32 run) {
+    u8 one = 1;
+    int err = nsmark.insert(&tgid, &one);
+    if (err == 0) {
+        u32 zero = 0;
+        u64 *marks = nslive.lookup(&zero);
+        if (marks)
+            __sync_fetch_and_add(marks, 1);
+    } else if (err != -17) {  // -EEXIST: marked already
+        count_lost(run, EV_NS);
+    }
+}
+
 // At exit, before the record is emitted: a successful call that changes what the process's paths
 // name marks it (its record itself is not marked: it was filled at entry).
 static __always_inline void ns_exit(struct call *c) {
@@ -1855,10 +1910,7 @@ static __always_inline void ns_exit(struct call *c) {
         return;
     if (op == NS_SETNS && e->flags != 0 && !(e->flags & NS_PATH_FLAGS_))
         return;  // setns into a namespace of another type (nstype 0: any, a pidfd's)
-    u32 tgid = e->h.tgid;
-    u8 one = 1;
-    if (nsmark.update(&tgid, &one) != 0)
-        count_lost(e->h.run, EV_NS);  // not marked: counted, so the bundle says events may be missing a mark
+    ns_mark(e->h.tgid, e->h.run);
 }
 
 // At fork (in the parent): the child of a marked process is marked, and so is the child of a
@@ -1871,9 +1923,7 @@ static __always_inline void ns_fork(u32 run, u32 child) {
         if (!c || c->ev.h.kind != EV_NS || c->ev.ns.op != NS_CLONE || !(c->ev.ns.flags & NS_PATH_FLAGS_))
             return;
     }
-    u8 one = 1;
-    if (nsmark.update(&child, &one) != 0)
-        count_lost(run, EV_NS);
+    ns_mark(child, run);
 }
 
 // ---- dns ---------------------------------------------------------------------------------
