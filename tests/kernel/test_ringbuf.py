@@ -127,3 +127,32 @@ def test_reading_while_the_producer_writes_loses_nothing_past_a_lap() -> None:
         cg.wait_empty()
         cg.remove()
         probes.close()
+
+
+def test_detached_programs_record_nothing_at_once() -> None:
+    """detach_programs (what `evidence run` does before it hands the perf events to its
+    `evidence-detach` child): the programs stop on every process at once, without waiting for the
+    perf events' grace periods: a tracked cgroup's opens reach the ring buffer before, not after."""
+    mount_tracefs()
+    ensure_headers()
+    probes = RecorderProbes()
+    cg = RunCgroup.create(f"detach-test-{os.getpid()}")
+    script = "import os\nfor i in range(100): os.close(os.open('/etc/hostname', 0))"
+    try:
+        assert probes.bpf.links, "the programs are attached through links on this kernel"
+        ring = probes.ring()
+        probes.track(cg.id, 1)
+        _run_in(cg, "/usr/bin/python3", "-S", "-c", script)
+        before = [decode(r) for r in ring.read()]
+        assert sum(1 for r in before if r["kind"] == "open" and r["path"] == "/etc/hostname") >= 1
+        probes.bpf.detach_programs()
+        assert not probes.bpf.links
+        assert probes.bpf.tracepoint_fds  # the perf events are still open
+        _run_in(cg, "/usr/bin/python3", "-S", "-c", script)
+        after = [decode(r) for r in ring.read()]
+        assert after == []
+    finally:
+        probes.untrack(cg.id)
+        cg.wait_empty()
+        cg.remove()
+        probes.close()
