@@ -373,10 +373,17 @@ def main() -> int:
             )
         builder = builder_python([sys.executable, args.python, "/usr/bin/python3"])
         agent_rss = 0
+        clean: dict[str, list[Sample]] = {}
         for case in ordered:
             if CASES[case].agent and agents is None:
+                # the untraced runs of the cases through the agent, before it starts: with its
+                # probes attached every process pays for them, so they would flatter its ratios
+                for later in ordered:
+                    got = case_workload(later, args, exe, work, builder) if CASES[later].agent else ""
+                    if not isinstance(got, str):
+                        clean[later] = [measure(got[0]) for _ in range(args.repeat)]
                 agents = Agents(pythons, work)
-            row = run_case(case, args, exe, work, builder, agents, checks)
+            row = run_case(case, args, exe, work, builder, agents, checks, clean.get(case))
             if isinstance(row, str):
                 skipped.append((CASES[case].label, row))
             else:
@@ -407,19 +414,11 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_case(
-    case: str,
-    args: argparse.Namespace,
-    exe: Path,
-    work: Path,
-    builder: str | None,
-    agents: Agents | None,
-    checks: list[tuple[str, object, object]],
-) -> Row | str:
-    """Measure one case, untraced and traced runs alternating (so drift in a noisy VM hits both
-    alike); append its checks; return its row, or why it was skipped."""
+def case_workload(
+    case: str, args: argparse.Namespace, exe: Path, work: Path, builder: str | None
+) -> tuple[list[str], list[str]] | str:
+    """(the case's command, the paths it opens when it names them), or why it is skipped."""
     c = CASES[case]
-    evidence = [args.python, "-P", "-m", "evidence"]
     n = c.n // (10 if args.quick else 1)
     paths: list[str] = []
     if c.mode in BUILDS:
@@ -436,13 +435,38 @@ def run_case(
         workload = [str(exe), "open", str(n), *paths]
     else:
         workload = [str(exe), c.mode, str(n)]
+    return workload, paths
+
+
+def run_case(
+    case: str,
+    args: argparse.Namespace,
+    exe: Path,
+    work: Path,
+    builder: str | None,
+    agents: Agents | None,
+    checks: list[tuple[str, object, object]],
+    clean_bases: list[Sample] | None = None,
+) -> Row | str:
+    """Measure one case, untraced and traced runs alternating (so drift in a noisy VM hits both
+    alike); append its checks; return its row, or why it was skipped. `clean_bases`: its untraced
+    runs, measured before (a case through the agent: not while the agent's probes are attached)."""
+    c = CASES[case]
+    evidence = [args.python, "-P", "-m", "evidence"]
+    n = c.n // (10 if args.quick else 1)
+    got = case_workload(case, args, exe, work, builder)
+    if isinstance(got, str):
+        return got
+    workload, paths = got
     if c.agent:
         assert agents is not None
         how = ["--agent", str(agents.socks[args.python])]
     else:
         run_help = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
         how = ["--standalone"] if "--standalone" in run_help else []  # never through an agent
-    bases, traced, trues = [], [], []
+    bases: list[Sample] = list(clean_bases or [])
+    traced: list[Sample] = []
+    trues: list[float] = []
     bundle = work / f"{case}.tar.gz"
     run_true = [*evidence, "run", *how, "--bundle", str(work / f"{case}-true.tar.gz"), "--", "/bin/true"]
     for i in range(args.repeat):
@@ -451,7 +475,8 @@ def run_case(
             if c.mode == "pip-wheel"
             else []
         )
-        bases.append(measure([*workload, *out[:1]]))
+        if clean_bases is None:
+            bases.append(measure([*workload, *out[:1]]))
         trues.append(loop_wall(run_true))
         bundle = work / f"{case}-{i}.tar.gz"
         traced.append(
@@ -571,8 +596,9 @@ def print_table(
         " through the agent, the client's"
         + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
         + f"). `evidence run -- true` adds {true_adds:.2f} s (starting Python alone: {py_start:.2f} s)."
-        "\nBuilds run under `workloads run`. The cases through the agent (and their untraced runs) ran"
-        " with its probes attached."
+        "\nBuilds run under `workloads run`. The cases through the agent ran with its probes attached;"
+        " their untraced runs were measured\nbefore it started (with them attached every process pays)."
+        " Every run waits for the release of the run before it."
     )
 
 

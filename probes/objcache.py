@@ -656,17 +656,15 @@ class LoadedObject:
         if fd < 0:
             err = ctypes.get_errno()
             raise ObjectError(f"cannot attach {fn_name.decode()} to {tp.decode()}: {os.strerror(err)}")
+        link = -1
         try:
             # the program through a link when the kernel has them: closing the link detaches it at
             # once, while closing the perf event waits for an RCU grace period (detach_programs)
-            link = -1
             with contextlib.suppress(OSError):
                 link = _bpf(
                     _BPF_LINK_CREATE,
                     ctypes.create_string_buffer(struct.pack("<IIIIQ", fn.fd, fd, _BPF_PERF_EVENT, 0, 0), 24),
                 )
-            if link >= 0:
-                self.links.append(link)
             requests = ((_PERF_EVENT_IOC_SET_BPF, fn.fd),) if link < 0 else ()
             for request, arg in (*requests, (_PERF_EVENT_IOC_ENABLE, 0)):
                 if _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), ctypes.c_int(arg)) < 0:
@@ -675,8 +673,12 @@ class LoadedObject:
                         f"cannot attach {fn_name.decode()} to {tp.decode()}: {os.strerror(err)}"
                     )
         except BaseException:
+            if link >= 0:  # the program would stay attached through it (the event is enabled)
+                os.close(link)
             os.close(fd)
             raise
+        if link >= 0:
+            self.links.append(link)
         self.tracepoint_fds[tp] = fd
 
     def autoload(self) -> None:
@@ -737,7 +739,9 @@ class LoadedObject:
         slower while its probes were released, and 13% with the programs detached (what a
         registered syscall tracepoint costs every system call). Without links (a kernel before
         5.15) this does nothing: the programs go with their perf events."""
-        links, self.links = self.links, []
+        # raw tracepoints (the fork handler) are links of their own: closed at once as well
+        links = [*self.links, *self.raw_tracepoint_fds.values()]
+        self.links, self.raw_tracepoint_fds = [], {}
 
         def close(fd: int) -> None:
             with contextlib.suppress(OSError):
@@ -745,11 +749,17 @@ class LoadedObject:
 
         # each close waits for a grace period too, but not under a lock the others need: closed side
         # by side they share one (a hundred links: 40 ms, against 4 s one after the other)
-        threads = [threading.Thread(target=close, args=(fd,), name="evidence-detach") for fd in links]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        started: list[threading.Thread] = []
+        try:
+            for fd in links:
+                thread = threading.Thread(target=close, args=(fd,), name="evidence-detach")
+                thread.start()
+                started.append(thread)
+        finally:
+            for fd in links[len(started) :]:  # no thread for it (none could be started): here
+                close(fd)
+            for thread in started:
+                thread.join()
 
     def cleanup(self) -> None:
         """Detach and close everything (each detached tracepoint waits for an RCU grace period)."""
