@@ -706,6 +706,15 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
 #define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
 #define KNAME_DEPTH_ 64  // dentries and mounts walked up; a deeper name is not given
 
+// The call's open/chdir record holds a path of n bytes (with its NUL): its length and the size.
+static __always_inline void set_path_len(struct call *c, int n) {
+    c->ev.open.path_len = n;
+    u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
+    if (n >= PATH_MAX_)
+        size = sizeof(struct open_ev);
+    c->size = size;
+}
+
 // Reads a path into the call's open/chdir record at entry; keeps the pointer when not resident.
 static __always_inline void read_path(struct call *c, const char *filename) {
     struct open_ev *e = &c->ev.open;
@@ -718,11 +727,7 @@ static __always_inline void read_path(struct call *c, const char *filename) {
     } else if (n == sizeof(e->path)) {
         e->h.flags |= F_PATH_TRUNC;
     }
-    e->path_len = n;
-    u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
-    if (n >= PATH_MAX_)
-        size = sizeof(struct open_ev);
-    c->size = size;
+    set_path_len(c, n);
 }
 
 // Reads a change's paths (p1, then p2 right after it; NULL: none) into its record and sets its size.
@@ -1126,11 +1131,7 @@ static __always_inline void refetch_path(struct call *c) {
         e->h.flags &= ~F_FNAME_FAULT;
         if (n == sizeof(e->path))
             e->h.flags |= F_PATH_TRUNC;
-        e->path_len = n;
-        u32 size = offsetof(struct open_ev, path) + (n & (PATH_MAX_ - 1));
-        if (n >= PATH_MAX_)
-            size = sizeof(struct open_ev);
-        c->size = size;
+        set_path_len(c, n);
     } else {
         e->path[0] = 0;
     }

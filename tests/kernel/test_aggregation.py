@@ -280,8 +280,12 @@ def test_the_run_id_fed_while_spooling_is_the_one_a_pass_over_the_spool_gives(
 
     recorder.start = teeing  # type: ignore[method-assign]
     try:
-        # enough repeats that most come in batches of their own (a batch with an exec is all records)
-        code = f"import os\nfor i in range(5000): os.close(os.open('{work}/a', os.O_RDONLY))"
+        # the repeats in batches of their own (a batch with an exec is all records): a pause on each
+        # side of the loop, longer than the consumer's poll, or a fast loop lands in the exec's batch
+        code = (
+            "import os, time\ntime.sleep(0.2)\n"
+            f"for i in range(5000): os.close(os.open('{work}/a', os.O_RDONLY))\ntime.sleep(0.2)"
+        )
         argv = ["/bin/sh", "-c", f'{PY} -S -c "{code}"; cat {work}/none {work}/a >/dev/null 2>&1']
         manifest, events, _ = _run(recorder, tmp_path, argv, detail=detail, roots={"${WORKSPACE}": str(work)})
     finally:
