@@ -172,3 +172,40 @@ def test_chroot_and_setns_are_recorded_and_mark_what_follows(
     assert any(c["result"] == 0 for c in cats) and all(c["mntns"] == "other" for c in cats)
     opens = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == "/etc/hostname"]
     assert opens and all(o["mntns"] == "other" for o in opens)
+
+
+# the parent unshares (marked), forks a child (marked at fork), and exits at once: its mark is
+# removed, and the child's must still count (nslive), or fill() would skip the lookup in nsmark
+ORPHANED_MARK = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.unshare(0x10000000 | 0x20000) == 0, ctypes.get_errno()
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    os.read(r, 1)  # the parent has exited
+    time.sleep(0.2)
+    os.close(os.open("/etc/services", os.O_RDONLY))
+    os._exit(0)
+os.close(r)
+os._exit(0)  # w closes with it: the child goes on as the run's only marked process
+"""
+
+
+def test_a_mark_outlives_the_process_that_made_it(tmp_path: Path) -> None:
+    proc, _, events = record(
+        tmp_path,
+        *AS_NOBODY,
+        "sh",
+        "-c",
+        '"$0" -S -c "$1"; sleep 1; cat /etc/services >/dev/null',
+        PY,
+        ORPHANED_MARK,
+        cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr
+    opens = [e["data"] for e in of_type(events, "file.open") if e["data"]["path"] == "/etc/services"]
+    marked = [o for o in opens if o.get("mntns") == "other"]
+    plain = [o for o in opens if "mntns" not in o]
+    assert len(marked) == 1 and marked[0]["exe"] == PY  # the orphaned child's, after its parent died
+    assert plain and all(o["exe"].endswith("/cat") for o in plain)  # the run's own cat is not marked
