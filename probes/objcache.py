@@ -737,8 +737,9 @@ class LoadedObject:
         the recorder's hundred and twelve here). Meanwhile no process on the machine pays for a
         program any more: in the seconds after `evidence run` exited, a loop of opens ran 30%
         slower while its probes were released, and 13% with the programs detached (what a
-        registered syscall tracepoint costs every system call). Without links (a kernel before
-        5.15) this does nothing: the programs go with their perf events."""
+        registered syscall tracepoint costs every system call). Raw tracepoints (the fork
+        handler) are closed here too. Without links (a kernel before 5.15) the tracepoint programs
+        go with their perf events, in cleanup."""
         # raw tracepoints (the fork handler) are links of their own: closed at once as well
         links = [*self.links, *self.raw_tracepoint_fds.values()]
         self.links, self.raw_tracepoint_fds = [], {}
