@@ -11,6 +11,9 @@ path (standalone, --detail full, and through an `evidence agent` started here), 
 not ours: `pip wheel` of a C-extension sdist downloaded once from the package registry (not timed;
 skipped, and said so, when the registry cannot be reached) and `python -m compileall` of a copy of
 the stdlib, each run under `workloads run` so that it has the same tail and in-loop figures.
+The floor (bench/floor.py, case `floor`): the 300k open/close loop in-loop untraced, with empty
+programs on openat's tracepoints, with a minimal recorder of a cgroup's opens, and under `evidence
+run`, interleaved: how much of an open's cost is the tracepoints', any recorder's, and ours.
 
 Run as root: `make bench` (or `.venv/bin/python bench/bench.py [--quick] [--cases open,open1m]
 [--python PY]`; `--python` runs another checkout's interpreter, for before/after figures from one
@@ -41,6 +44,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import floor  # bench/floor.py, beside this file
 
 HERE = Path(__file__).resolve().parent
 
@@ -338,8 +343,8 @@ def main() -> int:
     )
     ap.add_argument(
         "--cases",
-        default=",".join(CASES),
-        help=f"comma-separated, of {', '.join(CASES)} (none: start costs only)",
+        default=",".join([*CASES, "floor"]),
+        help=f"comma-separated, of {', '.join(CASES)}, floor (none: start costs only)",
     )
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs `-m evidence`")
     ap.add_argument("--no-strace", action="store_true")
@@ -349,6 +354,8 @@ def main() -> int:
     args.repeat = max(1, args.repeat or (1 if args.quick else 3))
     args.start_repeat = max(1, args.start_repeat or (3 if args.quick else 11))
     cases = [c for c in args.cases.split(",") if c and c != "none"]
+    with_floor = "floor" in cases
+    cases = [c for c in cases if c != "floor"]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         sys.exit(f"bench: unknown case {', '.join(unknown)} (known: {', '.join(CASES)})")
@@ -372,6 +379,7 @@ def main() -> int:
                 check=False,
             )
         builder = builder_python([sys.executable, args.python, "/usr/bin/python3"])
+        floor_rows = run_floor(args, exe, work) if with_floor else None
         agent_rss = 0
         clean: dict[str, list[Sample]] = {}
         for case in ordered:
@@ -405,6 +413,8 @@ def main() -> int:
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
+        if floor_rows is not None:
+            print_floor(floor_rows, args)
         ok = print_checks(checks)
         print_targets({r.case: r for r in rows}, true_rec, true_agent, true_base, args.quick)
         return 0 if ok else 1
@@ -612,6 +622,29 @@ def print_starts(
         print(f"  {name:<46}{cells}")
     if args.baseline:
         print(f"  baseline: {args.baseline}\n  this:     {args.python}")
+
+
+def run_floor(args: argparse.Namespace, exe: Path, work: Path) -> dict[str, list[float]]:
+    """The floor under the 300k open/close loop (bench/floor.py): its in-loop seconds untraced, with
+    empty programs on openat, with a minimal recorder and under `evidence run`, interleaved."""
+    n = CASES["open"].n // (10 if args.quick else 1)
+    bundle = str(work / "floor.tar.gz")
+    evidence = [args.python, "-P", "-m", "evidence", "run", "--standalone", "--bundle", bundle, "--"]
+
+    def loop_s(cmd: list[str]) -> float:
+        return measure(cmd).loop_ns / 1e9
+
+    return floor.in_loop(loop_s, [str(exe), "open", str(n)], evidence, args.repeat)
+
+
+def print_floor(rows: dict[str, list[float]], args: argparse.Namespace) -> None:
+    base = statistics.median(rows[floor.ROWS[0]])
+    n = CASES["open"].n // (10 if args.quick else 1)
+    print(f"\nthe floor under {n:,} open/close (in-loop, median of {args.repeat} rounds, interleaved):")
+    for name, times in rows.items():
+        t = statistics.median(times)
+        print(f"  {name:<28}{t:>7.3f} s {t / base:>6.2f}x {(t - base) / n * 1e6:>6.2f} us an open")
+    print("  (bench/floor.bpf.c: the tracepoints alone, then the least a recorder of a cgroup's opens does)")
 
 
 def print_checks(checks: list[tuple[str, object, object]]) -> bool:
