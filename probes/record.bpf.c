@@ -373,10 +373,11 @@ static __always_inline u64 sip_final(struct sip *s, u64 len) {
     return v0 ^ v1 ^ v2 ^ v3;
 }
 
-// The token of `base` and the first `len` bytes at buf (kernel memory: a map value), 0 when no key
-// is set or the name is longer than HASH_MAX_ bytes (then the call is a plain record: correct, only
-// not aggregated; the verifier walks this loop once per iteration and state, so it is kept short).
-static __always_inline u64 name_token(u64 base, u64 buf, u32 len) {
+// The token of `base` and the first `len` bytes at buf (in the thread's call: a map value, read
+// directly, 8 bytes a load; buf + HASH_MAX_ + 8 stays inside the value), 0 when no key is set or
+// the name is longer than HASH_MAX_ bytes (then the call is a plain record: correct, only not
+// aggregated; the verifier walks this loop once per iteration and state, so it is kept short).
+static __always_inline u64 name_token(u64 base, const char *buf, u32 len) {
     struct sip s;
     if (len > HASH_MAX_)
         return 0;
@@ -388,16 +389,12 @@ static __always_inline u64 name_token(u64 base, u64 buf, u32 len) {
     for (u32 i = 0; i < HASH_MAX_ / 8; i++) {
         if (i >= words)
             break;
-        m = 0;
-        bpf_probe_read_kernel(&m, 8, (const void *)(buf + i * 8));
-        sip_word(&s, m);
+        sip_word(&s, *(const u64 *)(buf + i * 8));
     }
     u32 rem = len & 7;
     m = 0;
-    if (rem) {  // the last bytes; past len is whatever an earlier read left: masked off
-        bpf_probe_read_kernel(&m, 8, (const void *)(buf + (len & ~7)));
-        m &= (1ULL << (rem * 8)) - 1;
-    }
+    if (rem)  // the last bytes; past len is whatever an earlier read left: masked off
+        m = *(const u64 *)(buf + (len & ~7)) & ((1ULL << (rem * 8)) - 1);
     sip_word(&s, m);
     return sip_final(&s, len);
 }
@@ -822,7 +819,7 @@ static __always_inline void hash_name(struct call *c) {
     u64 base = *(volatile u64 *)&c->hbase;
     u32 len = *(volatile u32 *)&c->hlen;
     u32 off = *(volatile u32 *)&c->hoff;
-    c->htok = name_token(base, (u64)c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
+    c->htok = name_token(base, c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
     c->hskip = 3;  // hashed: on_exit_name keeps this token (see settle)
 }
 
@@ -1424,7 +1421,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     if (p) {
         u64 t = 0;
         if (e->buf[0] == '/' && n > 1)
-            t = name_token(0, (u64)e->buf, (n - 1) & (PATH_MAX_ - 1));
+            t = name_token(0, e->buf, (n - 1) & (PATH_MAX_ - 1));
         p->exe = t ? t : random_token();
     }
     u64 size = offsetof(struct exec_ev, buf) + ((off + len) & BUF_MASK);
