@@ -466,9 +466,7 @@ static __always_inline u64 cwd_inode(void) {
     char *dentry = *(char **)(fs + FS_PWD_OFF + PATH_DENTRY_OFF);
     if (!dentry)
         return 0;
-    u64 inode = 0;
-    bpf_probe_read_kernel(&inode, sizeof(inode), dentry + DENTRY_INODE_OFF);
-    return inode;
+    return *(u64 *)(dentry + DENTRY_INODE_OFF);  // a BTF pointer too: loaded directly
 }
 
 // What a name given relative to dfd is resolved against, now: the cwd (AT_FDCWD) or the dirfd.

@@ -485,9 +485,7 @@ static __always_inline u64 cwd_inode(void) {
     char *dentry = *(char **)(fs + 40 + 8);
     if (!dentry)
         return 0;
-    u64 inode = 0;
-    bpf_probe_read_kernel(&inode, sizeof(inode), dentry + 48);
-    return inode;
+    return *(u64 *)(dentry + 48);  // a BTF pointer too: loaded directly
 }
 
 // What a name given relative to dfd is resolved against, now: the cwd (AT_FDCWD) or the dirfd.
