@@ -425,10 +425,9 @@ static __always_inline u64 fd_key(u32 tgid, s32 fd) {
 // helper calls: the task, its files and its fdtable are BTF pointers (bpf_get_current_task_btf),
 // loaded directly (the verifier checks each load against the kernel's BTF at that offset, and a
 // NULL pointer reads as 0); the array's slot and the file's f_inode are read with the helper.
-static __always_inline u64 fd_file(s32 fd) {
+static __always_inline u64 task_fd_file(char *task, s32 fd) {
     if (fd < 0)
         return 0;
-    char *task = (char *)bpf_get_current_task_btf();
     char *files = *(char **)(task + TASK_FILES_OFF);
     if (!files)
         return 0;
@@ -444,12 +443,42 @@ static __always_inline u64 fd_file(s32 fd) {
     return file;
 }
 
-static __always_inline u64 fd_inode(s32 fd) {
-    u64 file = fd_file(fd), inode = 0;
+static __always_inline u64 task_fd_inode(char *task, s32 fd) {
+    u64 file = task_fd_file(task, fd), inode = 0;
     if (!file)
         return 0;
     bpf_probe_read_kernel(&inode, sizeof(inode), (void *)(file + FILE_INODE_OFF));
     return inode;
+}
+
+static __always_inline u64 fd_file(s32 fd) {
+    return task_fd_file((char *)bpf_get_current_task_btf(), fd);
+}
+
+static __always_inline u64 fd_inode(s32 fd) {
+    return task_fd_inode((char *)bpf_get_current_task_btf(), fd);
+}
+
+// What bpf_get_current_pid_tgid and bpf_get_current_cgroup_id return, loaded from the current
+// task (bpf_get_current_task_btf: a BTF pointer, offsets from BTF) instead: on this kernel a
+// helper call costs about 30 ns whatever it does, and openat's programs need the task anyway.
+// The cgroup is the task's on the default (v2) hierarchy: task->cgroups->dfl_cgrp->kn->id, as
+// the helper reads it; 0 when a pointer on the way is NULL (a task that is not tracked).
+static __always_inline u64 task_pid_tgid(char *task) {
+    return ((u64)*(u32 *)(task + TASK_TGID_OFF) << 32) | *(u32 *)(task + TASK_PID_OFF);
+}
+
+static __always_inline u64 task_cgroup_id(char *task) {
+    char *cset = *(char **)(task + TASK_CGROUPS_OFF);
+    if (!cset)
+        return 0;
+    char *cgrp = *(char **)(cset + CSS_SET_DFL_CGRP_OFF);
+    if (!cgrp)
+        return 0;
+    char *kn = *(char **)(cgrp + CGROUP_KN_OFF);
+    if (!kn)
+        return 0;
+    return *(u64 *)(kn + KERNFS_NODE_ID_OFF);
 }
 
 // The current thread's working directory: the address of its struct inode
@@ -458,8 +487,7 @@ static __always_inline u64 fd_inode(s32 fd) {
 // the other process's chdir, a thread's unshare(CLONE_FS) makes it its own, and another thread's
 // chdir can land while a call is in flight. Relative names carry it (dino, read at entry) like a
 // dirfd's identity, and the cwd's token is used only while it stands for that directory.
-static __always_inline u64 cwd_inode(void) {
-    char *task = (char *)bpf_get_current_task_btf();
+static __always_inline u64 task_cwd_inode(char *task) {
     char *fs = *(char **)(task + TASK_FS_OFF);
     if (!fs)
         return 0;
@@ -469,9 +497,17 @@ static __always_inline u64 cwd_inode(void) {
     return *(u64 *)(dentry + DENTRY_INODE_OFF);  // a BTF pointer too: loaded directly
 }
 
+static __always_inline u64 cwd_inode(void) {
+    return task_cwd_inode((char *)bpf_get_current_task_btf());
+}
+
 // What a name given relative to dfd is resolved against, now: the cwd (AT_FDCWD) or the dirfd.
+static __always_inline u64 task_dir_inode(char *task, s32 dfd) {
+    return dfd == -100 ? task_cwd_inode(task) : task_fd_inode(task, dfd);
+}
+
 static __always_inline u64 dir_inode(s32 dfd) {
-    return dfd == -100 ? cwd_inode() : fd_inode(dfd);
+    return task_dir_inode((char *)bpf_get_current_task_btf(), dfd);
 }
 
 // The token of what descriptor fd names, 0 when unknown: the kernel set one, and fd names now
@@ -643,8 +679,7 @@ static __always_inline int emit_call(struct call *c) {
 // The current thread's call slot, filled with a header for `kind`: NULL (counted as lost) when
 // the map is full. A call still in flight there never returned (its thread was stopped by an
 // exec, or the exit was not seen): it is emitted first with NO_RESULT, not dropped.
-static __always_inline struct call *begin_call_as(u32 run, u16 kind, s32 nr, u64 cg) {
-    u64 id = bpf_get_current_pid_tgid();
+static __always_inline struct call *begin_call_as(u32 run, u16 kind, s32 nr, u64 cg, u64 id) {
     u32 tid = (u32)id;
     struct call *c = inflight.lookup(&tid);
     if (!c) {
@@ -681,7 +716,7 @@ static __always_inline struct call *begin_call_as(u32 run, u16 kind, s32 nr, u64
 }
 
 static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
-    return begin_call_as(run, kind, nr, bpf_get_current_cgroup_id());
+    return begin_call_as(run, kind, nr, bpf_get_current_cgroup_id(), bpf_get_current_pid_tgid());
 }
 
 // ---- the kernel's names ------------------------------------------------------------------
@@ -1182,7 +1217,8 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
 // on every open: this program has no other kind of call to verify the hash loop after). Anything
 // else goes to on_exit (exit_tail 2).
 int on_exit_openat(struct sys_exit_ctx *ctx) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
+    char *task = (char *)bpf_get_current_task_btf();
+    u32 tid = (u32)task_pid_tgid(task);
     struct call *c = inflight.lookup(&tid);
     if (!c || c->ev.h.kind == 0 || c->nr != ctx->nr)
         return 0;
@@ -1192,7 +1228,7 @@ int on_exit_openat(struct sys_exit_ctx *ctx) {
     }
     c->ev.open.ret = ctx->ret;
     if (ctx->ret >= 0)  // the new descriptor: what it names, for the identity checks
-        c->ev.open.rino = fd_inode((s32)ctx->ret);
+        c->ev.open.rino = task_fd_inode(task, (s32)ctx->ret);
     if (c->refetch)
         refetch_path(c);
     prepare_hash(c);
@@ -1207,11 +1243,12 @@ int on_exit_openat(struct sys_exit_ctx *ctx) {
 // ---- opens -------------------------------------------------------------------------------
 
 static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32 flags, u32 mode, u16 sc, u64 resolve) {
-    u64 cg = bpf_get_current_cgroup_id();
+    char *task = (char *)bpf_get_current_task_btf();
+    u64 cg = task_cgroup_id(task);
     u32 run = run_of(cg);
     if (!run)
         return 0;
-    struct call *c = begin_call_as(run, EV_OPEN, nr, cg);
+    struct call *c = begin_call_as(run, EV_OPEN, nr, cg, task_pid_tgid(task));
     if (!c)
         return 0;
     struct open_ev *e = &c->ev.open;
@@ -1224,7 +1261,7 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     if (resolve & RESOLVE_IN_ROOT_)
         e->h.flags |= F_IN_ROOT;  // absolute names too are resolved below dfd (or the cwd)
     // a relative path (or one not read yet): what the dirfd, or the cwd, names now
-    e->dino = e->path[0] == '/' && !(resolve & RESOLVE_IN_ROOT_) ? 0 : dir_inode(dfd);
+    e->dino = e->path[0] == '/' && !(resolve & RESOLVE_IN_ROOT_) ? 0 : task_dir_inode(task, dfd);
     return 0;
 }
 
