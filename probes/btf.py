@@ -152,12 +152,12 @@ NEEDED = {
     "FILES_FDT_OFF": ("files_struct", "fdt"),
     "FDT_MAX_FDS_OFF": ("fdtable", "max_fds"),
     "FDT_FD_OFF": ("fdtable", "fd"),
-    # the working directory (task->fs->pwd.dentry->d_inode), for the same checks of relative names
     # the current task's cgroup id, loaded as bpf_get_current_cgroup_id reads it
     "TASK_CGROUPS_OFF": ("task_struct", "cgroups"),
     "CSS_SET_DFL_CGRP_OFF": ("css_set", "dfl_cgrp"),
     "CGROUP_KN_OFF": ("cgroup", "kn"),
     "KERNFS_NODE_ID_OFF": ("kernfs_node", "id"),
+    # the working directory (task->fs->pwd.dentry->d_inode), for the same checks of relative names
     "TASK_FS_OFF": ("task_struct", "fs"),
     "FS_PWD_OFF": ("fs_struct", "pwd"),
     "PATH_DENTRY_OFF": ("path", "dentry"),

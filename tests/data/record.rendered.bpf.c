@@ -482,7 +482,9 @@ static __always_inline u64 fd_inode(s32 fd) {
 // task (bpf_get_current_task_btf: a BTF pointer, offsets from BTF) instead: on this kernel a
 // helper call costs about 30 ns whatever it does, and openat's programs need the task anyway.
 // The cgroup is the task's on the default (v2) hierarchy: task->cgroups->dfl_cgrp->kn->id, as
-// the helper reads it; 0 when a pointer on the way is NULL (a task that is not tracked).
+// the helper reads it (under the RCU read lock a tracepoint program runs in). None of the
+// pointers is NULL for a live task (the verifier treats them as RCU-trusted); the checks only
+// keep a 0 from being read as an address.
 static __always_inline u64 task_pid_tgid(char *task) {
     return ((u64)*(u32 *)(task + 1268) << 32) | *(u32 *)(task + 1264);
 }
