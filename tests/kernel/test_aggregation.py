@@ -119,6 +119,27 @@ def test_opens_named_by_the_kernel_are_counted_by_that_name(recorder: Recorder, 
     assert records < 1000
 
 
+def test_names_that_differ_in_their_last_byte_are_counted_apart(recorder: Recorder, tmp_path: Path) -> None:
+    """The kernel counts a repeat under the keyed hash of its name, which reads the name 8 bytes
+    at a time and masks the last, partial word. Names one byte apart, of every length across two
+    word boundaries, each opened 30 times (ENOENT: the key has no inode to tell them apart), with a
+    longer name opened before each of them in every other round, so that the bytes past the
+    shorter name in the probe's buffer change from one round to the next: each name is counted
+    exactly 30 times, none under another's event."""
+    base = str(tmp_path / "w")
+    names = [base + "x" * k + last for k in range(17) for last in "yz"]
+    longer = base + "L" * 60
+    body = " ".join(names)
+    script = (
+        f"for r in $(seq 30); do for p in {body}; do "
+        f"if [ $((r % 2)) = 1 ]; then true < {longer}; fi; true < $p; done; done 2>/dev/null"
+    )
+    manifest, events, _ = _run(recorder, tmp_path, [BUSYBOX, "sh", "-c", script])
+    counts = _counts(events, base)
+    assert counts == {**{n: 30 for n in names}, longer: 15 * len(names)}
+    assert manifest["lost"]["total"] == 0
+
+
 def test_paths_resolve_as_before_while_repeats_are_not_records(tmp_path: Path) -> None:
     """A dirfd number that named B and then A again (through an open the kernel only counted), a
     child using an inherited dirfd, and chdir back and forth: every open resolves as it did."""
