@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,16 @@ class Row:
     strace: float
     events: int
     lost: int
+    bases: list[Sample] = field(default_factory=list, repr=False)  # the untraced runs
+    traced_loop_ns: float = 0.0  # the traced runs' loop time, median
+
+    def add_bases(self, more: list[Sample]) -> None:
+        """More untraced runs (a case through the agent: after it stopped, to go with those before
+        it started): base, in-loop ratio and base RSS from all of them."""
+        self.bases.extend(more)
+        self.base = statistics.median(b.wall for b in self.bases)
+        self.loop = self.traced_loop_ns / statistics.median(b.loop_ns for b in self.bases)
+        self.base_rss = max(b.rss_kib for b in self.bases)
 
     @property
     def whole(self) -> float:
@@ -410,6 +420,14 @@ def main() -> int:
         py_start = statistics.median(loop_wall([args.python, "-c", "pass"]) for _ in range(args.repeat))
         agents.stop()
         agents = None
+        # the cases through the agent: untraced again now that its probes are gone, so that a
+        # drift of the VM between their untraced runs (before it started) and their traced ones
+        # does not all land on one side of the ratio
+        for row in rows:
+            if CASES[row.case].agent:
+                got = case_workload(row.case, args, exe, work, builder)
+                assert not isinstance(got, str)  # it ran
+                row.add_bases([measure(got[0]) for _ in range(args.repeat)])
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
@@ -573,6 +591,8 @@ def run_case(
         strace=s_ratio,
         events=manifest["events"],
         lost=lost,
+        bases=bases,
+        traced_loop_ns=statistics.median(t.loop_ns for t in traced),
     )
 
 
@@ -607,7 +627,8 @@ def print_table(
         + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
         + f"). `evidence run -- true` adds {true_adds:.2f} s (starting Python alone: {py_start:.2f} s)."
         "\nBuilds run under `workloads run`. The cases through the agent ran with its probes attached;"
-        " their untraced runs were measured\nbefore it started (with them attached every process pays)."
+        " their untraced runs were measured\nbefore it started and after it stopped (with them attached"
+        " every process pays)."
         " Every run waits for the release of the run before it."
     )
 
