@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,28 +91,29 @@ class Sample:
 class Row:
     case: str
     label: str
-    base: float  # untraced wall, median
+    bases: list[Sample]  # the untraced runs
     wall: float  # `evidence run` wall, median
     start: float  # the fixed start cost to subtract for -true: `run -- true` (or via the agent), median
     # of runs interleaved with the case's own (a drift of the VM between the case and the start-cost
     # rows, measured at the end, would otherwise land in -true)
-    loop: float  # in-loop ratio
-    base_rss: int
+    traced_loop_ns: float  # the traced runs' loop time, median
     rss: int
     tail: float  # traced, median
     strace: float
     events: int
     lost: int
-    bases: list[Sample] = field(default_factory=list, repr=False)  # the untraced runs
-    traced_loop_ns: float = 0.0  # the traced runs' loop time, median
 
-    def add_bases(self, more: list[Sample]) -> None:
-        """More untraced runs (a case through the agent: after it stopped, to go with those before
-        it started): base, in-loop ratio and base RSS from all of them."""
-        self.bases.extend(more)
-        self.base = statistics.median(b.wall for b in self.bases)
-        self.loop = self.traced_loop_ns / statistics.median(b.loop_ns for b in self.bases)
-        self.base_rss = max(b.rss_kib for b in self.bases)
+    @property
+    def base(self) -> float:  # untraced wall, median
+        return statistics.median(b.wall for b in self.bases)
+
+    @property
+    def loop(self) -> float:  # in-loop ratio
+        return self.traced_loop_ns / statistics.median(b.loop_ns for b in self.bases)
+
+    @property
+    def base_rss(self) -> int:
+        return max(b.rss_kib for b in self.bases)
 
     @property
     def whole(self) -> float:
@@ -427,7 +428,7 @@ def main() -> int:
             if CASES[row.case].agent:
                 got = case_workload(row.case, args, exe, work, builder)
                 assert not isinstance(got, str)  # it ran
-                row.add_bases([measure(got[0]) for _ in range(args.repeat)])
+                row.bases.extend(measure(got[0]) for _ in range(args.repeat))
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
@@ -581,18 +582,15 @@ def run_case(
     return Row(
         case=case,
         label=c.label,
-        base=statistics.median(b.wall for b in bases),
+        bases=bases,
         wall=statistics.median(t.wall for t in traced),
         start=statistics.median(trues),
-        loop=statistics.median(t.loop_ns for t in traced) / base_ns,
-        base_rss=max(b.rss_kib for b in bases),
+        traced_loop_ns=statistics.median(t.loop_ns for t in traced),
         rss=max(t.rss_kib for t in traced),
         tail=statistics.median(t.tail for t in traced),
         strace=s_ratio,
         events=manifest["events"],
         lost=lost,
-        bases=bases,
-        traced_loop_ns=statistics.median(t.loop_ns for t in traced),
     )
 
 
