@@ -393,14 +393,17 @@ def main() -> int:
         floor_rows = run_floor(args, exe, work) if with_floor else None
         agent_rss = 0
         clean: dict[str, list[Sample]] = {}
+
+        def untraced(case: str) -> list[Sample]:
+            """A case's untraced runs, no agent's probes attached (none: the case is skipped)."""
+            got = case_workload(case, args, exe, work, builder)
+            return [] if isinstance(got, str) else [measure(got[0]) for _ in range(args.repeat)]
+
         for case in ordered:
             if CASES[case].agent and agents is None:
                 # the untraced runs of the cases through the agent, before it starts: with its
                 # probes attached every process pays for them, so they would flatter its ratios
-                for later in ordered:
-                    got = case_workload(later, args, exe, work, builder) if CASES[later].agent else ""
-                    if not isinstance(got, str):
-                        clean[later] = [measure(got[0]) for _ in range(args.repeat)]
+                clean = {later: untraced(later) for later in ordered if CASES[later].agent}
                 agents = Agents(pythons, work)
             row = run_case(case, args, exe, work, builder, agents, checks, clean.get(case))
             if isinstance(row, str):
@@ -426,9 +429,7 @@ def main() -> int:
         # does not all land on one side of the ratio
         for row in rows:
             if CASES[row.case].agent:
-                got = case_workload(row.case, args, exe, work, builder)
-                assert not isinstance(got, str)  # it ran
-                row.bases.extend(measure(got[0]) for _ in range(args.repeat))
+                row.bases.extend(untraced(row.case))
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
