@@ -764,12 +764,11 @@ class LoadedObject:
 
     def cleanup(self) -> None:
         """Detach and close everything (each detached tracepoint waits for an RCU grace period)."""
-        self.detach_programs()
-        for fd in [*self.tracepoint_fds.values(), *self.raw_tracepoint_fds.values()]:
+        self.detach_programs()  # the links and raw tracepoints; the perf events are left
+        for fd in self.tracepoint_fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.tracepoint_fds = {}
-        self.raw_tracepoint_fds = {}
         for fn in self.funcs.values():
             with contextlib.suppress(OSError):
                 os.close(fn.fd)
