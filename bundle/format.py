@@ -254,11 +254,17 @@ class Degradation(BaseModel):
     impact: str
 
 
+# the rule of a denial that is a system call through a 32-bit entry, which the kernel's syscall
+# tracepoints skip: refused by the seccomp filter of every command evidence launches (lint EV013)
+COMPAT_RULE = "isolation: 32-bit system calls"
+
+
 class PolicyDenial(BaseModel):
     model_config = _FROZEN
     pid: int
     exe: str | None
-    operation: Literal["read", "write", "create", "exec", "connect", "sendmsg"]
+    # syscall: a system call through a 32-bit entry, refused (rule "isolation: 32-bit system calls")
+    operation: Literal["read", "write", "create", "exec", "connect", "sendmsg", "syscall"]
     target: str
     rule: str
     enforced: bool

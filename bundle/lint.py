@@ -129,6 +129,15 @@ RULES: dict[str, Rule] = {
              "process that is not one of the run's failed (the event's result says why, e.g. "
              "EPERM from the job's Landlock domain). Nothing was done to that process, but the job "
              "tried: a note, since the default confinement is doing its work."),
+        Rule("EV013", "32bit-syscall-refused", "warning", "A process made a system call through a 32-bit entry, which was refused",
+             "A dev.evidence.policy.denial with operation 'syscall' and rule 'isolation: 32-bit "
+             "system calls': a process called the kernel through the i386 entry (int $0x80, "
+             "sysenter, or syscall from 32-bit code) or as x32. The kernel's syscall tracepoints "
+             "do not see such calls, so every command evidence launches runs under a seccomp "
+             "filter that refuses them: the call was not made and the thread got SIGSYS (which "
+             "kills it unless it handles the signal). A 64-bit program that does this is hiding "
+             "what it does; a real 32-bit program cannot run recorded at all: run it with "
+             "`evidence run --allow-32bit`, which lets it run unrecorded and says so (EV002)."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -570,7 +579,12 @@ class _Part:
         )
 
     def _denial(self, ev: dict[str, Any]) -> None:
-        target = ev["data"]["target"]
+        d = ev["data"]
+        target = d["target"]
+        if d["operation"] == "syscall" and d["rule"] == fmt.COMPAT_RULE:
+            exe = d.get("exe") or "?"
+            self.add("EV013", f"{exe} (pid {d['pid']}) made a 32-bit system call: {target}, refused", exe, ev)
+            return
         if target != ev["subject"]:
             self._text(target, "path", ev)
 

@@ -191,6 +191,42 @@ def deny_filter(table: dict[int, tuple[int, ...]]) -> list[Insn]:
     return [*_calls(table, allow_at + 1, allow_at), (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _DENY)]
 
 
+# seccomp: a filter that refuses every system call made through a compatibility entry: the i386 ABI
+# (`int $0x80`, `sysenter`, or `syscall` from 32-bit code, which a 64-bit program can use as well as
+# a 32-bit one), x32 (the x86_64 entry with bit 30 of the number set) and 32-bit ARM on arm64. The
+# kernel's syscalls:* tracepoints skip such calls (ftrace takes their numbers for another table's),
+# so a job could open, write, exec and connect through them with nothing recorded. The call is not
+# made: the thread gets SIGSYS (SECCOMP_RET_TRAP: si_code SYS_SECCOMP, si_arch, si_syscall), which
+# kills it unless it handles SIGSYS, and the recorder's probe on signal_generate records the attempt.
+# Only the native architectures' own entries pass.
+_AUDIT_ARCH_ARM = 0x40000028
+X32_SYSCALL_BIT = 0x40000000
+TRAP_COMPAT = 0x00030000 | errno.ENOSYS  # SECCOMP_RET_TRAP, its data (si_errno): ENOSYS
+_JSET = 0x45  # BPF_JMP|BPF_JSET|BPF_K
+
+
+def compat_filter() -> list[Insn]:
+    """Traps (SIGSYS) every system call of a compatibility ABI (i386, x32, arm): only x86_64's and
+    aarch64's own entries are allowed."""
+    return [
+        (_LD, 0, 0, 4),  # 0: seccomp_data.arch
+        (_JEQ, 3, 0, _AUDIT_ARCH_X86_64),  # 1: -> 5
+        (_JEQ, 1, 0, _AUDIT_ARCH_AARCH64),  # 2: -> 4
+        (_RET, 0, 0, TRAP_COMPAT),  # 3: i386, arm, anything else
+        (_RET, 0, 0, _ALLOW),  # 4
+        (_LD, 0, 0, 0),  # 5: seccomp_data.nr
+        (_JSET, 0, 1, X32_SYSCALL_BIT),  # 6: x32 -> 7, else -> 8
+        (_RET, 0, 0, TRAP_COMPAT),  # 7
+        (_RET, 0, 0, _ALLOW),  # 8
+    ]
+
+
+def deny_compat_syscalls() -> None:
+    """Install compat_filter() on the calling process (kept across exec, inherited, cannot be
+    removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(compat_filter())
+
+
 def _install(insns: list[Insn]) -> None:
     arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
     prog = _SockFprog(len(insns), arr)

@@ -22,7 +22,8 @@ K_AGG_MAP_FULL = 13  # lost[] only, not loss: recorded one by one because the ag
 EV_CHANGE = 14
 EV_NS = 15
 EV_DNS = 16
-EV_KINDS = 17  # one past the last kind: each run slot's row in `lost`
+EV_SIGSYS = 17  # a system call the run's seccomp filter refused: a 32-bit entry (SIGSYS)
+EV_KINDS = 18  # one past the last kind: each run slot's row in `lost`
 
 
 class Kind(NamedTuple):
@@ -68,6 +69,7 @@ KINDS = (
         "a namespace, mount, chroot or ptrace call (op; see ---- namespaces and mounts)",
     ),
     Kind("EV_DNS", EV_DNS, "dns", "a DNS message sent or received (see ---- dns)"),
+    Kind("EV_SIGSYS", EV_SIGSYS, "sigsys", "a 32-bit system call refused (see ---- refused system calls)"),
 )
 # kinds that only count (lost[]), never a record in the ring buffer
 COUNT_ONLY = frozenset((K_OPEN_PAST_CAP, K_CONNECT_PAST_CAP, K_AGG_MAP_FULL))

@@ -155,6 +155,7 @@ def checks() -> list[Check]:
             "" if abi >= 6 else "a kernel with Landlock ABI 6 (Linux 6.12) or later scopes signals",
         )
     )
+    out.append(Check("32-bit system calls", True, _compat_detail(), False))
     for i, c in enumerate(out):
         if c.name == "kernel headers" and c.ok and os.environ.get("BCC_KERNEL_SOURCE"):
             where = f"; joined under {os.environ['BCC_KERNEL_SOURCE']} for BCC, /lib/modules untouched"
@@ -166,6 +167,36 @@ def checks() -> list[Check]:
         )
     )
     return out
+
+
+def _compat_detail() -> str:
+    """What a recorded command may do through a 32-bit system call entry, which the kernel's syscall
+    tracepoints skip (policy/landlock_syscalls.py compat_filter)."""
+    how = (
+        "refused in every command evidence launches (seccomp: SIGSYS, recorded as a policy.denial, "
+        "lint EV013); --allow-32bit runs them unrecorded (a degradation); processes an agent adopts "
+        "(start --pid/--cgroup, pods) are not covered (a degradation)"
+    )
+    if os.uname().machine != "x86_64":
+        return how
+    return (
+        "the kernel runs i386 code (IA32 emulation): " if _ia32_emulation() else "no IA32 emulation: "
+    ) + how
+
+
+def _ia32_emulation() -> bool:
+    """Whether the running x86_64 kernel runs i386 system calls (CONFIG_IA32_EMULATION, and not
+    turned off with ia32_emulation=false on its command line); unknown counts as yes."""
+    import gzip
+
+    try:
+        cmdline = Path("/proc/cmdline").read_text().split()
+        if "ia32_emulation=false" in cmdline or "ia32_emulation=0" in cmdline:
+            return False
+        with gzip.open("/proc/config.gz", "rt") as f:
+            return any(line.startswith("CONFIG_IA32_EMULATION=y") for line in f)
+    except OSError:
+        return True
 
 
 def run(args: argparse.Namespace) -> int:

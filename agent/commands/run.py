@@ -71,6 +71,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "processes outside the run (for jobs that need sudo); recorded as a degradation",
     )
     p.add_argument(
+        "--allow-32bit",
+        action="store_true",
+        help="let the command make 32-bit (i386, x32) system calls, which the kernel's syscall tracepoints "
+        "do not see: refused by default (SIGSYS, recorded); allowed, they go unrecorded (a degradation)",
+    )
+    p.add_argument(
         "--agent",
         metavar="SOCKET",
         help="record through the `evidence agent` at SOCKET (default: one that answers at "
@@ -123,7 +129,7 @@ def _running_agent(args: argparse.Namespace) -> str | None:
     """The socket of an agent that answers ($EVIDENCE_AGENT_SOCKET, else the default socket), when
     the run needs nothing only a standalone run offers: its probes are loaded already, so the run
     starts at once. Says so on stderr; `--standalone` loads probes here instead."""
-    if args.policy or args.net or args.allow_setuid or args.sign_key:
+    if args.policy or args.net or args.allow_setuid or args.allow_32bit or args.sign_key:
         return None
     from evidence.agent.commands.client import DEFAULT_SOCKET, SOCKET_ENV, AgentClient, AgentError
 

@@ -176,6 +176,7 @@ def _child(
             _isolate_self()
         ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
         ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
+        ll.deny_compat_syscalls()  # nor through a 32-bit entry, which they skip (SIGSYS, recorded)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execve(path, argv, environ if environ is not None else os.environ)
     except OSError as e:
@@ -270,6 +271,8 @@ def _bundle_target(args: argparse.Namespace) -> Path | None:
 def run_via_agent(args: argparse.Namespace, command: list[str], labels: dict[str, str]) -> int:
     if args.allow_setuid:
         raise UsageError("--allow-setuid is not available with --agent yet", "run evidence run as root")
+    if args.allow_32bit:
+        raise UsageError("--allow-32bit is not available with --agent yet", "run evidence run as root")
     policy: ClientPolicy | None = None
     if args.policy:
         from evidence.policy.model import policy_file

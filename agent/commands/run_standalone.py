@@ -199,7 +199,12 @@ class StandaloneRun:
             raise
         caps: dict[str, Any] = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf"}
         caps["enforcement"] = "none (observe only)" if self.enforcement is None else self.enforcement.mode
+        from evidence.agent.recorder.launch import COMPAT_REFUSED
+
         caps["isolation"] = self._isolation()
+        caps["32bit_syscalls"] = (
+            "allowed, not recorded (--allow-32bit)" if self.args.allow_32bit else COMPAT_REFUSED
+        )
         try:
             self.recorder = Recorder(
                 spool_dir=private_dir(RUN_SPOOL_DIR),
@@ -216,7 +221,7 @@ class StandaloneRun:
     def _isolation(self) -> str:
         """Decide the command's Landlock domain: the policy's when it enforces one, else a domain of
         its own (agent/recorder/launch.py: isolation); says which, for the manifest."""
-        from evidence.agent.recorder.launch import isolation
+        from evidence.agent.recorder.launch import COMPAT_ALLOWED, isolation
         from evidence.policy.landlock_syscalls import abi_version
 
         policy_domain = self.enforcement.landlock() if self.enforcement is not None else None
@@ -230,6 +235,8 @@ class StandaloneRun:
         self.domain = policy_domain or domain
         if policy_domain is not None and not policy_domain.scoped:
             self.degradations = isolation(abi)[2]  # a policy's domain before ABI 6: signals not scoped
+        if self.args.allow_32bit:
+            self.degradations = [*self.degradations, dict(COMPAT_ALLOWED)]
         if self.domain is None:
             return "none (--allow-setuid)" if self.args.allow_setuid else "no_new_privs only (no Landlock)"
         return f"no_new_privs, Landlock ABI {abi}" + (
@@ -292,6 +299,7 @@ class StandaloneRun:
             landlock=self.domain,
             no_new_privs=self.no_new_privs,
             oom_score_adj=self.oom_score_adj,
+            allow_32bit=self.args.allow_32bit,
         )
         launcher, self.launcher = self.launcher, None
         assert launcher is not None

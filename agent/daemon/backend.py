@@ -47,6 +47,7 @@ from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunInfo, UnknownRun
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
+from evidence.agent.recorder.launch import COMPAT_NOT_REFUSED
 from evidence.agent.recorder.recovery import RUN_META_SUFFIX, run_record, unique_path, write_run_record
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
@@ -197,7 +198,11 @@ class RecorderBackend:
         detail: str = "summary",
         command: list[str] | None = None,
         roots: dict[str, str] | None = None,
+        launched: bool = False,
     ) -> Run:
+        """A run of `cgroup`. `launched`: its command was started by an `evidence run --agent`
+        client, which gave it the filter that refuses 32-bit system calls; otherwise (a pid or
+        cgroup adopted, a pod) the run says they are neither refused nor recorded."""
         rec = self._require_recorder()
         cgroup = Path(cgroup)
         with self._lock:
@@ -213,12 +218,15 @@ class RecorderBackend:
                     )
             self._starting.add(cgroup)
         try:
-            return self._start_locked_out(
+            run = self._start_locked_out(
                 rec, cgroup, labels, pid, bundle_name, extensions, session_id, detail, command, roots
             )
         finally:
             with self._lock:
                 self._starting.discard(cgroup)
+        if not launched:
+            run.session.degradations.append(dict(COMPAT_NOT_REFUSED))
+        return run
 
     def _start_locked_out(
         self,
@@ -385,6 +393,7 @@ class RecorderBackend:
                 roots=None
                 if enforcement is None
                 else {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace},
+                launched=True,
             )
         except BaseException:
             cg.remove()

@@ -226,6 +226,9 @@ class Daemon:
                 **capabilities_in_force(),
                 "recorder": "tracepoints+ringbuf",
                 "enforcement": "none (observe only)",
+                # a run of a process the agent adopted (start --pid/--cgroup, a pod) says otherwise
+                # with a degradation (backend.start_run)
+                "32bit_syscalls": "refused in commands `run --agent` launches (SIGSYS, recorded as policy.denial)",
             }
             recorder = Recorder(spool_dir=spool_dir, headers=headers, capabilities=caps)
         except Error as e:

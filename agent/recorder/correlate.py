@@ -22,11 +22,13 @@ from typing import Any, Final, cast
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder.dns import Resolutions
 from evidence.agent.recorder.names import AT_FDCWD, MAGIC, UNREADABLE, Names
+from evidence.bundle.format import COMPAT_RULE
 from evidence.bundle.record_types import (
     Access,
     ChangeRecord,
     ConnectRecord,
     DegradationRecord,
+    DenialRecord,
     DnsRecord,
     ExecRecord,
     ExitRecord,
@@ -63,8 +65,9 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
 _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o10000)
 
 
-# What the correlator makes (bundle/record_types.py): every kind of spool record but denials (a
-# policy's, enforce.py) and the inventory (inventory.py)
+# What the correlator makes (bundle/record_types.py): every kind of spool record but the inventory
+# (inventory.py); its only denials are the 32-bit system calls the run's seccomp filter refused (a
+# policy's are enforce.py's)
 Correlated = (
     ExecRecord
     | ExitRecord
@@ -74,6 +77,7 @@ Correlated = (
     | DnsRecord
     | NamespaceRecord
     | DegradationRecord
+    | DenialRecord
 )
 
 # the kernel's own codes for a system call interrupted by a signal and restarted (include/linux/errno.h):
@@ -507,7 +511,7 @@ class Correlator:
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
                 for rec in out:
-                    if rec["k"] == "degradation":
+                    if rec["k"] == "degradation" or rec["k"] == "denial":  # (a denial has no such fields)
                         continue
                     rec["cgroup"] = name
                     if container:
@@ -549,6 +553,20 @@ class Correlator:
                 fds=dict(parent.fds),
             )
             return []
+        if ev["kind"] == "sigsys":  # a 32-bit system call, refused by the run's seccomp filter
+            p = self._proc(ev["tgid"])
+            denial: DenialRecord = {
+                "k": "denial",
+                "t": t,
+                "pid": p.pid,
+                "exe": p.exe,
+                "operation": "syscall",
+                "target": d.refused_call(ev["arch"], ev["nr"]),
+                "rule": COMPAT_RULE,
+                "enforced": True,
+                "result": "SIGSYS",
+            }
+            return [denial]
         if ev["kind"] == "exit":
             p = self._proc(ev["tgid"])
             code, sig = split_status(ev["status"])

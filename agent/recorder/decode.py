@@ -30,6 +30,7 @@ EV_RET = kinds.EV_RET
 EV_CHANGE = kinds.EV_CHANGE  # a file change that is not an open (op)
 EV_NS = kinds.EV_NS  # a namespace, mount, chroot or ptrace call (op)
 EV_DNS = kinds.EV_DNS  # ---- dns: a DNS message sent or received
+EV_SIGSYS = kinds.EV_SIGSYS  # a 32-bit system call the run's seccomp filter refused
 EV_KINDS = kinds.EV_KINDS
 KIND_NAMES = kinds.RECORD_NAMES
 DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
@@ -98,6 +99,7 @@ _EXEC = struct.Struct("<iIIHHIIQQqI4xQ")
 _FORK = struct.Struct("<II")
 _EXIT = struct.Struct("<iI")
 _RET = struct.Struct("<IIq")
+_SIGSYS = struct.Struct("<iIQ")  # nr, arch, ip
 OPEN_PATH_OFF = HDR.size + _OPEN.size  # 88
 EXEC_BUF_OFF = HDR.size + _EXEC.size  # 96
 # i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
@@ -250,6 +252,15 @@ class RetEvent(_Header):
     ret: int
 
 
+class SigsysEvent(_Header):
+    """A system call through a 32-bit entry, refused by the run's seccomp filter (SIGSYS)."""
+
+    kind: Literal["sigsys"]
+    nr: int  # its number in its architecture's table
+    arch: int  # AUDIT_ARCH_*
+    ip: int  # the address after the calling instruction
+
+
 RawEvent = (
     ExecEvent
     | ExecOkEvent
@@ -264,6 +275,7 @@ RawEvent = (
     | DupEvent
     | DnsEvent
     | RetEvent
+    | SigsysEvent
 )
 # a record kind's number -> the type of what decode() makes of it (names from probes/kinds.py)
 EVENT_TYPES: dict[int, type] = {
@@ -280,6 +292,7 @@ EVENT_TYPES: dict[int, type] = {
     EV_DUP: DupEvent,
     EV_DNS: DnsEvent,
     EV_RET: RetEvent,
+    EV_SIGSYS: SigsysEvent,
 }
 
 
@@ -340,6 +353,37 @@ def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int | None]:
     if family == socket.AF_UNSPEC:
         return "AF_UNSPEC", "", None
     return "OTHER", f"family={family}", None
+
+
+AUDIT_ARCH_I386, AUDIT_ARCH_X86_64, AUDIT_ARCH_ARM = 0x40000003, 0xC000003E, 0x40000028
+X32_SYSCALL_BIT = 0x40000000
+# the i386 calls a job would use to hide something (arch/x86/entry/syscalls/syscall_32.tbl), and a
+# few that any 32-bit program makes first; others are named by number
+I386_CALLS = {
+    1: "exit", 2: "fork", 3: "read", 4: "write", 5: "open", 6: "close", 8: "creat", 9: "link",
+    10: "unlink", 11: "execve", 12: "chdir", 14: "mknod", 15: "chmod", 16: "lchown", 20: "getpid",
+    21: "mount", 26: "ptrace", 37: "kill", 38: "rename", 39: "mkdir", 40: "rmdir", 41: "dup", 45: "brk",
+    54: "ioctl", 61: "chroot", 63: "dup2", 83: "symlink", 92: "truncate", 94: "fchmod", 95: "fchown",
+    102: "socketcall", 120: "clone", 122: "uname", 133: "fchdir", 190: "vfork", 192: "mmap2",
+    212: "chown32", 243: "set_thread_area", 252: "exit_group", 258: "set_tid_address", 295: "openat",
+    296: "mkdirat", 297: "mknodat", 298: "fchownat", 301: "unlinkat", 302: "renameat", 303: "linkat",
+    304: "symlinkat", 306: "fchmodat", 310: "unshare", 346: "setns", 347: "process_vm_readv",
+    348: "process_vm_writev", 353: "renameat2", 358: "execveat", 359: "socket", 362: "connect",
+    369: "sendto", 370: "sendmsg", 371: "recvfrom", 372: "recvmsg", 384: "arch_prctl",
+    425: "io_uring_setup", 437: "openat2",
+}  # fmt: skip
+
+
+def refused_call(arch: int, nr: int) -> str:
+    """A refused 32-bit call's name for a denial's target: "i386 open (5)", "x32 call 257"."""
+    if arch == AUDIT_ARCH_I386:
+        name = I386_CALLS.get(nr)
+        return f"i386 {name} ({nr})" if name else f"i386 call {nr}"
+    if arch == AUDIT_ARCH_X86_64 and nr & X32_SYSCALL_BIT:
+        return f"x32 call {nr & ~X32_SYSCALL_BIT}"
+    if arch == AUDIT_ARCH_ARM:
+        return f"arm call {nr}"
+    return f"arch {arch:#x} call {nr}"
 
 
 def decode(raw: bytes) -> RawEvent:
@@ -462,6 +506,9 @@ def decode(raw: bytes) -> RawEvent:
     if kind == EV_RET:
         sc, _, ret = _RET.unpack_from(raw, o)
         return {"kind": "ret", **hdr, "sc": sc, "ret": ret}
+    if kind == EV_SIGSYS:
+        nr, arch, ip = _SIGSYS.unpack_from(raw, o)
+        return {"kind": "sigsys", **hdr, "nr": nr, "arch": arch, "ip": ip}
     raise DecodeError(f"unknown record kind {kind}")
 
 

@@ -62,6 +62,8 @@ def main(spec_fd: int) -> NoReturn:
             ll.no_new_privs()
         ll.deny_tty_injection()  # the job cannot type into the terminal it shares with its caller
         ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
+        if not spec.get("allow_32bit"):  # nor through a 32-bit entry, which they skip (SIGSYS)
+            ll.deny_compat_syscalls()
         if spec.get("oom_score_adj") is not None:  # the job's own, not the recorder's protection
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write(str(int(spec["oom_score_adj"])))

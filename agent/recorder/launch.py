@@ -61,6 +61,24 @@ class Landlock:
         return {**dataclasses.asdict(self), "rules": [list(r) for r in self.rules]}
 
 
+# what the bundle says of 32-bit system calls (policy/landlock_syscalls.py compat_filter): refused
+# by the filter every launched command gets, unless `--allow-32bit`; a process evidence did not
+# launch (an agent's `start --pid/--cgroup`, a pod) has no such filter
+COMPAT_REFUSED = "refused (SIGSYS, recorded as policy.denial)"
+COMPAT_ALLOWED = {
+    "component": "isolation",
+    "reason": "--allow-32bit: the command may make 32-bit (i386, x32) system calls",
+    "impact": "the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
+    "execs, connects) is not recorded",
+}
+COMPAT_NOT_REFUSED = {
+    "component": "isolation",
+    "reason": "the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
+    "impact": "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
+    "execs, connects) is not recorded",
+}
+
+
 MAKE_BLOCK = 1 << 11  # LANDLOCK_ACCESS_FS_MAKE_BLOCK: handled and granted everywhere, restricts nothing
 
 
@@ -118,6 +136,7 @@ class LaunchSpec:
     landlock: Landlock | None = None
     no_new_privs: bool = False
     oom_score_adj: int | None = None  # the command's (the recorder protects itself, not the job)
+    allow_32bit: bool = False  # no compat_filter: 32-bit system calls are made, unrecorded
 
 
 @dataclasses.dataclass
@@ -176,6 +195,7 @@ class Launcher:
             "netns_fd": self._netns_fd,
             "landlock": spec.landlock.as_json() if spec.landlock else None,
             "no_new_privs": spec.no_new_privs,
+            "allow_32bit": spec.allow_32bit,
         }
         try:
             with os.fdopen(self._spec_w, "wb") as w:

@@ -85,3 +85,25 @@ def test_non_utf8_paths_are_escaped_not_lost() -> None:
         + b"a\xffb\0\0"
     )
     assert d.decode(raw)["path"] == "a\\xffb"
+
+
+def test_a_refused_32bit_call_decodes_with_its_architecture_and_name() -> None:
+    """record.bpf.c's struct sigsys_ev: the header, then si_syscall, si_arch and si_call_addr."""
+    raw = d.HDR.pack(5, 7, 1, 42, 43, d.EV_SIGSYS, 0) + struct.pack("<iIQ", 5, d.AUDIT_ARCH_I386, 0x4000100F)
+    ev = d.decode(raw)
+    assert ev == {
+        "kind": "sigsys",
+        "ts": 5,
+        "cgid": 7,
+        "run": 1,
+        "tgid": 42,
+        "tid": 43,
+        "flags": 0,
+        "nr": 5,
+        "arch": d.AUDIT_ARCH_I386,
+        "ip": 0x4000100F,
+    }
+    assert d.refused_call(d.AUDIT_ARCH_I386, 5) == "i386 open (5)"
+    assert d.refused_call(d.AUDIT_ARCH_I386, 999) == "i386 call 999"
+    assert d.refused_call(d.AUDIT_ARCH_X86_64, d.X32_SYSCALL_BIT | 257) == "x32 call 257"
+    assert d.refused_call(d.AUDIT_ARCH_ARM, 5) == "arm call 5"

@@ -12,13 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evidence.bundle import container, fastpath, lint, verify
+from evidence.bundle import format as fmt
 from evidence.cli import main
-from tests.unit.conftest_bundles import WS, connect, exec_, open_, records, write
+from tests.unit.conftest_bundles import WS, connect, denial, exec_, open_, records, write
 
 
 def _lint(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
     code = main(["lint", "--format", "json", *extra, str(path)])
     return code, orjson.loads(capsys.readouterr().out)
+
+
+def _refused_32bit(t: int) -> dict[str, Any]:
+    """A system call through a 32-bit entry, refused by the run's seccomp filter (correlate.py)."""
+    return {**denial(t, "i386 open (5)", "syscall"), "rule": fmt.COMPAT_RULE, "result": "SIGSYS"}
 
 
 def _codes(doc: dict[str, Any]) -> list[str]:
@@ -88,6 +94,7 @@ def test_clean_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixture
         ([exec_(9100, 200, 101, WS + "/l/../tool", ["tool"])], {}, "EV006"),
         ([], {"cut_short": True}, "EV007"),
         ([open_(-2_000_000_000, WS + "/late", ["read"])], {}, "EV008"),
+        ([_refused_32bit(9100)], {}, "EV013"),
     ],
 )
 def test_rule_fires(

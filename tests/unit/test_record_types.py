@@ -131,10 +131,14 @@ def test_saved_raw_records_decode_to_their_kinds_type(ev: dict[str, Any]) -> Non
 
 
 def test_the_saved_raw_records_cover_the_raw_event_types() -> None:
-    # fork is the only kind the capture has no record of: the other types are checked on real data
-    assert {kind_of(t, "kind") for t in d.EVENT_TYPES.values()} - {ev["kind"] for ev in DECODED} == {"fork"}
+    # fork and sigsys (a refused 32-bit call: the capture runs no seccomp filter) are the kinds the
+    # capture has no record of: the other types are checked on real data
+    missing = {kind_of(t, "kind") for t in d.EVENT_TYPES.values()} - {ev["kind"] for ev in DECODED}
+    assert missing == {"fork", "sigsys"}
     fork = d.decode(d.HDR.pack(1, 2, 3, 4, 4, d.EV_FORK, 0) + d._FORK.pack(5, 0))
     assert problems(fork, d.ForkEvent) == []
+    sigsys = d.decode(d.HDR.pack(1, 2, 3, 4, 4, d.EV_SIGSYS, 0) + d._SIGSYS.pack(5, d.AUDIT_ARCH_I386, 9))
+    assert problems(sigsys, d.SigsysEvent) == []
 
 
 def test_correlated_records_are_of_their_kinds_type() -> None:

@@ -22,6 +22,8 @@ def run(prog: list[tuple[int, int, int, int]], arch: int, nr: int, arg1: int = 0
             pc += 1
         elif code == 0x15:  # BPF_JMP|BPF_JEQ|BPF_K
             pc += 1 + (jt if acc == k else jf)
+        elif code == 0x45:  # BPF_JMP|BPF_JSET|BPF_K
+            pc += 1 + (jt if acc & k else jf)
         elif code == 0x06:  # BPF_RET|BPF_K
             return k
         else:
@@ -45,3 +47,19 @@ def test_the_tty_filter_refuses_tiocsti_and_tioclinux_only() -> None:
     assert run(prog, X86_64, 16, 0x5401) == ALLOW  # TCGETS
     assert run(prog, X86_64, 0, 0x5412) == ALLOW  # read(), whatever its arguments
     assert run(prog, X86_64, 425) == ALLOW
+
+
+ARM = 0x40000028
+TRAP = 0x00030000 | errno.ENOSYS  # SECCOMP_RET_TRAP: SIGSYS, the call not made
+
+
+def test_the_compat_filter_traps_every_32bit_entry_and_nothing_native() -> None:
+    """i386 (int $0x80, sysenter, syscall from 32-bit code: all AUDIT_ARCH_I386), x32 (bit 30 of an
+    x86_64 number) and 32-bit ARM are trapped whatever the call; native calls all pass."""
+    prog = ll.compat_filter()
+    for arch, nr in ((I386, 5), (I386, 0), (I386, 11), (I386, -1), (ARM, 322), (OTHER, 0)):
+        assert run(prog, arch, nr) == TRAP, (hex(arch), nr)
+    for nr in (0, 2, 257, 59, 0x1FF):
+        assert run(prog, X86_64, 0x40000000 | nr) == TRAP, nr
+    for arch, nr in ((X86_64, 0), (X86_64, 257), (X86_64, 59), (X86_64, 435), (AARCH64, 56), (AARCH64, 221)):
+        assert run(prog, arch, nr) == ALLOW, (hex(arch), nr)
