@@ -175,7 +175,7 @@ class StandaloneRun:
         from evidence.agent.commands.doctor import capabilities_in_force
         from evidence.agent.recorder.launch import Launcher, Watchdog
         from evidence.agent.recorder.recording import Recorder
-        from evidence.bundle.spool import private_dir
+        from evidence.files import private_dir
 
         try:
             if args.sign_key:  # a bad key runs nothing

@@ -239,7 +239,9 @@ class AgentAPI:
     # lifecycle
 
     def start(self) -> None:
-        self.bundle_dir.mkdir(parents=True, exist_ok=True)
+        from evidence.files import private_dir
+
+        private_dir(self.bundle_dir)  # bundles are their owners' alone: read through GET /bundles
         listeners = Listeners(
             self,
             self.socket_path,

@@ -142,7 +142,7 @@ def recover_spools(
     if not spool_dir.is_dir():
         return []
     if bundle_dir is not None:
-        bundle_dir.mkdir(parents=True, exist_ok=True)
+        bundle_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # the agent's is private_dir already
         for tmp in bundle_dir.glob(".evidence-*.tmp"):  # a bundle or marker cut off mid-write
             logger.warning("removing %s, a partial write of an agent that stopped", tmp)
             tmp.unlink(missing_ok=True)
@@ -264,7 +264,7 @@ def _signer(key: Any) -> Any:
 
 def move_aside(spool: Path, meta_path: Path, spool_dir: Path, why: str) -> None:
     failed = spool_dir / "failed"
-    failed.mkdir(exist_ok=True)
+    failed.mkdir(mode=0o700, exist_ok=True)
     shutil.move(str(spool), failed / spool.name)
     if meta_path.exists():
         shutil.move(str(meta_path), failed / meta_path.name)
