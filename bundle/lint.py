@@ -22,6 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from evidence.bundle import command as claims
 from evidence.bundle import format as fmt
 from evidence.bundle import reader, signing, workflow
 from evidence.bundle.lint_output import SEVERITIES, render_json, render_sarif, render_text
@@ -129,6 +130,16 @@ RULES: dict[str, Rule] = {
              "process that is not one of the run's failed (the event's result says why, e.g. "
              "EPERM from the job's Landlock domain). Nothing was done to that process, but the job "
              "tried: a note, since the default confinement is doing its work."),
+        Rule("EV013", "command-not-as-claimed", "error", "The command the kernel executed is not the one claimed",
+             "A dev.evidence.degradation with component 'command': the argv of the run's first "
+             "exec, as the kernel copied it (the manifest's command), is not the command the "
+             "caller claimed (manifest.claimed_command; for a #! script the kernel's argv is the "
+             "interpreter, the script's name and the claim's arguments, which agrees), or no such "
+             "exec was recorded (it failed, none was made, or its record was lost). A client of "
+             "the agent is not trusted: one that claims `make test` and runs `sh -c 'cat SECRET'` "
+             "gets a bundle that says what ran, with its claim beside it and this error. Read the "
+             "manifest's command and the run's first process.exec event (filename, sha256) for "
+             "what ran; argv[0] alone never names the program."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -562,6 +573,9 @@ class _Part:
 
     def _degradation(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
+        if d["component"] == claims.COMPONENT:  # the recorder compared the claim with the kernel's
+            self.add("EV013", f"the run's command is not as claimed: {d['reason']}", "command", ev)
+            return
         self.add(
             "EV002",
             f"{d['component']} degraded: {d['reason']} (impact: {d['impact']})",

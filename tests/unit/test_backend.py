@@ -221,3 +221,27 @@ def test_recover_leaves_a_live_run_alone_and_completes_a_finished_one(tmp_path: 
     assert [p.name for p in recover_spools(spool_dir, tmp_path / "b", recorder="evidence run")] == [
         "live.tar.gz"
     ]
+
+
+@pytest.mark.parametrize(("argv", "differs"), [(["true"], False), (["sh", "-c", "cat SECRET"], True)])
+def test_a_recovered_run_says_what_the_kernel_executed(
+    tmp_path: Path, argv: list[str], differs: bool
+) -> None:
+    """A run whose command it started (its record says `claimed`) is recovered as the recorder
+    would have written it: the first exec of its first process is the command, the claim beside it,
+    a difference a `command` degradation (lint EV013)."""
+    from evidence.bundle.reader import read_events, read_manifest
+
+    spool_dir, bundles = tmp_path / "spool", tmp_path / "bundles"
+    spool_dir.mkdir()
+    with SpoolWriter(spool_dir / "s.spool.zst") as w:
+        w.write({"k": "exec", "t": 2_000, "pid": 100, "ppid": 5, "depth": 0, "filename": "/bin/x",
+                 "argv": argv, "argv_truncated": False, "cwd": "/", "result": 0})  # fmt: skip
+    meta = {"session_id": "s", "cgroup": "/x", "started_ns": 500, "command": ["true"], "claimed": True,
+            "pid": 100, "cwd": "/", "attached_late": False, "detail": "summary"}  # fmt: skip
+    (spool_dir / "s.run.json").write_text(json.dumps(meta))
+    (out,) = recover_spools(spool_dir, bundles)
+    manifest = read_manifest(out)
+    assert manifest["command"] == argv and manifest["claimed_command"] == ["true"]
+    components = [e["data"]["component"] for e in read_events(out) if e["type"] == "dev.evidence.degradation"]
+    assert ("command" in components) == differs
