@@ -88,6 +88,8 @@ class RunPredicate(BaseModel):
     runId: str
     sessionId: str
     command: list[str]
+    # the manifest's claimed_command: absent when the manifest has none (a bundle made before it)
+    claimedCommand: list[str] | None = None
     cwd: str
     startedAt: str
     finishedAt: str
@@ -113,12 +115,20 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _list_or_none(value: Any) -> list[str] | None:
+    return list(value) if isinstance(value, list) else None
+
+
 def predicate(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The predicate for a (checked) manifest: a pure function of it."""
+    """The predicate for a (checked) manifest: a pure function of it. `claimedCommand` only when the
+    manifest has `claimed_command` (null or not): a bundle signed before that field existed still
+    agrees with its predicate."""
     m = manifest
     caps = m["capabilities"]
     policy = m.get("policy")
+    claimed = {"claimedCommand": _list_or_none(m["claimed_command"])} if "claimed_command" in m else {}
     return {
+        **claimed,
         "runId": m["run_id"],
         "sessionId": m["session_id"],
         "command": list(m["command"]),

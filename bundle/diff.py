@@ -559,7 +559,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _store(bundle: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(target) as out, open(bundle, "rb") as src:
+    with atomic_write(target, mode=0o600) as out, open(bundle, "rb") as src:  # as every bundle
         shutil.copyfileobj(src, out)
 
 

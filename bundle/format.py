@@ -329,7 +329,12 @@ class RunInfo(BaseModel):
 
     model_config = _FROZEN
     session_id: str
+    # a run whose command started in it (`run`, `run --agent`): the argv of its first process's
+    # first exec, as the kernel copied it (bundle/command.py), and what the caller claimed; a run
+    # attached to processes already there: their argv (read from /proc), and no claim (None). A
+    # bundle made before claimed_command existed has no such field: its command is the claim.
     command: list[str]
+    claimed_command: list[str] | None = None
     cwd: str
     exit_code: int | None
     signal: str | None = None

@@ -22,6 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from evidence.bundle import command as claims
 from evidence.bundle import format as fmt
 from evidence.bundle import reader, signing, workflow
 from evidence.bundle.lint_output import SEVERITIES, render_json, render_sarif, render_text
@@ -138,6 +139,16 @@ RULES: dict[str, Rule] = {
              "kills it unless it handles the signal). A 64-bit program that does this is hiding "
              "what it does; a real 32-bit program cannot run recorded at all: run it with "
              "`evidence run --allow-32bit`, which lets it run unrecorded and says so (EV002)."),
+        Rule("EV014", "command-not-as-claimed", "error", "The command the kernel executed is not the one claimed",
+             "A dev.evidence.degradation with component 'command': the argv of the run's first "
+             "exec, as the kernel copied it (the manifest's command), is not the command the "
+             "caller claimed (manifest.claimed_command; for a #! script the kernel's argv is the "
+             "interpreter, the script's name and the claim's arguments, which agrees), or no such "
+             "exec was recorded (it failed, none was made, or its record was lost). A client of "
+             "the agent is not trusted: one that claims `make test` and runs `sh -c 'cat SECRET'` "
+             "gets a bundle that says what ran, with its claim beside it and this error. Read the "
+             "manifest's command and the run's first process.exec event (filename, sha256) for "
+             "what ran; argv[0] alone never names the program."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -571,6 +582,9 @@ class _Part:
 
     def _degradation(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
+        if d["component"] == claims.COMPONENT:  # the recorder compared the claim with the kernel's
+            self.add("EV014", f"the run's command is not as claimed: {d['reason']}", "command", ev)
+            return
         self.add(
             "EV002",
             f"{d['component']} degraded: {d['reason']} (impact: {d['impact']})",

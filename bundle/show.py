@@ -267,6 +267,13 @@ def _shown(filename: str, argv: list[str]) -> str:
     return f"{filename} (argv: {text})"
 
 
+def claimed_differs(manifest: dict[str, Any]) -> bool:
+    """Whether the manifest's claimed command is another than the one the kernel executed (a
+    `#!` script's differs in form: bundle/command.py decides, and lint's EV014 says which)."""
+    claimed = manifest.get("claimed_command")
+    return claimed is not None and claimed != manifest["command"]
+
+
 def argv_text(argv: list[str], width: int = 160) -> str:
     text = " ".join(a if a and " " not in a else repr(a) for a in argv)
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -339,6 +346,8 @@ def render(s: Summary, limit: int = 50) -> str:
         f"Run {m['run_id']}  ({m['detail']} detail, {m['events']} events, evidence {m['producer'].get('version', '?')})"
     ]
     out.append(f"  command: {argv_text(m['command'])}")
+    if claimed_differs(m):
+        out.append(f"  claimed: {argv_text(m['claimed_command'])}")
     out.append(f"  cwd:     {m['cwd']}")
     duration = f"  ({duration_text(s)})" if s.finished else ""
     out.append(f"  time:    {m['started_at']} .. {m['finished_at']}{duration}")

@@ -3,9 +3,9 @@
 - `generate(path)`: a new key pair, `path` (PKCS#8 PEM, mode 0600) and `path.pub`
   (SubjectPublicKeyInfo PEM).
 - `load_signer(path) -> KeySigner`: the one call a writer of bundles needs: the private key, checked
-  (only its owner may read it, ed25519, not encrypted), ready to pass to `writer.write_bundle(...,
-  signer=)` or `Recorder.finish(..., signer=)`. Load it once, before anything runs, so that a bad key
-  stops the run before it starts.
+  (owned by root or by the recorder's uid, only its owner may read it, ed25519, not encrypted),
+  ready to pass to `writer.write_bundle(..., signer=)` or `Recorder.finish(..., signer=)`. Load it
+  once, before anything runs, so that a bad key stops the run before it starts.
 - `load_public_key(path)` and `check(attestation, key) -> keyid`: the signature check, by the DSSE
   protocol (the signature is over PAE(payloadType, payload)), so any DSSE implementation agrees.
 
@@ -97,6 +97,13 @@ def _read(path: Path, what: str) -> bytes:
                     f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):04o})",
                     f"chmod 600 {path}",
                 )
+            if what == "private key" and st.st_uid not in (0, os.geteuid()):
+                # its owner reads it whatever the mode: a job of that uid could sign anything
+                raise UsageError(
+                    f"{what} {path} belongs to uid {st.st_uid}, who can read it: only root or the "
+                    f"recorder (uid {os.geteuid()}) may own the key",
+                    f"chown {os.geteuid()} {path}",
+                )
             data = f.read(_MAX_KEY_FILE + 1)
     except OSError as e:
         raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
@@ -107,7 +114,8 @@ def _read(path: Path, what: str) -> bytes:
 
 def load_signer(path: str | os.PathLike[str]) -> KeySigner:
     """The signer for an ed25519 private key file (PEM, PKCS#8 as `evidence keygen` writes it, not
-    encrypted, readable by its owner only). Raises UsageError (exit 2) saying what is wrong."""
+    encrypted, readable by its owner only, owned by root or by this process's uid: a key of the
+    job's uid is the job's). Raises UsageError (exit 2) saying what is wrong."""
     p = Path(path)
     data = _read(p, "private key")
     try:

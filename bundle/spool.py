@@ -9,10 +9,7 @@ bundle/record_types.py's (`SpoolRecord`).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
@@ -21,25 +18,6 @@ import orjson
 import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
-
-
-def private_dir(path: Path) -> Path:
-    """`path` as a directory only this user may write to (made 0700 when it is made here): where a
-    run's spool waits, out of the recorded job's reach (a job that could replace the spool would
-    write the bundle). Refuses (OSError) a symlink, another user's directory, or one that group or
-    others may write to; never changes an existing directory's mode."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(parents=True, mode=0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(errno.ENOTDIR, "not a directory", str(path))
-    if st.st_uid != os.geteuid():
-        raise OSError(errno.EPERM, f"belongs to uid {st.st_uid}, not to this user", str(path))
-    if st.st_mode & 0o022:
-        raise OSError(
-            errno.EPERM, f"is writable by others (mode {st.st_mode & 0o7777:o}): make it 0700", str(path)
-        )
-    return path
 
 
 class SpoolWriter:

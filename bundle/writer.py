@@ -7,7 +7,8 @@ takes a second pass). Events are written in the order of their first occurrence 
 (bundle/records.py maps a record to its event). The same
 records and metadata always give the same bytes: fixed tar metadata (mtime 0, uid/gid 0, mode 0644,
 no user names), gzip header mtime 0 and no file name, canonical JSON everywhere. A signed bundle
-(`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too.
+(`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too. The
+bundle file itself is 0600 whatever the umask: it holds the run's argv, file names and peers.
 """
 
 from __future__ import annotations
@@ -696,7 +697,7 @@ def _write_bundle(
 
             signed = attestation.member(manifest, manifest_bytes, events_sha, signer)
             tail.append((_tarinfo(fmt.ATTESTATION_NAME, len(signed)), signed))
-        with atomic_write(out_path) as raw:
+        with atomic_write(out_path, mode=0o600) as raw:  # argv, file names, peers: the owner's alone
             write_tar_gz(
                 raw,
                 [(_tarinfo(fmt.MANIFEST_NAME, len(manifest_bytes)), manifest_bytes)],

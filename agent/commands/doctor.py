@@ -1,5 +1,9 @@
-"""`evidence doctor [--json]`: what this machine offers the recorder, and what to do when something
-is missing. Exit 0 when `evidence run` can record here, 1 when something it needs is missing."""
+"""`evidence doctor [--json] [--bundle-dir DIR]`: what this machine offers the recorder, and what to
+do when something is missing. Exit 0 when `evidence run` can record here, 1 when something it needs
+is missing, or when a directory where bundles or spools wait (the agent's bundle directory,
+`evidence run`'s spools) can be read or written by others: a bundle has argv and file names, and is
+its owner's alone (the agent makes its directories 0700 when it starts, and refuses one that others
+can write)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,10 +29,48 @@ class Check:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from evidence.agent.daemon.settings import DEFAULT_BUNDLE_DIR
+
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument(
+        "--bundle-dir",
+        metavar="DIR",
+        type=Path,
+        default=Path(os.environ.get("EVIDENCE_BUNDLE_DIR") or DEFAULT_BUNDLE_DIR),
+        help=f"the agent's bundle directory (default: $EVIDENCE_BUNDLE_DIR or {DEFAULT_BUNDLE_DIR})",
+    )
 
 
-def checks() -> list[Check]:
+def private_dir_check(name: str, path: Path) -> Check:
+    """Whether `path` is a directory only its owner (root) may enter, as bundles and spools need:
+    absent is fine (it is made 0700)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return Check(name, True, f"{path} (not made yet: it will be 0700)", True)
+    except OSError as e:
+        return Check(name, False, f"{path}: {e.strerror}", True, "check the path")
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        return Check(name, False, f"{path} is not a directory", True, "remove it, or choose another")
+    if st.st_uid != 0:
+        return Check(name, False, f"{path} belongs to uid {st.st_uid}", True, f"chown root {path}")
+    if mode & 0o077:
+        who = "written" if mode & 0o022 else "read"
+        return Check(
+            name,
+            False,
+            f"{path} can be {who} by others (mode {mode:o}): their bundles and file names",
+            True,
+            f"chmod 700 {path}" + ("" if mode & 0o022 else " (the agent does when it starts)"),
+        )
+    return Check(name, True, f"{path} (mode {mode:o})", True)
+
+
+def checks(bundle_dir: Path | None = None) -> list[Check]:
+    from evidence.agent.commands.run import RUN_SPOOL_DIR
+    from evidence.agent.daemon.settings import DEFAULT_BUNDLE_DIR
+
     out: list[Check] = []
     root = os.geteuid() == 0
     out.append(
@@ -166,6 +209,8 @@ def checks() -> list[Check]:
             "connect enforcement", bool(sock_addr and sock_addr.ok), "cgroup/connect4,6 and sendmsg4,6", False
         )
     )
+    out.append(private_dir_check("bundle directory", bundle_dir or DEFAULT_BUNDLE_DIR))
+    out.append(private_dir_check("run spools", RUN_SPOOL_DIR))
     return out
 
 
@@ -200,7 +245,7 @@ def _ia32_emulation() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = checks()
+    result = checks(args.bundle_dir)
     ready = all(c.ok for c in result if c.required)
     if args.json:
         doc: dict[str, Any] = {

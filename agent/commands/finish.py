@@ -59,7 +59,7 @@ def check_target(path: Path, force: bool) -> None:
 
 
 def download_bundle(client: AgentClient, name: str, sha256: str, target: Path) -> int:
-    with atomic_write(target) as raw:
+    with atomic_write(target, mode=0o600) as raw:  # as the agent keeps it: the caller's alone
         writer = _HashingWriter(raw)
         size = client.download(f"/bundles/{quote(name, safe='')}", writer)  # type: ignore[arg-type]
         if writer.sha.hexdigest() != sha256:

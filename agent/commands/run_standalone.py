@@ -175,7 +175,7 @@ class StandaloneRun:
         from evidence.agent.commands.doctor import capabilities_in_force
         from evidence.agent.recorder.launch import Launcher, Watchdog
         from evidence.agent.recorder.recording import Recorder
-        from evidence.bundle.spool import private_dir
+        from evidence.files import private_dir
 
         try:
             if args.sign_key:  # a bad key runs nothing
@@ -286,6 +286,12 @@ class StandaloneRun:
         )
         self.watchdog.watch(self.cgroup.path, self.session_id)
         session.network = self.args.net
+        # the helper becomes the command (same pid): known as the run's root before it can exec, so
+        # its exec record, however soon the consumer thread reads it, is the root's (depth 0), and
+        # the manifest's command is what that exec ran (its run record says so, for recovery)
+        assert self.launcher is not None
+        session.starts_command(self.launcher.process.pid)
+        session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
         self._write_run_record()
         session.degradations = list(self.degradations)
         if enforcement is not None:
@@ -303,10 +309,6 @@ class StandaloneRun:
         )
         launcher, self.launcher = self.launcher, None
         assert launcher is not None
-        # the helper becomes the command (same pid): known as the run's root before it can exec, so
-        # its exec record, however soon the consumer thread reads it, is the root's (depth 0)
-        session.pid = launcher.process.pid
-        session.correlator.add_root(launcher.process.pid, os.getpid(), path_text(self.cwd))
         try:
             launched = launcher.go(spec)
         except LaunchError as e:

@@ -25,7 +25,9 @@ client's. A process already recorded by a run is refused (409): moving it would 
 run. Only a process the peer owns may be moved (authz.claim_pid; else 403). Finishing an isolated
 run kills what is left in its cgroup and removes it. The client may report the command's exit code
 or signal, but the manifest carries what the agent observed through the pidfd it holds from before
-the move (agent/daemon/exits.py); a run whose end it could not observe is cut short.
+the move (agent/daemon/exits.py); a run whose end it could not observe is cut short. Likewise its
+"command" is only a claim: the manifest's command is the argv the kernel executed, the claim is
+kept as claimed_command, and a difference is a degradation (bundle/command.py).
 
 Ownership: a run is owned by the uid of the peer that started it (the agent's own runs, pods, are
 root's). Only the owner and root see it in GET /runs, finish it, or download its bundle; to anyone
@@ -239,7 +241,9 @@ class AgentAPI:
     # lifecycle
 
     def start(self) -> None:
-        self.bundle_dir.mkdir(parents=True, exist_ok=True)
+        from evidence.files import private_dir
+
+        private_dir(self.bundle_dir)  # bundles are their owners' alone: read through GET /bundles
         listeners = Listeners(
             self,
             self.socket_path,

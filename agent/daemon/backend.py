@@ -22,8 +22,9 @@ agent/recorder/recovery.py. Splitting its methods further would spread that lock
   the run, starts tracking it, then moves the client's waiting child in; finishing such a run kills
   what the command left in it and removes the cgroup (a run cut short at shutdown is not killed: its
   cgroup is removed only once empty). The command's exit status is the one read through the pidfd
-  the agent holds (agent/daemon/exits.py), not the client's; the watchdog is told each such cgroup,
-  and kills those still there if the agent dies.
+  the agent holds (agent/daemon/exits.py), not the client's, and its command the argv the kernel
+  executed, the client's `command` kept as its claim (`Session.starts_command`, bundle/command.py);
+  the watchdog is told each such cgroup, and kills those still there if the agent dies.
 - Kubernetes (agent/daemon/pods.py: `PodRuns`): one run per pod cgroup; containers are child cgroups,
   covered by the pod's run. Their records carry `cgroup` (the path below the pod's) and, when the
   scope name says so, `container` (the id); the run's labels also list every container seen.
@@ -275,7 +276,9 @@ class RecorderBackend:
         run = Run(session=session, spool=spool, pid=pid, bundle_name=bundle_name)
         runs.append(run)
         run.extensions = dict(extensions or {})
-        if pid is not None:
+        if pid is not None and command is not None:  # isolated: the client's claim, before its exec
+            session.starts_command(pid)
+        elif pid is not None:
             session.pid = pid
         with self._lock:
             self._runs[sid] = run

@@ -47,7 +47,7 @@ from cloudevents.core.v1.event import CloudEvent
 from evidence.agent.daemon import metrics as m
 from evidence.bundle import format as fmt
 from evidence.bundle.record_types import SpoolRecord
-from evidence.files import write_atomic
+from evidence.files import private_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class SpillDir:
     def __init__(self, path: str | Path, max_bytes: int) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)  # the runs' events, undelivered: the agent's alone
         self._lock = threading.Lock()
         segs = self.segments()
         self._seq = int(segs[-1].name[4:20]) + 1 if segs else 0

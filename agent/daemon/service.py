@@ -60,15 +60,20 @@ class Daemon:
         from evidence.agent.daemon.pods import PodRuns
         from evidence.agent.daemon.settings import parse_host_port
         from evidence.agent.recorder.recovery import recover_spools
-        from evidence.bundle.spool import private_dir
+        from evidence.files import private_dir
 
         s = self.settings
         cgroup_root = _cgroup_root(s)
         bundle_dir = Path(s.bundle_dir)
         spool_dir = s.run_spool_dir
         try:
-            bundle_dir.mkdir(parents=True, exist_ok=True)
-            private_dir(spool_dir)  # the recorded jobs must not reach their spools
+            # the recorded jobs must not reach their spools, nor anyone read another's bundle or
+            # events (a bundle has argv and file names): 0700 whatever the umask, an older agent's
+            # readable directory made so; one that others can write is refused
+            private_dir(bundle_dir)
+            private_dir(spool_dir)
+            if s.stream_url:
+                private_dir(s.stream_spill_dir)
         except OSError as e:
             raise SetupError(f"cannot use {e.filename}: {e.strerror}") from None
         signal.signal(signal.SIGTERM, self._on_signal)

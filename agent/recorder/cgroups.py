@@ -133,7 +133,7 @@ class RunCgroup:
         mount = mount or find_cgroup2_mount()
         parent = mount / EVIDENCE_DIR
         try:
-            parent.mkdir(exist_ok=True)
+            parent.mkdir(mode=0o755, exist_ok=True)  # never left to the umask (0: writable by all)
         except OSError as e:
             raise SetupError(f"cannot create a cgroup under {parent}: {e.strerror}", "run as root") from e
         return cls.create_in(parent, name)
@@ -143,7 +143,7 @@ class RunCgroup:
         """<parent>/<name>, made for a run (the parent exists)."""
         path = parent / name
         try:
-            path.mkdir()
+            path.mkdir(mode=0o755)
         except OSError as e:
             raise SetupError(f"cannot create a cgroup under {parent}: {e.strerror}", "run as root") from e
         return cls(path)

@@ -289,6 +289,10 @@ class Correlator:
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
         self.names = Names()  # how names are resolved (its table of directories chdirs entered)
+        # the process that starts the run's command (`run`, `run --agent`), and the record of its
+        # first successful exec: what the kernel executed, the manifest's command (bundle/command.py)
+        self.root_pid: int | None = None
+        self.root_exec: ExecRecord | None = None
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -693,6 +697,8 @@ class Correlator:
             argv = enter["argv"]
         p.exe = filename
         rec = self._exec_record(p, t, filename, argv, trunc, 0)
+        if p.pid == self.root_pid and self.root_exec is None:
+            self.root_exec = rec  # its hash's fields are filled in place (exe_hash.settle)
         out: list[Correlated] = [rec]
         if self.hash_of:  # the fields, or a pending hash the recorder fills in (exe_hash.PENDING)
             where = filename

@@ -33,6 +33,7 @@ import orjson
 from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlated, Correlator
+from evidence.bundle.command import judge
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
 from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
@@ -175,7 +176,7 @@ class Session:
     session_id: str
     cgroup_path: Path
     cgroup_id: int
-    command: list[str]
+    command: list[str]  # as the caller gave it: with `claimed`, only its claim (bundle/command.py)
     cwd: str
     detail: str
     labels: dict[str, str]
@@ -205,6 +206,16 @@ class Session:
     # Called with each batch of correlated records; returns records to add (policy denials).
     observer: Callable[[Sequence[SpoolRecord]], list[DenialRecord]] | None = None
     held: list[SpoolRecord] = dataclasses.field(default_factory=list)  # from an exec still hashed
+    # the command starts in the run, by process `pid` (`run`, `run --agent`): the manifest's command
+    # is the argv of that process's first exec as the kernel copied it; `command` is the claim
+    claimed: bool = False
+
+    def starts_command(self, pid: int) -> None:
+        """Process `pid`, of the run from before it execs, is the one that runs `command`: the
+        manifest's command will be what the kernel executed, `command` kept as the claim."""
+        self.pid = pid
+        self.claimed = True
+        self.correlator.root_pid = pid
 
 
 class Recorder:
@@ -414,9 +425,17 @@ class Recorder:
         session.spool.write_many(held + pending + session.correlator.flush() + counted)
         session.spool.write_many(session.extra_records)
         session.spool.close()
+        command, claimed = session.command, None
+        if session.claimed:  # what the kernel executed, and the caller's claim beside it
+            verdict = judge(session.command, session.correlator.root_exec)
+            command, claimed = verdict.command, session.command
+            if verdict.degradation is not None:
+                logger.warning("run %s: %s", session.session_id, verdict.degradation["reason"])
+                session.degradations.append(verdict.degradation)
         meta = RunMeta(
             session_id=session.session_id,
-            command=session.command,
+            command=command,
+            claimed_command=claimed,
             cwd=session.cwd,
             pid=session.pid,
             cgroup=str(session.cgroup_path),

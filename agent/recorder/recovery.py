@@ -75,6 +75,7 @@ def run_record(session: Any, **extra: Any) -> dict[str, Any]:
         "session_id": session.session_id,
         "cgroup": str(session.cgroup_path),
         "command": session.command,
+        "claimed": session.claimed,  # command is a claim, judged against the kernel's (bundle/command.py)
         "cwd": session.cwd,
         "pid": session.pid,
         "started_ns": session.started_ns,
@@ -137,12 +138,13 @@ def recover_spools(
     be turned into a bundle is moved to <spool_dir>/failed/ and logged, never deleted. `signer`
     signs every bundle whose run record names no key of its own (the agent's key)."""
     from evidence.agent.recorder.kernel import host_info
+    from evidence.bundle.command import judge
     from evidence.bundle.writer import RunMeta, write_bundle
 
     if not spool_dir.is_dir():
         return []
     if bundle_dir is not None:
-        bundle_dir.mkdir(parents=True, exist_ok=True)
+        bundle_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # the agent's is private_dir already
         for tmp in bundle_dir.glob(".evidence-*.tmp"):  # a bundle or marker cut off mid-write
             logger.warning("removing %s, a partial write of an agent that stopped", tmp)
             tmp.unlink(missing_ok=True)
@@ -158,10 +160,14 @@ def recover_spools(
         state: dict[str, Any] = {}
         records = tolerant_records(spool, state)
         last_t = first_t = count = 0
+        root_pid = int(info.get("pid") or 0)
+        root: SpoolRecord | None = None  # the first exec of the process that started the command
         for r in records():
             count += 1
             last_t = max(last_t, r["t"])
             first_t = r["t"] if not first_t else min(first_t, r["t"])
+            if root is None and r["k"] == "exec" and r["pid"] == root_pid and r["result"] == 0:
+                root = r
         mtime = spool.stat().st_mtime_ns
         if count == 0 and state.get("error"):
             move_aside(spool, meta_path, spool_dir, state["error"])
@@ -194,9 +200,17 @@ def recover_spools(
                 "impact": "events after the spool's last flush, and the kernel's loss counts, are missing",
             }
         )
+        command = [str(a) for a in info.get("command") or []]
+        claimed: list[str] | None = None
+        degradations = [degradation]
+        if info.get("claimed") is True:  # as the recorder would have: the kernel's, and the claim
+            verdict = judge(command, root)
+            command, claimed = verdict.command, command
+            degradations += [verdict.degradation] if verdict.degradation is not None else []
         meta = RunMeta(
             session_id=str(info.get("session_id") or sid),
-            command=[str(a) for a in info.get("command") or []],
+            command=command,
+            claimed_command=claimed,
             cwd=str(info.get("cwd") or ""),
             pid=int(info.get("pid") or 0),
             cgroup=str(info.get("cgroup") or ""),
@@ -214,7 +228,7 @@ def recover_spools(
             headers={},
             labels={str(k): str(v) for k, v in (info.get("labels") or {}).items()},
             network=info.get("network") if info.get("network") in ("none", "loopback") else None,
-            degradations=[degradation],
+            degradations=degradations,
         )
         try:
             write_bundle(target, meta, records, signer=_signer(info.get("sign_key")) or signer)
@@ -264,7 +278,7 @@ def _signer(key: Any) -> Any:
 
 def move_aside(spool: Path, meta_path: Path, spool_dir: Path, why: str) -> None:
     failed = spool_dir / "failed"
-    failed.mkdir(exist_ok=True)
+    failed.mkdir(mode=0o700, exist_ok=True)
     shutil.move(str(spool), failed / spool.name)
     if meta_path.exists():
         shutil.move(str(meta_path), failed / meta_path.name)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.kernel
 
 
 class Agent:
-    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None, umask: int = -1) -> None:
         self.socket = tmp / "agent.sock"
         self.bundles = tmp / "bundles"
         self.log = tmp / f"agent-{uuid.uuid4().hex[:6]}.log"
@@ -40,7 +40,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "evidence", "agent", "--socket", str(self.socket),
                  "--bundle-dir", str(self.bundles), *extra],
-                stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                stdout=log, stderr=subprocess.STDOUT, env=full_env, umask=umask,
             )  # fmt: skip
         self.client = AgentClient(self.socket, timeout=60)
         deadline = time.monotonic() + 60

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import tarfile
 from pathlib import Path
 
 from tests.kernel.util import evidence
+
+NOBODY = 65534
 
 
 def test_run_signs_its_bundle_and_verify_checks_it(tmp_path: Path) -> None:
@@ -40,3 +43,27 @@ def test_a_bad_key_runs_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "accessible by others" in proc.stderr and proc.stderr.count("\n") == 1
     assert not marker.exists() and not (tmp_path / "b.tar.gz").exists()
+
+
+def test_a_key_owned_by_the_jobs_uid_runs_nothing(tmp_path: Path) -> None:
+    """A 0600 key that nobody owns is nobody's to read: a job running as nobody could sign anything
+    with it. Refused before the command starts (exit 2, one line); root's own key is used."""
+    key = tmp_path / "evidence-key"
+    assert evidence("keygen", "--out", str(key)).returncode == 0
+    os.chown(key, NOBODY, NOBODY)
+    marker = tmp_path / "ran"
+    proc = evidence(
+        "run", "--sign-key", str(key), "--bundle", str(tmp_path / "b.tar.gz"), "--", "/bin/touch", str(marker)
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"belongs to uid {NOBODY}" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not marker.exists() and not (tmp_path / "b.tar.gz").exists()
+    agent = evidence("agent", "--socket", str(tmp_path / "s.sock"), "--bundle-dir", str(tmp_path / "b"),
+                     env={**os.environ, "EVIDENCE_SIGNING_KEY": str(key)})  # fmt: skip
+    assert agent.returncode == 2 and f"belongs to uid {NOBODY}" in agent.stderr, agent.stderr
+    assert agent.stderr.count("\n") == 1 and not (tmp_path / "s.sock").exists()
+    os.chown(key, 0, 0)
+    signed = evidence(
+        "run", "--sign-key", str(key), "--bundle", str(tmp_path / "b.tar.gz"), "--", "/bin/true"
+    )
+    assert signed.returncode == 0, signed.stderr

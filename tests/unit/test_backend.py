@@ -13,7 +13,8 @@ import pytest
 from evidence.agent.daemon.backend import process_depths
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.recovery import recover_spools, unique_path
-from evidence.bundle.spool import SpoolWriter, private_dir, read_spool
+from evidence.bundle.spool import SpoolWriter, read_spool
+from evidence.files import private_dir
 from tests.kernel.util import read_bundle
 
 
@@ -137,7 +138,7 @@ def test_spools_wait_in_a_directory_only_the_recorder_can_enter(tmp_path: Path) 
     assert private_dir(d) == d and (d.stat().st_mode & 0o777) == 0o700
     d.chmod(0o777)
     with pytest.raises(OSError, match="writable by others"):
-        private_dir(d)  # and its mode is left alone (it may be a shared directory like /tmp)
+        private_dir(d)  # what others could write in it is not trusted: refused, left alone
     assert (d.stat().st_mode & 0o777) == 0o777
     d.chmod(0o755)
     assert private_dir(d) == d
@@ -148,6 +149,29 @@ def test_spools_wait_in_a_directory_only_the_recorder_can_enter(tmp_path: Path) 
     (d / "s.spool.zst").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(FileExistsError):  # a spool is always a new file, never through a link
         SpoolWriter(d / "s.spool.zst")
+
+
+def test_a_private_directory_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Bundles, spools and undelivered events are the recorder's alone: a directory made for them is
+    0700 (its missing parents 0755) under umask 0 too; one an older agent made readable (0755, its
+    bundles 0644) is made 0700, its files 0600 (a symlink's target is left alone)."""
+    old = os.umask(0)
+    try:
+        d = private_dir(tmp_path / "a" / "b" / "bundles")
+    finally:
+        os.umask(old)
+    assert (d.stat().st_mode & 0o777) == 0o700
+    assert (d.parent.stat().st_mode & 0o777) == (d.parent.parent.stat().st_mode & 0o777) == 0o755
+    d.chmod(0o755)
+    (d / "old.tar.gz").write_bytes(b"x")
+    (d / "old.tar.gz").chmod(0o644)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"y")
+    outside.chmod(0o644)
+    (d / "link.tar.gz").symlink_to(outside)
+    assert private_dir(d) == d
+    assert (d.stat().st_mode & 0o777) == 0o700 and ((d / "old.tar.gz").stat().st_mode & 0o777) == 0o600
+    assert (outside.stat().st_mode & 0o777) == 0o644
     assert not (tmp_path / "elsewhere").exists()
 
 
@@ -197,3 +221,27 @@ def test_recover_leaves_a_live_run_alone_and_completes_a_finished_one(tmp_path: 
     assert [p.name for p in recover_spools(spool_dir, tmp_path / "b", recorder="evidence run")] == [
         "live.tar.gz"
     ]
+
+
+@pytest.mark.parametrize(("argv", "differs"), [(["true"], False), (["sh", "-c", "cat SECRET"], True)])
+def test_a_recovered_run_says_what_the_kernel_executed(
+    tmp_path: Path, argv: list[str], differs: bool
+) -> None:
+    """A run whose command it started (its record says `claimed`) is recovered as the recorder
+    would have written it: the first exec of its first process is the command, the claim beside it,
+    a difference a `command` degradation (lint EV014)."""
+    from evidence.bundle.reader import read_events, read_manifest
+
+    spool_dir, bundles = tmp_path / "spool", tmp_path / "bundles"
+    spool_dir.mkdir()
+    with SpoolWriter(spool_dir / "s.spool.zst") as w:
+        w.write({"k": "exec", "t": 2_000, "pid": 100, "ppid": 5, "depth": 0, "filename": "/bin/x",
+                 "argv": argv, "argv_truncated": False, "cwd": "/", "result": 0})  # fmt: skip
+    meta = {"session_id": "s", "cgroup": "/x", "started_ns": 500, "command": ["true"], "claimed": True,
+            "pid": 100, "cwd": "/", "attached_late": False, "detail": "summary"}  # fmt: skip
+    (spool_dir / "s.run.json").write_text(json.dumps(meta))
+    (out,) = recover_spools(spool_dir, bundles)
+    manifest = read_manifest(out)
+    assert manifest["command"] == argv and manifest["claimed_command"] == ["true"]
+    components = [e["data"]["component"] for e in read_events(out) if e["type"] == "dev.evidence.degradation"]
+    assert ("command" in components) == differs
