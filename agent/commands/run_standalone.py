@@ -292,13 +292,14 @@ class StandaloneRun:
         assert self.launcher is not None
         session.starts_command(self.launcher.process.pid)
         session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
-        self._write_run_record()
         session.degradations = list(self.degradations)
         if enforcement is not None:
             session.policy = enforcement.manifest_policy()
             session.degradations += list(enforcement.degradations)
             session.observer = enforcement.observe
             enforcement.attach(str(self.cgroup.path))
+        # before the command can run: what recovery needs, whole (its pid, policy, degradations)
+        self._write_run_record()
         spec = LaunchSpec(
             argv=self.command,
             cgroup_procs=self.cgroup.procs_file(),
@@ -349,13 +350,13 @@ class StandaloneRun:
         """`<session>.run.json` beside the spool: what `evidence recover` needs to turn the spool into
         a bundle if this process dies or the bundle cannot be written. Locked while this run lives,
         so `recover` never takes a live run's spool."""
-        from evidence.agent.recorder.recovery import hold, run_record, write_run_record
+        from evidence.agent.recorder.recovery import hold, write_run_record
 
-        signing = {"sign_key": str(Path(self.args.sign_key).absolute())} if self.args.sign_key else {}
-        record = run_record(
-            self.session, bundle_name=self.bundle.name, bundle_path=str(self.bundle), **signing, **finished
+        key = str(Path(self.args.sign_key).absolute()) if self.args.sign_key else None
+        description = self.session.describe(
+            bundle_name=self.bundle.name, bundle_path=str(self.bundle), sign_key=key, **finished
         )
-        self._run_record = write_run_record(RUN_SPOOL_DIR, self.session_id, record)
+        self._run_record = write_run_record(RUN_SPOOL_DIR, description)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # the record was replaced: hold the new one
         self._lock_fd = hold(self._run_record)

@@ -49,7 +49,7 @@ from evidence.agent.daemon.api import NotReady, RunConflict, RunInfo, UnknownRun
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
 from evidence.agent.recorder.launch import COMPAT_NOT_REFUSED
-from evidence.agent.recorder.recovery import RUN_META_SUFFIX, run_record, unique_path, write_run_record
+from evidence.agent.recorder.recovery import RUN_META_SUFFIX, unique_path, write_run_record
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
 
@@ -227,6 +227,7 @@ class RecorderBackend:
                 self._starting.discard(cgroup)
         if not launched:
             run.session.degradations.append(dict(COMPAT_NOT_REFUSED))
+            self._write_meta(run)  # recovery says it too
         return run
 
     def _start_locked_out(
@@ -412,7 +413,6 @@ class RecorderBackend:
         run.cgroup = cg
         if net is not None:
             run.session.network = net
-            self._write_meta(run)  # recovery keeps it too
         if enforcement is not None:  # the guard holds the cgroup before the command is in it
             session = run.session
             session.policy = enforcement.manifest_policy()
@@ -420,6 +420,7 @@ class RecorderBackend:
             session.observer = enforcement.observe
             run.enforcement = enforcement
             enforcement.attach(str(cg.path))
+        self._write_meta(run)  # before the process is moved in: recovery keeps all of it
         if pidfd is not None:
             run.pidfd = os.dup(pidfd)
         if self.watchdog is not None:
@@ -478,7 +479,7 @@ class RecorderBackend:
     def _write_meta(self, run: Run) -> None:
         s = run.session
         try:
-            write_run_record(self.spool_dir, s.session_id, run_record(s, bundle_name=run.bundle_name))
+            write_run_record(self.spool_dir, s.describe(bundle_name=run.bundle_name))
         except OSError as e:
             logger.warning("run %s: cannot write its recovery record: %s", s.session_id, e)
 

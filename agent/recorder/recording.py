@@ -33,6 +33,7 @@ import orjson
 from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlated, Correlator
+from evidence.agent.recorder.description import RunDescription
 from evidence.bundle.command import judge
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
@@ -209,6 +210,32 @@ class Session:
     # the command starts in the run, by process `pid` (`run`, `run --agent`): the manifest's command
     # is the argv of that process's first exec as the kernel copied it; `command` is the claim
     claimed: bool = False
+    # what the recorder could use, and what this run's command ran under (isolation, 32-bit calls)
+    capabilities: dict[str, Any] = dataclasses.field(default_factory=dict)
+    headers: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def describe(self, **where: Any) -> RunDescription:
+        """The run as known so far, whole (agent/recorder/description.py): what its run record on
+        disk holds. `where`: the bundle's name or path and key, and how the command ended."""
+        return RunDescription(
+            session_id=self.session_id,
+            cgroup=str(self.cgroup_path),
+            command=list(self.command),
+            claimed=self.claimed,
+            cwd=self.cwd,
+            pid=self.pid,
+            started_ns=self.started_ns,
+            attached_late=self.attached_late,
+            detail="full" if self.detail == "full" else "summary",
+            labels=dict(self.labels),
+            policy=self.policy,
+            network="none" if self.network == "none" else "loopback" if self.network == "loopback" else None,
+            roots=dict(self.roots),
+            capabilities=dict(self.capabilities),
+            headers=dict(self.headers),
+            degradations=[dict(d) for d in self.degradations],
+            **where,
+        )
 
     def starts_command(self, pid: int) -> None:
         """Process `pid`, of the run from before it execs, is the one that runs `command`: the
@@ -307,6 +334,8 @@ class Recorder:
                 cgroup_names=names,
                 started_ns=time.time_ns(),
                 attached_late=attached_late,
+                capabilities=dict(self.capabilities),
+                headers=self.headers.as_dict() if self.headers else {},
                 max_distinct=0
                 if detail == "full"
                 else max(1, self.max_distinct if max_distinct is None else max_distinct),
@@ -447,8 +476,8 @@ class Recorder:
             attached_late=session.attached_late,
             detail=session.detail,
             host=_host(),
-            capabilities=self.capabilities,
-            headers=self.headers.as_dict() if self.headers else {},
+            capabilities=session.capabilities,
+            headers=session.headers,
             lost=lost,
             labels=session.labels,
             policy=session.policy,

@@ -1,8 +1,11 @@
 """Recovery: spools that a dead recorder (an agent, or `evidence run`) left become bundles.
 
-Beside each spool, `<session>.run.json` (RUN_META_SUFFIX, written by `write_run_record` when a run
-starts, and again on label changes or when its bundle could not be written) holds what the
-bundle's manifest needs. A live `evidence run` holds a lock on its record, so recovery never takes
+Beside each spool, `<session>.run.json` (RUN_META_SUFFIX) holds the run's description, whole
+(agent/recorder/description.py: command, policy, roots, capabilities, network, the run's
+degradations, its pid, ...), written by `write_run_record` when the run starts and rewritten when
+any of it changes (the command's pid known, a policy attached, labels, the exit seen when the
+bundle could not be written): a recovered bundle says what was in force and what was degraded, as
+the run's own would have. A live `evidence run` holds a lock on its record, so recovery never takes
 a running run's spool. `recover_spools` turns every other spool into a bundle, reading it up to the
 first unreadable byte: marked cut short, with a degradation event, when the recorder died during
 the run; complete, with the command's exit code, when only the bundle's writing failed (disk full).
@@ -13,7 +16,6 @@ agent recovers its own spools when it starts; `evidence recover` does it for `ev
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from evidence.agent.recorder.description import DescriptionError, RunDescription
 from evidence.files import write_atomic
 
 if TYPE_CHECKING:
@@ -68,30 +71,24 @@ def tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator
     return gen
 
 
-def run_record(session: Any, **extra: Any) -> dict[str, Any]:
-    """What recovery needs of a recorder Session, with extra fields (bundle_name, bundle_path, and
-    exit_code, signal, finished_ns once the run has ended)."""
-    return {
-        "session_id": session.session_id,
-        "cgroup": str(session.cgroup_path),
-        "command": session.command,
-        "claimed": session.claimed,  # command is a claim, judged against the kernel's (bundle/command.py)
-        "cwd": session.cwd,
-        "pid": session.pid,
-        "started_ns": session.started_ns,
-        "attached_late": session.attached_late,
-        "detail": session.detail,
-        "labels": dict(session.labels),
-        "network": session.network,
-        **extra,
-    }
-
-
-def write_run_record(spool_dir: Path, session_id: str, record: dict[str, Any]) -> Path:
-    """Write `<session>.run.json` beside the run's spool (atomically, 0600)."""
-    path = spool_dir / f"{session_id}{RUN_META_SUFFIX}"
-    write_atomic(path, json.dumps(record, sort_keys=True).encode(), mode=0o600)
+def write_run_record(spool_dir: Path, description: RunDescription) -> Path:
+    """Write `<session>.run.json` beside the run's spool: its description, whole (atomically, 0600;
+    rewritten whenever it changes)."""
+    path = spool_dir / f"{description.session_id}{RUN_META_SUFFIX}"
+    write_atomic(path, description.to_json(), mode=0o600)
     return path
+
+
+def read_run_record(path: Path, session_id: str) -> RunDescription:
+    """The run record at `path`; one that is missing or unreadable is logged and gives a run that
+    says no more than its session id (recovery writes the bundle with less)."""
+    try:
+        return RunDescription.from_json(path.read_bytes(), session_id)
+    except FileNotFoundError:
+        logger.warning("run %s has no recovery record: recovering with less", session_id)
+    except (OSError, DescriptionError) as e:
+        logger.warning("recovery record %s is unreadable (%s): recovering with less", path, e)
+    return RunDescription(session_id=session_id)
 
 
 def hold(path: Path) -> int:
@@ -152,47 +149,41 @@ def recover_spools(
     for spool in leftovers(spool_dir):
         sid = spool.name.removesuffix(SPOOL_SUFFIX)
         meta_path = spool_dir / f"{sid}{RUN_META_SUFFIX}"
-        try:
-            info: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        except (OSError, ValueError) as e:
-            logger.warning("recovery record %s is unreadable (%s): recovering with less", meta_path, e)
-            info = {}
+        info = read_run_record(meta_path, sid)
         state: dict[str, Any] = {}
         records = tolerant_records(spool, state)
         last_t = first_t = count = 0
-        root_pid = int(info.get("pid") or 0)
         root: SpoolRecord | None = None  # the first exec of the process that started the command
         for r in records():
             count += 1
             last_t = max(last_t, r["t"])
             first_t = r["t"] if not first_t else min(first_t, r["t"])
-            if root is None and r["k"] == "exec" and r["pid"] == root_pid and r["result"] == 0:
+            if root is None and r["k"] == "exec" and r["pid"] == info.pid and r["result"] == 0:
                 root = r
         mtime = spool.stat().st_mtime_ns
         if count == 0 and state.get("error"):
             move_aside(spool, meta_path, spool_dir, state["error"])
             continue
-        started = int(info.get("started_ns") or first_t or mtime)
-        name = info.get("bundle_name") or f"{sid}.tar.gz"
-        if not BUNDLE_NAME.fullmatch(str(name)):
+        started = info.started_ns or first_t or mtime
+        name = info.bundle_name or f"{sid}.tar.gz"
+        if not BUNDLE_NAME.fullmatch(name):
             name = f"{sid}.tar.gz"
         where = bundle_dir
         if where is None:
-            asked = Path(str(info.get("bundle_path") or ""))
+            asked = Path(info.bundle_path or "")
             where = _safe_dir(asked.parent) if asked.is_absolute() else None
             if where is None:  # a directory a job could have swapped: root's own instead
                 where = spool_dir.parent / "recovered"
                 where.mkdir(mode=0o700, exist_ok=True)
-        target = unique_path(where / str(name))
+        target = unique_path(where / name)
         # the run ended and only its bundle could not be written: complete, with its exit status
-        ended = "finished_ns" in info
         degradation = (
             {
                 "component": recorder,
                 "reason": "written later by `evidence recover`: the bundle could not be written when the run ended",
                 "impact": "the kernel's loss counts are missing",
             }
-            if ended
+            if info.ended
             else {
                 "component": recorder,
                 "reason": f"recovered from the spool of {'an agent' if recorder == 'agent' else 'an evidence run'} "
@@ -200,44 +191,46 @@ def recover_spools(
                 "impact": "events after the spool's last flush, and the kernel's loss counts, are missing",
             }
         )
-        command = [str(a) for a in info.get("command") or []]
-        claimed: list[str] | None = None
-        degradations = [degradation]
-        if info.get("claimed") is True:  # as the recorder would have: the kernel's, and the claim
-            verdict = judge(command, root)
-            command, claimed = verdict.command, command
+        # what was in force and degraded during the run, as its own bundle would have said, then this
+        degradations = [*info.degradations, degradation]
+        command, claimed = info.command, None
+        if info.claimed:  # as the recorder would have: the kernel's, and the claim
+            verdict = judge(info.command, root)
+            command, claimed = verdict.command, info.command
             degradations += [verdict.degradation] if verdict.degradation is not None else []
         meta = RunMeta(
-            session_id=str(info.get("session_id") or sid),
+            session_id=info.session_id,
             command=command,
             claimed_command=claimed,
-            cwd=str(info.get("cwd") or ""),
-            pid=int(info.get("pid") or 0),
-            cgroup=str(info.get("cgroup") or ""),
+            cwd=info.cwd,
+            pid=info.pid,
+            cgroup=info.cgroup,
             started_ns=started,
-            finished_ns=int(info["finished_ns"])
-            if ended
+            finished_ns=info.finished_ns
+            if info.finished_ns is not None
             else max(started, last_t, mtime if not last_t else 0),
-            exit_code=info.get("exit_code") if ended else None,
-            signal=info.get("signal") if ended else None,
-            cut_short=not ended,
-            attached_late=bool(info.get("attached_late", True)),
-            detail="full" if info.get("detail") == "full" else "summary",
+            exit_code=info.exit_code if info.ended else None,
+            signal=info.signal if info.ended else None,
+            cut_short=not info.ended,
+            attached_late=info.attached_late,
+            detail=info.detail,
             host=host_info(),
-            capabilities={},
-            headers={},
-            labels={str(k): str(v) for k, v in (info.get("labels") or {}).items()},
-            network=info.get("network") if info.get("network") in ("none", "loopback") else None,
+            capabilities=info.capabilities,
+            headers=info.headers,
+            labels=info.labels,
+            policy=info.policy,
+            network=info.network,
             degradations=degradations,
+            roots=info.roots,
         )
         try:
-            write_bundle(target, meta, records, signer=_signer(info.get("sign_key")) or signer)
+            write_bundle(target, meta, records, signer=_signer(info.sign_key) or signer)
         except Exception as e:
             move_aside(spool, meta_path, spool_dir, str(e))
             continue
         spool.unlink(missing_ok=True)
         meta_path.unlink(missing_ok=True)
-        logger.warning("recovered run %s into %s%s", sid, target, "" if ended else " (cut short)")
+        logger.warning("recovered run %s into %s%s", sid, target, "" if info.ended else " (cut short)")
         out.append(target)
     for orphan in spool_dir.glob(f"*{RUN_META_SUFFIX}"):  # a run whose spool was never created
         if not (spool_dir / orphan.name.replace(RUN_META_SUFFIX, SPOOL_SUFFIX)).exists() and not _alive(
