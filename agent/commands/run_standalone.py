@@ -294,10 +294,7 @@ class StandaloneRun:
         session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
         session.degradations = list(self.degradations)
         if enforcement is not None:
-            session.policy = enforcement.manifest_policy()
-            session.degradations += list(enforcement.degradations)
-            session.observer = enforcement.observe
-            enforcement.attach(str(self.cgroup.path))
+            enforcement.enforce_on(session)
         # before the command can run: what recovery needs, whole (its pid, policy, degradations)
         self._write_run_record()
         spec = LaunchSpec(

@@ -414,12 +414,8 @@ class RecorderBackend:
         if net is not None:
             run.session.network = net
         if enforcement is not None:  # the guard holds the cgroup before the command is in it
-            session = run.session
-            session.policy = enforcement.manifest_policy()
-            session.degradations += list(enforcement.degradations)
-            session.observer = enforcement.observe
             run.enforcement = enforcement
-            enforcement.attach(str(cg.path))
+            enforcement.enforce_on(run.session)
         self._write_meta(run)  # before the process is moved in: recovery keeps all of it
         if pidfd is not None:
             run.pidfd = os.dup(pidfd)

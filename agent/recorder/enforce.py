@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from evidence.agent.recorder.decode import path_text
 from evidence.agent.recorder.launch import Landlock
@@ -24,6 +24,9 @@ from evidence.policy import tmp as ptmp
 from evidence.policy.model import Policy, load_policy
 from evidence.policy.netns import PrivateNetns
 from evidence.probes.guard import ConnectGuard
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.recording import Session
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,15 @@ class Enforcement:
             )
 
     # ---- around the child ----------------------------------------------------------------------
+    def enforce_on(self, session: Session) -> None:
+        """Make `session` this policy's run (standalone and through the agent alike): the manifest's
+        policy, the policy's degradations, denials of what it records, and the connect guard on its
+        cgroup, attached before the command is in it."""
+        session.policy = self.manifest_policy()
+        session.degradations += list(self.degradations)
+        session.observer = self.observe
+        self.attach(str(session.cgroup_path))
+
     def attach(self, cgroup_path: str) -> None:
         if self.guard is not None:
             self.guard.attach(cgroup_path)
