@@ -144,23 +144,30 @@ def _child(
     drop_fds: list[int],
     domain: Landlock | None = None,
     environ: dict[str, str] | None = None,
-    net: tuple[str, int] | None = None,
+    net: str | None = None,
+    ready: int = -1,
 ) -> NoReturn:
-    """In the forked child: make the private network (`net`: its mode and the pipe that says it is
-    ready), wait for the agent to have moved us, then exec. Never returns."""
+    """In the forked child: make the private network (`net`: its mode), give itself evidence's
+    seccomp filters, say so on `ready` (or why not), wait for the agent to have moved us, then exec.
+    Never returns."""
     code = 127
     try:
         os.close(go_w)
         os.close(err_r)
-        if net is not None:  # before the run holds this process: the set-up is not the job's doing
-            mode, ready = net
-            try:
-                ll.private_network(loopback=mode == "loopback")
-            except OSError as e:
-                os.write(ready, f"{e.strerror or e}".encode(errors="replace")[:500])
-                os._exit(EXIT_SETUP)
-            os.write(ready, _GO)
-            os.close(ready)
+        try:
+            if net is not None:  # before the run holds this process: the set-up is not the job's doing
+                ll.private_network(loopback=net == "loopback")
+            # before the agent is asked to take this process: it reads the filters back (it does
+            # not take a client's word for them), and they stay for good
+            ll.no_new_privs()
+            ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
+            ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
+            ll.deny_compat_syscalls()  # nor through a 32-bit entry, which they skip (SIGSYS, recorded)
+        except OSError as e:
+            os.write(ready, f"{e.strerror or e}".encode(errors="replace")[:500])
+            os._exit(EXIT_SETUP)
+        os.write(ready, _GO)
+        os.close(ready)
         for fd in drop_fds:  # inherited by the client but not named with --pass-fd: not the job's
             with contextlib.suppress(OSError):
                 os.set_inheritable(fd, False)
@@ -174,9 +181,6 @@ def _child(
             ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
         else:
             _isolate_self()
-        ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
-        ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
-        ll.deny_compat_syscalls()  # nor through a 32-bit entry, which they skip (SIGSYS, recorded)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execve(path, argv, environ if environ is not None else os.environ)
     except OSError as e:
@@ -188,8 +192,9 @@ def _child(
     os._exit(code)
 
 
-def _wait_for_network(ready_r: int, ready_w: int, mode: str) -> None:
-    """The child's private network is made, or SetupError with why not (the child has exited)."""
+def _wait_for_child(ready_r: int, ready_w: int, net: str | None) -> None:
+    """The child has made its private network (if asked) and given itself evidence's filters, or
+    SetupError with why not (the child has exited)."""
     os.close(ready_w)
     answer = b""
     while chunk := os.read(ready_r, 512):
@@ -197,8 +202,10 @@ def _wait_for_network(ready_r: int, ready_w: int, mode: str) -> None:
     os.close(ready_r)
     if answer != _GO:
         why = answer.decode(errors="replace") or "the command's process died"
+        if net is None:
+            raise SetupError(f"cannot prepare the command's process: {why}")
         raise SetupError(
-            f"cannot give the command a private network (--net {mode}): {why}",
+            f"cannot give the command a private network (--net {net}): {why}",
             "unprivileged user namespaces may be disabled here (sysctl user.max_user_namespaces)",
         )
 
@@ -314,25 +321,34 @@ def _run_via_agent(
 
     go_r, go_w = os.pipe()
     err_r, err_w = os.pipe()
-    ready_r, ready_w = os.pipe() if args.net else (-1, -1)
-    net = (args.net, ready_w) if args.net else None
+    ready_r, ready_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # inherited by the child until it execs
     pid = os.fork()
     if pid == 0:
-        if ready_r >= 0:
-            os.close(ready_r)
+        os.close(ready_r)
         if policy is not None:
-            _child(go_r, go_w, err_r, err_w, path, command, drop, policy.domain(), policy.environ, net)
-        _child(go_r, go_w, err_r, err_w, path, command, drop, net=net)
+            _child(
+                go_r,
+                go_w,
+                err_r,
+                err_w,
+                path,
+                command,
+                drop,
+                policy.domain(),
+                policy.environ,
+                args.net,
+                ready_w,
+            )
+        _child(go_r, go_w, err_r, err_w, path, command, drop, net=args.net, ready=ready_w)
     os.close(go_r)
     os.close(err_w)
     session: list[str] = []
     forwarder = _Forwarder(os.pidfd_open(pid), session)
     try:
-        if net is not None:
-            _wait_for_network(ready_r, ready_w, args.net)
+        _wait_for_child(ready_r, ready_w, args.net)
         started = client.isolate(
             pid,
             labels=labels,

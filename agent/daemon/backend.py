@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -48,7 +49,7 @@ from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunInfo, UnknownRun
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
-from evidence.agent.recorder.launch import COMPAT_NOT_REFUSED
+from evidence.agent.recorder.launch import COMPAT_NOT_REFUSED, COMPAT_REFUSED
 from evidence.agent.recorder.recovery import RUN_META_SUFFIX, unique_path, write_run_record
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
@@ -379,6 +380,8 @@ class RecorderBackend:
                 f"process {pid} is already recorded, by run {recorded[1]} of {recorded[0]}",
                 hint="a run of its own would take it out of that recording; use that run's bundle",
             )
+        # the client is not trusted to have given its command evidence's filters: read them back
+        unfiltered, compat = filter_degradations(pid)
         if home is not None:
             try:
                 cg = RunCgroup.create_in(home, f"evidence-{sid}")
@@ -411,6 +414,8 @@ class RecorderBackend:
                 }
             )
         run.cgroup = cg
+        run.session.degradations += unfiltered
+        run.session.capabilities["32bit_syscalls"] = compat
         if net is not None:
             run.session.network = net
         if enforcement is not None:  # the guard holds the cgroup before the command is in it
@@ -724,3 +729,47 @@ class RecorderBackend:
                 bundle_bytes=self._bundle_bytes,
                 bundles_written=self._bundles,
             )
+
+
+def filter_degradations(pid: int) -> tuple[list[dict[str, str]], str]:
+    """What the run of an isolated process must say of evidence's seccomp filters, which its client
+    installs (agent/recorder/seccomp_check.py): a degradation per filter it does not run under, or
+    one when they cannot be read; and the manifest's capabilities.32bit_syscalls."""
+    from evidence.agent.recorder import seccomp_check
+
+    try:
+        absent = seccomp_check.missing(seccomp_check.installed_filters(pid))
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            raise UsageError(f"cannot isolate process {pid}: it has exited") from None
+        logger.warning("cannot read the seccomp filters of process %d: %s", pid, e.strerror)
+        return [
+            {
+                "component": "isolation",
+                "reason": f"the agent could not read the seccomp filters of the command's process ({e.strerror}; "
+                "it needs CAP_SYS_ADMIN and CAP_SYS_PTRACE, outside a seccomp profile of its own)",
+                "impact": "its client's word is taken that 32-bit system calls, io_uring and terminal injection are "
+                "refused: a client of the job's own may not have refused them, and what the job did through "
+                "32-bit calls or io_uring would not be recorded",
+            }
+        ], "unverified: refused by the client's filter, which the agent could not read"
+    out = [
+        {
+            "component": "isolation",
+            "reason": f"the command's process does not run under evidence's seccomp filter for {name}: its "
+            "client did not install it (not `evidence run --agent`, or an older one)",
+            "impact": _UNFILTERED_IMPACT[seccomp_check.EXPECTED[name][0]],
+        }
+        for name in absent
+    ]
+    refused = "32-bit system calls" not in absent
+    return out, COMPAT_REFUSED if refused else "not refused, not recorded (no filter: see the degradation)"
+
+
+_UNFILTERED_IMPACT = {
+    "compat": "the kernel's syscall tracepoints skip 32-bit (i386, x32) system calls: what the job did through "
+    "them (opens, writes, execs, connects) is not recorded",
+    "io_uring": "io_uring operations (open, write, connect) run without system calls: what the job did "
+    "through them is not recorded",
+    "tty": "the job could type into the terminal it shares with its client (TIOCSTI)",
+}

@@ -63,3 +63,20 @@ def test_the_compat_filter_traps_every_32bit_entry_and_nothing_native() -> None:
         assert run(prog, X86_64, 0x40000000 | nr) == TRAP, nr
     for arch, nr in ((X86_64, 0), (X86_64, 257), (X86_64, 59), (X86_64, 435), (AARCH64, 56), (AARCH64, 221)):
         assert run(prog, arch, nr) == ALLOW, (hex(arch), nr)
+
+
+def test_a_filter_counts_only_when_it_is_exactly_evidences() -> None:
+    """seccomp_check.missing: the agent's reading of a client's child's filters (newest first)."""
+    from evidence.agent.recorder import seccomp_check as sc
+
+    ours = [ll.compat_filter(), ll.deny_filter(ll._IO_URING_SETUP), ll.tty_filter()]
+    assert sc.missing(ours) == []
+    assert sc.missing([*ours, [(0x06, 0, 0, ALLOW)]]) == []  # a filter of the job's own as well
+    assert sc.missing([]) == list(sc.EXPECTED)
+    # a filter of the same length that allows everything is not ours
+    fake = [(0x06, 0, 0, ALLOW)] * len(ll.compat_filter())
+    assert sc.missing([fake, *ours[1:]]) == ["32-bit system calls"]
+    # a tampered instruction (the x32 bit not trapped) is not ours either
+    tampered = [*ll.compat_filter()]
+    tampered[7] = (0x06, 0, 0, ALLOW)
+    assert sc.missing([tampered, *ours[1:]]) == ["32-bit system calls"]

@@ -1,0 +1,97 @@
+"""Which of evidence's seccomp filters a process runs under, read from the kernel.
+
+`evidence run --agent`'s client forks the command's process, which installs the filters every
+recorded command gets (policy/landlock_syscalls.py: the terminal-injection ioctls, io_uring_setup,
+the 32-bit system call entries) before it asks the agent to isolate it. A client of the agent is not
+trusted: one of the job's own can skip them, and its job would then act through `int $0x80` or
+io_uring with nothing recorded. So the agent reads the process's filters back (ptrace
+PTRACE_SECCOMP_GET_FILTER: the classic BPF the process installed, as it gave it) while the process
+waits for its go, and the run says which are missing, or that they could not be read.
+
+`missing` is pure; `installed_filters` needs CAP_SYS_ADMIN and CAP_SYS_PTRACE in the initial user
+namespace, and an agent that runs under no seccomp filter itself (the kernel's conditions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Mapping, Sequence
+
+from evidence.policy import landlock_syscalls as ll
+
+Insn = tuple[int, int, int, int]
+
+_PTRACE_DETACH = 17
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_PTRACE_SECCOMP_GET_FILTER = 0x420C
+_WALL = 0x40000000
+_MAX_FILTERS = 256
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_ptrace = _libc.ptrace
+_ptrace.restype = ctypes.c_long
+_ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+# what each filter keeps from the job, by the name a degradation gives it
+EXPECTED: Mapping[str, tuple[str, list[Insn]]] = {
+    "32-bit system calls": ("compat", ll.compat_filter()),
+    "io_uring": ("io_uring", ll.deny_filter(ll._IO_URING_SETUP)),
+    "terminal injection (TIOCSTI, TIOCLINUX)": ("tty", ll.tty_filter()),
+}
+
+
+def missing(installed: Sequence[Sequence[Insn]]) -> list[str]:
+    """The names (EXPECTED's keys) of evidence's filters that are not among `installed`: a filter
+    counts only when its instructions are exactly ours (more filters of the job's own are fine:
+    seccomp applies every one, and the most restrictive answer wins)."""
+    have = {tuple(tuple(i) for i in f) for f in installed}
+    return [name for name, (_, prog) in EXPECTED.items() if tuple(prog) not in have]
+
+
+def _call(request: int, pid: int, addr: int | None, data: object) -> int:
+    ret = _ptrace(request, pid, addr, data)
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return int(ret)
+
+
+def installed_filters(pid: int) -> list[list[Insn]]:
+    """The seccomp filters process `pid` runs under, newest first. It is stopped for the reading
+    (seized, interrupted) and let go at once. Raises OSError (EPERM/EACCES: the agent may not
+    read them; ESRCH: it is gone)."""
+    _call(_PTRACE_SEIZE, pid, None, None)
+    try:
+        _call(_PTRACE_INTERRUPT, pid, None, None)
+        _, status = os.waitpid(pid, _WALL)
+        if not os.WIFSTOPPED(status):
+            raise OSError(errno.ESRCH, "the process ended before its filters could be read")
+        out: list[list[Insn]] = []
+        for index in range(_MAX_FILTERS):
+            try:
+                n = _call(_PTRACE_SECCOMP_GET_FILTER, pid, index, None)
+            except OSError as e:
+                if e.errno == errno.ENOENT:  # past the oldest filter (or none at all)
+                    break
+                if e.errno == errno.EINVAL and index == 0:  # not in filter mode: no filter
+                    break
+                raise
+            buf = (_SockFilter * n)()
+            _call(_PTRACE_SECCOMP_GET_FILTER, pid, index, ctypes.addressof(buf))
+            out.append([(f.code, f.jt, f.jf, f.k) for f in buf])
+        return out
+    finally:
+        _ptrace(_PTRACE_DETACH, pid, None, None)  # (fails only if it is gone)
