@@ -80,7 +80,10 @@ RULES: dict[str, Rule] = {
              "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
              "not hermetic and may tamper with the machine. A path that keeps a '..' after a "
              "component (the recorder had no kernel name for it; that component may be a symlink) "
-             "may lead anywhere and is judged outside. Relative paths are not judged."),
+             "may lead anywhere and is judged outside. A change through a descriptor's magic link "
+             "(/proc/self/fd/N, /dev/fd/N, /dev/stdout, ...) is named after the file the descriptor "
+             "held; one the recorder could not name so (a descriptor it never saw opened) may have "
+             "changed any file and is judged outside. Relative paths are not judged."),
         Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
              "The run had no policy (manifest.policy is null), and a process connected (or tried "
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
@@ -146,6 +149,12 @@ _SECRETS = [
 
 
 _FD_PATH = re.compile(r"/dev/fd/\d|/proc/(?:self|thread-self|\d+)/fd/\d")  # a program run from a descriptor
+# a change through a descriptor's magic link that the recorder could not name after the file (one
+# it never saw opened, or that named another file by then), or /dev/stdin, stdout, stderr (links
+# to /proc/self/fd/0-2): it may have changed any file
+_THROUGH_FD = re.compile(
+    r"/dev/(?:fd/\d|std(?:in|out|err)(?:/|$))|/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d"
+)
 
 
 _PATH_NS = ("CLONE_NEWNS", "CLONE_NEWUSER")
@@ -519,8 +528,18 @@ class _Part:
             return
         rules = self.rules
         for path in names:
-            if path.startswith("/") and (not rules.write_ok.holds(path) or fmt.has_dotdot(path)):
-                exe = d.get("exe") or "?"
+            if not path.startswith("/"):
+                continue
+            exe = d.get("exe") or "?"
+            if _THROUGH_FD.match(path):
+                self.add(
+                    "EV004",
+                    f"{exe} changed {path} ({op}): through a descriptor the recorder could not name, "
+                    f"so any file, maybe outside the workspace {rules.workspace}",
+                    rules.norm.text(path),
+                    ev,
+                )
+            elif not rules.write_ok.holds(path) or fmt.has_dotdot(path):
                 self.add(
                     "EV004",
                     f"{exe} changed {path} ({op}) outside the workspace {rules.workspace}",

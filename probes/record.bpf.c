@@ -93,8 +93,8 @@ struct open_ev {
 struct change_ev {
     struct hdr h;
     s64 ret;
-    u64 exe;      // unused (the prefix of open_ev)
-    u64 tok;      // unused
+    u64 mino;     // path 1 through a magic link of the process's descriptors (magic_fd): what
+    u64 mino2;    // that descriptor named at entry and still at exit (fd_inode), else 0; path 2's
     s32 dfd;      // what path 1 is resolved against (AT_FDCWD, a dirfd, or fchmod/fchown's fd)
     s32 dfd2;     // the same for path 2 (rename, link, symlink's link path)
     u64 dino;     // what dfd names at entry (fd_inode), 0: not read (AT_FDCWD)
@@ -209,6 +209,8 @@ struct call {
     u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
     u32 owner;  // the run slot the entry is counted in (inflight_n) since its thread's first call
     u32 walked; // on_exit_name ran for the call (the kernel's name, if it could be had, is in it)
+    s32 mfd;    // EV_CHANGE: the descriptor path 1 names through a magic link (magic_fd), -1: none
+    s32 mfd2;   // the same for path 2
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -1192,9 +1194,19 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         if (ce->h.flags & (F_FNAME_FAULT | F_PATH2_FAULT)) {  // not resident at entry: read again
             ce->h.flags &= ~(F_FNAME_FAULT | F_PATH2_FAULT | F_PATH_TRUNC | F_PATH2_TRUNC);
             read_change_paths(c, (const char *)c->refetch, (const char *)c->refetch2);
+            c->mfd = -1;  // the names read now (either may differ from entry's) have no identity
+            c->mfd2 = -1;
         }
         c->refetch = 0;
         c->refetch2 = 0;
+        // a magic link's descriptor that names another file at exit than at entry: the change
+        // may have reached either, so neither is named
+        if (c->ev.h.kind == EV_CHANGE) {
+            if (ce->mino && (c->mfd < 0 || fd_inode(c->mfd) != ce->mino))
+                ce->mino = 0;
+            if (ce->mino2 && (c->mfd2 < 0 || fd_inode(c->mfd2) != ce->mino2))
+                ce->mino2 = 0;
+        }
     } else if (c->refetch) {
         refetch_path(c);
     }
@@ -1680,6 +1692,49 @@ int on_enter_dup(struct sys_enter_ctx *ctx) {
 
 // ---- file changes that are not opens ------------------------------------------------------
 
+// A change through a magic link of the process's own descriptors (`truncate /proc/self/fd/3`,
+// `mkdir /proc/self/fd/3/sub` with 3 an O_PATH directory; /dev/fd/N, /proc/thread-self/fd/N,
+// /proc/<pid>[/task/<tid>]/fd/N, and relative: fd/N from /proc/<pid>, N from a .../fd directory)
+// changes the file descriptor N names, whatever name it was opened by. The probe does not decide
+// whether a name is such a link (user space does, from the resolved name); it reads the number N
+// of a name's first component of digits that is its first component or follows a component `fd`
+// (within its first MAGIC_SCAN_ bytes), -1 when there is none, and records what descriptor N
+// names (magic_inode), so user space names the change after its table's entry for N while N
+// still names that file. names.magic_fd reads a name the same way: change both together.
+#define MAGIC_SCAN_ 48
+#define FD_SLASH_ 0x66642f  // "fd/", the three bytes before a candidate
+
+// The number of the descriptor the name at e->buf[base] reaches through a magic link, -1: none.
+static __always_inline s32 magic_fd(struct change_ev *e, u32 base) {
+    u32 w = 0, at = 0;  // w: the four bytes before position i
+    int found = 0;
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < MAGIC_SCAN_; i++) {
+        u8 ch = e->buf[(base + i) & (2 * PATH_MAX_ - 1)];
+        if (ch == 0)
+            break;
+        if (ch >= '0' && ch <= '9' && (i == 0 || ((w & 0xffffff) == FD_SLASH_ && (i == 3 || (w >> 24) == '/')))) {
+            at = i;
+            found = 1;
+            break;
+        }
+        w = (w << 8) | ch;
+    }
+    if (!found)
+        return -1;
+    s32 n = 0;
+#pragma clang loop unroll(disable)
+    for (u32 j = 0; j < 10; j++) {  // at most 9 digits, then '/' or the end of the name
+        u8 ch = e->buf[(base + at + j) & (2 * PATH_MAX_ - 1)];
+        if (ch == '/' || ch == 0)
+            return n;
+        if (ch < '0' || ch > '9' || j == 9)
+            return -1;
+        n = n * 10 + (ch - '0');
+    }
+    return -1;
+}
+
 static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1, s32 dfd2, const char *p2, u32 mode, u32 uid, u32 gid, u32 at_flags) {
     u32 run = current_run();
     if (!run)
@@ -1701,6 +1756,11 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     // read for any path
     e->dino = dir_inode(dfd);
     e->dino2 = p2 ? dir_inode(dfd2) : 0;
+    // a name through a magic link: what its descriptor names (checked again at exit: finish_call)
+    c->mfd = e->len1 ? magic_fd(e, 0) : -1;
+    c->mfd2 = e->len2 ? magic_fd(e, e->len1) : -1;
+    e->mino = c->mfd >= 0 ? fd_inode(c->mfd) : 0;
+    e->mino2 = c->mfd2 >= 0 ? fd_inode(c->mfd2) : 0;
     return 0;
 }
 

@@ -629,6 +629,8 @@ class Correlator:
         else:
             raw = ev["path"]
             path = self.names.resolve(p, raw, ev["dfd"], ev["dino"])
+            if path.startswith(MAGIC):  # through a magic link: what its descriptor names
+                path = self.names.through_magic(p, path, raw, ev["mino"])
         rec: ChangeRecord = {
             "k": "change",
             "t": t,
@@ -648,6 +650,8 @@ class Correlator:
                 if flags & d.F_PATH2_FAULT
                 else self.names.resolve(p, raw2, ev["dfd2"], ev["dino2"])
             )
+            if path2.startswith(MAGIC):
+                path2 = self.names.through_magic(p, path2, raw2, ev["mino2"])
             if op == "symlink":  # the link made is the path; its content is the target
                 rec["path"], rec["target"] = path2, path
                 rec["raw_path"] = UNREADABLE if flags & d.F_PATH2_FAULT else raw2

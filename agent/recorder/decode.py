@@ -88,8 +88,9 @@ HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 _OPEN = struct.Struct("<qQQiIIHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, sc, path_len, dino, rino
 _CONNECT = struct.Struct("<qQQiI8xQ8x")  # ret, exe_tok, tok, fd, addrlen, dino
 _DUP = struct.Struct("<qiiQ")  # ret, oldfd, newfd, rino
-# a file change: ret, (exe, tok unused), dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2
-_CHANGE = struct.Struct("<q16xiiQQIIIIHHH2x")
+# a file change: ret, mino, mino2, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2
+# (mino, mino2: what the descriptor a path names through a magic link named, record.bpf.c magic_fd)
+_CHANGE = struct.Struct("<qQQiiQQIIIIHHH2x")
 # a namespace call: ret, flags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 (the paths as a change's)
 _NS = struct.Struct("<qQQiiQQ16sHHH2x")
 # dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
@@ -202,6 +203,10 @@ class ChangeEvent(_Header):
     dfd2: int
     dino: int  # what dfd and dfd2 named at entry (their inodes' addresses), 0: not read
     dino2: int
+    # path (path2) through a magic link of the process's descriptors (/proc/self/fd/N/...): what
+    # descriptor N (names.magic_fd) named at entry and exit, 0: none, or not the same file
+    mino: int
+    mino2: int
     mode: int
     uid: int
     gid: int
@@ -406,7 +411,9 @@ def decode(raw: bytes) -> RawEvent:
             },
         )
     if kind == EV_CHANGE:
-        ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
+        ret, mino, mino2, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = (
+            _CHANGE.unpack_from(raw, o)
+        )
         buf = raw[CHANGE_BUF_OFF:]
         return {
             "kind": "change",
@@ -417,6 +424,8 @@ def decode(raw: bytes) -> RawEvent:
             "dfd2": dfd2,
             "dino": dino,
             "dino2": dino2,
+            "mino": mino,
+            "mino2": mino2,
             "mode": mode,
             "uid": uid,
             "gid": gid,
