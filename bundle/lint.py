@@ -89,7 +89,8 @@ RULES: dict[str, Rule] = {
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
              "the run should be offline, record it with a policy that denies connects."),
         Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory or a file descriptor",
-             "A process.exec that succeeded ran a binary under /tmp, /var/tmp, /dev/shm or the "
+             "A process.exec that succeeded ran a binary (or a #! script's interpreter) under "
+             "/tmp, /var/tmp, /dev/shm or the "
              "run's TMPDIR (but not inside the workspace), or from a file descriptor the recorder "
              "did not see opened (/dev/fd/N: a memfd, or a descriptor passed in), which leaves no "
              "file to inspect; or through a name that keeps a '..' after a component (that "
@@ -105,10 +106,12 @@ RULES: dict[str, Rule] = {
              "slightly out of order; more than a second suggests a clock jump (NTP step, VM "
              "migration) and makes durations in this bundle unreliable."),
         Rule("EV009", "program-from-writable-place", "note", "A program ran from a place the job can write",
-             "A process.exec that succeeded ran a program (or a #! script) from the workspace, "
+             "A process.exec that succeeded ran a program (or a #! script, or a script whose #! "
+             "interpreter is there) from the workspace, "
              "/tmp, /var/tmp, /dev/shm or the run's TMPDIR: places the job itself, or anything it "
              "ran, could have written. The finding names the program with its sha256 (as read "
-             "when it ran), so that what ran can be compared with what was built or reviewed; the "
+             "when it ran; an interpreter's, interpreter_sha256), so that what ran can be compared "
+             "with what was built or reviewed; the "
              "same path with another content is another finding (and `evidence diff` reports it "
              "as changed between runs)."),
         Rule("EV010", "other-mount-namespace", "warning", "A process left the run's mount namespace, mounted or chrooted",
@@ -461,37 +464,50 @@ class _Part:
         filename = d["filename"]
         if filename != ev["subject"]:
             self._text(filename, "path", ev)
-        if d["result"] == 0 and filename.startswith("/"):
-            rules = self.rules
-            if _FD_PATH.match(filename):
-                self.add(
-                    "EV006",
-                    f"executed {filename}: a program from a file descriptor (a memfd?), with no file behind it",
-                    rules.norm.text(filename),
-                    ev,
-                )
-            elif fmt.has_dotdot(filename):  # where it leads is not known: a temp directory, maybe
-                self.add(
-                    "EV006",
-                    f"executed {filename}: a '..' after a component that may be a symlink, so from anywhere",
-                    rules.norm.text(filename),
-                    ev,
-                )
-            elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
-                self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
-            if rules.writable.holds(filename):
-                digest = d.get("sha256")
-                what = (
-                    f"sha256 {digest}"
-                    if digest
-                    else f"not hashed: {d.get('not_hashed') or 'no hash recorded'}"
-                )
-                self.add(
-                    "EV009",
-                    f"ran {filename} from a writable place ({what})",
-                    f"{rules.norm.text(filename)}@{digest or ''}",
-                    ev,
-                )
+        if d["result"] != 0:
+            return
+        if filename.startswith("/"):
+            self._program(filename, "", d.get("sha256"), d.get("not_hashed"), ev)
+        interp = d.get("interpreter")
+        if interp:  # a #! script: the kernel ran its interpreter, which may come from anywhere
+            self._text(interp, "path", ev)
+            cwd = d.get("cwd")
+            if not interp.startswith("/") and cwd and cwd.startswith("/"):
+                interp = cwd.rstrip("/") + "/" + interp  # the kernel resolves it against the cwd
+            if interp.startswith("/"):
+                how = f" (the interpreter of {filename})"
+                self._program(interp, how, d.get("interpreter_sha256"), d.get("interpreter_not_hashed"), ev)
+
+    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: dict[str, Any]) -> None:
+        """EV006 and EV009 for a program that ran (`filename`, absolute: the exec's file, or a #!
+        script's interpreter, said in `how`)."""
+        rules = self.rules
+        if _FD_PATH.match(filename):
+            self.add(
+                "EV006",
+                f"executed {filename}{how}: a program from a file descriptor (a memfd?), with no file behind it",
+                rules.norm.text(filename),
+                ev,
+            )
+        elif fmt.has_dotdot(filename):  # where it leads is not known: a temp directory, maybe
+            self.add(
+                "EV006",
+                f"executed {filename}{how}: a '..' after a component that may be a symlink, so from anywhere",
+                rules.norm.text(filename),
+                ev,
+            )
+        elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
+            self.add(
+                "EV006", f"executed {filename}{how} from a temp directory", rules.norm.text(filename), ev
+            )
+        if rules.writable.holds(filename):
+            what = f"sha256 {digest}" if digest else f"not hashed: {not_hashed or 'no hash recorded'}"
+            self.add(
+                "EV009",
+                f"ran {filename}{how} from a writable place ({what})",
+                f"{rules.norm.text(filename)}@{digest or ''}",
+                ev,
+            )
 
     def _open(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
