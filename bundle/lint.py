@@ -83,7 +83,10 @@ RULES: dict[str, Rule] = {
              "may lead anywhere and is judged outside. A change through a descriptor's magic link "
              "(/proc/self/fd/N, /dev/fd/N, /dev/stdout, ...) is named after the file the descriptor "
              "held; one the recorder could not name so (a descriptor it never saw opened) may have "
-             "changed any file and is judged outside. Relative paths are not judged."),
+             "changed any file and is judged outside. A write or change of a file with other names "
+             "(nlink, its link count: a hard link, made in an earlier run, say) is flagged wherever "
+             "it is named: the other names may be outside the workspace. Relative paths are not "
+             "judged."),
         Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
              "The run had no policy (manifest.policy is null), and a process connected (or tried "
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
@@ -522,9 +525,9 @@ class _Part:
             return
         access = d["access"]
         rules = self.rules
-        if ("write" in access or "create" in access) and (
-            not rules.write_ok.holds(path) or fmt.has_dotdot(path)
-        ):
+        if "write" not in access and "create" not in access:
+            return
+        if not rules.write_ok.holds(path) or fmt.has_dotdot(path):
             exe = d.get("exe") or "?"
             self.add(
                 "EV004",
@@ -532,6 +535,21 @@ class _Part:
                 rules.norm.text(path),
                 ev,
             )
+        elif d.get("nlink"):
+            self._other_names(path, f"wrote {path} ({'+'.join(access)})", ev)
+
+    def _other_names(self, path: str, what: str, ev: dict[str, Any]) -> None:
+        """EV004 for a write to a file that has other names (its link count, `nlink`): a hard link
+        (made in an earlier run, say, in /tmp or the workspace) writes what the other names name,
+        and they may be outside the workspace."""
+        d = ev["data"]
+        self.add(
+            "EV004",
+            f"{d.get('exe') or '?'} {what}, a file with {d['nlink']} names: the others may be outside "
+            f"the workspace {self.rules.workspace}",
+            self.rules.norm.text(path) + "\0nlink",
+            ev,
+        )
 
     def _change(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -562,6 +580,8 @@ class _Part:
                     rules.norm.text(path),
                     ev,
                 )
+            elif d.get("nlink"):  # the file changed (truncate, chmod, chown) has other names
+                self._other_names(path, f"changed {path} ({op})", ev)
 
     def _connect(self, ev: dict[str, Any]) -> None:
         rules = self.rules

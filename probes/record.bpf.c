@@ -78,7 +78,8 @@ struct open_ev {
     u64 tok;      // ... and path token (see `agg`)
     s32 dfd;      // openat's dirfd; chdir: AT_FDCWD; fchdir: the descriptor
     u32 flags;
-    u32 mode;
+    u16 mode;     // the mode given (the kernel uses its low 12 bits: S_IALLUGO)
+    u16 nlink;    // a write open's record: the file's link count (inode_nlink), else 0
     u16 sc;       // which syscall: 0 openat, 1 openat2, 2 open, 3 creat
     u16 path_len; // bytes of path that follow, including the NUL
     u64 dino;     // what dfd names at entry (its struct inode's address, fd_inode), 0: not read
@@ -99,7 +100,8 @@ struct change_ev {
     s32 dfd2;     // the same for path 2 (rename, link, symlink's link path)
     u64 dino;     // what dfd names at entry (fd_inode), 0: not read (AT_FDCWD)
     u64 dino2;    // the same for dfd2
-    u32 mode;     // chmod, mkdir, mknod
+    u16 mode;     // chmod, mkdir, mknod (S_IFMT and S_IALLUGO: 16 bits)
+    u16 nlink;    // the link count of the file changed when a descriptor names it (inode_nlink), else 0
     u32 uid;      // chown
     u32 gid;      // chown
     u32 at_flags; // renameat2's, linkat's, unlinkat's, fchownat's or fchmodat2's flags
@@ -661,6 +663,26 @@ static __always_inline int emit_ret(u32 sc, s64 ret) {
     return 0;
 }
 
+// The link count of the inode at `inode` (an address, as fd_inode reads it), 0 for none or a
+// directory (whose count is its subdirectories'): a write to a file with other names writes what
+// they name too (a hard link made in an earlier run, in /tmp, to a file outside the workspace), so
+// write opens and changes that name a file by a descriptor carry it (lint EV004). Two helper calls:
+// only for records, never for a repeat counted in `agg`, nor for a read.
+static __always_inline u16 inode_nlink(u64 inode) {
+    u16 mode = 0;
+    u32 n = 0;
+    if (!inode)
+        return 0;
+    bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + INODE_MODE_OFF));
+    if ((mode & 0170000) == 0040000)
+        return 0;
+    bpf_probe_read_kernel(&n, sizeof(n), (void *)(inode + INODE_NLINK_OFF));
+    return n > 0xffff ? 0xffff : n;
+}
+
+#define WRITE_BITS_ (03 | 01000)  // O_ACCMODE and O_TRUNC: an open that writes, ...
+#define O_PATH_ 010000000         // ... unless O_PATH (its other flags are ignored)
+
 // ---- calls paired in the kernel ----------------------------------------------------------
 
 // Emits the thread's call record (with the result in it) and marks the slot free: 0 when sent.
@@ -1006,6 +1028,9 @@ static __always_inline int settle_and_emit(struct sys_exit_ctx *ctx, struct call
     s64 ret = c->ev.open.ret;
     u32 tgid = c->ev.h.tgid;
     u32 kind = c->ev.h.kind;
+    u32 oflags = c->ev.open.flags;
+    if (kind == EV_OPEN && ret >= 0 && (oflags & WRITE_BITS_) && !(oflags & O_PATH_))
+        c->ev.open.nlink = inode_nlink(c->ev.open.rino);  // a write open that is a record
     if (emit_call(c) != 0) {
         if (first) {  // the key's first record is lost (counted): its next occurrence is first
             agg.delete(&k);
@@ -1206,6 +1231,9 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
                 ce->mino = 0;
             if (ce->mino2 && (c->mfd2 < 0 || fd_inode(c->mfd2) != ce->mino2))
                 ce->mino2 = 0;
+            // the file a descriptor names: fchmod's, fchown's, or path 1's magic link (a directory,
+            // one with a name below it, has none)
+            ce->nlink = inode_nlink(ce->mino ? ce->mino : ce->len1 == 0 ? ce->dino : 0);
         }
     } else if (c->refetch) {
         refetch_path(c);
@@ -1269,6 +1297,7 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     e->dfd = dfd;
     e->flags = flags;
     e->mode = mode;
+    e->nlink = 0;
     e->sc = sc;
     e->rino = 0;
     read_path(c, filename);
@@ -1643,6 +1672,7 @@ int on_enter_chdir(struct sys_enter_ctx *ctx) {
     e->dfd = -100;
     e->flags = 0;
     e->mode = 0;
+    e->nlink = 0;
     e->sc = 0;
     e->rino = 0;
     read_path(c, (const char *)ctx->args[0]);
@@ -1661,6 +1691,7 @@ int on_enter_fchdir(struct sys_enter_ctx *ctx) {
     e->dfd = (s32)ctx->args[0];
     e->flags = 0;
     e->mode = 0;
+    e->nlink = 0;
     e->sc = 0;
     e->dino = fd_inode(e->dfd);  // the directory it changes to (checked like a dirfd)
     e->rino = 0;
@@ -1746,6 +1777,7 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     e->dfd = dfd;
     e->dfd2 = dfd2;
     e->mode = mode;
+    e->nlink = 0;
     e->uid = uid;
     e->gid = gid;
     e->at_flags = at_flags;

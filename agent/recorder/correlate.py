@@ -176,6 +176,9 @@ CHANGE_ACCESS: dict[str, tuple[Access, ...]] = {
     "mknod": ("create",),
 }
 _AT_REMOVEDIR = 0x200
+# changes of the file itself, which its other names (hard links) see too: they carry its link count
+# when a descriptor names it (fchmod, fchown, a magic link: record.bpf.c inode_nlink)
+_OF_THE_FILE: Final = ("truncate", "chmod", "chown")
 
 # namespace calls (record.bpf.c ---- namespaces and mounts): the names of their flags
 _CLONE_FLAGS = (
@@ -317,6 +320,7 @@ class Correlator:
         dino: int = 0,
         rino: int = 0,
         kname: bytes = b"",
+        nlink: int = 0,
     ) -> list[Correlated]:
         """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
@@ -325,7 +329,8 @@ class Correlator:
         directory it is resolved against). An open the kernel counted already (F_STATE) only updates
         the descriptor table and makes no record (Recorder._process would drop it). `dino`: what
         dfd named at entry, `rino`: what the descriptor returned names, `kname`: the kernel's name of
-        it (F_KNAME: the bytes after the path; see _open_path) (decode.py)."""
+        it (F_KNAME: the bytes after the path; see _open_path), `nlink`: a write open's file's link
+        count (decode.py)."""
         p = self.procs.get(tgid) or self._proc(tgid)
         if flags & (d.F_FNAME_FAULT | d.F_KNAME):
             raw_path = UNREADABLE if flags & d.F_FNAME_FAULT else d.cstr(raw)
@@ -361,7 +366,7 @@ class Correlator:
                 self._left.add((p.pid, path))
             return out
         out = self._named(
-            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret, rino), cgid
+            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret, rino, nlink), cgid
         )
         rec = out[-1]
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
@@ -379,10 +384,12 @@ class Correlator:
         mode: int,
         ret: int,
         rino: int = 0,
+        nlink: int = 0,
     ) -> list[Correlated]:
         """An open's record, last, after the degradation a write to another cgroup's procs makes;
-        a descriptor it returns now names `path` (while it names inode `rino`). One shape for
-        open_record and feed."""
+        a descriptor it returns now names `path` (while it names inode `rino`); `nlink`: the link
+        count of the file a write open opened (the kernel's, 0: not read), kept when it has other
+        names. One shape for open_record and feed."""
         names, access = decode_open_flags(oflags)
         out: list[Correlated] = []
         if ret >= 0:
@@ -405,6 +412,8 @@ class Correlator:
                 "result": result_of(ret),
             }
         )
+        if nlink > 1:
+            cast(OpenRecord, out[-1])["nlink"] = nlink  # other names: lint EV004
         return out
 
     def _cgroup_named(self, cgid: int) -> tuple[str | None, str | None]:
@@ -664,6 +673,8 @@ class Correlator:
             rec["gid"] = None if ev["gid"] == 0xFFFFFFFF else ev["gid"]
         if ev["at_flags"]:
             rec["at_flags"] = ev["at_flags"]
+        if ev["nlink"] > 1 and op in _OF_THE_FILE:  # the file a descriptor names has other names
+            rec["nlink"] = ev["nlink"]
         return rec
 
     def _exec_ok(self, ev: d.ExecOkEvent, t: int) -> list[Correlated]:
@@ -725,7 +736,16 @@ class Correlator:
                 p, enter["path"], enter["dfd"], enter["dino"], enter["flags"], enter["rino"], enter["kname"]
             )
             return self._open(
-                p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
+                p,
+                t,
+                path,
+                enter["path"],
+                enter["dfd"],
+                enter["oflags"],
+                enter["mode"],
+                ret,
+                enter["rino"],
+                enter["nlink"],
             )
         if enter["kind"] == "change":
             return [self._change(p, enter, ret, t)]

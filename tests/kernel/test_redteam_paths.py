@@ -418,3 +418,55 @@ def test_changes_through_magic_links_name_the_file_the_descriptor_holds(tmp_path
         assert flagged == {victim, f"{d}/sub", f"{d}/sub2", f"{d}/sub3", "/proc/self/fd/100"}, flagged
     finally:
         shutil.rmtree(out)
+
+
+def test_a_write_through_a_hard_link_made_in_an_earlier_run_says_the_file_has_other_names(
+    tmp_path: Path,
+) -> None:
+    """Issue 22, item 7. A root-owned world-writable file outside the workspace (/var/lib); in an
+    earlier run the job (as nobody) hard-links it into /var/tmp (protected_hardlinks lets it: it
+    may read and write the file). In a later run it writes the link and truncates it through
+    /proc/self/fd/N: the bundle names /var/tmp/..., a scratch place, and lint said nothing. The
+    write open and the truncate now carry the file's link count (2), and lint flags both (EV004:
+    the other name may be outside the workspace)."""
+    out = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/lib"))
+    place = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/tmp"))  # the same file system
+    try:
+        out.chmod(0o755)
+        place.chmod(0o777)
+        (out / "victim").write_text("root's")
+        (out / "victim").chmod(0o666)
+        link = place / "link"
+        earlier, _, _ = record(
+            tmp_path, *as_user(NOBODY, PY, "-c", f"import os; os.link({str(out / 'victim')!r}, {str(link)!r})"),
+            name="earlier.tar.gz",
+        )  # fmt: skip
+        assert earlier.returncode == 0, earlier.stderr
+        script = textwrap.dedent(
+            f"""
+            import os
+            with open({str(link)!r}, 'w') as f:
+                f.write('planted')
+            assert os.open({str(link)!r}, os.O_PATH) == 3
+            os.truncate('/proc/self/fd/3', 4)
+            """
+        )
+        proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "victim").read_text() == "plan"
+        (wrote,) = [o for o in _opens(events, str(link)) if o["access"] == ["write", "create"]]
+        assert (wrote["path"], wrote["result"], wrote["nlink"]) == (str(link), 0, 2)
+        (cut,) = [e["data"] for e in of_type(events, "file.change")]
+        assert (cut["operation"], cut["path"], cut["nlink"]) == ("truncate", str(link), 2)
+        lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+        found = [
+            (f["message"], f["count"]) for f in json.loads(lint.stdout)["findings"] if f["rule"] == "EV004"
+        ]
+        # one finding per file with other names, counting the write and the truncate
+        assert [(m.split(",")[0], n) for m, n in found] == [
+            (f"/usr/bin/python3 wrote {link} (write+create)", 2)
+        ]
+        assert "a file with 2 names: the others may be outside the workspace" in found[0][0]
+    finally:
+        shutil.rmtree(out)
+        shutil.rmtree(place)

@@ -18,7 +18,7 @@ from tests.unit.conftest_bundles import WS, change, members, records, write
 
 def ev(tgid: int = 10, **kw: Any) -> dict[str, Any]:  # a decoded change record
     base = {"kind": "change", "ts": 1, "run": 1, "tgid": tgid, "tid": tgid, "flags": 0, "ret": 0}
-    base.update(dfd=-100, dfd2=0, dino=0, dino2=0, mino=0, mino2=0, mode=0, uid=0, gid=0, at_flags=0)
+    base.update(dfd=-100, dfd2=0, dino=0, dino2=0, mino=0, mino2=0, mode=0, nlink=0, uid=0, gid=0, at_flags=0)
     base.update(path=None, path2=None)
     base.update(kw)
     return base
@@ -32,7 +32,16 @@ def test_paths_are_resolved_like_opens_both_paths_and_descriptors() -> None:
     c.add_root(10, 1, "/home/u")
     c.feed(
         {"kind": "open", "ts": 1, "run": 1, "tgid": 10, "tid": 10, "flags": 0, "path": "/srv", "dfd": -100}
-        | {"oflags": 0o200000, "mode": 0, "sc": 0, "ret": 4, "dino": 0, "rino": SRV, "kname": None}
+        | {
+            "oflags": 0o200000,
+            "mode": 0,
+            "nlink": 0,
+            "sc": 0,
+            "ret": 4,
+            "dino": 0,
+            "rino": SRV,
+            "kname": None,
+        }
     )
     out = []
     out += c.feed(ev(op="rename", path="a", dfd=4, dino=SRV, path2="../b", dfd2=-100, at_flags=1))
@@ -65,7 +74,7 @@ def test_a_change_through_a_magic_link_names_what_the_descriptor_names() -> None
     c = Correlator(wall_offset_ns=0)
     c.add_root(10, 1, "/home/u")
     opn = {"kind": "open", "ts": 1, "run": 1, "tgid": 10, "tid": 10, "flags": 0, "dfd": -100, "mode": 0}
-    opn |= {"sc": 0, "dino": 0, "kname": None}
+    opn |= {"sc": 0, "dino": 0, "kname": None, "nlink": 0}
     o_path = 0o10000000
     c.feed(opn | {"path": "/srv/victim", "oflags": o_path, "ret": 3, "rino": SRV})
     c.feed(opn | {"path": "/srv", "oflags": o_path, "ret": 5, "rino": SRV + 1})
@@ -105,6 +114,45 @@ def test_a_change_through_a_magic_link_names_what_the_descriptor_names() -> None
     )
     out = c.feed(ev(op="symlink", path="/proc/self/fd/3", path2="/proc/self/fd/5/l", mino=SRV, mino2=SRV + 1))
     assert (out[0]["path"], out[0]["target"]) == ("/srv/l", "/proc/self/fd/3")  # its content stays
+
+
+def test_link_counts_are_kept_on_writes_and_changes_of_a_file_with_other_names() -> None:
+    """The kernel's link count of a write open's file, and of a truncate, chmod or chown's file
+    named by a descriptor: kept when the file has other names (> 1), never on other changes."""
+    c = Correlator(wall_offset_ns=0)
+    c.add_root(10, 1, "/home/u")
+    opn = {"kind": "open", "ts": 1, "run": 1, "tgid": 10, "tid": 10, "flags": 0, "dfd": -100, "mode": 0}
+    opn |= {"sc": 0, "dino": 0, "kname": None, "ret": 3, "rino": SRV, "oflags": 1}
+    out = c.feed(opn | {"path": "/tmp/linked", "nlink": 2}) + c.feed(opn | {"path": "/tmp/alone", "nlink": 1})
+    assert [(r["path"], r.get("nlink")) for r in out] == [("/tmp/linked", 2), ("/tmp/alone", None)]
+    out = c.feed(ev(op="chmod", path=None, dfd=3, dino=SRV, mode=0o600, nlink=3))
+    out += c.feed(ev(op="truncate", path="/proc/self/fd/3", mino=SRV, nlink=3))
+    out += c.feed(ev(op="symlink", path="/proc/self/fd/3", path2="l", dfd2=-100, mino=SRV, nlink=3))
+    assert [(r["operation"], r["path"], r.get("nlink")) for r in out] == [
+        ("chmod", "/tmp/alone", 3),
+        ("truncate", "/tmp/alone", 3),
+        ("symlink", "/home/u/l", None),
+    ]
+
+
+def test_lint_flags_a_write_to_a_file_with_other_names(tmp_path: Path) -> None:
+    """A write open, or a truncate, of a file in the workspace or /tmp with other names (a hard link,
+    made in an earlier run, to a file anywhere on the same file system): EV004, the others may be
+    outside the workspace (one finding a file). The same file with one name is not flagged."""
+    from tests.unit.conftest_bundles import open_
+
+    recs = [
+        *records(),
+        {**open_(8000, "/tmp/linked", ["write"]), "nlink": 2},
+        open_(8001, "/tmp/alone", ["write"]),
+    ]
+    recs += [change(8002, "truncate", WS + "/obj", nlink=2), change(8003, "truncate", WS + "/one")]
+    _, findings, _ = lint.lint(str(write(tmp_path / "a.tar.gz", recs)))
+    got = sorted(f.message for f in findings if f.rule.code == "EV004")
+    assert got == [
+        f"/usr/bin/make changed {WS}/obj (truncate), a file with 2 names: the others may be outside the workspace {WS}",
+        f"/usr/bin/make wrote /tmp/linked (write), a file with 2 names: the others may be outside the workspace {WS}",
+    ]
 
 
 def test_the_magic_descriptor_number_is_read_as_the_probe_reads_it() -> None:
