@@ -11,6 +11,11 @@ whether the baseline never saw it or in how few runs. Nothing is "removed" or "c
 says what is usual, not what must happen. Keys of events in another mount namespace (mntns:
 "other", bundle/diff.py) are items with `"mntns": "other"`, distinct from the same key in the run's
 own namespace, and known only from items that carry it. The format is in docs/baseline.md.
+
+Memory is bounded as diff's is: each bundle is reduced within diff's cap on keys, and the baseline
+keeps at most diff.MAX_KEYS keys (and diff.MAX_KEY_CHARS characters of them) over all its runs;
+what is past either cap is not counted (a warning says how many events), so a later diff reports
+what those events did as never seen, and a bundle past its own cap is a difference of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evidence import __version__
 from evidence.bundle import diff
-from evidence.bundle.diff import Behaviour, Change, Keys
+from evidence.bundle.diff import Behaviour, Budget, Change, Keys
 from evidence.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -158,33 +163,52 @@ class Baseline(BaseModel):
 
 
 class _Counts:
-    """In how many runs each key of one namespace (the run's own, or another) appeared."""
+    """In how many runs each key of one namespace (the run's own, or another) appeared; a new key
+    only while `budget` (shared by both namespaces) allows it."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
         self.execs: dict[tuple[str, ...], int] = {}
         self.files: dict[tuple[str, str], int] = {}
         self.network: dict[tuple[str, str, str], int] = {}
         self.denials: dict[tuple[str, str, str, str], int] = {}
 
     def add(self, keys: Keys) -> None:
-        for e in keys.execs:
-            self.execs[e] = self.execs.get(e, 0) + 1
+        for e, v in keys.execs.items():
+            self._count(self.execs, e, "exec", v[0])
         for p, per in keys.files.items():
-            for acc in per:
-                self.files[(p, acc)] = self.files.get((p, acc), 0) + 1
-        for n in keys.network:
-            self.network[n] = self.network.get(n, 0) + 1
-        for d in keys.denials:
-            self.denials[d] = self.denials.get(d, 0) + 1
+            for acc, v in per.items():
+                self._count(self.files, (p, acc), "file", v[0])
+        for n, v in keys.network.items():
+            self._count(self.network, n, "network", v[0])
+        for d, v in keys.denials.items():
+            self._count(self.denials, d, "denial", v[0])
+
+    def _count(self, table: dict[Any, int], key: Any, kind: str, events: int) -> None:
+        n = table.get(key)
+        if n is not None:
+            table[key] = n + 1
+        elif self.budget.take(key, kind, events):
+            table[key] = 1
 
 
 def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
     """Verify and reduce each bundle; count in how many runs each behaviour key appears."""
-    own, other = _Counts(), _Counts()
+    budget = Budget()
+    own, other = _Counts(budget), _Counts(budget)
     exits: dict[str, int] = {}
     refs = []
     for path in bundles:
         b = diff.behaviour(path, ignore)
+        for kind, n in sorted(b.budget.past.items()):
+            logger.warning(
+                "%s: %d %s events past the %d distinct keys a bundle is reduced to are not in the "
+                "baseline: a diff against it reports what they did as never seen",
+                path,
+                n,
+                kind,
+                diff.MAX_KEYS,
+            )
         refs.append(
             BundleRef(
                 run_id=b.run_id,
@@ -198,6 +222,15 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
         own.add(b.own())
         other.add(b.other)
         exits[b.exit] = exits.get(b.exit, 0) + 1
+        del b  # its keys are counted: one bundle's are held at a time
+    for kind, n in sorted(budget.past.items()):
+        logger.warning(
+            "%d %s events of keys past the %d distinct keys a baseline keeps are not in it: a diff "
+            "against it reports what they did as never seen",
+            n,
+            kind,
+            diff.MAX_KEYS,
+        )
     sides: tuple[tuple[_Counts, MntNs], ...] = ((own, None), (other, "other"))  # the run's own first
     return Baseline(
         format=FORMAT,
@@ -233,8 +266,32 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
 def dumps(bl: Baseline) -> str:
     """The file's text: JSON, keys sorted, two-space indents: the same bundles give the same bytes.
     `mntns` is written only where it is "other" (its default, None, is left out)."""
-    doc = bl.model_dump(mode="json", exclude_defaults=True)
-    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return "".join(chunks(bl))
+
+
+def chunks(bl: Baseline) -> Iterator[str]:
+    """dumps' text in pieces, an item at a time: what json.dumps(indent=2, sort_keys=True) writes
+    of the whole document, without the document as one dict and one string (a baseline of the
+    200,000 keys the cap allows took 250 MB more so)."""
+
+    def item(value: Any, depth: int) -> str:
+        text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+        return text.replace("\n", "\n" + "  " * depth)
+
+    fields = sorted(Baseline.model_fields)
+    yield "{"
+    for i, name in enumerate(fields):
+        value = getattr(bl, name)
+        yield ("," if i else "") + f"\n  {json.dumps(name)}: "
+        if isinstance(value, list) and value:
+            yield "["
+            for j, x in enumerate(value):
+                dumped = x.model_dump(mode="json", exclude_defaults=True) if isinstance(x, BaseModel) else x
+                yield ("," if j else "") + "\n    " + item(dumped, 2)
+            yield "\n  ]"
+        else:
+            yield item(value, 1)
+    yield "\n}\n"
 
 
 def load(path: str | Path) -> Baseline:
@@ -288,7 +345,7 @@ def _seen(n: int | None, bl: Baseline) -> str:
 def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
     """What `b` did that fewer than min_runs of the baseline's runs did, as 'added' changes: the
     keys of the run's own namespace, the exit code, then those of another mount namespace."""
-    out = _new_keys(bl, b.own(), min_runs, None)
+    out = diff.past_cap(b, "added") + _new_keys(bl, b.own(), min_runs, None)
     exits = {x.exit: x.runs for x in bl.exit}
     if exits.get(b.exit, 0) < min_runs:
         usual = ", ".join(f"{x} in {n}" for x, n in sorted(exits.items(), key=lambda xn: -xn[1]))
@@ -398,5 +455,5 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     diff.check_patterns(args.ignore)
-    sys.stdout.write(dumps(build(args.bundles, args.ignore)))
+    sys.stdout.writelines(chunks(build(args.bundles, args.ignore)))
     return 0

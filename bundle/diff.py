@@ -30,6 +30,13 @@ Then keys only in B are "added", keys only in A "removed", and keys in both whos
 gained an access class, or that went from success to failure are "changed", and so is a program run
 on both sides whose content (sha256) differs. Absence in B means
 that no event was observed: if either side lost events, the report says so, with both loss counts.
+
+Memory is bounded as lint's is, whatever the bundles hold (a valid bundle of 1.5M distinct execs
+took 3 GB): a side keeps at most MAX_KEYS distinct keys (and MAX_KEY_CHARS characters of them);
+the events of keys past that are counted by kind, not keyed, and each kind with such events is a
+difference of its own ("added" for B, "removed" for A: what they did is not known), so a side
+cannot hide what it did behind a flood of keys. At most MAX_CHANGES differences are listed; the
+report says how many more there are.
 """
 
 from __future__ import annotations
@@ -66,6 +73,30 @@ ACCESS = ("read", "write", "create", "exec", *_CHANGE_OPS, "rename to", "link to
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 BASELINE_SUFFIX = ".bundle.tar.gz"
 _CACHE = 200_000  # entries per memo of normalised values
+MAX_KEYS = 200_000  # distinct behaviour keys one side keeps (all kinds, both namespaces)
+MAX_KEY_CHARS = 32 * 1024 * 1024  # ... and characters of their text (an argv can be 8 KiB)
+MAX_CHANGES = 10_000  # differences listed; the rest are counted
+PAST_CAP = "<past the cap>"  # the key of a difference that stands for the events past a side's cap
+
+
+class Budget:
+    """What one side may still keep (MAX_KEYS, MAX_KEY_CHARS), and the events it could not key:
+    kind (exec, file, network, denial) -> events past the cap."""
+
+    def __init__(self) -> None:
+        self.keys = MAX_KEYS
+        self.chars = MAX_KEY_CHARS
+        self.past: dict[str, int] = {}
+
+    def take(self, key: tuple[str, ...] | str, kind: str, count: int) -> bool:
+        """Whether a new key may be kept; if not, its events are counted past the cap."""
+        chars = len(key) if isinstance(key, str) else sum(map(len, key))
+        if self.keys > 0 and self.chars >= chars:
+            self.keys -= 1
+            self.chars -= chars
+            return True
+        self.past[kind] = self.past.get(kind, 0) + count
+        return False
 
 
 @dataclasses.dataclass
@@ -99,6 +130,7 @@ class Behaviour:
     root_hash: str = ""
     other: Keys = dataclasses.field(default_factory=Keys)
     other_events: int = 0
+    budget: Budget = dataclasses.field(default_factory=Budget)  # both namespaces' keys
 
     def own(self) -> Keys:
         """The keys of the run's own mount namespace (the same tables, not copies)."""
@@ -113,17 +145,24 @@ def roots(manifest: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _bump(table: dict[Any, list[int]], key: Any, count: int, ok: bool) -> None:
+def _bump(table: dict[Any, list[int]], key: Any, count: int, ok: bool, budget: Budget, kind: str) -> None:
     v = table.get(key)
     if v is None:
-        table[key] = [count, count if ok else 0, 0 if ok else count]
+        if budget.take(key, kind, count):
+            table[key] = [count, count if ok else 0, 0 if ok else count]
     else:
         v[0] += count
         v[1 if ok else 2] += count
 
 
-def _access(files: dict[str, dict[str, list[int]]], key: str, acc: str, count: int, ok: bool) -> None:
-    per = files.setdefault(key, {})
+def _access(
+    files: dict[str, dict[str, list[int]]], key: str, acc: str, count: int, ok: bool, budget: Budget
+) -> None:
+    per = files.get(key)
+    if per is None:
+        if not budget.take(key, "file", count):
+            return
+        per = files[key] = {}
     v = per.get(acc)
     if v is None:
         per[acc] = [count, count, 0] if ok else [count, 0, count]
@@ -158,13 +197,18 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
     file_change = fmt.FILE_CHANGE
     policy_denial, run_finished, loss = fmt.POLICY_DENIAL, fmt.RUN_FINISHED, fmt.LOSS
     other = b.other
-    other_paths: set[tuple[int, str]] = set()  # (pid, path) of opens and execs in another namespace
-    denials: list[tuple[int, str, tuple[str, str, str, str], int]] = []  # (pid, target, key, count)
+    budget = b.budget
+    # (pid, path) of opens and execs in another namespace, at most MAX_KEYS (past that, a denial of
+    # one is keyed with the run's own)
+    other_paths: set[tuple[int, str]] = set()
+    # the denials' keys, until the pass is done: a denial is keyed by the namespace of the open or
+    # exec it refused (pid, target), which may come later
+    denials: dict[tuple[int, str, tuple[str, str, str, str]], int] = {}
     for ev in bundle.events():
         t = ev["type"]
         d = ev["data"]
         if "mntns" in d and t in _MARKED:  # another mount namespace: apart, never on the fast path
-            _other(other, t, d, n, other_paths)
+            _other(other, t, d, n, other_paths, budget)
             b.other_events += d.get("count", 1)
         elif t == file_open:  # most events: _bump inlined
             raw = d["path"]
@@ -173,6 +217,8 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
                 key = n(raw)
                 per = files.get(key)
                 if per is None:
+                    if not budget.take(key, "file", d.get("count", 1)):
+                        continue
                     per = files[key] = {}
                 if len(file_of) < _CACHE:
                     file_of[raw] = per
@@ -191,20 +237,32 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
             if d.get("target") is not None and op in ("rename", "link"):
                 named.append((d["target"], op + " to"))
             for raw_name, acc in named:
-                _access(files, n(raw_name), acc, count, ok)
+                _access(files, n(raw_name), acc, count, ok, budget)
         elif t == process_exec:
-            _exec(b, d, n)
+            _exec(b, d, n, budget)
         elif t == network_connect:
-            _connect(b.network, d, n)
+            _connect(b.network, d, n, budget)
         elif t == policy_denial:
             key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
-            denials.append((d["pid"], d["target"], key4, d.get("count", 1)))
+            k = (d["pid"], d["target"], key4)
+            if k in denials:
+                denials[k] += d.get("count", 1)
+            elif budget.take(key4, "denial", d.get("count", 1)):  # kept until the end: paid now
+                denials[k] = d.get("count", 1)
         elif t == run_finished:
             b.exit = f"signal {d['signal']}" if d.get("signal") else str(d["exit_code"])
         elif t == loss:
             loss_events += d.get("count", 1)
-    for pid, target, key4, count in denials:  # a denial of an open or exec in another namespace is too
-        _bump(other.denials if (pid, target) in other_paths else b.denials, key4, count, True)
+    budget.keys += len(denials)  # paid for already: the keys below take it again
+    budget.chars += sum(sum(map(len, key4)) for _, _, key4 in denials)
+    for (
+        pid,
+        target,
+        key4,
+    ), count in denials.items():  # a denial of an open or exec in another namespace is too
+        _bump(
+            other.denials if (pid, target) in other_paths else b.denials, key4, count, True, budget, "denial"
+        )
     b.lost = max(b.lost, loss_events)
     return b
 
@@ -213,45 +271,58 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
 _MARKED = frozenset((fmt.FILE_OPEN, fmt.FILE_CHANGE, fmt.PROCESS_EXEC, fmt.NETWORK_CONNECT))
 
 
-def _exec(keys: Keys | Behaviour, d: dict[str, Any], n: Callable[[str], str]) -> None:
+def _exec(keys: Keys | Behaviour, d: dict[str, Any], n: Callable[[str], str], budget: Budget) -> None:
     cmd = (n(d["filename"]), *map(n, d["argv"]))
-    _bump(keys.execs, cmd, d.get("count", 1), d["result"] == 0)
+    count = d.get("count", 1)
+    _bump(keys.execs, cmd, count, d["result"] == 0, budget, "exec")
     digest = d.get("sha256")
     if digest is not None:
-        keys.hashes.setdefault(cmd[0], set()).add(digest)
+        seen = keys.hashes.get(cmd[0])
+        if seen is None:
+            if not budget.take((cmd[0], digest), "exec", count):
+                return
+            seen = keys.hashes[cmd[0]] = set()
+        elif digest not in seen and not budget.take(digest, "exec", count):
+            return
+        seen.add(digest)
 
 
 def _connect(
-    network: dict[tuple[str, str, str], list[int]], d: dict[str, Any], n: Callable[[str], str]
+    network: dict[tuple[str, str, str], list[int]], d: dict[str, Any], n: Callable[[str], str], budget: Budget
 ) -> None:
     port = "" if d.get("port") is None else str(d["port"])
     names = d.get("names")
     where = ("NAME", " ".join(sorted(names))) if names else (d["family"], n(d["address"]))
-    _bump(network, (*where, port), d.get("count", 1), d["result"] == 0)
+    _bump(network, (*where, port), d.get("count", 1), d["result"] == 0, budget, "network")
 
 
 def _other(
-    keys: Keys, t: str, d: dict[str, Any], n: Callable[[str], str], paths: set[tuple[int, str]]
+    keys: Keys,
+    t: str,
+    d: dict[str, Any],
+    n: Callable[[str], str],
+    paths: set[tuple[int, str]],
+    budget: Budget,
 ) -> None:
     """An event of a process in another mount namespace, into that namespace's keys."""
     count, ok = d.get("count", 1), d["result"] == 0
+    if t in (fmt.FILE_OPEN, fmt.PROCESS_EXEC) and len(paths) < MAX_KEYS:
+        paths.add((d["pid"], d["path"] if t == fmt.FILE_OPEN else d["filename"]))
     if t == fmt.FILE_OPEN:
-        paths.add((d["pid"], d["path"]))
         for a in d["access"]:
-            _access(keys.files, n(d["path"]), a, count, ok)
+            _access(keys.files, n(d["path"]), a, count, ok, budget)
     elif t == fmt.FILE_CHANGE:
         op = d["operation"]
-        _access(keys.files, n(d["path"]), op, count, ok)
+        _access(keys.files, n(d["path"]), op, count, ok, budget)
         if d.get("target") is not None and op in ("rename", "link"):
-            _access(keys.files, n(d["target"]), op + " to", count, ok)
+            _access(keys.files, n(d["target"]), op + " to", count, ok, budget)
     elif t == fmt.PROCESS_EXEC:
-        paths.add((d["pid"], d["filename"]))
-        _exec(keys, d, n)
+        _exec(keys, d, n, budget)
     else:
-        _connect(keys.network, d, n)
+        _connect(keys.network, d, n, budget)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # a report can hold hundreds of thousands before it lists MAX_CHANGES
 class Change:
     kind: str  # exec | file | network | denial | exit
     what: str  # added | removed | changed
@@ -343,7 +414,22 @@ def compare(a: Behaviour, b: Behaviour) -> list[Change]:
     for c in compare_keys(a.other, b.other):
         c.mntns = "other"
         changes.append(c)
-    return changes
+    return past_cap(a, "removed") + past_cap(b, "added") + changes  # first: never cut from a report
+
+
+def past_cap(x: Behaviour, what: str) -> list[Change]:
+    """A difference for each kind of which side `x` had events past its cap on keys (`what`: added
+    for B, removed for A): what they did was not compared, so it may be anything."""
+    return [
+        Change(
+            kind,
+            what,
+            PAST_CAP,
+            f"{n} events past the {MAX_KEYS} distinct keys (or {MAX_KEY_CHARS} characters) a side keeps: "
+            "not compared",
+        )
+        for kind, n in sorted(x.budget.past.items())
+    ]
 
 
 def compare_keys(a: Keys, b: Keys) -> list[Change]:
@@ -429,8 +515,15 @@ def _other_note(a: Behaviour, b: Behaviour) -> str | None:
     )
 
 
+def _not_listed(changes: list[Change]) -> str | None:
+    more = len(changes) - MAX_CHANGES
+    return f"{more} more differences are not listed (at most {MAX_CHANGES} are)" if more > 0 else None
+
+
 def _groups(changes: list[Change]) -> list[tuple[str, list[Change]]]:
-    """(heading, changes) by kind: the run's own, then each kind's keys in another namespace."""
+    """(heading, changes) by kind: the run's own, then each kind's keys in another namespace; the
+    first MAX_CHANGES of the changes."""
+    changes = changes[:MAX_CHANGES]
     out = []
     for mntns in (None, "other"):
         for kind in KINDS:
@@ -463,6 +556,9 @@ def render_text(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
     for heading, group in _groups(changes):
         out.append(f"{heading}:")
         out += [f"  {sign[c.what]} {c.key}  ({c.detail})" for c in group]
+    more = _not_listed(changes)
+    if more:
+        out.append(f"Note: {more}.")
     return join_lines(out)
 
 
@@ -486,9 +582,10 @@ def render_json(a: Behaviour, b: Behaviour, changes: list[Change], code: int, ig
         + (f"; {_loss_note(a, b)}" if _loss_note(a, b) else "")
         + (f"; {_other_note(a, b)}" if _other_note(a, b) else ""),
         "differences": len(changes),
-        "added": [c.as_dict() for c in changes if c.what == "added"],
-        "removed": [c.as_dict() for c in changes if c.what == "removed"],
-        "changed": [c.as_dict() for c in changes if c.what == "changed"],
+        "added": [c.as_dict() for c in changes[:MAX_CHANGES] if c.what == "added"],
+        "removed": [c.as_dict() for c in changes[:MAX_CHANGES] if c.what == "removed"],
+        "changed": [c.as_dict() for c in changes[:MAX_CHANGES] if c.what == "changed"],
+        "not_listed": max(0, len(changes) - MAX_CHANGES),
         "exit_code": code,
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
@@ -517,6 +614,9 @@ def render_markdown(a: Behaviour, b: Behaviour, changes: list[Change]) -> str:
         out += [f"### {heading}", "", "| | what | detail |", "|---|---|---|"]
         out += [f"| {c.what} | `{_md(c.key)}` | {_md(c.detail)} |" for c in group]
         out.append("")
+    more = _not_listed(changes)
+    if more:
+        out += [f"_{more}._", ""]
     return join_lines(out).rstrip("\n") + "\n"
 
 

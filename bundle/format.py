@@ -130,6 +130,9 @@ class FileOpen(BaseModel):
     access: list[Literal["read", "write", "create", "exec"]]
     mode: int | None = None
     result: Result
+    # a write open's file had other names (its link count, > 1): a hard link, maybe made in an
+    # earlier run, writes what they name too
+    nlink: int | None = None
     count: int = 1
     first_time: str
     last_time: str
@@ -159,6 +162,7 @@ class FileChange(BaseModel):
     gid: int | None = None
     at_flags: int | None = None
     result: Result
+    nlink: int | None = None  # the file changed had other names (fchmod, fchown, a magic link)
     count: int = 1
     first_time: str
     last_time: str

@@ -81,13 +81,20 @@ RULES: dict[str, Rule] = {
              "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
              "not hermetic and may tamper with the machine. A path that keeps a '..' after a "
              "component (the recorder had no kernel name for it; that component may be a symlink) "
-             "may lead anywhere and is judged outside. Relative paths are not judged."),
+             "may lead anywhere and is judged outside. A change through a descriptor's magic link "
+             "(/proc/self/fd/N, /dev/fd/N, /dev/stdout, ...) is named after the file the descriptor "
+             "held; one the recorder could not name so (a descriptor it never saw opened) may have "
+             "changed any file and is judged outside. A write or change of a file with other names "
+             "(nlink, its link count: a hard link, made in an earlier run, say) is flagged wherever "
+             "it is named: the other names may be outside the workspace. Relative paths are not "
+             "judged."),
         Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
              "The run had no policy (manifest.policy is null), and a process connected (or tried "
              "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
              "the run should be offline, record it with a policy that denies connects."),
         Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory or a file descriptor",
-             "A process.exec that succeeded ran a binary under /tmp, /var/tmp, /dev/shm or the "
+             "A process.exec that succeeded ran a binary (or a #! script's interpreter) under "
+             "/tmp, /var/tmp, /dev/shm or the "
              "run's TMPDIR (but not inside the workspace), or from a file descriptor the recorder "
              "did not see opened (/dev/fd/N: a memfd, or a descriptor passed in), which leaves no "
              "file to inspect; or through a name that keeps a '..' after a component (that "
@@ -103,10 +110,12 @@ RULES: dict[str, Rule] = {
              "slightly out of order; more than a second suggests a clock jump (NTP step, VM "
              "migration) and makes durations in this bundle unreliable."),
         Rule("EV009", "program-from-writable-place", "note", "A program ran from a place the job can write",
-             "A process.exec that succeeded ran a program (or a #! script) from the workspace, "
+             "A process.exec that succeeded ran a program (or a #! script, or a script whose #! "
+             "interpreter is there) from the workspace, "
              "/tmp, /var/tmp, /dev/shm or the run's TMPDIR: places the job itself, or anything it "
              "ran, could have written. The finding names the program with its sha256 (as read "
-             "when it ran), so that what ran can be compared with what was built or reviewed; the "
+             "when it ran; an interpreter's, interpreter_sha256), so that what ran can be compared "
+             "with what was built or reviewed; the "
              "same path with another content is another finding (and `evidence diff` reports it "
              "as changed between runs)."),
         Rule("EV010", "other-mount-namespace", "warning", "A process left the run's mount namespace, mounted or chrooted",
@@ -166,6 +175,12 @@ _SECRETS = [
 
 
 _FD_PATH = re.compile(r"/dev/fd/\d|/proc/(?:self|thread-self|\d+)/fd/\d")  # a program run from a descriptor
+# a change through a descriptor's magic link that the recorder could not name after the file (one
+# it never saw opened, or that named another file by then), or /dev/stdin, stdout, stderr (links
+# to /proc/self/fd/0-2): it may have changed any file
+_THROUGH_FD = re.compile(
+    r"/dev/(?:fd/\d|std(?:in|out|err)(?:/|$))|/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d"
+)
 
 
 _PATH_NS = ("CLONE_NEWNS", "CLONE_NEWUSER")
@@ -472,37 +487,50 @@ class _Part:
         filename = d["filename"]
         if filename != ev["subject"]:
             self._text(filename, "path", ev)
-        if d["result"] == 0 and filename.startswith("/"):
-            rules = self.rules
-            if _FD_PATH.match(filename):
-                self.add(
-                    "EV006",
-                    f"executed {filename}: a program from a file descriptor (a memfd?), with no file behind it",
-                    rules.norm.text(filename),
-                    ev,
-                )
-            elif fmt.has_dotdot(filename):  # where it leads is not known: a temp directory, maybe
-                self.add(
-                    "EV006",
-                    f"executed {filename}: a '..' after a component that may be a symlink, so from anywhere",
-                    rules.norm.text(filename),
-                    ev,
-                )
-            elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
-                self.add("EV006", f"executed {filename} from a temp directory", rules.norm.text(filename), ev)
-            if rules.writable.holds(filename):
-                digest = d.get("sha256")
-                what = (
-                    f"sha256 {digest}"
-                    if digest
-                    else f"not hashed: {d.get('not_hashed') or 'no hash recorded'}"
-                )
-                self.add(
-                    "EV009",
-                    f"ran {filename} from a writable place ({what})",
-                    f"{rules.norm.text(filename)}@{digest or ''}",
-                    ev,
-                )
+        if d["result"] != 0:
+            return
+        if filename.startswith("/"):
+            self._program(filename, "", d.get("sha256"), d.get("not_hashed"), ev)
+        interp = d.get("interpreter")
+        if interp:  # a #! script: the kernel ran its interpreter, which may come from anywhere
+            self._text(interp, "path", ev)
+            cwd = d.get("cwd")
+            if not interp.startswith("/") and cwd and cwd.startswith("/"):
+                interp = cwd.rstrip("/") + "/" + interp  # the kernel resolves it against the cwd
+            if interp.startswith("/"):
+                how = f" (the interpreter of {filename})"
+                self._program(interp, how, d.get("interpreter_sha256"), d.get("interpreter_not_hashed"), ev)
+
+    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: dict[str, Any]) -> None:
+        """EV006 and EV009 for a program that ran (`filename`, absolute: the exec's file, or a #!
+        script's interpreter, said in `how`)."""
+        rules = self.rules
+        if _FD_PATH.match(filename):
+            self.add(
+                "EV006",
+                f"executed {filename}{how}: a program from a file descriptor (a memfd?), with no file behind it",
+                rules.norm.text(filename),
+                ev,
+            )
+        elif fmt.has_dotdot(filename):  # where it leads is not known: a temp directory, maybe
+            self.add(
+                "EV006",
+                f"executed {filename}{how}: a '..' after a component that may be a symlink, so from anywhere",
+                rules.norm.text(filename),
+                ev,
+            )
+        elif rules.temp.holds(filename) and not rules.in_workspace.holds(filename):
+            self.add(
+                "EV006", f"executed {filename}{how} from a temp directory", rules.norm.text(filename), ev
+            )
+        if rules.writable.holds(filename):
+            what = f"sha256 {digest}" if digest else f"not hashed: {not_hashed or 'no hash recorded'}"
+            self.add(
+                "EV009",
+                f"ran {filename}{how} from a writable place ({what})",
+                f"{rules.norm.text(filename)}@{digest or ''}",
+                ev,
+            )
 
     def _open(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -517,9 +545,9 @@ class _Part:
             return
         access = d["access"]
         rules = self.rules
-        if ("write" in access or "create" in access) and (
-            not rules.write_ok.holds(path) or fmt.has_dotdot(path)
-        ):
+        if "write" not in access and "create" not in access:
+            return
+        if not rules.write_ok.holds(path) or fmt.has_dotdot(path):
             exe = d.get("exe") or "?"
             self.add(
                 "EV004",
@@ -527,6 +555,21 @@ class _Part:
                 rules.norm.text(path),
                 ev,
             )
+        elif d.get("nlink"):
+            self._other_names(path, f"wrote {path} ({'+'.join(access)})", ev)
+
+    def _other_names(self, path: str, what: str, ev: dict[str, Any]) -> None:
+        """EV004 for a write to a file that has other names (its link count, `nlink`): a hard link
+        (made in an earlier run, say, in /tmp or the workspace) writes what the other names name,
+        and they may be outside the workspace."""
+        d = ev["data"]
+        self.add(
+            "EV004",
+            f"{d.get('exe') or '?'} {what}, a file with {d['nlink']} names: the others may be outside "
+            f"the workspace {self.rules.workspace}",
+            self.rules.norm.text(path) + "\0nlink",
+            ev,
+        )
 
     def _change(self, ev: dict[str, Any]) -> None:
         d = ev["data"]
@@ -539,14 +582,26 @@ class _Part:
             return
         rules = self.rules
         for path in names:
-            if path.startswith("/") and (not rules.write_ok.holds(path) or fmt.has_dotdot(path)):
-                exe = d.get("exe") or "?"
+            if not path.startswith("/"):
+                continue
+            exe = d.get("exe") or "?"
+            if _THROUGH_FD.match(path):
+                self.add(
+                    "EV004",
+                    f"{exe} changed {path} ({op}): through a descriptor the recorder could not name, "
+                    f"so any file, maybe outside the workspace {rules.workspace}",
+                    rules.norm.text(path),
+                    ev,
+                )
+            elif not rules.write_ok.holds(path) or fmt.has_dotdot(path):
                 self.add(
                     "EV004",
                     f"{exe} changed {path} ({op}) outside the workspace {rules.workspace}",
                     rules.norm.text(path),
                     ev,
                 )
+            elif d.get("nlink"):  # the file changed (truncate, chmod, chown) has other names
+                self._other_names(path, f"changed {path} ({op})", ev)
 
     def _connect(self, ev: dict[str, Any]) -> None:
         rules = self.rules

@@ -97,6 +97,7 @@ class OpenRecord(Placed, Counted):
     access: tuple[Access, ...] | list[Access]
     mode: int | None
     result: Result
+    nlink: NotRequired[int]  # a write open's file has other names (its link count)
 
 
 class ChangeRecord(Placed, Counted):
@@ -115,6 +116,7 @@ class ChangeRecord(Placed, Counted):
     uid: NotRequired[int | None]
     gid: NotRequired[int | None]
     at_flags: NotRequired[int]
+    nlink: NotRequired[int]  # the file a descriptor names has other names (its link count)
 
 
 class ConnectRecord(Placed, Counted):

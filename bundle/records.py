@@ -31,9 +31,10 @@ KIND_TYPE = {
 # Kinds aggregated in summary mode, with the fields that make a record distinct: one event per key,
 # with its count and first and last times.
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "open": ("exe", "path", "access", "result", "cgroup", "container", "mntns"),
+    "open": ("exe", "path", "access", "result", "nlink", "cgroup", "container", "mntns"),
     "change": (
-        "exe", "operation", "path", "target", "mode", "uid", "gid", "result", "cgroup", "container", "mntns",
+        "exe", "operation", "path", "target", "mode", "uid", "gid", "result", "nlink", "cgroup", "container",
+        "mntns",
     ),
     "connect": ("exe", "family", "address", "port", "result", "cgroup", "container", "mntns"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),

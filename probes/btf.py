@@ -175,6 +175,10 @@ NEEDED = {
     "MOUNT_MNT_OFF": ("mount", "mnt"),
     "MOUNT_PARENT_OFF": ("mount", "mnt_parent"),
     "MOUNT_MOUNTPOINT_OFF": ("mount", "mnt_mountpoint"),
+    # a write's file's link count (record.bpf.c inode_nlink): i_nlink, and i_mode to leave out
+    # directories
+    "INODE_NLINK_OFF": ("inode", "i_nlink"),
+    "INODE_MODE_OFF": ("inode", "i_mode"),
     "INODE_INO_OFF": ("inode", "i_ino"),
     "INODE_SB_OFF": ("inode", "i_sb"),
     "INODE_SIZE_OFF": ("inode", "i_size"),

@@ -84,9 +84,9 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, koff, hoff, owner, walked;
+# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, koff, hoff, owner, walked, mfd, mfd2;
 # the record follows
-_CALL = struct.Struct("<QQIiQIIQIIII")
+_CALL = struct.Struct("<QQIiQIIQIIIIii")
 # struct akey and struct aval, as bytes
 _AKEY = struct.Struct("<QQQIIiHHQ")  # exe, tok, cgid, run, access, result, kind, pad, ino
 _AVAL = struct.Struct("<QQQ")  # count, first, last

@@ -78,7 +78,8 @@ struct open_ev {
     u64 tok;      // ... and path token (see `agg`)
     s32 dfd;      // openat's dirfd; chdir: AT_FDCWD; fchdir: the descriptor
     u32 flags;
-    u32 mode;
+    u16 mode;     // the mode given (the kernel uses its low 12 bits: S_IALLUGO)
+    u16 nlink;    // a write open's record: the file's link count (inode_nlink), else 0
     u16 sc;       // which syscall: 0 openat, 1 openat2, 2 open, 3 creat
     u16 path_len; // bytes of path that follow, including the NUL
     u64 dino;     // what dfd names at entry (its struct inode's address, fd_inode), 0: not read
@@ -93,13 +94,14 @@ struct open_ev {
 struct change_ev {
     struct hdr h;
     s64 ret;
-    u64 exe;      // unused (the prefix of open_ev)
-    u64 tok;      // unused
+    u64 mino;     // path 1 through a magic link of the process's descriptors (magic_fd): what
+    u64 mino2;    // that descriptor named at entry and still at exit (fd_inode), else 0; path 2's
     s32 dfd;      // what path 1 is resolved against (AT_FDCWD, a dirfd, or fchmod/fchown's fd)
     s32 dfd2;     // the same for path 2 (rename, link, symlink's link path)
     u64 dino;     // what dfd names at entry (fd_inode), 0: not read (AT_FDCWD)
     u64 dino2;    // the same for dfd2
-    u32 mode;     // chmod, mkdir, mknod
+    u16 mode;     // chmod, mkdir, mknod (S_IFMT and S_IALLUGO: 16 bits)
+    u16 nlink;    // the link count of the file changed when a descriptor names it (inode_nlink), else 0
     u32 uid;      // chown
     u32 gid;      // chown
     u32 at_flags; // renameat2's, linkat's, unlinkat's, fchownat's or fchmodat2's flags
@@ -209,6 +211,8 @@ struct call {
     u32 hoff;   // where in the path buffer the hashed name starts: 0, or past the path (a kernel name)
     u32 owner;  // the run slot the entry is counted in (inflight_n) since its thread's first call
     u32 walked; // on_exit_name ran for the call (the kernel's name, if it could be had, is in it)
+    s32 mfd;    // EV_CHANGE: the descriptor path 1 names through a magic link (magic_fd), -1: none
+    s32 mfd2;   // the same for path 2
     union {
         struct hdr h;  // h.kind == 0: no call in flight
         struct open_ev open;
@@ -659,6 +663,26 @@ static __always_inline int emit_ret(u32 sc, s64 ret) {
     return 0;
 }
 
+// The link count of the inode at `inode` (an address, as fd_inode reads it), 0 for none or a
+// directory (whose count is its subdirectories'): a write to a file with other names writes what
+// they name too (a hard link made in an earlier run, in /tmp, to a file outside the workspace), so
+// write opens and changes that name a file by a descriptor carry it (lint EV004). Two helper calls:
+// only for records, never for a repeat counted in `agg`, nor for a read.
+static __always_inline u16 inode_nlink(u64 inode) {
+    u16 mode = 0;
+    u32 n = 0;
+    if (!inode)
+        return 0;
+    bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + INODE_MODE_OFF));
+    if ((mode & 0170000) == 0040000)
+        return 0;
+    bpf_probe_read_kernel(&n, sizeof(n), (void *)(inode + INODE_NLINK_OFF));
+    return n > 0xffff ? 0xffff : n;
+}
+
+#define WRITE_BITS_ (03 | 01000)  // O_ACCMODE and O_TRUNC: an open that writes, ...
+#define O_PATH_ 010000000         // ... unless O_PATH (its other flags are ignored)
+
 // ---- calls paired in the kernel ----------------------------------------------------------
 
 // Emits the thread's call record (with the result in it) and marks the slot free: 0 when sent.
@@ -1004,6 +1028,9 @@ static __always_inline int settle_and_emit(struct sys_exit_ctx *ctx, struct call
     s64 ret = c->ev.open.ret;
     u32 tgid = c->ev.h.tgid;
     u32 kind = c->ev.h.kind;
+    u32 oflags = c->ev.open.flags;
+    if (kind == EV_OPEN && ret >= 0 && (oflags & WRITE_BITS_) && !(oflags & O_PATH_))
+        c->ev.open.nlink = inode_nlink(c->ev.open.rino);  // a write open that is a record
     if (emit_call(c) != 0) {
         if (first) {  // the key's first record is lost (counted): its next occurrence is first
             agg.delete(&k);
@@ -1192,9 +1219,22 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         if (ce->h.flags & (F_FNAME_FAULT | F_PATH2_FAULT)) {  // not resident at entry: read again
             ce->h.flags &= ~(F_FNAME_FAULT | F_PATH2_FAULT | F_PATH_TRUNC | F_PATH2_TRUNC);
             read_change_paths(c, (const char *)c->refetch, (const char *)c->refetch2);
+            c->mfd = -1;  // the names read now (either may differ from entry's) have no identity
+            c->mfd2 = -1;
         }
         c->refetch = 0;
         c->refetch2 = 0;
+        // a magic link's descriptor that names another file at exit than at entry: the change
+        // may have reached either, so neither is named
+        if (c->ev.h.kind == EV_CHANGE) {
+            if (ce->mino && (c->mfd < 0 || fd_inode(c->mfd) != ce->mino))
+                ce->mino = 0;
+            if (ce->mino2 && (c->mfd2 < 0 || fd_inode(c->mfd2) != ce->mino2))
+                ce->mino2 = 0;
+            // the file a descriptor names: fchmod's, fchown's, or path 1's magic link (a directory,
+            // one with a name below it, has none)
+            ce->nlink = inode_nlink(ce->mino ? ce->mino : ce->len1 == 0 ? ce->dino : 0);
+        }
     } else if (c->refetch) {
         refetch_path(c);
     }
@@ -1257,6 +1297,7 @@ static __always_inline int enter_open(s32 nr, s32 dfd, const char *filename, u32
     e->dfd = dfd;
     e->flags = flags;
     e->mode = mode;
+    e->nlink = 0;
     e->sc = sc;
     e->rino = 0;
     read_path(c, filename);
@@ -1687,6 +1728,7 @@ int on_enter_chdir(struct sys_enter_ctx *ctx) {
     e->dfd = -100;
     e->flags = 0;
     e->mode = 0;
+    e->nlink = 0;
     e->sc = 0;
     e->rino = 0;
     read_path(c, (const char *)ctx->args[0]);
@@ -1705,6 +1747,7 @@ int on_enter_fchdir(struct sys_enter_ctx *ctx) {
     e->dfd = (s32)ctx->args[0];
     e->flags = 0;
     e->mode = 0;
+    e->nlink = 0;
     e->sc = 0;
     e->dino = fd_inode(e->dfd);  // the directory it changes to (checked like a dirfd)
     e->rino = 0;
@@ -1736,6 +1779,49 @@ int on_enter_dup(struct sys_enter_ctx *ctx) {
 
 // ---- file changes that are not opens ------------------------------------------------------
 
+// A change through a magic link of the process's own descriptors (`truncate /proc/self/fd/3`,
+// `mkdir /proc/self/fd/3/sub` with 3 an O_PATH directory; /dev/fd/N, /proc/thread-self/fd/N,
+// /proc/<pid>[/task/<tid>]/fd/N, and relative: fd/N from /proc/<pid>, N from a .../fd directory)
+// changes the file descriptor N names, whatever name it was opened by. The probe does not decide
+// whether a name is such a link (user space does, from the resolved name); it reads the number N
+// of a name's first component of digits that is its first component or follows a component `fd`
+// (within its first MAGIC_SCAN_ bytes), -1 when there is none, and records what descriptor N
+// names (magic_inode), so user space names the change after its table's entry for N while N
+// still names that file. names.magic_fd reads a name the same way: change both together.
+#define MAGIC_SCAN_ 48
+#define FD_SLASH_ 0x66642f  // "fd/", the three bytes before a candidate
+
+// The number of the descriptor the name at e->buf[base] reaches through a magic link, -1: none.
+static __always_inline s32 magic_fd(struct change_ev *e, u32 base) {
+    u32 w = 0, at = 0;  // w: the four bytes before position i
+    int found = 0;
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < MAGIC_SCAN_; i++) {
+        u8 ch = e->buf[(base + i) & (2 * PATH_MAX_ - 1)];
+        if (ch == 0)
+            break;
+        if (ch >= '0' && ch <= '9' && (i == 0 || ((w & 0xffffff) == FD_SLASH_ && (i == 3 || (w >> 24) == '/')))) {
+            at = i;
+            found = 1;
+            break;
+        }
+        w = (w << 8) | ch;
+    }
+    if (!found)
+        return -1;
+    s32 n = 0;
+#pragma clang loop unroll(disable)
+    for (u32 j = 0; j < 10; j++) {  // at most 9 digits, then '/' or the end of the name
+        u8 ch = e->buf[(base + at + j) & (2 * PATH_MAX_ - 1)];
+        if (ch == '/' || ch == 0)
+            return n;
+        if (ch < '0' || ch > '9' || j == 9)
+            return -1;
+        n = n * 10 + (ch - '0');
+    }
+    return -1;
+}
+
 static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1, s32 dfd2, const char *p2, u32 mode, u32 uid, u32 gid, u32 at_flags) {
     u32 run = current_run();
     if (!run)
@@ -1747,6 +1833,7 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     e->dfd = dfd;
     e->dfd2 = dfd2;
     e->mode = mode;
+    e->nlink = 0;
     e->uid = uid;
     e->gid = gid;
     e->at_flags = at_flags;
@@ -1757,6 +1844,11 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     // read for any path
     e->dino = dir_inode(dfd);
     e->dino2 = p2 ? dir_inode(dfd2) : 0;
+    // a name through a magic link: what its descriptor names (checked again at exit: finish_call)
+    c->mfd = e->len1 ? magic_fd(e, 0) : -1;
+    c->mfd2 = e->len2 ? magic_fd(e, e->len1) : -1;
+    e->mino = c->mfd >= 0 ? fd_inode(c->mfd) : 0;
+    e->mino2 = c->mfd2 >= 0 ? fd_inode(c->mfd2) : 0;
     return 0;
 }
 

@@ -180,6 +180,9 @@ CHANGE_ACCESS: dict[str, tuple[Access, ...]] = {
     "mknod": ("create",),
 }
 _AT_REMOVEDIR = 0x200
+# changes of the file itself, which its other names (hard links) see too: they carry its link count
+# when a descriptor names it (fchmod, fchown, a magic link: record.bpf.c inode_nlink)
+_OF_THE_FILE: Final = ("truncate", "chmod", "chown")
 
 # namespace calls (record.bpf.c ---- namespaces and mounts): the names of their flags
 _CLONE_FLAGS = (
@@ -325,6 +328,7 @@ class Correlator:
         dino: int = 0,
         rino: int = 0,
         kname: bytes = b"",
+        nlink: int = 0,
     ) -> list[Correlated]:
         """feed() of an open record, from its fields as decode.OPEN_REC unpacks them and its path's
         bytes (`raw`, up to path_len): the same records, without the decoded dict. Opens are by far
@@ -333,7 +337,8 @@ class Correlator:
         directory it is resolved against). An open the kernel counted already (F_STATE) only updates
         the descriptor table and makes no record (Recorder._process would drop it). `dino`: what
         dfd named at entry, `rino`: what the descriptor returned names, `kname`: the kernel's name of
-        it (F_KNAME: the bytes after the path; see _open_path) (decode.py)."""
+        it (F_KNAME: the bytes after the path; see _open_path), `nlink`: a write open's file's link
+        count (decode.py)."""
         p = self.procs.get(tgid) or self._proc(tgid)
         if flags & (d.F_FNAME_FAULT | d.F_KNAME):
             raw_path = UNREADABLE if flags & d.F_FNAME_FAULT else d.cstr(raw)
@@ -369,7 +374,7 @@ class Correlator:
                 self._left.add((p.pid, path))
             return out
         out = self._named(
-            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret, rino), cgid
+            self._open(p, ts + self.wall_offset_ns, path, raw_path, dfd, oflags, mode, ret, rino, nlink), cgid
         )
         rec = out[-1]
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
@@ -387,10 +392,12 @@ class Correlator:
         mode: int,
         ret: int,
         rino: int = 0,
+        nlink: int = 0,
     ) -> list[Correlated]:
         """An open's record, last, after the degradation a write to another cgroup's procs makes;
-        a descriptor it returns now names `path` (while it names inode `rino`). One shape for
-        open_record and feed."""
+        a descriptor it returns now names `path` (while it names inode `rino`); `nlink`: the link
+        count of the file a write open opened (the kernel's, 0: not read), kept when it has other
+        names. One shape for open_record and feed."""
         names, access = decode_open_flags(oflags)
         out: list[Correlated] = []
         if ret >= 0:
@@ -413,6 +420,8 @@ class Correlator:
                 "result": result_of(ret),
             }
         )
+        if nlink > 1:
+            cast(OpenRecord, out[-1])["nlink"] = nlink  # other names: lint EV004
         return out
 
     def _cgroup_named(self, cgid: int) -> tuple[str | None, str | None]:
@@ -651,6 +660,8 @@ class Correlator:
         else:
             raw = ev["path"]
             path = self.names.resolve(p, raw, ev["dfd"], ev["dino"])
+            if path.startswith(MAGIC):  # through a magic link: what its descriptor names
+                path = self.names.through_magic(p, path, raw, ev["mino"])
         rec: ChangeRecord = {
             "k": "change",
             "t": t,
@@ -670,6 +681,8 @@ class Correlator:
                 if flags & d.F_PATH2_FAULT
                 else self.names.resolve(p, raw2, ev["dfd2"], ev["dino2"])
             )
+            if path2.startswith(MAGIC):
+                path2 = self.names.through_magic(p, path2, raw2, ev["mino2"])
             if op == "symlink":  # the link made is the path; its content is the target
                 rec["path"], rec["target"] = path2, path
                 rec["raw_path"] = UNREADABLE if flags & d.F_PATH2_FAULT else raw2
@@ -682,6 +695,8 @@ class Correlator:
             rec["gid"] = None if ev["gid"] == 0xFFFFFFFF else ev["gid"]
         if ev["at_flags"]:
             rec["at_flags"] = ev["at_flags"]
+        if ev["nlink"] > 1 and op in _OF_THE_FILE:  # the file a descriptor names has other names
+            rec["nlink"] = ev["nlink"]
         return rec
 
     def _exec_ok(self, ev: d.ExecOkEvent, t: int) -> list[Correlated]:
@@ -745,7 +760,16 @@ class Correlator:
                 p, enter["path"], enter["dfd"], enter["dino"], enter["flags"], enter["rino"], enter["kname"]
             )
             return self._open(
-                p, t, path, enter["path"], enter["dfd"], enter["oflags"], enter["mode"], ret, enter["rino"]
+                p,
+                t,
+                path,
+                enter["path"],
+                enter["dfd"],
+                enter["oflags"],
+                enter["mode"],
+                ret,
+                enter["rino"],
+                enter["nlink"],
             )
         if enter["kind"] == "change":
             return [self._change(p, enter, ret, t)]

@@ -86,11 +86,13 @@ HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
 # dino, dino2: what a dirfd named at entry, rino: what the descriptor a call returned names, each
 # the address of the file's struct inode in the kernel (0: not read): identities, compared with
 # what the descriptor table learnt, never written to a bundle
-_OPEN = struct.Struct("<qQQiIIHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, sc, path_len, dino, rino
+# nlink: a write open's file's link count (0: not read), a change's when a descriptor names its file
+_OPEN = struct.Struct("<qQQiIHHHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, nlink, sc, path_len, dino, rino
 _CONNECT = struct.Struct("<qQQiI8xQ8x")  # ret, exe_tok, tok, fd, addrlen, dino
 _DUP = struct.Struct("<qiiQ")  # ret, oldfd, newfd, rino
-# a file change: ret, (exe, tok unused), dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2
-_CHANGE = struct.Struct("<q16xiiQQIIIIHHH2x")
+# a file change: ret, mino, mino2, dfd, dfd2, dino, dino2, mode, nlink, uid, gid, at_flags, op, len1, len2
+# (mino, mino2: what the descriptor a path names through a magic link named, record.bpf.c magic_fd)
+_CHANGE = struct.Struct("<qQQiiQQHHIIIHHH2x")
 # a namespace call: ret, flags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 (the paths as a change's)
 _NS = struct.Struct("<qQQiiQQ16sHHH2x")
 # dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
@@ -160,6 +162,7 @@ class OpenEvent(_Header):
     dfd: int
     oflags: int
     mode: int
+    nlink: int  # a write open's file's link count, 0: not read
     sc: int
     path: str
     dino: int  # what dfd named at entry (its inode's address), 0: not read
@@ -204,7 +207,12 @@ class ChangeEvent(_Header):
     dfd2: int
     dino: int  # what dfd and dfd2 named at entry (their inodes' addresses), 0: not read
     dino2: int
+    # path (path2) through a magic link of the process's descriptors (/proc/self/fd/N/...): what
+    # descriptor N (names.magic_fd) named at entry and exit, 0: none, or not the same file
+    mino: int
+    mino2: int
     mode: int
+    nlink: int  # the file's link count when a descriptor names it (fchmod, a magic link), 0: not read
     uid: int
     gid: int
     at_flags: int
@@ -396,7 +404,7 @@ def decode(raw: bytes) -> RawEvent:
     hdr: _Header = {"ts": ts, "cgid": cgid, "run": run, "tgid": tgid, "tid": tid, "flags": flags}
     o = HDR.size
     if kind == EV_OPEN:
-        ret, exe_tok, tok, dfd, oflags, mode, sc, plen, dino, rino = _OPEN.unpack_from(raw, o)
+        ret, exe_tok, tok, dfd, oflags, mode, nlink, sc, plen, dino, rino = _OPEN.unpack_from(raw, o)
         return {
             "kind": "open",
             **hdr,
@@ -406,6 +414,7 @@ def decode(raw: bytes) -> RawEvent:
             "dfd": dfd,
             "oflags": oflags,
             "mode": mode,
+            "nlink": nlink,
             "sc": sc,
             "path": cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]),
             "dino": dino,
@@ -432,7 +441,7 @@ def decode(raw: bytes) -> RawEvent:
             "dino": dino,
         }
     if kind in (EV_CHDIR, EV_FCHDIR):
-        ret, _, _, fd, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)
+        ret, _, _, fd, _, _, _, _, plen, dino, rino = _OPEN.unpack_from(raw, o)
         path = cstr(raw[OPEN_PATH_OFF : OPEN_PATH_OFF + plen]) if plen else None
         kname = cstr(raw[OPEN_PATH_OFF + plen :]) if flags & F_KNAME else None
         # the two kinds have the same fields: one dict, typed by its kind (as _exec's)
@@ -450,7 +459,9 @@ def decode(raw: bytes) -> RawEvent:
             },
         )
     if kind == EV_CHANGE:
-        ret, dfd, dfd2, dino, dino2, mode, uid, gid, at_flags, op, len1, len2 = _CHANGE.unpack_from(raw, o)
+        ret, mino, mino2, dfd, dfd2, dino, dino2, mode, nlink, uid, gid, at_flags, op, len1, len2 = (
+            _CHANGE.unpack_from(raw, o)
+        )
         buf = raw[CHANGE_BUF_OFF:]
         return {
             "kind": "change",
@@ -461,7 +472,10 @@ def decode(raw: bytes) -> RawEvent:
             "dfd2": dfd2,
             "dino": dino,
             "dino2": dino2,
+            "mino": mino,
+            "mino2": mino2,
             "mode": mode,
+            "nlink": nlink,
             "uid": uid,
             "gid": gid,
             "at_flags": at_flags,
@@ -553,7 +567,7 @@ def _exec(
 
 
 # An open record's header and fields in one unpack (the recorder's fast path, Recorder._process):
-# ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, sc, path_len, dino, rino
+# ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, sc, path_len, dino, rino
 OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
 KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
 OPEN_KIND = struct.pack("<H", EV_OPEN)  # those two bytes of an open record

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from evidence.agent.recorder.decode import path_text
+from evidence.agent.recorder.exe_hash import SHEBANG_MAX, read_head, shebang_interpreter
 from evidence.agent.recorder.launch import Landlock
 from evidence.bundle.record_types import ConnectRecord, DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
@@ -31,6 +32,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _REFUSED = ("EACCES", "EPERM")
+_INTERPRETERS = 4  # the kernel follows at most this many `#!` levels (BINPRM_MAX_RECURSION)
+
+
+def exec_chain(filename: str, cwd: str | None) -> list[str]:
+    """The files the kernel needs the exec right on to run `filename` (absolute), beyond its name:
+    the file it names with its symlinks resolved, then, for a `#!` script, its interpreter (resolved
+    against `cwd` when relative, and so on while that is a script). Landlock checks the files, not
+    the names: an exec of an allowed name refused all the same reached one of these (a symlink into
+    a directory the exec rules do not allow, a script whose interpreter is there). Read now, by path
+    (a file changed since says what it is now); a name that cannot be read ends the chain."""
+    out: list[str] = []
+    name = filename
+    for _ in range(_INTERPRETERS + 1):
+        real = os.path.realpath(name)
+        if real != name:
+            out.append(real)
+        head = read_head(real, SHEBANG_MAX)  # without blocking: the job can put a FIFO there
+        interp = shebang_interpreter(head[0]) if head is not None else None
+        if interp is None:
+            break
+        if not interp.startswith("/"):
+            if not cwd or not cwd.startswith("/"):
+                break
+            interp = os.path.join(cwd, interp)
+        out.append(os.path.normpath(interp))
+        name = out[-1]
+    return out
 
 
 def _as_text(value: Any) -> Any:
@@ -232,6 +260,10 @@ class Enforcement:
                 rule = self._file_rule(target, access)
                 if rule is None and result in _REFUSED and self.mode == "enforce":
                     rule = self.plan.explain(target, access)
+                if rule is None and rec["k"] == "exec" and result in _REFUSED and self.mode == "enforce":
+                    # an allowed name, refused: the file it reached, or its #! interpreter, is not
+                    # (the run's own command too: it exits 126 and said nothing of why)
+                    target, rule = self._exec_refused(rec["filename"], rec["cwd"], rec.get("mntns"))
                 if rule is None:
                     continue
                 enforced = self.mode == "enforce" and result in _REFUSED
@@ -250,6 +282,17 @@ class Enforcement:
                 )
                 break
         return out
+
+    def _exec_refused(self, filename: str, cwd: str | None, mntns: str | None) -> tuple[str, str | None]:
+        """(the file, the rule) that refused an exec of the allowed name `filename`: the first of
+        what the kernel opened to run it (exec_chain) that the exec rules do not allow; (filename,
+        None) when none is found (or the process's paths name other files than the recorder's)."""
+        if mntns is None and filename.startswith("/"):
+            for path in exec_chain(filename, cwd):
+                rule = self._file_rule(path, "exec")
+                if rule is not None:
+                    return path, rule
+        return filename, None
 
     def _unix_connect(self, rec: ConnectRecord) -> DenialRecord | None:
         """A connect (or send) to a pathname unix socket the file rules give no access at all: Landlock

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SIZE = 256 * 1024 * 1024  # EVIDENCE_HASH_MAX_SIZE (bytes) overrides it
 CACHE_ENTRIES = 65536
 _CHUNK = 1024 * 1024
-_SHEBANG_MAX = 256  # the kernel reads at most this much of a `#!` line (BINPRM_BUF_SIZE)
+SHEBANG_MAX = 256  # the kernel reads at most this much of a `#!` line (BINPRM_BUF_SIZE)
 
 # reasons in `not_hashed`
 TOO_LARGE = "too_large"  # above the size limit (the size is still recorded)
@@ -125,7 +125,7 @@ def shebang_interpreter(head: bytes) -> str | None:
     """The interpreter a `#!` line names (its first word), or None when `head` is not a script."""
     if not head.startswith(b"#!"):
         return None
-    line = head[2:_SHEBANG_MAX].split(b"\n", 1)[0].strip(b" \t\r")
+    line = head[2:SHEBANG_MAX].split(b"\n", 1)[0].strip(b" \t\r")
     word = line.split(None, 1)[0] if line.split() else b""
     return os.fsdecode(word) if word else None
 
@@ -244,7 +244,7 @@ class ExeHasher:
     # -- files --------------------------------------------------------------------------------------
 
     def _head(self, filename: str) -> tuple[bytes, FileKey | None]:
-        head = read_head(filename, _SHEBANG_MAX)
+        head = read_head(filename, SHEBANG_MAX)
         return (head[0], _key(head[1])) if head is not None else (b"", None)
 
     def _file(self, path: str, ident: Ident | None = None) -> FileHash:

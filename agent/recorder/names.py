@@ -19,9 +19,30 @@ if TYPE_CHECKING:
 AT_FDCWD = -100
 UNREADABLE = "<unreadable path>"
 _CWD_PATHS = 4096  # directories entered by a chdir, by identity (Names._cwd_paths)
-# names through magic links: /proc/self/fd/N, /proc/thread-self/fd/N, /proc/<pid>/fd/N, /dev/fd/N
+# names through magic links: /proc/self/fd/N, /proc/thread-self/fd/N, /proc/<pid>/fd/N (and
+# /proc/<pid>/task/<tid>/fd/N, what /proc/thread-self is), /dev/fd/N; and names below them
 MAGIC: Final = ("/proc/", "/dev/fd/")
-_FD_LINK: Final = re.compile(r"/(?:proc/(?:self|thread-self|([0-9]+))/fd|dev/fd)/([0-9]+)")
+_FD_LINK: Final = re.compile(
+    r"/(?:proc/(?:self|thread-self|([0-9]+)(?:/task/[0-9]+)?)/fd|dev/fd)/([0-9]+)(/.*)?", re.DOTALL
+)
+_MAGIC_SCAN = 48  # record.bpf.c MAGIC_SCAN_
+_FD_NUMBER: Final = re.compile(r"[0-9]{1,9}(?=/|$)")
+
+
+def magic_fd(raw: str) -> int | None:
+    """The descriptor number the probe read in a change's name as given (record.bpf.c magic_fd,
+    the same reading: change both together): the number of the name's first component of digits
+    that is its first component or follows a component `fd`, within its first 48 characters (the
+    probe reads 48 bytes: where the two differ, one of them finds nothing and the name is not
+    resolved), None when there is none. Whether the name reaches that descriptor through a magic
+    link is the resolved name's to say (`Names.through_magic`)."""
+    for i, ch in enumerate(raw[:_MAGIC_SCAN]):
+        if "0" <= ch <= "9" and (
+            i == 0 or (i >= 3 and raw[i - 3 : i] == "fd/" and (i == 3 or raw[i - 4] == "/"))
+        ):
+            m = _FD_NUMBER.match(raw, i)
+            return int(m.group()) if m else None
+    return None
 
 
 def normal(name: str) -> str:
@@ -120,10 +141,30 @@ class Names:
         descriptor N names: named after the table's entry for N when the descriptor returned is
         that file (`rino`), else as given."""
         m = _FD_LINK.fullmatch(path)
-        if m is None or not rino or (m.group(1) is not None and int(m.group(1)) != proc.pid):
+        if m is None or m.group(3) or not rino or (m.group(1) is not None and int(m.group(1)) != proc.pid):
             return path
         entry = proc.fds.get(int(m.group(2)))
         return entry[0] if entry is not None and entry[1] == rino else path
+
+    @staticmethod
+    def through_magic(proc: Proc, path: str, raw: str, mino: int) -> str:
+        """A change's name (resolved: `path`, as given: `raw`) through a magic link of the process's
+        own descriptors (`truncate /proc/self/fd/3`, `mkdir /proc/self/fd/3/sub`; /dev/fd/N,
+        /proc/thread-self/fd/N, /proc/<own pid>[/task/<tid>]/fd/N, or relative to a cwd or dirfd
+        there) changes what descriptor N names: named after the table's entry for N, and what is
+        below it, when the kernel says N named that file at the call's entry and exit (`mino`,
+        record.bpf.c magic_fd); else as given (lint judges such a name outside: it may lead
+        anywhere)."""
+        m = _FD_LINK.fullmatch(path)
+        if m is None or not mino or (m.group(1) is not None and int(m.group(1)) != proc.pid):
+            return path
+        n = int(m.group(2))
+        if magic_fd(raw) != n:
+            return path
+        entry = proc.fds.get(n)
+        if entry is None or entry[1] != mino or not entry[0].startswith("/"):
+            return path
+        return normal(entry[0] + (m.group(3) or ""))
 
     def resolve(self, proc: Proc, path: str, dfd: int = AT_FDCWD, ino: int = 0, in_root: bool = False) -> str:
         """`path` resolved against the cwd, or against descriptor `dfd`, when it names `ino` still.

@@ -722,6 +722,7 @@ class Recorder:
                         dfd,
                         oflags,
                         mode,
+                        nlink,
                         _,
                         plen,
                         dino,
@@ -745,6 +746,7 @@ class Recorder:
                         dino,
                         rino,
                         kname=raw[path_off + plen :] if flags & dec.F_KNAME else b"",
+                        nlink=nlink,
                     )
                     if len(recs) == 1 and not flags & dec.F_STATE:
                         last_tail, last_rec, last_line = tail, recs[0].copy(), None

@@ -46,7 +46,12 @@ def tmp_path() -> Iterator[Path]:  # the world's: uid 65534 must reach it (pytes
 
 
 def through_agent(
-    agent: Agent, w: dict[str, Any], *extra: str, code: str | None = None, env: dict[str, str] | None = None
+    agent: Agent,
+    w: dict[str, Any],
+    *extra: str,
+    code: str | None = None,
+    env: dict[str, str] | None = None,
+    command: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[dict[str, Any]]]:
     os.chown(w["ws"], NOBODY, NOBODY)
     out = Path(tempfile.mkdtemp(dir=w["ws"].parent))
@@ -54,7 +59,8 @@ def through_agent(
     bundle = out / "agent.tar.gz"
     proc = subprocess.run(
         [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle", str(bundle),
-         "--policy", str(w["policy"]), "--workspace", str(w["ws"]), *extra, "--", PY, "-c", code or test_policy_run._attempts(w)],
+         "--policy", str(w["policy"]), "--workspace", str(w["ws"]), *extra, "--",
+         *(command or (PY, "-c", code or test_policy_run._attempts(w)))],
         user=NOBODY, group=NOBODY, extra_groups=[], cwd=w["ws"], capture_output=True, text=True, timeout=120,
         env=env or dict(os.environ),
     )  # fmt: skip
@@ -188,3 +194,48 @@ def test_with_a_policy_the_command_gets_the_same_seccomp_filters(agent: Agent, w
     proc, _, _ = through_agent(agent, world, code=URING)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "1", proc.stdout  # EPERM
+
+
+@pytest.fixture
+def allowed_place() -> Iterator[Path]:
+    """A directory the world's exec rules allow (below /usr), that nobody can read."""
+    d = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/usr/local/lib"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("via", ["agent", "standalone"])
+@pytest.mark.parametrize("how", ["itself", "symlink", "interpreter"])
+def test_the_runs_own_command_refused_by_the_exec_rules_is_a_denial(
+    agent: Agent, world: dict[str, Any], tmp_path: Path, allowed_place: Path, via: str, how: str
+) -> None:
+    """Issue 22, item 7. The run's command is refused by the policy's exec rules (EACCES, exit
+    126): a program outside /usr, /bin, /lib (`itself`), or a name the rules allow that reaches
+    one (`symlink` in /usr/local/lib to it; a `#!` script there whose `interpreter` it is).
+    Landlock checks the files, not the names: the last two had exit 126 and no policy.denial.
+    Each is recorded as a failed exec and a denial that names the file refused, its rule, and
+    the command, through the agent (as nobody) as standalone."""
+    prog = tmp_path / "prog"
+    shutil.copy("/usr/bin/true", prog)
+    prog.chmod(0o755)
+    command = {"itself": prog, "symlink": allowed_place / "link", "interpreter": allowed_place / "script"}[
+        how
+    ]
+    (allowed_place / "link").symlink_to(prog)
+    (allowed_place / "script").write_text(f"#!{prog}\n")
+    (allowed_place / "script").chmod(0o755)
+    if via == "agent":
+        proc, _, events = through_agent(agent, world, command=(str(command),))
+    else:
+        proc, _, events = record(
+            tmp_path, str(command), extra=("--policy", str(world["policy"]), "--workspace", str(world["ws"])),
+            cwd=world["ws"],
+        )  # fmt: skip
+    assert proc.returncode == 126, proc.stderr
+    (ex,) = [e["data"] for e in events if e["type"] == "dev.evidence.process.exec"]
+    assert (ex["filename"], ex["result"]) == (str(command), "EACCES")
+    denials = [e["data"] for e in events if e["type"] == "dev.evidence.policy.denial"]
+    assert [(d["operation"], d["target"], d["rule"], d["enforced"], d["exe"]) for d in denials] == [
+        ("exec", str(prog), "fs.exec: not allowed", True, str(command))
+    ], events

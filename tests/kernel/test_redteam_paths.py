@@ -357,3 +357,116 @@ def test_a_write_through_proc_self_fd_of_an_o_path_descriptor_names_the_file(tmp
     (rec,) = _opens(events, "/proc/self/fd/3")
     assert rec["access"] == ["write"] and rec["result"] == 0
     assert rec["path"] == str(target / "victim")
+
+
+def test_changes_through_magic_links_name_the_file_the_descriptor_holds(tmp_path: Path) -> None:
+    """Issue 22, item 6. With O_PATH descriptors of a file and a directory outside the workspace
+    (no access: neither recorded as one nor checked by Landlock), a job truncates, chmods, makes
+    directories in and renames through /proc/self/fd/N, /dev/fd/N, /proc/thread-self/fd/N, its own
+    /proc/<pid>/fd/N, and relative fd/N from /proc/self and N from /proc/self/fd. The bundle said
+    /proc/self/fd/3 and the like, which lint takes for scratch; it must name the real files, and
+    lint must flag them (EV004). A descriptor the recorder never saw opened (fcntl F_DUPFD is not
+    traced) leaves the name as given, and lint flags that too: it may be any file."""
+    out = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/lib"))
+    try:
+        (out / "victim").write_text("secret")
+        (out / "dir").mkdir()
+        for p in (out, out / "victim", out / "dir"):
+            os.chown(p, NOBODY, NOBODY)
+        script = textwrap.dedent(
+            f"""
+            import fcntl, os
+            assert os.open({str(out / "victim")!r}, os.O_PATH) == 3
+            assert os.open({str(out / "dir")!r}, os.O_PATH | os.O_DIRECTORY) == 4
+            os.truncate('/proc/self/fd/3', 1)
+            os.chmod('/dev/fd/3', 0o666)
+            os.mkdir('/proc/self/fd/4/sub')
+            os.rename('/proc/self/fd/4/sub', '/proc/thread-self/fd/4/sub2')
+            os.rmdir('/proc/%d/fd/4/sub2' % os.getpid())
+            os.chdir('/proc/self')
+            os.truncate('fd/3', 2)
+            os.chdir('fd')
+            os.mkdir('4/sub3')
+            os.chdir('/')
+            assert fcntl.fcntl(3, fcntl.F_DUPFD, 100) == 100
+            os.truncate('/proc/self/fd/100', 3)
+            """
+        )
+        # in full detail: each change an event (a summary counts equal ones under one)
+        proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script), extra=("--detail", "full"))
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "victim").read_bytes() == b"s\0\0" and (out / "dir" / "sub3").is_dir()
+        changes = [e["data"] for e in of_type(events, "file.change")]
+        named = [(c["operation"], c["raw_path"], c["path"], c.get("target")) for c in changes]
+        victim, d = str(out / "victim"), str(out / "dir")
+        pid_fd = [c["raw_path"] for c in changes if c["operation"] == "rmdir"][0]
+        assert named == [
+            ("truncate", "/proc/self/fd/3", victim, None),
+            ("chmod", "/dev/fd/3", victim, None),
+            ("mkdir", "/proc/self/fd/4/sub", f"{d}/sub", None),
+            ("rename", "/proc/self/fd/4/sub", f"{d}/sub", f"{d}/sub2"),
+            ("rmdir", pid_fd, f"{d}/sub2", None),
+            ("truncate", "fd/3", victim, None),
+            ("mkdir", "4/sub3", f"{d}/sub3", None),
+            ("truncate", "/proc/self/fd/100", "/proc/self/fd/100", None),
+        ], named
+        assert all(c["result"] == 0 for c in changes)
+        lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+        flagged = {
+            f["message"].split(" ")[2] for f in json.loads(lint.stdout)["findings"] if f["rule"] == "EV004"
+        }
+        assert flagged == {victim, f"{d}/sub", f"{d}/sub2", f"{d}/sub3", "/proc/self/fd/100"}, flagged
+    finally:
+        shutil.rmtree(out)
+
+
+def test_a_write_through_a_hard_link_made_in_an_earlier_run_says_the_file_has_other_names(
+    tmp_path: Path,
+) -> None:
+    """Issue 22, item 7. A root-owned world-writable file outside the workspace (/var/lib); in an
+    earlier run the job (as nobody) hard-links it into /var/tmp (protected_hardlinks lets it: it
+    may read and write the file). In a later run it writes the link and truncates it through
+    /proc/self/fd/N: the bundle names /var/tmp/..., a scratch place, and lint said nothing. The
+    write open and the truncate now carry the file's link count (2), and lint flags both (EV004:
+    the other name may be outside the workspace)."""
+    out = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/lib"))
+    place = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/tmp"))  # the same file system
+    try:
+        out.chmod(0o755)
+        place.chmod(0o777)
+        (out / "victim").write_text("root's")
+        (out / "victim").chmod(0o666)
+        link = place / "link"
+        earlier, _, _ = record(
+            tmp_path, *as_user(NOBODY, PY, "-c", f"import os; os.link({str(out / 'victim')!r}, {str(link)!r})"),
+            name="earlier.tar.gz",
+        )  # fmt: skip
+        assert earlier.returncode == 0, earlier.stderr
+        script = textwrap.dedent(
+            f"""
+            import os
+            with open({str(link)!r}, 'w') as f:
+                f.write('planted')
+            assert os.open({str(link)!r}, os.O_PATH) == 3
+            os.truncate('/proc/self/fd/3', 4)
+            """
+        )
+        proc, _, events = record(tmp_path, *as_user(NOBODY, PY, "-c", script))
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "victim").read_text() == "plan"
+        (wrote,) = [o for o in _opens(events, str(link)) if o["access"] == ["write", "create"]]
+        assert (wrote["path"], wrote["result"], wrote["nlink"]) == (str(link), 0, 2)
+        (cut,) = [e["data"] for e in of_type(events, "file.change")]
+        assert (cut["operation"], cut["path"], cut["nlink"]) == ("truncate", str(link), 2)
+        lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+        found = [
+            (f["message"], f["count"]) for f in json.loads(lint.stdout)["findings"] if f["rule"] == "EV004"
+        ]
+        # one finding per file with other names, counting the write and the truncate
+        assert [(m.split(",")[0], n) for m, n in found] == [
+            (f"/usr/bin/python3 wrote {link} (write+create)", 2)
+        ]
+        assert "a file with 2 names: the others may be outside the workspace" in found[0][0]
+    finally:
+        shutil.rmtree(out)
+        shutil.rmtree(place)

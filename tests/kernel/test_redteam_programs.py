@@ -136,3 +136,43 @@ def test_a_program_run_through_a_dotdot_after_a_symlink_is_still_hashed(tmp_path
     assert run["filename"] == f"{place}/l/../bin/sleep"
     assert run.get("sha256") == sha256(Path("/usr/bin/sleep").read_bytes()).hexdigest(), run
     assert run["hash_source"] == "exe"
+
+
+def test_a_script_whose_interpreter_sits_in_tmp_is_linted_as_the_program_that_ran(
+    tmp_path: Path, place: Path
+) -> None:
+    """Issue 22, item 7. A script in a place the job cannot write (root's, /var/lib) whose #! line
+    names an interpreter in /tmp, which the job (as nobody) puts there and then runs the script:
+    the kernel ran the job's interpreter. The exec's record names it with its hash, and lint says
+    what it says of a program run from /tmp: EV006 and EV009 (before: neither, the script's path
+    being a place the job cannot write)."""
+    import json
+    import shutil
+    import tempfile
+    from hashlib import sha256
+
+    from tests.kernel.util import evidence, record
+
+    home = Path(tempfile.mkdtemp(prefix="evidence-test-rt-", dir="/var/lib"))
+    try:
+        home.chmod(0o755)
+        script = home / "script"
+        interp = place / "interp"
+        script.write_text(f"#!{interp}\necho ran\n")
+        script.chmod(0o755)
+        job = f"cp /bin/dash {interp} && {script}"
+        proc, _, events = record(tmp_path, *as_user(NOBODY, "/bin/sh", "-c", job))
+        assert proc.returncode == 0, proc.stderr
+        assert "ran" in proc.stdout
+        (run,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == str(script)]
+        assert run["result"] == 0 and run["interpreter"] == str(interp)
+        assert run["interpreter_sha256"] == sha256(Path("/bin/dash").read_bytes()).hexdigest(), run
+        lint = evidence("lint", "--format", "json", str(tmp_path / "run.tar.gz"))
+        found = {(f["rule"], f["message"]) for f in json.loads(lint.stdout)["findings"]}
+        how = f"{interp} (the interpreter of {script})"
+        assert ("EV006", f"executed {how} from a temp directory") in found, found
+        assert ("EV009", f"ran {how} from a writable place (sha256 {run['interpreter_sha256']})") in found, (
+            found
+        )
+    finally:
+        shutil.rmtree(home)

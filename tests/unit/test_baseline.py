@@ -138,3 +138,48 @@ def test_baseline_dir_still_works(
     assert (store / "default.bundle.tar.gz").exists()
     assert main(["diff", "--baseline", str(store), str(runs[2])]) == 1  # a new destination
     capsys.readouterr()
+
+
+def test_the_file_is_written_an_item_at_a_time_as_json_dumps_would(
+    runs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """baseline.chunks writes what json.dumps(indent=2, sort_keys=True) writes of the document, an
+    item at a time (the whole document as one dict and one string took 250 MB more at the cap)."""
+    bl = baseline.build(map(str, runs), ["x+y"])
+    doc = bl.model_dump(mode="json", exclude_defaults=True)
+    assert baseline.dumps(bl) == json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def test_a_baseline_keeps_at_most_the_cap_of_keys(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Over all its runs a baseline keeps at most diff.MAX_KEYS keys; the rest are not counted, a
+    warning says so, and a diff against it reports them as never seen. A new run past its own cap is
+    a difference (added) of its own."""
+    from evidence.bundle import diff
+    from tests.unit.conftest_bundles import exec_
+
+    monkeypatch.setattr(diff, "MAX_KEYS", 30)
+    r1 = write(
+        tmp_path / "r1.tar.gz",
+        [*records(), *(exec_(9000 + i, 300 + i, 101, "/bin/a", [str(i)]) for i in range(20))],
+    )
+    r2 = write(
+        tmp_path / "r2.tar.gz",
+        [*records(), *(exec_(9000 + i, 300 + i, 101, "/bin/b", [str(i)]) for i in range(20))],
+    )
+    bl = baseline.build([str(r1), str(r2)], [])
+    assert len(bl.exec) + len(bl.file) + len(bl.network) + len(bl.denial) <= 30
+    assert any("past the 30 distinct keys a baseline keeps" in r.message for r in caplog.records)
+    path = tmp_path / "bl.json"
+    path.write_text(baseline.dumps(bl))
+    assert main(["diff", "--format", "json", "--baseline", str(path), str(r2)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert any(c["key"] == "/bin/b -- 19" and "never seen" in c["detail"] for c in doc["added"])
+    monkeypatch.setattr(diff, "MAX_KEYS", 10)
+    assert main(["diff", "--format", "json", "--baseline", str(path), str(r2)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["kind"] for c in doc["added"] if c["key"] == diff.PAST_CAP] == ["exec"]

@@ -13,7 +13,7 @@ RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").re
 
 def ev(kind: str, tgid: int = 10, tid: int | None = None, ts: int = 1, **kw):  # a decoded record
     # dino, dino2, rino: what a descriptor named (decode.py), 0 unless given: not read
-    ids = {"dino": 0, "dino2": 0, "rino": 0, "kname": None}
+    ids = {"dino": 0, "dino2": 0, "rino": 0, "kname": None, "nlink": 0}
     return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tid or tgid, "flags": 0, **ids, **kw}
 
 

@@ -81,7 +81,7 @@ def test_sockaddr(raw: bytes, expected: tuple) -> None:
 def test_non_utf8_paths_are_escaped_not_lost() -> None:
     raw = (
         d.HDR.pack(1, 7, 1, 2, 2, d.EV_OPEN, 0)
-        + struct.pack("<qQQiIIHHQQ", 3, 0, 0, -100, 0, 0, 0, 5, 0, 0)
+        + struct.pack("<qQQiIHHHHQQ", 3, 0, 0, -100, 0, 0, 0, 0, 5, 0, 0)
         + b"a\xffb\0\0"
     )
     assert d.decode(raw)["path"] == "a\\xffb"

@@ -232,3 +232,30 @@ def test_connects_compare_by_name_where_dns_named_them(
     assert code == 1
     assert ("network", "evil.example:443") in _keys(doc, "added")
     assert ("network", "api.example.org edge-1.cdn.example:443") in _keys(doc, "removed")
+
+
+def test_a_side_past_the_cap_on_keys_is_a_difference_and_memory_stays_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A side keeps at most MAX_KEYS distinct keys (a valid bundle of 1.5M distinct execs took 3 GB):
+    the events of keys past it are counted by kind, and each such kind is a difference of its own
+    (added for B, removed for A), so a flood of keys cannot hide what came after it (the default
+    --fail-on added fails). At most MAX_CHANGES differences are listed, the rest counted."""
+    monkeypatch.setattr(diff, "MAX_KEYS", 40)
+    monkeypatch.setattr(diff, "MAX_CHANGES", 5)
+    flood = [exec_(9000 + i, 300 + i, 101, "/usr/bin/true", ["true", str(i)]) for i in range(60)]
+    a = write(tmp_path / "a.tar.gz")
+    b = write(tmp_path / "b.tar.gz", [*records(), *flood, exec_(9999, 999, 101, "/tmp/evil", ["evil"])])
+    behaviour = diff.behaviour(str(b))
+    assert sum(map(len, (behaviour.execs, behaviour.files, behaviour.network, behaviour.denials))) <= 40
+    code, doc = _diff(a, b, capsys)
+    assert code == 1
+    (past,) = [c for c in doc["added"] if c["key"] == diff.PAST_CAP]
+    assert past["kind"] == "exec" and int(past["detail"].split()[0]) > 20 and "not compared" in past["detail"]
+    assert ("exec", "/tmp/evil -- evil") not in _keys(doc, "added")  # past the cap: said by the above
+    assert doc["differences"] > 5 and doc["not_listed"] == doc["differences"] - 5
+    assert len(doc["added"]) + len(doc["removed"]) + len(doc["changed"]) == 5
+    _, doc = _diff(b, a, capsys)
+    assert [c["kind"] for c in doc["removed"] if c["key"] == diff.PAST_CAP] == ["exec"]
+    assert main(["diff", str(a), str(b)]) == 1
+    assert "more differences are not listed (at most 5 are)" in capsys.readouterr().out

@@ -37,9 +37,12 @@ def open_raw(
     dino: int = 0,
     rino: int = 0,
     kname: bytes | None = None,
+    nlink: int = 0,
 ) -> bytes:
     body = (
-        struct.pack("<qQQiIIHHQQ", ret, 0, 0, dfd, oflags, mode, 0, len(path) + 1, dino, rino) + path + b"\0"
+        struct.pack("<qQQiIHHHHQQ", ret, 0, 0, dfd, oflags, mode, nlink, 0, len(path) + 1, dino, rino)
+        + path
+        + b"\0"
     )
     if kname is not None:  # the kernel's name of the file opened follows the path
         flags |= d.F_KNAME
@@ -48,7 +51,7 @@ def open_raw(
 
 
 def chdir_raw(path: bytes, ts: int = 1, tgid: int = 10) -> bytes:
-    body = struct.pack("<qQQiIIHHQQ", 0, 0, 0, -100, 0, 0, 0, len(path) + 1, 0, 0) + path + b"\0"
+    body = struct.pack("<qQQiIHHHHQQ", 0, 0, 0, -100, 0, 0, 0, 0, len(path) + 1, 0, 0) + path + b"\0"
     return d.HDR.pack(ts, CGID, 1, tgid, tgid, d.EV_CHDIR, 0) + body
 
 
@@ -94,6 +97,7 @@ MIXED = [
     open_raw(b"/sys/fs/cgroup/other/cgroup.procs", ts=16, oflags=1, ret=5),  # a way out: two records
     open_raw(b"/sys/fs/cgroup/other/cgroup.procs", ts=17, oflags=1, ret=5),
     open_raw(b"new", ts=18, oflags=0o101, mode=0o640, ret=6),
+    open_raw(b"/tmp/linked", ts=18, oflags=1, ret=7, nlink=2),  # a write to a file with another name
     open_raw(b"a\xffb/../c", ts=19, ret=-2),
     open_raw(b"l/../passwd", ts=19, kname=b"/etc/passwd"),  # named by the kernel
     open_raw(b"l/../passwd", ts=19, kname=b"/etc/passwd"),
@@ -106,13 +110,25 @@ def test_open_record_makes_the_records_feed_makes() -> None:
     fast: list[dict[str, Any]] = []
     for raw in [*RAW, *MIXED]:
         if raw[d.KIND_OFF : d.KIND_OFF + 2] == d.OPEN_KIND:
-            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, nlink, _, plen, dino, rino = (
                 d.OPEN_REC.unpack_from(raw)
             )
             off = d.OPEN_PATH_OFF
             kname = raw[off + plen :] if flags & d.F_KNAME else b""
             fast += c.open_record(
-                ts, cgid, tgid, flags, ret, dfd, oflags, mode, raw[off : off + plen], dino, rino, kname=kname
+                ts,
+                cgid,
+                tgid,
+                flags,
+                ret,
+                dfd,
+                oflags,
+                mode,
+                raw[off : off + plen],
+                dino,
+                rino,
+                kname=kname,
+                nlink=nlink,
             )
         else:
             fast += c.feed(d.decode(raw))
@@ -239,7 +255,7 @@ def test_counted_opens_make_no_record_and_leaving_the_run_is_said_once() -> None
 
 
 def _fields(raw: bytes) -> tuple[Any, ...]:
-    ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+    ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, _, plen, dino, rino = (
         d.OPEN_REC.unpack_from(raw)
     )
     return (

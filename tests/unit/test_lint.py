@@ -182,6 +182,35 @@ def test_programs_from_writable_places_with_their_hash(
     ]
 
 
+def test_a_scripts_interpreter_is_linted_as_a_program(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A #! script whose interpreter sits in /tmp (or the workspace, or is relative to a cwd there)
+    ran that interpreter: EV006 and EV009 for it, with its own hash. A script of the distribution
+    run by /usr/bin/python3 gets neither."""
+    i = "c" * 64
+    script = {"sha256": "d" * 64, "size": 9, "hash_source": "path"}
+    recs = [
+        {**exec_(9100, 200, 101, "/usr/bin/tool", ["tool"]), **script, "interpreter": "/tmp/interp"}
+        | {"interpreter_sha256": i, "interpreter_size": 5, "interpreter_hash_source": "exe"},
+        {**exec_(9101, 201, 101, "/usr/bin/tool2", ["tool2"]), **script, "interpreter": "bin/interp"}
+        | {"interpreter_not_hashed": "gone"},
+        {**exec_(9102, 202, 101, "/usr/bin/ok", ["ok"]), **script, "interpreter": "/usr/bin/python3"},
+        {**exec_(9103, 203, 101, "/usr/bin/bad", ["bad"], result="ENOENT"), "interpreter": "/tmp/interp"},
+    ]
+    path = write(tmp_path / "a.tar.gz", [*records(), *recs])
+    _, doc = _lint(path, capsys, "--fail-on", "none")
+    found = [(f["rule"], f["message"]) for f in doc["findings"] if f["rule"] in ("EV006", "EV009")]
+    assert found == [
+        ("EV006", "executed /tmp/interp (the interpreter of /usr/bin/tool) from a temp directory"),
+        ("EV009", f"ran /tmp/interp (the interpreter of /usr/bin/tool) from a writable place (sha256 {i})"),
+        (
+            "EV009",
+            f"ran {WS}/bin/interp (the interpreter of /usr/bin/tool2) from a writable place (not hashed: gone)",
+        ),
+    ]
+
+
 def test_fail_on_thresholds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "a.tar.gz", [*records(), connect(9100, "140.82.112.3", 443)])  # one warning
     assert main(["lint", str(path)]) == 0

@@ -20,7 +20,13 @@ RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").re
 
 
 def ev(kind: str, tgid: int = 10, ts: int = 1, flags: int = 0, **kw: Any) -> dict[str, Any]:
-    ids = {"dino": 0, "dino2": 0, "rino": 0, "kname": None}  # what descriptors named (decode.py): not read
+    ids = {
+        "dino": 0,
+        "dino2": 0,
+        "rino": 0,
+        "kname": None,
+        "nlink": 0,
+    }  # what descriptors named (decode.py): not read
     return {"kind": kind, "ts": ts, "run": 1, "tgid": tgid, "tid": tgid, "flags": flags, **ids, **kw}
 
 

@@ -103,7 +103,7 @@ def correlated() -> list[Any]:
     for r in RAW:
         raw = bytes.fromhex(r["hex"])
         if raw[d.KIND_OFF : d.KIND_OFF + 2] == d.OPEN_KIND:
-            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, plen, dino, rino = (
+            ts, cgid, _, tgid, _, _, flags, ret, _, _, dfd, oflags, mode, _, _, plen, dino, rino = (
                 d.OPEN_REC.unpack_from(raw)
             )
             path = raw[d.OPEN_PATH_OFF : d.OPEN_PATH_OFF + plen]
