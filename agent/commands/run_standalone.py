@@ -279,6 +279,8 @@ class StandaloneRun:
         )
         self.watchdog.watch(self.cgroup.path, self.session_id)
         session.network = self.args.net
+        # its /etc/resolv.conf: the command's (the helper becomes the command, in the same mounts)
+        self.recorder.configure_resolvers(session, self.launcher.process.pid)
         self._write_run_record()
         session.degradations = list(self.degradations)
         if enforcement is not None:

@@ -64,7 +64,7 @@ MAX_DISTINCT = int(os.environ.get("EVIDENCE_MAX_DISTINCT", "100000"))
 _CAPPED = ("open", "connect", "change", "dns")  # dns: plain records too (dns_past_cap)
 # what is kept of a key's first record, to write its count when the run ends
 _FIRST_FIELDS = {k: (*SUMMARY_KEYS[k], "k", "pid") for k in _CAPPED}
-_FIRST_FIELDS["connect"] += ("names",)  # ---- dns: what the run's DNS answers named the address
+_FIRST_FIELDS["connect"] += ("names", "other_names")  # ---- dns: what the run's DNS answers named the address
 
 
 def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
@@ -205,6 +205,10 @@ class Session:
     # Called with each batch of correlated records; returns records to add (policy denials).
     observer: Callable[[Sequence[SpoolRecord]], list[DenialRecord]] | None = None
     held: list[SpoolRecord] = dataclasses.field(default_factory=list)  # from an exec still hashed
+    # ---- dns: the run's configured resolvers (Recorder.configure_resolvers), None: not known; and
+    # why what the kernel delivers to the run's sockets is not recorded (then no answer is credited)
+    resolvers: list[str] | None = None
+    deliveries_unseen: str | None = None
 
 
 class Recorder:
@@ -309,9 +313,24 @@ class Recorder:
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.set_aggregation(slot, session.max_distinct)
+            try:  # ---- dns: before the cgroup is tracked, so that no delivery of the run is missed
+                self.probes.attach_ingress(session.cgroup_id, cgroup_path)
+            except OSError as e:
+                logger.warning("run %s: DNS deliveries are not recorded: %s", sid, e)
+                session.deliveries_unseen = str(e)
             self.probes.track(session.cgroup_id, slot)
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
+
+    @staticmethod
+    def configure_resolvers(session: Session, pid: int) -> None:
+        """---- dns: the run's configured resolvers, the nameservers of /etc/resolv.conf as process
+        `pid` (the run's first) sees it; called before the command starts (an answer correlated
+        before then counts as another server's)."""
+        from evidence.agent.recorder.resolvconf import read_resolvers
+
+        session.resolvers = read_resolvers(pid)
+        session.correlator.dns.configure(session.resolvers or ())
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Return once every record the kernel had written before this call is in its spool: True,
@@ -394,6 +413,14 @@ class Recorder:
                 session.max_distinct,
                 ", ".join(f"{n} {k.removesuffix('_past_cap')}s" for k, n in sorted(past.items())),
             )
+        if session.deliveries_unseen is not None:
+            session.degradations.append(
+                {
+                    "component": "dns",
+                    "reason": f"what the kernel delivers to the run's sockets could not be recorded: {session.deliveries_unseen}",
+                    "impact": "no DNS answer of the run is credited to its query: connects carry no names, and diff, baseline and profile compare them by address",
+                }
+            )
         if fallbacks:
             session.degradations.append(
                 {
@@ -434,6 +461,7 @@ class Recorder:
             labels=session.labels,
             policy=session.policy,
             network=session.network,
+            resolvers=session.resolvers,
             degradations=session.degradations,
             roots=session.roots,
         )

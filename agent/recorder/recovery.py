@@ -82,6 +82,7 @@ def run_record(session: Any, **extra: Any) -> dict[str, Any]:
         "detail": session.detail,
         "labels": dict(session.labels),
         "network": session.network,
+        "resolvers": session.resolvers,
         **extra,
     }
 
@@ -214,6 +215,7 @@ def recover_spools(
             headers={},
             labels={str(k): str(v) for k, v in (info.get("labels") or {}).items()},
             network=info.get("network") if info.get("network") in ("none", "loopback") else None,
+            resolvers=_resolvers(info.get("resolvers")),
             degradations=[degradation],
         )
         try:
@@ -231,6 +233,13 @@ def recover_spools(
         ):
             orphan.unlink(missing_ok=True)
     return out
+
+
+def _resolvers(value: Any) -> list[str] | None:
+    """A run record's resolvers (a list of addresses), None when it has none or they are not that."""
+    if isinstance(value, list) and all(isinstance(a, str) for a in value):
+        return list(value)
+    return None
 
 
 def _safe_dir(path: Path) -> Path | None:

@@ -1,32 +1,37 @@
-"""DNS over loopback, for real: a small DNS server in a network namespace the test makes, a job that
-resolves through it with glibc's resolver (`getent`, under `ip netns exec`, which bind-mounts the
-namespace's resolv.conf) and then connects to the answered address. The bundle has the queries with
-their answers, the connect carries the name, and a hostile answer (garbage bytes) is recorded as
+"""DNS over loopback, for real: a small DNS server in a network namespace the test makes, and
+`evidence run` itself in that namespace, in a mount namespace of its own where /etc/resolv.conf
+names the server (the run's configured resolver). A job resolves through it with glibc's resolver
+(`getent`) and then connects to the answered address. The bundle has the queries with their
+answers, the connect carries the name, and a hostile answer (garbage bytes) is recorded as
 malformed without breaking anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.kernel.util import of_type, record
+from tests.kernel.util import of_type, read_bundle
 
 SERVER = r"""
 import socket, sys, threading
 import dns.message, dns.rrset
 
-lst = socket.socket(); lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-lst.bind(("127.0.0.2", 8080)); lst.listen(16)
-def accept():
-    while True:
-        c, _ = lst.accept(); c.close()
-threading.Thread(target=accept, daemon=True).start()
+def listen(addr):
+    lst = socket.socket(); lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lst.bind(addr); lst.listen(16)
+    def accept():
+        while True:
+            c, _ = lst.accept(); c.close()
+    threading.Thread(target=accept, daemon=True).start()
+listen(("127.0.0.2", 8080))
+listen(("0.0.0.0", 443))  # github.com's address (on lo here) and any loopback one
 
 def answer(data):
     try:
@@ -42,7 +47,9 @@ def answer(data):
         r.answer.append(dns.rrset.from_text("edge.evidence.test.", 60, "IN", "A", "127.0.0.2"))
     elif name.startswith("by-"):  # by-write., by-tcp., by-msg.: one address each
         r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", "127.0.0.3"))
-    elif name != "svc.evidence.test.":
+    elif name == "github.com." and q.question[0].rdtype == 1:
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", GITHUB))
+    elif name not in ("svc.evidence.test.", "github.com."):
         r.set_rcode(3)  # NXDOMAIN
     return r.to_wire()
 
@@ -99,44 +106,83 @@ JOB = (
 )
 
 
+GITHUB = "140.82.112.3"  # what the test's server answers for github.com (an address on its lo)
+NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+# `evidence run` in the test's network namespace, in a mount namespace of its own where the test's
+# resolv.conf is /etc/resolv.conf: the run's (and the job's) configured resolver is the test's server
+_INSIDE = 'r=$1 n=$2; shift 2; mount --bind "$r" /etc/resolv.conf && exec nsenter --net="$n" -- "$@"'
+
+
+@dataclasses.dataclass(frozen=True)
+class DnsNet:
+    name: str  # the network namespace (/run/netns/NAME)
+    resolv: Path  # its resolv.conf: nameserver 127.0.0.1, the test's server
+
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """`argv` in the namespace, with the namespace's resolv.conf."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        inside = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _INSIDE, "sh"]
+        return subprocess.run(
+            [*inside, str(self.resolv), f"/run/netns/{self.name}", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+
+    def evidence(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.run(sys.executable, "-m", "evidence", *args)
+
+    def record(
+        self, tmp_path: Path, *command: str, extra: tuple[str, ...] = (), name: str = "run.tar.gz"
+    ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[dict[str, Any]]]:
+        bundle = tmp_path / name
+        proc = self.evidence("run", "--bundle", str(bundle), *extra, "--", *command)
+        assert bundle.exists(), f"no bundle; stderr: {proc.stderr}"
+        manifest, events = read_bundle(bundle)
+        return proc, manifest, events
+
+
 @pytest.fixture
-def dns_netns() -> Iterator[str]:
+def dns_netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DnsNet]:
     if os.geteuid() != 0:
         pytest.skip("needs root for a network namespace")
     name = f"evidence-test-dns-{os.getpid()}"
-    etc = Path("/etc/netns") / name
+    resolv = tmp_path_factory.mktemp("dns") / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     subprocess.run(["ip", "netns", "add", name], check=True)
     server = None
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        etc.mkdir(parents=True)
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        subprocess.run(["ip", "-n", name, "addr", "add", f"{GITHUB}/32", "dev", "lo"], check=True)
+        # an IPv6 address beside it: glibc's AI_ADDRCONFIG then asks AAAA as well as A (with
+        # loopback addresses only it asks both; with a non-loopback IPv4 address only, only A)
+        subprocess.run(["ip", "-n", name, "addr", "add", "2001:db8::53/128", "dev", "lo"], check=True)
         server = subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-c", SERVER],
+            ["ip", "netns", "exec", name, sys.executable, "-c", SERVER.replace("GITHUB", repr(GITHUB))],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        yield name
+        yield DnsNet(name, resolv)
     finally:
         if server is not None:
             server.kill()
             server.wait()
-        shutil.rmtree(etc, ignore_errors=True)
         subprocess.run(["ip", "netns", "delete", name], check=False)
 
 
-def test_dns_queries_answers_and_names_on_connects(tmp_path: Path, dns_netns: str) -> None:
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-    command = ["ip", "netns", "exec", dns_netns, *nobody, "sh", "-c", JOB]
-    proc, _, events = record(tmp_path, *command, extra=("--detail", "full"))
+def test_dns_queries_answers_and_names_on_connects(tmp_path: Path, dns_netns: DnsNet) -> None:
+    proc, manifest, events = dns_netns.record(tmp_path, *NOBODY, "sh", "-c", JOB, extra=("--detail", "full"))
     assert proc.returncode == 0, proc.stderr
+    assert manifest["resolvers"] == ["127.0.0.1"]  # /etc/resolv.conf as the run saw it
     dns_events = [e["data"] for e in of_type(events, "network.dns")]
 
     a = [d for d in dns_events if d["name"] == "svc.evidence.test" and d["type"] == "A"]
     assert a, dns_events
     assert a[0]["server"] == "127.0.0.1" and a[0]["port"] == 53
-    assert a[0]["result"] == "NOERROR"
+    assert (a[0]["source"], a[0]["source_port"], a[0]["configured_resolver"]) == ("127.0.0.1", 53, True)
+    assert a[0]["result"] == "NOERROR" and "unsolicited" not in a[0]
     assert a[0]["addresses"] == ["127.0.0.2"]
     assert "svc.evidence.test CNAME edge.evidence.test" in a[0]["answers"]
     assert a[0]["exe"] == "/usr/bin/getent"
@@ -163,43 +209,32 @@ def test_dns_queries_answers_and_names_on_connects(tmp_path: Path, dns_netns: st
     assert to_server and all("names" not in c for c in to_server)
 
 
-def test_dns_summary_mode_and_show(tmp_path: Path, dns_netns: str) -> None:
-    command = ["ip", "netns", "exec", dns_netns, "sh", "-c", JOB]
-    proc, _, events = record(tmp_path, *command)
+def test_dns_summary_mode_and_show(tmp_path: Path, dns_netns: DnsNet) -> None:
+    proc, _, events = dns_netns.record(tmp_path, "sh", "-c", JOB)
     assert proc.returncode == 0, proc.stderr
     dns_events = [e["data"] for e in of_type(events, "network.dns")]
     assert any(d["name"] == "svc.evidence.test" and d["addresses"] == ["127.0.0.2"] for d in dns_events)
     connects = [e["data"] for e in of_type(events, "network.connect") if e["data"]["address"] == "127.0.0.2"]
     assert connects and connects[0]["names"] == ["edge.evidence.test", "svc.evidence.test"]
-    shown = subprocess.run(
-        [sys.executable, "-m", "evidence", "show", str(tmp_path / "run.tar.gz")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    shown = dns_netns.evidence("show", str(tmp_path / "run.tar.gz"))
     assert shown.returncode == 0, shown.stderr
     assert "  svc.evidence.test A -> 127.0.0.2 via 127.0.0.1" in shown.stdout
     assert "127.0.0.2:8080 [edge.evidence.test svc.evidence.test]" in shown.stdout
     assert "malformed message received" in shown.stdout
-    profile = subprocess.run(
-        [sys.executable, "-m", "evidence", "profile", str(tmp_path / "run.tar.gz")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    profile = dns_netns.evidence("profile", str(tmp_path / "run.tar.gz"))
     assert profile.returncode == 0, profile.stderr
     assert '"svc.evidence.test:8080"' in profile.stdout and "127.0.0.2" not in profile.stdout
 
 
-def test_dns_by_write_read_tcp_and_msghdr(tmp_path: Path, dns_netns: str) -> None:
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-    command = ["ip", "netns", "exec", dns_netns, *nobody, "/usr/bin/python3", "-S", "-c", BY_HAND]
-    proc, _, events = record(tmp_path, *command, extra=("--detail", "full"))
+def test_dns_by_write_read_tcp_and_msghdr(tmp_path: Path, dns_netns: DnsNet) -> None:
+    command = [*NOBODY, "/usr/bin/python3", "-S", "-c", BY_HAND]
+    proc, _, events = dns_netns.record(tmp_path, *command, extra=("--detail", "full"))
     assert proc.returncode == 0, proc.stderr
     got = {d["name"]: d for d in (e["data"] for e in of_type(events, "network.dns"))}
     for name in ("by-write.evidence.test", "by-msg.evidence.test", "by-tcp.evidence.test"):
         assert got[name]["result"] == "NOERROR" and got[name]["addresses"] == ["127.0.0.3"], got
-        assert got[name]["server"] == "127.0.0.1" and not got[name].get("unasked")
+        assert got[name]["server"] == "127.0.0.1" and not got[name].get("unsolicited"), got
+        assert got[name]["source"] == "127.0.0.1" and got[name]["configured_resolver"] is True, got
 
 
 # A job that reuses a DNS socket's descriptor number for a file, two ways: the socket closed and the
@@ -233,11 +268,12 @@ file_io(s.fileno(), "dup2-over.evidence.test", 4)
 """
 
 
-def test_a_dns_sockets_number_reused_for_a_file_is_not_dns(tmp_path: Path, dns_netns: str) -> None:
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-    command = ["ip", "netns", "exec", dns_netns, *nobody, "/usr/bin/python3", "-S", "-c", REUSED]
+def test_a_dns_sockets_number_reused_for_a_file_is_not_dns(tmp_path: Path, dns_netns: DnsNet) -> None:
+    command = [*NOBODY, "/usr/bin/python3", "-S", "-c", REUSED]
     for detail in ("full", "summary"):
-        proc, _, events = record(tmp_path, *command, extra=("--detail", detail), name=f"{detail}.tar.gz")
+        proc, _, events = dns_netns.record(
+            tmp_path, *command, extra=("--detail", detail), name=f"{detail}.tar.gz"
+        )
         assert proc.returncode == 0, proc.stderr
         got = {d["name"]: d for d in (e["data"] for e in of_type(events, "network.dns"))}
         assert sorted(got) == ["by-msg.evidence.test", "by-write.evidence.test"], got
