@@ -12,9 +12,9 @@ their counts are kept, never the events):
   one of B with a name in common are the same destination: a CDN answering with other addresses,
   or another CNAME chain to the same name, is not a change. A name key also keeps the ranges its
   addresses were in (address_scope): a name whose addresses move to a loopback, private or
-  link-local range that A's did not use is "changed" (github.com answered with 127.0.0.77 by the
-  run's own resolver). Names of other servers' answers (`other_names`) are never keys: such a
-  connect is keyed by its address;
+  link-local range that A's did not use is an added destination, "NAME:PORT at a loopback address"
+  (github.com answered with 127.0.0.77 by the run's own resolver). Names of other servers' answers
+  (`other_names`) are never keys: such a connect is keyed by its address;
 - denial: (operation, target, rule, enforced) -> count;
 - exit: the run's exit code (and signal); loss: events lost, by kind.
 
@@ -383,20 +383,21 @@ def _by_name(a: dict[NetKey, list[int]], b: dict[NetKey, list[int]]) -> dict[Net
 def _moved(a: Keys, b: Keys, renamed: dict[NetKey, NetKey]) -> list[Change]:
     """Name keys on both sides whose addresses in B are in a loopback, private or link-local range
     that A's were not: the same name, somewhere else (a resolver that answers github.com with
-    127.0.0.77)."""
+    127.0.0.77). Added destinations (`github.com:443 at a loopback address`), as a baseline reports
+    them, so that the default --fail-on added fails on them."""
     out = []
     for key, seen in sorted(b.scopes.items()):
         mine = renamed.get(key, key)
         if mine not in a.network:
-            continue  # added: reported as such
+            continue  # the name is added itself
         before = a.scopes.get(mine, {})
-        moved = [(s, seen[s]) for s in LOCAL if s in seen and s not in before]
-        if moved:
-            was = ", ".join(s for s in SCOPES if s in before) or "no address known"
-            to = ", ".join(f"{s} ({addr})" for s, addr in moved)
-            out.append(
-                Change("network", "changed", show_dest(mine), f"addresses moved to {to}; before: {was}")
-            )
+        was = ", ".join(s for s in SCOPES if s in before) or "none known"
+        for scope in LOCAL:
+            if scope in seen and scope not in before:
+                where = f"{show_dest(mine)} at a {scope} address"
+                out.append(
+                    Change("network", "added", where, f"{seen[scope]}; the name's addresses in A: {was}")
+                )
     return out
 
 

@@ -245,20 +245,20 @@ def test_a_name_whose_addresses_move_to_a_local_range_is_a_change(
 
     a = write(tmp_path / "a.tar.gz", [*records(), named(9100, "140.82.112.3", "github.com")])
     b = write(tmp_path / "b.tar.gz", [*records(), named(9100, "127.0.0.77", "github.com")])
-    code, doc = _diff(a, b, capsys, "--fail-on", "any")
+    code, doc = _diff(a, b, capsys)  # the default gate: --fail-on added
     assert code == 1 and doc["differences"] == 1, doc
-    (moved,) = doc["changed"]
-    assert moved["key"] == "github.com:443"
-    assert moved["detail"] == "addresses moved to loopback (127.0.0.77); before: public"
+    (moved,) = doc["added"]
+    assert moved["key"] == "github.com:443 at a loopback address"
+    assert moved["detail"] == "127.0.0.77; the name's addresses in A: public"
     # another public address is no change, nor the way back from a local range
     c = write(tmp_path / "c.tar.gz", [*records(), named(9100, "140.82.112.4", "github.com")])
     assert _diff(a, c, capsys, "--fail-on", "any")[0] == 0
     assert _diff(b, a, capsys, "--fail-on", "any")[0] == 0
     # under another CNAME chain to the same name: still the same name, still moved
     d = write(tmp_path / "d.tar.gz", [*records(), named(9100, "10.1.2.3", "github.com", "gh.corp.example")])
-    code, doc = _diff(a, d, capsys, "--fail-on", "changed")
-    assert code == 1 and [c["detail"] for c in doc["changed"]] == [
-        "addresses moved to private (10.1.2.3); before: public"
+    code, doc = _diff(a, d, capsys)
+    assert code == 1 and [(c["key"], c["detail"]) for c in doc["added"]] == [
+        ("github.com:443 at a private address", "10.1.2.3; the name's addresses in A: public")
     ]
     # names of another server's answers are no key: the connect is compared by its address
     e = write(
