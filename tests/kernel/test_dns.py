@@ -8,6 +8,7 @@ malformed without breaking anything."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 from tests.kernel.util import of_type, read_bundle
 
 SERVER = r"""
-import socket, sys, threading
+import os, socket, sys, threading
 import dns.message, dns.rrset
 
 def listen(addr):
@@ -47,8 +48,8 @@ def answer(data):
         r.answer.append(dns.rrset.from_text("edge.evidence.test.", 60, "IN", "A", "127.0.0.2"))
     elif name.startswith("by-"):  # by-write., by-tcp., by-msg.: one address each
         r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", "127.0.0.3"))
-    elif name == "github.com." and q.question[0].rdtype == 1:
-        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", GITHUB))
+    elif name == "github.com." and q.question[0].rdtype == 1:  # 127.0.0.77 while the file MOVED is there
+        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", "127.0.0.77" if os.path.exists(MOVED) else GITHUB))
     elif name not in ("svc.evidence.test.", "github.com."):
         r.set_rcode(3)  # NXDOMAIN
     return r.to_wire()
@@ -117,6 +118,7 @@ _INSIDE = 'r=$1 n=$2; shift 2; mount --bind "$r" /etc/resolv.conf && exec nsente
 class DnsNet:
     name: str  # the network namespace (/run/netns/NAME)
     resolv: Path  # its resolv.conf: nameserver 127.0.0.1, the test's server
+    moved: Path  # while this file exists, the server answers github.com with 127.0.0.77
 
     def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """`argv` in the namespace, with the namespace's resolv.conf."""
@@ -149,6 +151,7 @@ def dns_netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DnsNet]:
         pytest.skip("needs root for a network namespace")
     name = f"evidence-test-dns-{os.getpid()}"
     resolv = tmp_path_factory.mktemp("dns") / "resolv.conf"
+    moved = resolv.with_name("moved")
     resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     subprocess.run(["ip", "netns", "add", name], check=True)
     server = None
@@ -159,12 +162,15 @@ def dns_netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DnsNet]:
         # loopback addresses only it asks both; with a non-loopback IPv4 address only, only A)
         subprocess.run(["ip", "-n", name, "addr", "add", "2001:db8::53/128", "dev", "lo"], check=True)
         server = subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-c", SERVER.replace("GITHUB", repr(GITHUB))],
+            [
+                *("ip", "netns", "exec", name, sys.executable, "-c"),
+                SERVER.replace("GITHUB", repr(GITHUB)).replace("MOVED", repr(str(moved))),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        yield DnsNet(name, resolv)
+        yield DnsNet(name, resolv, moved)
     finally:
         if server is not None:
             server.kill()
@@ -279,3 +285,225 @@ def test_a_dns_sockets_number_reused_for_a_file_is_not_dns(tmp_path: Path, dns_n
         assert sorted(got) == ["by-msg.evidence.test", "by-write.evidence.test"], got
         for d in got.values():
             assert d["result"] == "NOERROR" and d["addresses"] == ["127.0.0.3"], got
+
+
+# ---- issue 22, item 2: a job that forges the DNS answer naming its connect (threat-model row 41)
+
+# What every forging job below shares: a query for github.com, and an answer to it that says
+# github.com -> 127.0.0.77, sent from a UDP port of the job's own (the run's resolver, the test's
+# server on 127.0.0.1:53, answers github.com with GITHUB).
+FORGE = r"""
+import os, socket, struct, sys
+RESOLVER = ("127.0.0.1", 53)
+def query(name, qid):
+    wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + wire + struct.pack(">HH", 1, 1)
+def answer(q, address):
+    head = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0)
+    return head + q[12:] + b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(address)
+def address_in(message):
+    return socket.inet_ntoa(message[-4:])
+def forger():
+    f = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    f.bind(("127.0.0.1", 0))  # a port of the job's own (unprivileged: not 53)
+    return f
+def connect(address):
+    socket.create_connection((address, 443)).close()
+"""
+
+# The red team's attack: the forged answer is queued on the job's socket before its query even
+# leaves, so recvfrom returns it first (from the forger's port; the resolver's answer comes later,
+# unread). The job then connects where its answer said.
+FORGED_RECVFROM = (
+    FORGE
+    + r"""
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", 0))
+q = query("github.com", 0x4747)
+forger().sendto(answer(q, "127.0.0.77"), s.getsockname())
+s.sendto(q, RESOLVER)
+got, source = s.recvfrom(512)
+assert source[1] != 53 and address_in(got) == "127.0.0.77", source
+connect(address_in(got))
+"""
+)
+
+HONEST = (
+    "import socket; "
+    "a = socket.getaddrinfo('github.com', 443, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]; "
+    "socket.create_connection((a, 443)).close()"
+)
+
+
+def _connects(events: list[dict[str, Any]], address: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in of_type(events, "network.connect") if e["data"]["address"] == address]
+
+
+def _github(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["data"] for e in of_type(events, "network.dns") if e["data"]["name"] == "github.com"]
+
+
+def test_a_job_answering_its_own_query_names_nothing_and_diff_sees_the_destination(
+    tmp_path: Path, dns_netns: DnsNet
+) -> None:
+    proc, manifest, honest = dns_netns.record(
+        tmp_path, *NOBODY, "/usr/bin/python3", "-S", "-c", HONEST, name="honest.tar.gz"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert manifest["resolvers"] == ["127.0.0.1"]
+    (real,) = _connects(honest, GITHUB)
+    assert real["names"] == ["github.com"] and real["result"] == 0
+
+    proc, _, forged = dns_netns.record(
+        tmp_path, *NOBODY, "/usr/bin/python3", "-S", "-c", FORGED_RECVFROM, name="forged.tar.gz"
+    )
+    assert proc.returncode == 0, proc.stderr
+    (answer,) = [d for d in _github(forged) if d["addresses"] == ["127.0.0.77"]]
+    assert answer["unsolicited"] == "other source" and answer["configured_resolver"] is False
+    assert answer["source"] == "127.0.0.1" and answer["source_port"] not in (None, 53)
+    (fake,) = _connects(forged, "127.0.0.77")
+    assert fake["result"] == 0 and "names" not in fake and "other_names" not in fake
+
+    lint = dns_netns.evidence(
+        "lint", "--format", "json", "--fail-on", "warn", str(tmp_path / "forged.tar.gz")
+    )
+    assert lint.returncode == 1, lint.stderr
+    found = [f for f in json.loads(lint.stdout)["findings"] if f["rule"] == "EV013"]
+    assert found and "github.com A -> 127.0.0.77 from 127.0.0.1:" in found[0]["message"], found
+
+    # the CI gate: the destination is new (by address), github.com is gone
+    diff = dns_netns.evidence("diff", str(tmp_path / "honest.tar.gz"), str(tmp_path / "forged.tar.gz"))
+    assert diff.returncode == 1, diff.stdout + diff.stderr
+    assert "+ 127.0.0.77:443" in diff.stdout and "- github.com:443" in diff.stdout, diff.stdout
+    assert "No behaviour differences observed" not in diff.stdout
+
+
+def test_a_name_the_runs_own_resolver_moves_to_a_loopback_address_is_a_new_destination(
+    tmp_path: Path, dns_netns: DnsNet
+) -> None:
+    """The run's configured resolver itself answers github.com with 127.0.0.77 (a name the job got
+    registered with it): credited, so compared by name, and still the gate sees it."""
+    command = [*NOBODY, "/usr/bin/python3", "-S", "-c", HONEST]
+    proc, _, _ = dns_netns.record(tmp_path, *command, name="honest.tar.gz")
+    assert proc.returncode == 0, proc.stderr
+    dns_netns.moved.touch()
+    try:
+        proc, _, events = dns_netns.record(tmp_path, *command, name="moved.tar.gz")
+    finally:
+        dns_netns.moved.unlink()
+    assert proc.returncode == 0, proc.stderr
+    (local,) = _connects(events, "127.0.0.77")
+    assert local["names"] == ["github.com"]
+    diff = dns_netns.evidence("diff", str(tmp_path / "honest.tar.gz"), str(tmp_path / "moved.tar.gz"))
+    assert diff.returncode == 1, diff.stdout + diff.stderr
+    assert (
+        "+ github.com:443 at a loopback address  (127.0.0.77; the name's addresses in A: public)"
+        in diff.stdout
+    )
+    built = dns_netns.evidence("baseline", "build", str(tmp_path / "honest.tar.gz"))
+    assert built.returncode == 0, built.stderr
+    (tmp_path / "baseline.json").write_text(built.stdout)
+    against = dns_netns.evidence(
+        "diff", "--baseline", str(tmp_path / "baseline.json"), str(tmp_path / "moved.tar.gz")
+    )
+    assert against.returncode == 1 and "github.com:443 at a loopback address" in against.stdout, (
+        against.stdout
+    )
+
+
+# The same answer read without a source buffer: read() on a socket that is not connected, and
+# recv() on one connected to the resolver after the forged answer was queued on it (a connected
+# UDP socket receives only from its peer, but what came before the connect stays queued).
+FORGED_UNSEEN_SOURCE = (
+    FORGE
+    + r"""
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", 0))
+q = query("github.com", 0x4748)
+forger().sendto(answer(q, "127.0.0.77"), s.getsockname())
+s.sendto(q, RESOLVER)
+got = os.read(s.fileno(), 512)
+assert address_in(got) == "127.0.0.77"
+connect(address_in(got))
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.bind(("127.0.0.1", 0))
+q = query("github.com", 0x4749)
+forger().sendto(answer(q, "127.0.0.78"), c.getsockname())
+c.connect(RESOLVER)
+c.send(q)
+got = c.recv(512)
+assert address_in(got) == "127.0.0.78"
+connect(address_in(got))
+"""
+)
+
+
+def test_a_forged_answer_read_without_its_source_is_not_credited(tmp_path: Path, dns_netns: DnsNet) -> None:
+    command = [*NOBODY, "/usr/bin/python3", "-S", "-c", FORGED_UNSEEN_SOURCE]
+    proc, _, events = dns_netns.record(tmp_path, *command)
+    assert proc.returncode == 0, proc.stderr
+    for address in ("127.0.0.77", "127.0.0.78"):
+        (answer,) = [d for d in _github(events) if d["addresses"] == [address]]
+        assert answer["unsolicited"] == "other source", answer
+        assert answer["source"] == "127.0.0.1" and answer["source_port"] not in (None, 53)
+        (fake,) = _connects(events, address)
+        assert "names" not in fake and "other_names" not in fake
+
+
+# The resolver's real answer, rewritten in the job's buffer after the kernel copied it there and
+# before the probe reads it: recvmmsg for two messages returns (and its exit is traced) only when
+# the second comes, so a second thread sees the answer land in the first buffer, writes the forged
+# one (the same length) over it, and only then sends the second message, from a port of its own.
+FORGED_IN_BUFFER = (
+    FORGE
+    + r"""
+import ctypes, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+NR_RECVMMSG = {"x86_64": 299, "aarch64": 243}[os.uname().machine]
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+class msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.POINTER(iovec)),
+                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+class mmsghdr(ctypes.Structure):
+    _fields_ = [("hdr", msghdr), ("len", ctypes.c_uint32)]
+bufs = [ctypes.create_string_buffer(512) for _ in range(2)]
+iovs = (iovec * 2)(*(iovec(ctypes.addressof(b), 512) for b in bufs))
+msgs = (mmsghdr * 2)()
+for i in range(2):
+    msgs[i].hdr.iov = ctypes.pointer(iovs[i])
+    msgs[i].hdr.iovlen = 1
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+q = query("github.com", 0x5001)
+forged = answer(q, "127.0.0.77")
+def rewrite():
+    while bufs[0].raw[:2] != q[:2]:  # the resolver's answer is in the first buffer
+        time.sleep(0.001)
+    ctypes.memmove(bufs[0], forged, len(forged))
+    forger().sendto(b"the second message", s.getsockname())
+s.sendto(q, RESOLVER)
+t = threading.Thread(target=rewrite)
+t.start()
+n = libc.syscall(NR_RECVMMSG, s.fileno(), msgs, 2, 0, None)
+t.join()
+assert n == 2, ctypes.get_errno()
+got = bufs[0].raw[: msgs[0].len]
+assert address_in(got) == "127.0.0.77"
+connect(address_in(got))
+"""
+)
+
+
+def test_an_answer_rewritten_in_the_jobs_buffer_is_not_credited(tmp_path: Path, dns_netns: DnsNet) -> None:
+    command = [*NOBODY, "/usr/bin/python3", "-S", "-c", FORGED_IN_BUFFER]
+    proc, _, events = dns_netns.record(tmp_path, *command)
+    assert proc.returncode == 0, proc.stderr
+    # what the probe read is no message the kernel delivered: the resolver's was another
+    (rewritten,) = [d for d in _github(events) if d["addresses"] == ["127.0.0.77"]]
+    assert rewritten["unsolicited"] == "unverified" and rewritten["source"] is None, rewritten
+    assert rewritten["configured_resolver"] is False
+    (asked,) = [d for d in _github(events) if "unsolicited" not in d]
+    assert asked["result"] == "no answer" and asked["configured_resolver"] is True  # its answer never read
+    (fake,) = _connects(events, "127.0.0.77")
+    assert "names" not in fake and "other_names" not in fake
