@@ -2395,52 +2395,59 @@ static __always_inline u32 skb_run(struct __sk_buff *skb) {
 }
 
 // Attached to each run's cgroup (BPF_CGROUP_INET_INGRESS, beside any other program: it always lets
-// the packet through). skb's data starts at the IP header. A UDP datagram from port 53, or shaped
-// as a DNS answer from any port (the QR bit, one question: a job answering its own query from a
-// port of its own), and a TCP segment from port 53 with data or SYN is recorded: its source, its
-// receiving socket's cookie and its first bytes. Any other packet costs a load or two of its
-// headers. IPv6 with extension headers before the transport header is not read (not recorded:
-// what is received from it is not credited).
+// the packet through). skb's data starts at the IP header; the IP and transport headers are in its
+// linear part (the kernel pulled them before delivering), read directly: a packet that is not
+// recorded costs no helper call. A UDP datagram from port 53, or shaped as a DNS answer from any
+// port (the QR bit, one question: a job answering its own query from a port of its own), and a TCP
+// segment from port 53 with data or SYN is recorded: its source, its receiving socket's cookie and
+// its first bytes. IPv6 with extension headers before the transport header is not read (not
+// recorded: what is received from it is not credited).
 int on_dns_ingress(struct __sk_buff *skb) {
-    u8 v = 0;
-    if (bpf_skb_load_bytes(skb, 0, &v, 1) != 0)
+    u8 *ip = (u8 *)(long)skb->data;
+    u8 *end = (u8 *)(long)skb->data_end;
+    if (ip + 40 > end)  // less than IPv4 + UDP + a DNS header, or a TCP SYN-ACK: nothing of DNS
         return 1;
     u8 src[16] = {};
-    u8 proto = 0;
+    u8 proto;
     u16 family;
     u32 off;
-    if ((v >> 4) == 4) {
+    if ((ip[0] >> 4) == 4) {
         family = 2;
-        off = (v & 0xF) * 4;
-        if (bpf_skb_load_bytes(skb, 9, &proto, 1) != 0 || bpf_skb_load_bytes(skb, 12, src, 4) != 0)
-            return 1;
-    } else if ((v >> 4) == 6) {
+        off = (ip[0] & 0xF) * 4;
+        proto = ip[9];
+        __builtin_memcpy(src, ip + 12, 4);
+    } else if ((ip[0] >> 4) == 6) {
         family = 10;
         off = 40;
-        if (bpf_skb_load_bytes(skb, 6, &proto, 1) != 0 || bpf_skb_load_bytes(skb, 8, src, 16) != 0)
-            return 1;
+        proto = ip[6];
+        __builtin_memcpy(src, ip + 8, 16);
     } else {
         return 1;
     }
+    if (proto != 17 && proto != 6)
+        return 1;
     // UDP: its header, then the DNS header's id, flags and question count; TCP: ports, seq, ack,
     // data offset and flags
-    u8 t[14] = {};
+    barrier_var(off);
+    off &= 0x3C;
+    u8 t[14];
+    u8 *l4 = ip + off;
+    if (l4 + 14 <= end)
+        __builtin_memcpy(t, l4, 14);
+    else if (bpf_skb_load_bytes(skb, off, t, 14) != 0)  // a UDP payload not in the linear part
+        return 1;
     u32 seq = 0;
     u8 tcp = 0;
     if (proto == 17) {
-        if (bpf_skb_load_bytes(skb, off, t, 14) != 0)
-            return 1;
         if ((t[0] != 0 || t[1] != 53) && (!(t[10] & 0x80) || t[12] != 0 || t[13] != 1))
             return 1;
         off += 8;
-    } else if (proto == 6) {
-        if (bpf_skb_load_bytes(skb, off, t, 14) != 0 || t[0] != 0 || t[1] != 53)
+    } else {
+        if (t[0] != 0 || t[1] != 53)
             return 1;
         seq = ((u32)t[4] << 24) | ((u32)t[5] << 16) | ((u32)t[6] << 8) | t[7];
         tcp = t[13];
         off += (t[12] >> 4) * 4;
-    } else {
-        return 1;
     }
     u32 total = skb->len;
     u32 plen = total > off ? total - off : 0;
