@@ -507,3 +507,40 @@ def test_an_answer_rewritten_in_the_jobs_buffer_is_not_credited(tmp_path: Path, 
     assert asked["result"] == "no answer" and asked["configured_resolver"] is True  # its answer never read
     (fake,) = _connects(events, "127.0.0.77")
     assert "names" not in fake and "other_names" not in fake
+
+
+# A resolver of the job's own at the run's resolver's very address: in a user and network namespace
+# of its own the job is root, serves 127.0.0.1:53 itself and answers github.com -> 127.0.0.77.
+OWN_NETWORK = (
+    FORGE
+    + r"""
+import subprocess
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+srv.bind(RESOLVER)
+site = socket.socket()
+site.bind(("127.0.0.77", 443))
+site.listen(1)
+c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+c.sendto(query("github.com", 0x4750), RESOLVER)
+q, peer = srv.recvfrom(512)
+srv.sendto(answer(q, "127.0.0.77"), peer)
+got, source = c.recvfrom(512)
+assert source == RESOLVER, source
+connect(address_in(got))
+"""
+)
+
+
+def test_a_resolver_of_the_jobs_own_network_is_not_the_runs(tmp_path: Path, dns_netns: DnsNet) -> None:
+    command = [*NOBODY, "unshare", "-Urn", "--", "/usr/bin/python3", "-S", "-c", OWN_NETWORK]
+    proc, manifest, events = dns_netns.record(tmp_path, *command)
+    assert proc.returncode == 0, proc.stderr
+    assert manifest["resolvers"] == ["127.0.0.1"]
+    (answer,) = _github(events)
+    # from 127.0.0.1:53 as the kernel delivered it, to the query's socket: credited, but in a
+    # network the process made itself (it left the run's namespaces): not the run's resolver
+    assert (answer["source"], answer["source_port"]) == ("127.0.0.1", 53) and "unsolicited" not in answer
+    assert answer["configured_resolver"] is False
+    (site,) = _connects(events, "127.0.0.77")
+    assert site["mntns"] == "other" and "names" not in site and site["other_names"] == ["github.com"]
