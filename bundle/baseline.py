@@ -7,7 +7,11 @@ code; normalised by bundle/normalize.py with each bundle's own roots and the `--
 The baseline keeps every key any run showed, with `runs`: in how many of the runs it appeared.
 `diff --baseline FILE --min-runs N NEW` counts a key as known when at least N of the baseline's runs
 showed it (default 1: ever seen), and reports each key of NEW that is not known as *added*, saying
-whether the baseline never saw it or in how few runs. Nothing is "removed" or "changed": a baseline
+whether the baseline never saw it or in how few runs. A network destination keyed by name (the
+names the run's configured resolvers gave its address) keeps in how many runs its addresses were in
+each range (`scopes`, diff.address_scope): a known name whose addresses in NEW are in a loopback,
+private or link-local range that fewer than N runs showed for it is *added* too (github.com, known,
+now at 127.0.0.77). Nothing is "removed" or "changed": a baseline
 says what is usual, not what must happen. Keys of events in another mount namespace (mntns:
 "other", bundle/diff.py) are items with `"mntns": "other"`, distinct from the same key in the run's
 own namespace, and known only from items that carry it. The format is in docs/baseline.md.
@@ -87,6 +91,8 @@ class NetworkItem(BaseModel):
     port: int | None
     runs: int = Runs
     mntns: MntNs = None
+    # family "NAME": in how many runs the name's addresses were in each range (absent: none known)
+    scopes: dict[str, int] = Field(default_factory=dict)
 
 
 class DenialItem(BaseModel):
@@ -134,7 +140,12 @@ class Baseline(BaseModel):
                     raise ValueError(
                         f"a {kind} item was seen in {n} runs, more than the {self.runs} built from"
                     )
-                key = json.dumps(item.model_dump(exclude={"runs"}), sort_keys=True)
+                key = json.dumps(item.model_dump(exclude={"runs", "scopes"}), sort_keys=True)
+                ranges: dict[str, int] = getattr(item, "scopes", {})
+                if any(not 1 <= r <= n or s not in diff.SCOPES for s, r in ranges.items()):
+                    raise ValueError(
+                        f"a {kind} item has a range that is none, or seen in no or too many runs"
+                    )
                 if key in keys:
                     raise ValueError(f"a {kind} item is listed twice: {key}")
                 keys.add(key)
@@ -154,6 +165,14 @@ class Baseline(BaseModel):
             if i.runs >= min_runs and i.mntns == mntns
         }
 
+    def network_scopes(self, mntns: MntNs = None) -> dict[tuple[str, str, str], dict[str, int]]:
+        """Name keys -> in how many runs their addresses were in each range."""
+        return {
+            (i.family, i.address, "" if i.port is None else str(i.port)): dict(i.scopes)
+            for i in self.network
+            if i.scopes and i.mntns == mntns
+        }
+
     def denial_keys(self, min_runs: int, mntns: MntNs = None) -> dict[tuple[str, str, str, str], int]:
         return {
             (i.operation, i.target, i.rule, "enforced" if i.enforced else "would deny"): i.runs
@@ -171,6 +190,7 @@ class _Counts:
         self.execs: dict[tuple[str, ...], int] = {}
         self.files: dict[tuple[str, str], int] = {}
         self.network: dict[tuple[str, str, str], int] = {}
+        self.scopes: dict[tuple[str, str, str], dict[str, int]] = {}
         self.denials: dict[tuple[str, str, str, str], int] = {}
 
     def add(self, keys: Keys) -> None:
@@ -181,6 +201,12 @@ class _Counts:
                 self._count(self.files, (p, acc), "file", v[0])
         for n, v in keys.network.items():
             self._count(self.network, n, "network", v[0])
+        for n, seen in keys.scopes.items():
+            if n not in self.network:  # a name past the cap keeps no scopes either
+                continue
+            ranges = self.scopes.setdefault(n, {})
+            for scope in seen:
+                ranges[scope] = ranges.get(scope, 0) + 1
         for d, v in keys.denials.items():
             self._count(self.denials, d, "denial", v[0])
 
@@ -250,7 +276,14 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
             for (p, a), n in sorted(c.files.items())
         ],
         network=[
-            NetworkItem(family=f, address=a, port=int(port) if port else None, runs=n, mntns=ns)
+            NetworkItem(
+                family=f,
+                address=a,
+                port=int(port) if port else None,
+                runs=n,
+                mntns=ns,
+                scopes=c.scopes.get((f, a, port), {}),
+            )
             for c, ns in sides
             for (f, a, port), n in sorted(c.network.items())
         ],
@@ -389,6 +422,22 @@ def _new_keys(bl: Baseline, b: Keys, min_runs: int, mntns: MntNs) -> list[Change
                 f"{diff.fmt_counts(b.network[n])}; {_seen(all_nets.get(n), bl)}",
             )
         )
+    scopes = bl.network_scopes(mntns)
+    for n, seen in sorted(b.scopes.items()):
+        if n not in nets:
+            continue  # not known: added above
+        usual = scopes.get(n, {})
+        for scope in diff.LOCAL:
+            if scope in seen and usual.get(scope, 0) < min_runs:
+                known = ", ".join(f"{s} in {k}" for s, k in sorted(usual.items())) or "none known"
+                out.append(
+                    Change(
+                        "network",
+                        "added",
+                        f"{diff.show_dest(n)} at a {scope} address",
+                        f"{seen[scope]}; {_seen(usual.get(scope), bl)} for this name (its ranges: {known})",
+                    )
+                )
     dens, all_dens = bl.denial_keys(min_runs, mntns), bl.denial_keys(1, mntns)
     for d in sorted(set(b.denials) - set(dens), key=repr):
         out.append(

@@ -7,9 +7,14 @@ their counts are kept, never the events):
 - file: the path (normalised) -> per access class (read, write, create, exec): count, successes,
   failures;
 - network: (family, address, port) -> count, successes, failures; a connect whose address the run's
-  DNS answers named (its `names`) is keyed by those names instead ("NAME", names, port), and a name
-  key of A and one of B with a name in common are the same destination: a CDN answering with other
-  addresses, or another CNAME chain to the same name, is not a change;
+  configured resolvers named (its `names`: answers credited to the run's own queries, see
+  bundle/format.py) is keyed by those names instead ("NAME", names, port), and a name key of A and
+  one of B with a name in common are the same destination: a CDN answering with other addresses,
+  or another CNAME chain to the same name, is not a change. A name key also keeps the ranges its
+  addresses were in (address_scope): a name whose addresses move to a loopback, private or
+  link-local range that A's did not use is an added destination, "NAME:PORT at a loopback address"
+  (github.com answered with 127.0.0.77 by the run's own resolver). Names of other servers' answers
+  (`other_names`) are never keys: such a connect is keyed by its address;
 - denial: (operation, target, rule, enforced) -> count;
 - exit: the run's exit code (and signal); loss: events lost, by kind.
 
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import ipaddress
 import json
 import logging
 import multiprocessing
@@ -99,6 +105,36 @@ class Budget:
         return False
 
 
+# the ranges of address_scope; a name whose addresses move into one of LOCAL is a change
+SCOPES = ("public", "private", "loopback", "link-local", "other")
+LOCAL = ("private", "loopback", "link-local")
+_SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT: not public either
+
+NetKey = tuple[str, str, str]  # (family or "NAME", address or names, port)
+
+
+def address_scope(address: str) -> str:
+    """The range an address is in: "loopback" (127/8, ::1, and the unspecified 0.0.0.0 and ::, which
+    connect to this host), "link-local" (169.254/16, fe80::/10), "private" (RFC 1918, 100.64/10,
+    fc00::/7 and the other ranges Python calls private), "public", or "other" (multicast, not an
+    address). An IPv4-mapped IPv6 address is its IPv4 address's."""
+    try:
+        addr = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return "other"
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.is_loopback or addr.is_unspecified:
+        return "loopback"
+    if addr.is_link_local:
+        return "link-local"
+    if addr.is_multicast:
+        return "other"
+    if addr.is_private or (isinstance(addr, ipaddress.IPv4Address) and addr in _SHARED):
+        return "private"
+    return "public"
+
+
 @dataclasses.dataclass
 class Keys:
     """Behaviour keys of one kind of event source. Values are [count, ok, failed]."""
@@ -106,8 +142,10 @@ class Keys:
     execs: dict[tuple[str, ...], list[int]] = dataclasses.field(default_factory=dict)
     hashes: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # program -> its sha256s
     files: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
-    network: dict[tuple[str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    network: dict[NetKey, list[int]] = dataclasses.field(default_factory=dict)
     denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    # a name key of `network` -> the ranges of its addresses (address_scope) -> the least address
+    scopes: dict[NetKey, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -124,8 +162,9 @@ class Behaviour:
     execs: dict[tuple[str, ...], list[int]] = dataclasses.field(default_factory=dict)
     hashes: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # program -> its sha256s
     files: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
-    network: dict[tuple[str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    network: dict[NetKey, list[int]] = dataclasses.field(default_factory=dict)
     denials: dict[tuple[str, str, str, str], list[int]] = dataclasses.field(default_factory=dict)
+    scopes: dict[NetKey, dict[str, str]] = dataclasses.field(default_factory=dict)
     exit: str = "unknown"
     root_hash: str = ""
     other: Keys = dataclasses.field(default_factory=Keys)
@@ -134,7 +173,7 @@ class Behaviour:
 
     def own(self) -> Keys:
         """The keys of the run's own mount namespace (the same tables, not copies)."""
-        return Keys(self.execs, self.hashes, self.files, self.network, self.denials)
+        return Keys(self.execs, self.hashes, self.files, self.network, self.denials, self.scopes)
 
 
 def roots(manifest: dict[str, Any]) -> dict[str, str]:
@@ -241,7 +280,7 @@ def behaviour(path: str, ignore: Iterable[str] = (), *, parallel: bool = True) -
         elif t == process_exec:
             _exec(b, d, n, budget)
         elif t == network_connect:
-            _connect(b.network, d, n, budget)
+            _connect(b, d, n, budget)
         elif t == policy_denial:
             key4 = (d["operation"], n(d["target"]), d["rule"], "enforced" if d["enforced"] else "would deny")
             k = (d["pid"], d["target"], key4)
@@ -287,13 +326,17 @@ def _exec(keys: Keys | Behaviour, d: dict[str, Any], n: Callable[[str], str], bu
         seen.add(digest)
 
 
-def _connect(
-    network: dict[tuple[str, str, str], list[int]], d: dict[str, Any], n: Callable[[str], str], budget: Budget
-) -> None:
+def _connect(keys: Keys | Behaviour, d: dict[str, Any], n: Callable[[str], str], budget: Budget) -> None:
     port = "" if d.get("port") is None else str(d["port"])
     names = d.get("names")
-    where = ("NAME", " ".join(sorted(names))) if names else (d["family"], n(d["address"]))
-    _bump(network, (*where, port), d.get("count", 1), d["result"] == 0, budget, "network")
+    key: NetKey = ("NAME", " ".join(sorted(names)), port) if names else (d["family"], n(d["address"]), port)
+    _bump(keys.network, key, d.get("count", 1), d["result"] == 0, budget, "network")
+    if names and key in keys.network:  # (a key past the cap keeps no scopes either)
+        address = d["address"]
+        seen = keys.scopes.setdefault(key, {})
+        scope = address_scope(address)
+        if scope not in seen or address < seen[scope]:
+            seen[scope] = address
 
 
 def _other(
@@ -319,7 +362,7 @@ def _other(
     elif t == fmt.PROCESS_EXEC:
         _exec(keys, d, n, budget)
     else:
-        _connect(keys.network, d, n, budget)
+        _connect(keys, d, n, budget)
 
 
 @dataclasses.dataclass(slots=True)  # a report can hold hundreds of thousands before it lists MAX_CHANGES
@@ -383,27 +426,49 @@ def show_denial(k: tuple[str, str, str, str]) -> str:
     return f"{k[0]} {k[1]} (rule {k[2]}, {k[3]})"
 
 
-def _by_name(
-    a: dict[tuple[str, str, str], list[int]], b: dict[tuple[str, str, str], list[int]]
-) -> dict[tuple[str, str, str], list[int]]:
-    """B's network keys, with a name key that A lacks renamed to A's name key (same port) that has a
-    name in common with it, when B lacks that one: the same destination under another CNAME chain."""
-    theirs: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+def _by_name(a: dict[NetKey, list[int]], b: dict[NetKey, list[int]]) -> dict[NetKey, NetKey]:
+    """B's name keys that A lacks, each to A's name key (same port) that has a name in common with
+    it, when B lacks that one: the same destination under another CNAME chain."""
+    theirs: dict[tuple[str, str], list[NetKey]] = {}
     for key in a:
         if key[0] == "NAME" and key not in b:
             for name in key[1].split(" "):
                 theirs.setdefault((name, key[2]), []).append(key)
+    renamed: dict[NetKey, NetKey] = {}
     if not theirs:
-        return b
-    out = dict(b)
+        return renamed
+    taken = set(b)
     for key in sorted(b):
         if key[0] != "NAME" or key in a:
             continue
         match = next(
-            (k for name in key[1].split(" ") for k in theirs.get((name, key[2]), []) if k not in out), None
+            (k for name in key[1].split(" ") for k in theirs.get((name, key[2]), []) if k not in taken), None
         )
         if match is not None:
-            out[match] = out.pop(key)
+            renamed[key] = match
+            taken.discard(key)
+            taken.add(match)
+    return renamed
+
+
+def _moved(a: Keys, b: Keys, renamed: dict[NetKey, NetKey]) -> list[Change]:
+    """Name keys on both sides whose addresses in B are in a loopback, private or link-local range
+    that A's were not: the same name, somewhere else (a resolver that answers github.com with
+    127.0.0.77). Added destinations (`github.com:443 at a loopback address`), as a baseline reports
+    them, so that the default --fail-on added fails on them."""
+    out = []
+    for key, seen in sorted(b.scopes.items()):
+        mine = renamed.get(key, key)
+        if mine not in a.network:
+            continue  # the name is added itself
+        before = a.scopes.get(mine, {})
+        was = ", ".join(s for s in SCOPES if s in before) or "none known"
+        for scope in LOCAL:
+            if scope in seen and scope not in before:
+                where = f"{show_dest(mine)} at a {scope} address"
+                out.append(
+                    Change("network", "added", where, f"{seen[scope]}; the name's addresses in A: {was}")
+                )
     return out
 
 
@@ -463,7 +528,10 @@ def compare_keys(a: Keys, b: Keys) -> list[Change]:
         if notes:
             changes.append(Change("file", "changed", path, "; ".join(notes)))
 
-    changes += _compare_simple("network", a.network, _by_name(a.network, b.network), show_dest)
+    renamed = _by_name(a.network, b.network)
+    network_b = {renamed.get(k, k): v for k, v in b.network.items()} if renamed else b.network
+    changes += _compare_simple("network", a.network, network_b, show_dest)
+    changes += _moved(a, b, renamed)
     changes += _compare_simple("denial", a.denials, b.denials, show_denial)
     return changes
 

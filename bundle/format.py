@@ -185,13 +185,26 @@ class NetworkConnect(BaseModel):
     last_time: str
     cgroup: str | None = None
     container: str | None = None
-    names: list[str] = Field(default_factory=list)  # what the run's DNS answers named the address
+    # what the run's DNS answers named the address: answers credited to a query of the run
+    # (NetworkDns), from one of its configured resolvers (Manifest.resolvers); diff, baseline and
+    # profile compare the connect by these names
+    names: list[str] = Field(default_factory=list)
+    # ... and credited answers from other servers (shown; compared by the address, never by these)
+    other_names: list[str] = Field(default_factory=list)
     mntns: MntNs = None
 
 
+# why a received DNS answer is not credited to a query of the run (NetworkDns.unsolicited):
+# "unverified": its bytes are not those of a message the kernel delivered to the socket it was
+# read from (rewritten in the job's buffer, or its delivery not recorded); "other source": from
+# another address or port than its query was sent to; "no query": no query with its ID and
+# question was sent on that socket
+Unsolicited = Literal["unverified", "other source", "no query"]
+
+
 class NetworkDns(BaseModel):
-    """A DNS query and its answer (one event), an answer without its query (`unasked`), or a message
-    sent to or received from port 53 that is not DNS (`malformed`, with its size)."""
+    """A DNS query and its answer (one event), an answer credited to no query (`unsolicited`), or a
+    message sent to or received from port 53 that is not DNS (`malformed`, with its size)."""
 
     model_config = _FROZEN
     pid: int
@@ -208,7 +221,13 @@ class NetworkDns(BaseModel):
     received: bool | None = None  # malformed: a message received (else sent)
     truncated: bool = False  # malformed: only the first bytes were kept
     size: int | None = None  # malformed: bytes kept
-    unasked: bool = False  # an answer whose query was not seen
+    unasked: bool = False  # older recorders: an answer whose query was not seen (now `unsolicited`)
+    unsolicited: Unsolicited | None = None  # an answer that names nothing: why
+    # where the answer came from, as the kernel delivered it (None: not known, or no answer)
+    source: str | None = None
+    source_port: int | None = None
+    # the answer came from (a query with no answer went to) one of the run's configured resolvers
+    configured_resolver: bool = False
     count: int = 1
     first_time: str
     last_time: str
@@ -352,6 +371,9 @@ class RunInfo(BaseModel):
     policy: dict[str, Any] | None = None
     # the command's private network namespace (`--net`): empty, or loopback only; None: the host's
     network: Literal["none", "loopback"] | None = None
+    # the nameservers of /etc/resolv.conf as the run's first process saw it when the run started
+    # (its mount namespace): the run's configured resolvers. None: not read (an older recorder)
+    resolvers: list[str] | None = None
 
 
 class Manifest(RunInfo, BundleHeader):

@@ -158,6 +158,28 @@ RULES: dict[str, Rule] = {
              "gets a bundle that says what ran, with its claim beside it and this error. Read the "
              "manifest's command and the run's first process.exec event (filename, sha256) for "
              "what ran; argv[0] alone never names the program."),
+        Rule("EV015", "dns-unsolicited", "warning", "A DNS answer was credited to no query of the run",
+             "A dev.evidence.network.dns event has 'unsolicited': an answer was received that the "
+             "recorder did not credit to a query of the run, so the names in it were given to no "
+             "connect. 'other source': it came from another address or port than its query was "
+             "sent to, e.g. a job answering its own query from a port of its own to give an "
+             "address of its choosing the name github.com; 'unverified': its bytes are not those of a "
+             "message the kernel delivered to the socket it was read from (rewritten in the job's "
+             "buffer by another thread, read from the middle of a DNS-over-TCP stream, or its "
+             "delivery not recorded, which a degradation event says); 'no query': no query with "
+             "its id and question was sent on that socket. A resolver's late answer to a query "
+             "sent again can be one too. Connects to the addresses in it are compared by address "
+             "(evidence diff, baseline, profile), so the finding explains a destination that "
+             "looks new rather than hiding one. The finding names the answer and where it came from."),
+        Rule("EV016", "dns-other-resolver", "note", "DNS queries went to a server that is not one of the run's configured resolvers",
+             "A dev.evidence.network.dns event has 'configured_resolver': false: its query went "
+             "to, or its answer came from, a server other than the nameservers of the run's "
+             "/etc/resolv.conf (manifest.resolvers), or it was received by a process in another "
+             "mount namespace (whose network may be one of its own). Programs that talk to a DNS "
+             "server of their own choosing (a public resolver, a server of the job's) do this. "
+             "The names such answers give are recorded as a connect's 'other_names' and are "
+             "never used to compare connects: those are compared by address. Not reported for "
+             "bundles without manifest.resolvers (recorded before the field)."),
     )
 }  # fmt: skip
 _BY_NAME = {r.name: r for r in RULES.values()}
@@ -246,6 +268,11 @@ class _Roots:
 
     def holds(self, path: str) -> bool:
         return path in self.exact or path.startswith(self.prefixes)
+
+
+def _endpoint(address: str, port: Any) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{port}" if port is not None else address
 
 
 def _redact(secret: str) -> str:
@@ -361,6 +388,7 @@ class _Rules:
             roots["${TMPDIR}"] = self.tmpdir
         self.norm = Normalizer(roots)
         self.ips: dict[str, bool] = {}  # address -> not loopback
+        self.resolvers: list[str] | None = manifest.get("resolvers")  # EV016 (None: not recorded)
         # strings seen to hold nothing that looks like a secret (paths and subjects repeat: a
         # lookup costs less than _maybe_secret), bounded: a hostile bundle may show any number
         self.plain: set[str] = set()
@@ -399,6 +427,7 @@ class _Part:
             fmt.POLICY_DENIAL: self._denial,
             fmt.INVENTORY: self._inventory,
             fmt.PROCESS_NAMESPACE: self._namespace,
+            fmt.NETWORK_DNS: self._dns,
         }
 
     def __getstate__(self) -> dict[str, Any]:  # what goes back from the helper: the results
@@ -691,6 +720,36 @@ class _Part:
             "EV010",
             f"{who} did {what}: its later paths (and its children's) may name other files",
             f"{norm.text(exe)}\0{op}\0{flags}\0{norm.text(paths)}",
+            ev,
+        )
+
+    def _dns(self, ev: dict[str, Any]) -> None:
+        d = ev["data"]
+        if d.get("malformed"):
+            return
+        asked = f"{d.get('name') or '?'} {d.get('type') or '?'}"
+        why = d.get("unsolicited")
+        if why:
+            source = d.get("source")
+            where = "an unknown source" if source is None else _endpoint(source, d.get("source_port"))
+            got = " ".join(d.get("addresses") or []) or "no address"
+            self.add(
+                "EV015",
+                f"a DNS answer for {asked} -> {got} from {where} was credited to no query ({why}): "
+                "it names no connect",
+                f"{why}\0{asked}",
+                ev,
+            )
+            return
+        resolvers = self.rules.resolvers
+        if resolvers is None or d.get("configured_resolver"):
+            return
+        server = d.get("source") or d["server"]
+        self.add(
+            "EV016",
+            f"DNS {asked} went to {_endpoint(server, d.get('source_port') or d.get('port'))}, not one of "
+            f"the run's resolvers ({', '.join(resolvers) or 'none'}): its answers name connects only as other_names",
+            server,
             ev,
         )
 

@@ -129,7 +129,8 @@ class ConnectRecord(Placed, Counted):
     address: str
     port: int | None
     result: Result
-    names: NotRequired[list[str]]  # what the run's DNS answers named the address
+    names: NotRequired[list[str]]  # what the run's configured resolvers' answers named the address
+    other_names: NotRequired[list[str]]  # ... and other servers' (answers to the run's queries)
 
 
 class DnsRecord(InCgroup, Counted):
@@ -149,7 +150,11 @@ class DnsRecord(InCgroup, Counted):
     received: NotRequired[bool]
     size: NotRequired[int]
     truncated: NotRequired[bool]
-    unasked: NotRequired[bool]
+    unasked: NotRequired[bool]  # written by recorders before `unsolicited`
+    unsolicited: NotRequired[str]  # why a received answer is not credited (dns.py UNVERIFIED, ...)
+    configured_resolver: NotRequired[bool]
+    source: NotRequired[str | None]  # where an answer came from, as the kernel delivered it
+    source_port: NotRequired[int | None]
     _cgid: NotRequired[int]  # the record's cgroup id while dns.py holds it: removed before it is spooled
 
 

@@ -38,7 +38,10 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     ),
     "connect": ("exe", "family", "address", "port", "result", "cgroup", "container", "mntns"),
     "denial": ("exe", "operation", "target", "rule", "enforced", "result"),
-    "dns": ("exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container"),
+    "dns": (
+        "exe", "server", "port", "name", "type", "result", "answers", "malformed", "cgroup", "container",
+        "unsolicited", "source", "source_port", "configured_resolver",
+    ),
 }  # fmt: skip
 # kinds whose events carry count, first_time and last_time (a denial carries its count only)
 _COUNTED: Final = ("open", "change", "connect", "dns")  # a tuple: mypy narrows by it

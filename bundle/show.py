@@ -84,8 +84,10 @@ class Summary:
             )
         elif t == fmt.NETWORK_CONNECT:
             dest = ev["subject"] + ("" if d["result"] == 0 else f" ({d['result']})")
-            if d.get("names"):  # what the run's DNS answers named the address
+            if d.get("names"):  # what the run's configured resolvers named the address
                 dest += f" [{' '.join(d['names'])}]"
+            if d.get("other_names"):  # ... and other servers (never a key of diff)
+                dest += f" [by another server: {' '.join(d['other_names'])}]"
             entry = self.network.setdefault(dest, [0, d.get("exe"), 0])
             entry[0] += d.get("count", 1)
             entry[2] += 1
@@ -145,14 +147,24 @@ Exec = tuple[int, str, Any]  # (ppid, command line as shown, result)
 
 
 def dns_text(d: dict[str, Any]) -> str:
-    """A DNS event in one line: "name TYPE -> addresses (result) via server"."""
+    """A DNS event in one line: "name TYPE -> addresses (result) via server", an answer credited to
+    no query "... from source (unsolicited: why)", one of a server that is not the run's resolver
+    marked so."""
     via = f"via {d['server']}" + (f":{d['port']}" if d.get("port") not in (None, 53) else "")
     if d.get("malformed"):
         what = "received" if d.get("received") else "sent"
         return f"malformed message {what} ({d.get('size', 0)} bytes) {via}"
     got = " ".join(d.get("addresses") or []) or "no address"
     result = "" if d["result"] == "NOERROR" else f" ({d['result']})"
-    return f"{d.get('name') or '?'} {d.get('type') or '?'} -> {got}{result} {via}"
+    asked = f"{d.get('name') or '?'} {d.get('type') or '?'} -> {got}{result}"
+    if d.get("unsolicited"):
+        source = d.get("source")
+        port = d.get("source_port")
+        where = "an unknown source" if source is None else source + ("" if port is None else f":{port}")
+        return f"{asked} from {where} (unsolicited: {d['unsolicited']}, names nothing)"
+    if "configured_resolver" in d and not d["configured_resolver"]:
+        via += " (not a configured resolver)"
+    return f"{asked} {via}"
 
 
 def _add_counts(mine: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> int:

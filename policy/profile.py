@@ -15,7 +15,10 @@ Generalisation, so that an identical second run is not blocked by names that dif
   the run's own DNS lookups (dev.evidence.network.dns) answered with that address, the names it
   asked for with the port (`registry.example:443`): a policy resolves host names when it is loaded,
   so an address a CDN gives out on the next run is allowed too (see docs/policy-format.md for what
-  resolving once at load means).
+  resolving once at load means). Only answers credited to the run's queries (not `unsolicited`)
+  from its configured resolvers (`configured_resolver`) count: a job that answers its own query, or
+  asks a server of its choosing, does not get a name allowed for an address of its choosing (nor
+  do bundles made before those fields: their connects are allowed by address).
 Events of a process in another mount namespace (`mntns: "other"`: it unshared, entered a namespace,
 mounted or chrooted, or is a child of one) are not turned into file or exec rules: their paths are
 names in that namespace (a file bind-mounted over /etc/hostname), and allowing the same names on the
@@ -158,7 +161,8 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
             act.connects.add((str(data["address"]), data.get("port")))
         elif etype == NETWORK_DNS:
             name = data.get("name")
-            if data.get("result") == "NOERROR" and isinstance(name, str) and is_host_name(name):
+            credited = data.get("configured_resolver") is True and not data.get("unsolicited")
+            if credited and data.get("result") == "NOERROR" and isinstance(name, str) and is_host_name(name):
                 act.resolved.setdefault(name, set()).update(
                     _canonical(a) for a in data.get("addresses") or []
                 )

@@ -176,7 +176,7 @@ NEEDED = {
     "MOUNT_PARENT_OFF": ("mount", "mnt_parent"),
     "MOUNT_MOUNTPOINT_OFF": ("mount", "mnt_mountpoint"),
     # a write's file's link count (record.bpf.c inode_nlink): i_nlink, and i_mode to leave out
-    # directories
+    # directories (and, for ---- dns, to tell a socket's inode)
     "INODE_NLINK_OFF": ("inode", "i_nlink"),
     "INODE_MODE_OFF": ("inode", "i_mode"),
     "INODE_INO_OFF": ("inode", "i_ino"),
@@ -185,6 +185,12 @@ NEEDED = {
     "SB_DEV_OFF": ("super_block", "s_dev"),
     "INODE_CTIME_SEC_OFF": ("inode", "i_ctime_sec"),
     "INODE_CTIME_NSEC_OFF": ("inode", "i_ctime_nsec"),
+    # ---- dns: the cookie of the socket a DNS message was received on (file->private_data, a
+    # struct socket, ->sk->sk_cookie: struct sock starts with its sock_common), to tell which of the
+    # datagrams the kernel delivered to the run's sockets it was (i_mode, above, says the inode is a socket's)
+    "FILE_PRIVATE_DATA_OFF": ("file", "private_data"),
+    "SOCKET_SK_OFF": ("socket", "sk"),
+    "SOCK_COOKIE_OFF": ("sock_common", "skc_cookie"),
 }
 # older kernels: ctime as a struct timespec64 (tv_sec, then tv_nsec 8 bytes on): 6.6-6.10, then before
 _CTIME_TIMESPEC = ("__i_ctime", "i_ctime")

@@ -8,10 +8,12 @@ recompiled per run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
 import struct
+from pathlib import Path
 from typing import Any
 
 from evidence.probes import btf, kinds, objcache
@@ -81,6 +83,11 @@ EXIT_HANDLERS = {"openat": "on_exit_openat"}
 # one program per tracepoint (connect and the sends call the DNS code from their own handlers).
 DNS_ENTER = ("read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
 DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
+# ... and on_dns_ingress, a cgroup program attached to each run's cgroup (attach_ingress): what the
+# kernel delivered to the run's sockets, which a DNS receive's bytes are checked against
+_PROG_TYPE_CGROUP_SKB = 8
+_CGROUP_INET_INGRESS = 0
+_F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
 # a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
 KIND_NAMES = kinds.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
@@ -139,10 +146,28 @@ class RecorderProbes:
             self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=b"on_enter_dns")
         for name in DNS_EXIT:
             self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit_dns")
+        self._ingress = self.bpf.load_func(b"on_dns_ingress", _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
+        self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
         self._tracked = self.bpf[b"tracked"]
         self._cache = self.bpf[b"cgcache"]
         self._lost = self.bpf[b"lost"]
         self._ring: RingBuffer | None = None
+
+    def attach_ingress(self, cgroup_id: int, cgroup_path: Path) -> None:
+        """---- dns: attach on_dns_ingress to a run's cgroup (before it is tracked), so that what
+        the kernel delivers to the run's sockets is recorded; it stays until `untrack` (a window
+        that takes over the cgroup keeps it: HandoverProbes). Raises OSError when the kernel
+        refuses (then no DNS answer of the run can be credited)."""
+        if cgroup_id in self._ingress_at:
+            return
+        fd = os.open(cgroup_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.bpf.attach_cgroup(self._ingress, fd, _CGROUP_INET_INGRESS, _F_ALLOW_MULTI)
+        except OSError as e:
+            if e.errno != errno.EEXIST:  # attached already (a run before this one left it)
+                os.close(fd)
+                raise
+        self._ingress_at[cgroup_id] = fd
 
     def track(self, cgroup_id: int, slot: int) -> None:
         self._tracked[_U64.pack(cgroup_id)] = _U32.pack(slot)
@@ -152,6 +177,12 @@ class RecorderProbes:
         with contextlib.suppress(KeyError):
             del self._tracked[_U64.pack(cgroup_id)]
         self.clear_cache()
+        fd = self._ingress_at.pop(cgroup_id, None)
+        if fd is not None:
+            # the cgroup may be gone already, and the program's attachment with it
+            with contextlib.suppress(OSError):
+                self.bpf.detach_cgroup(self._ingress, fd, _CGROUP_INET_INGRESS)
+            os.close(fd)
 
     def clear_cache(self) -> None:
         """Forget cached cgroup -> run lookups (negative ones too), e.g. after attaching to a cgroup
@@ -255,6 +286,8 @@ class RecorderProbes:
         ms each here, 4 s in all); with `background=True` the programs are detached first (all
         at once: objcache.detach_programs) and a child process, `evidence-detach`, inherits the
         perf events and closes them after we are gone, so the caller does not wait."""
+        for cgroup_id in list(self._ingress_at):  # runs not finished: nothing to deliver to any more
+            self.untrack(cgroup_id)
         if background:
             self.bpf.detach_programs()  # no program runs from here on; the perf events go later
             r, w = os.pipe()  # the write end stays open in this process until it exits

@@ -30,6 +30,7 @@ RECORD_KINDS
 #define DNS_MAX_ 1024  // bytes of a DNS message kept (a power of two)
 #define DNS_SENT 0
 #define DNS_RECEIVED 1
+#define DNS_DELIVERED 2  // a datagram or segment the kernel delivered to a socket of a run (on_dns_ingress)
 #define HASH_MAX_ 1024  // longer names are not aggregated (see name_token)
 // the result of a call that never returned while recorded (not a kernel code: -1,000,000)
 #define NO_RESULT_ (-1000000)
@@ -2139,15 +2140,33 @@ static __always_inline void ns_fork(u32 run, u32 child) {
 // one fd_inode read when the lookup finds an entry). A sent message is read at entry (the
 // record's ret is the length given), a received one at exit (ret: the result). User space parses
 // them (a hostile job sends what it likes to port 53: the bytes are data, never trusted).
+//
+// What a receive read from the job's buffer says nothing of where it came from, and another
+// thread of the job can rewrite the buffer between the kernel's copy and the exit. So the kernel's
+// own copy is recorded too: `on_dns_ingress`, a cgroup program attached to each run's cgroup
+// (inet ingress, beside any other), sees every packet delivered to a socket of the run and records
+// (DNS_DELIVERED) the UDP datagrams that come from port 53 or are shaped as a DNS answer (QR set,
+// one question), and the TCP segments from port 53, with their source, the receiving socket's
+// cookie and their first bytes. A received message carries its socket's cookie (read at exit
+// through the descriptor, BTF offsets): user space credits it only when its bytes are ones the
+// kernel delivered to that socket (agent/recorder/dns.py).
 
 struct dns_ev {
     struct hdr h;
-    s64 ret;       // send: the length given; receive: the call's result
-    s32 fd;
-    u16 dir;       // DNS_SENT or DNS_RECEIVED
-    u16 len;       // bytes of message that follow (at most DNS_MAX_)
-    u8 addr[28];   // the server (sockaddr_in or sockaddr_in6; family 0: not known)
-    u32 pad;
+    s64 ret;       // sent: the length given; received: the call's result; delivered: the payload's length
+    s32 fd;        // delivered: -1
+    u16 dir;       // DNS_SENT, DNS_RECEIVED or DNS_DELIVERED
+    u16 len;       // bytes of message that follow (at most DNS_MAX_; delivered: 2 * DNS_MAX_ - 1)
+    u8 addr[28];   // sent, received: the server the socket's queries go to; delivered: the source
+                   // (sockaddr_in or sockaddr_in6; family 0: not known)
+    u32 seq;       // delivered over TCP: the segment's sequence number
+    u64 sock;      // sent, received: the socket (the inode's address dnsfds keeps for it)
+    u64 cookie;    // received: the socket's cookie (0: none yet, or not a socket); delivered: the
+                   // receiving socket's
+    u8 proto;      // delivered: IPPROTO_UDP or IPPROTO_TCP
+    u8 tcp;        // delivered over TCP: the segment's flags (SYN: seq is the stream's start - 1)
+    u16 pad;
+    u32 pad2;
     u8 data[2 * DNS_MAX_];  // twice the bound, so the verifier can check a masked length
 };
 
@@ -2173,6 +2192,8 @@ struct dnsrecv {
 BPF_TABLE("lru_hash", u64, struct dnsfd, dnsfds, 65536);
 BPF_TABLE("lru_hash", u32, struct dnsrecv, dnsrecvs, 4096);
 BPF_PERCPU_ARRAY(scratch_dns, struct dns_ev, 1);
+// on_dns_ingress's own: it runs in softirq, which can interrupt a tracepoint program on the CPU
+BPF_PERCPU_ARRAY(scratch_dns_in, struct dns_ev, 1);
 BPF_ARRAY(dnscount, u32, 65536);
 
 // Whether a process of tgid's bucket may have a DNS socket (the fast path: no hash lookup).
@@ -2235,27 +2256,51 @@ static __always_inline int dns_port(const void *uaddr, u32 len, u8 *out) {
     return 1;
 }
 
-// Marks fd as a DNS socket with server addr (or unmarks it: addr NULL).
-static __always_inline void dns_mark(s32 fd, const u8 *addr) {
+// Marks fd as a DNS socket with server addr (or unmarks it: addr NULL); the socket's identity
+// (fd_inode), 0 when unmarked or not kept.
+static __always_inline u64 dns_mark(s32 fd, const u8 *addr) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!addr) {
         dns_forget(tgid, fd);
-        return;
+        return 0;
     }
     u64 k = fd_key(tgid, fd);
     struct pctx *p = proc_ctx(tgid);
     if (!p)
-        return;
+        return 0;
     struct dnsfd d = {.gen = p->gen, .ino = fd_inode(fd)};
     __builtin_memcpy(d.addr, addr, sizeof(d.addr));
     if (dnsfds.insert(&k, &d) == 0)
         dns_count(tgid, 1);  // a new entry (an existing one is updated without counting it again)
     else
         dnsfds.update(&k, &d);
+    return d.ino;
 }
 
-// One DNS record: len bytes of the message at buf (user memory), to or from the server at addr.
-static __always_inline int dns_emit(u32 run, s32 fd, u16 dir, s64 ret, u64 buf, u64 len, const u8 *addr) {
+// The cookie of the socket whose inode is at ino, which descriptor fd names (dns_fd checked it at
+// this exit): file->private_data (struct socket) ->sk->sk_cookie, BTF offsets. The ingress program
+// gives every socket it sees a cookie (bpf_get_socket_cookie), so a socket a message was delivered
+// to has one. 0: the inode is not a socket's (a job can connect() any descriptor: the mark is made
+// at entry), or the socket has no cookie yet.
+static __always_inline u64 dns_cookie(u64 ino, s32 fd) {
+    u16 mode = 0;
+    if (!ino || bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(ino + INODE_MODE_OFF)) != 0)
+        return 0;
+    if ((mode & 0170000) != 0140000)  // S_IFSOCK
+        return 0;
+    u64 file = fd_file(fd), sock = 0, sk = 0, cookie = 0;
+    if (!file || bpf_probe_read_kernel(&sock, sizeof(sock), (void *)(file + FILE_PRIVATE_DATA_OFF)) != 0 || !sock)
+        return 0;
+    if (bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SOCKET_SK_OFF)) != 0 || !sk)
+        return 0;
+    bpf_probe_read_kernel(&cookie, sizeof(cookie), (void *)(sk + SOCK_COOKIE_OFF));
+    return cookie;
+}
+
+// One DNS record: len bytes of the message at buf (user memory), to or from the server at addr, on
+// the socket `sock` (its identity) with cookie `cookie` (a receive's; 0 for a send).
+static __always_inline int dns_emit(u32 run, s32 fd, u16 dir, s64 ret, u64 buf, u64 len, const u8 *addr,
+                                    u64 sock, u64 cookie) {
     u32 zero = 0;
     struct dns_ev *e = scratch_dns.lookup(&zero);
     if (!e)
@@ -2264,7 +2309,13 @@ static __always_inline int dns_emit(u32 run, s32 fd, u16 dir, s64 ret, u64 buf, 
     e->ret = ret;
     e->fd = fd;
     e->dir = dir;
+    e->seq = 0;
+    e->sock = sock;
+    e->cookie = cookie;
+    e->proto = 0;
+    e->tcp = 0;
     e->pad = 0;
+    e->pad2 = 0;
     __builtin_memcpy(e->addr, addr, sizeof(e->addr));
     u32 n = len > DNS_MAX_ ? DNS_MAX_ : len;
     barrier_var(n);
@@ -2310,10 +2361,12 @@ static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
     if (bpf_probe_read_user(&m, sizeof(m), (void *)uhdr) != 0)
         return;
     u8 addr[28] = {};
+    u64 sock = 0;
     if (m.name && dns_port((const void *)m.name, m.namelen, addr)) {
-        dns_mark(fd, addr);
+        sock = dns_mark(fd, addr);
     } else if (d) {
         __builtin_memcpy(addr, d->addr, sizeof(addr));
+        sock = d->ino;
     } else {
         return;
     }
@@ -2322,7 +2375,7 @@ static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
         return;
     u64 buf, len;
     dns_iov(m.iov, m.iovlen, &buf, &len);
-    dns_emit(run, fd, DNS_SENT, len, buf, len, addr);
+    dns_emit(run, fd, DNS_SENT, len, buf, len, addr, sock, 0);
 }
 
 // The DNS work of a syscall's entry: connect, read, write, writev, sendmsg, recvmsg (3), sendmmsg
@@ -2344,18 +2397,20 @@ static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
     if (nr == __NR_sendto) {
         u64 uaddr = arg_beyond(ctx, 4);
         u8 addr[28] = {};
+        u64 sock = 0;
         if (!d && !uaddr)
             return 0;
         if (uaddr && current_run() && dns_port((const void *)uaddr, (u32)arg_beyond(ctx, 5), addr)) {
-            dns_mark(fd, addr);
+            sock = dns_mark(fd, addr);
         } else if (d) {
             __builtin_memcpy(addr, d->addr, sizeof(addr));
+            sock = d->ino;
         } else {
             return 0;
         }
         u32 run = current_run();
         if (run)
-            dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), addr);
+            dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), addr, sock, 0);
         return 0;
     }
     if (nr == __NR_sendmsg) {
@@ -2384,13 +2439,13 @@ static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
     if (nr == __NR_write) {
         if (arg_beyond(ctx, 2) == 2)
             return 0;  // a DNS-over-TCP length on its own
-        dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), d->addr);
+        dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), d->addr, d->ino, 0);
         return 0;
     }
     if (nr == __NR_writev) {
         u64 buf, len;
         dns_iov(arg_beyond(ctx, 1), arg_beyond(ctx, 2), &buf, &len);
-        dns_emit(run, fd, DNS_SENT, len, buf, len, d->addr);
+        dns_emit(run, fd, DNS_SENT, len, buf, len, d->addr, d->ino, 0);
         return 0;
     }
     // a receive: where the message will be is kept until the exit
@@ -2416,7 +2471,7 @@ static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
 }
 
 // One received message of a recvmmsg: the message at vec[i].
-static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dnsfd *d, u32 i) {
+static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dnsfd *d, u32 i, u64 cookie) {
     struct dns_msghdr m = {};
     u32 got = 0;
     u64 at = r->vec + i * 64;
@@ -2424,7 +2479,7 @@ static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dns
         return;
     u64 buf, cap;
     dns_iov(m.iov, m.iovlen, &buf, &cap);
-    dns_emit(run, r->fd, DNS_RECEIVED, got, buf, got < cap ? got : cap, d->addr);
+    dns_emit(run, r->fd, DNS_RECEIVED, got, buf, got < cap ? got : cap, d->addr, d->ino, cookie);
 }
 
 int on_enter_dns(struct sys_enter_ctx *ctx) {
@@ -2450,15 +2505,144 @@ int on_exit_dns(struct sys_exit_ctx *ctx) {
     u32 run = current_run();
     if (!d || !run)
         return 0;
+    u64 cookie = dns_cookie(d->ino, rc.fd);
     if (rc.nr == __NR_recvmmsg) {
-        dns_recv_mmsg(run, &rc, d, 0);
+        dns_recv_mmsg(run, &rc, d, 0, cookie);
         if (ctx->ret > 1)
-            dns_recv_mmsg(run, &rc, d, 1);
+            dns_recv_mmsg(run, &rc, d, 1, cookie);
         return 0;
     }
     u64 n = (u64)ctx->ret;
-    dns_emit(run, rc.fd, DNS_RECEIVED, ctx->ret, rc.buf, n < rc.cap ? n : rc.cap, d->addr);
+    dns_emit(run, rc.fd, DNS_RECEIVED, ctx->ret, rc.buf, n < rc.cap ? n : rc.cap, d->addr, d->ino, cookie);
     return 0;
+}
+
+// ---- dns: what the kernel delivered to the run's sockets (a cgroup program, not a tracepoint)
+
+// The run of a packet's socket: the socket's cgroup (bpf_skb_cgroup_id) or its nearest tracked
+// ancestor, as run_of finds a task's.
+static __always_inline u32 skb_run(struct __sk_buff *skb) {
+    u64 cg = bpf_skb_cgroup_id(skb);
+    u32 *hit = cgcache.lookup(&cg);
+    if (hit)
+        return *hit;
+    u32 run = 0;
+#pragma clang loop unroll(disable)
+    for (int lvl = 0; lvl < CG_DEPTH_; lvl++) {
+        u64 anc = bpf_skb_ancestor_cgroup_id(skb, lvl);
+        if (anc == 0)
+            break;
+        u32 *r = tracked.lookup(&anc);
+        if (r) {
+            run = *r;
+            break;
+        }
+    }
+    cgcache.update(&cg, &run);
+    return run;
+}
+
+// Attached to each run's cgroup (BPF_CGROUP_INET_INGRESS, beside any other program: it always lets
+// the packet through). skb's data starts at the IP header; the IP and transport headers are in its
+// linear part (the kernel pulled them before delivering), read directly: a packet that is not
+// recorded costs no helper call. A UDP datagram from port 53, or shaped as a DNS answer from any
+// port (the QR bit, one question: a job answering its own query from a port of its own), and a TCP
+// segment from port 53 with data or SYN is recorded: its source, its receiving socket's cookie and
+// its first bytes. IPv6 with extension headers before the transport header is not read (not
+// recorded: what is received from it is not credited).
+int on_dns_ingress(struct __sk_buff *skb) {
+    u8 *ip = (u8 *)(long)skb->data;
+    u8 *end = (u8 *)(long)skb->data_end;
+    if (ip + 40 > end)  // less than IPv4 + UDP + a DNS header, or a TCP SYN-ACK: nothing of DNS
+        return 1;
+    u8 src[16] = {};
+    u8 proto;
+    u16 family;
+    u32 off;
+    if ((ip[0] >> 4) == 4) {
+        family = 2;
+        off = (ip[0] & 0xF) * 4;
+        proto = ip[9];
+        __builtin_memcpy(src, ip + 12, 4);
+    } else if ((ip[0] >> 4) == 6) {
+        family = 10;
+        off = 40;
+        proto = ip[6];
+        __builtin_memcpy(src, ip + 8, 16);
+    } else {
+        return 1;
+    }
+    if (proto != 17 && proto != 6)
+        return 1;
+    // UDP: its header, then the DNS header's id, flags and question count; TCP: ports, seq, ack,
+    // data offset and flags
+    barrier_var(off);
+    off &= 0x3C;
+    u8 t[14];
+    u8 *l4 = ip + off;
+    if (l4 + 14 <= end)
+        __builtin_memcpy(t, l4, 14);
+    else if (bpf_skb_load_bytes(skb, off, t, 14) != 0)  // a UDP payload not in the linear part
+        return 1;
+    u32 seq = 0;
+    u8 tcp = 0;
+    if (proto == 17) {
+        if ((t[0] != 0 || t[1] != 53) && (!(t[10] & 0x80) || t[12] != 0 || t[13] != 1))
+            return 1;
+        off += 8;
+    } else {
+        if (t[0] != 0 || t[1] != 53)
+            return 1;
+        seq = ((u32)t[4] << 24) | ((u32)t[5] << 16) | ((u32)t[6] << 8) | t[7];
+        tcp = t[13];
+        off += (t[12] >> 4) * 4;
+    }
+    u32 total = skb->len;
+    u32 plen = total > off ? total - off : 0;
+    if (plen == 0 && !(proto == 6 && (tcp & 0x02)))
+        return 1;  // an ACK, a FIN: nothing delivered
+    u32 run = skb_run(skb);
+    if (!run)
+        return 1;
+    u32 zero = 0;
+    struct dns_ev *e = scratch_dns_in.lookup(&zero);
+    if (!e)
+        return 1;
+    e->h.ts = bpf_ktime_get_ns();
+    e->h.cgid = bpf_skb_cgroup_id(skb);
+    e->h.run = run;
+    e->h.tgid = 0;
+    e->h.tid = 0;
+    e->h.kind = EV_DNS;
+    e->h.flags = 0;
+    e->ret = plen;
+    e->fd = -1;
+    e->dir = DNS_DELIVERED;
+    e->seq = seq;
+    e->sock = 0;
+    e->cookie = bpf_get_socket_cookie(skb);
+    e->proto = proto;
+    e->tcp = tcp;
+    e->pad = 0;
+    e->pad2 = 0;
+    __builtin_memset(e->addr, 0, sizeof(e->addr));
+    e->addr[0] = family;  // sockaddr_in / sockaddr_in6: the family (little-endian), the port
+    e->addr[2] = t[0];
+    e->addr[3] = t[1];
+    if (family == 2)
+        __builtin_memcpy(e->addr + 4, src, 4);
+    else
+        __builtin_memcpy(e->addr + 8, src, 16);
+    u32 n = plen > 2 * DNS_MAX_ - 1 ? 2 * DNS_MAX_ - 1 : plen;
+    barrier_var(n);
+    n &= 2 * DNS_MAX_ - 1;
+    if (n > 0 && bpf_skb_load_bytes(skb, off, e->data, n) != 0) {
+        e->h.flags |= F_FNAME_FAULT;
+        n = 0;
+    }
+    e->len = n;
+    emit(e, offsetof(struct dns_ev, data) + (n & (2 * DNS_MAX_ - 1)), run, EV_DNS);
+    return 1;
 }
 
 // ---- results -----------------------------------------------------------------------------

@@ -292,7 +292,9 @@ class StandaloneRun:
         assert self.launcher is not None
         session.starts_command(self.launcher.process.pid)
         session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
-        session.degradations = list(self.degradations)
+        # its /etc/resolv.conf: the command's (the helper becomes the command, in the same mounts)
+        self.recorder.configure_resolvers(session, self.launcher.process.pid)
+        session.degradations += list(self.degradations)
         if enforcement is not None:
             enforcement.enforce_on(session)
         # before the command can run: what recovery needs, whole (its pid, policy, degradations)

@@ -282,6 +282,7 @@ class RecorderBackend:
             session.starts_command(pid)
         elif pid is not None:
             session.pid = pid
+            rec.configure_resolvers(session, pid)  # ---- dns: its /etc/resolv.conf
         with self._lock:
             self._runs[sid] = run
             self._started += 1
@@ -300,6 +301,10 @@ class RecorderBackend:
             )
             inventory = []
         depth = process_depths(inventory)
+        if pid is None and inventory:  # ---- dns: the resolv.conf of the process at the top of the tree
+            first = min(inventory, key=lambda r: (depth[int(r["pid"])], int(r["pid"])))
+            rec.configure_resolvers(session, int(first["pid"]))
+            self._write_meta(run)
         for r in inventory:
             p = int(r["pid"])
             known = session.correlator.procs.get(p)

@@ -805,8 +805,11 @@ class Correlator:
                 "result": result_of(ret),
             }
             names = self.dns.names_of(enter["address"])
-            if names:  # what the run's DNS answers named the address
+            if names:  # what the answers of the run's configured resolvers named the address
                 rec["names"] = names
+            others = self.dns.other_names_of(enter["address"])
+            if others:  # ... and those of other servers (shown, never a key of diff or profile)
+                rec["other_names"] = others
             return [rec]
         if enter["kind"] in ("chdir", "fchdir"):
             if ret == 0:
@@ -838,7 +841,11 @@ class Correlator:
 
     def _dns(self, ev: d.DnsEvent, t: int) -> list[Correlated]:
         """A DNS message: a query waits for its answer (the pair is one record, at the query's
-        time), an answer teaches the names of the addresses it gives."""
+        time), an answer teaches the names of the addresses it gives. What the kernel delivered to
+        a socket (by no process) is what received messages are checked against (dns.py)."""
+        if ev["delivered"]:
+            self.dns.deliver(ev)
+            return []
         p = self._proc(ev["tgid"])
         out: list[Correlated] = []
         for rec in self.dns.feed(ev, t, p.pid, p.ppid, p.exe):

@@ -29,11 +29,11 @@ EV_DUP = kinds.EV_DUP
 EV_RET = kinds.EV_RET
 EV_CHANGE = kinds.EV_CHANGE  # a file change that is not an open (op)
 EV_NS = kinds.EV_NS  # a namespace, mount, chroot or ptrace call (op)
-EV_DNS = kinds.EV_DNS  # ---- dns: a DNS message sent or received
+EV_DNS = kinds.EV_DNS  # ---- dns: a DNS message sent or received, or what the kernel delivered
 EV_SIGSYS = kinds.EV_SIGSYS  # a 32-bit system call the run's seccomp filter refused
 EV_KINDS = kinds.EV_KINDS
 KIND_NAMES = kinds.RECORD_NAMES
-DNS_SENT, DNS_RECEIVED = 0, 1  # struct dns_ev's dir
+DNS_SENT, DNS_RECEIVED, DNS_DELIVERED = 0, 1, 2  # struct dns_ev's dir
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 
 F_PATH_TRUNC = 0x1
@@ -108,8 +108,9 @@ EXEC_BUF_OFF = HDR.size + _EXEC.size  # 96
 _NSEC_MASK = (1 << 30) - 1
 CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 88
 CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 104
-_DNS = struct.Struct("<qiHH28s4x")  # ret, fd, dir, len, the server's sockaddr
-DNS_DATA_OFF = HDR.size + _DNS.size  # 80
+# ret, fd, dir, len, the server's (delivered: the source's) sockaddr, seq, sock, cookie, proto, tcp flags
+_DNS = struct.Struct("<qiHH28sIQQBB6x")
+DNS_DATA_OFF = HDR.size + _DNS.size  # 104
 NS_BUF_OFF = HDR.size + _NS.size  # 104
 
 
@@ -247,10 +248,16 @@ class DnsEvent(_Header):
     kind: Literal["dns"]
     ret: int
     fd: int
-    received: bool
+    received: bool  # a message the job received (read from its buffer), else sent ...
+    delivered: bool  # ... or, by neither: what the kernel delivered to a socket of the run (no process)
     family: str
-    address: str
+    address: str  # sent, received: the server the socket's queries go to; delivered: the source
     port: int | None
+    sock: int  # sent, received: the socket's identity (its inode's address)
+    cookie: int  # received: the socket's cookie (0: not known); delivered: the receiving socket's
+    proto: int  # delivered: 17 (UDP) or 6 (TCP)
+    seq: int  # delivered over TCP: the segment's sequence number ...
+    tcp_flags: int  # ... and flags
     payload: bytes
 
 
@@ -504,7 +511,7 @@ def decode(raw: bytes) -> RawEvent:
         ret, oldfd, newfd, rino = _DUP.unpack_from(raw, o)
         return {"kind": "dup", **hdr, "ret": ret, "oldfd": oldfd, "newfd": newfd, "rino": rino}
     if kind == EV_DNS:
-        ret, fd, direction, n, addr = _DNS.unpack_from(raw, o)
+        ret, fd, direction, n, addr, seq, sock, cookie, proto, tcp_flags = _DNS.unpack_from(raw, o)
         family, address, port = decode_sockaddr(addr, len(addr))
         return {
             "kind": "dns",
@@ -512,9 +519,15 @@ def decode(raw: bytes) -> RawEvent:
             "ret": ret,
             "fd": fd,
             "received": direction == DNS_RECEIVED,
+            "delivered": direction == DNS_DELIVERED,
             "family": family,
             "address": address,
             "port": port,
+            "sock": sock,
+            "cookie": cookie,
+            "proto": proto,
+            "seq": seq,
+            "tcp_flags": tcp_flags,
             "payload": raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
         }
     if kind == EV_RET:

@@ -38,6 +38,7 @@ class RunDescription(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     policy: dict[str, Any] | None = None
     network: Literal["none", "loopback"] | None = None
+    resolvers: list[str] | None = None  # its /etc/resolv.conf's nameservers; None: not known
     roots: dict[str, str] = Field(default_factory=dict)  # placeholder -> path: the run id's
     capabilities: dict[str, Any] = Field(default_factory=dict)
     headers: dict[str, Any] = Field(default_factory=dict)

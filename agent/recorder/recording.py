@@ -66,7 +66,7 @@ MAX_DISTINCT = int(os.environ.get("EVIDENCE_MAX_DISTINCT", "100000"))
 _CAPPED = ("open", "connect", "change", "dns")  # dns: plain records too (dns_past_cap)
 # what is kept of a key's first record, to write its count when the run ends
 _FIRST_FIELDS = {k: (*SUMMARY_KEYS[k], "k", "pid") for k in _CAPPED}
-_FIRST_FIELDS["connect"] += ("names",)  # ---- dns: what the run's DNS answers named the address
+_FIRST_FIELDS["connect"] += ("names", "other_names")  # ---- dns: what the run's DNS answers named the address
 
 
 def proc_lookup(pid: int) -> tuple[int, str | None, str | None] | None:
@@ -207,6 +207,8 @@ class Session:
     # Called with each batch of correlated records; returns records to add (policy denials).
     observer: Callable[[Sequence[SpoolRecord]], list[DenialRecord]] | None = None
     held: list[SpoolRecord] = dataclasses.field(default_factory=list)  # from an exec still hashed
+    # ---- dns: the run's configured resolvers (Recorder.configure_resolvers), None: not known
+    resolvers: list[str] | None = None
     # the command starts in the run, by process `pid` (`run`, `run --agent`): the manifest's command
     # is the argv of that process's first exec as the kernel copied it; `command` is the claim
     claimed: bool = False
@@ -234,6 +236,7 @@ class Session:
             capabilities=dict(self.capabilities),
             headers=dict(self.headers),
             degradations=[dict(d) for d in self.degradations],
+            resolvers=None if self.resolvers is None else list(self.resolvers),
             **where,
         )
 
@@ -349,9 +352,31 @@ class Recorder:
             self._sessions[slot] = session
             self.probes.reset_lost(slot)
             self.probes.set_aggregation(slot, session.max_distinct)
+            try:  # ---- dns: before the cgroup is tracked, so that no delivery of the run is missed
+                self.probes.attach_ingress(session.cgroup_id, cgroup_path)
+            except OSError as e:
+                logger.warning("run %s: DNS deliveries are not recorded: %s", sid, e)
+                session.degradations.append(
+                    {
+                        "component": "dns",
+                        "reason": f"what the kernel delivers to the run's sockets could not be recorded: {e}",
+                        "impact": "no DNS answer of the run is credited to its query: connects carry no names, "
+                        "and diff, baseline and profile compare them by address",
+                    }
+                )
             self.probes.track(session.cgroup_id, slot)
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
+
+    @staticmethod
+    def configure_resolvers(session: Session, pid: int) -> None:
+        """---- dns: the run's configured resolvers, the nameservers of /etc/resolv.conf as process
+        `pid` (the run's first) sees it; called before the command starts (an answer correlated
+        before then counts as another server's)."""
+        from evidence.agent.recorder.resolvconf import read_resolvers
+
+        session.resolvers = read_resolvers(pid)
+        session.correlator.dns.configure(session.resolvers or ())
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Return once every record the kernel had written before this call is in its spool: True,
@@ -482,6 +507,7 @@ class Recorder:
             labels=session.labels,
             policy=session.policy,
             network=session.network,
+            resolvers=session.resolvers,
             degradations=session.degradations,
             roots=session.roots,
         )

@@ -220,6 +220,7 @@ def recover_spools(
             labels=info.labels,
             policy=info.policy,
             network=info.network,
+            resolvers=info.resolvers,
             degradations=degradations,
             roots=info.roots,
         )

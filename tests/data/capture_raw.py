@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,15 @@ cli.send(b'\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x0
 q, peer = srv.recvfrom(512)
 srv.sendto(q[:2] + b'\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00' + q[12:] + b'\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\xc0\x00\x02\x07', peer)
 cli.recv(512)
-cli.close(); srv.close()
+# the same query sent to port 53 from a socket that is not connected, and an answer to it from a
+# port of the script's own (shaped as DNS: QR set, one question), delivered before the server's
+un = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+un.sendto(q, ('127.3.5.3', 53))
+srv.recvfrom(512)
+forger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); forger.bind(('127.3.5.3', 0))
+forger.sendto(q[:2] + b'\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00' + q[12:] + b'\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\x7f\x00\x00\x4d', un.getsockname())
+un.recvfrom(512)
+cli.close(); srv.close(); forger.close(); un.close()
 # namespace calls: a mount namespace of its own (a private mount there reaches nothing outside),
 # then an open marked F_OTHER_NS, and a ptrace attach and a memory write to a pid that does not exist
 import ctypes
@@ -98,6 +107,7 @@ def main() -> None:
     probes = RecorderProbes()
     ring = probes.ring()
     cg = RunCgroup.create(f"capture-{os.getpid()}")
+    probes.attach_ingress(cg.id, cg.path)  # ---- dns: what the kernel delivers to the run's sockets
     probes.track(cg.id, 1)
     # a shell joins the cgroup and execs the script: no preexec_fn, whose Python code between fork
     # and exec can deadlock beside BCC's threads. A child of the shell (tee) writes the shell's pid,
@@ -114,7 +124,7 @@ def main() -> None:
     cg.wait_empty()
     cg.remove()
     wanted = [{"hex": r.hex(), "decoded": jsonable(decode(r))} for r in raw]
-    out = Path(__file__).with_name("raw_records.json")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("raw_records.json")
     out.write_text(json.dumps(wanted, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(wanted)} records to {out}")
     os._exit(0)

@@ -119,10 +119,20 @@ def connect(
 
 
 def dns(
-    t: int, name: str, addresses: list[str], result: str = "NOERROR", server: str = "127.0.0.53"
+    t: int,
+    name: str,
+    addresses: list[str],
+    result: str = "NOERROR",
+    server: str = "127.0.0.53",
+    *,
+    configured: bool = True,
+    unsolicited: str | None = None,
+    source: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """A DNS query with its answer, as the recorder spools it (agent/recorder/dns.py)."""
-    return dict(
+    """A DNS query with its answer, as the recorder spools it (agent/recorder/dns.py): from the
+    server the query went to, one of the run's configured resolvers (`configured`); or an answer
+    credited to no query (`unsolicited`, from `source`)."""
+    rec = dict(
         k="dns",
         t=T0 + t,
         pid=102,
@@ -135,7 +145,13 @@ def dns(
         result=result,
         answers=[f"{name} A {a}" for a in addresses],
         addresses=sorted(addresses),
+        configured_resolver=configured,
+        source=(source or (server, 53))[0],
+        source_port=(source or (server, 53))[1],
     )
+    if unsolicited is not None:
+        rec["unsolicited"] = unsolicited
+    return rec
 
 
 def exit_(t: int, pid: int, code: int = 0) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,3 +184,59 @@ def test_a_baseline_keeps_at_most_the_cap_of_keys(
     assert main(["diff", "--format", "json", "--baseline", str(path), str(r2)]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert [c["kind"] for c in doc["added"] if c["key"] == diff.PAST_CAP] == ["exec"]
+
+
+def test_a_known_name_at_an_address_in_a_new_local_range_is_added(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keyed by name, github.com is known; at a loopback address no baseline run used, it is news."""
+
+    def named(address: str) -> dict[str, Any]:
+        return dict(connect(9100, address), names=["github.com"])
+
+    built = [
+        write(tmp_path / f"r{i}.tar.gz", [*records(), named(a)])
+        for i, a in enumerate(("140.82.112.3", "140.82.112.4", "10.0.0.5"))
+    ]
+    bl = _build(built, tmp_path, capsys)
+    (item,) = [n for n in json.loads(bl.read_text())["network"] if n["family"] == "NAME"]
+    assert item == {
+        "address": "github.com",
+        "family": "NAME",
+        "port": 443,
+        "runs": 3,
+        "scopes": {"private": 1, "public": 2},
+    }
+    assert (
+        main(
+            [
+                "diff",
+                "--baseline",
+                str(bl),
+                str(write(tmp_path / "ok.tar.gz", [*records(), named("140.82.112.9")])),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    moved = write(tmp_path / "moved.tar.gz", [*records(), named("127.0.0.77")])
+    assert main(["diff", "--baseline", str(bl), "--format", "json", str(moved)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [(c["kind"], c["key"], c["detail"]) for c in doc["added"]] == [
+        (
+            "network",
+            "github.com:443 at a loopback address",
+            "127.0.0.77; never seen for this name (its ranges: private in 1, public in 2)",
+        )
+    ]
+    # a private address, seen in one run of three: known at --min-runs 1, news at --min-runs 2
+    private = write(tmp_path / "private.tar.gz", [*records(), named("10.0.0.6")])
+    assert main(["diff", "--baseline", str(bl), str(private)]) == 0
+    assert main(["diff", "--baseline", str(bl), "--min-runs", "2", str(private)]) == 1
+    capsys.readouterr()
+    # a baseline whose ranges say more runs than the item's: not a baseline
+    doc = json.loads(bl.read_text())
+    next(n for n in doc["network"] if n["family"] == "NAME")["scopes"]["public"] = 4
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    _one_line_exit_2(["diff", "--baseline", str(bad), str(moved)], capsys, "not a valid baseline")

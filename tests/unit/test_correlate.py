@@ -192,7 +192,9 @@ def test_captured_kernel_records_correlate() -> None:
     assert {"/etc/hostname", "/etc/passwd", "/nonexistent/file"} <= paths
     conns = {(o["family"], o["address"]) for o in out if o["k"] == "connect"}
     assert ("AF_INET6", "::ffff:127.0.0.1") in conns and ("AF_UNIX", "/nonexistent.sock") in conns
-    (dns,) = [o for o in out if o["k"] == "dns"]  # the query and its answer: one record
+    # the query and its answer: one record; the answer to the second query from a port of the
+    # script's own: unsolicited, with where it came from
+    dns, forged = [o for o in out if o["k"] == "dns"]
     assert (dns["name"], dns["type"], dns["result"], dns["addresses"]) == (
         "example.org",
         "A",
@@ -200,6 +202,9 @@ def test_captured_kernel_records_correlate() -> None:
         ["192.0.2.7"],
     )
     assert dns["server"] == "127.3.5.3" and dns["answers"] == ["example.org A 192.0.2.7"]
+    assert (dns["source"], dns["source_port"]) == ("127.3.5.3", 53) and "unsolicited" not in dns
+    assert forged["unsolicited"] == "other source" and forged["addresses"] == ["127.0.0.77"]
+    assert forged["source"] == "127.3.5.3" and forged["source_port"] not in (None, 53)
 
 
 def test_flags_and_access_classes() -> None:

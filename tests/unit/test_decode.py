@@ -42,10 +42,20 @@ def test_capture_covers_every_kind_we_rely_on() -> None:
         "dns",
     } <= kinds
     dns = [r["decoded"] for r in RECORDS if r["decoded"]["kind"] == "dns"]
-    assert [(r["received"], r["address"], r["port"]) for r in dns] == [
-        (False, "127.3.5.3", 53),
-        (True, "127.3.5.3", 53),
+    assert [(r["received"], r["delivered"], r["address"], r["port"], r["proto"]) for r in dns] == [
+        (False, False, "127.3.5.3", 53, 0),  # the query, on a socket connected to port 53
+        (False, True, "127.3.5.3", 53, 17),  # the answer as the kernel delivered it (its source)
+        (True, False, "127.3.5.3", 53, 0),  # ... and as the job read it (the socket's server)
+        (False, False, "127.3.5.3", 53, 0),  # the query again, sent to port 53 from another socket
+        (False, True, "127.3.5.3", dns[4]["port"], 17),  # an answer from a port of the job's own ...
+        (True, False, "127.3.5.3", 53, 0),  # ... as read (the socket's server: where queries go)
     ]
+    assert dns[4]["port"] != 53
+    # a message read and the delivery it was: the same socket (cookie) and bytes; sends have none
+    assert dns[1]["cookie"] == dns[2]["cookie"] != 0 and dns[1]["payload"] == dns[2]["payload"]
+    assert dns[4]["cookie"] == dns[5]["cookie"] != dns[1]["cookie"] and dns[0]["cookie"] == 0
+    assert dns[0]["sock"] == dns[2]["sock"] != dns[3]["sock"] == dns[5]["sock"] and dns[1]["sock"] == 0
+    assert dns[1]["tgid"] == 0 and dns[1]["fd"] == -1  # delivered in the kernel, by no process
     ops = {r["decoded"]["op"] for r in RECORDS if r["decoded"]["kind"] == "change"}
     assert {"link", "rename", "truncate", "chmod", "chown", "symlink", "unlink", "mkdir", "rmdir"} <= ops
 

@@ -259,3 +259,63 @@ def test_a_side_past_the_cap_on_keys_is_a_difference_and_memory_stays_bounded(
     assert [c["kind"] for c in doc["removed"] if c["key"] == diff.PAST_CAP] == ["exec"]
     assert main(["diff", str(a), str(b)]) == 1
     assert "more differences are not listed (at most 5 are)" in capsys.readouterr().out
+
+
+def test_a_name_whose_addresses_move_to_a_local_range_is_a_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's own resolver answers github.com with 127.0.0.77 (a job that registers names with
+    it, a resolver it controls): compared by name alone, nothing changed."""
+
+    def named(t: int, address: str, *names: str, **kw: Any) -> dict[str, Any]:
+        return dict(connect(t, address, 443), names=list(names), **kw)
+
+    a = write(tmp_path / "a.tar.gz", [*records(), named(9100, "140.82.112.3", "github.com")])
+    b = write(tmp_path / "b.tar.gz", [*records(), named(9100, "127.0.0.77", "github.com")])
+    code, doc = _diff(a, b, capsys)  # the default gate: --fail-on added
+    assert code == 1 and doc["differences"] == 1, doc
+    (moved,) = doc["added"]
+    assert moved["key"] == "github.com:443 at a loopback address"
+    assert moved["detail"] == "127.0.0.77; the name's addresses in A: public"
+    # another public address is no change, nor the way back from a local range
+    c = write(tmp_path / "c.tar.gz", [*records(), named(9100, "140.82.112.4", "github.com")])
+    assert _diff(a, c, capsys, "--fail-on", "any")[0] == 0
+    assert _diff(b, a, capsys, "--fail-on", "any")[0] == 0
+    # under another CNAME chain to the same name: still the same name, still moved
+    d = write(tmp_path / "d.tar.gz", [*records(), named(9100, "10.1.2.3", "github.com", "gh.corp.example")])
+    code, doc = _diff(a, d, capsys)
+    assert code == 1 and [(c["key"], c["detail"]) for c in doc["added"]] == [
+        ("github.com:443 at a private address", "10.1.2.3; the name's addresses in A: public")
+    ]
+    # names of another server's answers are no key: the connect is compared by its address
+    e = write(
+        tmp_path / "e.tar.gz",
+        [*records(), dict(connect(9100, "127.0.0.77", 443), other_names=["github.com"])],
+    )
+    code, doc = _diff(a, e, capsys, "--fail-on", "added")
+    assert code == 1 and ("network", "127.0.0.77:443") in _keys(doc, "added")
+    assert ("network", "github.com:443") in _keys(doc, "removed")
+
+
+@pytest.mark.parametrize(
+    ("address", "scope"),
+    [
+        ("127.0.0.77", "loopback"),
+        ("::1", "loopback"),
+        ("0.0.0.0", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1%eth0", "link-local"),
+        ("10.0.0.1", "private"),
+        ("172.16.5.4", "private"),
+        ("192.168.1.1", "private"),
+        ("100.64.0.1", "private"),
+        ("fd00::1", "private"),
+        ("140.82.112.3", "public"),
+        ("2606:4700::1111", "public"),
+        ("224.0.0.1", "other"),
+        ("not an address", "other"),
+    ],
+)
+def test_address_scopes(address: str, scope: str) -> None:
+    assert diff.address_scope(address) == scope

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from evidence.bundle import container, fastpath, lint, verify
 from evidence.bundle import format as fmt
 from evidence.cli import main
-from tests.unit.conftest_bundles import WS, connect, denial, exec_, open_, records, write
+from tests.unit.conftest_bundles import WS, connect, denial, dns, exec_, open_, records, write
 
 
 def _lint(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
@@ -95,6 +95,26 @@ def test_clean_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixture
         ([], {"cut_short": True}, "EV007"),
         ([open_(-2_000_000_000, WS + "/late", ["read"])], {}, "EV008"),
         ([_refused_32bit(9100)], {}, "EV013"),
+        # a job answering its own query from a port of its own; a server that is not the run's resolver
+        (
+            [
+                dns(
+                    9100,
+                    "github.com",
+                    ["127.0.0.77"],
+                    unsolicited="other source",
+                    source=("127.0.0.1", 40000),
+                )
+            ],
+            {"resolvers": ["127.0.0.53"]},
+            "EV015",
+        ),
+        ([dns(9100, "github.com", ["127.0.0.77"], unsolicited="unverified")], {}, "EV015"),
+        (
+            [dns(9100, "pkg.example", ["192.0.2.1"], server="198.51.100.53", configured=False)],
+            {"resolvers": ["127.0.0.53"]},
+            "EV016",
+        ),
     ],
 )
 def test_rule_fires(
@@ -150,6 +170,9 @@ def test_secret_is_redacted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             {"cwd": "/tmp/build", "policy": None},
         ),  # inside the workspace
         ([exec_(9100, 200, 101, "/usr/bin/env", ["env", "FOO=bar", "--token"])], {}),
+        # an answer of the run's resolver; one of a bundle made before `resolvers` (not judged)
+        ([dns(9100, "pkg.example", ["192.0.2.1"])], {"resolvers": ["127.0.0.53"]}),
+        ([dns(9100, "pkg.example", ["192.0.2.1"], configured=False)], {}),
     ],
 )
 def test_rules_stay_quiet(
@@ -356,3 +379,17 @@ def test_roots_agree_with_the_plain_definition(path: str, roots: list[str]) -> N
     """_Roots.holds(path): path is a root or under one, empty roots standing for none."""
     expected = any(path == r or path.startswith(r + "/") for r in roots if r)
     assert lint._Roots(roots).holds(path) is expected
+
+
+def test_an_unsolicited_answer_says_where_it_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    forged = dns(9100, "github.com", ["127.0.0.77"], unsolicited="other source", source=("127.0.0.1", 40000))
+    path = write(tmp_path / "a.tar.gz", [*records(), forged], resolvers=["127.0.0.53"])
+    code, doc = _lint(path, capsys, "--fail-on", "warn")
+    assert code == 1 and _codes(doc) == ["EV015"]
+    (f,) = doc["findings"]
+    assert f["message"] == (
+        "a DNS answer for github.com A -> 127.0.0.77 from 127.0.0.1:40000 was credited to no query "
+        "(other source): it names no connect"
+    )

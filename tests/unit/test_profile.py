@@ -346,6 +346,11 @@ def test_connects_the_run_resolved_are_allowed_by_name(dirs: dict[str, str]) -> 
         cb.connect(34, "::ffff:192.0.2.7", 443, family="AF_INET6"),
         cb.connect(35, "2001:db8::7", 443, family="AF_INET6"),
         cb.connect(36, "192.0.2.66", 80),
+        # a job answering its own query, and a server that is not the run's resolver: no name
+        cb.dns(37, "forged.example", ["192.0.2.88"], unsolicited="other source", source=("127.0.0.1", 40000)),
+        cb.dns(38, "elsewhere.example", ["192.0.2.99"], server="198.51.100.53", configured=False),
+        cb.connect(39, "192.0.2.88", 443),
+        cb.connect(40, "192.0.2.99", 443),
     ]
     bundle = _bundle(dirs, records)
     from evidence.bundle.reader import read_events, read_manifest
@@ -360,6 +365,8 @@ def test_connects_the_run_resolved_are_allowed_by_name(dirs: dict[str, str]) -> 
     assert '"registry.example:443"' in text
     assert "192.0.2.7" not in text and "2001:db8::7" not in text
     assert '"192.0.2.66/32:80"' in text and '"127.0.0.53/32:53"' in text
+    assert '"192.0.2.88/32:443"' in text and '"192.0.2.99/32:443"' in text
+    assert "forged.example" not in text and "elsewhere.example" not in text
     # the policy built (with the run's own answers) allows the run's connects
     assert policy.check_connect("AF_INET", "192.0.2.7", 443) is None
     assert policy.check_connect("AF_INET6", "2001:db8::7", 443) is None

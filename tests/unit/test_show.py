@@ -114,11 +114,23 @@ def test_show_dns_queries_and_names_on_destinations(
             size=9,
         ),
         dict(connect(9100, "192.0.2.7"), names=["api.example.org"]),
+        dns(9003, "github.com", ["127.0.0.77"], unsolicited="other source", source=("127.0.0.1", 40000)),
+        dns(9004, "pkg.example", ["192.0.2.9"], server="198.51.100.53", configured=False),
+        dict(connect(9101, "192.0.2.9"), other_names=["pkg.example"]),
     ]
     path = write(tmp_path / "a.tar.gz", recs)
     assert main(["show", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "DNS (3 queries):" in lines
+    assert "DNS (5 queries):" in lines
+    assert (
+        "  github.com A -> 127.0.0.77 from 127.0.0.1:40000 (unsolicited: other source, names nothing)  by /usr/bin/curl"
+        in lines
+    )
+    assert (
+        "  pkg.example A -> 192.0.2.9 via 198.51.100.53 (not a configured resolver)  by /usr/bin/curl"
+        in lines
+    )
+    assert "  192.0.2.9:443 [by another server: pkg.example]  by /usr/bin/curl" in lines
     assert "  api.example.org A -> 192.0.2.7 192.0.2.8 via 127.0.0.53  by /usr/bin/curl" in lines
     assert "  gone.example.org A -> no address (NXDOMAIN) via 127.0.0.53  by /usr/bin/curl" in lines
     assert "  malformed message received (9 bytes) via 127.0.0.53  by /usr/bin/curl" in lines
