@@ -118,7 +118,9 @@ _IOCTL = {_AUDIT_ARCH_X86_64: (16, 0x40000000 | 514), _AUDIT_ARCH_I386: (54,)}  
 TTY_INJECTION = (0x5412, 0x541C)  # TIOCSTI, TIOCLINUX
 
 
-class _SockFilter(ctypes.Structure):
+class SockFilter(ctypes.Structure):
+    """struct sock_filter: one classic BPF instruction (a seccomp filter's)."""
+
     _fields_ = [
         ("code", ctypes.c_uint16),
         ("jt", ctypes.c_uint8),
@@ -128,7 +130,7 @@ class _SockFilter(ctypes.Structure):
 
 
 class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
 
 Insn = tuple[int, int, int, int]  # a classic BPF instruction: (code, jt, jf, k)
@@ -228,7 +230,7 @@ def deny_compat_syscalls() -> None:
 
 
 def _install(insns: list[Insn]) -> None:
-    arr = (_SockFilter * len(insns))(*[_SockFilter(*i) for i in insns])
+    arr = (SockFilter * len(insns))(*[SockFilter(*i) for i in insns])
     prog = _SockFprog(len(insns), arr)
     if _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise _errno_error("prctl(PR_SET_SECCOMP)")

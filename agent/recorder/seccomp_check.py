@@ -36,15 +36,6 @@ _ptrace.restype = ctypes.c_long
 _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
-class _SockFilter(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint16),
-        ("jt", ctypes.c_uint8),
-        ("jf", ctypes.c_uint8),
-        ("k", ctypes.c_uint32),
-    ]
-
-
 # what each filter keeps from the job, by the name a degradation gives it
 EXPECTED: Mapping[str, tuple[str, list[Insn]]] = {
     "32-bit system calls": ("compat", ll.compat_filter()),
@@ -89,7 +80,7 @@ def installed_filters(pid: int) -> list[list[Insn]]:
                 if e.errno == errno.EINVAL and index == 0:  # not in filter mode: no filter
                     break
                 raise
-            buf = (_SockFilter * n)()
+            buf = (ll.SockFilter * n)()
             _call(_PTRACE_SECCOMP_GET_FILTER, pid, index, ctypes.addressof(buf))
             out.append([(f.code, f.jt, f.jf, f.k) for f in buf])
         return out
