@@ -13,6 +13,7 @@ Pure: pydantic and the standard library.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -57,14 +58,19 @@ class RunDescription(BaseModel):
         return self.finished_ns is not None
 
     def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
+        """JSON with every non-ASCII character escaped: a name that is not UTF-8 (a cwd, a
+        workspace) holds lone surrogates, which round-trip as \\udcXX escapes (pydantic's own
+        JSON refuses them)."""
+        return json.dumps(self.model_dump(), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str, session_id: str) -> RunDescription:
         """The record, or DescriptionError naming what is wrong with it."""
         try:
-            return cls.model_validate_json(raw)
-        except ValidationError as e:
+            return cls.model_validate(json.loads(raw))
+        except ValueError as e:  # not JSON (json.JSONDecodeError), or not a run record
+            if not isinstance(e, ValidationError):
+                raise DescriptionError(f"run record of {session_id}: not JSON: {e}") from None
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "the record"
             raise DescriptionError(f"run record of {session_id}: {where}: {first['msg']}") from None
