@@ -272,10 +272,11 @@ class AgentAPI:
     # what the transport asks (agent/daemon/transport.py: Router)
 
     def admit(self, peer: Peer) -> bool:
+        """Counted here; the transport logs refusals (at most one line a second: a loop of connects
+        from a refused uid must not flood the log)."""
         if self.policy.allows(peer.uid, (peer.gid, *peer.groups)):
             return True
         self._refused.inc()
-        logger.warning("refused peer pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
         return False
 
     def count(self, route: str, code: int) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from evidence.agent.commands.client import AgentClient, AgentNotReady
 from evidence.agent.daemon import exits, models
-from evidence.agent.daemon.authz import Peer, bundle_target, protected_pids
+from evidence.agent.daemon.authz import Peer, bundle_target, peer_of, protected_pids
 from evidence.agent.daemon.transport import ConnectionLimits
 from evidence.errors import UsageError
 from tests.unit.test_api import NOT_THE_AGENT, FakeBackend
@@ -92,6 +92,61 @@ def test_busy_is_a_one_line_503_and_the_thread_count_stays(tmp_path: Path) -> No
                 threading.Event().wait(0.05)
         else:
             raise AssertionError("the agent did not answer again")
+
+
+def test_past_a_bound_a_peer_that_sends_nothing_is_answered_at_accept(tmp_path: Path) -> None:
+    # the refusal does not wait for the request: each connection has its 503 before it sends a byte
+    from evidence.agent.daemon.api import AgentAPI
+
+    api = AgentAPI(
+        FakeBackend(), tmp_path / "a.sock", tmp_path / "bundles", cgroup_root=tmp_path,
+        max_connections=2, agent_pid=NOT_THE_AGENT,
+    )  # fmt: skip
+    before = threading.active_count()
+    with api:
+        held = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+        for s in held:
+            s.connect(str(api.socket_path))
+        for _ in range(50):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(30)
+                s.connect(str(api.socket_path))
+                answer = s.makefile("rb").read()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 "), head
+            assert body.count(b"\n") == 1 and b"max_connections" in body
+        assert threading.active_count() <= before + 1 + 2  # the server's, and the two admitted ones'
+        for s in held:
+            s.close()
+    assert api.registry.value("evidence_api_requests_total", route="busy", code="503") == 50
+
+
+def test_peer_credentials_and_groups_are_those_of_connect_time() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        peer = peer_of(a)
+    assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
+    assert sorted(peer.groups) == sorted(os.getgroups())
+
+
+def test_supplementary_groups_come_from_the_socket() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as uid 65534 with other groups")
+    name = f"evidence-test-{os.getpid()}"  # abstract: no file a uid 65534 must reach
+    code = "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect('\\0' + sys.argv[1]); s.recv(1)"
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind("\0" + name)
+        srv.listen()
+        srv.settimeout(30)
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, name], user=65534, group=65534, extra_groups=[4, 27]
+        )
+        conn, _ = srv.accept()
+        with conn:
+            peer = peer_of(conn)
+            conn.send(b"x")
+    child.wait(timeout=30)
+    assert (peer.pid, peer.uid, peer.gid, sorted(peer.groups)) == (child.pid, 65534, 65534, [4, 27])
 
 
 def test_exit_from_wait_status() -> None:
