@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 SOCKET_ENV = "EVIDENCE_AGENT_SOCKET"
 DEFAULT_SOCKET = "/run/evidence/agent.sock"
+CONNECT_WAIT = 30.0  # seconds a connect() waits for a place in the agent's listen backlog
 
 
 class AgentError(Error):
@@ -109,9 +110,23 @@ class _UnixConnection:
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
         try:
-            s.connect(self._path)
+            # A full listen backlog (a burst, or another uid's loop of connects) is transient: wait
+            # in the kernel's queue of connects for a place, at most CONNECT_WAIT seconds (blocking,
+            # bounded by SO_SNDTIMEO; with a Python timeout the socket is non-blocking and connect()
+            # fails at once with EAGAIN), in turn with the other waiting clients.
+            wait = min(self.timeout, CONNECT_WAIT)
+            s.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6))
+            )
+            try:
+                s.connect(self._path)
+            except BlockingIOError:
+                raise AgentUnreachable(
+                    f"the agent at {self._path} is busy: no place in its backlog of connections for {wait:g}s",
+                    "try again",
+                ) from None
+            s.settimeout(self.timeout)
             if self._peer_uid is not None:
                 # every connection: a path checked once can be swapped before the next one
                 _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
