@@ -11,6 +11,7 @@ its own client's finish; and a killed agent takes its isolated runs' jobs with i
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import os
 import shutil
@@ -94,6 +95,7 @@ def agent(workdir: Path) -> Iterator[Agent]:
             "EVIDENCE_SOCKET_GID": str(NOBODY),
             "EVIDENCE_MAX_CONNECTIONS": str(TOTAL),
             "EVIDENCE_MAX_CONNECTIONS_PER_UID": str(PER_UID),
+            "EVIDENCE_HASH_RUN_BYTES": str(1 << 30),  # a run's 1 GiB: four of 250 MiB
         },
     )
     yield a
@@ -469,3 +471,69 @@ def test_a_job_cannot_keep_its_own_client_from_finishing(agent: Agent, workdir: 
     assert not daemon.exists() or "Z" in (daemon / "stat").read_text().split(")")[1][:3], (
         "the daemon lived on"
     )
+
+
+def test_one_runs_many_large_programs_do_not_starve_another_runs_hashes(agent: Agent, workdir: Path) -> None:
+    # run A execs 200 programs of 250 MiB (sparse: /bin/true and zeros), each hashed afresh (~50 GB
+    # to read); meanwhile run B execs 20 new small programs: each of B's is hashed (before: the
+    # workers were A's for minutes and every exec of B was `not_hashed: timeout`); A's execs past
+    # its budget say `over_budget`, and a degradation says how many
+    d = Path(tempfile.mkdtemp(dir=workdir))
+    d.chmod(0o777)
+    big, small = d / "big", d / "small"
+    for dirname, n, size in ((big, 200, 250 << 20), (small, 20, 0)):
+        dirname.mkdir(mode=0o755)
+        for i in range(n):
+            prog = dirname / f"p{i:03d}"
+            shutil.copyfile("/bin/true", prog)
+            with open(prog, "ab") as f:
+                f.write(f"{dirname.name} {i}".encode())  # contents of its own: no cache hit
+                if size:
+                    f.truncate(size)
+            prog.chmod(0o755)
+    ran, go_on = d / "ran", d / "go-on"
+    a_job = f'for p in {big}/*; do "$p"; done; touch {ran}; while [ ! -e {go_on} ]; do sleep 0.05; done'
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    run = [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle"]
+    a = subprocess.Popen(
+        [*as_nobody, *run, str(d / "a.tar.gz"), "--", "/bin/sh", "-c", a_job],
+        cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ran.exists():
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()
+            time.sleep(0.05)
+        b = subprocess.run(
+            [*as_nobody, *run, str(d / "b.tar.gz"), "--", "/bin/sh", "-c", f'for p in {small}/*; do "$p"; done'],
+            cwd=d, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert b.returncode == 0, b.stderr
+    finally:
+        go_on.touch()
+        _, a_err = a.communicate(timeout=120)
+    assert a.returncode == 0, a_err
+    _, b_events = read_bundle(d / "b.tar.gz")
+    b_execs = [
+        e["data"] for e in of_type(b_events, "process.exec") if e["data"]["filename"].startswith(str(small))
+    ]
+    assert len(b_execs) == 20, b_execs
+    assert all("sha256" in x and "not_hashed" not in x for x in b_execs), b_execs
+    assert {x["sha256"] for x in b_execs} == {sha256_of(small / f"p{i:03d}") for i in range(20)}
+    a_manifest, a_events = read_bundle(d / "a.tar.gz")
+    a_execs = [
+        e["data"] for e in of_type(a_events, "process.exec") if e["data"]["filename"].startswith(str(big))
+    ]
+    assert len(a_execs) == 200
+    reasons = {x.get("not_hashed") for x in a_execs}
+    assert "over_budget" in reasons and reasons <= {None, "over_budget", "timeout"}, reasons
+    said = [e["data"] for e in of_type(a_events, "degradation") if e["data"]["component"] == "exe-hash"]
+    assert said and "not hashed" in said[0]["reason"], said
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
