@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 SOCKET_ENV = "EVIDENCE_AGENT_SOCKET"
 DEFAULT_SOCKET = "/run/evidence/agent.sock"
+CONNECT_WAIT = 30.0  # seconds a connect() waits for a place in the agent's listen backlog
 
 
 class AgentError(Error):
@@ -43,6 +45,10 @@ class _ProtocolError(Exception):
     """The answer is not the HTTP/1.1 the agent speaks."""
 
 
+class _ClosedBeforeAnswer(_ProtocolError):
+    """The agent closed the connection before any byte of an answer (a kept connection it closed)."""
+
+
 class _Response:
     """An HTTP/1.1 answer: status, headers (lower-case names), and a body of Content-Length bytes
     (or up to EOF when there is none) read from the connection's buffered reader."""
@@ -50,8 +56,14 @@ class _Response:
     MAX_LINE = 65536
     MAX_HEADERS = 100
 
-    def __init__(self, rfile: IO[bytes]) -> None:
+    def __init__(self, rfile: io.BufferedReader) -> None:
         self._rfile = rfile
+        try:
+            first = rfile.peek(1)[:1]  # one read at most: b"" at EOF
+        except ConnectionResetError:
+            first = b""
+        if not first:
+            raise _ClosedBeforeAnswer("the agent closed the connection before answering")
         line = self._line()
         version, _, rest = line.partition(b" ")
         code = rest[:3]
@@ -76,6 +88,11 @@ class _Response:
 
     def getheader(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
+
+    @property
+    def reusable(self) -> bool:
+        """Read whole, and the connection may carry another request."""
+        return self._left == 0 and self.headers.get("connection", "").lower() != "close"
 
     def _line(self) -> bytes:
         line = self._rfile.readline(self.MAX_LINE + 1)
@@ -105,13 +122,27 @@ class _UnixConnection:
         self._peer_uid = peer_uid
         self.timeout = timeout
         self.sock: socket.socket | None = None
-        self._rfile: IO[bytes] | None = None
+        self._rfile: io.BufferedReader | None = None
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
         try:
-            s.connect(self._path)
+            # A full listen backlog (a burst, or another uid's loop of connects) is transient: wait
+            # in the kernel's queue of connects for a place, at most CONNECT_WAIT seconds (blocking,
+            # bounded by SO_SNDTIMEO; with a Python timeout the socket is non-blocking and connect()
+            # fails at once with EAGAIN), in turn with the other waiting clients.
+            wait = min(self.timeout, CONNECT_WAIT)
+            s.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6))
+            )
+            try:
+                s.connect(self._path)
+            except BlockingIOError:
+                raise AgentUnreachable(
+                    f"the agent at {self._path} is busy: no place in its backlog of connections for {wait:g}s",
+                    "try again",
+                ) from None
+            s.settimeout(self.timeout)
             if self._peer_uid is not None:
                 # every connection: a path checked once can be swapped before the next one
                 _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -135,7 +166,8 @@ class _UnixConnection:
         if self.sock is None:
             self.connect()
         assert self.sock is not None
-        self._rfile = self.sock.makefile("rb")
+        if self._rfile is None:
+            self._rfile = self.sock.makefile("rb")
         lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(payload)}"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
@@ -155,18 +187,54 @@ class _UnixConnection:
 
 
 class AgentClient:
-    """One request per connection; errors become AgentError with a one-line message."""
+    """One request per connection (or, with `keep_alive`, every request over one); errors become
+    AgentError with a one-line message."""
 
-    def __init__(self, socket_path: str | Path, timeout: float = 600.0, peer_uid: int | None = None) -> None:
-        """`peer_uid`: talk only to a server running as this uid (checked on every connection)."""
+    def __init__(
+        self,
+        socket_path: str | Path,
+        timeout: float = 600.0,
+        peer_uid: int | None = None,
+        *,
+        keep_alive: bool = False,
+    ) -> None:
+        """`peer_uid`: talk only to a server running as this uid (checked on every connection).
+        `keep_alive`: the connection made for the first request carries the next ones (`evidence run
+        --agent` starts its run on it before its command runs: the agent keeps it for the run, so the
+        command cannot keep the client from finishing; agent/daemon/transport.py); `close()` it."""
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.peer_uid = peer_uid
+        self.keep_alive = keep_alive
+        self._kept: _UnixConnection | None = None
+
+    def close(self) -> None:
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+    def _done(self, conn: _UnixConnection, resp: _Response | None) -> None:
+        if self.keep_alive and resp is not None and resp.reusable and self._kept is None:
+            self._kept = conn
+        else:
+            conn.close()
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[_UnixConnection, _Response]:
-        conn = _UnixConnection(self.socket_path, self.timeout, self.peer_uid)
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            try:
+                kept.request(method, path, body=payload, headers=headers)
+                return kept, kept.getresponse()
+            except (BrokenPipeError, ConnectionResetError, _ClosedBeforeAnswer) as e:
+                # the agent closed it (idle, or restarted) before reading this: on a new connection
+                logger.debug("the kept connection to the agent is closed (%s): a new one", e)
+                kept.close()
+            except (OSError, _ProtocolError) as e:
+                kept.close()
+                raise AgentUnreachable(f"talking to the agent at {self.socket_path} failed: {e}") from None
+        conn = _UnixConnection(self.socket_path, self.timeout, self.peer_uid)
         try:
             # the agent may answer before it reads (busy: 503) and close: its answer is still read
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -200,12 +268,14 @@ class AgentClient:
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         conn, resp = self._open(method, path, body)
+        read: _Response | None = None
         try:
             raw = resp.read()
+            read = resp
         except (OSError, _ProtocolError) as e:
             raise AgentUnreachable(f"reading the agent's answer at {self.socket_path} failed: {e}") from None
         finally:
-            conn.close()
+            self._done(conn, read)
         try:
             obj = json.loads(raw) if raw else {}
         except ValueError:
@@ -223,6 +293,7 @@ class AgentClient:
 
     def download(self, path: str, out: IO[bytes]) -> int:
         conn, resp = self._open("GET", path, None)
+        read: _Response | None = None
         try:
             if resp.status != 200:
                 raw = resp.read()
@@ -238,9 +309,10 @@ class AgentClient:
                     size += len(chunk)
             except _ProtocolError as e:
                 raise AgentError(f"downloading from the agent at {self.socket_path} failed: {e}") from None
+            read = resp
             return size
         finally:
-            conn.close()
+            self._done(conn, read)
 
     # the API, typed
 

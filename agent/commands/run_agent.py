@@ -312,7 +312,25 @@ def _run_via_agent(
     # an agent is root's: when it was chosen without being named, or when this client is root (a
     # fake agent of a job's uid must not take root's run), every connection checks who answers
     auto = getattr(args, "agent_chosen", False)
-    client = AgentClient(args.agent, peer_uid=0 if auto or os.geteuid() == 0 else None)
+    # one connection for the start, the finish and the download, made before the command runs: the
+    # agent keeps it for the run, so the command (of this uid) cannot fill the uid's connections or
+    # the agent's backlog and leave its run unfinished (agent/daemon/transport.py)
+    client = AgentClient(args.agent, peer_uid=0 if auto or os.geteuid() == 0 else None, keep_alive=True)
+    try:
+        return _isolated_run(args, command, labels, policy, client, path, target)
+    finally:
+        client.close()
+
+
+def _isolated_run(
+    args: argparse.Namespace,
+    command: list[str],
+    labels: dict[str, str],
+    policy: ClientPolicy | None,
+    client: AgentClient,
+    path: str,
+    target: Path | None,
+) -> int:
     inherited = inherited_fds()
     missing = sorted(set(args.pass_fd) - set(inherited))
     if missing:

@@ -276,14 +276,18 @@ class AgentAPI:
     # what the transport asks (agent/daemon/transport.py: Router)
 
     def admit(self, peer: Peer) -> bool:
+        """Counted here; the transport logs refusals (at most one line a second: a loop of connects
+        from a refused uid must not flood the log)."""
         if self.policy.allows(peer.uid, (peer.gid, *peer.groups)):
             return True
         self._refused.inc()
-        logger.warning("refused peer pid %d uid %d gid %d", peer.pid, peer.uid, peer.gid)
         return False
 
     def count(self, route: str, code: int) -> None:
         self._requests.labels(route=route, code=str(code)).inc()
+
+    def live(self, session_id: str) -> bool:
+        return any(r.session_id == session_id for r in self.backend.runs())
 
     def handle(self, method: str, path: str, body: dict[str, Any], peer: Peer | None) -> Response:
         """Answer one request; errors of ours become their one-line answer. peer is None on the
@@ -392,7 +396,7 @@ class AgentAPI:
         logger.info(
             "run %s started on %s for uid %d (labels %s)", info.session_id, cgroup, peer.uid, request.labels
         )
-        return Response.json(201, self._run_json(info), "/runs")
+        return self._started(info)
 
     def _isolate(self, request: models.IsolateRequest, peer: Peer) -> Response:
         pid = claim_pid(request.isolate_pid, peer, self.proc_root, self.agent_pid)
@@ -436,7 +440,13 @@ class AgentAPI:
             peer.uid,
             request.labels,
         )
-        return Response.json(201, self._run_json(info), "/runs")
+        return self._started(info)
+
+    def _started(self, info: RunInfo) -> Response:
+        """201; the connection that asked is the run's from now on (see agent/daemon/transport.py)."""
+        response = Response.json(201, self._run_json(info), "/runs")
+        response.holds = info.session_id
+        return response
 
     def _finish(self, sid: str, request: models.FinishRequest, peer: Peer) -> Response:
         target = bundle_target(request.bundle, sid, self.bundle_dir, peer.uid)

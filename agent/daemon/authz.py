@@ -29,6 +29,7 @@ the socket instead, and writes it with its own credentials (`evidence finish --b
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import socket
 import struct
@@ -72,21 +73,28 @@ class Peer:
     groups: tuple[int, ...] = ()
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python names it only on some builds
+_NGROUPS_MAX = 65536
+
+
 def peer_of(sock: socket.socket) -> Peer:
-    """The connecting process's credentials (from connect() time) and its supplementary groups."""
+    """The connecting process's credentials and supplementary groups, both as they were at connect()
+    (SO_PEERCRED, SO_PEERGROUPS): two system calls, nothing read from /proc (its pid may be reused,
+    or be 0 from another pid namespace)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return Peer(pid, uid, gid, _supplementary_groups(pid))
+    return Peer(pid, uid, gid, _peer_groups(sock))
 
 
-def _supplementary_groups(pid: int) -> tuple[int, ...]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return tuple(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
+def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    for size in (64, _NGROUPS_MAX):
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * size)
+        except OSError as e:
+            if e.errno == errno.ERANGE:  # more groups than the first buffer holds
+                continue
+            return ()
+        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
     return ()
 
 

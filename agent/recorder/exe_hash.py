@@ -19,10 +19,19 @@ gains (docs/bundle-format.md, process.exec):
 
 Hashing a file not seen before runs on a worker thread (`Hasher`): the correlator only pays for a
 stat or two, and a cache hit is answered at once (for a process gone already, by its path).
+
+Hash work is shared fairly between runs (found by the red team: one run's 200 sparse 250 MiB
+programs made every other run's execs `not_hashed: timeout`). Each run has a queue of its own
+(`RunHashes`); the workers take the runs in turn, one file of a run at a time, so a run waits for at
+most one file of each other run; a worker stuck on a read (a FUSE file the job serves itself) is
+replaced. Each run has a budget (EVIDENCE_HASH_RUN_BYTES read, EVIDENCE_HASH_RUN_SECONDS of worker
+time): past it, its execs are `not_hashed: over_budget` (cache hits are free), and an exec still
+queued when its record can wait no longer (HASH_SECONDS) is `not_hashed: timeout` and is not hashed.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -50,6 +59,10 @@ GONE = "gone"  # the process was gone and the path no longer names a file
 UNREADABLE = "unreadable"  # neither /proc/<pid>/exe nor the path could be read
 NOT_REGULAR = "not_regular"  # the path names no regular file (a directory, a device)
 TIMEOUT = "timeout"  # not hashed within HASH_SECONDS (a file on a stalled file system, a queue)
+OVER_BUDGET = "over_budget"  # the run had spent its hashing budget (RUN_BYTES, RUN_SECONDS)
+
+DEFAULT_RUN_BYTES = 4 * 1024 * 1024 * 1024  # EVIDENCE_HASH_RUN_BYTES overrides it
+DEFAULT_RUN_SECONDS = 120.0  # EVIDENCE_HASH_RUN_SECONDS overrides it
 
 # An exec's hash is given up after this long, so that a read that never returns (a FUSE file the
 # job serves itself) cannot hold the run's records back for ever.
@@ -89,6 +102,26 @@ def max_size_setting() -> int:
     except ValueError:
         logger.warning("EVIDENCE_HASH_MAX_SIZE=%r is not a number: %d is used", raw, DEFAULT_MAX_SIZE)
         return DEFAULT_MAX_SIZE
+
+
+def run_budget_setting() -> tuple[int, float]:
+    """A run's hashing budget: (bytes read, seconds of worker time), from EVIDENCE_HASH_RUN_BYTES and
+    EVIDENCE_HASH_RUN_SECONDS, else the defaults."""
+    out: list[float] = []
+    for name, default in (
+        ("EVIDENCE_HASH_RUN_BYTES", float(DEFAULT_RUN_BYTES)),
+        ("EVIDENCE_HASH_RUN_SECONDS", DEFAULT_RUN_SECONDS),
+    ):
+        raw = os.environ.get(name, "")
+        try:
+            value = float(raw) if raw else default
+            if value < 0:
+                raise ValueError(raw)
+        except ValueError:
+            logger.warning("%s=%r is not a number of at least 0: %g is used", name, raw, default)
+            value = default
+        out.append(value)
+    return int(out[0]), out[1]
 
 
 def read_head(path: str, size: int) -> tuple[bytes, os.stat_result] | None:
@@ -141,6 +174,14 @@ class ExeHasher:
         self._scripts: set[FileKey] = set()  # files seen to start with `#!`
         self._lock = threading.Lock()
         self.stats = {"hashed": 0, "hits": 0, "bytes": 0}
+        self._read = threading.local()  # bytes this thread read for its current exec (`read_bytes`)
+
+    def read_bytes(self) -> int:
+        """Bytes this thread has read to hash files (cache hits read none); `reset_read` starts over."""
+        return int(getattr(self._read, "n", 0))
+
+    def reset_read(self) -> None:
+        self._read.n = 0
 
     # -- the /proc side ---------------------------------------------------------------------------
 
@@ -273,12 +314,15 @@ class ExeHasher:
         else:
             h = hashlib.sha256()
             size = 0
+            limit = st.st_size + 1  # a byte past the size says it grew: never read a growing file on
             try:
-                while chunk := os.pread(fd, _CHUNK, size):
+                while size < limit and (chunk := os.pread(fd, min(_CHUNK, limit - size), size)):
                     h.update(chunk)
                     size += len(chunk)
             except OSError:
                 return FileHash(None, None, None, UNREADABLE)
+            finally:
+                self._read.n = self.read_bytes() + size
             if size != st.st_size:  # written to while hashed: say what was read, do not cache it
                 return FileHash(h.hexdigest(), size, source)
             got = FileHash(h.hexdigest(), size, source)
@@ -318,22 +362,203 @@ class Pending:
 PENDING: Final = "_hash"  # the key an exec record holds its Pending under until it is spooled
 
 
-class Hasher:
-    """The correlator's side: `__call__(pid, filename)` returns the fields at once on a cache hit,
-    else a `Pending` whose hashing runs on a worker thread."""
+@dataclasses.dataclass
+class _Job:
+    future: concurrent.futures.Future[dict[str, Any]]
+    pid: int
+    filename: str
+    ident: Ident | None
+    deadline: float
 
-    def __init__(self, hasher: ExeHasher | None = None, workers: int = 2) -> None:
-        self.hasher = hasher or ExeHasher()
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="exe-hash")
+
+class RunHashes:
+    """One run's side of the `Hasher`: its queue and its budget. Called as the correlator's
+    `hash_of(pid, filename, ident)`: the fields at once (a cache hit, or the run over its budget),
+    else a `Pending` whose file is hashed when the run's turn comes."""
+
+    def __init__(self, owner: Hasher, name: str, max_bytes: int, max_seconds: float) -> None:
+        self.owner = owner
+        self.name = name
+        self.max_bytes = max_bytes
+        self.max_seconds = max_seconds
+        self.queue: collections.deque[_Job] = collections.deque()
+        self.scheduled = False  # in the owner's turn order, or a file of it being hashed
+        self.closed = False
+        self.spent_bytes = 0
+        self.spent_seconds = 0.0
+        self.not_hashed: collections.Counter[str] = collections.Counter()  # reason -> execs
+
+    @property
+    def over_budget(self) -> bool:
+        return self.spent_bytes >= self.max_bytes or self.spent_seconds >= self.max_seconds
 
     def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any] | Pending:
-        hit = self.hasher.lookup(pid, filename, ident)
+        hit = self.owner.hasher.lookup(pid, filename, ident)
         if hit is not None:
             return hit.fields()
-        return Pending(self._pool.submit(self.hasher.hash_exec, pid, filename, ident))
+        if self.over_budget:
+            return self._skipped(pid)
+        job = _Job(concurrent.futures.Future(), pid, filename, ident, time.monotonic() + HASH_SECONDS)
+        self.owner.submit(self, job)
+        return Pending(job.future, job.deadline)
+
+    def _skipped(self, pid: int) -> dict[str, Any]:
+        self.not_hashed[OVER_BUDGET] += 1
+        try:
+            size: int | None = os.stat(f"{self.owner.hasher.proc_root}/{pid}/exe").st_size
+        except OSError:
+            size = None
+        return FileHash(None, size, None, OVER_BUDGET).fields()
+
+    def hash(self, job: _Job) -> None:
+        """On a worker: the job's fields, unless its record has stopped waiting or the run is over
+        its budget (then they say so and nothing is read)."""
+        if self.closed or time.monotonic() >= job.deadline:  # the record says `timeout` already
+            self.not_hashed[TIMEOUT] += 1
+            job.future.set_result({"not_hashed": TIMEOUT})
+            return
+        if self.over_budget:
+            job.future.set_result(self._skipped(job.pid))
+            return
+        hasher = self.owner.hasher
+        hasher.reset_read()
+        t0 = time.monotonic()
+        try:
+            job.future.set_result(hasher.hash_exec(job.pid, job.filename, job.ident))
+        except Exception as e:  # a hashing bug must never lose the exec record (Pending.apply)
+            job.future.set_exception(e)
+        finally:
+            self.spent_seconds += time.monotonic() - t0
+            self.spent_bytes += hasher.read_bytes()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=False)
+        """The run is over: what is still queued is not hashed (its records were settled)."""
+        self.owner.forget(self)
+
+    def degradation(self) -> dict[str, str] | None:
+        """What the bundle says when the budget kept execs of this run from being hashed."""
+        n = self.not_hashed[OVER_BUDGET]
+        if not n:
+            return None
+        return {
+            "component": "exe-hash",
+            "reason": f"the run spent its hashing budget ({self.spent_bytes} bytes read, "
+            f"{self.spent_seconds:.1f} s; at most {self.max_bytes} bytes and {self.max_seconds:g} s): "
+            f"{n} program(s) run after that were not hashed",
+            "impact": "their exec records say not_hashed: over_budget (with the size when it was known)",
+        }
+
+
+class Hasher:
+    """The hash workers, shared by every run: `run(name)` gives a run its `RunHashes`. The workers
+    take the runs with queued files in turn, one file of a run at a time (a run waits for at most
+    one file of each other run, never for another run's whole queue); `workers` at most hash at once,
+    not counting a worker busy longer than STUCK (on a read that does not return: another is started,
+    at most one a run). Called directly it hashes for a run of its own (for callers with one run)."""
+
+    IDLE_EXIT = 30.0  # an extra worker (beyond `workers`) ends after this long without work
+    STUCK = HASH_SECONDS  # a worker on one file for longer is taken for stuck (another may start)
+
+    def __init__(
+        self,
+        hasher: ExeHasher | None = None,
+        workers: int = 2,
+        budget: tuple[int, float] | None = None,
+    ) -> None:
+        self.hasher = hasher or ExeHasher()
+        self.workers = workers
+        self.budget = budget if budget is not None else run_budget_setting()
+        self._cond = threading.Condition()
+        self._turns: collections.deque[RunHashes] = collections.deque()  # runs with files to hash
+        self._runs = 0  # runs not closed
+        self._threads = 0
+        self._idle = 0
+        self._busy: dict[int, float] = {}  # worker thread id -> when its current file began
+        self._closed = False
+        self._own: RunHashes | None = None
+
+    def run(self, name: str) -> RunHashes:
+        with self._cond:
+            self._runs += 1
+        return RunHashes(self, name, *self.budget)
+
+    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any] | Pending:
+        if self._own is None:
+            self._own = self.run("-")
+        return self._own(pid, filename, ident)
+
+    def submit(self, run: RunHashes, job: _Job) -> None:
+        with self._cond:
+            run.queue.append(job)
+            if not run.scheduled:
+                run.scheduled = True
+                self._turns.append(run)
+            self._wake()
+
+    def forget(self, run: RunHashes) -> None:
+        with self._cond:
+            if run.closed:
+                return
+            run.closed = True
+            self._runs -= 1
+            dropped = list(run.queue)
+            run.queue.clear()
+            with_turn = run in self._turns
+            if with_turn:
+                self._turns.remove(run)
+                run.scheduled = False
+        for job in dropped:
+            run.not_hashed[TIMEOUT] += 1
+            job.future.set_result({"not_hashed": TIMEOUT})
+
+    def _wake(self) -> None:
+        """Under the lock: a worker for the next turn, an idle one or a new one."""
+        if not self._turns:
+            return
+        if self._idle:
+            self._cond.notify()
+            return
+        now = time.monotonic()
+        working = sum(1 for since in self._busy.values() if now - since < self.STUCK)
+        if working < self.workers and self._threads < self.workers + max(self._runs, 1):
+            self._threads += 1
+            threading.Thread(target=self._work, name="exe-hash", daemon=True).start()
+
+    def _work(self) -> None:
+        me = threading.get_ident()
+        while True:
+            with self._cond:
+                while not self._turns and not self._closed:
+                    self._idle += 1
+                    extra = self._threads > self.workers
+                    woken = self._cond.wait(self.IDLE_EXIT if extra else None)
+                    self._idle -= 1
+                    if not woken and extra and not self._turns:
+                        self._threads -= 1
+                        return
+                if self._closed:
+                    self._threads -= 1
+                    return
+                run = self._turns.popleft()
+                job = run.queue.popleft()
+                self._busy[me] = time.monotonic()
+            try:
+                run.hash(job)
+            except Exception:  # a bug: the job's future may never be set; its deadline applies
+                logger.exception("hashing %s failed", job.filename)
+            finally:
+                with self._cond:
+                    del self._busy[me]
+                    if run.queue and not run.closed:
+                        self._turns.append(run)  # at the back: the other runs go first
+                    else:
+                        run.scheduled = False
+                    self._wake()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 def settle(recs: Sequence[SpoolRecord], wait: bool = False) -> int:

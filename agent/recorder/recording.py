@@ -207,6 +207,7 @@ class Session:
     # Called with each batch of correlated records; returns records to add (policy denials).
     observer: Callable[[Sequence[SpoolRecord]], list[DenialRecord]] | None = None
     held: list[SpoolRecord] = dataclasses.field(default_factory=list)  # from an exec still hashed
+    hashes: exe_hash.RunHashes | None = None  # the run's queue and budget of program hashes
     # ---- dns: the run's configured resolvers (Recorder.configure_resolvers), None: not known
     resolvers: list[str] | None = None
     # the command starts in the run, by process `pid` (`run`, `run --agent`): the manifest's command
@@ -321,6 +322,7 @@ class Recorder:
             behaviour = Behaviour(roots, RECORDING_ITEMS, self.spool_dir)
             raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst", feed=behaviour.add_many)
             spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
+            hashes = self.hasher.run(sid)
             session = Session(
                 slot=slot,
                 session_id=sid,
@@ -333,7 +335,8 @@ class Recorder:
                 spool=spool,
                 roots=dict(roots or {}),
                 behaviour=behaviour,
-                correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi, hash_of=self.hasher),
+                correlator=Correlator(self.wall_offset_ns, proc_lookup, abi_of=elf_abi, hash_of=hashes),
+                hashes=hashes,
                 cgroup_names=names,
                 started_ns=time.time_ns(),
                 attached_late=attached_late,
@@ -474,6 +477,11 @@ class Recorder:
                 pending += session.correlator.feed(dec.decode(raw))
         exe_hash.settle(session.held, wait=True)
         held, session.held = session.held, []
+        if session.hashes is not None:
+            session.hashes.close()
+            said = session.hashes.degradation()
+            if said is not None:
+                session.degradations.append(said)
         if session.observer is not None:  # held back behind an exec's hash: not observed yet
             held += session.observer(held)
         session.spool.write_many(held + pending + session.correlator.flush() + counted)

@@ -4,11 +4,14 @@ one may touch: each attack is performed against a real agent and its outcome ass
 Run ownership: a run is its starter's; only it and root see, finish and download it. Starts on a
 pid or a cgroup follow the isolate_pid rule. PID 1, the agent and its ancestors are refused to all.
 The exit status of an isolated run is the one the agent observed (pidfd), not the client's word.
-Connections are bounded; and a killed agent takes its isolated runs' jobs with it (watchdog).
+Connections are bounded; a loop of connects by one uid denies the agent to no other uid, nor a job
+its own client's finish; and a killed agent takes its isolated runs' jobs with it (watchdog).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import os
 import shutil
@@ -92,6 +95,7 @@ def agent(workdir: Path) -> Iterator[Agent]:
             "EVIDENCE_SOCKET_GID": str(NOBODY),
             "EVIDENCE_MAX_CONNECTIONS": str(TOTAL),
             "EVIDENCE_MAX_CONNECTIONS_PER_UID": str(PER_UID),
+            "EVIDENCE_HASH_RUN_BYTES": str(1 << 30),  # a run's 1 GiB: four of 250 MiB
         },
     )
     yield a
@@ -282,8 +286,20 @@ def test_idle_connections_are_bounded(agent: Agent) -> None:
         for s in extra:
             s.connect(str(agent.socket))
         time.sleep(0.3)
-        with pytest.raises(Exception, match="busy: .*max_connections"):
-            agent.client.runs()
+        # the connection of the request before is released once the agent has seen it closed: when
+        # that was after some of these were refused, a place is free, then taken by one more
+        for _ in range(3):
+            try:
+                agent.client.runs()
+            except Exception as e:
+                assert "busy: " in str(e) and "max_connections" in str(e), e
+                break
+            time.sleep(0.3)
+            extra.append(socket.socket(socket.AF_UNIX))
+            extra[-1].connect(str(agent.socket))
+            time.sleep(0.3)
+        else:
+            raise AssertionError("root was not refused past max_connections")
         for s in extra:
             s.close()
         assert _threads(agent.proc.pid) <= before + TOTAL + 2
@@ -328,3 +344,196 @@ def test_killed_agent_takes_its_isolated_jobs_with_it(tmp_path: Path, workdir: P
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+# As uid 65534: hold `argv[3]` connections (its uid's places), then connect in a loop (a blocking
+# connect: it waits for a place in a full backlog, as every client does) and keep the last 256 open,
+# counting them in `argv[2]` now and then, until killed.
+_FLOOD = r"""
+import collections, socket, sys
+path, report, hold = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held = []
+for _ in range(hold):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    held.append(s)
+n = 0
+last = collections.deque()
+while True:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        n += 1
+    except OSError:
+        pass
+    last.append(s)
+    if len(last) > 256:
+        last.popleft().close()
+    if n % 500 == 1:
+        with open(report, "w") as f:
+            f.write(str(n))
+"""
+
+
+def _runs(socket_path: Path, out: Path, n: int, as_who: list[str]) -> list[tuple[int, str]]:
+    """`evidence run --agent` n times, one after the other: (exit code, stderr) of each."""
+    got = []
+    for i in range(n):
+        bundle = out / f"run-{i}.tar.gz"
+        proc = subprocess.run(
+            [*as_who, sys.executable, "-m", "evidence", "run", "--agent", str(socket_path),
+             "--bundle", str(bundle), "--", "/bin/true"],
+            cwd=out, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        got.append((proc.returncode, proc.stderr.strip().splitlines()[-1:]))
+        assert proc.returncode != 0 or bundle.exists(), proc.stderr
+    return got
+
+
+def test_a_flood_of_connects_by_one_uid_does_not_deny_the_agent_to_the_others(workdir: Path) -> None:
+    # uid 65534 loops connects from 4 processes (past its places, each refused at once; a refusal
+    # took the agent 0.2 s, the backlog held 5, and the others' connect() failed with EAGAIN) while
+    # root and uid 65533 each record 20 runs through the agent: every one of theirs succeeds
+    d = Path(tempfile.mkdtemp(dir=workdir))
+    d.chmod(0o755)
+    other = 65533
+    agent = Agent(d, env={"EVIDENCE_ALLOWED_UIDS": f"{NOBODY},{other}", "EVIDENCE_SOCKET_GID": str(NOBODY)})
+    floods: list[subprocess.Popen[bytes]] = []
+    reports = d / "reports"
+    reports.mkdir(mode=0o777)
+    reports.chmod(0o777)
+    try:
+        for i in range(4):
+            floods.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _FLOOD, str(agent.socket), str(reports / str(i)), "4"],
+                    user=NOBODY,
+                    group=NOBODY,
+                    extra_groups=[],
+                )  # fmt: skip
+            )
+        deadline = time.monotonic() + 60
+        while not all((reports / str(i)).exists() for i in range(4)):  # every flood is under way
+            assert time.monotonic() < deadline and all(f.poll() is None for f in floods)
+            time.sleep(0.1)
+        outs = {uid: Path(tempfile.mkdtemp(dir=d)) for uid in (0, other)}
+        for uid, out in outs.items():
+            os.chown(out, uid, NOBODY)
+        as_other = ["setpriv", f"--reuid={other}", f"--regid={NOBODY}", "--clear-groups", "--"]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            theirs = pool.submit(_runs, agent.socket, outs[other], 20, as_other)
+            root = _runs(agent.socket, outs[0], 20, [])
+            other_runs = theirs.result()
+        assert all(f.poll() is None for f in floods)  # it flooded all along
+        counts = [int((reports / str(i)).read_text()) for i in range(4)]
+    finally:
+        for f in floods:
+            f.kill()
+            f.wait()
+    assert [rc for rc, _ in root] == [0] * 20, root
+    assert [rc for rc, _ in other_runs] == [0] * 20, other_runs
+    assert sum(counts) >= 2000, counts
+    busy = agent.metrics()['evidence_api_requests_total{code="503",route="busy"}']
+    assert busy > 0  # uid 65534 was past its places, and refused
+    assert agent.stop() == 0, agent.output()
+    assert "Traceback" not in agent.output()
+
+
+_FLOODING_JOB = r"""
+import os, subprocess, sys, time
+path, report = sys.argv[1], sys.argv[2]
+# a daemon of the job's (the same uid as its client): holds every place of the uid and floods
+daemon = subprocess.Popen([sys.executable, "-c", sys.argv[3], path, report, sys.argv[4]], start_new_session=True)
+with open(report + ".pid", "w") as f:
+    f.write(str(daemon.pid))
+while not os.path.exists(report):
+    time.sleep(0.01)
+"""
+
+
+def test_a_job_cannot_keep_its_own_client_from_finishing(agent: Agent, workdir: Path) -> None:
+    # the job fills its uid's places, floods connects from a daemon and exits: its client (the same
+    # uid) still finishes over the connection it started the run on, and the daemon goes with the run
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    out.chmod(0o777)
+    report = out / "flood"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle",
+         str(out / "job.tar.gz"), "--", sys.executable, "-c", _FLOODING_JOB, str(agent.socket), str(report),
+         _FLOOD, str(PER_UID)],
+        user=NOBODY, group=NOBODY, extra_groups=[], cwd=out, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert int(report.read_text()) >= 1  # the daemon held its uid's places, then flooded
+    manifest, _ = read_bundle(out / "job.tar.gz")
+    assert manifest["exit_code"] == 0
+    daemon = Path(f"/proc/{int((out / 'flood.pid').read_text())}")
+    assert not daemon.exists() or "Z" in (daemon / "stat").read_text().split(")")[1][:3], (
+        "the daemon lived on"
+    )
+
+
+def test_one_runs_many_large_programs_do_not_starve_another_runs_hashes(agent: Agent, workdir: Path) -> None:
+    # run A execs 200 programs of 250 MiB (sparse: /bin/true and zeros), each hashed afresh (~50 GB
+    # to read); meanwhile run B execs 20 new small programs: each of B's is hashed (before: the
+    # workers were A's for minutes and every exec of B was `not_hashed: timeout`); A's execs past
+    # its budget say `over_budget`, and a degradation says how many
+    d = Path(tempfile.mkdtemp(dir=workdir))
+    d.chmod(0o777)
+    big, small = d / "big", d / "small"
+    for dirname, n, size in ((big, 200, 250 << 20), (small, 20, 0)):
+        dirname.mkdir(mode=0o755)
+        for i in range(n):
+            prog = dirname / f"p{i:03d}"
+            shutil.copyfile("/bin/true", prog)
+            with open(prog, "ab") as f:
+                f.write(f"{dirname.name} {i}".encode())  # contents of its own: no cache hit
+                if size:
+                    f.truncate(size)
+            prog.chmod(0o755)
+    ran, go_on = d / "ran", d / "go-on"
+    a_job = f'for p in {big}/*; do "$p"; done; touch {ran}; while [ ! -e {go_on} ]; do sleep 0.05; done'
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    run = [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle"]
+    a = subprocess.Popen(
+        [*as_nobody, *run, str(d / "a.tar.gz"), "--", "/bin/sh", "-c", a_job],
+        cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ran.exists():
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()
+            time.sleep(0.05)
+        b = subprocess.run(
+            [*as_nobody, *run, str(d / "b.tar.gz"), "--", "/bin/sh", "-c", f'for p in {small}/*; do "$p"; done'],
+            cwd=d, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert b.returncode == 0, b.stderr
+    finally:
+        go_on.touch()
+        _, a_err = a.communicate(timeout=120)
+    assert a.returncode == 0, a_err
+    _, b_events = read_bundle(d / "b.tar.gz")
+    b_execs = [
+        e["data"] for e in of_type(b_events, "process.exec") if e["data"]["filename"].startswith(str(small))
+    ]
+    assert len(b_execs) == 20, b_execs
+    assert all("sha256" in x and "not_hashed" not in x for x in b_execs), b_execs
+    assert {x["sha256"] for x in b_execs} == {sha256_of(small / f"p{i:03d}") for i in range(20)}
+    a_manifest, a_events = read_bundle(d / "a.tar.gz")
+    a_execs = [
+        e["data"] for e in of_type(a_events, "process.exec") if e["data"]["filename"].startswith(str(big))
+    ]
+    assert len(a_execs) == 200
+    reasons = {x.get("not_hashed") for x in a_execs}
+    assert "over_budget" in reasons and reasons <= {None, "over_budget", "timeout"}, reasons
+    said = [e["data"] for e in of_type(a_events, "degradation") if e["data"]["component"] == "exe-hash"]
+    assert said and "not hashed" in said[0]["reason"], said
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -121,3 +121,33 @@ def test_downloads_exactly_content_length(serve) -> None:  # type: ignore[no-unt
     truncated, _ = serve(_answer("200 OK", blob[:1000], length=len(blob)))
     with pytest.raises(AgentError, match="mid-answer"):
         truncated.download("/runs/x/bundle", io.BytesIO())
+
+
+def test_a_full_backlog_is_waited_out_not_failed_at_once(tmp_path: Path) -> None:
+    # a listener that accepts nothing yet: its backlog (0: one connection) is full
+    path = tmp_path / "full.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(0)
+    first = socket.socket(socket.AF_UNIX)
+    first.connect(str(path))
+    with srv, first:
+        # nothing makes a place: after the wait, one line that says why (EAGAIN before, at once)
+        with pytest.raises(AgentUnreachable, match="busy: no place in its backlog"):
+            AgentClient(path, timeout=0.2).runs()
+        # a place is made while the client waits: it connects and is answered
+        answer = b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"runs": []}'
+
+        def accept_then_answer() -> None:
+            queued, _ = srv.accept()  # the first: a place in the backlog for the client's
+            queued.close()
+            conn, _ = srv.accept()
+            with conn:
+                while b"\r\n\r\n" not in conn.recv(65536):
+                    pass
+                conn.sendall(answer)
+
+        t = threading.Timer(0.2, accept_then_answer)
+        t.start()
+        assert AgentClient(path, timeout=30).runs() == []
+        t.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -288,3 +289,126 @@ def test_a_fifo_put_at_a_programs_path_is_never_opened_to_wait(
     fields, abi = got
     assert isinstance(fields, dict) and "sha256" not in fields and fields["not_hashed"]
     assert abi is None
+
+
+class GatedHasher(exe_hash.ExeHasher):
+    """Hashes nothing: records each file asked for and waits for its gate (a slow or stuck read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+        self.gates: dict[str, threading.Event] = {}
+        self.started = threading.Semaphore(0)
+
+    def lookup(self, pid: int, filename: str, ident: object = None) -> None:
+        return None
+
+    def hash_exec(self, pid: int, filename: str, ident: object = None) -> dict[str, object]:
+        self.asked.append(filename)
+        self.started.release()
+        self.gates.setdefault(filename, threading.Event()).wait(30)
+        self._read.n = 100  # as if it read 100 bytes
+        return {"sha256": "0" * 64, "size": 100, "hash_source": "exe"}
+
+    def open_gate(self, name: str) -> None:
+        self.gates.setdefault(name, threading.Event()).set()
+
+
+def test_runs_take_turns_one_file_each() -> None:
+    # run a queues five files, run b one: b's is hashed second, not after all of a's
+    h = GatedHasher()
+    hasher = exe_hash.Hasher(h, workers=1)
+    a, b = hasher.run("a"), hasher.run("b")
+    try:
+        pending = [a(1, f"a{i}") for i in range(5)]
+        assert h.started.acquire(timeout=30)  # a0 is being hashed
+        pending.append(b(2, "b0"))
+        for name in ["a0", "b0", "a1", "a2", "a3", "a4"]:
+            h.open_gate(name)
+        recs = [{"k": "exec", exe_hash.PENDING: p} for p in pending]
+        assert exe_hash.settle(recs, wait=True) == 6
+        assert h.asked == ["a0", "b0", "a1", "a2", "a3", "a4"]
+    finally:
+        hasher.close()
+
+
+def test_a_stuck_read_holds_back_only_its_own_run() -> None:
+    h = GatedHasher()
+    hasher = exe_hash.Hasher(h, workers=1)
+    hasher.STUCK = 0.0  # the one worker counts as stuck at once (its gate never opens)
+    a, b = hasher.run("a"), hasher.run("b")
+    try:
+        stuck = a(1, "fuse")
+        assert h.started.acquire(timeout=30)
+        also_a = a(1, "a1")  # waits behind its run's stuck file
+        h.open_gate("b0")
+        got = b(2, "b0")
+        assert isinstance(got, exe_hash.Pending)
+        assert got.future.result(timeout=30)["size"] == 100  # another worker took b's turn
+        assert h.asked == ["fuse", "b0"] and not also_a.ready() and not stuck.ready()
+    finally:
+        h.open_gate("fuse")
+        h.open_gate("a1")
+        hasher.close()
+
+
+def test_a_run_over_its_budget_says_what_it_did_not_hash(
+    env: tuple[FakeProc, exe_hash.ExeHasher, Path],
+) -> None:
+    proc, h, files = env
+    progs = []
+    for i in range(3):
+        prog = files / f"prog{i}"
+        prog.write_bytes(b"x" * (10 + i))  # distinct contents, sizes 10, 11, 12
+        proc.run(10 + i, prog)
+        progs.append(prog)
+    hasher = exe_hash.Hasher(h, budget=(15, 600.0))
+    run, other = hasher.run("big"), hasher.run("other")
+    try:
+        for i in range(2):  # 10 bytes, then 11: past 15 after the second
+            got = run(10 + i, str(progs[i]))
+            assert isinstance(got, exe_hash.Pending)
+            assert got.future.result(timeout=30)["size"] == 10 + i
+        assert run(12, str(progs[2])) == {"not_hashed": "over_budget", "size": 12}
+        assert run(10, str(progs[0]))["sha256"] == sha(b"x" * 10)  # a cache hit costs nothing
+        said = run.degradation()
+        assert said is not None and said["component"] == "exe-hash" and "1 program(s)" in said["reason"]
+        got = other(12, str(progs[2]))  # its own budget
+        assert isinstance(got, exe_hash.Pending) and got.future.result(timeout=30)["size"] == 12
+        assert other.degradation() is None
+    finally:
+        hasher.close()
+
+
+def test_a_file_whose_record_stopped_waiting_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = GatedHasher()
+    hasher = exe_hash.Hasher(h, workers=1)
+    run = hasher.run("a")
+    try:
+        first = run(1, "a0")
+        assert h.started.acquire(timeout=30)
+        monkeypatch.setattr(exe_hash, "HASH_SECONDS", 0.0)
+        late = run(1, "a1")  # its deadline has passed by the time its turn comes
+        h.open_gate("a0")
+        assert first.future.result(timeout=30)["size"] == 100
+        assert late.future.result(timeout=30) == {"not_hashed": "timeout"}
+        assert h.asked == ["a0"] and run.not_hashed["timeout"] == 1
+    finally:
+        hasher.close()
+
+
+def test_a_file_that_grows_while_hashed_is_read_one_byte_past_its_size(tmp_path: Path) -> None:
+    prog = tmp_path / "prog"
+    prog.write_bytes(b"abc")
+    h = exe_hash.ExeHasher()
+    fd = os.open(prog, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)  # its size when its hashing began
+        with open(prog, "ab") as f:
+            f.write(b"x" * (8 << 20))  # the job keeps writing to it
+        h.reset_read()
+        got = h._hash_fd(fd, st, "path")
+    finally:
+        os.close(fd)
+    assert (got.sha256, got.size) == (sha(b"abcx"), 4) and h.read_bytes() == 4
+    assert h._cache == {}  # not what the file is: not cached
