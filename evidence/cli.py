@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from evidence import __version__
-from evidence.errors import EXIT_ERROR, Error, SetupError
+from evidence.errors import AGENT_EXTRA, EXIT_ERROR, Error, extra_error
 
 logger = logging.getLogger("evidence")
 
@@ -87,24 +87,6 @@ def _setup_logging(verbose: int) -> None:
 
 
 # what the `agent` extra installs: a command that needs one of them says so in one line
-AGENT_EXTRA = frozenset({"cloudevents", "pydantic_settings", "pyroute2", "prometheus_client"})
-
-
-def _extra_error(command: str | None, missing: str) -> SetupError:
-    what = f"evidence {command}" if command else "this command"
-    return SetupError(
-        f"{what} needs the agent extra ({missing} is not installed): pip install 'evidence[agent]'"
-    )
-
-
-def require_agent_extra(command: str) -> None:
-    """Raise a one-line SetupError when a module of the `agent` extra is missing. The clients
-    (`start`, `finish`, `run --agent`) need none of it: they run in job containers."""
-    for name in sorted(AGENT_EXTRA):
-        if importlib.util.find_spec(name) is None:
-            raise _extra_error(command, name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     command = _command_of(argv)
@@ -112,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv, command)
     except ModuleNotFoundError as e:  # a safety net: commands check with require_agent_extra first
         if (e.name or "").partition(".")[0] in AGENT_EXTRA:
-            err = _extra_error(command, str(e.name))
+            err = extra_error(command, str(e.name))
             print(f"evidence: {err.diagnostics()}", file=sys.stderr)
             return err.exit_code
         raise

@@ -40,3 +40,25 @@ class SetupError(Error):
     """The recorder cannot run on this machine (missing privilege, kernel feature, headers)."""
 
     exit_code = EXIT_SETUP
+
+
+# the `agent` extra's modules (pyproject.toml): recording needs them, the verifier and the clients
+# (`start`, `finish`, `run --agent`) do not
+AGENT_EXTRA = frozenset({"cloudevents", "pydantic_settings", "pyroute2", "prometheus_client"})
+
+
+def extra_error(command: str | None, missing: str) -> SetupError:
+    what = f"evidence {command}" if command else "this command"
+    return SetupError(
+        f"{what} needs the agent extra ({missing} is not installed): pip install 'evidence[agent]'"
+    )
+
+
+def require_agent_extra(command: str) -> None:
+    """Raise a one-line SetupError when a module of the `agent` extra is missing. The clients
+    (`start`, `finish`, `run --agent`) need none of it: they run in job containers."""
+    import importlib.util
+
+    for name in sorted(AGENT_EXTRA):
+        if importlib.util.find_spec(name) is None:
+            raise extra_error(command, name)

@@ -22,7 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evidence.cli import require_agent_extra
+    from evidence.errors import require_agent_extra
 
     require_agent_extra("agent")
     from evidence.agent.daemon.settings import load_settings

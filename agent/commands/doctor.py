@@ -264,14 +264,3 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         print("ready to record" if ready else "NOT ready to record: fix the FAIL lines above")
     return 0 if ready else 1
-
-
-def capabilities_in_force() -> dict[str, Any]:
-    """The subset of checks worth keeping in a bundle's manifest."""
-    return {
-        "btf": kernel.BTF_PATH.exists(),
-        "lockdown": kernel.lockdown_mode(),
-        "landlock_abi": kernel.landlock_abi(),
-        "tracefs": str(kernel.TRACEFS),
-        "kprobes": (Path(kernel.TRACEFS) / "kprobe_events").exists(),
-    }

@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         from evidence.agent.commands.run_agent import run_via_agent
 
         return run_via_agent(args, command, labels)
-    from evidence.cli import require_agent_extra
+    from evidence.errors import require_agent_extra
 
     require_agent_extra("run")
     from evidence.agent.commands.run_standalone import StandaloneRun

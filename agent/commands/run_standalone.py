@@ -172,7 +172,7 @@ class StandaloneRun:
         # policy loaded and planned here (BCC itself is not thread-safe: the policy's own programs
         # are compiled afterwards)
         loading = _InThread(_load_probes)
-        from evidence.agent.commands.doctor import capabilities_in_force
+        from evidence.agent.recorder.kernel import capabilities_in_force
         from evidence.agent.recorder.launch import Launcher, Watchdog
         from evidence.agent.recorder.recording import Recorder
         from evidence.files import private_dir

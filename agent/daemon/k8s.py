@@ -17,7 +17,8 @@ Namespace and pod name come from the kubelet's log directory /var/log/pods/<ns>_
 (neither a namespace nor a pod name may contain `_`), and a container's name from the
 /var/log/containers/<pod>_<ns>_<container>-<id>.log links.
 
-Everything here is pure apart from `scan_tree`, `pod_metadata`, `container_name`, `DirWatch` and
+Which pod and container a cgroup path names is agent/recorder/pod_cgroups.py's (the recorder names
+records' containers with it too). Everything here is pure apart from `scan_tree`, `pod_metadata`, `container_name`, `DirWatch` and
 `KubeWatcher`, which read (and watch) directories they are given (tests pass a tree under tmp_path).
 """
 
@@ -37,41 +38,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from evidence.agent.recorder.pod_cgroups import KUBEPODS_ROOT, canonical_uid
+from evidence.agent.recorder.pod_cgroups import PodRef as PodRef  # (re-exported: the watcher's events)
+from evidence.agent.recorder.pod_cgroups import parse_cgroup_path as parse_cgroup_path
+
 logger = logging.getLogger(__name__)
 
-QoS = Literal["guaranteed", "burstable", "besteffort"]
-Runtime = Literal["containerd", "cri-o", "docker"]
 EventKind = Literal["pod-appeared", "pod-gone", "container-appeared", "container-gone"]
 
 DEFAULT_POD_LOGS = Path("/var/log/pods")
 DEFAULT_CONTAINER_LOGS = Path("/var/log/containers")
 
-# A pod UID is a UUID (API pods) or a 32-hex-digit hash (static pods, whose UID the kubelet derives).
-_UID = r"(?:[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})"
-_SYSTEMD_POD = re.compile(rf"(?:.*-)?kubepods(?:-(burstable|besteffort))?-pod({_UID})\.slice")
-_CGROUPFS_POD = re.compile(rf"pod({_UID})")
-_SYSTEMD_CONTAINER = re.compile(r"(cri-containerd|crio|docker)-([0-9a-f]{12,64})\.scope")
-_CGROUPFS_CONTAINER = re.compile(r"(?:(cri-containerd|crio|docker)-)?([0-9a-f]{12,64})")
-_RUNTIMES: dict[str, Runtime] = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
-_KUBEPODS_ROOT = re.compile(r"(?:kubepods|kubepods\.slice|.+-kubepods\.slice)")
 _QOS_DIR = re.compile(r"(?:burstable|besteffort|(?:.+-)?kubepods-(?:burstable|besteffort)\.slice)")
-
-
-@dataclasses.dataclass(frozen=True)
-class PodRef:
-    """Where a cgroup sits in the kubepods tree. `container_id` is None for the pod's own cgroup."""
-
-    qos: QoS
-    pod_uid: str  # canonical form, with '-' (as the API server shows it)
-    pod_path: str  # the pod's cgroup, relative to the cgroup2 mount, no leading '/'
-    container_id: str | None = None
-    runtime: Runtime | None = None  # None when the name does not say (cgroupfs driver, bare id)
-    container_path: str | None = None
-
-    @property
-    def path(self) -> str:
-        """The cgroup this reference names: the container's if there is one, else the pod's."""
-        return self.container_path or self.pod_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,57 +63,6 @@ class PodMeta:
 class KubeEvent:
     kind: EventKind
     ref: PodRef
-
-
-def _canonical_uid(raw: str) -> str:
-    return raw.replace("_", "-")
-
-
-def parse_cgroup_path(path: str) -> PodRef | None:
-    """PodRef for a cgroup path relative to the cgroup2 mount (a leading '/' is fine, as in
-    /proc/PID/cgroup), or None when the path is not inside a pod. Components below the container
-    (a container that made cgroups of its own) are ignored: the container is the one that owns them.
-    """
-    parts = [p for p in path.strip().split("/") if p]
-    for i, part in enumerate(parts):
-        qos: QoS
-        m = _SYSTEMD_POD.fullmatch(part)
-        if m:
-            qos = m.group(1) or "guaranteed"  # type: ignore[assignment]
-            uid = _canonical_uid(m.group(2))
-            container_re = _SYSTEMD_CONTAINER
-        else:
-            m = _CGROUPFS_POD.fullmatch(part)
-            if not m or i == 0:
-                continue
-            parent = parts[i - 1]
-            if parent in ("burstable", "besteffort"):
-                if i < 2 or not _KUBEPODS_ROOT.fullmatch(parts[i - 2]):
-                    continue
-                qos = parent  # type: ignore[assignment]
-            elif _KUBEPODS_ROOT.fullmatch(parent):
-                qos = "guaranteed"
-            else:
-                continue
-            uid = _canonical_uid(m.group(1))
-            container_re = _CGROUPFS_CONTAINER
-        pod_path = "/".join(parts[: i + 1])
-        if i + 1 < len(parts):
-            c = container_re.fullmatch(parts[i + 1])
-            if c is None:
-                # crio-conmon-<id>.scope and other helpers: inside the pod, but no container.
-                return PodRef(qos=qos, pod_uid=uid, pod_path=pod_path)
-            runtime = _RUNTIMES.get(c.group(1) or "")
-            return PodRef(
-                qos=qos,
-                pod_uid=uid,
-                pod_path=pod_path,
-                container_id=c.group(2),
-                runtime=runtime,
-                container_path="/".join(parts[: i + 2]),
-            )
-        return PodRef(qos=qos, pod_uid=uid, pod_path=pod_path)
-    return None
 
 
 def parse_proc_cgroup(text: str) -> str | None:
@@ -178,10 +105,10 @@ def _scan_pod(cgroup_root: Path, pod_dir: Path, ref: PodRef, found: dict[str, Po
 def _kubepods_roots(cgroup_root: Path) -> list[Path]:
     roots = []
     for d in _subdirs(cgroup_root):
-        if _KUBEPODS_ROOT.fullmatch(d.name):
+        if KUBEPODS_ROOT.fullmatch(d.name):
             roots.append(d)
         elif d.name.endswith(".slice") or d.name == "kubelet":
-            roots.extend(c for c in _subdirs(d) if _KUBEPODS_ROOT.fullmatch(c.name))
+            roots.extend(c for c in _subdirs(d) if KUBEPODS_ROOT.fullmatch(c.name))
     return sorted(roots)
 
 
@@ -199,7 +126,7 @@ def _rel(root: Path, p: Path) -> str:
 
 def pod_metadata(pod_uid: str, pods_root: Path = DEFAULT_POD_LOGS) -> PodMeta | None:
     """Namespace and name of a pod from the kubelet's log directory <ns>_<name>_<uid>, or None."""
-    uid = _canonical_uid(pod_uid)
+    uid = canonical_uid(pod_uid)
     try:
         with os.scandir(pods_root) as it:
             names = [e.name for e in it]

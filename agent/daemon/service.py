@@ -216,8 +216,8 @@ class Daemon:
 
     def _load_recorder(self, backend: Any, spool_dir: Path) -> Any:
         """Load the probes. A failure keeps the agent up with /readyz at 503 and the reason."""
-        from evidence.agent.commands.doctor import capabilities_in_force
         from evidence.agent.recorder import kernel
+        from evidence.agent.recorder.kernel import capabilities_in_force
         from evidence.agent.recorder.recording import Recorder
         from evidence.probes.headers import ensure_headers
 

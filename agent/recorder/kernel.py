@@ -12,6 +12,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from evidence.probes.objcache import TRACEFS as TRACEFS  # doctor reads it here
 
@@ -107,3 +108,14 @@ def lockdown_mode() -> str:
 def host_info() -> dict[str, str]:
     u = os.uname()
     return {"hostname": u.nodename, "kernel": u.release, "arch": u.machine}
+
+
+def capabilities_in_force() -> dict[str, Any]:
+    """The subset of `evidence doctor`'s checks worth keeping in a bundle's manifest."""
+    return {
+        "btf": BTF_PATH.exists(),
+        "lockdown": lockdown_mode(),
+        "landlock_abi": landlock_abi(),
+        "tracefs": str(TRACEFS),
+        "kprobes": (Path(TRACEFS) / "kprobe_events").exists(),
+    }

@@ -111,8 +111,8 @@ def cgroup_of(pid: int) -> str | None:
 
 def _container_namer(cgroup_path: Path) -> Any:
     """A nested cgroup's name (relative to the run's) -> the container id its scope name carries."""
-    from evidence.agent.daemon.k8s import parse_cgroup_path
     from evidence.agent.recorder.cgroups import find_cgroup2_mount
+    from evidence.agent.recorder.pod_cgroups import parse_cgroup_path
 
     try:
         base = str(cgroup_path.relative_to(find_cgroup2_mount()))
