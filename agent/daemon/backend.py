@@ -745,8 +745,8 @@ def filter_degradations(pid: int) -> tuple[list[dict[str, str]], str]:
     try:
         absent = seccomp_check.missing(seccomp_check.installed_filters(pid))
     except OSError as e:
-        if e.errno == errno.ESRCH:
-            raise UsageError(f"cannot isolate process {pid}: it has exited") from None
+        if e.errno in (errno.ESRCH, errno.ETIMEDOUT):
+            raise UsageError(f"cannot isolate process {pid}: {e.strerror}") from None
         logger.warning("cannot read the seccomp filters of process %d: %s", pid, e.strerror)
         return [
             {

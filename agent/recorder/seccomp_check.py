@@ -14,9 +14,12 @@ namespace, and an agent that runs under no seccomp filter itself (the kernel's c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import signal
+import time
 from collections.abc import Mapping, Sequence
 
 from evidence.policy import landlock_syscalls as ll
@@ -29,6 +32,7 @@ _PTRACE_INTERRUPT = 0x4207
 _PTRACE_SECCOMP_GET_FILTER = 0x420C
 _WALL = 0x40000000
 _MAX_FILTERS = 256
+STOP_SECONDS = 5.0  # how long a process may take to stop for the reading
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _ptrace = _libc.ptrace
@@ -67,7 +71,7 @@ def installed_filters(pid: int) -> list[list[Insn]]:
     _call(_PTRACE_SEIZE, pid, None, None)
     try:
         _call(_PTRACE_INTERRUPT, pid, None, None)
-        _, status = os.waitpid(pid, _WALL)
+        status = _stopped(pid)
         if not os.WIFSTOPPED(status):
             raise OSError(errno.ESRCH, "the process ended before its filters could be read")
         out: list[list[Insn]] = []
@@ -86,3 +90,22 @@ def installed_filters(pid: int) -> list[list[Insn]]:
         return out
     finally:
         _ptrace(_PTRACE_DETACH, pid, None, None)  # (fails only if it is gone)
+
+
+def _stopped(pid: int, timeout: float | None = None) -> int:
+    """The wait status of seized process `pid` once it stops (or ends). One that does not stop in
+    time (held in an uninterruptible wait, e.g. on a FUSE file of its client's) is killed: it is
+    the command's process, not started yet, and a traced process left running would stop for good
+    later with nobody to let it go. Raises OSError(ETIMEDOUT) then."""
+    deadline = time.monotonic() + (STOP_SECONDS if timeout is None else timeout)
+    while True:
+        got, status = os.waitpid(pid, _WALL | os.WNOHANG)
+        if got == pid:
+            return status
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, _WALL)  # its end, reported to us as its tracer
+    raise OSError(errno.ETIMEDOUT, "the process did not stop to have its filters read: killed")

@@ -4,6 +4,7 @@ interpreter of the four instructions they use: what they refuse and what they le
 from __future__ import annotations
 
 import errno
+import os
 import struct
 
 from evidence.policy import landlock_syscalls as ll
@@ -80,3 +81,19 @@ def test_a_filter_counts_only_when_it_is_exactly_evidences() -> None:
     tampered = [*ll.compat_filter()]
     tampered[7] = (0x06, 0, 0, ALLOW)
     assert sc.missing([tampered, *ours[1:]]) == ["32-bit system calls"]
+
+
+def test_a_process_that_does_not_stop_in_time_is_killed_not_left_traced() -> None:
+    """seccomp_check._stopped: the wait for a seized process to stop is bounded (one held in an
+    uninterruptible wait never stops); past it the process, not started yet, is killed."""
+    import subprocess
+
+    import pytest
+
+    from evidence.agent.recorder import seccomp_check as sc
+
+    p = subprocess.Popen(["sleep", "30"])  # never stops: nothing asked it to
+    with pytest.raises(OSError, match="did not stop"):
+        sc._stopped(p.pid, timeout=0.05)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(p.pid, os.WNOHANG)  # killed and reaped already
