@@ -350,7 +350,7 @@ def test_killed_agent_takes_its_isolated_jobs_with_it(tmp_path: Path, workdir: P
 # connect: it waits for a place in a full backlog, as every client does) and keep the last 256 open,
 # counting them in `argv[2]` now and then, until killed.
 _FLOOD = r"""
-import collections, socket, sys
+import collections, os, socket, sys
 path, report, hold = sys.argv[1], sys.argv[2], int(sys.argv[3])
 held = []
 for _ in range(hold):
@@ -369,9 +369,10 @@ while True:
     last.append(s)
     if len(last) > 256:
         last.popleft().close()
-    if n % 500 == 1:
-        with open(report, "w") as f:
+    if n % 500 == 1:  # whole or not at all: the test reads it while the flood goes on
+        with open(report + ".tmp", "w") as f:
             f.write(str(n))
+        os.replace(report + ".tmp", report)
 """
 
 
@@ -446,7 +447,7 @@ path, report = sys.argv[1], sys.argv[2]
 daemon = subprocess.Popen([sys.executable, "-c", sys.argv[3], path, report, sys.argv[4]], start_new_session=True)
 with open(report + ".pid", "w") as f:
     f.write(str(daemon.pid))
-while not os.path.exists(report):
+while not os.path.exists(report) or not os.path.getsize(report):  # made, then written: wait for both
     time.sleep(0.01)
 """
 
