@@ -31,6 +31,8 @@ cd "$1"
 for i in 1 2 3; do
   cp /usr/bin/sleep prog$i
   ./prog$i 0.5 &
+  # the FIFO goes over the program once it runs (before, the exec could lose the race and fail)
+  until [ "$(readlink /proc/$!/exe)" = "$PWD/prog$i" ]; do :; done
   mkfifo f$i && mv -f f$i prog$i
 done
 wait
