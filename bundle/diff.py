@@ -63,7 +63,7 @@ from typing import Any
 
 from evidence.bundle import format as fmt
 from evidence.bundle import reader
-from evidence.bundle.normalize import Normalizer
+from evidence.bundle.normalize import Normalizer, ip_of
 from evidence.bundle.text import join_lines
 from evidence.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 from evidence.files import atomic_write
@@ -118,12 +118,9 @@ def address_scope(address: str) -> str:
     connect to this host), "link-local" (169.254/16, fe80::/10), "private" (RFC 1918, 100.64/10,
     fc00::/7 and the other ranges Python calls private), "public", or "other" (multicast, not an
     address). An IPv4-mapped IPv6 address is its IPv4 address's."""
-    try:
-        addr = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
+    addr = ip_of(address)
+    if addr is None:
         return "other"
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
     if addr.is_loopback or addr.is_unspecified:
         return "loopback"
     if addr.is_link_local:

@@ -14,6 +14,7 @@ Rules, applied in order:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 
@@ -48,3 +49,20 @@ class Normalizer:
 
     def argv(self, argv: Iterable[str]) -> list[str]:
         return [self.text(a) for a in argv]
+
+
+def ip_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address without its zone, an IPv4-mapped IPv6 one as its IPv4 address; None: not one."""
+    try:
+        addr = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def canonical_address(address: str) -> str:
+    """An address as the tables of names key it (ip_of), or as it is when it is not one."""
+    addr = ip_of(address)
+    return address if addr is None else str(addr)

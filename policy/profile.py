@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from evidence.bundle.format import has_dotdot
+from evidence.bundle.normalize import canonical_address
 from evidence.bundle.text import printable
 from evidence.errors import EXIT_OK, UsageError
 from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
@@ -164,7 +165,7 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
             credited = data.get("configured_resolver") is True and not data.get("unsolicited")
             if credited and data.get("result") == "NOERROR" and isinstance(name, str) and is_host_name(name):
                 act.resolved.setdefault(name, set()).update(
-                    _canonical(a) for a in data.get("addresses") or []
+                    canonical_address(a) for a in data.get("addresses") or []
                 )
         elif etype == POLICY_DENIAL and data.get("enforced") is False:
             dry_denials.append(data)  # after the pass: its open may come later at the same time
@@ -254,17 +255,6 @@ def _minimal(entries: Iterable[str], variables: dict[str, str]) -> list[str]:
     return sorted(out, key=lambda t: (not t.startswith("/"), t))
 
 
-def _canonical(address: str) -> str:
-    """An address as the names table keys it: IPv4-mapped IPv6 as IPv4, no zone."""
-    try:
-        addr = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
-        return address
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return str(addr)
-
-
 def _net_entries(act: Activity) -> list[str]:
     """The net.allow entries of the run's connects: by the names the run looked up where its DNS
     answers gave the address, else by address."""
@@ -274,7 +264,7 @@ def _net_entries(act: Activity) -> list[str]:
             names_of.setdefault(a, set()).add(name)
     out: set[str] = set()
     for address, port in act.connects:
-        names = names_of.get(_canonical(address))
+        names = names_of.get(canonical_address(address))
         if names:
             out.update(f"{n}:{port}" if port else n for n in names)
         else:

@@ -21,13 +21,13 @@ of the name asked for (`names_of`), one from any other server only as `other_nam
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from evidence.agent.recorder.decode import F_OTHER_NS
+from evidence.bundle.normalize import canonical_address
 from evidence.bundle.record_types import DnsRecord
 
 if TYPE_CHECKING:
@@ -144,17 +144,6 @@ def owner_names(msg: Message, address: str) -> list[str]:
     return sorted(names[: last + 1])
 
 
-def canonical(address: str) -> str:
-    """An address as the tables key it: IPv4-mapped IPv6 as IPv4, no zone."""
-    try:
-        addr = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
-        return address
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return str(addr)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Delivery:
     """A UDP datagram the kernel delivered to a socket: where from, and its first bytes."""
@@ -219,7 +208,7 @@ class Deliveries:
         cookie = ev["cookie"]
         if not cookie:
             return
-        source, port = canonical(ev["address"]), ev["port"]
+        source, port = canonical_address(ev["address"]), ev["port"]
         if ev["proto"] == 17:
             got = self.udp.pop(cookie, None) or deque()
             got.append(Delivery(source, port, ev["payload"][:MAX_MESSAGE], ev["ret"]))
@@ -325,11 +314,11 @@ class Resolutions:
 
     def configure(self, resolvers: Iterable[str]) -> None:
         """The run's configured resolvers (the nameservers of its /etc/resolv.conf)."""
-        self.resolvers = frozenset(canonical(a) for a in resolvers)
+        self.resolvers = frozenset(canonical_address(a) for a in resolvers)
 
     def configured(self, address: str, port: int | None) -> bool:
         """Whether `address`, `port` is one of the run's configured resolvers."""
-        return port == 53 and canonical(address) in self.resolvers
+        return port == 53 and canonical_address(address) in self.resolvers
 
     def feed(self, ev: DnsEvent, t: int, pid: int, ppid: int, exe: str | None) -> list[DnsRecord]:
         """A decoded `dns` record sent or received by process `pid` (its parent `ppid`, its program
@@ -356,7 +345,7 @@ class Resolutions:
     def _query(
         self, ev: DnsEvent, msg: Message, t: int, pid: int, ppid: int, exe: str | None
     ) -> list[DnsRecord]:
-        server = canonical(ev["address"])
+        server = canonical_address(ev["address"])
         key = (ev["sock"], server, ev["port"], msg.id, msg.name, msg.type)
         if key in self.pending:  # sent again (a retry): the first one is kept
             return []
@@ -412,16 +401,16 @@ class Resolutions:
     def names_of(self, address: str) -> list[str] | None:
         """The names the run's configured resolvers gave `address` in answers to its queries (an
         IPv4-mapped IPv6 address is looked up as IPv4), None when none did."""
-        found = self.names.get(canonical(address))
+        found = self.names.get(canonical_address(address))
         return list(found) if found else None
 
     def other_names_of(self, address: str) -> list[str] | None:
         """The names other servers gave `address` in answers to the run's queries, None when none
         did (those that a configured resolver gave it too are left out)."""
-        found = self.other_names.get(canonical(address))
+        found = self.other_names.get(canonical_address(address))
         if not found:
             return None
-        mine = set(self.names.get(canonical(address)) or ())
+        mine = set(self.names.get(canonical_address(address)) or ())
         return [n for n in found if n not in mine] or None
 
     def flush(self) -> list[DnsRecord]:
