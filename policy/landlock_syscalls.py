@@ -236,10 +236,15 @@ def _install(insns: list[Insn]) -> None:
         raise _errno_error("prctl(PR_SET_SECCOMP)")
 
 
+def io_uring_filter() -> list[Insn]:
+    """Refuses (EPERM) io_uring_setup on every architecture the kernel may run."""
+    return deny_filter(_IO_URING_SETUP)
+
+
 def deny_io_uring() -> None:
-    """Install deny_filter(io_uring_setup) on the calling process (kept across exec, inherited,
-    cannot be removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
-    _install(deny_filter(_IO_URING_SETUP))
+    """Install io_uring_filter() on the calling process (kept across exec, inherited, cannot be
+    removed). Needs no_new_privs, or CAP_SYS_ADMIN."""
+    _install(io_uring_filter())
 
 
 def deny_tty_injection() -> None:

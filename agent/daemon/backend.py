@@ -763,18 +763,9 @@ def filter_degradations(pid: int) -> tuple[list[dict[str, str]], str]:
             "component": "isolation",
             "reason": f"the command's process does not run under evidence's seccomp filter for {name}: its "
             "client did not install it (not `evidence run --agent`, or an older one)",
-            "impact": _UNFILTERED_IMPACT[seccomp_check.EXPECTED[name][0]],
+            "impact": seccomp_check.EXPECTED[name][1],
         }
         for name in absent
     ]
     refused = "32-bit system calls" not in absent
     return out, COMPAT_REFUSED if refused else "not refused, not recorded (no filter: see the degradation)"
-
-
-_UNFILTERED_IMPACT = {
-    "compat": "the kernel's syscall tracepoints skip 32-bit (i386, x32) system calls: what the job did through "
-    "them (opens, writes, execs, connects) is not recorded",
-    "io_uring": "io_uring operations (open, write, connect) run without system calls: what the job did "
-    "through them is not recorded",
-    "tty": "the job could type into the terminal it shares with its client (TIOCSTI)",
-}

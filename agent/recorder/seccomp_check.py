@@ -40,11 +40,23 @@ _ptrace.restype = ctypes.c_long
 _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
-# what each filter keeps from the job, by the name a degradation gives it
-EXPECTED: Mapping[str, tuple[str, list[Insn]]] = {
-    "32-bit system calls": ("compat", ll.compat_filter()),
-    "io_uring": ("io_uring", ll.deny_filter(ll._IO_URING_SETUP)),
-    "terminal injection (TIOCSTI, TIOCLINUX)": ("tty", ll.tty_filter()),
+# evidence's filters, by the name a degradation gives each: its program, and what the job can do
+# unrecorded (or to its client) when its process does not run under it
+EXPECTED: Mapping[str, tuple[list[Insn], str]] = {
+    "32-bit system calls": (
+        ll.compat_filter(),
+        "the kernel's syscall tracepoints skip 32-bit (i386, x32) system calls: what the job did through "
+        "them (opens, writes, execs, connects) is not recorded",
+    ),
+    "io_uring": (
+        ll.io_uring_filter(),
+        "io_uring operations (open, write, connect) run without system calls: what the job did "
+        "through them is not recorded",
+    ),
+    "terminal injection (TIOCSTI, TIOCLINUX)": (
+        ll.tty_filter(),
+        "the job could type into the terminal it shares with its client (TIOCSTI)",
+    ),
 }
 
 
@@ -53,7 +65,7 @@ def missing(installed: Sequence[Sequence[Insn]]) -> list[str]:
     counts only when its instructions are exactly ours (more filters of the job's own are fine:
     seccomp applies every one, and the most restrictive answer wins)."""
     have = {tuple(tuple(i) for i in f) for f in installed}
-    return [name for name, (_, prog) in EXPECTED.items() if tuple(prog) not in have]
+    return [name for name, (prog, _) in EXPECTED.items() if tuple(prog) not in have]
 
 
 def _call(request: int, pid: int, addr: int | None, data: object) -> int:

@@ -70,7 +70,7 @@ def test_a_filter_counts_only_when_it_is_exactly_evidences() -> None:
     """seccomp_check.missing: the agent's reading of a client's child's filters (newest first)."""
     from evidence.agent.recorder import seccomp_check as sc
 
-    ours = [ll.compat_filter(), ll.deny_filter(ll._IO_URING_SETUP), ll.tty_filter()]
+    ours = [ll.compat_filter(), ll.io_uring_filter(), ll.tty_filter()]
     assert sc.missing(ours) == []
     assert sc.missing([*ours, [(0x06, 0, 0, ALLOW)]]) == []  # a filter of the job's own as well
     assert sc.missing([]) == list(sc.EXPECTED)
