@@ -11,7 +11,7 @@ from evidence import __version__
 from evidence.bundle.text import join_lines
 
 if TYPE_CHECKING:  # the types only: lint imports this module, not the other way round
-    from evidence.bundle.lint import Finding, Rule, Signature
+    from evidence.bundle.lint_rules import Finding, Rule, Signature
 
 SEVERITIES = ("error", "warning", "note")  # SARIF levels, most severe first
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"

@@ -3,20 +3,20 @@
 The process tree (from process.exec pid/ppid), files grouped by access, network destinations,
 denials, loss and the exit code. Sections list at most --limit entries (0: all). This module sums
 the bundle up and writes the text; `show_markdown` (for $GITHUB_STEP_SUMMARY) and `show_html` (one
-self-contained page, with lint's findings) render the same summary.
+self-contained page, with lint's findings) render the same summary; the command is
+bundle/commands/show.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from evidence.bundle import format as fmt
 from evidence.bundle import lint, reader
+from evidence.bundle.lint_rules import Finding
 from evidence.bundle.text import join_lines
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class _BothStart:
 class Linted:
     """lint's verdict, found in the same pass as the summary."""
 
-    findings: list[lint.Finding]
+    findings: list[Finding]
     dropped: int
     keyids: tuple[str, ...] = ()  # the keys the bundle is signed by (its signature not checked here)
 
@@ -406,32 +406,3 @@ def render(s: Summary, limit: int = 50) -> str:
             f"({s.untracked} events beyond {MAX_TRACKED} distinct entries per section are not listed)",
         ]
     return join_lines(out)
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="the bundle (.tar.gz) to summarise")
-    parser.add_argument("--limit", type=int, default=50, help="entries per section (default 50, 0: all)")
-    parser.add_argument(
-        "--format",
-        choices=("text", "markdown", "html"),
-        default="text",
-        help="text (default); markdown (for $GITHUB_STEP_SUMMARY); html (one self-contained page, "
-        "with lint's findings)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    limit = max(0, args.limit)
-    if args.format == "text":
-        sys.stdout.write(render(summarise(args.bundle), limit))
-        return 0
-    summary, linted = summarise_and_lint(args.bundle)
-    if args.format == "markdown":
-        from evidence.bundle import show_markdown
-
-        sys.stdout.write(show_markdown.render(summary, linted, limit))
-    else:
-        from evidence.bundle import show_html
-
-        sys.stdout.write(show_html.render(summary, linted, limit, path=args.bundle))
-    return 0

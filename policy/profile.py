@@ -28,24 +28,21 @@ connects are kept: an address is not a path.
 When any program was executed, /lib and /lib64 join the exec list: the kernel opens the dynamic
 loader itself, which leaves no open event. The deny list is the shipped default's secret paths,
 except those the run did touch. The result is checked with the policy's own evaluation before it is
-printed: every recorded access must be allowed by it.
+printed: every recorded access must be allowed by it. The command is bundle/commands/profile.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from evidence.bundle.format import has_dotdot
 from evidence.bundle.normalize import canonical_address
 from evidence.bundle.text import printable
-from evidence.errors import EXIT_OK, UsageError
 from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
 
 logger = logging.getLogger(__name__)
@@ -88,16 +85,6 @@ PROCESS_EXEC = "dev.evidence.process.exec"
 NETWORK_CONNECT = "dev.evidence.network.connect"
 NETWORK_DNS = "dev.evidence.network.dns"
 POLICY_DENIAL = "dev.evidence.policy.denial"
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="the bundle of a recorded run")
-    parser.add_argument(
-        "--workspace", help="the run's workspace (default: from the bundle's policy, else its cwd)"
-    )
-    parser.add_argument("--tmpdir", help="the run's private tmp (default: from the bundle's policy)")
-    parser.add_argument("--home", help="the home directory of the run (default: from the bundle's policy)")
-    parser.add_argument("-o", "--output", help="write the policy here instead of standard output")
 
 
 class Activity:
@@ -402,21 +389,3 @@ def _blocking_denies(policy: Policy, act: Activity) -> set[int]:
         if d is not None:  # pragma: no cover - every connect has its own allow entry
             raise AssertionError(f"profile does not allow connect {addr}:{port}: {d.rule}")
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    from evidence.bundle.reader import read_events, read_manifest
-
-    try:
-        manifest = read_manifest(args.bundle)
-    except OSError as e:
-        raise UsageError(f"{args.bundle}: {e.strerror or e}") from None
-    text, _ = build_profile(
-        manifest, read_events(args.bundle), workspace=args.workspace, tmpdir=args.tmpdir, home=args.home
-    )
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return EXIT_OK
