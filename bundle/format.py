@@ -1,4 +1,5 @@
-"""The bundle format: names, event types, data models, hashes and the run id.
+"""The bundle format: names, event types, data models, limits and hashes (the events' content
+hashes, the root hash). The run id is not made here: bundle/run_id.py computes it (the writer asks).
 
 docs/bundle-format.md is the prose version of this module; bundle/schemas/ holds the JSON Schemas
 generated from the models here (`python -m bundle.schemas` rewrites them, a test checks they match).
