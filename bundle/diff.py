@@ -54,7 +54,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from evidence.bundle import diff_keys
 from evidence.bundle.diff_keys import ACCESS, LOCAL, SCOPES, Keys, NetKey, Side
@@ -320,8 +320,20 @@ def render_text(a: Side, b: Side, changes: list[Change]) -> str:
     return join_lines(out)
 
 
+class SideJSON(TypedDict):
+    """A side (`a`, `b`) in `diff --format json`."""
+
+    bundle: str
+    run_id: str
+    events: int
+    lost: int
+    lost_by_kind: dict[str, int]
+    exit: str
+    events_other_mntns: int
+
+
 def render_json(a: Side, b: Side, changes: list[Change], code: int, ignore: list[str]) -> str:
-    def side(x: Side) -> dict[str, Any]:
+    def side(x: Side) -> SideJSON:
         return {
             "bundle": x.path,
             "run_id": x.run_id,

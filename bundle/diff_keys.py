@@ -25,6 +25,7 @@ from typing import Any
 from evidence.bundle import format as fmt
 from evidence.bundle import reader
 from evidence.bundle.normalize import Normalizer, ip_of
+from evidence.bundle.read_types import ManifestJSON
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Side:
         return Keys(self.execs, self.hashes, self.files, self.network, self.denials, self.scopes)
 
 
-def roots(manifest: dict[str, Any]) -> dict[str, str]:
+def roots(manifest: ManifestJSON) -> dict[str, str]:
     policy = manifest.get("policy") or {}
     out = {"${WORKSPACE}": str(policy.get("workspace") or manifest["cwd"])}
     if policy.get("tmpdir"):

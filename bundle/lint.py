@@ -40,6 +40,7 @@ from evidence.bundle.lint_rules import (
     redact,
 )
 from evidence.bundle.normalize import Normalizer
+from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.errors import EXIT_FINDINGS, EXIT_OK
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Linter:
     on the events before a piece is settled in `take`: a finding seen before only gains a count, and
     the clock rule compares each event's time with the latest time before it in the whole run."""
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
+    def __init__(self, manifest: ManifestJSON) -> None:
         self.manifest = manifest
         self.rules = _Rules(manifest)
         self.start: Callable[[int], _Part] = self.rules.part
@@ -166,7 +167,7 @@ class _Rules:
     """What the per-event rules need to know of the run (it pickles: the reader may send it to its
     helper process)."""
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
+    def __init__(self, manifest: ManifestJSON) -> None:
         policy = manifest.get("policy") or {}
         self.observe_only = manifest.get("policy") is None
         self.workspace = str(policy.get("workspace") or manifest["cwd"]).rstrip("/") or "/"
@@ -203,7 +204,7 @@ class _Part:
         self.cut_short = False
         self.lost_events = 0
         self.plain = rules.plain
-        self._dispatch: dict[str, Callable[[dict[str, Any]], None]] = {
+        self._dispatch: dict[str, Callable[[EventJSON], None]] = {
             fmt.RUN_STARTED: self._started,
             fmt.RUN_FINISHED: self._finished,
             fmt.PROCESS_EXEC: self._exec,
@@ -239,7 +240,7 @@ class _Part:
         in_order = sorted(times)
         return in_order[0], in_order[-1], times == in_order, lambda: times
 
-    def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
+    def add(self, code: str, message: str, key: str, ev: EventJSON) -> None:
         k = (code, key)
         f = self.found.get(k)
         if f is not None:
@@ -247,7 +248,7 @@ class _Part:
         else:
             self.found[k] = Finding(RULES[code], message, key, ev["id"], ev["seq"])
 
-    def feed(self, ev: dict[str, Any]) -> None:
+    def feed(self, ev: EventJSON) -> None:
         data = ev["data"]
         self.times.append(data.get("first_time", ev["time"]) if type(data) is dict else ev["time"])
         subject = ev["subject"]
@@ -261,7 +262,7 @@ class _Part:
 
     # -- rules
 
-    def _text(self, text: str, where: str, ev: dict[str, Any]) -> None:
+    def _text(self, text: str, where: str, ev: EventJSON) -> None:
         """Looks for a secret in `text` (a subject, a path), unless it is known to hold none."""
         plain = self.plain
         if text in plain:
@@ -271,7 +272,7 @@ class _Part:
         elif len(plain) < MAX_PLAIN and len(text) <= MAX_PLAIN_LEN:
             plain.add(text)
 
-    def _secrets(self, text: str, where: str, ev: dict[str, Any]) -> None:
+    def _secrets(self, text: str, where: str, ev: EventJSON) -> None:
         for kind, rx in SECRETS:
             m = rx.search(text)
             if m:
@@ -285,20 +286,20 @@ class _Part:
                 )
                 return
 
-    def _argv(self, argv: list[str], where: str, ev: dict[str, Any]) -> None:
+    def _argv(self, argv: list[str], where: str, ev: EventJSON) -> None:
         joined = " ".join(argv)
         if maybe_secret(joined):
             self._secrets(joined, where, ev)
 
-    def _started(self, ev: dict[str, Any]) -> None:
+    def _started(self, ev: EventJSON) -> None:
         self._argv(ev["data"]["command"], "the run's command", ev)
 
-    def _finished(self, ev: dict[str, Any]) -> None:
+    def _finished(self, ev: EventJSON) -> None:
         self.finished = True
         if ev["data"].get("cut_short"):
             self.cut_short = True
 
-    def _exec(self, ev: dict[str, Any]) -> None:
+    def _exec(self, ev: EventJSON) -> None:
         d = ev["data"]
         self._argv(d["argv"], "argv", ev)
         filename = d["filename"]
@@ -318,7 +319,7 @@ class _Part:
                 how = f" (the interpreter of {filename})"
                 self._program(interp, how, d.get("interpreter_sha256"), d.get("interpreter_not_hashed"), ev)
 
-    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: dict[str, Any]) -> None:
+    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: EventJSON) -> None:
         """EV006 and EV009 for a program that ran (`filename`, absolute: the exec's file, or a #!
         script's interpreter, said in `how`)."""
         rules = self.rules
@@ -349,7 +350,7 @@ class _Part:
                 ev,
             )
 
-    def _open(self, ev: dict[str, Any]) -> None:
+    def _open(self, ev: EventJSON) -> None:
         d = ev["data"]
         path = d["path"]
         plain = self.plain
@@ -375,7 +376,7 @@ class _Part:
         elif d.get("nlink"):
             self._other_names(path, f"wrote {path} ({'+'.join(access)})", ev)
 
-    def _other_names(self, path: str, what: str, ev: dict[str, Any]) -> None:
+    def _other_names(self, path: str, what: str, ev: EventJSON) -> None:
         """EV004 for a write to a file that has other names (its link count, `nlink`): a hard link
         (made in an earlier run, say, in /tmp or the workspace) writes what the other names name,
         and they may be outside the workspace."""
@@ -388,7 +389,7 @@ class _Part:
             ev,
         )
 
-    def _change(self, ev: dict[str, Any]) -> None:
+    def _change(self, ev: EventJSON) -> None:
         d = ev["data"]
         op = d["operation"]
         names = [d["path"]] + ([d["target"]] if d.get("target") is not None and op != "symlink" else [])
@@ -420,7 +421,7 @@ class _Part:
             elif d.get("nlink"):  # the file changed (truncate, chmod, chown) has other names
                 self._other_names(path, f"changed {path} ({op})", ev)
 
-    def _connect(self, ev: dict[str, Any]) -> None:
+    def _connect(self, ev: EventJSON) -> None:
         rules = self.rules
         if not rules.observe_only:
             return
@@ -449,10 +450,10 @@ class _Part:
                 ev,
             )
 
-    def _loss(self, ev: dict[str, Any]) -> None:
+    def _loss(self, ev: EventJSON) -> None:
         self.lost_events += ev["data"]["count"]
 
-    def _degradation(self, ev: dict[str, Any]) -> None:
+    def _degradation(self, ev: EventJSON) -> None:
         d = ev["data"]
         if d["component"] == claims.COMPONENT:  # the recorder compared the claim with the kernel's
             self.add("EV014", f"the run's command is not as claimed: {d['reason']}", "command", ev)
@@ -464,7 +465,7 @@ class _Part:
             ev,
         )
 
-    def _denial(self, ev: dict[str, Any]) -> None:
+    def _denial(self, ev: EventJSON) -> None:
         d = ev["data"]
         target = d["target"]
         if d["operation"] == "syscall" and d["rule"] == fmt.COMPAT_RULE:
@@ -474,7 +475,7 @@ class _Part:
         if target != ev["subject"]:
             self._text(target, "path", ev)
 
-    def _namespace(self, ev: dict[str, Any]) -> None:
+    def _namespace(self, ev: EventJSON) -> None:
         d = ev["data"]
         op = d["operation"]
         exe = d.get("exe") or "?"
@@ -511,7 +512,7 @@ class _Part:
             ev,
         )
 
-    def _dns(self, ev: dict[str, Any]) -> None:
+    def _dns(self, ev: EventJSON) -> None:
         d = ev["data"]
         if d.get("malformed"):
             return
@@ -541,7 +542,7 @@ class _Part:
             ev,
         )
 
-    def _other_ns(self, ev: dict[str, Any]) -> None:
+    def _other_ns(self, ev: EventJSON) -> None:
         d = ev["data"]
         kind = ev["type"].removeprefix(fmt.TYPE_PREFIX)
         exe = d.get("exe") or d.get("filename") or "?"
@@ -553,11 +554,11 @@ class _Part:
             ev,
         )
 
-    def _inventory(self, ev: dict[str, Any]) -> None:
+    def _inventory(self, ev: EventJSON) -> None:
         self._argv(ev["data"]["argv"], "argv", ev)
 
 
-def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
+def lint(path: str) -> tuple[ManifestJSON, list[Finding], int]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS).
     Raises reader.VerificationError (exit 2) if the bundle fails verification."""
     manifest, findings, dropped, _ = lint_signed(path)
@@ -566,7 +567,7 @@ def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
 
 def lint_signed(
     path: str, key: Ed25519PublicKey | None = None, *, require_signature: bool = False
-) -> tuple[dict[str, Any], list[Finding], int, Signature]:
+) -> tuple[ManifestJSON, list[Finding], int, Signature]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS, signature).
     Raises reader.VerificationError (exit 2) if the bundle fails verification, and, with a `key`,
     if it is not signed by that key; with `require_signature`, if it is not signed."""

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import logging
 import re
-from typing import Any
+from typing import TypedDict
 
 from evidence.errors import UsageError
 
@@ -214,6 +214,27 @@ def maybe_secret(s: str) -> bool:
     )
 
 
+class FindingJSON(TypedDict):
+    """A finding in `lint --format json` (docs/bundle-format.md)."""
+
+    rule: str
+    name: str
+    severity: str
+    message: str
+    event_id: str | None
+    seq: int | None
+    count: int
+    fingerprint: str
+
+
+class SignatureJSON(TypedDict):
+    """What `lint --format json` says of the signature."""
+
+    signed: bool
+    keyids: list[str]
+    verified_keyid: str | None
+
+
 @dataclasses.dataclass
 class Finding:
     rule: Rule
@@ -227,7 +248,7 @@ class Finding:
     def fingerprint(self) -> str:
         return hashlib.sha256(f"{self.rule.code}\0{self.key}".encode()).hexdigest()
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> FindingJSON:
         return {
             "rule": self.rule.code,
             "name": self.rule.name,
@@ -255,7 +276,7 @@ class Signature:
             return f"signature verified: signed by keyid {self.checked}"
         return f"note: signed by keyid {', '.join(self.keyids)} (signature not checked: give --key KEY.pub)"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> SignatureJSON:
         return {"signed": bool(self.keyids), "keyids": list(self.keyids), "verified_keyid": self.checked}
 
 

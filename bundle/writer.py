@@ -44,6 +44,7 @@ from evidence.files import atomic_write
 
 if TYPE_CHECKING:
     from evidence.bundle import attestation
+    from evidence.bundle.read_types import ManifestJSON
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +389,7 @@ class _EventSink:
         return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
 
 
-def _head(meta: RunMeta) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
+def _head(meta: RunMeta) -> Iterator[Event]:
     argv0 = meta.command[0] if meta.command else ""
     yield (
         fmt.RUN_STARTED,
@@ -408,7 +409,7 @@ def _head(meta: RunMeta) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
         yield fmt.DEGRADATION, d["component"], meta.started_ns, dict(d)
 
 
-def _tail(meta: RunMeta, capped: dict[str, int]) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
+def _tail(meta: RunMeta, capped: dict[str, int]) -> Iterator[Event]:
     argv0 = meta.command[0] if meta.command else ""
     for kind in sorted(meta.lost):
         if meta.lost[kind]:
@@ -538,7 +539,8 @@ def _write_bundle(
         if signer is not None:
             from evidence.bundle import attestation  # only a signed bundle needs it (its import costs ~60 ms)
 
-            signed = attestation.member(manifest, manifest_bytes, events_sha, signer)
+            # the manifest just made has the shape the reader's checks guarantee (read_types)
+            signed = attestation.member(cast("ManifestJSON", manifest), manifest_bytes, events_sha, signer)
             tail.append((_tarinfo(fmt.ATTESTATION_NAME, len(signed)), signed))
         with atomic_write(out_path, mode=0o600) as raw:  # argv, file names, peers: the owner's alone
             write_tar_gz(
