@@ -100,7 +100,8 @@ class Keys:
 
 @dataclasses.dataclass
 class Side:
-    """What one run did, reduced to normalised keys. Values are [count, ok, failed]. `other` holds
+    """What one run did, reduced to normalised keys: one side (A or B) of a diff (not the run id's
+    `Behaviour`, bundle/run_id.py). Values are [count, ok, failed]. `other` holds
     the keys of events in another mount namespace (mntns: "other"), `other_events` their number."""
 
     path: str
