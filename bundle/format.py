@@ -33,7 +33,10 @@ MAX_DECOMPRESSED = 1024 * 1024 * 1024
 MAX_EVENTS = 2_000_000
 MAX_LINE = 1024 * 1024
 MAX_DEPTH = 64
-MAX_ATTESTATION = 2 * 1024 * 1024  # its payload is a statement about a manifest of at most MAX_LINE
+# its payload: a statement about a manifest of at most MAX_LINE (twice: the run predicate and the
+# trace policy), the subjects (at most subjects.MAX_FILES, twice), and the runtime trace's lists
+# within their budgets (runtime_trace.MAX_*_BYTES): base64 of at most ~4 MiB
+MAX_ATTESTATION = 8 * 1024 * 1024
 
 RUN_STARTED = "dev.evidence.run.started"
 RUN_FINISHED = "dev.evidence.run.finished"

@@ -45,7 +45,7 @@ from evidence.errors import EXIT_FINDINGS, EXIT_OK
 
 logger = logging.getLogger(__name__)
 
-_TIED = frozenset((fmt.PROCESS_EXEC, fmt.FILE_OPEN, fmt.FILE_CHANGE))
+_TIED = frozenset((fmt.PROCESS_EXEC, fmt.PROCESS_EXIT, fmt.FILE_OPEN, fmt.FILE_CHANGE))
 MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
 MAX_PLAIN = 50_000  # strings remembered to hold no secret, each at most MAX_PLAIN_LEN long
 MAX_PLAIN_LEN = 4096
@@ -227,7 +227,7 @@ class _Part:
         self.cut_short = False
         self.lost_events = 0
         self.plain = rules.plain
-        # EV017: the execs, write opens and changes, for Linter.take to tie the subjects in order
+        # EV017: the execs, exits, write opens and changes, for Linter.take to tie the subjects in order
         self.tied: list[tuple[str, str, dict[str, Any]]] = []
         self._dispatch: dict[str, Callable[[EventJSON], None]] = {
             fmt.RUN_STARTED: self._started,

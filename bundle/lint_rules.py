@@ -177,9 +177,9 @@ RULES: dict[str, Rule] = {
         Rule("EV018", "subjects-refused", "warning", "Files the --subject patterns matched were refused as subjects",
              "A match of a `--subject` pattern is not a subject: it leads out of the workspace (a "
              "symlink), is not a regular file (a directory, FIFO, device or socket), has other "
-             "names (a hard link), changed while it was hashed, or came past the caps (1000 "
-             "subjects, 4 GiB hashed in all); or a pattern matched nothing. manifest.artifacts."
-             "refused lists each with the reason. Such a file is not attested: a release that "
+             "names (a hard link), changed while it was hashed, has a path over 512 bytes, or "
+             "came past the caps (256 subjects, 4 GiB hashed in all); or a pattern matched "
+             "nothing. manifest.artifacts.refused lists each with the reason. Such a file is not attested: a release that "
              "needs it must produce it in the workspace, under the caps."),
     )
 }  # fmt: skip

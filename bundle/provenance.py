@@ -13,12 +13,14 @@ verified bundle's); `Tracker.ties(artifacts, started_at, finished_at)` then says
   existed before and was left alone, or something outside the run made it); the run removed or
   moved it away after its last write; it was renamed into place from a file the run did not write;
   or what is there now is not what the run left: its ctime (which no process can set) is after the
-  run ended, or before the run started, or more than CTIME_SLACK_NS before the run's last write.
+  run ended, or before the run started, or more than CTIME_SLACK_NS before the run's last write, or
+  more than CTIME_SLACK_NS after every process that could have written it had exited (the writer
+  and the processes forked from it, by their recorded exits: a descriptor passed over a socket
+  to another process is not followed, so such a file is called not written, the safe side).
 
 What the events cannot say (docs/bundle-format.md "Artifacts"): they record opens and renames, not
 each write, and neither sizes nor inode numbers, so a process outside the run that writes to the
-file while a process of the run still has it open for writing is not told apart from the run (its
-ctime falls inside the run); a write in another mount namespace (`mntns: "other"`) or through a name
+file while a process of the run that could write it is still alive is not told apart from the run; a write in another mount namespace (`mntns: "other"`) or through a name
 with a `..` may have named another file, so it does not count as the run's.
 """
 
@@ -107,6 +109,8 @@ class Tracker:
     def __init__(self) -> None:
         self.execs: dict[int, list[tuple[str, str, str | None]]] = {}  # pid -> (time, filename, sha256)
         self.ops: dict[str, list[_Op]] = {}
+        self.parent: dict[int, int] = {}  # pid -> ppid (the correlator's: the parent it forked from)
+        self.exits: dict[int, list[str]] = {}  # pid -> the times it exited
 
     def _op(self, path: str, op: _Op) -> None:
         ops = self.ops.setdefault(path, [])
@@ -115,7 +119,12 @@ class Tracker:
             del ops[0]
 
     def feed(self, etype: str, time: str, data: Mapping[str, Any]) -> None:
-        if etype == fmt.PROCESS_EXEC:
+        if etype in (fmt.PROCESS_EXEC, fmt.PROCESS_EXIT) and isinstance(data.get("pid"), int):
+            if isinstance(data.get("ppid"), int):
+                self.parent[data["pid"]] = data["ppid"]
+            if etype == fmt.PROCESS_EXIT:
+                self.exits.setdefault(data["pid"], []).append(time)
+                return
             if data.get("result") == 0 and isinstance(data.get("pid"), int):
                 self.execs.setdefault(data["pid"], []).append(
                     (time, data.get("filename") or "", data.get("sha256"))
@@ -160,6 +169,30 @@ class Tracker:
     def _writer(self, op: _Op) -> WriterJSON:
         program, sha = self._program(op.pid, op.ppid, op.t)
         return {"pid": op.pid, "program": program or op.exe, "sha256": sha}
+
+    def _gone(self, pid: int, after: str) -> str | None:
+        """When the last process that could hold what `pid` opened at `after` exited: `pid` and
+        the processes forked from it (transitively), each by its latest recorded exit after that
+        time; None when one of them has no such exit (not known to be gone)."""
+        children: dict[int, list[int]] = {}
+        for child, parent in self.parent.items():
+            children.setdefault(parent, []).append(child)
+        last = ""
+        todo, seen = [pid], {pid}
+        while todo:
+            p = todo.pop()
+            ended = self.exits.get(p, [])
+            ends = [t for t in ended if t >= after]
+            if not ends:
+                if ended and p != pid:
+                    continue  # exited before the write: it held nothing of it
+                return None  # not known to have exited since
+            last = max(last, *ends)
+            for c in children.get(p, ()):
+                if c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+        return last or None
 
     def _last(self, path: str, before: str | None) -> _Op | None:
         """The latest operation on `path` (`before`: up to a rename from it at that time, which
@@ -225,10 +258,25 @@ class Tracker:
                 f"its ctime {ctime} is before the run's last write of it at {placed.t}: not the file it wrote"
             )
             return Tie(**base, written=False, **found, reason=why)  # type: ignore[arg-type]
+        gone = self._gone(src_op.pid, src_op.t)
+        if gone is not None and _later(ctime, max(gone, placed.t)):
+            why = (
+                f"changed at {ctime}, after every process of the run that could have written it had "
+                f"exited (the last at {gone}): replaced by a process outside the run"
+            )
+            return Tie(**base, written=False, **found, reason=why)  # type: ignore[arg-type]
         return Tie(**base, written=True, **found)  # type: ignore[arg-type]
 
     def ties(self, files: Iterable[Mapping[str, Any]], started_at: str, finished_at: str) -> list[Tie]:
         return [self.tie(f, started_at, finished_at) for f in files]
+
+
+def _later(a: str, b: str) -> bool:
+    """Whether time `a` is more than CTIME_SLACK_NS after time `b`."""
+    try:
+        return fmt.parse_time(a) - fmt.parse_time(b) > CTIME_SLACK_NS
+    except ValueError:
+        return False
 
 
 def ties_of(manifest: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> list[Tie]:

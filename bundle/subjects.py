@@ -11,7 +11,7 @@ The job is the attacker, and the caller is root, so a match is refused, with the
   block the recorder and a device is never read;
 - has other names (a link count above 1): a hard link can be a file from outside the workspace;
 - changed while it was hashed (its size or times differ before and after), or cannot be read;
-- comes past the caps: MAX_FILES subjects, MAX_BYTES bytes in all (the files past either are listed
+- has a path longer than MAX_PATH bytes, or comes past the caps: MAX_FILES subjects, MAX_BYTES bytes in all (the files past either are listed
   as refused, in name order, so the same tree always gives the same subjects); past MAX_MATCHES
   names matched, the rest are only counted (`refused_more`).
 
@@ -34,7 +34,10 @@ from evidence.bundle import format as fmt
 
 logger = logging.getLogger(__name__)
 
-MAX_FILES = 1000  # subjects of one run
+# subjects of one run, and the length of each one's path: what the manifest (at most 1 MiB, with
+# the run's argv and policy) holds of them stays under 400 KiB
+MAX_FILES = 256
+MAX_PATH = 512  # bytes of the real path
 MAX_BYTES = 4 * 1024**3  # bytes hashed for one run's subjects, in all
 MAX_REFUSED = 100  # refusals listed (the rest are counted: Artifacts.refused_more)
 MAX_PATTERNS = 64
@@ -150,6 +153,9 @@ def collect(
             st = os.stat(real)
         except OSError as e:
             refused[name] = f"cannot be read: {e.strerror or e}"
+            continue
+        if len(real.encode("utf-8", "surrogateescape")) > MAX_PATH:
+            refused[name] = f"its path is longer than {MAX_PATH} bytes"
             continue
         if not stat.S_ISREG(st.st_mode):
             if not stat.S_ISDIR(st.st_mode):  # a directory a pattern named: its files are named apart

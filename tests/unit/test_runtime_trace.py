@@ -309,6 +309,27 @@ def test_a_subject_replaced_after_the_run_ended_is_not_the_runs() -> None:
     assert not stale.written and "before the run's last write" in (stale.reason or "")
 
 
+def test_a_subject_changed_after_its_writers_exited_was_replaced_from_outside() -> None:
+    from tests.unit.conftest_bundles import exit_
+
+    ld = exec_(100, 102, 101, "/usr/bin/ld", ["ld"])
+    fork = exec_(150, 103, 102, "/usr/bin/strip", ["strip"])  # forked from the writer after it
+    strip_exit = {**exit_(300_000_000, 103), "ppid": 102}
+    recs = [
+        ld,
+        open_(200, APP, ["write", "create"], pid=102),
+        fork,
+        strip_exit,
+        {**exit_(500_000_000, 102), "ppid": 101},
+    ]
+    assert _tie(recs, artifact("app", ctime_s=1.2)).written  # within 1 s of the last exit
+    t = _tie(recs, artifact("app", ctime_s=3))
+    assert not t.written and "after every process of the run that could have written it" in (t.reason or "")
+    # a process forked from the writer and not known to have exited: nothing can be said
+    held = [ld, open_(200, APP, ["write", "create"], pid=102), fork, {**exit_(500_000_000, 102), "ppid": 101}]
+    assert _tie(held, artifact("app", ctime_s=3)).written
+
+
 def test_removed_after_the_last_write_and_writes_in_another_mount_namespace_do_not_count() -> None:
     recs = [open_(300, APP, ["write", "create"]), change(400, "unlink", APP)]
     t = _tie(recs, artifact("app"))

@@ -445,7 +445,7 @@ def test_a_huge_envelope_is_refused_before_it_is_read(tmp_path: Path, pristine: 
     path = tmp_path / "huge.tar.gz"
     path.write_bytes(gzip.compress(raw.getvalue(), compresslevel=1, mtime=0))
     bundle = reader.open_bundle(path)
-    with pytest.raises(reader.VerificationError, match="larger than the limit of 2097152 bytes"):
+    with pytest.raises(reader.VerificationError, match="larger than the limit of 8388608 bytes"):
         bundle.verify()
 
 
