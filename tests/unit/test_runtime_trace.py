@@ -248,6 +248,7 @@ def test_verify_artifact_passes_for_what_the_run_wrote_and_refuses_the_rest(
     )
     assert code == 0, err
     assert "written by the run: pid 101 /usr/bin/cc" in out and "command: make test" in out
+    assert "subjects: 2" in out and f"app  sha256 {sha['app']}" in out
     # a subject the run did not write: one line, exit 1
     code, out, err = _cli(
         capsys, "verify", "--artifact", str(tmp_path / "old.txt"), str(path), "--key", str(public)
