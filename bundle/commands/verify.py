@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import sys
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -91,12 +92,28 @@ def verify_artifact(artifact: str, path: str, key: Ed25519PublicKey) -> tuple[pr
             "since, or is not one this run attested)"
         )
     ties = tracker.ties(mine, m["started_at"], m["finished_at"])
+    signed = _signed_ties(att.statement)
+    for t in ties:  # what was signed says the same as the events (it was made from them)
+        said = signed.get(t.path)
+        if said is None or said.get("writtenByRun") is not t.written:
+            raise BundleError(f"{path}: the attestation's tie of subject {t.name} disagrees with its events")
     written = [t for t in ties if t.written]
     if not written:
         raise NotWrittenError(
             f"{artifact}: subject {ties[0].name} was not written by the run: {ties[0].reason}"
         )
     return written[0], keyid
+
+
+def _signed_ties(st: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The statement's subject entries of monitorLog.fileAccess, by path: their annotations."""
+    out: dict[str, dict[str, Any]] = {}
+    log = st["predicate"].get("monitorLog") if isinstance(st["predicate"], dict) else None
+    for rd in (log or {}).get("fileAccess") or ():
+        notes = rd.get("annotations") if isinstance(rd, dict) else None
+        if isinstance(notes, dict) and notes.get("access") == ["subject"] and isinstance(rd.get("name"), str):
+            out.setdefault(rd["name"], notes)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -415,3 +415,23 @@ def test_a_runtime_trace_that_disagrees_with_the_manifest_is_refused_with_one_li
     hostile = _repack(tmp_path, path, changed)
     code, _, err = _cli(capsys, "verify", str(hostile), "--key", str(public))
     assert code == 2 and err.count("\n") == 1 and reason in err, err
+
+
+def test_a_signed_tie_that_disagrees_with_the_events_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The signer's statement says old.txt was written by the run; its events say it was not:
+    verify --artifact believes neither the claim nor the file, and says so."""
+    (tmp_path / "old.txt").write_bytes(b"old")
+    sha = hashlib.sha256(b"old").hexdigest()
+    path, public = signed(tmp_path, build_records(), artifacts(artifact("old.txt", sha=sha)))
+    st = statement_of(path)
+    access = st["predicate"]["monitorLog"]["fileAccess"]
+    access[0]["annotations"] = {**access[0]["annotations"], "writtenByRun": True, "reason": None}
+    hostile = _repack(tmp_path, path, st)
+    code, _, err = _cli(
+        capsys, "verify", "--artifact", str(tmp_path / "old.txt"), str(hostile), "--key", str(public)
+    )
+    assert code == 2 and err.count("\n") == 1 and "tie of subject old.txt disagrees with its events" in err, (
+        err
+    )
