@@ -321,7 +321,7 @@ class _EventSink:
         if not self._put(etype, line, core, capped):
             return False
         if self.trace is not None:
-            self.trace.feed(etype, fmt.format_time(t_ns), data)
+            self.trace.feed_at(etype, t_ns, data)
         return True
 
     def _put(self, etype: str, line: bytes, core: bytes, capped: bool) -> bool:
@@ -373,7 +373,8 @@ class _EventSink:
                     elif self.trace is not None:  # a signed bundle: the trace sees the repeat too
                         again = prev.copy()
                         again["t"] = t
-                        self.trace.feed(*_traced(to_event(again)))
+                        etype_, _, t_ns, data = to_event(again)
+                        self.trace.feed_at(etype_, t_ns, data)
                     continue
                 rec = prev.copy()
                 rec["t"] = t
@@ -396,11 +397,6 @@ class _EventSink:
         ty = b',"type":' + _dumps(split.etype) + b"}"
         after_seq = self._source + b',"subject":' + s + b',"time":"'
         return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
-
-
-def _traced(event: Event) -> tuple[str, str, dict[str, Any]]:
-    etype, _, t_ns, data = event
-    return etype, fmt.format_time(t_ns), data
 
 
 def _head(meta: RunMeta) -> Iterator[Event]:
