@@ -16,7 +16,10 @@ The job is the attacker, and the caller is root, so a match is refused, with the
   names matched, the rest are only counted (`refused_more`).
 
 A pattern that matches nothing is listed as refused too (its name is the pattern). Patterns are
-relative to the workspace (`**` matches any depth; hidden files only when the pattern names the dot).
+relative to the workspace, matched as pathlib does (`**` matches any depth without descending into
+symlinked directories; `*` matches hidden names too). A match through a symlink that leads out is
+refused under the symlink's name, never the names beyond it (the caller is root: they are not the
+job's to learn).
 The order is deterministic: subjects by name; refusals by name.
 """
 
@@ -76,6 +79,23 @@ def _inside(path: str, root: str) -> bool:
     return root == "/" or path == root or path.startswith(root + "/")
 
 
+def _way_out(root: str, name: str) -> tuple[str, str]:
+    """The first component of `name` (relative to `root`) that leads out of it, and what that
+    symlink says (the job's own words): a match beyond it is refused under its name alone, so the
+    names of what root can read out there never reach the bundle."""
+    parts = name.split("/")
+    for i in range(1, len(parts) + 1):
+        prefix = "/".join(parts[:i])
+        path = os.path.join(root, prefix)
+        real = os.path.realpath(path)
+        if not _inside(real, root) or real == root:
+            try:
+                return prefix, os.readlink(path)
+            except OSError:
+                return prefix, "outside"
+    return name, "outside"
+
+
 def _hash(real: str, root: str) -> tuple[str, os.stat_result] | str:
     """(sha256, its stat) of the regular file at `real`, or why it is refused."""
     try:
@@ -91,7 +111,7 @@ def _hash(real: str, root: str) -> tuple[str, os.stat_result] | str:
         # what was opened, whatever happened to the path's directories since it was resolved
         opened = os.readlink(f"/proc/self/fd/{fd}")
         if not _inside(opened, root):
-            return f"leads out of the workspace (to {opened})"
+            return "leads out of the workspace (its directories changed while it was opened)"
         h = hashlib.sha256()
         while chunk := os.read(fd, _CHUNK):
             h.update(chunk)
@@ -129,16 +149,18 @@ def collect(
     names: set[str] = set()
     refused: dict[str, str] = {}
     more = 0
+    base = Path(root)
     for pattern in patterns:
         n = 0
-        for m in glob.iglob(pattern, root_dir=root, recursive=True):
+        # pathlib's `**` does not descend into symlinked directories (glob.glob's does)
+        for m in base.glob(pattern):
             n += 1
             if len(names) >= MAX_MATCHES:
                 more += 1
                 if more >= MAX_MATCHES:
                     break
                 continue
-            names.add(os.path.normpath(m))
+            names.add(os.path.normpath(os.path.relpath(m, root)))
         if not n:
             refused.setdefault(pattern, "the pattern matched nothing")
     files: list[fmt.ArtifactFile] = []
@@ -147,7 +169,8 @@ def collect(
         where = os.path.join(root, name)
         real = os.path.realpath(where)
         if not _inside(real, root) or real == root:
-            refused[name] = f"leads out of the workspace (to {real})"
+            link = _way_out(root, name)  # named, not what is beyond it: root may read what the job cannot
+            refused[link[0]] = f"leads out of the workspace (a symlink to {link[1]})"
             continue
         try:
             st = os.stat(real)

@@ -55,7 +55,7 @@ def test_what_is_refused_is_listed_with_the_reason(tmp_path: Path) -> None:
     finally:
         s.close()
     refused = {r.name: r.reason for r in got.refused}
-    assert refused["dist/out.whl"].startswith("leads out of the workspace")
+    assert refused["dist/out.whl"] == f"leads out of the workspace (a symlink to {outside})"
     assert refused["dist/fifo.whl"] == "a FIFO"  # never opened: a FIFO cannot block the recorder
     assert refused["dist/sock.whl"] == "a socket"
     assert "hard link" in refused["dist/b.whl"] and "hard link" in refused["dist/hard.whl"]
@@ -87,3 +87,17 @@ def test_the_refusals_listed_are_bounded(tmp_path: Path) -> None:
 def test_a_pattern_that_leaves_the_workspace_is_a_usage_error(tmp_path: Path, pattern: str) -> None:
     with pytest.raises(subjects.SubjectError):
         subjects.collect(_ws(tmp_path), [pattern])
+
+
+def test_names_beyond_a_symlink_out_of_the_workspace_are_never_listed(tmp_path: Path) -> None:
+    """root may read directories the job cannot: a symlink to one is refused by its own name."""
+    ws = _ws(tmp_path)
+    private = tmp_path / "private" / "project"
+    private.mkdir(parents=True)
+    (private / "plans.whl").write_bytes(b"x")
+    (ws / "dist" / "elsewhere").symlink_to(tmp_path / "private")
+    got = subjects.collect(ws, ["dist/*/*/*.whl", "dist/**/*.whl"], now_ns=0)
+    assert [(r.name, r.reason) for r in got.refused] == [
+        ("dist/elsewhere", f"leads out of the workspace (a symlink to {tmp_path / 'private'})")
+    ]
+    assert "plans" not in repr(got)
