@@ -25,7 +25,6 @@ The order is deterministic: subjects by name; refusals by name.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
