@@ -216,26 +216,12 @@ class Daemon:
 
     def _load_recorder(self, backend: Any, spool_dir: Path) -> Any:
         """Load the probes. A failure keeps the agent up with /readyz at 503 and the reason."""
-        from evidence.agent.recorder import kernel
-        from evidence.agent.recorder.kernel import capabilities_in_force
-        from evidence.agent.recorder.recording import Recorder
-        from evidence.probes.headers import ensure_headers
+        from evidence.agent.recorder.run import kernel_ready, open_recorder
 
         try:
-            if not kernel.mount_tracefs():
-                raise SetupError("tracefs is not available at /sys/kernel/tracing")
-            headers = ensure_headers()
-            if headers.path is None:
-                raise SetupError("no kernel headers for BCC")
-            caps: dict[str, Any] = {
-                **capabilities_in_force(),
-                "recorder": "tracepoints+ringbuf",
-                "enforcement": "none (observe only)",
-                # a run of a process the agent adopted (start --pid/--cgroup, a pod) says otherwise
-                # with a degradation (backend.start_run)
-                "32bit_syscalls": "refused in commands `run --agent` launches (SIGSYS, recorded as policy.denial)",
-            }
-            recorder = Recorder(spool_dir=spool_dir, headers=headers, capabilities=caps)
+            # what a run's command runs under (isolation, 32-bit system calls) is said per run
+            # (backend.start_run): a process the agent adopted is not one `run --agent` launched
+            recorder = open_recorder(spool_dir, kernel_ready(hints=False))
         except Error as e:
             logger.error("the recorder cannot start: %s", e.diagnostics())
             backend.set_not_ready(e.message)

@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, cast
 
+from evidence.bundle.format import Degradation
+
 if TYPE_CHECKING:
     from evidence.bundle.record_types import ExecRecord, SpoolRecord
 
@@ -435,18 +437,18 @@ class RunHashes:
         """The run is over: what is still queued is not hashed (its records were settled)."""
         self.owner.forget(self)
 
-    def degradation(self) -> dict[str, str] | None:
+    def degradation(self) -> Degradation | None:
         """What the bundle says when the budget kept execs of this run from being hashed."""
         n = self.not_hashed[OVER_BUDGET]
         if not n:
             return None
-        return {
-            "component": "exe-hash",
-            "reason": f"the run spent its hashing budget ({self.spent_bytes} bytes read, "
+        return Degradation(
+            component="exe-hash",
+            reason=f"the run spent its hashing budget ({self.spent_bytes} bytes read, "
             f"{self.spent_seconds:.1f} s; at most {self.max_bytes} bytes and {self.max_seconds:g} s): "
             f"{n} program(s) run after that were not hashed",
-            "impact": "their exec records say not_hashed: over_budget (with the size when it was known)",
-        }
+            impact="their exec records say not_hashed: over_budget (with the size when it was known)",
+        )
 
 
 class Hasher:

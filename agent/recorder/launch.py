@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from evidence.bundle.format import Degradation
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
 
 logger = logging.getLogger(__name__)
@@ -65,24 +66,26 @@ class Landlock:
 # by the filter every launched command gets, unless `--allow-32bit`; a process evidence did not
 # launch (an agent's `start --pid/--cgroup`, a pod) has no such filter
 COMPAT_REFUSED = "refused (SIGSYS, recorded as policy.denial)"
-COMPAT_ALLOWED = {
-    "component": "isolation",
-    "reason": "--allow-32bit: the command may make 32-bit (i386, x32) system calls",
-    "impact": "the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
+COMPAT_ALLOWED = Degradation(
+    component="isolation",
+    reason="--allow-32bit: the command may make 32-bit (i386, x32) system calls",
+    impact="the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
     "execs, connects) is not recorded",
-}
-COMPAT_NOT_REFUSED = {
-    "component": "isolation",
-    "reason": "the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
-    "impact": "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
+)
+COMPAT_NOT_REFUSED = Degradation(
+    component="isolation",
+    reason="the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
+    impact="the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
     "execs, connects) is not recorded",
-}
+)
+# capabilities.32bit_syscalls of a run of processes evidence did not start (with COMPAT_NOT_REFUSED)
+COMPAT_ADOPTED = "not refused, not recorded (processes evidence did not start: see the degradation)"
 
 
 MAKE_BLOCK = 1 << 11  # LANDLOCK_ACCESS_FS_MAKE_BLOCK: handled and granted everywhere, restricts nothing
 
 
-def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bool, list[dict[str, str]]]:
+def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bool, list[Degradation]]:
     """The domain every recorded command runs in when no policy gives it one: (Landlock domain,
     no_new_privs, degradations). A Landlock domain confines ptrace to itself, and with scopes (ABI 6)
     signals and abstract unix sockets too, so a job cannot make a process of its uid outside the run
@@ -93,12 +96,12 @@ def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bo
             None,
             False,
             [
-                {
-                    "component": "isolation",
-                    "reason": "--allow-setuid: the command runs without no_new_privs or a Landlock domain",
-                    "impact": "the job can ptrace and signal processes of its own uid outside the run and "
+                Degradation(
+                    component="isolation",
+                    reason="--allow-setuid: the command runs without no_new_privs or a Landlock domain",
+                    impact="the job can ptrace and signal processes of its own uid outside the run and "
                     "make them act unrecorded; setuid programs gain privileges",
-                }
+                )
             ],
         )
     if abi >= 6:
@@ -108,23 +111,23 @@ def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bo
             Landlock(abi, MAKE_BLOCK, 0, (("/", MAKE_BLOCK),), MAKE_BLOCK),
             True,
             [
-                {
-                    "component": "isolation",
-                    "reason": f"Landlock ABI {abi} has no scopes (ABI 6)",
-                    "impact": "the job can signal processes of its own uid outside the run (ptrace is confined)",
-                }
+                Degradation(
+                    component="isolation",
+                    reason=f"Landlock ABI {abi} has no scopes (ABI 6)",
+                    impact="the job can signal processes of its own uid outside the run (ptrace is confined)",
+                )
             ],
         )
     return (
         None,
         True,
         [
-            {
-                "component": "isolation",
-                "reason": "Landlock is not available on this kernel",
-                "impact": "the job can ptrace and signal processes of its own uid outside the run and make "
+            Degradation(
+                component="isolation",
+                reason="Landlock is not available on this kernel",
+                impact="the job can ptrace and signal processes of its own uid outside the run and make "
                 "them act unrecorded",
-            }
+            )
         ],
     )
 
