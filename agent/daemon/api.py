@@ -96,7 +96,7 @@ class RunStatus:
     pid: int | None = None  # the pid the client named, if it named one
     isolated: bool = False  # the agent made the cgroup for this run (isolate_pid) and removes it
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, owner_uid: int) -> models.RunAnswer:
         return {
             "session_id": self.session_id,
             "cgroup": self.cgroup,
@@ -105,6 +105,7 @@ class RunStatus:
             "attached_late": self.attached_late,
             "pid": self.pid,
             "isolated": self.isolated,
+            "owner_uid": owner_uid,
         }
 
 
@@ -346,8 +347,8 @@ class AgentAPI:
         """Only root and the run's owner may see, finish or download a run."""
         return peer.uid == 0 or self.owner(run.session_id) == peer.uid
 
-    def _run_json(self, run: RunStatus) -> dict[str, Any]:
-        return {**run.to_json(), "owner_uid": self.owner(run.session_id)}
+    def _run_json(self, run: RunStatus) -> models.RunAnswer:
+        return run.to_json(self.owner(run.session_id))
 
     def _own(self, info: RunStatus, peer: Peer) -> None:
         with self._lock:

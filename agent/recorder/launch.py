@@ -21,9 +21,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evidence.bundle.format import Degradation
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.exec_helper import LandlockSpec, LaunchMessage
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
 
 logger = logging.getLogger(__name__)
@@ -58,8 +61,14 @@ class Landlock:
             return None
         return cls(plan.abi, plan.handled_fs, plan.scoped, tuple(plan.rule_pairs()), FILE_RIGHTS)
 
-    def as_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "rules": [list(r) for r in self.rules]}
+    def as_json(self) -> LandlockSpec:
+        return {
+            "abi": self.abi,
+            "handled_fs": self.handled_fs,
+            "scoped": self.scoped,
+            "rules": [list(r) for r in self.rules],
+            "file_rights": self.file_rights,
+        }
 
 
 # what the bundle says of 32-bit system calls (policy/landlock_syscalls.py compat_filter): refused
@@ -190,7 +199,7 @@ class Launcher:
     def go(self, spec: LaunchSpec) -> Launched:
         """Start the command; returns once it runs (or its exec failed). Raises LaunchError when the
         set-up failed."""
-        message = {
+        message: LaunchMessage = {
             "argv": list(spec.argv),
             "oom_score_adj": spec.oom_score_adj,
             "status_fd": self._status_fd,
