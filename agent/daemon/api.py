@@ -62,7 +62,8 @@ from evidence.agent.daemon.authz import (
     claim_pid,
     resolve_cgroup,
 )
-from evidence.agent.daemon.transport import Listeners, Response
+from evidence.agent.daemon.transport import Listeners
+from evidence.agent.daemon.wire import Response
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
 

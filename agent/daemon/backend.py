@@ -1,10 +1,8 @@
 """The agent's `Backend` over one `Recorder`: runs on existing cgroups, isolated runs, windows, metrics.
 
-(About 700 lines on purpose: `RecorderBackend` is one state machine over the table of runs and the
-lock that guards it; its helpers already live in wrappers.py, pods.py, exits.py, policy.py and
-agent/recorder/recovery.py. Splitting its methods further would spread that lock across modules.)
-
-`RecorderBackend` is what agent/daemon/api.py talks to. It adds to the recorder, from outside it:
+`RecorderBackend` is what agent/daemon/api.py talks to: one state machine over the table of runs
+and the lock that guards it (its runs and what they run under are agent/daemon/runs.py's; each
+drives a `Run`, agent/recorder/run.py). It adds to the recorder, from outside it:
 
 - Attaching late. A run starts on a cgroup that may already hold processes: tracking starts first,
   then an inventory of every process there (argv, cwd, exe, sockets) is written at the head of the
@@ -13,8 +11,8 @@ agent/recorder/recovery.py. Splitting its methods further would spread that lock
 - Observing the spool. Each session's spool writer is wrapped (agent/daemon/wrappers.py:
   `ObservedSpool`): records are counted by kind for /metrics, copied to the live event stream, and
   flushed now and then, so that the spool of an agent that dies is readable up to the last flush.
-- Recovery. Beside each spool, `<session>.run.json` holds what the bundle's manifest needs; the
-  backend writes it when a run starts and when its labels change, and removes it once the bundle is
+- Recovery. Beside each spool, `<session>.run.json` is the run's description, whole, written by its
+  `Run` when it starts and whenever it changes (labels, a degradation), removed once the bundle is
   written. A later agent turns what a dead one left into bundles (agent/recorder/recovery.py).
 - Windows. `rotate` cuts a long-lived run in two with no gap: the new run is tracked before the old
   one is finished, and the old one's untrack is skipped (`HandoverProbes`).
@@ -33,144 +31,48 @@ agent/recorder/recovery.py. Splitting its methods further would spread that lock
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import logging
 import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from evidence.agent.daemon import exits
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunStatus, UnknownRun
+from evidence.agent.daemon.runs import (
+    ADOPTED,
+    AgentRun,
+    Launched,
+    RunWatchdog,
+    filter_degradations,
+    isolated_cgroup,
+    process_depths,
+)
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
-from evidence.agent.recorder.launch import COMPAT_ADOPTED, COMPAT_NOT_REFUSED, COMPAT_REFUSED
 from evidence.agent.recorder.recovery import unique_path
 from evidence.agent.recorder.run import Run, RunPlan
 from evidence.bundle.format import Degradation
-from evidence.errors import Error, SetupError, UsageError
+from evidence.errors import UsageError
 from evidence.files import file_sha256
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
     from evidence.agent.daemon.models import PolicySpec
-    from evidence.agent.recorder.cgroups import RunCgroup
     from evidence.agent.recorder.enforce import Enforcement
-    from evidence.agent.recorder.recording import Recorder, Session
+    from evidence.agent.recorder.recording import Recorder
     from evidence.bundle.record_types import SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
 logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 2.0
-
-
-# --- runs --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class AgentRun:
-    """A run the backend records: the run (agent/recorder/run.py), its observed spool, and what the
-    agent adds."""
-
-    run: Run
-    spool: ObservedSpool
-    pid: int | None
-    bundle_name: str | None = None  # where finish_all / pod runs write it, in the bundle dir
-    extensions: dict[str, str] = dataclasses.field(default_factory=dict)
-    finishing: bool = False
-    lost: dict[str, int] = dataclasses.field(default_factory=dict)  # last read, while active
-    seq: int = 0
-    cgroup: RunCgroup | None = None  # made by the agent for this run (isolated): removed at finish
-    pidfd: int | None = None  # of the isolated process, held from before it was moved in
-
-    @property
-    def session(self) -> Session:
-        return self.run.session
-
-    @property
-    def info(self) -> RunStatus:
-        s = self.session
-        return RunStatus(
-            session_id=s.session_id,
-            cgroup=str(s.cgroup_path),
-            labels=dict(s.labels),
-            started_ns=s.started_ns,
-            attached_late=s.attached_late,
-            pid=self.pid,
-            isolated=self.cgroup is not None,
-        )
-
-
-class PlanFields(TypedDict):
-    """What a run's plan says of what its command runs under (agent/recorder/run.py RunPlan)."""
-
-    network: Network
-    roots: dict[str, str]
-    capabilities: dict[str, str]
-    degradations: tuple[Degradation, ...]
-
-
-# a run of processes the agent adopted (start --pid/--cgroup, a pod): not started by evidence, so
-# without the filter that refuses 32-bit system calls, and its manifest says so
-ADOPTED = PlanFields(
-    network=None,
-    roots={},
-    capabilities={"32bit_syscalls": COMPAT_ADOPTED},
-    degradations=(COMPAT_NOT_REFUSED,),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Launched:
-    """What the command of an `evidence run --agent` client runs under: its policy, its private
-    network, evidence's seccomp filters as read back (capabilities.32bit_syscalls), and what the
-    agent found wanting (its cgroup's place, filters missing)."""
-
-    enforcement: Enforcement | None
-    network: Network
-    compat: str
-    degradations: tuple[Degradation, ...]
-
-    def plan(self) -> PlanFields:
-        return PlanFields(
-            network=self.network,
-            roots=RunPlan.roots_of(self.enforcement),
-            capabilities={"32bit_syscalls": self.compat},
-            degradations=self.degradations,
-        )
-
-
-class RunWatchdog(Protocol):
-    """agent/recorder/launch.py `Watchdog`: kills the cgroups it watches if the agent dies."""
-
-    def watch(self, cgroup: Path, session_id: str) -> None: ...
-
-    def unwatch(self, cgroup: Path) -> None: ...
-
-
-def process_depths(inventory: Sequence[Mapping[str, Any]]) -> dict[int, int]:
-    """Depth of each inventoried process: 0 when its parent is not in the inventory."""
-    parent = {int(r["pid"]): int(r["ppid"]) for r in inventory}
-    depth: dict[int, int] = {}
-
-    def of(pid: int, seen: int = 0) -> int:
-        if pid in depth:
-            return depth[pid]
-        pp = parent.get(pid)
-        d = 0 if pp is None or pp not in parent or seen > len(parent) else of(pp, seen + 1) + 1
-        depth[pid] = d
-        return d
-
-    for pid in parent:
-        of(pid)
-    return depth
 
 
 class RecorderBackend:
@@ -392,17 +294,10 @@ class RecorderBackend:
         that recording."""
 
         self._require_recorder()
-        enforcement = None
-        if policy is not None:  # loaded and compiled before anything is made: a bad one starts nothing
-            from evidence.agent.daemon.policy import agent_enforcement
+        from evidence.agent.daemon.policy import loaded_enforcement
 
-            try:
-                enforcement = agent_enforcement(policy, net)
-                enforcement.load_programs()
-            except Error as e:
-                if enforcement is not None:
-                    enforcement.close()
-                raise UsageError(e.message, e.hint) from None
+        # loaded and compiled before anything is made: a bad one starts nothing
+        enforcement = loaded_enforcement(policy, net) if policy is not None else None
         try:
             return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
         except BaseException:
@@ -421,7 +316,7 @@ class RecorderBackend:
         enforcement: Enforcement | None,
         net: Network = None,
     ) -> RunStatus:
-        from evidence.agent.recorder.cgroups import RunCgroup, isolation_home
+        from evidence.agent.recorder.cgroups import isolation_home
 
         sid = uuid.uuid4().hex
         cgroup, home, why_not = isolation_home(pid, Path(mount))
@@ -433,23 +328,8 @@ class RecorderBackend:
             )
         # the client is not trusted to have given its command evidence's filters: read them back
         unfiltered, compat = filter_degradations(pid)
-        said = list(unfiltered)
-        if home is not None:
-            try:
-                cg = RunCgroup.create_in(home, f"evidence-{sid}")
-            except SetupError as e:
-                home, why_not = None, e.message
-        if home is None:
-            cg = RunCgroup.create(sid, Path(mount))
-        if why_not is not None:
-            said.insert(
-                0,
-                Degradation(
-                    component="cgroup",
-                    reason=f"the run's cgroup is not below the client's: {why_not}",
-                    impact="the limits of the client's cgroup (memory, pids, cpu) did not apply to the command",
-                ),
-            )
+        cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
+        said = ([misplaced] if misplaced is not None else []) + unfiltered
         try:  # the policy's guard holds the cgroup before the command is in it, the record says all
             run = self.start_run(
                 cg.path,
@@ -501,23 +381,13 @@ class RecorderBackend:
         tmp.unlink(missing_ok=True)
 
     def _observe(self, run: AgentRun, recs: Sequence[SpoolRecord]) -> None:
-        counts: dict[str, int] = {}
-        for r in recs:
-            k = str(r.get("k"))
-            counts[k] = counts.get(k, 0) + 1
+        """Count a run's records by kind (for /metrics), and copy them to the live event stream."""
+        counts = Counter(str(r.get("k")) for r in recs)
         with self._lock:
             for k, n in counts.items():
                 self._events[k] = self._events.get(k, 0) + n
         if self.streamer is not None:
-            from evidence.agent.daemon.delivery import live_event
-
-            sid = run.session.session_id
-            for r in recs:
-                try:
-                    self.streamer.submit(live_event(sid, run.seq, r, run.extensions))
-                except (KeyError, ValueError) as e:
-                    logger.debug("no live event for a %s record: %s", r.get("k"), e)
-                run.seq += 1
+            run.seq = self.streamer.submit_records(run.session.session_id, run.seq, recs, run.extensions)
 
     def update_labels(
         self, session_id: str, labels: Mapping[str, str], bundle_name: str | None = None
@@ -557,7 +427,9 @@ class RecorderBackend:
                 logger.info("run %s: killed %d process(es) the command left behind", sid, left)
             if not run.cgroup.wait_empty():
                 logger.warning("run %s: %s is still populated after SIGKILL", sid, run.cgroup.path)
-            exit_code, signal, cut_short = self._exit_status(run, observed, exit_code, signal)
+            exit_code, signal, cut_short, said = exits.verdict(sid, observed, exit_code, signal)
+            if said is not None:
+                run.session.degrade(said)
         if run.pidfd is not None:
             os.close(run.pidfd)
             run.pidfd = None
@@ -586,40 +458,6 @@ class RecorderBackend:
         if self.uploader is not None and Path(bundle_path).parent == self.bundle_dir:
             self.uploader.enqueue(bundle_path)
         return manifest
-
-    def _exit_status(
-        self, run: AgentRun, observed: exits.Exit | None, exit_code: int | None, signal: str | None
-    ) -> tuple[int | None, str | None, bool]:
-        """(exit_code, signal, cut_short) for an isolated run's manifest: what the agent observed,
-        never only what the client says; a run whose end the agent could not see is cut short."""
-        sid = run.session.session_id
-        reported = exits.describe(exit_code, signal)
-        if observed is not None and observed.state == "exited":
-            if not observed.same_as(exit_code, signal):
-                logger.warning(
-                    "run %s: the client reported %s, the agent observed %s",
-                    sid,
-                    reported,
-                    observed.describe(),
-                )
-                run.session.degrade(
-                    Degradation(
-                        component="exit-status",
-                        reason=f"the client reported {reported}; the agent observed {observed.describe()}",
-                        impact="the manifest carries the status the agent observed",
-                    )
-                )
-            return observed.exit_code, observed.signal, False
-        why = observed.why if observed is not None else "the agent holds no pidfd of the command"
-        logger.warning("run %s: exit status not observed (%s); the client reported %s", sid, why, reported)
-        run.session.degrade(
-            Degradation(
-                component="exit-status",
-                reason=f"the agent could not observe how the command ended: {why}",
-                impact=f"the run is marked cut short; the client reported {reported}, which is not recorded",
-            )
-        )
-        return None, None, True
 
     def _remove_cgroup(self, run: AgentRun) -> None:
         cg = run.cgroup
@@ -749,38 +587,3 @@ class RecorderBackend:
                 bundle_bytes=self._bundle_bytes,
                 bundles_written=self._bundles,
             )
-
-
-def filter_degradations(pid: int) -> tuple[list[Degradation], str]:
-    """What the run of an isolated process must say of evidence's seccomp filters, which its client
-    installs (agent/recorder/seccomp_check.py): a degradation per filter it does not run under, or
-    one when they cannot be read; and the manifest's capabilities.32bit_syscalls."""
-    from evidence.agent.recorder import seccomp_check
-
-    try:
-        absent = seccomp_check.missing(seccomp_check.installed_filters(pid))
-    except OSError as e:
-        if e.errno in (errno.ESRCH, errno.ETIMEDOUT):
-            raise UsageError(f"cannot isolate process {pid}: {e.strerror}") from None
-        logger.warning("cannot read the seccomp filters of process %d: %s", pid, e.strerror)
-        return [
-            Degradation(
-                component="isolation",
-                reason=f"the agent could not read the seccomp filters of the command's process ({e.strerror}; "
-                "it needs CAP_SYS_ADMIN and CAP_SYS_PTRACE, outside a seccomp profile of its own)",
-                impact="its client's word is taken that 32-bit system calls, io_uring and terminal injection are "
-                "refused: a client of the job's own may not have refused them, and what the job did through "
-                "32-bit calls or io_uring would not be recorded",
-            )
-        ], "unverified: refused by the client's filter, which the agent could not read"
-    out = [
-        Degradation(
-            component="isolation",
-            reason=f"the command's process does not run under evidence's seccomp filter for {name}: its "
-            "client did not install it (not `evidence run --agent`, or an older one)",
-            impact=seccomp_check.EXPECTED[name][1],
-        )
-        for name in absent
-    ]
-    refused = "32-bit system calls" not in absent
-    return out, COMPAT_REFUSED if refused else "not refused, not recorded (no filter: see the degradation)"
