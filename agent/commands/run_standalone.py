@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def _load_probes() -> RecorderProbes:
     from evidence.probes.loader import load_probes
@@ -42,28 +44,28 @@ def _load_probes() -> RecorderProbes:
     return load_probes()
 
 
-class _InThread:
+class _InThread(Generic[T]):
     """Runs a function in a thread; result() joins it and returns its value or raises its error."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._value: Any = None
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._value: T | None = None
         self._error: BaseException | None = None
         self._t = threading.Thread(target=self._run, args=(fn,), name="evidence-load", daemon=True)
         self._t.start()
 
-    def _run(self, fn: Callable[[], Any]) -> None:
+    def _run(self, fn: Callable[[], T]) -> None:
         try:
             self._value = fn()
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
 
-    def result(self) -> Any:
+    def result(self) -> T:
         self._t.join()
         if self._error is not None:
             raise self._error
-        return self._value
+        return cast(T, self._value)
 
-    def discard(self, cleanup: Callable[[Any], None]) -> None:
+    def discard(self, cleanup: Callable[[T], None]) -> None:
         self._t.join()
         if self._error is None and self._value is not None:
             cleanup(self._value)

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from evidence.agent.daemon.models import PolicySpec
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder
+    from evidence.bundle.attestation import Signer
     from evidence.bundle.record_types import SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
@@ -87,7 +88,7 @@ class RecorderBackend:
         streamer: EventStreamer | None = None,
         registry: m.Registry | None = None,
         watchdog: RunWatchdog | None = None,
-        signer: Any = None,
+        signer: Signer | None = None,
     ) -> None:
         self.bundle_dir = Path(bundle_dir)
         self.signer = signer  # every bundle this agent writes is signed with its key, if it has one

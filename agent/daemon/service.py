@@ -18,17 +18,25 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from evidence.errors import Error, SetupError
+
+if TYPE_CHECKING:
+    from evidence.agent.daemon.backend import RecorderBackend
+    from evidence.agent.daemon.settings import AgentSettings
+    from evidence.agent.recorder.launch import Watchdog
+    from evidence.agent.recorder.recording import Recorder
 
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 1.0
 
 
-def _cgroup_root(settings: Any) -> Path:
+def _cgroup_root(settings: AgentSettings) -> Path:
     from evidence.agent.recorder.cgroups import find_cgroup2_mount
 
     if "cgroup_root" in settings.model_fields_set:
@@ -40,14 +48,12 @@ def _cgroup_root(settings: Any) -> Path:
 
 
 class Daemon:
-    def __init__(self, settings: Any) -> None:
-        from evidence.agent.daemon.settings import AgentSettings
-
-        self.settings: AgentSettings = settings
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("%s: finishing open runs and stopping", signal.Signals(signum).name)
         self.stop.set()
 
@@ -198,7 +204,7 @@ class Daemon:
         logger.info("agent stopped")
         return 0
 
-    def _watchdog(self) -> Any:
+    def _watchdog(self) -> Watchdog | None:
         """A watchdog outside the runs (agent/recorder/watchdog.py) that kills the isolated runs'
         cgroups if this agent dies (kill -9, OOM): their jobs must not run on unrecorded."""
         from evidence.agent.recorder.launch import Watchdog
@@ -209,12 +215,12 @@ class Daemon:
             logger.warning("no watchdog (%s): if the agent dies, isolated runs go on unrecorded", e)
             return None
 
-    def _thread(self, name: str, target: Any, *args: Any) -> None:
+    def _thread(self, name: str, target: Callable[..., object], *args: object) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
         self.threads.append(t)
 
-    def _load_recorder(self, backend: Any, spool_dir: Path) -> Any:
+    def _load_recorder(self, backend: RecorderBackend, spool_dir: Path) -> Recorder | None:
         """Load the probes. A failure keeps the agent up with /readyz at 503 and the reason."""
         from evidence.agent.recorder.run import kernel_ready, open_recorder
 
@@ -229,7 +235,7 @@ class Daemon:
         backend.attach(recorder)
         return recorder
 
-    def _housekeeping(self, backend: Any) -> None:
+    def _housekeeping(self, backend: RecorderBackend) -> None:
         from evidence.agent.daemon.backend import FLUSH_SECONDS
 
         last_flush = 0.0

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from evidence.agent.daemon.authz import Peer
 
@@ -32,7 +32,7 @@ class Response:
     body: bytes
     content_type: str
     route: str
-    stream: Any = None
+    stream: IO[bytes] | None = None
     length: int | None = None
     holds: str | None = None
 

@@ -21,12 +21,13 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from evidence.bundle.format import Degradation
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.exec_helper import LandlockSpec, LaunchMessage
+    from evidence.policy.landlock import LandlockPlan
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Landlock:
     file_rights: int
 
     @classmethod
-    def of_plan(cls, plan: Any) -> Landlock | None:
+    def of_plan(cls, plan: LandlockPlan) -> Landlock | None:
         """The domain a policy's LandlockPlan asks for (None: no Landlock on this kernel)."""
         from evidence.policy.landlock import FILE_RIGHTS
 

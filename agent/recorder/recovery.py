@@ -24,13 +24,14 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.description import DescriptionError, RunDescription
 from evidence.bundle.format import Degradation
 from evidence.files import write_atomic
 
 if TYPE_CHECKING:
+    from evidence.bundle.attestation import Signer
     from evidence.bundle.record_types import SpoolRecord
 
 BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz")  # as the agent's API accepts
@@ -133,7 +134,7 @@ def leftovers(spool_dir: Path) -> list[Path]:
 
 
 def recover_spools(
-    spool_dir: Path, bundle_dir: Path | None, recorder: str = "agent", signer: Any = None
+    spool_dir: Path, bundle_dir: Path | None, recorder: str = "agent", signer: Signer | None = None
 ) -> list[Path]:
     """Turn every spool a dead recorder left in spool_dir into a bundle; returns them.
 
@@ -265,7 +266,7 @@ def _safe_dir(path: Path) -> Path | None:
     return real
 
 
-def _signer(key: Any) -> Any:
+def _signer(key: str | None) -> Signer | None:
     """The signer the run asked for (`evidence run --sign-key`), if its key can still be used; else
     the bundle is written unsigned, with a warning (lint --require-signature will refuse it)."""
     if not key:
