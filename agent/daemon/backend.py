@@ -456,9 +456,14 @@ class RecorderBackend:
             self._bundle_bytes += size
             for k, v in by_kind.items():
                 self._lost_done[k] = self._lost_done.get(k, 0) + int(v)
-        if self.uploader is not None and Path(bundle_path).parent == self.bundle_dir:
-            self.uploader.enqueue(bundle_path)
+        self._bundle_written(run, Path(bundle_path), manifest)
         return manifest
+
+    def _bundle_written(self, run: AgentRun, bundle_path: Path, manifest: Mapping[str, Any]) -> None:
+        """The seam where a run ends: its bundle is written (`manifest`). One in the bundle
+        directory is queued for upload."""
+        if self.uploader is not None and bundle_path.parent == self.bundle_dir:
+            self.uploader.enqueue(bundle_path)
 
     def _remove_cgroup(self, run: AgentRun) -> None:
         cg = run.cgroup
