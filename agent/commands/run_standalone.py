@@ -402,8 +402,10 @@ class StandaloneRun:
         if self.launcher is not None:  # prepared, never launched: the helper exits, nothing runs
             self.launcher.abort()
             self.launcher = None
-        if self.enforcement is not None and not self._closed:
-            self.enforcement.close()  # (twice is harmless: Run.finish closed it too)
+        if self.run is not None:
+            self.run.close_enforcement()  # (if finish has not)
+        elif self.enforcement is not None and not self._closed:
+            self.enforcement.close()
         self._closed = True
         if self.netns is not None:
             self.netns.remove()

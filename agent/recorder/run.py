@@ -192,13 +192,26 @@ class Run:
             self.poll_denials()
         except Exception as e:  # noqa: BLE001 - the bundle is written all the same; the guard counts its losses
             logger.warning("run %s: reading connect denials failed: %s", self.session_id, e)
-        if self.enforcement is not None:
-            self.enforcement.close()
-        manifest = self.recorder.finish(
-            self.session, bundle_path, exit_code=exit_code, signal=signal, cut_short=cut_short, signer=signer
-        )
+        try:  # (the policy's matching of records held back behind a hash runs in the recorder's finish)
+            manifest = self.recorder.finish(
+                self.session,
+                bundle_path,
+                exit_code=exit_code,
+                signal=signal,
+                cut_short=cut_short,
+                signer=signer,
+            )
+        finally:
+            self.close_enforcement()
         self.forget_record()
         return manifest
+
+    def close_enforcement(self) -> None:
+        """Detach the policy's connect guard, remove its network namespace and the private tmp it
+        owns; once (a second removal of a tmp path could remove what someone made there since)."""
+        enforcement, self.enforcement = self.enforcement, None
+        if enforcement is not None:
+            enforcement.close()
 
     def forget_record(self) -> None:
         """Remove the run record (its bundle is written, or the agent gave the run up)."""
