@@ -96,6 +96,30 @@ def template(name: str = "record.bpf.c") -> str:
     return resources.files("evidence.probes").joinpath(name).read_text()
 
 
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
+
+
+def join_parts(root: str) -> str:
+    """record.bpf.c's `#include "..."` lines replaced by the files they name (package data, in the
+    order the root lists them, each once): BCC compiles one text, not a tree of files."""
+    seen: set[str] = set()
+
+    def part(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in seen:
+            raise RenderError(f"{name} is included twice")
+        seen.add(name)
+        try:
+            text = template(name)
+        except OSError as e:
+            raise RenderError(f"no part {name} beside record.bpf.c") from e
+        if _INCLUDE.search(text):
+            raise RenderError(f"{name} includes another part: only record.bpf.c lists them")
+        return text.rstrip("\n") + "\n\n"
+
+    return _INCLUDE.sub(part, root)
+
+
 def render(config: ProbeConfig, source: str | None = None) -> str:
     if not _power_of_two(config.args_bytes) or config.args_bytes > 8192:
         raise RenderError("args_bytes must be a power of two <= 8192")
@@ -118,7 +142,7 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     missing = [t for t in _TOKENS if t not in values]
     if missing:
         raise RenderError(f"no value for {', '.join(missing)}")
-    text = source if source is not None else template()
+    text = join_parts(source if source is not None else template())
     # the record kinds, defined once (probes/kinds.py): their #defines in place of the line
     text = re.sub(r"^RECORD_KINDS$", lambda _: kinds.c_defines(), text, count=1, flags=re.MULTILINE)
     text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)

@@ -6,9 +6,10 @@
 // the line of record kinds with their #defines (EV_*, K_*: defined once, in probes/kinds.py).
 // Only tracepoint arguments, BPF helpers and BTF-derived offsets are used.
 //
-// One file of ~1,100 lines on purpose: BCC compiles one text, and every program here shares the
-// maps and the inline helpers above it; the sections (---- opens, ---- exec, in-kernel aggregation,
-// ...) are the seams.
+// The programs are in files by concern, joined into one text by render.py in the order of the
+// `#include "..."` lines below (each file once; BCC compiles one text, and every program shares the
+// maps and the inline helpers declared before it): shared helpers in bpf/lib/*.h, the programs of
+// each concern in bpf/*.bpf.c (Tetragon's bpf/lib plus per-concern program files).
 //
 // Events go to one ring buffer as records that start with struct hdr. Opens, file changes,
 // connects, sends, chdir, fchdir and dup are paired in the kernel: the enter handler keeps the call's arguments
@@ -18,7 +19,7 @@
 // ring buffer reservation is counted in `lost`, per run slot and event kind: nothing is dropped
 // silently.
 
-
+// ---- common: limits, record flags, the records' layouts, the syscall tracepoints' context
 
 
 #include <asm/unistd.h>  // syscall numbers (ABI: the same in any kernel's headers)
@@ -276,6 +277,8 @@ static __always_inline u64 arg_beyond(struct sys_enter_ctx *ctx, int i) {
     return v;
 }
 
+// ---- maps every program shares: the ring buffer, tracked cgroups, loss counts, calls in flight
+
 BPF_RINGBUF_OUTPUT(events, 16384);
 BPF_HASH(tracked, u64, u32, MAX_RUNS_);          // cgroup id -> run slot (set by user space)
 BPF_TABLE("lru_hash", u64, u32, cgcache, 65536); // cgroup id -> run slot, 0 = not tracked
@@ -438,6 +441,8 @@ static __always_inline struct pctx *proc_ctx(u32 tgid) {
     return procs.lookup(&tgid);
 }
 
+// ---- BTF task loads: what a descriptor, the cwd and a dirfd name, the task's ids, their tokens
+
 static __always_inline u64 fd_key(u32 tgid, s32 fd) {
     return ((u64)tgid << 32) | (u32)fd;
 }
@@ -597,6 +602,8 @@ static __always_inline u64 path_base(struct open_ev *e, u32 *len, int *unknown) 
         *unknown = 1;
     return base;
 }
+
+// ---- a task's run, a record's header, the ring buffer
 
 // The run slot of a task in cgroup `cg` (the current one): its cgroup or the nearest tracked
 // ancestor.
@@ -766,22 +773,7 @@ static __always_inline struct call *begin_call(u32 run, u16 kind, s32 nr) {
     return begin_call_as(run, kind, nr, bpf_get_current_cgroup_id(), bpf_get_current_pid_tgid());
 }
 
-// ---- the kernel's names ------------------------------------------------------------------
-//
-// A name is resolved by user space lexically against its base, which is wrong for a name with '..'
-// after a component (that component may be a symlink or a /proc magic link: `/tmp/l/../passwd`
-// with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd), names a symlink's path rather than the
-// file reached, and the probe reads the name from the job's memory before the kernel does
-// (another thread can change it in between). So a successful open that becomes a record, and
-// every chdir and fchdir (a cwd is always the kernel's name of it, and a relative name's leading
-// '..' its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
-// chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks
-// it. In summary an open's key has the inode it opened, so the repeats counted under a key are
-// the same file and are not walked: only a key's first open is (settle); an open whose base
-// the kernel cannot name is walked each time and aggregated by the kernel's name.
-
-#define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
-#define KNAME_DEPTH_ 64  // dentries and mounts walked up; a deeper name is not given
+// ---- paths read at entry (an open's, a chdir's, a change's)
 
 // The call's open/chdir record holds a path of n bytes (with its NUL): its length and the size.
 static __always_inline void set_path_len(struct call *c, int n) {
@@ -847,6 +839,8 @@ static __always_inline void read_change_paths(struct call *c, const char *p1, co
         size = sizeof(struct change_ev);
     c->size = size;
 }
+
+// ---- a paired call's exit: its name hashed, its key counted in `agg` or its record emitted
 
 #define ACCESS_BITS (03 | 0100 | 01000 | 010000000 | 020200000)  // ACCMODE CREAT TRUNC PATH TMPFILE
 
@@ -1080,6 +1074,22 @@ int on_exit_hash(struct sys_exit_ctx *ctx) {
     return settle_and_emit(ctx, c);
 }
 
+// ---- the kernel's names ------------------------------------------------------------------
+//
+// A name is resolved by user space lexically against its base, which is wrong for a name with '..'
+// after a component (that component may be a symlink or a /proc magic link: `/tmp/l/../passwd`
+// with l -> /etc/ssh opens /etc/passwd, not /tmp/passwd), names a symlink's path rather than the
+// file reached, and the probe reads the name from the job's memory before the kernel does
+// (another thread can change it in between). So a successful open that becomes a record, and
+// every chdir and fchdir (a cwd is always the kernel's name of it, and a relative name's leading
+// '..' its real parent), carry the kernel's own name of what they reached (F_KNAME): the dentry
+// chain of the file (or the new cwd) up to the process's root, across mounts, as d_path walks
+// it. In summary an open's key has the inode it opened, so the repeats counted under a key are
+// the same file and are not walked: only a key's first open is (settle); an open whose base
+// the kernel cannot name is walked each time and aggregated by the kernel's name.
+
+#define KNAME_MAX_ 2048  // bytes of a kernel name (with its NUL); a longer one is not given
+#define KNAME_DEPTH_ 64  // dentries and mounts walked up; a deeper name is not given
 
 // Writes the kernel's name of the file an open returned (ret) or of the new cwd (chdir, fchdir)
 // after the record's path, with its NUL, and sets F_KNAME; nothing when the name cannot be had
@@ -1200,6 +1210,8 @@ int on_exit_name(struct sys_exit_ctx *ctx) {
     return 0;
 }
 
+// ---- a paired call's exit and the results
+
 static __always_inline void ns_exit(struct call *c);  // ---- namespaces and mounts
 
 // An open's or chdir's path that was not resident at entry, read again now the kernel paged it in.
@@ -1301,6 +1313,17 @@ int on_exit_openat(struct sys_exit_ctx *ctx) {
         exit_tail.call(ctx, 1);  // on_exit_name (as finish_call)
     hash_name(c);
     return settle_and_emit(ctx, c);
+}
+
+// ---- results -----------------------------------------------------------------------------
+
+int on_exit(struct sys_exit_ctx *ctx) {
+    switch (ctx->nr) {
+    case __NR_execve:
+    case __NR_execveat:
+        return emit_ret(SC_EXEC, ctx->ret);
+    }
+    return finish_call(ctx);
 }
 
 // ---- opens -------------------------------------------------------------------------------
@@ -2665,13 +2688,3 @@ int on_dns_ingress(struct __sk_buff *skb) {
     return 1;
 }
 
-// ---- results -----------------------------------------------------------------------------
-
-int on_exit(struct sys_exit_ctx *ctx) {
-    switch (ctx->nr) {
-    case __NR_execve:
-    case __NR_execveat:
-        return emit_ret(SC_EXEC, ctx->ret);
-    }
-    return finish_call(ctx);
-}

@@ -9,15 +9,15 @@ import pytest
 
 from evidence.agent.recorder import decode
 from evidence.probes import kinds, loader
-from evidence.probes.render import ProbeConfig, RenderError, render, template
+from evidence.probes.render import ProbeConfig, RenderError, join_parts, render, template
 from tests.unit.test_probes_render import OFFSETS
 
 _DEFINE = re.compile(r"^#define ((?:EV|K)_[A-Z_]+) (\d+)\b", re.MULTILINE)
 
 
 def test_the_template_defines_no_kind_of_its_own() -> None:
-    assert _DEFINE.findall(template()) == []
-    assert template().count("\nRECORD_KINDS\n") == 1
+    assert _DEFINE.findall(join_parts(template())) == []
+    assert join_parts(template()).count("\nRECORD_KINDS\n") == 1
 
 
 def test_the_rendered_c_defines_each_kind_as_kinds_py_does() -> None:
@@ -41,6 +41,6 @@ def test_the_decoder_and_the_loader_name_kinds_as_kinds_py_does() -> None:
 
 
 def test_a_left_kinds_line_is_refused() -> None:
-    source = template().replace("\nRECORD_KINDS\n", "\nRECORD_KINDS\nRECORD_KINDS\n", 1)
+    source = join_parts(template()).replace("\nRECORD_KINDS\n", "\nRECORD_KINDS\nRECORD_KINDS\n", 1)
     with pytest.raises(RenderError, match="RECORD_KINDS"):
         render(ProbeConfig(offsets=OFFSETS), source)
