@@ -1,6 +1,7 @@
 """Compile and load the recorder probes with BCC, once per agent process.
 
-This is the only module of probes/ that needs BCC and root. One `RecorderProbes` serves any number
+This module and objcache.py (the compiled-probe cache) are the modules of probes/ that need BCC
+and root. One `RecorderProbes` serves any number
 of concurrent runs: a run is a slot number in the `tracked` map (cgroup id -> slot); nothing is
 recompiled per run.
 """
@@ -16,14 +17,14 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from evidence.probes import btf, kinds, objcache
+from evidence.probes import abi, btf, objcache
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import ProbeConfig, render
 from evidence.probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
-EV_KINDS = kinds.EV_KINDS
+EV_KINDS = abi.EV_KINDS
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint,
 # or the handler EXIT_HANDLERS names.
@@ -88,20 +89,20 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 _PROG_TYPE_CGROUP_SKB = 8
 _CGROUP_INET_INGRESS = 0
 _F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
-# a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
-KIND_NAMES = kinds.LOSS_NAMES
+# a kind's number -> its name in loss counts (probes/abi.py: the one definition)
+KIND_NAMES = abi.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, koff, hoff, owner, walked, mfd, mfd2;
-# the record follows
-_CALL = struct.Struct("<QQIiQIIQIIIIii")
-# struct akey and struct aval, as bytes
-_AKEY = struct.Struct("<QQQIIiHHQ")  # exe, tok, cgid, run, access, result, kind, pad, ino
-_AVAL = struct.Struct("<QQQ")  # count, first, last
-_AKEY_RUN = struct.Struct("<24xI")  # struct akey: run
+# struct call (refetch, refetch2, size, nr, ...; the record follows), struct akey and struct aval
+# (`agg`'s entries), as probes/abi.py lays them out
+_CALL = abi.CALL.struct
+_AKEY = abi.AKEY.struct  # exe, tok, cgid, run, access, result, kind, ino
+_AVAL = abi.AVAL.struct  # count, first, last
+_AKEY_RUN = struct.Struct(f"<{abi.AKEY.offset('run')}xI")  # struct akey: run
 _TS = struct.Struct("<Q")
 _U32 = struct.Struct("<I")  # an array's index, a u32 value
 _U64 = struct.Struct("<Q")
-_HDR_RUN_KIND = struct.Struct("<16xI8xH")  # struct hdr: run (at 16) and kind (at 28)
+_RUN_OFF, _KIND_OFF = abi.HDR.offset("run"), abi.HDR.offset("kind")
+_HDR_RUN_KIND = struct.Struct(f"<{_RUN_OFF}xI{_KIND_OFF - _RUN_OFF - 4}xH")  # struct hdr: run and kind
 
 
 def detect_config(**overrides: Any) -> ProbeConfig:
@@ -206,7 +207,7 @@ class RecorderProbes:
 
     def read_fallbacks(self, slot: int) -> int:
         """Operations recorded one by one because the aggregation map was full (not loss)."""
-        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + kinds.K_AGG_MAP_FULL)])[0])
+        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + abi.K_AGG_MAP_FULL)])[0])
 
     def set_aggregation(self, slot: int, max_distinct: int) -> None:
         """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
@@ -236,7 +237,7 @@ class RecorderProbes:
         keys, values = self.bpf[b"agg"].items_raw()  # many entries per system call, unpacked in bulk
         out = []
         others = False  # entries of other runs (an agent's concurrent runs) stay in the map
-        for (exe, tok, cgid, run, access, result, kind, _, ino), (count, first, last) in zip(
+        for (exe, tok, cgid, run, access, result, kind, ino), (count, first, last) in zip(
             _AKEY.iter_unpack(keys), _AVAL.iter_unpack(values), strict=True
         ):
             if run != slot:
@@ -267,7 +268,7 @@ class RecorderProbes:
         for key, raw in table.items():
             _, _, size, *_ = _CALL.unpack_from(raw, 0)
             rec = raw[_CALL.size : _CALL.size + size]
-            run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= 32 else (0, 0)
+            run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= abi.HDR_SIZE else (0, 0)
             if run == slot and kind != 0:
                 out.append(rec)
                 with contextlib.suppress(KeyError):

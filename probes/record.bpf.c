@@ -2,7 +2,8 @@
 //
 // Rendered by probes/render.py, which replaces every UPPERCASE token below with a number
 // (struct offsets come from the running kernel's BTF, never from the installed headers), and
-// the line of record kinds with their #defines (EV_*, K_*: defined once, in probes/kinds.py).
+// `#include "abi.h"` with the kernel/user ABI: the record kinds (EV_*, K_*), flags (F_*),
+// operations (CH_*, NS_*) and the records' layouts, defined once in probes/abi.py.
 // Only tracepoint arguments, BPF helpers and BTF-derived offsets are used.
 //
 // The programs are in files by concern, joined into one text by render.py in the order of the
@@ -19,6 +20,8 @@
 // silently.
 
 #include "bpf/lib/common.h"
+// generated: the ABI (probes/abi.py render_header)
+#include "abi.h"
 #include "bpf/lib/maps.h"
 #include "bpf/lib/hash.h"
 #include "bpf/lib/task.h"

@@ -2,8 +2,9 @@
 
 The .bpf.c files are package data with UPPERCASE tokens; `render` (record.bpf.c) and `render_guard`
 (connect_guard.bpf.c, tokens written `__NAME__`) replace each one and fail if any is left unfilled,
-so a typo can never reach the compiler as an undefined macro. record.bpf.c's RECORD_KINDS line
-becomes the #defines of the record kinds, from probes/kinds.py (their one definition).
+so a typo can never reach the compiler as an undefined macro. record.bpf.c lists the files it is
+made of (`#include "bpf/..."` lines, joined here in that order) and the generated header of the
+kernel/user ABI (`#include "abi.h"`: probes/abi.py's render_header, their one definition).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import re
 from importlib import resources
 
-from evidence.probes import kinds
+from evidence.probes import abi
 
 _TOKENS = (
     "ARGS_BYTES",
@@ -96,6 +97,8 @@ def template(name: str = "record.bpf.c") -> str:
     return resources.files("evidence.probes").joinpath(name).read_text()
 
 
+# parts record.bpf.c includes that are made here, not read from a file
+GENERATED = {"abi.h": abi.render_header}
 _INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
 
 
@@ -109,6 +112,8 @@ def join_parts(root: str) -> str:
         if name in seen:
             raise RenderError(f"{name} is included twice")
         seen.add(name)
+        if name in GENERATED:
+            return GENERATED[name]().rstrip("\n") + "\n\n"
         try:
             text = template(name)
         except OSError as e:
@@ -143,14 +148,12 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     if missing:
         raise RenderError(f"no value for {', '.join(missing)}")
     text = join_parts(source if source is not None else template())
-    # the record kinds, defined once (probes/kinds.py): their #defines in place of the line
-    text = re.sub(r"^RECORD_KINDS$", lambda _: kinds.c_defines(), text, count=1, flags=re.MULTILINE)
     text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)
     defines = []
     if config.have_group_dead:
         defines.append("#define HAVE_GROUP_DEAD 1")
     text = "\n".join(defines) + "\n" + text
-    left = re.findall(r"\b(" + "|".join((*_TOKENS, "RECORD_KINDS")) + r")\b", text)
+    left = re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
     if left:
         raise RenderError(f"unfilled tokens: {sorted(set(left))}")
     return text

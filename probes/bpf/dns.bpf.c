@@ -24,25 +24,6 @@
 // through the descriptor, BTF offsets): user space credits it only when its bytes are ones the
 // kernel delivered to that socket (agent/recorder/dns.py).
 
-struct dns_ev {
-    struct hdr h;
-    s64 ret;       // sent: the length given; received: the call's result; delivered: the payload's length
-    s32 fd;        // delivered: -1
-    u16 dir;       // DNS_SENT, DNS_RECEIVED or DNS_DELIVERED
-    u16 len;       // bytes of message that follow (at most DNS_MAX_; delivered: 2 * DNS_MAX_ - 1)
-    u8 addr[28];   // sent, received: the server the socket's queries go to; delivered: the source
-                   // (sockaddr_in or sockaddr_in6; family 0: not known)
-    u32 seq;       // delivered over TCP: the segment's sequence number
-    u64 sock;      // sent, received: the socket (the inode's address dnsfds keeps for it)
-    u64 cookie;    // received: the socket's cookie (0: none yet, or not a socket); delivered: the
-                   // receiving socket's
-    u8 proto;      // delivered: IPPROTO_UDP or IPPROTO_TCP
-    u8 tcp;        // delivered over TCP: the segment's flags (SYN: seq is the stream's start - 1)
-    u16 pad;
-    u32 pad2;
-    u8 data[2 * DNS_MAX_];  // twice the bound, so the verifier can check a masked length
-};
-
 struct dnsfd {
     u64 gen;       // the process's generation (procs): a reused pid is another process
     u64 ino;       // what the descriptor named when it was marked (fd_inode): the socket

@@ -8,18 +8,6 @@
 // a new mount or user namespace, and every child of a marked process (fork): every later record of
 // it carries F_OTHER_NS, and its opens and connects are never aggregated with the run's own.
 
-#define NS_UNSHARE 1
-#define NS_SETNS 2
-#define NS_CLONE 3
-#define NS_MOUNT 4
-#define NS_MOVE_MOUNT 5
-#define NS_OPEN_TREE 6
-#define NS_FSMOUNT 7
-#define NS_PIVOT_ROOT 8
-#define NS_CHROOT 9
-#define NS_PTRACE 10
-#define NS_VM_WRITE 11
-
 #define CLONE_NEWTIME_ 0x00000080ULL  // clone3 and unshare only (clone's low byte is the exit signal)
 #define CLONE_NEWNS_ 0x00020000ULL
 #define CLONE_NEWUSER_ 0x10000000ULL

@@ -1,7 +1,5 @@
 // ---- a paired call's exit: its name hashed, its key counted in `agg` or its record emitted
 
-#define ACCESS_BITS (03 | 0100 | 01000 | 010000000 | 020200000)  // ACCMODE CREAT TRUNC PATH TMPFILE
-
 // Sets what hash_name hashes for the call: an open's or chdir's path against its base, or a
 // connect's address (the bytes as given, up to 127).
 static __always_inline void prepare_hash(struct call *c) {

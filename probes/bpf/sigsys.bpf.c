@@ -11,13 +11,6 @@
 #define AUDIT_ARCH_AARCH64_ 0xC00000B7
 #define X32_SYSCALL_BIT_ 0x40000000
 
-struct sigsys_ev {
-    struct hdr h;
-    s32 nr;      // si_syscall: the call's number in its architecture's table
-    u32 arch;    // si_arch: AUDIT_ARCH_*
-    u64 ip;      // si_call_addr: the address of the instruction after the call
-};
-
 // the head of a kernel_siginfo as the UAPI lays it out on 64-bit (a stable ABI): _sigsys's fields
 struct siginfo_sys {
     s32 signo;

@@ -29,24 +29,7 @@ struct fdtok {
     u64 ino;  // what the descriptor named when its token was set (fd_inode)
 };
 
-struct akey {
-    u64 exe;
-    u64 tok;
-    u64 cgid;
-    u32 run;
-    u32 access;  // open: the flag bits that decide the access class; connect: F_SEND, F_FNAME_FAULT
-    s32 result;  // 0 or -errno
-    u16 kind;
-    u16 pad;
-    u64 ino;     // open: what it opened (its inode's address, rino), 0 when it failed; connect: 0
-};
-
-struct aval {
-    u64 count;
-    u64 first;
-    u64 last;
-};
-
+// struct akey and struct aval (`agg`'s key and value) are the ABI's (probes/abi.py)
 BPF_ARRAY(hkey, u64, 2);                  // SipHash key (user space writes it once, at load)
 BPF_ARRAY(limits, u32, MAX_RUNS_);        // per run: distinct keys kept (0: no aggregation)
 BPF_ARRAY(distinct, u32, MAX_RUNS_);      // per run: distinct keys in `agg`
