@@ -1,26 +1,8 @@
 // ---- dns: what the kernel delivered to the run's sockets (a cgroup program, not a tracepoint)
 
-// The run of a packet's socket: the socket's cgroup (bpf_skb_cgroup_id) or its nearest tracked
-// ancestor, as run_of finds a task's.
+// The run of a packet's socket: its cgroup's (bpf_skb_cgroup_id), found as a task's is.
 static __always_inline u32 skb_run(struct __sk_buff *skb) {
-    u64 cg = bpf_skb_cgroup_id(skb);
-    u32 *hit = cgcache.lookup(&cg);
-    if (hit)
-        return *hit;
-    u32 run = 0;
-#pragma clang loop unroll(disable)
-    for (int lvl = 0; lvl < CG_DEPTH_; lvl++) {
-        u64 anc = bpf_skb_ancestor_cgroup_id(skb, lvl);
-        if (anc == 0)
-            break;
-        u32 *r = tracked.lookup(&anc);
-        if (r) {
-            run = *r;
-            break;
-        }
-    }
-    cgcache.update(&cg, &run);
-    return run;
+    return cgroup_run(bpf_skb_cgroup_id(skb), skb);
 }
 
 // Attached to each run's cgroup (BPF_CGROUP_INET_INGRESS, beside any other program: it always lets

@@ -1,15 +1,18 @@
 // ---- a task's run, a record's header, the ring buffer
 
-// The run slot of a task in cgroup `cg` (the current one): its cgroup or the nearest tracked
-// ancestor.
-static __always_inline u32 run_of(u64 cg) {
+// The run slot of cgroup `cg`: its cached answer, else its outermost tracked ancestor's (0: none),
+// cached. One walk for both kinds of program: skb NULL (a constant in a tracepoint program, whose
+// inlined copy keeps that branch only) walks the current task's ancestors; a packet's walks its
+// socket's (cgroup skb programs, where skb, the context, is never NULL and the verifier follows
+// only that branch).
+static __always_inline u32 cgroup_run(u64 cg, struct __sk_buff *skb) {
     u32 *hit = cgcache.lookup(&cg);
     if (hit)
         return *hit;
     u32 run = 0;
 #pragma clang loop unroll(disable)
     for (int lvl = 0; lvl < CG_DEPTH_; lvl++) {
-        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
+        u64 anc = skb ? bpf_skb_ancestor_cgroup_id(skb, lvl) : bpf_get_current_ancestor_cgroup_id(lvl);
         if (anc == 0)
             break;
         u32 *r = tracked.lookup(&anc);
@@ -20,6 +23,11 @@ static __always_inline u32 run_of(u64 cg) {
     }
     cgcache.update(&cg, &run);
     return run;
+}
+
+// The run slot of a task in cgroup `cg` (the current one).
+static __always_inline u32 run_of(u64 cg) {
+    return cgroup_run(cg, NULL);
 }
 
 static __always_inline u32 current_run(void) {
