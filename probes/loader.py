@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from evidence.probes import abi, btf, objcache
+from evidence.probes import abi, bpfsys, btf, objcache
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import ProbeConfig, render
 from evidence.probes.ringbuf import RingBuffer
@@ -107,7 +107,7 @@ _HDR_RUN_KIND = struct.Struct(f"<{_RUN_OFF}xI{_KIND_OFF - _RUN_OFF - 4}xH")  # s
 
 def detect_config(**overrides: Any) -> ProbeConfig:
     """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here."""
-    events = objcache.TRACEFS / "events"
+    events = bpfsys.TRACEFS / "events"
     exit_fmt = (events / "sched/sched_process_exit/format").read_text()
     values: dict[str, Any] = {
         "offsets": btf.probe_offsets(),
@@ -137,7 +137,7 @@ class RecorderProbes:
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
-                if not (objcache.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
+                if not (bpfsys.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
                     continue
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
                 exit_fn = EXIT_HANDLERS.get(name, "on_exit")
