@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 FORMAT = 1  # of a CompiledObject as JSON (a cache entry)
@@ -201,7 +200,9 @@ class Map:
         self.cpu_value_size = (m.value_size + 7) & ~7 if percpu else m.value_size
         self.value_size = self.cpu_value_size * self.cpus
 
-    def _elem(self, cmd: int, key: bytes | None, value: Any, flags: int = 0) -> int:
+    def _elem(
+        self, cmd: int, key: bytes | None, value: ctypes.Array[ctypes.c_char] | None, flags: int = 0
+    ) -> int:
         kbuf = _buf(key) if key is not None else None
         attr = _buf(
             _ELEM.pack(
@@ -407,8 +408,8 @@ class LoadedObject:
     def _prog_load(
         name: bytes,
         prog_type: int,
-        insns: Any,
-        license: Any,
+        insns: ctypes.Array[ctypes.c_char],
+        license: ctypes.Array[ctypes.c_char],
         log: ctypes.Array[ctypes.c_char] | None,
         expected_attach_type: int = 0,
     ) -> int:

@@ -18,9 +18,9 @@ import mmap
 import os
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from evidence.errors import SetupError
+from evidence.probes.bpfsys import Function, LoadedObject, Map
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import GuardConfig, render_guard
 from evidence.probes.ringbuf import RingBuffer
@@ -69,9 +69,9 @@ class GuardProgram:
             v6_capacity=max(1, len(rules.v6)),
         )
         self.text = render_guard(self.config)
-        self._bpf: Any = None  # an objcache.LoadedObject
+        self._bpf: LoadedObject | None = None
         self._ring: RingBuffer | None = None
-        self._fns: list[tuple[Any, int]] = []
+        self._fns: list[tuple[Function, int]] = []
         self._cgroup_fd: int | None = None
 
     # -- loading -------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ class GuardProgram:
             self.close()
             raise SetupError(f"cannot load connect_guard: {e}") from e
 
-    def _fill(self, table: Any, entries: Table) -> None:
+    def _fill(self, table: Map, entries: Table) -> None:
         """Each prefix's rules as struct rule_set (connect_guard.bpf.c): n, pad, then the entries."""
         for (packed, plen), rules in entries.items():
             key = _U32.pack(plen) + packed  # the address stays in network byte order
@@ -115,15 +115,15 @@ class GuardProgram:
         """Attach the four programs to a cgroup (v2 directory); its descendants are covered too."""
         self.load()
         fd = os.open(cgroup_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        attached: list[tuple[Any, int]] = []
+        attached: list[tuple[Function, int]] = []
         try:
             for fn, atype in self._fns:
-                self._bpf.attach_cgroup(fn, fd, atype, BPF_F_ALLOW_MULTI)
+                LoadedObject.attach_cgroup(fn, fd, atype, BPF_F_ALLOW_MULTI)
                 attached.append((fn, atype))
         except Exception as e:
             for fn, atype in attached:
                 with contextlib.suppress(Exception):  # best effort while failing
-                    self._bpf.detach_cgroup(fn, fd, atype)
+                    LoadedObject.detach_cgroup(fn, fd, atype)
             os.close(fd)
             raise SetupError(f"cannot attach connect_guard to {cgroup_path}: {e}") from e
         self._cgroup_fd = fd
@@ -157,7 +157,7 @@ class GuardProgram:
             return
         for fn, atype in self._fns:
             try:
-                self._bpf.detach_cgroup(fn, self._cgroup_fd, atype)
+                LoadedObject.detach_cgroup(fn, self._cgroup_fd, atype)
             except Exception as e:  # noqa: BLE001 - report and go on detaching the others
                 logger.warning("detaching %s: %s", fn.name.decode(), e)
         os.close(self._cgroup_fd)

@@ -15,7 +15,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, Unpack
 
 from evidence.probes import abi, bpfsys, btf, objcache
 from evidence.probes.headers import ensure_headers
@@ -105,16 +105,26 @@ _RUN_OFF, _KIND_OFF = abi.HDR.offset("run"), abi.HDR.offset("kind")
 _HDR_RUN_KIND = struct.Struct(f"<{_RUN_OFF}xI{_KIND_OFF - _RUN_OFF - 4}xH")  # struct hdr: run and kind
 
 
-def detect_config(**overrides: Any) -> ProbeConfig:
-    """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here."""
+class Sizes(TypedDict, total=False):
+    """ProbeConfig's sizes, overridden (tests: a small ring buffer, a small aggregation map)."""
+
+    args_bytes: int
+    max_args: int
+    max_runs: int
+    cgroup_depth: int
+    ringbuf_pages: int
+    wakeup_every: int
+    inflight_max: int
+    inflight_per_run: int
+    agg_max: int
+
+
+def detect_config(**overrides: Unpack[Sizes]) -> ProbeConfig:
+    """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here, with
+    `overrides` of its sizes (tests: a small ring buffer, a small aggregation map)."""
     events = bpfsys.TRACEFS / "events"
     exit_fmt = (events / "sched/sched_process_exit/format").read_text()
-    values: dict[str, Any] = {
-        "offsets": btf.probe_offsets(),
-        "have_group_dead": "group_dead" in exit_fmt,
-    }
-    values.update(overrides)
-    return ProbeConfig(**values)
+    return ProbeConfig(offsets=btf.probe_offsets(), have_group_dead="group_dead" in exit_fmt, **overrides)
 
 
 class RecorderProbes:
