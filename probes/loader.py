@@ -134,7 +134,7 @@ class RecorderProbes:
         self.source = render(self.config)
         # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
         self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
-        # on_exit tail-calls on_exit_name and on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
+        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn here, once
         tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
         self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
         naming = self.bpf.load_func(b"on_exit_name", self.bpf.TRACEPOINT)  # the kernel's names

@@ -64,7 +64,7 @@ _OPEN = abi.OPEN_EV.struct  # ret, exe_tok, tok, dfd, flags, mode, nlink, sc, pa
 _CONNECT = abi.CONNECT_EV.struct  # ret, exe_tok, tok, fd, addrlen, dino
 _DUP = abi.DUP_EV.struct  # ret, oldfd, newfd, rino
 # a file change: ret, mino, mino2, dfd, dfd2, dino, dino2, mode, nlink, uid, gid, at_flags, op, len1, len2
-# (mino, mino2: what the descriptor a path names through a magic link named, record.bpf.c magic_fd)
+# (mino, mino2: what the descriptor a path names through a magic link named, bpf/changes.bpf.c magic_fd)
 _CHANGE = abi.CHANGE_EV.struct
 # a namespace call: ret, flags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 (the paths as a change's)
 _NS = abi.NS_EV.struct
