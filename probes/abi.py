@@ -180,6 +180,9 @@ DNS_SENT, DNS_RECEIVED, DNS_DELIVERED = 0, 1, 2  # dns_ev.dir
 SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
 PATH_MAX = 4096  # bytes of a path read from a process (with its NUL)
 DNS_MAX = 1024  # bytes of a DNS message kept (a power of two)
+# bytes of a change's name the probe scans for a magic link's descriptor number (bpf/changes.bpf.c
+# magic_fd; agent/recorder/names.py magic_fd reads a name the same way)
+MAGIC_SCAN = 48
 CONNECT_ADDR_MAX = 128  # connect_ev.addr: bytes of a sockaddr kept
 NO_RESULT = -1_000_000  # the result of a call that never returned while recorded (not a kernel code)
 # an open's flag bits that decide its access class (akey.access): O_ACCMODE O_CREAT O_TRUNC O_PATH
@@ -202,6 +205,7 @@ OTHERS = (
         NO_RESULT,
         before=("the result of a call that never returned while recorded (not a kernel code: -1,000,000)",),
     ),
+    Const("MAGIC_SCAN_", MAGIC_SCAN, comment="bytes of a change's name magic_fd scans (names.magic_fd too)"),
     Const("ACCESS_BITS", ACCESS_BITS, comment="O_ACCMODE O_CREAT O_TRUNC O_PATH O_TMPFILE", fmt="o"),
 )
 

@@ -47,6 +47,7 @@ from evidence.probes.abi import F_PATH2_TRUNC as F_PATH2_TRUNC
 from evidence.probes.abi import F_PATH_TRUNC as F_PATH_TRUNC
 from evidence.probes.abi import F_SEND as F_SEND
 from evidence.probes.abi import F_STATE as F_STATE
+from evidence.probes.abi import NO_RESULT as NO_RESULT
 from evidence.probes.abi import NS_OPS as NS_OPS
 from evidence.probes.abi import SC_EXEC as SC_EXEC
 

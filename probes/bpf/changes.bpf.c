@@ -6,10 +6,9 @@
 // changes the file descriptor N names, whatever name it was opened by. The probe does not decide
 // whether a name is such a link (user space does, from the resolved name); it reads the number N
 // of a name's first component of digits that is its first component or follows a component `fd`
-// (within its first MAGIC_SCAN_ bytes), -1 when there is none, and records what descriptor N
+// (within its first MAGIC_SCAN_ bytes: the ABI's), -1 when there is none, and records what descriptor N
 // names (magic_inode), so user space names the change after its table's entry for N while N
 // still names that file. names.magic_fd reads a name the same way: change both together.
-#define MAGIC_SCAN_ 48
 #define FD_SLASH_ 0x66642f  // "fd/", the three bytes before a candidate
 
 // The number of the descriptor the name at e->buf[base] reaches through a magic link, -1: none.
