@@ -48,7 +48,7 @@ _O_SYNC_ONLY = getattr(os, "O_SYNC", 0o4010000) & ~getattr(os, "O_DSYNC", 0o1000
 # the restarted call is recorded again, with its own result
 _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
 # not a kernel code: the result of a call whose result never came (lost, or still in progress at the end)
-NO_RESULT = -1_000_000
+NO_RESULT = d.NO_RESULT  # the probes write it (probes/abi.py)
 _RESTART[-NO_RESULT] = "NO_RESULT"
 
 
