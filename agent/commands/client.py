@@ -13,10 +13,15 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from evidence.errors import EXIT_SETUP, Error, UsageError
+
+if TYPE_CHECKING:
+    from evidence.agent.daemon.models import FinishAnswer, PolicyBody, ReadyAnswer, RunAnswer
+
+Body = dict[str, object]  # a request's JSON body (agent/daemon/models.py checks it)
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +224,7 @@ class AgentClient:
         else:
             conn.close()
 
-    def _open(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[_UnixConnection, _Response]:
+    def _open(self, method: str, path: str, body: Body | None) -> tuple[_UnixConnection, _Response]:
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         kept, self._kept = self._kept, None
@@ -266,7 +271,8 @@ class AgentClient:
             conn.close()
             raise AgentUnreachable(f"talking to the agent at {self.socket_path} failed: {e}") from None
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(self, method: str, path: str, body: Body | None = None) -> Any:
+        """The answer's JSON (typed by the methods below), or the error it says."""
         conn, resp = self._open(method, path, body)
         read: _Response | None = None
         try:
@@ -314,17 +320,13 @@ class AgentClient:
         finally:
             self._done(conn, read)
 
-    # the API, typed
+    # the API, typed (agent/daemon/models.py)
 
     def start(
         self, *, cgroup: str | None = None, pid: int | None = None, labels: dict[str, str] | None = None
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {"labels": labels or {}}
-        if cgroup is not None:
-            body["cgroup"] = cgroup
-        if pid is not None:
-            body["pid"] = pid
-        result: dict[str, Any] = self.request("POST", "/runs", body)
+    ) -> RunAnswer:
+        body: Body = {"labels": labels or {}, "cgroup": cgroup, "pid": pid}
+        result: RunAnswer = self.request("POST", "/runs", {k: v for k, v in body.items() if v is not None})
         return result
 
     def isolate(
@@ -334,20 +336,21 @@ class AgentClient:
         labels: dict[str, str] | None = None,
         command: list[str] | None = None,
         detail: str = "summary",
-        policy: dict[str, Any] | None = None,
+        policy: PolicyBody | None = None,
         net: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> RunAnswer:
         """Have the agent move `pid` (a child of ours, waiting before exec) into a cgroup made for a
         new run: the answer's "cgroup" is that cgroup, "session_id" the run. `net`: the private
         network the child made itself (--net), for the manifest."""
-        body: dict[str, Any] = {"isolate_pid": pid, "labels": labels or {}, "detail": detail}
-        if command is not None:
-            body["command"] = command
-        if policy is not None:
-            body["policy"] = policy
-        if net is not None:
-            body["net"] = net
-        result: dict[str, Any] = self.request("POST", "/runs", body)
+        body: Body = {
+            "isolate_pid": pid,
+            "labels": labels or {},
+            "detail": detail,
+            "command": command,
+            "policy": policy,
+            "net": net,
+        }
+        result: RunAnswer = self.request("POST", "/runs", {k: v for k, v in body.items() if v is not None})
         return result
 
     def finish(
@@ -357,21 +360,21 @@ class AgentClient:
         *,
         exit_code: int | None = None,
         signal: str | None = None,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {"bundle": bundle} if bundle else {}
-        if exit_code is not None:
-            body["exit_code"] = exit_code
-        if signal is not None:
-            body["signal"] = signal
-        result: dict[str, Any] = self.request("POST", f"/runs/{quote(session_id, safe='')}/finish", body)
+    ) -> FinishAnswer:
+        body: Body = {"bundle": bundle or None, "exit_code": exit_code, "signal": signal}
+        result: FinishAnswer = self.request(
+            "POST",
+            f"/runs/{quote(session_id, safe='')}/finish",
+            {k: v for k, v in body.items() if v is not None},
+        )
         return result
 
-    def runs(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.request("GET", "/runs")["runs"]
+    def runs(self) -> list[RunAnswer]:
+        result: list[RunAnswer] = self.request("GET", "/runs")["runs"]
         return result
 
-    def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = self.request("GET", "/readyz")
+    def health(self) -> ReadyAnswer:
+        result: ReadyAnswer = self.request("GET", "/readyz")
         return result
 
 

@@ -17,12 +17,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 from urllib.parse import quote
 
 from evidence.agent.commands.client import AgentClient, AgentError, add_agent_argument
 from evidence.errors import UsageError
 from evidence.files import atomic_write
+
+if TYPE_CHECKING:
+    from evidence.agent.daemon.models import FinishAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def download_bundle(client: AgentClient, name: str, sha256: str, target: Path) -
     return size
 
 
-def fetch_bundle(client: AgentClient, result: dict[str, Any], target: Path) -> int:
+def fetch_bundle(client: AgentClient, result: FinishAnswer, target: Path) -> int:
     """Download the bundle a finish answer names to target (also used by `evidence run --agent`)."""
     name = result.get("name")
     if not name:
@@ -93,13 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if target is not None:
         fetch_bundle(client, result, target)
         path = str(target)
-        result = {**result, "local_path": path}
     if result.get("lost"):
         logger.warning(
             "run %s lost %s events: the bundle says which kinds", result.get("run_id"), result["lost"]
         )
     if args.json:
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps({**result, "local_path": path} if target is not None else result, sort_keys=True))
     else:
         print(f"{result['run_id']}\t{path}")
     return 0

@@ -177,9 +177,25 @@ def run(args: argparse.Namespace) -> int:
     from evidence.errors import require_agent_extra
 
     require_agent_extra("run")
-    from evidence.agent.commands.run_standalone import StandaloneRun
+    from evidence.agent.commands.run_standalone import RunOptions, StandaloneRun
 
-    standalone = StandaloneRun(args, command, labels)
+    standalone = StandaloneRun(
+        RunOptions(
+            command=command,
+            labels=labels,
+            bundle=args.bundle,
+            detail=args.detail,
+            policy=args.policy,
+            workspace=args.workspace,
+            dry_run=args.dry_run,
+            fail_closed=args.fail_closed,
+            net=args.net,
+            allow_setuid=args.allow_setuid,
+            allow_32bit=args.allow_32bit,
+            sign_key=args.sign_key,
+            pass_fd=tuple(args.pass_fd),
+        )
+    )
     standalone.prepare()
     try:
         standalone.launch()

@@ -46,7 +46,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.commands.finish import check_target, fetch_bundle
@@ -54,6 +54,9 @@ from evidence.agent.commands.summary import signal_name, summary_line
 from evidence.agent.recorder.launch import Landlock, inherited_fds, isolation
 from evidence.errors import EXIT_SETUP, EXIT_WOULD_BLOCK, Error, PolicyError, SetupError, UsageError
 from evidence.policy import landlock_syscalls as ll
+
+if TYPE_CHECKING:
+    from evidence.agent.daemon.models import FinishAnswer, PolicyBody
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class ClientPolicy:
         from evidence.policy import tmp as ptmp
         from evidence.policy.model import load_policy
 
-        self.mode = "dry-run" if dry_run else "enforce"
+        self.mode: Literal["enforce", "dry-run"] = "dry-run" if dry_run else "enforce"
         self.workspace = os.path.realpath(workspace)
         self.tmpdir = ptmp.create_private_tmp()
         try:
@@ -118,7 +121,7 @@ class ClientPolicy:
         """The policy's Landlock domain for the command (None: dry run, or no Landlock here)."""
         return Landlock.of_plan(self.plan) if self.mode == "enforce" else None
 
-    def request(self, fail_closed: bool) -> dict[str, Any]:
+    def request(self, fail_closed: bool) -> PolicyBody:
         return {
             "text": self.text,
             "name": self.policy.source,
@@ -419,7 +422,7 @@ def _isolated_run(
     return rc
 
 
-def _summary(result: dict[str, Any], bundle: Path) -> None:
+def _summary(result: FinishAnswer, bundle: Path) -> None:
     """The line `evidence run` prints, from the agent's finish answer."""
     counts: dict[str, int] = result.get("counts") or {}
     print(

@@ -3,8 +3,8 @@ parses the command line and chooses between this and an agent (agent/commands/ru
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -15,43 +15,57 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
 from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
+if TYPE_CHECKING:
+    from evidence.agent.recorder.cgroups import RunCgroup
+    from evidence.agent.recorder.description import Detail, Network
+    from evidence.agent.recorder.enforce import Enforcement
+    from evidence.agent.recorder.launch import Landlock, Launcher, Watchdog
+    from evidence.agent.recorder.recording import Recorder
+    from evidence.agent.recorder.run import Run
+    from evidence.bundle.attestation import Signer
+    from evidence.bundle.format import Degradation
+    from evidence.policy.netns import PrivateNetns
+    from evidence.probes.loader import RecorderProbes
+
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def _load_probes() -> Any:
+
+def _load_probes() -> RecorderProbes:
     from evidence.probes.loader import load_probes
 
     return load_probes()
 
 
-class _InThread:
+class _InThread(Generic[T]):
     """Runs a function in a thread; result() joins it and returns its value or raises its error."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._value: Any = None
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._value: T | None = None
         self._error: BaseException | None = None
         self._t = threading.Thread(target=self._run, args=(fn,), name="evidence-load", daemon=True)
         self._t.start()
 
-    def _run(self, fn: Callable[[], Any]) -> None:
+    def _run(self, fn: Callable[[], T]) -> None:
         try:
             self._value = fn()
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
 
-    def result(self) -> Any:
+    def result(self) -> T:
         self._t.join()
         if self._error is not None:
             raise self._error
-        return self._value
+        return cast(T, self._value)
 
-    def discard(self, cleanup: Callable[[Any], None]) -> None:
+    def discard(self, cleanup: Callable[[T], None]) -> None:
         self._t.join()
         if self._error is None and self._value is not None:
             cleanup(self._value)
@@ -92,17 +106,38 @@ def _hint_leftovers() -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What `evidence run` was asked for (agent/commands/run.py makes it from the command line)."""
+
+    command: list[str]
+    labels: dict[str, str]
+    bundle: str | None = None
+    detail: Detail = "summary"
+    policy: str | None = None
+    workspace: str | None = None
+    dry_run: bool = False
+    fail_closed: bool = False
+    net: Network = None
+    allow_setuid: bool = False
+    allow_32bit: bool = False
+    sign_key: str | None = None
+    pass_fd: tuple[int, ...] = ()
+
+
 class StandaloneRun:
     """`evidence run` with probes of its own: prepare (checks, probes, policy), launch (the command
-    in the run's cgroup), wait (forwarding signals, collecting denials), finish (the bundle)."""
+    in the run's cgroup), wait (forwarding signals, collecting denials), finish (the bundle). The
+    run itself is a `Run` (agent/recorder/run.py); this holds what is the command line's alone: the
+    launcher, the cgroup, the watchdog, signals, the bundle's directory."""
 
-    def __init__(self, args: argparse.Namespace, command: list[str], labels: dict[str, str]) -> None:
-        self.args = args
-        self.command = command
-        self.labels = labels
+    def __init__(self, options: RunOptions) -> None:
+        args = self.args = options
+        self.command = options.command
+        self.labels = options.labels
         self.session_id = uuid.uuid4().hex
         self.bundle = Path(args.bundle or f"evidence-{self.session_id[:12]}.tar.gz").absolute()
-        self.signer: Any = None  # loaded in prepare(), while the probes load
+        self.signer: Signer | None = None  # loaded in prepare(), while the probes load
         self.cwd = os.getcwd()
         from evidence.agent.recorder.launch import inherited_fds
 
@@ -113,21 +148,20 @@ class StandaloneRun:
         if missing:
             raise UsageError(f"--pass-fd {missing[0]}: not an open descriptor evidence inherited")
         self.inherited = sorted(set(args.pass_fd))
-        self.enforcement: Any = None
-        self.netns: Any = None
-        self.recorder: Any = None
-        self.cgroup: Any = None
-        self.session: Any = None
+        self.enforcement: Enforcement | None = None
+        self.netns: PrivateNetns | None = None
+        self.recorder: Recorder | None = None
+        self.cgroup: RunCgroup | None = None
+        self.run: Run | None = None
         self.child: subprocess.Popen[bytes] | None = None
-        self.launcher: Any = None
-        self.watchdog: Any = None
+        self.launcher: Launcher | None = None
+        self.watchdog: Watchdog | None = None
         self._bundle_dir_fd = -1
         self.oom_score_adj: int | None = None
-        self._run_record: Path | None = None
-        self._lock_fd = -1
-        self.domain: Any = None
+        self.domain: Landlock | None = None
         self.no_new_privs = True
-        self.degradations: list[dict[str, str]] = []
+        self.degradations: list[Degradation] = []
+        self.capabilities: dict[str, str] = {}
         self.exit_code: int | None = None
         self.signal: str | None = None
         self.rc = 0
@@ -149,20 +183,9 @@ class StandaloneRun:
         if args.workspace and not os.path.isdir(args.workspace):
             raise UsageError(f"--workspace {args.workspace}: not a directory")
 
-        from evidence.agent.recorder import kernel
-        from evidence.probes.headers import ensure_headers
+        from evidence.agent.recorder.run import kernel_ready, open_recorder
 
-        if not kernel.mount_tracefs():
-            raise SetupError(
-                "tracefs is not available at /sys/kernel/tracing",
-                "mount -t tracefs tracefs /sys/kernel/tracing",
-            )
-        headers = ensure_headers()
-        if headers.path is None:
-            raise SetupError(
-                "no kernel headers for BCC",
-                "apt-get install linux-headers-$(uname -r) (or the distro's generic headers)",
-            )
+        headers = kernel_ready()
         from evidence.agent.recorder.launch import protect
 
         # the OOM killer takes the job before its recorder; the command gets back what we had
@@ -172,9 +195,7 @@ class StandaloneRun:
         # policy loaded and planned here (BCC itself is not thread-safe: the policy's own programs
         # are compiled afterwards)
         loading = _InThread(_load_probes)
-        from evidence.agent.recorder.kernel import capabilities_in_force
         from evidence.agent.recorder.launch import Launcher, Watchdog
-        from evidence.agent.recorder.recording import Recorder
         from evidence.files import private_dir
 
         try:
@@ -197,19 +218,19 @@ class StandaloneRun:
             loading.discard(lambda probes: probes.close(background=True))
             self.close()
             raise
-        caps: dict[str, Any] = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf"}
-        caps["enforcement"] = "none (observe only)" if self.enforcement is None else self.enforcement.mode
         from evidence.agent.recorder.launch import COMPAT_REFUSED
 
-        caps["isolation"] = self._isolation()
-        caps["32bit_syscalls"] = (
-            "allowed, not recorded (--allow-32bit)" if self.args.allow_32bit else COMPAT_REFUSED
-        )
+        self.capabilities = {
+            "isolation": self._isolation(),
+            "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
+            if self.args.allow_32bit
+            else COMPAT_REFUSED,
+        }
         try:
-            self.recorder = Recorder(
-                spool_dir=private_dir(RUN_SPOOL_DIR),
-                headers=headers,
-                capabilities=caps,
+            self.recorder = open_recorder(
+                private_dir(RUN_SPOOL_DIR),
+                headers,
+                enforcement="none (observe only)" if self.enforcement is None else self.enforcement.mode,
                 probes=loading.result(),
             )
             if self.enforcement is not None:
@@ -236,7 +257,7 @@ class StandaloneRun:
         if policy_domain is not None and not policy_domain.scoped:
             self.degradations = isolation(abi)[2]  # a policy's domain before ABI 6: signals not scoped
         if self.args.allow_32bit:
-            self.degradations = [*self.degradations, dict(COMPAT_ALLOWED)]
+            self.degradations = [*self.degradations, COMPAT_ALLOWED]
         if self.domain is None:
             return "none (--allow-setuid)" if self.args.allow_setuid else "no_new_privs only (no Landlock)"
         return f"no_new_privs, Landlock ABI {abi}" + (
@@ -270,38 +291,41 @@ class StandaloneRun:
         from evidence.agent.recorder.cgroups import RunCgroup
         from evidence.agent.recorder.decode import path_text
         from evidence.agent.recorder.launch import LaunchError, LaunchSpec
+        from evidence.agent.recorder.run import Run, RunPlan
 
-        enforcement = self.enforcement
+        assert self.recorder is not None and self.launcher is not None and self.watchdog is not None
         self.cgroup = RunCgroup.create(self.session_id)
-        self.session = session = self.recorder.start(
-            self.cgroup.path,
-            self.command,
-            path_text(self.cwd),
-            detail=self.args.detail,
-            labels=self.labels,
-            session_id=self.session_id,
-            roots=None
-            if enforcement is None
-            else {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace},
+        key = str(Path(self.args.sign_key).absolute()) if self.args.sign_key else None
+        self.run = run = Run(
+            self.recorder,
+            RunPlan(
+                command=self.command,
+                cwd=path_text(self.cwd),
+                labels=self.labels,
+                detail=self.args.detail,
+                network=self.args.net,
+                roots=RunPlan.roots_of(self.enforcement),
+                capabilities=self.capabilities,
+                degradations=self.degradations,
+                session_id=self.session_id,
+            ),
+            record_dir=RUN_SPOOL_DIR,
+            enforcement=self.enforcement,
+            where={"bundle_name": self.bundle.name, "bundle_path": str(self.bundle), "sign_key": key},
+            held=True,  # locked while this run lives: `evidence recover` never takes its spool
         )
+        run.start(self.cgroup.path)  # with its policy, and its run record written
         self.watchdog.watch(self.cgroup.path, self.session_id)
-        session.network = self.args.net
         # the helper becomes the command (same pid): known as the run's root before it can exec, so
         # its exec record, however soon the consumer thread reads it, is the root's (depth 0), and
-        # the manifest's command is what that exec ran (its run record says so, for recovery)
-        assert self.launcher is not None
-        session.starts_command(self.launcher.process.pid)
-        session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
-        # its /etc/resolv.conf: the command's (the helper becomes the command, in the same mounts)
-        self.recorder.configure_resolvers(session, self.launcher.process.pid)
-        session.degradations += list(self.degradations)
-        if enforcement is not None:
-            enforcement.enforce_on(session)
-        # before the command can run: what recovery needs, whole (its pid, policy, degradations)
-        self._write_run_record()
+        # the manifest's command is what that exec ran; its /etc/resolv.conf is the command's (the
+        # helper becomes the command, in the same mounts). The run record says so before the
+        # command can run: what recovery needs, whole (its pid, policy, degradations)
+        run.session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
+        run.launched(self.launcher.process.pid)
         spec = LaunchSpec(
             argv=self.command,
-            cgroup_procs=self.cgroup.procs_file(),
+            cgroup_procs=Path(self.cgroup.procs_file()),
             landlock=self.domain,
             no_new_privs=self.no_new_privs,
             oom_score_adj=self.oom_score_adj,
@@ -327,7 +351,8 @@ class StandaloneRun:
         behind in its cgroup and wait until the cgroup is empty."""
         assert self.child is not None
         try:
-            status = _wait(self.child, self.session, self.enforcement)
+            assert self.run is not None
+            status = _wait(self.child, self.run)
             if status < 0:
                 self.signal = signal_name(-status)
                 self.exit_code = None
@@ -345,45 +370,22 @@ class StandaloneRun:
             logger.warning("killed %d process(es) the command left behind", left)
         self.cgroup.wait_empty()
 
-    def _write_run_record(self, **finished: Any) -> None:
-        """`<session>.run.json` beside the spool: what `evidence recover` needs to turn the spool into
-        a bundle if this process dies or the bundle cannot be written. Locked while this run lives,
-        so `recover` never takes a live run's spool."""
-        from evidence.agent.recorder.recovery import hold, write_run_record
-
-        key = str(Path(self.args.sign_key).absolute()) if self.args.sign_key else None
-        description = self.session.describe(
-            bundle_name=self.bundle.name, bundle_path=str(self.bundle), sign_key=key, **finished
-        )
-        self._run_record = write_run_record(RUN_SPOOL_DIR, description)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # the record was replaced: hold the new one
-        self._lock_fd = hold(self._run_record)
-
     # -- finish --------------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
-        if self.enforcement is not None:
-            self.session.extra_records += self.enforcement.poll_denials(_exe_of(self.session), timeout_ms=0)
+        run = self.run
+        assert run is not None
         try:
-            manifest: dict[str, Any] = self.recorder.finish(
-                self.session,
-                self._held_bundle(),
-                exit_code=self.exit_code,
-                signal=self.signal,
-                signer=self.signer,
+            manifest = run.finish(
+                self._held_bundle(), exit_code=self.exit_code, signal=self.signal, signer=self.signer
             )
         except OSError as e:
             # the job's outcome must not be lost with the bundle: say it, keep the records
             with contextlib.suppress(OSError):
-                self._write_run_record(
-                    exit_code=self.exit_code, signal=self.signal, finished_ns=time.time_ns()
-                )
+                run.save(exit_code=self.exit_code, signal=self.signal, finished_ns=time.time_ns())
             raise SetupError(
                 f"the command exited {self.rc}, but its bundle could not be written: {e.strerror or e}",
                 f"its records are kept in {RUN_SPOOL_DIR}; `evidence recover` writes the bundle once there is room",
             ) from e
-        if self._run_record is not None:
-            self._run_record.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # where the directory is now, if the job moved it
             self.bundle = Path(os.readlink(f"/proc/self/fd/{self._bundle_dir_fd}")) / self.bundle.name
         return manifest
@@ -392,14 +394,17 @@ class StandaloneRun:
         _blocking(1, 2)  # a job can make the shared stdout/stderr non-blocking to lose these lines
         # first: the recorder's close forks a child that would keep these open for as long as it
         # lives (the lock: the run's records from `evidence recover`; the directory: its mount busy)
-        for fd in (self._lock_fd, self._bundle_dir_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._lock_fd = self._bundle_dir_fd = -1
+        if self.run is not None:
+            self.run.release()
+        if self._bundle_dir_fd >= 0:
+            os.close(self._bundle_dir_fd)
+        self._bundle_dir_fd = -1
         if self.launcher is not None:  # prepared, never launched: the helper exits, nothing runs
             self.launcher.abort()
             self.launcher = None
-        if self.enforcement is not None and not self._closed:
+        if self.run is not None:
+            self.run.close_enforcement()  # (if finish has not)
+        elif self.enforcement is not None and not self._closed:
             self.enforcement.close()
         self._closed = True
         if self.netns is not None:
@@ -447,20 +452,15 @@ def _blocking(*fds: int) -> None:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
 
 
-def _exe_of(session: Any) -> Callable[[int], str | None]:
-    return session.correlator.exe_of  # type: ignore[no-any-return]
-
-
-def _wait(child: subprocess.Popen[bytes], session: Any, enforcement: Any) -> int:
+def _wait(child: subprocess.Popen[bytes], run: Run) -> int:
     """Wait for the command, collecting connect-guard denials meanwhile."""
-    if enforcement is None or enforcement.guard is None:
+    if run.enforcement is None or run.enforcement.guard is None:
         return child.wait()
-    exe_of = _exe_of(session)
     while True:
         try:
             return child.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
-            session.extra_records += enforcement.poll_denials(exe_of)
+            run.poll_denials()
 
 
 def _summary(manifest: dict[str, Any], bundle: Path) -> None:

@@ -48,7 +48,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 from evidence.agent.daemon import metrics as m
@@ -62,7 +62,8 @@ from evidence.agent.daemon.authz import (
     claim_pid,
     resolve_cgroup,
 )
-from evidence.agent.daemon.transport import Listeners, Response
+from evidence.agent.daemon.transport import Listeners
+from evidence.agent.daemon.wire import Response
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
 
@@ -84,8 +85,9 @@ class NotReady(SetupError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunInfo:
-    """A run the backend is recording."""
+class RunStatus:
+    """A run the backend is recording, as the API shows it (GET /runs, POST /runs): not the
+    manifest's `format.RunInfo`."""
 
     session_id: str
     cgroup: str  # absolute path of the cgroup
@@ -95,7 +97,7 @@ class RunInfo:
     pid: int | None = None  # the pid the client named, if it named one
     isolated: bool = False  # the agent made the cgroup for this run (isolate_pid) and removes it
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, owner_uid: int) -> models.RunAnswer:
         return {
             "session_id": self.session_id,
             "cgroup": self.cgroup,
@@ -104,6 +106,7 @@ class RunInfo:
             "attached_late": self.attached_late,
             "pid": self.pid,
             "isolated": self.isolated,
+            "owner_uid": owner_uid,
         }
 
 
@@ -115,7 +118,7 @@ class Backend(Protocol):
     anything else becomes a 500 whose details go to the agent's log, not to the client.
     """
 
-    def start(self, cgroup: Path, labels: Mapping[str, str], pid: int | None = None) -> RunInfo:
+    def start(self, cgroup: Path, labels: Mapping[str, str], pid: int | None = None) -> RunStatus:
         """Start recording an existing cgroup (attached late: take an inventory of what is there)."""
         ...
 
@@ -126,10 +129,11 @@ class Backend(Protocol):
         mount: Path,
         *,
         command: Sequence[str] = (),
-        detail: str = "summary",
+        detail: Literal["summary", "full"] = "summary",
         pidfd: int | None = None,
         policy: models.PolicySpec | None = None,
-    ) -> RunInfo:
+        net: Literal["none", "loopback"] | None = None,
+    ) -> RunStatus:
         """Make a cgroup below the one `pid` is in (else under mount/evidence/), start recording it,
         then move `pid` into it (the caller checked the peer owns it; `pidfd` tells whether it is
         still the same process). RunConflict when a run already records the process."""
@@ -147,7 +151,7 @@ class Backend(Protocol):
         An isolated run's leftover processes are killed first and its cgroup removed after."""
         ...
 
-    def runs(self) -> Sequence[RunInfo]:
+    def runs(self) -> Sequence[RunStatus]:
         """Runs being recorded now."""
         ...
 
@@ -340,14 +344,14 @@ class AgentAPI:
         with self._lock:
             return self._owners.get(session_id, 0)
 
-    def _visible(self, run: RunInfo, peer: Peer) -> bool:
+    def _visible(self, run: RunStatus, peer: Peer) -> bool:
         """Only root and the run's owner may see, finish or download a run."""
         return peer.uid == 0 or self.owner(run.session_id) == peer.uid
 
-    def _run_json(self, run: RunInfo) -> dict[str, Any]:
-        return {**run.to_json(), "owner_uid": self.owner(run.session_id)}
+    def _run_json(self, run: RunStatus) -> models.RunAnswer:
+        return run.to_json(self.owner(run.session_id))
 
-    def _own(self, info: RunInfo, peer: Peer) -> None:
+    def _own(self, info: RunStatus, peer: Peer) -> None:
         with self._lock:
             live = {r.session_id for r in self.backend.runs()} | self._finishing
             for sid in [s for s in self._owners if s not in live]:  # finished by the agent itself
@@ -403,9 +407,6 @@ class AgentAPI:
         reason = self.backend.ready()
         if reason is not None:
             raise NotReady(f"the recorder is not ready: {reason}")
-        extra: dict[str, Any] = {}
-        if request.policy is not None:
-            extra["policy"] = request.policy
         if request.net is not None:  # the client's child made it: checked, not taken on trust
             from evidence.policy.netns import private_network_problem
 
@@ -414,7 +415,6 @@ class AgentAPI:
                 raise UsageError(
                     f"--net {request.net}: process {request.isolate_pid} has no private network: {why}"
                 )
-            extra["net"] = request.net
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -427,7 +427,8 @@ class AgentAPI:
                 command=list(request.command),
                 detail=request.detail,
                 pidfd=pidfd,
-                **extra,
+                policy=request.policy,
+                net=request.net,
             )
         finally:
             os.close(pidfd)
@@ -442,7 +443,7 @@ class AgentAPI:
         )
         return self._started(info)
 
-    def _started(self, info: RunInfo) -> Response:
+    def _started(self, info: RunStatus) -> Response:
         """201; the connection that asked is the run's from now on (see agent/daemon/transport.py)."""
         response = Response.json(201, self._run_json(info), "/runs")
         response.holds = info.session_id

@@ -417,6 +417,19 @@ class EventStreamer:
                 batch, self._overflow = self._overflow, []
             self._to_spill(batch)
 
+    def submit_records(
+        self, session_id: str, seq: int, recs: Iterable[SpoolRecord], extensions: Mapping[str, str]
+    ) -> int:
+        """A run's records as live events, numbered from `seq` (a record that makes no event still
+        takes its number); the next number."""
+        for r in recs:
+            try:
+                self.submit(live_event(session_id, seq, r, extensions))
+            except (KeyError, ValueError) as e:
+                logger.debug("no live event for a %s record: %s", r.get("k"), e)
+            seq += 1
+        return seq
+
     def submit_many(self, events: Iterable[Mapping[str, Any]]) -> None:
         for e in events:
             self.submit(e)

@@ -24,6 +24,8 @@ import struct
 import time
 from typing import Literal
 
+from evidence.bundle.format import Degradation
+
 logger = logging.getLogger(__name__)
 
 # include/uapi/linux/pidfd.h: struct pidfd_info, first version (64 bytes)
@@ -100,3 +102,36 @@ def observe(pidfd: int, wait: float = 2.0) -> Exit:
         if time.monotonic() >= deadline:
             return Exit("unknown", why="its parent had not reaped it when the run was finished")
         time.sleep(0.02)
+
+
+def verdict(
+    sid: str, observed: Exit | None, exit_code: int | None, sig: str | None
+) -> tuple[int | None, str | None, bool, Degradation | None]:
+    """(exit_code, signal, cut_short, what the bundle must say) for an isolated run's manifest: what
+    the agent observed, never only what the client (`exit_code`, `sig`) says; a run whose end the
+    agent could not see is cut short."""
+    reported = describe(exit_code, sig)
+    if observed is not None and observed.state == "exited":
+        said = None
+        if not observed.same_as(exit_code, sig):
+            logger.warning(
+                "run %s: the client reported %s, the agent observed %s", sid, reported, observed.describe()
+            )
+            said = Degradation(
+                component="exit-status",
+                reason=f"the client reported {reported}; the agent observed {observed.describe()}",
+                impact="the manifest carries the status the agent observed",
+            )
+        return observed.exit_code, observed.signal, False, said
+    why = observed.why if observed is not None else "the agent holds no pidfd of the command"
+    logger.warning("run %s: exit status not observed (%s); the client reported %s", sid, why, reported)
+    return (
+        None,
+        None,
+        True,
+        Degradation(
+            component="exit-status",
+            reason=f"the agent could not observe how the command ended: {why}",
+            impact=f"the run is marked cut short; the client reported {reported}, which is not recorded",
+        ),
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, NotRequired, TypedDict, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -287,3 +287,52 @@ def bundle_name(text: str) -> str:
         return _BUNDLE_NAME.validate_python(text)
     except ValidationError as e:
         raise UsageError(_message(e, "")) from None
+
+
+# ---- what the API answers (agent/daemon/api.py), and what its client (agent/commands/client.py) reads
+
+
+class PolicyBody(TypedDict):
+    """A policy as `run --agent` sends it (PolicySpec checks it)."""
+
+    text: str
+    name: str
+    variables: dict[str, str]
+    mode: Literal["enforce", "dry-run"]
+    fail_closed: bool
+    env_removed: list[str]
+
+
+class RunAnswer(TypedDict):
+    """POST /runs (201) and each of GET /runs' "runs": a run the agent records."""
+
+    session_id: str
+    cgroup: str
+    labels: dict[str, str]
+    started_ns: int
+    attached_late: bool
+    pid: int | None
+    isolated: bool
+    owner_uid: NotRequired[int]
+
+
+class FinishAnswer(TypedDict):
+    """POST /runs/{id}/finish (200): the bundle written."""
+
+    session_id: str
+    run_id: str | None
+    path: str
+    name: str | None  # in the agent's bundle directory: GET /bundles/{name} downloads it
+    sha256: str
+    size: int
+    events: int | None
+    lost: int
+    cut_short: bool
+    root_hash: str | None
+    counts: dict[str, int]
+
+
+class ReadyAnswer(TypedDict):
+    """GET /readyz (200)."""
+
+    status: str

@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.enforce import Enforcement
+from evidence.errors import Error, UsageError
 from evidence.policy.model import parse_policy
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.models import PolicySpec
+    from evidence.agent.recorder.description import Network
 
 
-def agent_enforcement(spec: PolicySpec, net: str | None = None) -> Enforcement:
+def agent_enforcement(spec: PolicySpec, net: Network = None) -> Enforcement:
     """The `Enforcement` of what the client sent: the policy parsed with the client's variables,
     the client's tmp (not removed here) and the names it scrubbed from the environment."""
     return Enforcement(
@@ -32,3 +34,17 @@ def agent_enforcement(spec: PolicySpec, net: str | None = None) -> Enforcement:
         env_removed=spec.env_removed,
         net_mode=net,
     )
+
+
+def loaded_enforcement(spec: PolicySpec, net: Network = None) -> Enforcement:
+    """`agent_enforcement`, its programs compiled (the connect guard) and --fail-closed checked; a
+    policy that cannot be is the client's error (UsageError), and nothing of it is left loaded."""
+    enforcement = None
+    try:
+        enforcement = agent_enforcement(spec, net)
+        enforcement.load_programs()
+    except Error as e:
+        if enforcement is not None:
+            enforcement.close()
+        raise UsageError(e.message, e.hint) from None
+    return enforcement

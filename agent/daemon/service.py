@@ -18,17 +18,25 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from evidence.errors import Error, SetupError
+
+if TYPE_CHECKING:
+    from evidence.agent.daemon.backend import RecorderBackend
+    from evidence.agent.daemon.settings import AgentSettings
+    from evidence.agent.recorder.launch import Watchdog
+    from evidence.agent.recorder.recording import Recorder
 
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 1.0
 
 
-def _cgroup_root(settings: Any) -> Path:
+def _cgroup_root(settings: AgentSettings) -> Path:
     from evidence.agent.recorder.cgroups import find_cgroup2_mount
 
     if "cgroup_root" in settings.model_fields_set:
@@ -40,14 +48,12 @@ def _cgroup_root(settings: Any) -> Path:
 
 
 class Daemon:
-    def __init__(self, settings: Any) -> None:
-        from evidence.agent.daemon.settings import AgentSettings
-
-        self.settings: AgentSettings = settings
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("%s: finishing open runs and stopping", signal.Signals(signum).name)
         self.stop.set()
 
@@ -198,7 +204,7 @@ class Daemon:
         logger.info("agent stopped")
         return 0
 
-    def _watchdog(self) -> Any:
+    def _watchdog(self) -> Watchdog | None:
         """A watchdog outside the runs (agent/recorder/watchdog.py) that kills the isolated runs'
         cgroups if this agent dies (kill -9, OOM): their jobs must not run on unrecorded."""
         from evidence.agent.recorder.launch import Watchdog
@@ -209,33 +215,19 @@ class Daemon:
             logger.warning("no watchdog (%s): if the agent dies, isolated runs go on unrecorded", e)
             return None
 
-    def _thread(self, name: str, target: Any, *args: Any) -> None:
+    def _thread(self, name: str, target: Callable[..., object], *args: object) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
         self.threads.append(t)
 
-    def _load_recorder(self, backend: Any, spool_dir: Path) -> Any:
+    def _load_recorder(self, backend: RecorderBackend, spool_dir: Path) -> Recorder | None:
         """Load the probes. A failure keeps the agent up with /readyz at 503 and the reason."""
-        from evidence.agent.recorder import kernel
-        from evidence.agent.recorder.kernel import capabilities_in_force
-        from evidence.agent.recorder.recording import Recorder
-        from evidence.probes.headers import ensure_headers
+        from evidence.agent.recorder.run import kernel_ready, open_recorder
 
         try:
-            if not kernel.mount_tracefs():
-                raise SetupError("tracefs is not available at /sys/kernel/tracing")
-            headers = ensure_headers()
-            if headers.path is None:
-                raise SetupError("no kernel headers for BCC")
-            caps: dict[str, Any] = {
-                **capabilities_in_force(),
-                "recorder": "tracepoints+ringbuf",
-                "enforcement": "none (observe only)",
-                # a run of a process the agent adopted (start --pid/--cgroup, a pod) says otherwise
-                # with a degradation (backend.start_run)
-                "32bit_syscalls": "refused in commands `run --agent` launches (SIGSYS, recorded as policy.denial)",
-            }
-            recorder = Recorder(spool_dir=spool_dir, headers=headers, capabilities=caps)
+            # what a run's command runs under (isolation, 32-bit system calls) is said per run
+            # (backend.start_run): a process the agent adopted is not one `run --agent` launched
+            recorder = open_recorder(spool_dir, kernel_ready(hints=False))
         except Error as e:
             logger.error("the recorder cannot start: %s", e.diagnostics())
             backend.set_not_ready(e.message)
@@ -243,7 +235,7 @@ class Daemon:
         backend.attach(recorder)
         return recorder
 
-    def _housekeeping(self, backend: Any) -> None:
+    def _housekeeping(self, backend: RecorderBackend) -> None:
         from evidence.agent.daemon.backend import FLUSH_SECONDS
 
         last_flush = 0.0

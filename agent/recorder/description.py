@@ -8,17 +8,29 @@ atomically whenever it changes, and read back whole by recovery: a bundle that `
 writes after the recorder died says what was in force and what was degraded, as the run's own
 bundle would have. A field added here is carried by construction, not by a second list.
 
-Pure: pydantic and the standard library.
+Pure: pydantic, the standard library and bundle/format.py.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from evidence.bundle.format import Degradation
+
 RECORD_VERSION = 2  # 1: the hand-picked subset written before this module (read all the same)
+
+Detail = Literal["summary", "full"]
+Network = Literal["none", "loopback"] | None  # the command's private network (`--net`); None: the host's
+# what the recorder could use and what the run's command ran under (agent/recorder/kernel.py
+# capabilities_in_force, isolation, 32-bit calls): the manifest's `capabilities`
+Capabilities = dict[str, str | int | bool]
+HeaderFacts = dict[str, str | bool | None]  # the kernel headers BCC compiled against (probes/headers.py)
+# the manifest's `policy`: the summary of the run's policy (agent/recorder/enforce.py manifest_policy),
+# JSON values all the way down
+ManifestPolicy = dict[str, object]
 
 
 class RunDescription(BaseModel):
@@ -35,15 +47,15 @@ class RunDescription(BaseModel):
     pid: int = 0
     started_ns: int = 0
     attached_late: bool = True  # (unknown: a run that attached late says less)
-    detail: Literal["summary", "full"] = "summary"
+    detail: Detail = "summary"
     labels: dict[str, str] = Field(default_factory=dict)
-    policy: dict[str, Any] | None = None
-    network: Literal["none", "loopback"] | None = None
+    policy: ManifestPolicy | None = None
+    network: Network = None
     resolvers: list[str] | None = None  # its /etc/resolv.conf's nameservers; None: not known
     roots: dict[str, str] = Field(default_factory=dict)  # placeholder -> path: the run id's
-    capabilities: dict[str, Any] = Field(default_factory=dict)
-    headers: dict[str, Any] = Field(default_factory=dict)
-    degradations: list[dict[str, str]] = Field(default_factory=list)  # the run's own, so far
+    capabilities: Capabilities = Field(default_factory=dict)
+    headers: HeaderFacts = Field(default_factory=dict)
+    degradations: list[Degradation] = Field(default_factory=list)  # the run's own, so far
     # where its bundle goes: the agent's name for it, or `evidence run --bundle`'s path and key
     bundle_name: str | None = None
     bundle_path: str | None = None
@@ -62,6 +74,10 @@ class RunDescription(BaseModel):
         workspace) holds lone surrogates, which round-trip as \\udcXX escapes (pydantic's own
         JSON refuses them)."""
         return json.dumps(self.model_dump(), sort_keys=True).encode()
+
+    def degradation_dicts(self) -> list[dict[str, str]]:
+        """The run's degradations as the bundle writer takes them (writer.RunMeta)."""
+        return [d.model_dump() for d in self.degradations]
 
     @classmethod
     def from_json(cls, raw: bytes | str, session_id: str) -> RunDescription:

@@ -14,9 +14,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from evidence.agent.recorder.connect_guard import ConnectGuard
 from evidence.agent.recorder.decode import path_text
+from evidence.agent.recorder.description import ManifestPolicy
 from evidence.agent.recorder.exe_hash import SHEBANG_MAX, read_head, shebang_interpreter
 from evidence.agent.recorder.launch import Landlock
+from evidence.bundle.format import Degradation
 from evidence.bundle.record_types import ConnectRecord, DenialRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 from evidence.policy import env as penv
@@ -24,7 +27,6 @@ from evidence.policy import landlock
 from evidence.policy import tmp as ptmp
 from evidence.policy.model import Policy, load_policy
 from evidence.policy.netns import PrivateNetns
-from evidence.probes.guard import ConnectGuard
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.recording import Session
@@ -111,14 +113,14 @@ class Enforcement:
         self._rules: dict[tuple[str, str], str | None] = {}
         self.abi = landlock.abi_version()
         self.plan = landlock.plan(policy, self.abi)
-        self.degradations: list[dict[str, str]] = [dict(d) for d in self.plan.degradations]
+        self.degradations = [Degradation.model_validate(d) for d in self.plan.degradations]
         if policy.fs is not None and not self.plan.enforced and not dry_run:
             self.degradations.append(
-                {
-                    "component": "landlock",
-                    "reason": "Landlock is not available on this kernel",
-                    "impact": "file rules are recorded but not enforced",
-                }
+                Degradation(
+                    component="landlock",
+                    reason="Landlock is not available on this kernel",
+                    impact="file rules are recorded but not enforced",
+                )
             )
 
     @classmethod
@@ -171,7 +173,7 @@ class Enforcement:
             if self._fail_closed and self.degradations and not self._dry_run:
                 first = self.degradations[0]
                 raise PolicyError(
-                    f"the policy cannot be fully enforced here: {first['component']}: {first['reason']} ({first['impact']})",
+                    f"the policy cannot be fully enforced here: {first.component}: {first.reason} ({first.impact})",
                     f"{len(self.degradations)} problem(s); drop --fail-closed to run with them recorded",
                 )
         except BaseException:
@@ -187,11 +189,11 @@ class Enforcement:
         except SetupError as e:
             self.guard = None
             self.degradations.append(
-                {
-                    "component": "connect_guard",
-                    "reason": e.message,
-                    "impact": "network rules are recorded but not enforced",
-                }
+                Degradation(
+                    component="connect_guard",
+                    reason=e.message,
+                    impact="network rules are recorded but not enforced",
+                )
             )
 
     # ---- around the child ----------------------------------------------------------------------
@@ -199,9 +201,7 @@ class Enforcement:
         """Make `session` this policy's run (standalone and through the agent alike): the manifest's
         policy, the policy's degradations, denials of what it records, and the connect guard on its
         cgroup, attached before the command is in it."""
-        session.policy = self.manifest_policy()
-        session.degradations += list(self.degradations)
-        session.observer = self.observe
+        session.enforce(self.manifest_policy(), self.degradations, self.observe)
         self.attach(str(session.cgroup_path))
 
     def attach(self, cgroup_path: str) -> None:
@@ -217,7 +217,7 @@ class Enforcement:
         if self.guard is None:
             return []
         # policy/connect.py's to_denial makes them (a DenialRecord: PolicyDenial's shape, k and t);
-        # the guard (probes/guard.py) hands them on as plain dicts
+        # the guard (agent/recorder/connect_guard.py) hands them on as plain dicts
         out = cast("list[DenialRecord]", self.guard.poll(timeout_ms))
         for rec in out:
             rec["exe"] = exe_of(rec["pid"])
@@ -329,12 +329,12 @@ class Enforcement:
             self._rules[key] = rule
         return rule
 
-    def manifest_policy(self) -> dict[str, Any]:
+    def manifest_policy(self) -> ManifestPolicy:
         """What the manifest says of the policy. Its paths (the workspace, ${WORKSPACE}, Landlock's
         rules) come from the file system as str: a name that is not UTF-8 is written as \\xNN."""
-        return cast(dict[str, Any], _as_text(self._manifest_policy()))
+        return cast(ManifestPolicy, _as_text(self._manifest_policy()))
 
-    def _manifest_policy(self) -> dict[str, Any]:
+    def _manifest_policy(self) -> ManifestPolicy:
         return {
             **self.policy.summary(),
             "mode": self.mode,

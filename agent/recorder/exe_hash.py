@@ -41,10 +41,15 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Final, Literal, cast
+
+from evidence.bundle.format import Degradation
+from evidence.bundle.record_types import ExeHash
 
 if TYPE_CHECKING:
     from evidence.bundle.record_types import ExecRecord, SpoolRecord
+
+HashSource = Literal["exe", "inode", "path"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +78,34 @@ HASH_SECONDS = 10.0
 class FileHash:
     sha256: str | None
     size: int | None
-    source: str | None  # "exe", "inode" or "path"
+    source: HashSource | None
     reason: str | None = None  # why not hashed
 
-    def fields(self, prefix: str = "") -> dict[str, Any]:
+    def fields(self) -> ExeHash:
+        """What an exec record says of its program file."""
         if self.sha256 is None:
-            out: dict[str, Any] = {f"{prefix}not_hashed": self.reason or UNREADABLE}
+            out = ExeHash(not_hashed=self.reason or UNREADABLE)
             if self.size is not None:
-                out[f"{prefix}size"] = self.size
+                out["size"] = self.size
             return out
-        return {
-            f"{prefix}sha256": self.sha256,
-            f"{prefix}size": self.size,
-            f"{prefix}hash_source": self.source,
-        }
+        # (a hashed file's size and source are known; None is written as null all the same)
+        return cast(ExeHash, {"sha256": self.sha256, "size": self.size, "hash_source": self.source})
+
+    def interpreter_fields(self) -> ExeHash:
+        """What a script's exec record says of its interpreter's file (`interpreter_` fields)."""
+        if self.sha256 is None:
+            out = ExeHash(interpreter_not_hashed=self.reason or UNREADABLE)
+            if self.size is not None:
+                out["interpreter_size"] = self.size
+            return out
+        return cast(
+            ExeHash,
+            {
+                "interpreter_sha256": self.sha256,
+                "interpreter_size": self.size,
+                "interpreter_hash_source": self.source,
+            },
+        )
 
 
 FileKey = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_mtime_ns, st_size, st_ctime_ns)
@@ -232,10 +251,10 @@ class ExeHasher:
         if hit is None:
             return None
         self.stats["hits"] += 1
-        source = "inode" if ident is not None and _ident(st) == ident else "path"
+        source: HashSource = "inode" if ident is not None and _ident(st) == ident else "path"
         return dataclasses.replace(hit, source=source) if hit.sha256 and hit.source != source else hit
 
-    def hash_exec(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any]:
+    def hash_exec(self, pid: int, filename: str, ident: Ident | None = None) -> ExeHash:
         """The fields a successful exec record gains (see the module's docstring). `ident`: the file
         the kernel mapped (for a script, its interpreter)."""
         head, key = self._head(filename)
@@ -250,7 +269,7 @@ class ExeHasher:
         # a script: the kernel runs the interpreter (/proc/<pid>/exe) with the script as argument
         out = self._file(filename).fields()
         out["interpreter"] = interp
-        out.update(self._program(pid, interp, ident).fields("interpreter_"))
+        out.update(self._program(pid, interp, ident).interpreter_fields())
         return out
 
     def _program(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash:
@@ -300,7 +319,7 @@ class ExeHasher:
         finally:
             os.close(fd)
 
-    def _hash_fd(self, fd: int, st: os.stat_result, source: str) -> FileHash:
+    def _hash_fd(self, fd: int, st: os.stat_result, source: HashSource) -> FileHash:
         if not stat.S_ISREG(st.st_mode):
             return FileHash(None, None, None, NOT_REGULAR)
         key = _key(st)
@@ -338,9 +357,7 @@ class ExeHasher:
 class Pending:
     """An exec record's hash fields, on their way: `ready()` says whether `apply()` can fill them."""
 
-    def __init__(
-        self, future: concurrent.futures.Future[dict[str, Any]], deadline: float | None = None
-    ) -> None:
+    def __init__(self, future: concurrent.futures.Future[ExeHash], deadline: float | None = None) -> None:
         self.future = future
         self.deadline = time.monotonic() + HASH_SECONDS if deadline is None else deadline
 
@@ -349,7 +366,7 @@ class Pending:
 
     def apply(self, rec: ExecRecord) -> None:
         try:
-            # fields named at run time (FileHash.fields' prefix): typed as the record's own
+            # (mypy's update() takes no TypedDict with fewer keys: the fields are the record's own)
             rec.update(cast("ExecRecord", self.future.result(max(0.0, self.deadline - time.monotonic()))))
         except concurrent.futures.TimeoutError:
             logger.warning("hash of %s: given up after %.0f s", rec.get("filename"), HASH_SECONDS)
@@ -364,7 +381,7 @@ PENDING: Final = "_hash"  # the key an exec record holds its Pending under until
 
 @dataclasses.dataclass
 class _Job:
-    future: concurrent.futures.Future[dict[str, Any]]
+    future: concurrent.futures.Future[ExeHash]
     pid: int
     filename: str
     ident: Ident | None
@@ -392,7 +409,7 @@ class RunHashes:
     def over_budget(self) -> bool:
         return self.spent_bytes >= self.max_bytes or self.spent_seconds >= self.max_seconds
 
-    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any] | Pending:
+    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> ExeHash | Pending:
         hit = self.owner.hasher.lookup(pid, filename, ident)
         if hit is not None:
             return hit.fields()
@@ -402,7 +419,7 @@ class RunHashes:
         self.owner.submit(self, job)
         return Pending(job.future, job.deadline)
 
-    def _skipped(self, pid: int) -> dict[str, Any]:
+    def _skipped(self, pid: int) -> ExeHash:
         self.not_hashed[OVER_BUDGET] += 1
         try:
             size: int | None = os.stat(f"{self.owner.hasher.proc_root}/{pid}/exe").st_size
@@ -435,18 +452,18 @@ class RunHashes:
         """The run is over: what is still queued is not hashed (its records were settled)."""
         self.owner.forget(self)
 
-    def degradation(self) -> dict[str, str] | None:
+    def degradation(self) -> Degradation | None:
         """What the bundle says when the budget kept execs of this run from being hashed."""
         n = self.not_hashed[OVER_BUDGET]
         if not n:
             return None
-        return {
-            "component": "exe-hash",
-            "reason": f"the run spent its hashing budget ({self.spent_bytes} bytes read, "
+        return Degradation(
+            component="exe-hash",
+            reason=f"the run spent its hashing budget ({self.spent_bytes} bytes read, "
             f"{self.spent_seconds:.1f} s; at most {self.max_bytes} bytes and {self.max_seconds:g} s): "
             f"{n} program(s) run after that were not hashed",
-            "impact": "their exec records say not_hashed: over_budget (with the size when it was known)",
-        }
+            impact="their exec records say not_hashed: over_budget (with the size when it was known)",
+        )
 
 
 class Hasher:
@@ -482,7 +499,7 @@ class Hasher:
             self._runs += 1
         return RunHashes(self, name, *self.budget)
 
-    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> dict[str, Any] | Pending:
+    def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> ExeHash | Pending:
         if self._own is None:
             self._own = self.run("-")
         return self._own(pid, filename, ident)
@@ -578,4 +595,4 @@ def settle(recs: Sequence[SpoolRecord], wait: bool = False) -> int:
     return len(recs)
 
 
-HashOf = Callable[[int, str, "Ident | None"], "dict[str, Any] | Pending"]
+HashOf = Callable[[int, str, "Ident | None"], "ExeHash | Pending"]

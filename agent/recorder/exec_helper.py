@@ -20,9 +20,33 @@ import json
 import os
 import signal
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn, TypedDict
 
 from evidence.policy import landlock_syscalls as ll
+
+
+class LandlockSpec(TypedDict):
+    """agent/recorder/launch.py `Landlock`, as JSON."""
+
+    abi: int
+    handled_fs: int
+    scoped: int
+    rules: list[list[str | int]]  # [path, rights]
+    file_rights: int
+
+
+class LaunchMessage(TypedDict):
+    """What the recorder tells the helper on SPEC_FD (agent/recorder/launch.py: Launcher.go)."""
+
+    argv: list[str]
+    oom_score_adj: int | None
+    status_fd: int
+    procs: str | None
+    netns_fd: int | None
+    landlock: LandlockSpec | None
+    no_new_privs: bool
+    allow_32bit: bool
+
 
 EXIT_SETUP = 71  # the recorder reports set-up failures itself; this code is only seen if it cannot
 _RESET = ("SIGPIPE", "SIGXFSZ")  # Python ignores these; a command expects them at their default
@@ -41,14 +65,15 @@ def main(spec_fd: int) -> NoReturn:
         raw = f.read()
     if not raw:  # the recorder gave up before the command was to run: run nothing
         os._exit(EXIT_SETUP)
-    spec: dict[str, Any] = json.loads(raw)
+    spec: LaunchMessage = json.loads(raw)
     status = int(spec["status_fd"])
     os.set_inheritable(status, False)  # closed by a successful exec: EOF tells the recorder
     try:
-        procs = os.open(spec["procs"], os.O_WRONLY | os.O_CLOEXEC) if spec.get("procs") else None
-        if spec.get("netns_fd") is not None:
-            ll.enter_netns(int(spec["netns_fd"]))
-            os.close(int(spec["netns_fd"]))
+        procs_path, netns_fd, oom = spec.get("procs"), spec.get("netns_fd"), spec.get("oom_score_adj")
+        procs = os.open(procs_path, os.O_WRONLY | os.O_CLOEXEC) if procs_path else None
+        if netns_fd is not None:
+            ll.enter_netns(int(netns_fd))
+            os.close(int(netns_fd))
         landlock = spec.get("landlock")
         if landlock:
             ll.restrict(
@@ -64,9 +89,9 @@ def main(spec_fd: int) -> NoReturn:
         ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
         if not spec.get("allow_32bit"):  # nor through a 32-bit entry, which they skip (SIGSYS)
             ll.deny_compat_syscalls()
-        if spec.get("oom_score_adj") is not None:  # the job's own, not the recorder's protection
+        if oom is not None:  # the job's own, not the recorder's protection
             with open("/proc/self/oom_score_adj", "w") as f:
-                f.write(str(int(spec["oom_score_adj"])))
+                f.write(str(int(oom)))
         if procs is not None:  # opened before Landlock, written after: the last step before exec
             os.write(procs, str(os.getpid()).encode())
             os.close(procs)

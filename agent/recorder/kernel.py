@@ -12,9 +12,12 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from evidence.probes.objcache import TRACEFS as TRACEFS  # doctor reads it here
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.description import Capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ def host_info() -> dict[str, str]:
     return {"hostname": u.nodename, "kernel": u.release, "arch": u.machine}
 
 
-def capabilities_in_force() -> dict[str, Any]:
+def capabilities_in_force() -> Capabilities:
     """The subset of `evidence doctor`'s checks worth keeping in a bundle's manifest."""
     return {
         "btf": BTF_PATH.exists(),

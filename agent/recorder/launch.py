@@ -21,8 +21,13 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from evidence.bundle.format import Degradation
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.exec_helper import LandlockSpec, LaunchMessage
+    from evidence.policy.landlock import LandlockPlan
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,7 @@ class Landlock:
     file_rights: int
 
     @classmethod
-    def of_plan(cls, plan: Any) -> Landlock | None:
+    def of_plan(cls, plan: LandlockPlan) -> Landlock | None:
         """The domain a policy's LandlockPlan asks for (None: no Landlock on this kernel)."""
         from evidence.policy.landlock import FILE_RIGHTS
 
@@ -57,32 +62,40 @@ class Landlock:
             return None
         return cls(plan.abi, plan.handled_fs, plan.scoped, tuple(plan.rule_pairs()), FILE_RIGHTS)
 
-    def as_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "rules": [list(r) for r in self.rules]}
+    def as_json(self) -> LandlockSpec:
+        return {
+            "abi": self.abi,
+            "handled_fs": self.handled_fs,
+            "scoped": self.scoped,
+            "rules": [list(r) for r in self.rules],
+            "file_rights": self.file_rights,
+        }
 
 
 # what the bundle says of 32-bit system calls (policy/landlock_syscalls.py compat_filter): refused
 # by the filter every launched command gets, unless `--allow-32bit`; a process evidence did not
 # launch (an agent's `start --pid/--cgroup`, a pod) has no such filter
 COMPAT_REFUSED = "refused (SIGSYS, recorded as policy.denial)"
-COMPAT_ALLOWED = {
-    "component": "isolation",
-    "reason": "--allow-32bit: the command may make 32-bit (i386, x32) system calls",
-    "impact": "the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
+COMPAT_ALLOWED = Degradation(
+    component="isolation",
+    reason="--allow-32bit: the command may make 32-bit (i386, x32) system calls",
+    impact="the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
     "execs, connects) is not recorded",
-}
-COMPAT_NOT_REFUSED = {
-    "component": "isolation",
-    "reason": "the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
-    "impact": "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
+)
+COMPAT_NOT_REFUSED = Degradation(
+    component="isolation",
+    reason="the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
+    impact="the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
     "execs, connects) is not recorded",
-}
+)
+# capabilities.32bit_syscalls of a run of processes evidence did not start (with COMPAT_NOT_REFUSED)
+COMPAT_ADOPTED = "not refused, not recorded (processes evidence did not start: see the degradation)"
 
 
 MAKE_BLOCK = 1 << 11  # LANDLOCK_ACCESS_FS_MAKE_BLOCK: handled and granted everywhere, restricts nothing
 
 
-def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bool, list[dict[str, str]]]:
+def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bool, list[Degradation]]:
     """The domain every recorded command runs in when no policy gives it one: (Landlock domain,
     no_new_privs, degradations). A Landlock domain confines ptrace to itself, and with scopes (ABI 6)
     signals and abstract unix sockets too, so a job cannot make a process of its uid outside the run
@@ -93,12 +106,12 @@ def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bo
             None,
             False,
             [
-                {
-                    "component": "isolation",
-                    "reason": "--allow-setuid: the command runs without no_new_privs or a Landlock domain",
-                    "impact": "the job can ptrace and signal processes of its own uid outside the run and "
+                Degradation(
+                    component="isolation",
+                    reason="--allow-setuid: the command runs without no_new_privs or a Landlock domain",
+                    impact="the job can ptrace and signal processes of its own uid outside the run and "
                     "make them act unrecorded; setuid programs gain privileges",
-                }
+                )
             ],
         )
     if abi >= 6:
@@ -108,23 +121,23 @@ def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bo
             Landlock(abi, MAKE_BLOCK, 0, (("/", MAKE_BLOCK),), MAKE_BLOCK),
             True,
             [
-                {
-                    "component": "isolation",
-                    "reason": f"Landlock ABI {abi} has no scopes (ABI 6)",
-                    "impact": "the job can signal processes of its own uid outside the run (ptrace is confined)",
-                }
+                Degradation(
+                    component="isolation",
+                    reason=f"Landlock ABI {abi} has no scopes (ABI 6)",
+                    impact="the job can signal processes of its own uid outside the run (ptrace is confined)",
+                )
             ],
         )
     return (
         None,
         True,
         [
-            {
-                "component": "isolation",
-                "reason": "Landlock is not available on this kernel",
-                "impact": "the job can ptrace and signal processes of its own uid outside the run and make "
+            Degradation(
+                component="isolation",
+                reason="Landlock is not available on this kernel",
+                impact="the job can ptrace and signal processes of its own uid outside the run and make "
                 "them act unrecorded",
-            }
+            )
         ],
     )
 
@@ -187,7 +200,7 @@ class Launcher:
     def go(self, spec: LaunchSpec) -> Launched:
         """Start the command; returns once it runs (or its exec failed). Raises LaunchError when the
         set-up failed."""
-        message = {
+        message: LaunchMessage = {
             "argv": list(spec.argv),
             "oom_score_adj": spec.oom_score_adj,
             "status_fd": self._status_fd,

@@ -15,6 +15,7 @@ agent recovers its own spools when it starts; `evidence recover` does it for `ev
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -23,12 +24,14 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.description import DescriptionError, RunDescription
+from evidence.bundle.format import Degradation
 from evidence.files import write_atomic
 
 if TYPE_CHECKING:
+    from evidence.bundle.attestation import Signer
     from evidence.bundle.record_types import SpoolRecord
 
 BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,200}\.tar\.gz")  # as the agent's API accepts
@@ -50,9 +53,16 @@ def unique_path(path: Path) -> Path:
     return path.with_name(f"{stem}-{n}.tar.gz")
 
 
-def tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator[SpoolRecord]]:
+@dataclasses.dataclass
+class ReadState:
+    """What stopped the reading of a spool (tolerant_records), if anything did."""
+
+    error: str | None = None
+
+
+def tolerant_records(path: Path, state: ReadState) -> Callable[[], Iterator[SpoolRecord]]:
     """The records of a spool whose writer died: everything up to the first unreadable byte
-    (state["error"] says what stopped the reading, if anything did)."""
+    (state.error says what stopped the reading, if anything did)."""
     from evidence.bundle.spool import read_spool
 
     def gen() -> Iterator[SpoolRecord]:
@@ -63,7 +73,7 @@ def tolerant_records(path: Path, state: dict[str, Any]) -> Callable[[], Iterator
             except StopIteration:
                 return
             except Exception as e:  # truncated frame or a half-written line: the end of what survived
-                state["error"] = str(e) or type(e).__name__
+                state.error = str(e) or type(e).__name__
                 return
             if isinstance(rec, dict) and isinstance(rec.get("k"), str) and isinstance(rec.get("t"), int):
                 yield rec
@@ -124,7 +134,7 @@ def leftovers(spool_dir: Path) -> list[Path]:
 
 
 def recover_spools(
-    spool_dir: Path, bundle_dir: Path | None, recorder: str = "agent", signer: Any = None
+    spool_dir: Path, bundle_dir: Path | None, recorder: str = "agent", signer: Signer | None = None
 ) -> list[Path]:
     """Turn every spool a dead recorder left in spool_dir into a bundle; returns them.
 
@@ -150,7 +160,7 @@ def recover_spools(
         sid = spool.name.removesuffix(SPOOL_SUFFIX)
         meta_path = spool_dir / f"{sid}{RUN_META_SUFFIX}"
         info = read_run_record(meta_path, sid)
-        state: dict[str, Any] = {}
+        state = ReadState()
         records = tolerant_records(spool, state)
         last_t = first_t = count = 0
         root: SpoolRecord | None = None  # the first exec of the process that started the command
@@ -161,8 +171,8 @@ def recover_spools(
             if root is None and r["k"] == "exec" and r["pid"] == info.pid and r["result"] == 0:
                 root = r
         mtime = spool.stat().st_mtime_ns
-        if count == 0 and state.get("error"):
-            move_aside(spool, meta_path, spool_dir, state["error"])
+        if count == 0 and state.error:
+            move_aside(spool, meta_path, spool_dir, state.error)
             continue
         started = info.started_ns or first_t or mtime
         name = info.bundle_name or f"{sid}.tar.gz"
@@ -178,18 +188,18 @@ def recover_spools(
         target = unique_path(where / name)
         # the run ended and only its bundle could not be written: complete, with its exit status
         degradation = (
-            {
-                "component": recorder,
-                "reason": "written later by `evidence recover`: the bundle could not be written when the run ended",
-                "impact": "the kernel's loss counts are missing",
-            }
+            Degradation(
+                component=recorder,
+                reason="written later by `evidence recover`: the bundle could not be written when the run ended",
+                impact="the kernel's loss counts are missing",
+            )
             if info.ended
-            else {
-                "component": recorder,
-                "reason": f"recovered from the spool of {'an agent' if recorder == 'agent' else 'an evidence run'} "
+            else Degradation(
+                component=recorder,
+                reason=f"recovered from the spool of {'an agent' if recorder == 'agent' else 'an evidence run'} "
                 "that stopped without finishing this run (crash, kill -9, node reboot)",
-                "impact": "events after the spool's last flush, and the kernel's loss counts, are missing",
-            }
+                impact="events after the spool's last flush, and the kernel's loss counts, are missing",
+            )
         )
         # what was in force and degraded during the run, as its own bundle would have said, then this
         degradations = [*info.degradations, degradation]
@@ -197,7 +207,8 @@ def recover_spools(
         if info.claimed:  # as the recorder would have: the kernel's, and the claim
             verdict = judge(info.command, root)
             command, claimed = verdict.command, info.command
-            degradations += [verdict.degradation] if verdict.degradation is not None else []
+            if verdict.degradation is not None:
+                degradations.append(Degradation.model_validate(verdict.degradation))
         meta = RunMeta(
             session_id=info.session_id,
             command=command,
@@ -221,7 +232,7 @@ def recover_spools(
             policy=info.policy,
             network=info.network,
             resolvers=info.resolvers,
-            degradations=degradations,
+            degradations=[d.model_dump() for d in degradations],
             roots=info.roots,
         )
         try:
@@ -255,7 +266,7 @@ def _safe_dir(path: Path) -> Path | None:
     return real
 
 
-def _signer(key: Any) -> Any:
+def _signer(key: str | None) -> Signer | None:
     """The signer the run asked for (`evidence run --sign-key`), if its key can still be used; else
     the bundle is written unsigned, with a warning (lint --require-signature will refuse it)."""
     if not key:

@@ -271,9 +271,12 @@ def test_an_adopted_cgroup_is_said_not_to_be_covered(agent, out: Path) -> None: 
         assert done.returncode == 0, done.stderr
     finally:
         cgroup.rmdir()
-    _, events = read_bundle(bundle)
+    manifest, events = read_bundle(bundle)
     reasons = [e["data"]["reason"] for e in of_type(events, "degradation")]
     assert any("32-bit" in r and "not refused" in r for r in reasons), reasons
+    # the manifest agrees with the degradation (it said "refused in commands `run --agent`
+    # launches", the agent's text for every run, before it was set per run)
+    assert manifest["capabilities"]["32bit_syscalls"].startswith("not refused"), manifest["capabilities"]
 
 
 def test_allow_32bit_lets_them_through_and_says_so(tmp_path: Path, victims: Path, listener: int) -> None:

@@ -161,3 +161,76 @@ def test_a_killed_agents_isolated_run_with_a_policy_is_recovered_whole(tmp_path:
     reasons = _reasons(events)
     assert reasons[: len(record["degradations"])] == [d["reason"] for d in record["degradations"]]
     assert "stopped without finishing" in reasons[-1]
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of process `pid` (/proc/<pid>/stat): T stopped, Z exited, not reaped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _until(what: str, check: Any, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while not check():
+        assert proc.poll() is None and time.monotonic() < deadline, (what, proc.communicate())
+        time.sleep(0.02)
+
+
+def _job_that_stops(tmp_path: Path, shared: Path, bundle: Path, *, kill: bool) -> str:
+    """`evidence run` of a job (as nobody) that says it started and stops itself (SIGSTOP of its
+    own, nothing recorded after it), continued by the test once its records are spooled: it exits 0.
+    `kill`: `evidence run` is stopped before the job is continued and killed (SIGKILL) once the job
+    has exited, so that the run's end is never processed. The run's session id."""
+    started = shared / "started"
+    started.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evidence", "run", "--bundle", str(bundle), "--",
+         *AS_NOBODY, "sh", "-c", f"touch {started}; kill -STOP $$; exit 0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        _wait_for(started, proc)
+        (record,) = [
+            r
+            for r in (json.loads(p.read_text()) for p in RUN_SPOOL_DIR.glob("*.run.json"))
+            if r.get("bundle_path") == str(bundle)
+        ]
+        job = int(record["pid"])
+        _until("the job stops itself", lambda: _state(job) == "T", proc)
+        time.sleep(2.5)  # the spool is flushed at least once a second: all the job did is in it
+        if kill:
+            os.kill(proc.pid, signal.SIGSTOP)  # its end must not be seen: the job's exit is not read
+        os.kill(job, signal.SIGCONT)
+        if kill:
+            _until("the job exits (a zombie: its parent is stopped)", lambda: _state(job) == "Z", proc)
+            os.kill(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == (-signal.SIGKILL if kill else 0), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    return str(record["session_id"])
+
+
+def test_a_run_killed_after_its_command_exited_is_recovered_with_its_run_id(
+    tmp_path: Path, shared: Path
+) -> None:
+    """kill -9 of `evidence run` after its command exited normally, before the run's end was
+    processed: `evidence recover`'s bundle has the run id that the same job recorded without the
+    kill has (the run record's roots, command and claim are the run's own), and is cut short."""
+    tmp_path.chmod(0o755)
+    whole = tmp_path / "whole.tar.gz"
+    _job_that_stops(tmp_path, shared, whole, kill=False)
+    expected, _ = read_bundle(whole)
+    assert expected["exit_code"] == 0 and not expected["cut_short"]
+    session = _job_that_stops(tmp_path, shared, tmp_path / "killed.tar.gz", kill=True)
+    assert not (tmp_path / "killed.tar.gz").exists()
+    rec = evidence("recover", "--bundle-dir", str(tmp_path / "recovered"))
+    assert rec.returncode == 0, rec.stderr
+    written = {read_bundle(p)[0]["session_id"]: Path(p) for p in rec.stdout.split()}
+    assert session in written, f"not recovered here (another `evidence recover` first?): {rec.stdout}"
+    manifest, events = read_bundle(written[session])
+    assert manifest["cut_short"] is True and manifest["exit_code"] is None
+    assert manifest["command"] == expected["command"]
+    assert manifest["run_id"] == expected["run_id"]
+    assert "stopped without finishing" in _reasons(events)[-1]

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon import models
-from evidence.agent.daemon.api import AgentAPI, RunConflict, RunInfo, UnknownRun
+from evidence.agent.daemon.api import AgentAPI, RunConflict, RunStatus, UnknownRun
 from evidence.agent.daemon.authz import Forbidden, Peer, PeerPolicy, bundle_target, claim_pid, resolve_cgroup
 from evidence.bundle.writer import RunMeta, write_bundle
 from evidence.cli import main
@@ -37,7 +37,7 @@ class FakeBackend:
     """Records what the API asked; finish writes a real (empty) bundle with the bundle writer."""
 
     def __init__(self) -> None:
-        self.active: dict[str, RunInfo] = {}
+        self.active: dict[str, RunStatus] = {}
         self.started: list[tuple[Path, dict[str, str], int | None]] = []
         self.isolated: list[tuple[int, dict[str, str], list[str], str, Path]] = []
         self.finished_with: list[tuple[int | None, str | None]] = []
@@ -45,13 +45,13 @@ class FakeBackend:
         self.finished = 0
         self.lock = threading.Lock()
 
-    def start(self, cgroup: Path, labels: Mapping[str, str], pid: int | None = None) -> RunInfo:
+    def start(self, cgroup: Path, labels: Mapping[str, str], pid: int | None = None) -> RunStatus:
         with self.lock:
             if any(r.cgroup == str(cgroup) for r in self.active.values()):
                 raise RunConflict(f"{cgroup} is already being recorded")
             sid = f"s{len(self.started) + 1:04d}"
             self.started.append((cgroup, dict(labels), pid))
-            info = RunInfo(sid, str(cgroup), dict(labels), started_ns=1_700_000_000_000_000_000, pid=pid)
+            info = RunStatus(sid, str(cgroup), dict(labels), started_ns=1_700_000_000_000_000_000, pid=pid)
             self.active[sid] = info
             return info
 
@@ -64,12 +64,14 @@ class FakeBackend:
         command: Sequence[str] = (),
         detail: str = "summary",
         pidfd: int | None = None,
-    ) -> RunInfo:
+        policy: models.PolicySpec | None = None,
+        net: Literal["none", "loopback"] | None = None,
+    ) -> RunStatus:
         assert pidfd is not None
         with self.lock:
             sid = f"i{len(self.isolated) + 1:04d}"
             self.isolated.append((pid, dict(labels), list(command), detail, mount))
-            info = RunInfo(
+            info = RunStatus(
                 sid, str(mount / "evidence" / sid), dict(labels), started_ns=1, pid=pid, isolated=True
             )
             self.active[sid] = info
@@ -110,7 +112,7 @@ class FakeBackend:
         self.finished += 1
         return manifest
 
-    def runs(self) -> Sequence[RunInfo]:
+    def runs(self) -> Sequence[RunStatus]:
         with self.lock:
             return list(self.active.values())
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from evidence.agent.daemon.backend import process_depths
+from evidence.agent.daemon.runs import process_depths
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.recovery import recover_spools, unique_path
 from evidence.bundle.spool import SpoolWriter, read_spool

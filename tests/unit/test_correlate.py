@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from evidence.agent.recorder import decode as d
-from evidence.agent.recorder.correlate import NO_RESULT, Correlator, decode_open_flags, split_status
+from evidence.agent.recorder.calls import NO_RESULT, decode_open_flags, split_status
+from evidence.agent.recorder.correlate import Correlator
 
 RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
 

@@ -20,7 +20,7 @@ import pytest
 from evidence.agent.commands.client import AgentClient, AgentNotReady
 from evidence.agent.daemon import exits, models, transport
 from evidence.agent.daemon.authz import Peer, bundle_target, peer_of, protected_pids
-from evidence.agent.daemon.transport import MAX_DEPTH, ConnectionLimits
+from evidence.agent.daemon.wire import MAX_DEPTH, ConnectionLimits
 from evidence.errors import UsageError
 from tests.unit.test_api import NOT_THE_AGENT, FakeBackend
 

@@ -372,7 +372,7 @@ def test_a_run_over_its_budget_says_what_it_did_not_hash(
         assert run(12, str(progs[2])) == {"not_hashed": "over_budget", "size": 12}
         assert run(10, str(progs[0]))["sha256"] == sha(b"x" * 10)  # a cache hit costs nothing
         said = run.degradation()
-        assert said is not None and said["component"] == "exe-hash" and "1 program(s)" in said["reason"]
+        assert said is not None and said.component == "exe-hash" and "1 program(s)" in said.reason
         got = other(12, str(progs[2]))  # its own budget
         assert isinstance(got, exe_hash.Pending) and got.future.result(timeout=30)["size"] == 12
         assert other.degradation() is None

@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from evidence.agent.recorder import decode as d
-from evidence.agent.recorder.correlate import Correlator, namespace_flags
+from evidence.agent.recorder.calls import namespace_flags
+from evidence.agent.recorder.correlate import Correlator
 from evidence.cli import main
 from tests.unit.conftest_bundles import change, members, namespace, open_, records, write
 

@@ -1,0 +1,263 @@
+"""One owner for a run's life: prepare -> start -> the command's process -> record -> finish -> bundle.
+
+- prepare: a `RunPlan`, what the run is before anything is made (command, cwd, labels, detail,
+  network, roots, the capabilities and degradations of what its command runs under) and its
+  policy's `Enforcement`, loaded and checked first (a bad policy starts nothing).
+- start: `Run.start` makes the recorder's session for a cgroup (a new run slot, tracked from then
+  on), with everything the plan says, and attaches the policy to it before the command is in it.
+- the command's process: `launched` (a process of the run, from before it execs, runs the
+  command: the manifest's command is what the kernel executed, the plan's a claim) or `adopt` (a
+  process already running: `start --pid`).
+- record: the recorder's threads (agent/recorder/pipeline.py); `degrade`, `update_labels` and
+  `poll_denials` add to the run meanwhile.
+- finish: the policy's last denials, then the bundle (agent/recorder/recording.py: finish).
+
+The run record beside the spool (`<session>.run.json`) is the session's description, whole
+(agent/recorder/description.py): `Run` writes it when the run starts and again whenever something
+in it changes, and removes it once the bundle is written. `evidence run`
+(agent/commands/run_standalone.py) and the agent (agent/daemon/backend.py) both drive a `Run`;
+what is theirs alone (a launcher, a cgroup of the agent's, a client's pidfd) stays with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evidence.agent.recorder.description import Detail, Network
+from evidence.agent.recorder.kernel import capabilities_in_force
+from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, write_run_record
+from evidence.bundle.format import Degradation
+from evidence.errors import SetupError
+
+if TYPE_CHECKING:
+    from evidence.agent.recorder.enforce import Enforcement
+    from evidence.agent.recorder.recording import Recorder
+    from evidence.agent.recorder.session import Session, Spool
+    from evidence.bundle.attestation import Signer
+    from evidence.bundle.spool import SpoolWriter
+    from evidence.probes.headers import Headers
+    from evidence.probes.loader import RecorderProbes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run is, decided before it starts."""
+
+    command: Sequence[str]  # as the caller gave it (with `launched`, a claim)
+    cwd: str
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    detail: Detail = "summary"
+    network: Network = None  # the command's private network namespace (--net)
+    roots: Mapping[str, str] = dataclasses.field(default_factory=dict)  # placeholder -> path
+    # over the recorder's: what this run's command runs under (isolation, 32-bit system calls)
+    capabilities: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    degradations: Sequence[Degradation] = ()
+    session_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    attached_late: bool = False  # the cgroup held processes before the run started
+
+    @staticmethod
+    def roots_of(enforcement: Enforcement | None) -> dict[str, str]:
+        """A policy's private tmp and workspace, which the run id names by their placeholders."""
+        if enforcement is None:
+            return {}
+        return {"${TMPDIR}": enforcement.tmpdir, "${WORKSPACE}": enforcement.workspace}
+
+
+class Run:
+    """A run's life (this module's docstring). `record_dir`: where its run record goes (beside its
+    spool); `where`: the bundle's name, path and signing key, for recovery; `held`: the record is
+    locked while the run lives (`evidence run`: `evidence recover` never takes a live run)."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        plan: RunPlan,
+        *,
+        record_dir: Path,
+        enforcement: Enforcement | None = None,
+        where: Mapping[str, str | None] | None = None,
+        held: bool = False,
+    ) -> None:
+        self.recorder = recorder
+        self.plan = plan
+        self.enforcement = enforcement
+        self.record_dir = record_dir
+        self.where = dict(where or {})
+        self._held = held
+        self._lock_fd = -1
+        self._session: Session | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.plan.session_id
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise RuntimeError(f"run {self.plan.session_id} has not started")
+        return self._session
+
+    # ---- start --------------------------------------------------------------------------------
+    def start(self, cgroup: Path, *, wrap_spool: Callable[[SpoolWriter], Spool] | None = None) -> Session:
+        """Record `cgroup` from now on, as the plan says; the policy, if any, attached to it (its
+        connect guard holds the cgroup before the command is in it). Writes the run record."""
+        plan = self.plan
+        self._session = self.recorder.start(
+            cgroup,
+            list(plan.command),
+            plan.cwd,
+            detail=plan.detail,
+            labels=plan.labels,
+            attached_late=plan.attached_late,
+            session_id=plan.session_id,
+            wrap_spool=wrap_spool,
+            roots=plan.roots,
+            network=plan.network,
+            capabilities=plan.capabilities,
+            degradations=plan.degradations,
+        )
+        if self.enforcement is not None:
+            self.enforcement.enforce_on(self._session)
+        self.save()
+        return self._session
+
+    def launched(self, pid: int) -> None:
+        """Process `pid`, of the run from before it execs, runs the plan's command (which becomes
+        its claim); the run's resolvers are those it sees. Before the command can run: saved."""
+        self.session.starts_command(pid)
+        self.recorder.configure_resolvers(self.session, pid)
+        self.save()
+
+    def adopt(self, pid: int) -> None:
+        """Process `pid`, already running, is the run's (the one a client named)."""
+        self.session.adopts(pid)
+        self.recorder.configure_resolvers(self.session, pid)
+        self.save()
+
+    # ---- record -------------------------------------------------------------------------------
+    def degrade(self, *said: Degradation) -> None:
+        self.session.degrade(*said)
+        self.save()
+
+    def update_labels(self, labels: Mapping[str, str], **where: str | None) -> None:
+        self.session.update_labels(labels)
+        self.where.update(where)
+        self.save()
+
+    def poll_denials(self, timeout_ms: int = 0) -> None:
+        """Move the connect guard's denials into the run's records."""
+        enf = self.enforcement
+        if enf is not None and enf.guard is not None:
+            self.session.add_records(enf.poll_denials(self.session.correlator.exe_of, timeout_ms=timeout_ms))
+
+    def save(self, **ended: str | int | None) -> Path | None:
+        """Write the run record: the session's description, whole, and where its bundle goes
+        (`ended`: how the command ended, when only the bundle could not be written)."""
+        if self._session is None:
+            return None
+        try:
+            path = write_run_record(self.record_dir, self._session.describe(**self.where, **ended))
+        except OSError as e:
+            if self._held:  # `evidence run`: no record, no run (recover could take a live spool)
+                raise
+            logger.warning("run %s: cannot write its recovery record: %s", self.session_id, e)
+            return None
+        if self._held:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # the record was replaced: hold the new one
+            self._lock_fd = hold(path)
+        return path
+
+    # ---- finish -------------------------------------------------------------------------------
+    def finish(
+        self,
+        bundle_path: Path,
+        *,
+        exit_code: int | None,
+        signal: str | None = None,
+        cut_short: bool = False,
+        signer: Signer | None = None,
+    ) -> dict[str, Any]:  # the manifest, as the writer returns it
+        """The policy's last denials, then the bundle; its manifest. The run record is removed once
+        the bundle is written; on an error it stays (the spool too) and the error is raised."""
+        try:
+            self.poll_denials()
+        except Exception as e:  # noqa: BLE001 - the bundle is written all the same; the guard counts its losses
+            logger.warning("run %s: reading connect denials failed: %s", self.session_id, e)
+        try:  # (the policy's matching of records held back behind a hash runs in the recorder's finish)
+            manifest = self.recorder.finish(
+                self.session,
+                bundle_path,
+                exit_code=exit_code,
+                signal=signal,
+                cut_short=cut_short,
+                signer=signer,
+            )
+        finally:
+            self.close_enforcement()
+        self.forget_record()
+        return manifest
+
+    def close_enforcement(self) -> None:
+        """Detach the policy's connect guard, remove its network namespace and the private tmp it
+        owns; once (a second removal of a tmp path could remove what someone made there since)."""
+        enforcement, self.enforcement = self.enforcement, None
+        if enforcement is not None:
+            enforcement.close()
+
+    def forget_record(self) -> None:
+        """Remove the run record (its bundle is written, or the agent gave the run up)."""
+        (self.record_dir / f"{self.session_id}{RUN_META_SUFFIX}").unlink(missing_ok=True)
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the run record's lock (the process exits, or the record is gone)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+# ---- setting up a recorder: `evidence run` and the agent alike ---------------------------------
+
+
+def kernel_ready(*, hints: bool = True) -> Headers:
+    """tracefs mounted and kernel headers for BCC found, or SetupError saying what is missing."""
+    from evidence.agent.recorder import kernel
+    from evidence.probes.headers import ensure_headers
+
+    if not kernel.mount_tracefs():
+        raise SetupError(
+            "tracefs is not available at /sys/kernel/tracing",
+            "mount -t tracefs tracefs /sys/kernel/tracing" if hints else None,
+        )
+    headers = ensure_headers()
+    if headers.path is None:
+        raise SetupError(
+            "no kernel headers for BCC",
+            "apt-get install linux-headers-$(uname -r) (or the distro's generic headers)" if hints else None,
+        )
+    return headers
+
+
+def open_recorder(
+    spool_dir: Path,
+    headers: Headers,
+    *,
+    enforcement: str = "none (observe only)",
+    probes: RecorderProbes | None = None,
+) -> Recorder:
+    """The recorder of `evidence run` and of the agent: the probes (`probes`, or loaded now), the
+    manifest's capabilities of this kernel. What a run's command runs under (its isolation, 32-bit
+    system calls) is the run's own (RunPlan.capabilities)."""
+    from evidence.agent.recorder.recording import Recorder
+
+    caps = {**capabilities_in_force(), "recorder": "tracepoints+ringbuf", "enforcement": enforcement}
+    return Recorder(spool_dir=spool_dir, headers=headers, capabilities=caps, probes=probes)
