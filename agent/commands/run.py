@@ -197,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
         if args.sign_key:
             raise UsageError("--sign-key is not available with --agent", "sign with the agent's own key")
         if args.subject:
-            raise UsageError("--subject is not available with --agent yet", "run it standalone (--standalone)")
+            raise UsageError(
+                "--subject is not available with --agent yet", "run it standalone (--standalone)"
+            )
         from evidence.agent.commands.run_agent import run_via_agent
 
         return run_via_agent(args, command, labels)
