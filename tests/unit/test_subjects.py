@@ -101,3 +101,24 @@ def test_names_beyond_a_symlink_out_of_the_workspace_are_never_listed(tmp_path: 
         ("dist/elsewhere", f"leads out of the workspace (a symlink to {tmp_path / 'private'})")
     ]
     assert "plans" not in repr(got)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--subject", "/etc/*"], "patterns are relative to the workspace"),
+        (["--subject", "../out"], "may not leave the workspace"),
+        (["--subject-must-be-written"], "--subject-must-be-written needs --subject"),
+        (["--agent", "/nonexistent.sock", "--subject", "app"], "--subject is not available with --agent"),
+    ],
+)
+def test_run_refuses_a_bad_subject_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from evidence.cli import main
+
+    marker = tmp_path / "ran"
+    code = main(["run", *argv, "--", "/bin/touch", str(marker)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not marker.exists()
