@@ -143,7 +143,7 @@ def _running_agent(args: argparse.Namespace) -> str | None:
     """The socket of an agent that answers ($EVIDENCE_AGENT_SOCKET, else the default socket), when
     the run needs nothing only a standalone run offers: its probes are loaded already, so the run
     starts at once. Says so on stderr; `--standalone` loads probes here instead."""
-    if args.policy or args.net or args.allow_setuid or args.allow_32bit or args.sign_key or args.subject:
+    if args.policy or args.net or args.allow_setuid or args.allow_32bit or args.sign_key:
         return None
     from evidence.agent.commands.client import DEFAULT_SOCKET, SOCKET_ENV, AgentClient, AgentError
 
@@ -196,9 +196,9 @@ def run(args: argparse.Namespace) -> int:
     if args.agent:
         if args.sign_key:
             raise UsageError("--sign-key is not available with --agent", "sign with the agent's own key")
-        if args.subject:
+        if args.subject_must_be_written:
             raise UsageError(
-                "--subject is not available with --agent yet", "run it standalone (--standalone)"
+                "--subject-must-be-written is not available with --agent yet", "lint the bundle (EV017)"
             )
         from evidence.agent.commands.run_agent import run_via_agent
 

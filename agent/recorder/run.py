@@ -63,6 +63,7 @@ class RunPlan:
     session_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     attached_late: bool = False  # the cgroup held processes before the run started
     subjects: Sequence[str] = ()  # `--subject`: globs, in the workspace, of files the run produces
+    subjects_as: tuple[int, int] | None = None  # (uid, gid) they are read as (an agent's client); None: root
 
     @staticmethod
     def roots_of(enforcement: Enforcement | None) -> dict[str, str]:
@@ -215,6 +216,8 @@ class Run:
         from evidence.bundle import subjects
 
         workspace = self.enforcement.workspace if self.enforcement is not None else self.plan.cwd
+        if self.plan.subjects_as is not None:
+            return subjects.collect_as(*self.plan.subjects_as, workspace, self.plan.subjects)
         return subjects.collect(workspace, self.plan.subjects)
 
     def close_enforcement(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -166,3 +168,51 @@ def test_the_job_cannot_make_root_hash_a_file_outside_the_workspace(tmp_path: Pa
     assert "dist-hard" not in refused or "hard link" in refused["dist-hard"], refused
     linted = evidence("lint", str(bundle), "--fail-on", "none")
     assert "EV018" in linted.stdout, linted.stdout
+
+
+def test_through_an_agent_the_subjects_are_read_as_the_client(tmp_path: Path) -> None:
+    """`run --agent --subject` by an unprivileged client: the agent (root) signs, and reads the
+    subjects with the client's rights: a root-only file the pattern matches is refused, unread."""
+    import shutil
+    import tempfile
+
+    from tests.kernel.test_daemon import Agent
+    from tests.kernel.util import as_user
+
+    top = Path(tempfile.mkdtemp(prefix="evidence-subj-"))
+    try:
+        top.chmod(0o755)
+        key = top / "key"
+        assert evidence("keygen", "--out", str(key)).returncode == 0
+        agent = Agent(
+            top,
+            env={
+                "EVIDENCE_SIGNING_KEY": str(key),
+                "EVIDENCE_ALLOWED_UIDS": "65534",
+                "EVIDENCE_SOCKET_GID": "65534",
+            },
+        )
+        try:
+            ws = top / "ws"
+            ws.mkdir()
+            (ws / "hello.c").write_bytes(HELLO)
+            (ws / "root.bin").write_bytes(b"root only")
+            (ws / "root.bin").chmod(0o600)
+            os.chown(ws, 65534, 65534)
+            bundle = ws / "run.tar.gz"
+            argv = [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle", str(bundle),
+                    "--subject", "*.bin", "--", "/bin/sh", "-c", "cc -o app.bin hello.c"]  # fmt: skip
+            proc = subprocess.run(as_user(65534, *argv), cwd=ws, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr + agent.output()
+        finally:
+            assert agent.stop() == 0, agent.output()
+        ok = evidence("verify", "--artifact", str(ws / "app.bin"), str(bundle), "--key", f"{key}.pub")
+        assert ok.returncode == 0, ok.stderr
+        with tarfile.open(bundle, "r:gz") as tar:
+            f = tar.extractfile("manifest.json")
+            assert f is not None
+            artifacts = json.loads(f.read())["artifacts"]
+        assert [f["name"] for f in artifacts["files"]] == ["app.bin"]
+        assert artifacts["refused"] == [{"name": "root.bin", "reason": "cannot be opened: Permission denied"}]
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -109,7 +109,10 @@ def test_names_beyond_a_symlink_out_of_the_workspace_are_never_listed(tmp_path: 
         (["--subject", "/etc/*"], "patterns are relative to the workspace"),
         (["--subject", "../out"], "may not leave the workspace"),
         (["--subject-must-be-written"], "--subject-must-be-written needs --subject"),
-        (["--agent", "/nonexistent.sock", "--subject", "app"], "--subject is not available with --agent"),
+        (
+            ["--agent", "/nonexistent.sock", "--subject", "app", "--subject-must-be-written"],
+            "--subject-must-be-written is not available with --agent",
+        ),
     ],
 )
 def test_run_refuses_a_bad_subject_before_anything_runs(
@@ -122,3 +125,41 @@ def test_run_refuses_a_bad_subject_before_anything_runs(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not marker.exists()
+
+
+def test_collect_as_reads_with_the_clients_rights(tmp_path: Path) -> None:
+    """As nobody, a file only root can read is refused (not hashed by root on the client's behalf)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's tmp_path is root's alone)
+    top.chmod(0o755)
+    ws = _ws(top)
+    ws.chmod(0o755)
+    for d in (ws / "dist", ws / "dist" / "sub"):
+        d.chmod(0o755)
+    (ws / "dist" / "a.whl").chmod(0o644)
+    (ws / "dist" / "b.whl").chmod(0o600)  # root's alone
+    got = subjects.collect_as(65534, 65534, ws, ["dist/*.whl"])
+    assert [f.name for f in got.files] == ["dist/a.whl"]
+    assert [(r.name, r.reason) for r in got.refused] == [
+        ("dist/b.whl", "cannot be opened: Permission denied")
+    ]
+    hidden = subjects.collect_as(65534, 65534, tmp_path, ["*"])  # a directory nobody cannot enter
+    assert hidden.files == [] and hidden.refused[0].name == "*"
+    assert hidden.refused[0].reason.startswith("not collected: ")
+    import shutil
+
+    shutil.rmtree(top)
+
+
+def test_the_agents_isolate_request_takes_subjects_as_run_does() -> None:
+    from evidence.agent.daemon import models
+    from evidence.errors import UsageError
+
+    req = models.parse_run_request({"isolate_pid": 5, "subjects": ["dist/*.whl"]})
+    assert isinstance(req, models.IsolateRequest) and req.subjects == ("dist/*.whl",)
+    for bad in (["/etc/*"], ["../x"], "dist/*", [1], ["x"] * (subjects.MAX_PATTERNS + 1)):
+        with pytest.raises(UsageError):
+            models.parse_run_request({"isolate_pid": 5, "subjects": bad})
