@@ -532,3 +532,27 @@ def test_profile_of_a_run_with_no_execs_denies_every_program(tmp_path: Any) -> N
     )
     assert "commands:\n  default: deny\n  rules: []\n" in text
     assert decide(policy.commands, "/usr/bin/true", [], 0).runs is False
+
+
+def test_a_script_is_decided_by_the_more_restrictive_of_itself_and_its_interpreter() -> None:
+    from evidence.agent.recorder.exec_supervisor import ExecRequest, decide_request
+
+    c = _commands(
+        [
+            {"name": "scripts", "program": "/ws/*.sh", "decision": "allow"},
+            {"name": "no-perl", "program": "perl", "decision": "deny"},
+            {"name": "ask-py", "program": "python3*", "decision": "approve"},
+        ],
+        default="deny",
+    )
+
+    def req(interp: str | None) -> ExecRequest:
+        return ExecRequest(
+            pid=1, path="./a.sh", program="/ws/a.sh", argv=("./a.sh",), truncated=False, interpreter=interp
+        )
+
+    assert decide_request(c, req("/usr/bin/perl"), 0).rule_name == "no-perl"
+    assert decide_request(c, req("/usr/bin/python3.11"), 0).rule_name == "ask-py"
+    assert decide_request(c, req(None), 0).rule_name == "scripts"
+    # an interpreter matched by no rule falls to the default (deny) and that is more restrictive
+    assert decide_request(c, req("/usr/bin/bash"), 0).label == "commands.default"

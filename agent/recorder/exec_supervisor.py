@@ -1,0 +1,414 @@
+"""The exec supervisor's core: command rules decided before the program runs, by seccomp user
+notification (issue 24; not wired into a run yet).
+
+The command's launcher, just before it execs the command, calls `install_exec_filter()`: Debian's
+libseccomp binding (python3-seccomp) loads a filter that sends `execve` and `execveat` to a
+listener, and the launcher hands the listener's descriptor to the supervisor over a Unix socket
+(`send_listener`, SCM_RIGHTS) and closes its own copy (a job holding it could answer for itself).
+Every exec of the job and of everything it starts then waits in the kernel until the supervisor
+answers. The supervisor (`ExecSupervisor`, a thread of the recorder or the agent) receives each
+notification with the kernel's ioctls (the binding's receive_notify works only in the process that
+loaded the filter), reads the path and argv from the caller's memory (process_vm_readv, falling
+back to /proc/PID/mem), checks the notification is still pending (so the pid was not reused),
+resolves what would run (relative to the caller's cwd or the execveat descriptor, symlinks resolved
+through the caller's root, a `#!` line's interpreter) and decides with policy/commands.py:
+- deny: the exec fails with EACCES and the caller goes on;
+- allow, audit: the kernel goes on with the call (SECCOMP_USER_NOTIF_FLAG_CONTINUE);
+- approve: `approver(request, decision)` says yes or no; the default says no (fail closed).
+A `#!` script is decided on the script and on its interpreter, the more restrictive winning.
+
+CONTINUE lets the kernel read the path and argv again: another thread of the caller may rewrite
+them between the decision and the exec. That race is closed by a check of what the kernel really
+loaded at sched_process_exec (issue 24, a BPF program: not here). If the supervisor goes away, the
+kernel fails every waiting and later exec of the job with ENOSYS: command rules fail closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
+from evidence.policy.model import CommandsPolicy
+
+logger = logging.getLogger(__name__)
+
+# The kernel ABI (include/uapi/linux/seccomp.h), x86_64
+NR_EXECVE = 59
+NR_EXECVEAT = 322
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+_NOTIF = struct.Struct("=QII iIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]}
+_RESP = struct.Struct("=QqiI")  # seccomp_notif_resp: id, val, error, flags
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100  # _IOWR('!', 0, struct seccomp_notif)
+SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp)
+SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102  # _IOW('!', 2, __u64)
+
+MAX_ARGC = 1000  # arguments read before the argv counts as truncated
+MAX_ARGV_BYTES = 65536
+PATH_MAX = 4096
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launcher's side
+
+
+def install_exec_filter() -> int:
+    """Load a seccomp filter sending execve/execveat to a listener; return the listener's descriptor
+    (close-on-exec). Sets no_new_privs, as an unprivileged filter needs. Call it in the process that
+    is about to exec the command: it applies to that process and everything it starts."""
+    import seccomp  # Debian's python3-seccomp: in scripts/setup.sh's apt list
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "execve")
+    f.add_rule(seccomp.NOTIFY, "execveat")
+    f.load()
+    fd = int(f.get_notify_fd())
+    if fd < 0:
+        raise OSError(errno.ENOSYS, "seccomp gave no listener descriptor")
+    return fd
+
+
+def send_listener(sock: socket.socket, fd: int) -> None:
+    """Hand the listener to the supervisor and close this process's copy."""
+    try:
+        socket.send_fds(sock, [b"L"], [fd])
+    finally:
+        os.close(fd)
+
+
+def receive_listener(sock: socket.socket) -> int:
+    """The supervisor's end of send_listener: the listener descriptor."""
+    _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    if len(fds) != 1:
+        raise OSError(errno.EPROTO, "no listener descriptor received")
+    return fds[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the caller
+
+
+@dataclass(frozen=True)
+class Notification:
+    id: int
+    pid: int
+    nr: int
+    args: tuple[int, ...]
+
+
+def receive(listener: int) -> Notification:
+    """Wait for the next notification (ioctl NOTIF_RECV)."""
+    buf = bytearray(_NOTIF.size)
+    fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+    nid, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
+    return Notification(nid, pid, nr, tuple(args))
+
+
+def still_pending(listener: int, nid: int) -> bool:
+    """Whether the notification is still waiting (its caller has not died, its pid not reused)."""
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, struct.pack("=Q", nid))
+    except OSError:
+        return False
+    return True
+
+
+def respond(listener: int, nid: int, *, error: int = 0) -> None:
+    """Fail the call with -error, or (error 0) let the kernel go on with it."""
+    flags = 0 if error else SECCOMP_USER_NOTIF_FLAG_CONTINUE
+    buf = bytearray(_RESP.pack(nid, 0, -error if error else 0, flags))
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, buf, True)
+    except OSError as e:
+        if e.errno != errno.ENOENT:  # ENOENT: the caller went away meanwhile
+            raise
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+
+
+def read_memory(pid: int, addr: int, size: int) -> bytes:
+    """Up to `size` bytes of the caller's memory at `addr` (fewer at the end of a mapping)."""
+    buf = ctypes.create_string_buffer(size)
+    local, remote = _IoVec(ctypes.cast(buf, ctypes.c_void_p), size), _IoVec(addr, size)
+    n = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if n > 0:
+        return buf.raw[:n]
+    # a range crossing into an unmapped page, or process_vm_readv refused: /proc/PID/mem reads
+    # what is there up to the first unreadable byte
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+            f.seek(addr)
+            return f.read(size)
+    except OSError:
+        return b""
+
+
+def read_string(pid: int, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
+    """A NUL-terminated string of the caller's, and whether it was cut at `limit`."""
+    out = b""
+    while len(out) < limit:
+        page_left = 4096 - ((addr + len(out)) % 4096)  # never cross a page in one read
+        chunk = read_memory(pid, addr + len(out), min(page_left, limit - len(out)))
+        if not chunk:
+            raise OSError(errno.EFAULT, "bad address in the caller")
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return out + chunk[:end], False
+        out += chunk
+    return out, True
+
+
+def read_argv(pid: int, addr: int) -> tuple[list[bytes], bool]:
+    """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC/MAX_ARGV_BYTES."""
+    if addr == 0:
+        return [], False
+    argv: list[bytes] = []
+    total = 0
+    for i in range(MAX_ARGC + 1):
+        raw = read_memory(pid, addr + 8 * i, 8)
+        if len(raw) != 8:
+            raise OSError(errno.EFAULT, "bad argv in the caller")
+        (ptr,) = struct.unpack("=Q", raw)
+        if ptr == 0:
+            return argv, False
+        if i == MAX_ARGC:
+            break
+        arg, cut = read_string(pid, ptr, min(PATH_MAX * 32, MAX_ARGV_BYTES - total))
+        argv.append(arg)
+        total += len(arg) + 1
+        if cut or total >= MAX_ARGV_BYTES:
+            break
+    return argv, True
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """What an exec asks for, as the supervisor read and resolved it."""
+
+    pid: int
+    path: str  # as passed (decoded with surrogateescape)
+    program: str  # absolute, symlinks resolved in the caller's root
+    argv: tuple[str, ...]
+    truncated: bool
+    interpreter: str | None = None  # a `#!` script's interpreter, resolved likewise
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+def _resolve(pid: int, path: str, dirfd: int, empty_path: bool) -> str:
+    """The absolute path, symlinks resolved, of what `path` names for the caller."""
+    if empty_path and not path:
+        base = f"/proc/{pid}/fd/{dirfd}"
+        return os.readlink(base) if os.path.islink(base) else base
+    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
+        if path.startswith(own):
+            path = f"/proc/{pid}/" + path[len(own) :]
+    if not path.startswith("/"):
+        base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
+        path = os.path.join(os.readlink(base), path)
+    root = os.readlink(f"/proc/{pid}/root")
+    if root == "/":
+        return os.path.realpath(path)
+    return os.path.realpath(root + path)  # a caller in a chroot: its names, on this side
+
+
+def _interpreter(pid: int, program: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/root{program}", "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    if not words:
+        return None
+    return _resolve(pid, _decode(words[0]), AT_FDCWD, False)
+
+
+def read_request(note: Notification) -> ExecRequest:
+    """Read and resolve what the notified exec asks for (raises OSError when it cannot be read)."""
+    if note.nr == NR_EXECVE:
+        dirfd, path_addr, argv_addr, flags = AT_FDCWD, note.args[0], note.args[1], 0
+    elif note.nr == NR_EXECVEAT:
+        dirfd = ctypes.c_int32(note.args[0] & 0xFFFFFFFF).value
+        path_addr, argv_addr, flags = note.args[1], note.args[2], note.args[4]
+    else:
+        raise OSError(errno.ENOSYS, f"system call {note.nr} is not an exec")
+    raw_path, cut = read_string(note.pid, path_addr)
+    if cut:
+        raise OSError(errno.ENAMETOOLONG, "path too long")
+    argv, truncated = read_argv(note.pid, argv_addr)
+    path = _decode(raw_path)
+    program = _resolve(note.pid, path, dirfd, bool(flags & AT_EMPTY_PATH))
+    return ExecRequest(
+        pid=note.pid,
+        path=path,
+        program=program,
+        argv=tuple(_decode(a) for a in argv),
+        truncated=truncated,
+        interpreter=_interpreter(note.pid, program),
+    )
+
+
+def proc_depth(pid: int, root: int) -> int:
+    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
+    depth = 0
+    while pid != root:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return -1
+        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        depth += 1
+        if pid <= 1:
+            return -1
+    return depth
+
+
+# ---------------------------------------------------------------------------------------------------
+# The supervisor
+
+
+def decide_request(commands: CommandsPolicy, req: ExecRequest, depth: int) -> CommandDecision:
+    """The program's decision, or its interpreter's when more restrictive (a `#!` script)."""
+    decision = decide(commands, req.program, req.argv, depth, truncated=req.truncated)
+    if req.interpreter is not None:
+        other = decide(commands, req.interpreter, req.argv, depth, truncated=req.truncated)
+        if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:
+            return other
+    return decision
+
+
+@dataclass(frozen=True)
+class ExecDecision:
+    """One exec the supervisor answered: what it read, the decision, and whether it ran."""
+
+    request: ExecRequest | None
+    decision: CommandDecision
+    depth: int
+    allowed: bool
+    error: str | None = None  # why the request could not be read (then refused)
+
+
+@dataclass
+class ExecSupervisor:
+    """Answers a listener's exec notifications by the policy's command rules, on a thread."""
+
+    listener: int
+    commands: CommandsPolicy
+    root_pid: int
+    depth_of: Callable[[int, int], int] = proc_depth
+    approver: Callable[[ExecRequest, CommandDecision], bool] = lambda _req, _d: False
+    on_decision: Callable[[ExecDecision], None] = lambda _d: None
+    tell: Callable[[str], None] = lambda _line: None
+    _stop_r: int = field(init=False, default=-1)
+    _stop_w: int = field(init=False, default=-1)
+    _thread: threading.Thread | None = field(init=False, default=None)
+
+    def start(self) -> None:
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self.serve, name="exec-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering and close the listener: the job's waiting and later execs fail (ENOSYS)."""
+        if self._stop_w >= 0:
+            os.write(self._stop_w, b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for fd in (self._stop_r, self._stop_w, self.listener):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._stop_r = self._stop_w = self.listener = -1
+
+    def serve(self) -> None:
+        poller = select.poll()
+        poller.register(self.listener, select.POLLIN)
+        if self._stop_r >= 0:
+            poller.register(self._stop_r, select.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._stop_r in ready:
+                return
+            if (
+                ready.get(self.listener, 0) & (select.POLLHUP | select.POLLERR)
+                and not ready[self.listener] & select.POLLIN
+            ):
+                return  # every process of the filter is gone
+            try:
+                note = receive(self.listener)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.EINTR):  # the caller went away before we read it
+                    continue
+                logger.error("exec supervisor: %s", e.strerror)
+                return
+            self.answer(note)
+
+    def answer(self, note: Notification) -> ExecDecision:
+        depth = self.depth_of(note.pid, self.root_pid)
+        try:
+            req = read_request(note)
+        except OSError as e:
+            result = ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
+        else:
+            decision = decide_request(self.commands, req, depth)
+            allowed = bool(decision.runs) if decision.runs is not None else self._ask(req, decision)
+            result = ExecDecision(req, decision, depth, allowed)
+        # what was read is the caller's only while its notification is pending: answer nothing else
+        if not still_pending(self.listener, note.id):
+            return result
+        respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
+        if result.request is not None and not result.allowed:
+            if result.decision.runs is None:  # asked, and not approved
+                self.tell(
+                    notice("exec", result.request.program, result.decision.label, message="not approved")
+                )
+            else:
+                self.tell(
+                    notice(
+                        "exec", result.request.program, result.decision.label, message=result.decision.message
+                    )
+                )
+        self.on_decision(result)
+        return result
+
+    def _ask(self, req: ExecRequest, decision: CommandDecision) -> bool:
+        line = exec_notice(req.program, decision)
+        if line:
+            self.tell(line)
+        try:
+            return bool(self.approver(req, decision))
+        except Exception:  # an approver that fails says no
+            logger.exception("exec supervisor: the approver failed")
+            return False

@@ -1,0 +1,153 @@
+"""The exec supervisor's core (agent/recorder/exec_supervisor.py) with a real child run as nobody:
+its launcher loads the seccomp filter (python3-seccomp), hands the listener over SCM_RIGHTS and
+execs a shell; a denied exec fails with EACCES and the shell goes on; what the supervisor read
+(resolved program, argv, depth) is what the job asked; a supervisor that goes away fails the job's
+next exec (ENOSYS)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
+from evidence.policy.model import CommandsPolicy
+from tests.kernel.util import as_user
+
+NOBODY = 65534
+
+LAUNCHER = """\
+import os, socket, sys
+from evidence.agent.recorder.exec_supervisor import install_exec_filter, send_listener
+sock = socket.socket(fileno=int(sys.argv[1]))
+send_listener(sock, install_exec_filter())
+sock.close()
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _commands(rules: list[dict[str, object]], default: str = "allow") -> CommandsPolicy:
+    return CommandsPolicy.model_validate({"default": default, "rules": rules}, context={"variables": {}})
+
+
+def _run(
+    commands: CommandsPolicy, script: str, cwd: Path
+) -> tuple[subprocess.CompletedProcess[str], list[ExecDecision], list[str]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    decisions: list[ExecDecision] = []
+    told: list[str] = []
+    proc = subprocess.Popen(
+        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    )
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        listener = receive_listener(ours)
+        sup = ExecSupervisor(listener, commands, proc.pid, on_decision=decisions.append, tell=told.append)
+        sup.start()
+        out, err = proc.communicate(timeout=60)
+        sup.stop()
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), decisions, told
+
+
+def test_denied_exec_fails_with_eacces_and_the_caller_goes_on(place: Path) -> None:
+    link = place / "innocent"
+    link.symlink_to("/usr/bin/id")
+    script_file = place / "script"
+    script_file.write_text("#!/usr/bin/id\n")  # a `#!` script is judged by its interpreter too
+    script_file.chmod(0o755)
+    commands = _commands(
+        [
+            {"name": "no-id", "program": ["/usr/bin/id"], "decision": "deny", "message": "no ids here"},
+            {"name": "no-force", "program": "echo", "args": ["*--force*"], "decision": "deny"},
+        ]
+    )
+    script = (
+        "/usr/bin/id; echo id=$?; "
+        f"{link}; echo link=$?; "  # a symlink with another name: what really runs decides
+        "/usr/bin/env /usr/bin/id -u; echo env=$?; "  # nested through env: the second exec is refused
+        "/bin/echo a --force; echo force=$?; "
+        "/bin/echo fine; "
+        f"{script_file}; echo shebang=$?; "
+        "/proc/self/root/usr/bin/id; echo procself=$?; "
+        "cd /usr && ./bin/id; echo rel=$?"  # relative to the caller's cwd
+    )
+    proc, decisions, told = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "id=126" in lines and "link=126" in lines and "force=126" in lines and "rel=126" in lines, proc
+    assert "shebang=126" in lines and "procself=126" in lines
+    assert "env=126" in lines  # env's own exec ran, its exec of id was refused (env exits 126)
+    assert "fine" in lines and "uid=" not in proc.stdout
+    assert "Permission denied" in proc.stderr
+    refused = [d for d in decisions if not d.allowed]
+    assert [d.request.program for d in refused if d.request] == ["/usr/bin/id"] * 3 + [
+        os.path.realpath("/bin/echo")
+    ] + [str(script_file), "/usr/bin/id", "/usr/bin/id"]
+    assert {d.decision.label for d in refused} == {
+        "commands.rules[0] (no-id)",
+        "commands.rules[1] (no-force)",
+    }
+    by_path = {d.request.path: d for d in decisions if d.request}
+    assert by_path[str(link)].request.program == "/usr/bin/id"  # type: ignore[union-attr]
+    assert by_path["/bin/sh"].depth == 0 and by_path["/usr/bin/id"].depth == 1
+    assert by_path["./bin/id"].request.program == "/usr/bin/id"  # type: ignore[union-attr]
+    assert [d.request.argv for d in refused if d.request and d.request.argv[0] == "/bin/echo"] == [
+        ("/bin/echo", "a", "--force")
+    ]
+    assert told[0] == "evidence: exec of /usr/bin/id refused by commands.rules[0] (no-id): no ids here"
+
+
+def test_default_deny_and_a_supervisor_gone_fails_closed(place: Path) -> None:
+    sh = os.path.realpath("/bin/sh")
+    commands = _commands([{"name": "shell", "program": [sh], "decision": "allow"}], default="deny")
+    proc, decisions, told = _run(commands, "/usr/bin/true; echo true=$?; /bin/sh -c 'echo inner'", place)
+    assert proc.stdout.splitlines() == ["true=126", "inner"], proc
+    assert told == ["evidence: exec of /usr/bin/true refused by commands.default"]
+    # the listener closed (supervisor stopped) while the job still runs: its next exec fails
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "read x; /usr/bin/true; echo after=$?",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        listener = receive_listener(ours)
+        sup = ExecSupervisor(listener, _commands([]), child.pid)
+        sup.start()
+        # wait for sh to be running (its own exec answered), then stop answering
+        for _ in range(500):
+            if os.path.realpath(f"/proc/{child.pid}/exe") == sh:
+                break
+            __import__("time").sleep(0.01)
+        sup.stop()
+        out, err = child.communicate("go\n", timeout=30)
+    finally:
+        ours.close()
+        if child.poll() is None:
+            child.kill()
+    assert "after=" in out and "after=0" not in out, (out, err)
