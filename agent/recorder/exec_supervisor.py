@@ -218,6 +218,9 @@ class ExecRequest:
     argv: tuple[str, ...]
     truncated: bool
     interpreter: str | None = None  # a `#!` script's interpreter, resolved likewise
+    # the caller's name leads to another file (or none) for it than `program` is here: a mount
+    # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
+    foreign: bool = False
 
 
 def _decode(b: bytes) -> str:
@@ -239,6 +242,65 @@ def _resolve(pid: int, path: str, dirfd: int, empty_path: bool) -> str:
     if root == "/":
         return os.path.realpath(path)
     return os.path.realpath(root + path)  # a caller in a chroot: its names, on this side
+
+
+_NR_OPENAT2 = 437
+_RESOLVE_IN_ROOT = 0x10
+_O_PATH = 0o10000000
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _openat2(dirfd: int, path: str, resolve: int) -> int:
+    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0, resolve)
+    fd = _libc.syscall(
+        _NR_OPENAT2,
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
+
+
+def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file `path` names for the caller, resolved in its own root and mount
+    namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor for a
+    relative name); None when it names nothing."""
+    try:
+        if empty_path and not path:
+            st = os.stat(f"/proc/{pid}/fd/{dirfd}")
+            return st.st_dev, st.st_ino
+        if path.startswith("/"):
+            base, resolve = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
+        else:
+            base, resolve = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
+        dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
+        try:
+            fd = _openat2(dfd, path, resolve)
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _interpreter(pid: int, program: str) -> str | None:
@@ -269,7 +331,9 @@ def read_request(note: Notification) -> ExecRequest:
         raise OSError(errno.ENAMETOOLONG, "path too long")
     argv, truncated = read_argv(note.pid, argv_addr)
     path = _decode(raw_path)
-    program = _resolve(note.pid, path, dirfd, bool(flags & AT_EMPTY_PATH))
+    empty = bool(flags & AT_EMPTY_PATH)
+    program = _resolve(note.pid, path, dirfd, empty)
+    theirs = caller_identity(note.pid, path, dirfd, empty)
     return ExecRequest(
         pid=note.pid,
         path=path,
@@ -277,6 +341,7 @@ def read_request(note: Notification) -> ExecRequest:
         argv=tuple(_decode(a) for a in argv),
         truncated=truncated,
         interpreter=_interpreter(note.pid, program),
+        foreign=theirs is None or theirs != _identity(program),
     )
 
 
@@ -301,8 +366,12 @@ def proc_depth(pid: int, root: int) -> int:
 
 
 def decide_request(commands: CommandsPolicy, req: ExecRequest, depth: int) -> CommandDecision:
-    """The program's decision, or its interpreter's when more restrictive (a `#!` script)."""
+    """The program's decision, or its interpreter's when more restrictive (a `#!` script); for a
+    name that leads elsewhere for the caller than here (`foreign`), `commands.default` when more
+    restrictive: the name says nothing of what runs."""
     decision = decide(commands, req.program, req.argv, depth, truncated=req.truncated)
+    if req.foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[decision.decision]:
+        decision = CommandDecision(commands.default)
     if req.interpreter is not None:
         other = decide(commands, req.interpreter, req.argv, depth, truncated=req.truncated)
         if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:

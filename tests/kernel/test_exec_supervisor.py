@@ -151,3 +151,37 @@ def test_default_deny_and_a_supervisor_gone_fails_closed(place: Path) -> None:
         if child.poll() is None:
             child.kill()
     assert "after=" in out and "after=0" not in out, (out, err)
+
+
+def test_a_bind_mount_in_the_jobs_own_namespace_does_not_pass_for_an_allowed_program(place: Path) -> None:
+    # nobody makes a user and mount namespace of its own and binds /usr/bin/id over the allowed
+    # /usr/bin/true: judged by name alone, id would run as true
+    allowed = [
+        os.path.realpath(p) for p in ("/bin/sh", "/usr/bin/unshare", "/usr/bin/mount", "/usr/bin/true")
+    ]
+    commands = _commands([{"name": "tools", "program": allowed, "decision": "allow"}], default="deny")
+    script = (
+        "/usr/bin/true; echo plain=$?; "
+        "/usr/bin/unshare -Urm /bin/sh -c '/usr/bin/mount --bind /usr/bin/id /usr/bin/true && "
+        "/usr/bin/true; echo bound=$?'"
+    )
+    proc, decisions, told = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "plain=0" in lines and "bound=126" in lines, proc
+    assert "uid=" not in proc.stdout
+    foreign = [d for d in decisions if d.request and d.request.foreign]
+    assert [(d.request.program, d.allowed, d.decision.label) for d in foreign if d.request] == [
+        ("/usr/bin/true", False, "commands.default")
+    ]
+
+
+def test_fexecve_through_a_descriptor_is_decided_on_the_file(place: Path) -> None:
+    commands = _commands([{"name": "no-id", "program": "id", "decision": "deny"}])
+    code = "import os; fd = os.open('/usr/bin/id', os.O_RDONLY)\ntry: os.execve(fd, ['innocent'], {})\nexcept OSError as e: print('fexecve', e.errno)"
+    py = os.path.realpath("/usr/bin/python3")
+    proc, decisions, _ = _run(commands, f'{py} -c "{code}"', place)
+    assert "fexecve 13" in proc.stdout, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [(d.request.program, d.request.argv) for d in refused if d.request] == [
+        ("/usr/bin/id", ("innocent",))
+    ]
