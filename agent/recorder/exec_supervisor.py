@@ -15,7 +15,9 @@ through the caller's root, a `#!` line's interpreter) and decides with policy/co
 - deny: the exec fails with EACCES and the caller goes on;
 - allow, audit: the kernel goes on with the call (SECCOMP_USER_NOTIF_FLAG_CONTINUE);
 - approve: `approver(request, decision)` says yes or no; the default says no (fail closed).
-A `#!` script is decided on the script and on its interpreter, the more restrictive winning.
+A `#!` script is decided on the script and on its interpreter, the dynamic loader run as a program
+(`/lib64/ld-linux-x86-64.so.2 /usr/bin/curl`) on itself and on the program it loads, the more
+restrictive winning.
 
 CONTINUE lets the kernel read the path and argv again: another thread of the caller may rewrite
 them between the decision and the exec. That race is closed by a check of what the kernel really
@@ -221,6 +223,38 @@ class ExecRequest:
     # the caller's name leads to another file (or none) for it than `program` is here: a mount
     # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
     foreign: bool = False
+    loads: str | None = None  # the program the dynamic loader run as a program would load
+
+
+_LDSO_WITH_ARG = frozenset(
+    (
+        "--library-path",
+        "--preload",
+        "--argv0",
+        "--audit",
+        "--inhibit-rpath",
+        "--glibc-hwcaps-prepend",
+        "--glibc-hwcaps-mask",
+    )
+)
+
+
+def is_dynamic_loader(program: str) -> bool:
+    name = program.rsplit("/", 1)[-1]
+    return name.startswith("ld-linux") or (name.startswith("ld-") and ".so" in name) or name == "ld.so"
+
+
+def loader_payload(argv: tuple[str, ...]) -> str | None:
+    """The program `ld.so [OPTIONS] PROGRAM [ARGS]` runs: the first argument after its options."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not arg.startswith("--"):
+            return arg
+        i += 2 if arg in _LDSO_WITH_ARG else 1
+    return None
 
 
 def _decode(b: bytes) -> str:
@@ -342,7 +376,20 @@ def read_request(note: Notification) -> ExecRequest:
         truncated=truncated,
         interpreter=_interpreter(note.pid, program),
         foreign=theirs is None or theirs != _identity(program),
+        loads=_loads(note.pid, program, tuple(_decode(a) for a in argv)),
     )
+
+
+def _loads(pid: int, program: str, argv: tuple[str, ...]) -> str | None:
+    if not is_dynamic_loader(program):
+        return None
+    payload = loader_payload(argv)
+    if payload is None:
+        return None
+    try:
+        return _resolve(pid, payload, AT_FDCWD, False)
+    except OSError:
+        return payload  # a name that cannot be resolved is judged as written
 
 
 def proc_depth(pid: int, root: int) -> int:
@@ -372,11 +419,21 @@ def decide_request(commands: CommandsPolicy, req: ExecRequest, depth: int) -> Co
     decision = decide(commands, req.program, req.argv, depth, truncated=req.truncated)
     if req.foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[decision.decision]:
         decision = CommandDecision(commands.default)
-    if req.interpreter is not None:
-        other = decide(commands, req.interpreter, req.argv, depth, truncated=req.truncated)
+    for payload in (req.interpreter, req.loads):
+        if payload is None:
+            continue
+        # the loader's payload is judged with its own arguments (what follows it in argv)
+        argv = req.argv if payload is req.interpreter else req.argv[req.argv.index(_raw_payload(req)) :]
+        other = decide(commands, payload, argv, depth, truncated=req.truncated)
         if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:
-            return other
+            decision = other
     return decision
+
+
+def _raw_payload(req: ExecRequest) -> str:
+    payload = loader_payload(req.argv)
+    assert payload is not None
+    return payload
 
 
 @dataclass(frozen=True)

@@ -185,3 +185,18 @@ def test_fexecve_through_a_descriptor_is_decided_on_the_file(place: Path) -> Non
     assert [(d.request.program, d.request.argv) for d in refused if d.request] == [
         ("/usr/bin/id", ("innocent",))
     ]
+
+
+def test_the_dynamic_loader_run_as_a_program_is_judged_by_what_it_loads(place: Path) -> None:
+    commands = _commands([{"name": "no-id", "program": "/usr/bin/id", "args": ["-u"], "decision": "deny"}])
+    ldso = next(p for p in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1") if os.path.exists(p))
+    script = (
+        f"{ldso} /usr/bin/id -u; echo direct=$?; "
+        f"{ldso} --argv0 x --inhibit-cache /usr/bin/id -u; echo options=$?; "
+        f"{ldso} /usr/bin/id -g; echo other=$?"
+    )
+    proc, decisions, _ = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "direct=126" in lines and "options=126" in lines and "other=0" in lines, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [d.request.loads for d in refused if d.request] == ["/usr/bin/id", "/usr/bin/id"]

@@ -556,3 +556,14 @@ def test_a_script_is_decided_by_the_more_restrictive_of_itself_and_its_interpret
     assert decide_request(c, req(None), 0).rule_name == "scripts"
     # an interpreter matched by no rule falls to the default (deny) and that is more restrictive
     assert decide_request(c, req("/usr/bin/bash"), 0).label == "commands.default"
+
+
+def test_loader_payload_skips_the_loaders_options() -> None:
+    from evidence.agent.recorder.exec_supervisor import is_dynamic_loader, loader_payload
+
+    assert loader_payload(("ld.so", "/usr/bin/curl", "-s")) == "/usr/bin/curl"
+    assert loader_payload(("ld.so", "--library-path", "/x", "--inhibit-cache", "curl")) == "curl"
+    assert loader_payload(("ld.so", "--preload", "a.so", "--", "--weird")) == "--weird"
+    assert loader_payload(("ld.so", "--list")) is None and loader_payload(()) is None
+    assert is_dynamic_loader("/lib64/ld-linux-x86-64.so.2") and is_dynamic_loader("/lib/ld-musl-x86_64.so.1")
+    assert not is_dynamic_loader("/usr/bin/ldd") and not is_dynamic_loader("/usr/bin/ld")
