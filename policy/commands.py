@@ -203,7 +203,6 @@ class NoticeLimiter:
 # `evidence profile`: the commands a run executed
 
 PROCESS_EXEC = "dev.evidence.process.exec"
-_REFUSED = ("EACCES", "EPERM")
 
 
 @dataclass
@@ -221,7 +220,7 @@ class ExecsSeen:
             yield ev
 
     def add(self, data: dict[str, Any]) -> None:
-        if data.get("result") in _REFUSED:
+        if data.get("result", 0) != 0:  # refused, or nothing there (a PATH search's ENOENT): nothing ran
             return
         if data.get("mntns") == "other":
             self.other_ns += 1
@@ -243,7 +242,8 @@ class ExecsSeen:
 
 def profile_rules(seen: ExecsSeen) -> list[dict[str, Any]]:
     """`commands.rules` allowing each program the run executed, by its absolute path, at any depth
-    (one rule a program, named after it); `commands.default` is deny."""
+    (one rule a program, named after it); `commands.default` is deny. Only execs that succeeded
+    count: one refused, or of a name that was not there (a PATH search), ran nothing."""
     names: dict[str, int] = {}
     rules = []
     for program in sorted(seen.programs):

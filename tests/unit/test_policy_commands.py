@@ -498,6 +498,7 @@ def test_profile_commands_section_allows_what_ran_and_denies_the_rest(tmp_path: 
         _exec("/opt/a/cc"),
         _exec("/opt/b/cc"),
         _exec("/opt/secret/tool", result="EACCES"),
+        _exec("/usr/local/bin/make", result="ENOENT"),  # a PATH search: nothing ran
         _exec("/inner/bin/x", mntns="other"),
     ]
     manifest = {"run_id": "r1", "command": ["make"], "cwd": str(tmp_path), "policy": None}
@@ -514,7 +515,7 @@ def test_profile_commands_section_allows_what_ran_and_denies_the_rest(tmp_path: 
     import os
 
     assert decide(c, os.path.realpath("/bin/sh"), ["sh"], 0).runs is True  # matched on what really runs
-    for exe in ("/opt/secret/tool", "/inner/bin/x", "/usr/bin/curl"):
+    for exe in ("/opt/secret/tool", "/inner/bin/x", "/usr/bin/curl", "/usr/local/bin/make"):
         assert decide(c, exe, [exe], 1).runs is False, exe
     seen = ExecsSeen()
     list(
