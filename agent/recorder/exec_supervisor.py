@@ -14,7 +14,8 @@ resolves what would run (relative to the caller's cwd or the execveat descriptor
 through the caller's root, a `#!` line's interpreter) and decides with policy/commands.py:
 - deny: the exec fails with EACCES and the caller goes on;
 - allow, audit: the kernel goes on with the call (SECCOMP_USER_NOTIF_FLAG_CONTINUE);
-- approve: `approver(request, decision)` says yes or no; the default says no (fail closed).
+- approve: the approver (approvals.py's broker: a person, or the timeout) says yes or no, on a
+  thread of its own while the job's other execs are answered; the default says no (fail closed).
 A `#!` script is decided on the script and on its interpreter, the dynamic loader run as a program
 (`/lib64/ld-linux-x86-64.so.2 /usr/bin/curl`) on itself and on the program it loads, the more
 restrictive winning.
@@ -41,6 +42,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from evidence.agent.recorder.approvals import Asked
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
 from evidence.policy.model import CommandsPolicy
 
@@ -455,12 +457,17 @@ class ExecSupervisor:
     commands: CommandsPolicy
     root_pid: int
     depth_of: Callable[[int, int], int] = proc_depth
-    approver: Callable[[ExecRequest, CommandDecision], bool] = lambda _req, _d: False
+    # says whether an `approve` decision's exec runs (approvals.ApprovalBroker.approver); called on
+    # a thread of its own, several at once; the default says no (fail closed)
+    approver: Callable[[Asked], bool] = lambda _asked: False
+    # called with each exec answered, from the supervisor's thread or an approval's
     on_decision: Callable[[ExecDecision], None] = lambda _d: None
     tell: Callable[[str], None] = lambda _line: None
     _stop_r: int = field(init=False, default=-1)
     _stop_w: int = field(init=False, default=-1)
     _thread: threading.Thread | None = field(init=False, default=None)
+    # guards the listener: an approval's thread answers through it, stop() closes it
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def start(self) -> None:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -473,10 +480,11 @@ class ExecSupervisor:
             os.write(self._stop_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for fd in (self._stop_r, self._stop_w, self.listener):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._stop_r = self._stop_w = self.listener = -1
+        with self._lock:  # no approval's thread answers through a descriptor closed (or reused)
+            for fd in (self._stop_r, self._stop_w, self.listener):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._stop_r = self._stop_w = self.listener = -1
 
     def serve(self) -> None:
         poller = select.poll()
@@ -501,40 +509,57 @@ class ExecSupervisor:
                 return
             self.answer(note)
 
-    def answer(self, note: Notification) -> ExecDecision:
+    def answer(self, note: Notification) -> ExecDecision | None:
+        """Decide one notification. An `approve` decision waits for its approver on a thread of
+        its own (the job's other execs are answered meanwhile): None is returned for it."""
         depth = self.depth_of(note.pid, self.root_pid)
         try:
             req = read_request(note)
         except OSError as e:
-            result = ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
-        else:
-            decision = decide_request(self.commands, req, depth)
-            allowed = bool(decision.runs) if decision.runs is not None else self._ask(req, decision)
-            result = ExecDecision(req, decision, depth, allowed)
+            return self._finish(
+                note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
+            )
+        decision = decide_request(self.commands, req, depth)
+        if decision.runs is not None:
+            return self._finish(note, ExecDecision(req, decision, depth, decision.runs))
+        threading.Thread(
+            target=self._ask, args=(note, req, decision, depth), name=f"exec-approval-{note.pid}", daemon=True
+        ).start()
+        return None
+
+    def _finish(self, note: Notification, result: ExecDecision) -> ExecDecision:
         # what was read is the caller's only while its notification is pending: answer nothing else
-        if not still_pending(self.listener, note.id):
-            return result
-        respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
+        with self._lock:
+            if self.listener < 0 or not still_pending(self.listener, note.id):
+                return result
+            respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
         if result.request is not None and not result.allowed:
-            if result.decision.runs is None:  # asked, and not approved
-                self.tell(
-                    notice("exec", result.request.program, result.decision.label, message="not approved")
-                )
-            else:
-                self.tell(
-                    notice(
-                        "exec", result.request.program, result.decision.label, message=result.decision.message
-                    )
-                )
+            message = "not approved" if result.decision.runs is None else result.decision.message
+            self.tell(notice("exec", result.request.program, result.decision.label, message=message))
         self.on_decision(result)
         return result
 
-    def _ask(self, req: ExecRequest, decision: CommandDecision) -> bool:
+    def pending(self, nid: int) -> bool:
+        """Whether the notification still waits for an answer from this supervisor."""
+        with self._lock:
+            return self.listener >= 0 and still_pending(self.listener, nid)
+
+    def _ask(self, note: Notification, req: ExecRequest, decision: CommandDecision, depth: int) -> None:
         line = exec_notice(req.program, decision)
         if line:
             self.tell(line)
+        asked = Asked(
+            pid=req.pid,
+            program=req.program,
+            argv=req.argv,
+            truncated=req.truncated,
+            depth=depth,
+            decision=decision,
+            pending=lambda: self.pending(note.id),
+        )
         try:
-            return bool(self.approver(req, decision))
+            allowed = bool(self.approver(asked))
         except Exception:  # an approver that fails says no
             logger.exception("exec supervisor: the approver failed")
-            return False
+            allowed = False
+        self._finish(note, ExecDecision(req, decision, depth, allowed))
