@@ -529,13 +529,16 @@ class ExecSupervisor:
 
     def _finish(self, note: Notification, result: ExecDecision) -> ExecDecision:
         # what was read is the caller's only while its notification is pending: answer nothing else
-        with self._lock:
-            if self.listener < 0 or not still_pending(self.listener, note.id):
-                return result
-            respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
+        if not self.pending(note.id):
+            return result
         if result.request is not None and not result.allowed:
+            # told before the answer, so the line usually comes before the job's own complaint
             message = "not approved" if result.decision.runs is None else result.decision.message
             self.tell(notice("exec", result.request.program, result.decision.label, message=message))
+        with self._lock:
+            if self.listener < 0:
+                return result
+            respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
         self.on_decision(result)
         return result
 
