@@ -5,8 +5,9 @@ The exec supervisor (exec_supervisor.py) calls the approver it was given with an
 exec asks, the rule, the depth, and whether the exec is still waiting); `ApprovalBroker.approver()`
 makes that approver for one run: it opens a request, tells the subscribers (the terminal prompt,
 the agent's API and live stream), and waits, holding the exec in the kernel, until
-- a person answers: `answer(id, allow, uid=, via="terminal"|"api", reason=)`, by root or the run's
-  owner only (others get NotAllowed);
+- a person answers: `answer(id, allow, uid=, via="terminal"|"api", reason=)`: through the API root
+  or the run's owner only (a request of another user's run is not disclosed: UnknownRequest), at
+  the run's own terminal whoever sits there (tty_approver.py);
 - the timeout (`approvals.timeout`) passes: `approvals.on_timeout` decides, recorded as `timeout`;
 - the exec's caller goes away (it was killed: its notification is no longer pending), or the run
   ends (`close_run`): the request is `withdrawn` and the exec does not run.
@@ -49,10 +50,6 @@ class ApprovalError(Exception):
 
 class UnknownRequest(ApprovalError):
     status = 404
-
-
-class NotAllowed(ApprovalError):
-    status = 403
 
 
 class AlreadyAnswered(ApprovalError):
@@ -202,11 +199,14 @@ class ApprovalBroker:
     def answer(
         self, request_id: str, allow: bool, *, uid: int, via: Literal["terminal", "api"], reason: str | None
     ) -> Answer:
-        """A person's answer. Raises UnknownRequest (none open by that id, or not visible to `uid`:
-        a request of another user's run is not disclosed), AlreadyAnswered."""
+        """A person's answer. Raises UnknownRequest (none by that id, or, through the API, not
+        visible to `uid`: a request of another user's run is not disclosed), AlreadyAnswered. The
+        terminal approver answers with the authority of the run's own terminal (the person who
+        started the run, perhaps through sudo): `uid` (the terminal's owner) is recorded, not
+        checked."""
         with self._lock:
             entry = self._open.get(request_id)
-        if entry is None or (uid != ROOT and entry.request.owner_uid != uid):
+        if entry is None or (via == "api" and uid != ROOT and entry.request.owner_uid != uid):
             raise UnknownRequest(f"no approval request {request_id}")
         return self._resolve(entry, allow, via, uid, reason)
 

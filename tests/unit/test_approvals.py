@@ -160,3 +160,34 @@ def test_a_failing_subscriber_leaves_the_request_open_for_the_others() -> None:
     broker.subscribe(lambda r: seen.append(r.id))
     req = broker.open(_asked(), run="r", owner_uid=OWNER, policy=_policy())
     assert seen == [req.id] and broker.get(req.id) == req
+
+
+def test_the_terminal_answers_for_its_run_whoever_owns_it() -> None:
+    recs: list[Any] = []
+    broker = _broker(recs)
+    req = broker.open(_asked(), run="r", owner_uid=0, policy=_policy())  # a run started through sudo
+    broker.answer(req.id, True, uid=OWNER, via="terminal", reason=None)  # the terminal's owner typed it
+    assert recs[-1]["by_uid"] == OWNER and recs[-1]["via"] == "terminal"
+
+
+def test_the_prompt_shows_every_string_escaped_and_an_answer_is_read_strictly() -> None:
+    from evidence.agent.recorder.tty_approver import describe, parse_answer
+
+    asked = Asked(
+        9,
+        "/usr/bin/\x1b[2Jcurl",
+        ("curl", "http://x/\x1b]0;title\x07", "a b", "x" * 500),
+        True,
+        2,
+        CommandDecision("approve", 0, "net\u202e", "line\nbreak"),
+    )
+    prompt = describe(_broker([]).open(asked, run="r", owner_uid=0, policy=_policy("30s")))
+    assert "\x1b" not in prompt and "\x07" not in prompt and "\u202e" not in prompt
+    assert prompt.count("\n") == 4  # the lines of the prompt itself, none from the job's strings
+    assert "'a b'" in prompt and "..." in prompt and "[more arguments not shown]" in prompt
+    assert "no answer in 30s: deny" in prompt
+    assert parse_answer("y") == (True, None)
+    assert parse_answer("YES  looked at the diff ") == (True, "looked at the diff")
+    assert parse_answer("n") == (False, None) and parse_answer("") == (False, None)
+    assert parse_answer("yep") == (False, None)  # only y or yes allows
+    assert parse_answer("nope, risky") == (False, "risky")
