@@ -43,6 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evidence.agent.recorder.approvals import Asked
+from evidence.agent.recorder.exec_check import (
+    ARGS_BYTES,
+    DecidedExec,
+    Publish,
+    bprm_filename,
+    decided_exec,
+    shebang,
+)
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
 from evidence.policy.model import CommandsPolicy
 
@@ -226,6 +234,14 @@ class ExecRequest:
     # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
     foreign: bool = False
     loads: str | None = None  # the program the dynamic loader run as a program would load
+    # for the no-race check (exec_check.py): how the call named the file, the file it names for the
+    # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
+    # with the interpreter's identity
+    dirfd: int = AT_FDCWD
+    empty_path: bool = False
+    identity: tuple[int, int] | None = None
+    shebang: tuple[bytes, bytes | None] | None = None
+    interpreter_identity: tuple[int, int] | None = None
 
 
 _LDSO_WITH_ARG = frozenset(
@@ -370,6 +386,7 @@ def read_request(note: Notification) -> ExecRequest:
     empty = bool(flags & AT_EMPTY_PATH)
     program = _resolve(note.pid, path, dirfd, empty)
     theirs = caller_identity(note.pid, path, dirfd, empty)
+    bang = _shebang(note.pid, program)
     return ExecRequest(
         pid=note.pid,
         path=path,
@@ -379,7 +396,20 @@ def read_request(note: Notification) -> ExecRequest:
         interpreter=_interpreter(note.pid, program),
         foreign=theirs is None or theirs != _identity(program),
         loads=_loads(note.pid, program, tuple(_decode(a) for a in argv)),
+        dirfd=dirfd,
+        empty_path=empty,
+        identity=theirs,
+        shebang=bang,
+        interpreter_identity=caller_identity(note.pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
     )
+
+
+def _shebang(pid: int, program: str) -> tuple[bytes, bytes | None] | None:
+    try:
+        with open(f"/proc/{pid}/root{program}", "rb") as f:
+            return shebang(f.read(256))
+    except OSError:
+        return None
 
 
 def _loads(pid: int, program: str, argv: tuple[str, ...]) -> str | None:
@@ -463,6 +493,10 @@ class ExecSupervisor:
     # called with each exec answered, from the supervisor's thread or an approval's
     on_decision: Callable[[ExecDecision], None] = lambda _d: None
     tell: Callable[[str], None] = lambda _line: None
+    # the no-race check (exec_check.py): before an exec goes on, what the kernel must load is
+    # published for the calling thread; an exec whose entry cannot be made is refused
+    publish: Publish | None = None
+    check_key: bytes = b""
     _stop_r: int = field(init=False, default=-1)
     _stop_w: int = field(init=False, default=-1)
     _thread: threading.Thread | None = field(init=False, default=None)
@@ -531,9 +565,20 @@ class ExecSupervisor:
         # what was read is the caller's only while its notification is pending: answer nothing else
         if not self.pending(note.id):
             return result
+        req = result.request
+        if result.allowed and self.publish is not None and req is not None:
+            decided = self.decided(req)
+            if decided is None:  # fail closed: what the kernel loads could not be checked
+                result = ExecDecision(
+                    req, result.decision, result.depth, False, "what would run cannot be pinned"
+                )
+            else:
+                self.publish(req.pid, decided)
         if result.request is not None and not result.allowed:
             # told before the answer, so the line usually comes before the job's own complaint
-            message = "not approved" if result.decision.runs is None else result.decision.message
+            message = result.error or (
+                "not approved" if result.decision.runs is None else result.decision.message
+            )
             self.tell(notice("exec", result.request.program, result.decision.label, message=message))
         with self._lock:
             if self.listener < 0:
@@ -541,6 +586,23 @@ class ExecSupervisor:
             respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
         self.on_decision(result)
         return result
+
+    def decided(self, req: ExecRequest) -> DecidedExec | None:
+        """What the kernel must load for `req` (exec_check.py), or None when that cannot be said:
+        the file named nothing for the caller, or argv was not read as far as the probe copies it."""
+        raw = [a.encode("utf-8", "surrogateescape") for a in req.argv]
+        script = None
+        identity = req.identity
+        if req.shebang is not None:
+            identity = req.interpreter_identity
+            filename = bprm_filename(req.path.encode("utf-8", "surrogateescape"), req.dirfd, req.empty_path)
+            script = (req.shebang[0], req.shebang[1], filename)
+        if identity is None:
+            return None
+        decided = decided_exec(self.check_key, identity, raw, script=script)
+        if req.truncated and decided.args_len < ARGS_BYTES - 1:
+            return None  # the probe copies arguments the supervisor did not read
+        return decided
 
     def pending(self, nid: int) -> bool:
         """Whether the notification still waits for an answer from this supervisor."""

@@ -6,6 +6,7 @@ next exec (ENOSYS)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -200,3 +201,76 @@ def test_the_dynamic_loader_run_as_a_program_is_judged_by_what_it_loads(place: P
     assert "direct=126" in lines and "options=126" in lines and "other=0" in lines, proc
     refused = [d for d in decisions if not d.allowed and d.request]
     assert [d.request.loads for d in refused if d.request] == ["/usr/bin/id", "/usr/bin/id"]
+
+
+def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
+    """The no-race check's user-space half against the kernel's own view of the new image: the file
+    mapped (/proc/PID/exe) and the arg area it copied (/proc/PID/cmdline), for a program and for a
+    `#!` script run by a relative name (the kernel maps the interpreter and rewrites argv)."""
+    import time
+
+    from evidence.agent.recorder.exec_check import MemoryPublisher, new_key
+
+    script_file = place / "follow"
+    script_file.write_text("#!/usr/bin/tail -f\n")
+    script_file.chmod(0o755)
+    key = new_key()
+    pub = MemoryPublisher(key)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "/bin/sleep 300 & ./follow -n 1 & wait",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=place,
+    )
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    running: dict[str, int] = {}
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(
+            receive_listener(ours),
+            _commands([]),
+            proc.pid,
+            on_decision=decisions.append,
+            publish=pub,
+            check_key=key,
+        )
+        sup.start()
+        want = {os.path.realpath("/bin/sleep"), os.path.realpath("/usr/bin/tail")}
+        for _ in range(3000):
+            for d in decisions:
+                if d.request and d.request.argv[0] in ("/bin/sleep", "./follow"):
+                    with contextlib.suppress(OSError):
+                        exe = os.readlink(f"/proc/{d.request.pid}/exe")
+                        if exe in want:
+                            running[exe] = d.request.pid
+            if len(running) == 2:
+                break
+            time.sleep(0.01)
+        assert len(running) == 2, (decisions, proc.stderr)
+        for exe, pid in running.items():
+            st = os.stat(f"/proc/{pid}/exe")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert pub.check(pid, st.st_dev, st.st_ino, cmdline), (exe, cmdline)
+        assert Path(f"/proc/{running[os.path.realpath('/usr/bin/tail')]}/cmdline").read_bytes() == (
+            b"/usr/bin/tail\0-f\0./follow\0-n\0001\0"
+        )
+    finally:
+        proc.kill()
+        for pid in running.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        proc.wait(10)
+        sup.stop()
+        ours.close()
