@@ -502,6 +502,12 @@ class ExecSupervisor:
     _thread: threading.Thread | None = field(init=False, default=None)
     # guards the listener: an approval's thread answers through it, stop() closes it
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    # execs waiting for approval at once; more are refused at once
+    max_waiting: int = 64
+    _waiting: threading.BoundedSemaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._waiting = threading.BoundedSemaphore(self.max_waiting)
 
     def start(self) -> None:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -556,6 +562,10 @@ class ExecSupervisor:
         decision = decide_request(self.commands, req, depth)
         if decision.runs is not None:
             return self._finish(note, ExecDecision(req, decision, depth, decision.runs))
+        if not self._waiting.acquire(blocking=False):  # a job asking without end holds no more threads
+            return self._finish(
+                note, ExecDecision(req, decision, depth, False, "too many execs wait for approval")
+            )
         threading.Thread(
             target=self._ask, args=(note, req, decision, depth), name=f"exec-approval-{note.pid}", daemon=True
         ).start()
@@ -627,4 +637,6 @@ class ExecSupervisor:
         except Exception:  # an approver that fails says no
             logger.exception("exec supervisor: the approver failed")
             allowed = False
+        finally:
+            self._waiting.release()
         self._finish(note, ExecDecision(req, decision, depth, allowed))

@@ -199,3 +199,40 @@ def test_a_supervisor_killed_while_an_exec_waits_fails_that_exec(place: Path) ->
                 p.kill()
     assert out.splitlines() == ["rc=126", "after=126"], (out, err)
     assert "Function not implemented" in err and "uid=" not in out
+
+
+def test_execs_waiting_at_once_are_capped(place: Path) -> None:
+    """A job that asks without end holds no more than max_waiting of the recorder's threads: the
+    exec past the cap is refused at once."""
+    recs: list[Any] = []
+    broker = ApprovalBroker(record=recs.append)
+    opened: queue.Queue[ApprovalRequest] = queue.Queue()
+    broker.subscribe(opened.put)
+    decisions: list[ExecDecision] = []
+    proc, sock = _launch("/usr/bin/id -u & /usr/bin/id -g & wait", place)
+    try:
+        sup = ExecSupervisor(
+            receive_listener(sock),
+            _commands(),
+            proc.pid,
+            approver=broker.approver("run-1", OWNER, ApprovalsPolicy.model_validate({"timeout": "10m"})),
+            on_decision=decisions.append,
+            max_waiting=1,
+        )
+        sup.start()
+        first = opened.get(timeout=30)
+        for _ in range(3000):  # the other is refused while the first waits
+            if any(d.error == "too many execs wait for approval" for d in decisions):
+                break
+            threading.Event().wait(0.01)
+        else:
+            raise AssertionError(decisions)
+        broker.answer(first.id, True, uid=OWNER, via="api", reason=None)
+        out, err = proc.communicate(timeout=60)
+        sup.stop()
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert len(out.split()) == 1 and out.split()[0].isdigit(), (out, err)  # one id ran, one refused
+    assert [r["state"] for r in recs] == ["requested", "allowed"]
