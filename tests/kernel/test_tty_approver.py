@@ -84,3 +84,33 @@ def test_a_person_answers_held_execs_on_the_recorders_terminal(place: Path) -> N
         "RECORD requested None None None ['/usr/bin/id', '-g', 'a\\x1b[2Jb']",
         f"RECORD denied terminal {TERMINAL_OWNER} 'not today' ['/usr/bin/id', '-g', 'a\\x1b[2Jb']",
     ]
+
+
+def test_keys_typed_before_the_question_answer_nothing(place: Path) -> None:
+    """A `y` typed while the job ran (meant for it, or a slip) does not approve the exec asked
+    later: the prompt discards type-ahead."""
+    job = "while [ ! -e go ]; do /bin/sleep 0.05; done; /usr/bin/id -u; echo rc=$?"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        encoding="utf-8",
+        timeout=60,
+        cwd=str(place),
+    )
+    try:
+        child.sendline("y")
+        child.expect("y\r\n")  # the terminal echoed it: it sits in the input queue
+        (place / "go").touch()  # now the job asks
+        child.expect(r"allow\? \[y/N")
+        child.sendline("n typed after the question")
+        child.expect("JOB-OUTPUT-END")
+        job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
+        child.expect(pexpect.EOF)
+        recs = [line for line in child.before.splitlines() if line.startswith("RECORD")]
+    finally:
+        child.close(force=True)
+    assert "rc=126" in job_out.split(), job_out
+    assert (
+        recs[-1]
+        == f"RECORD denied terminal {TERMINAL_OWNER} 'typed after the question' ['/usr/bin/id', '-u']"
+    )
