@@ -169,8 +169,22 @@ class TtyApprover:
         while data:
             data = data[os.write(self.fd, data) :]
 
+    def foreground(self) -> bool:
+        """Whether the recorder is in its terminal's foreground process group: reading the terminal
+        from the background would stop the whole recorder (SIGTTIN), and with the job's exec held
+        meanwhile. (Not the controlling terminal: no such risk.)"""
+        try:
+            return os.tcgetpgrp(self.fd) == os.getpgrp()
+        except OSError:
+            return True
+
     def ask(self, request: ApprovalRequest) -> bool | None:
-        """Prompt for one request until it is answered here (True/False) or resolved elsewhere (None)."""
+        """Prompt for one request until it is answered here (True/False) or resolved elsewhere (None).
+        While the recorder is in the background of its terminal, it waits to be in the foreground."""
+        while not self.foreground():
+            if self.broker.get(request.id) is None:
+                return None
+            select.select([], [], [], self.poll_s)
         with contextlib.suppress(termios.error):
             termios.tcflush(self.fd, termios.TCIFLUSH)  # keys typed before the question answer nothing
         self._write(describe(request))
@@ -179,6 +193,9 @@ class TtyApprover:
             if self.broker.get(request.id) is None:
                 self._write("\r\nevidence: that request was answered elsewhere or timed out\r\n")
                 return None
+            if not self.foreground():  # sent to the background while asking: read nothing
+                select.select([], [], [], self.poll_s)
+                continue
             ready, _, _ = select.select([self.fd], [], [], self.poll_s)
             if not ready:
                 continue

@@ -35,6 +35,17 @@ theirs.close()
 tty = TtyApprover.open(broker, run="r")
 assert tty is not None
 tty.start()
+if len(sys.argv) > 4:  # another process group has the terminal's foreground until a request is open
+    import signal, threading
+    other = subprocess.Popen(["sleep", "300"], process_group=0)
+    os.tcsetpgrp(0, other.pid)
+    def back(_request):
+        def restore():
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTTOU])  # asking from the background
+            os.tcsetpgrp(0, os.getpgrp())
+            other.kill()
+        threading.Timer(1.0, restore).start()
+    broker.subscribe(back)
 policy = ApprovalsPolicy.model_validate({"timeout": "60s"})
 sup = ExecSupervisor(receive_listener(ours), commands, job.pid, approver=broker.approver("r", 0, policy))
 sup.start()
@@ -114,3 +125,23 @@ def test_keys_typed_before_the_question_answer_nothing(place: Path) -> None:
         recs[-1]
         == f"RECORD denied terminal {TERMINAL_OWNER} 'typed after the question' ['/usr/bin/id', '-u']"
     )
+
+
+def test_a_recorder_in_the_background_of_its_terminal_asks_once_back_in_the_foreground(place: Path) -> None:
+    """Reading the terminal from the background would stop the whole recorder (SIGTTIN) with the
+    exec held: the approver waits for the foreground instead."""
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", RECORDER, LAUNCHER, "/usr/bin/id -u; echo rc=$?", str(TERMINAL_OWNER), "background"],
+        encoding="utf-8",
+        timeout=60,
+        cwd=str(place),
+    )
+    try:
+        child.expect(r"allow\? \[y/N")
+        child.sendline("y")
+        child.expect("JOB-OUTPUT-END")
+        job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
+    finally:
+        child.close(force=True)
+    assert "rc=0" in job_out.split(), job_out
