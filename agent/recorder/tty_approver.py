@@ -190,10 +190,12 @@ class TtyApprover:
         self._write(describe(request))
         typed = b""
         while True:
+            foreground = self.foreground()  # in the background: neither read nor write (TOSTOP)
             if self.broker.get(request.id) is None:
-                self._write("\r\nevidence: that request was answered elsewhere or timed out\r\n")
+                if foreground:
+                    self._write("\r\nevidence: that request was answered elsewhere or timed out\r\n")
                 return None
-            if not self.foreground():  # sent to the background while asking: read nothing
+            if not foreground:
                 select.select([], [], [], self.poll_s)
                 continue
             ready, _, _ = select.select([self.fd], [], [], self.poll_s)
