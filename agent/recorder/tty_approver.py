@@ -129,11 +129,14 @@ class TtyApprover:
     def terminal_uid(self) -> int:
         """The owner of the recorder's terminal's device node (/dev/pts/N): /dev/tty itself is
         root's, whoever the terminal is."""
+        st = os.fstat(self.fd)
+        if st.st_rdev != os.makedev(5, 0):  # a terminal's own node (/dev/pts/N)
+            return st.st_uid
         node = controlling_terminal()
         try:
-            return os.stat(node).st_uid if node else os.fstat(self.fd).st_uid
+            return os.stat(node).st_uid if node else st.st_uid
         except OSError:
-            return os.fstat(self.fd).st_uid
+            return st.st_uid
 
     def start(self) -> None:
         self.broker.subscribe(self._offer)

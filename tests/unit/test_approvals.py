@@ -5,6 +5,7 @@ that every record becomes a dev.evidence.policy.approval event the bundle format
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -191,3 +192,44 @@ def test_the_prompt_shows_every_string_escaped_and_an_answer_is_read_strictly() 
     assert parse_answer("n") == (False, None) and parse_answer("") == (False, None)
     assert parse_answer("yep") == (False, None)  # only y or yes allows
     assert parse_answer("nope, risky") == (False, "risky")
+
+
+def _read_until(fd: int, marker: bytes) -> bytes:
+    got = b""
+    while marker not in got:
+        chunk = os.read(fd, 4096)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+def test_the_terminal_prompt_on_a_pseudo_terminal_answers_and_gives_up_when_resolved_elsewhere() -> None:
+    from evidence.agent.recorder.tty_approver import TtyApprover
+
+    master, slave = os.openpty()
+    if os.getuid() == 0:
+        os.fchown(slave, OWNER, -1)  # as login gives a user their terminal
+    recs: list[Any] = []
+    broker = ApprovalBroker(record=recs.append, poll_s=0.01)
+    tty = TtyApprover(broker, slave, poll_s=0.01)
+    tty.start()
+    got: list[bool] = []
+    approve = broker.approver("r", 0, _policy())
+    t = threading.Thread(target=lambda: got.append(approve(_asked())))
+    t.start()
+    assert b"exec of /usr/bin/git" in _read_until(master, b"allow? [y/N")
+    os.write(master, b"yes read the diff\n")
+    t.join(10)
+    assert got == [True] and recs[-1]["reason"] == "read the diff"
+    assert recs[-1]["by_uid"] == os.fstat(slave).st_uid  # the terminal's owner
+    # shown, then answered through the API: the prompt gives up and says so
+    t = threading.Thread(target=lambda: got.append(approve(_asked())))
+    t.start()
+    _read_until(master, b"allow? [y/N")
+    (req,) = broker.pending(0)
+    broker.answer(req.id, False, uid=0, via="api", reason="no")
+    t.join(10)
+    assert got == [True, False]
+    assert b"answered elsewhere" in _read_until(master, b"timed out")
+    tty.stop()
+    os.close(master)
