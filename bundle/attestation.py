@@ -22,12 +22,13 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict
 
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
+from evidence.bundle.read_types import ManifestJSON
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -119,7 +120,14 @@ def _list_or_none(value: Any) -> list[str] | None:
     return list(value) if isinstance(value, list) else None
 
 
-def predicate(manifest: dict[str, Any]) -> dict[str, Any]:
+class SubjectJSON(TypedDict):
+    """A subject of the in-toto statement: a member or the run, with its digest."""
+
+    name: str
+    digest: dict[str, str]  # "sha256" -> lowercase hex
+
+
+def predicate(manifest: ManifestJSON) -> dict[str, Any]:
     """The predicate for a (checked) manifest: a pure function of it. `claimedCommand` only when the
     manifest has `claimed_command` (null or not): a bundle signed before that field existed still
     agrees with its predicate."""
@@ -167,7 +175,7 @@ def predicate(manifest: dict[str, Any]) -> dict[str, Any]:
 # --- the statement and the envelope ---------------------------------------------------------------
 
 
-def subjects(manifest: dict[str, Any], manifest_sha256: str, events_sha256: str) -> list[dict[str, Any]]:
+def subjects(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> list[SubjectJSON]:
     """The statement's subjects, in this order: the two other members, then the run."""
     return [
         {"name": fmt.MANIFEST_NAME, "digest": {"sha256": manifest_sha256}},
@@ -176,7 +184,7 @@ def subjects(manifest: dict[str, Any], manifest_sha256: str, events_sha256: str)
     ]
 
 
-def statement(manifest: dict[str, Any], manifest_sha256: str, events_sha256: str) -> dict[str, Any]:
+def statement(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> dict[str, Any]:
     return {
         "_type": STATEMENT_TYPE,
         "subject": subjects(manifest, manifest_sha256, events_sha256),
@@ -199,7 +207,7 @@ def envelope(payload: bytes, signers: list[Signer]) -> bytes:
     return canonical.dumps(doc)
 
 
-def member(manifest: dict[str, Any], manifest_bytes: bytes, events_sha256: str, signer: Signer) -> bytes:
+def member(manifest: ManifestJSON, manifest_bytes: bytes, events_sha256: str, signer: Signer) -> bytes:
     """The bytes of attestation.intoto.json for a bundle (what the writer adds)."""
     st = statement(manifest, hashlib.sha256(manifest_bytes).hexdigest(), events_sha256)
     return envelope(canonical.dumps(st), [signer])
@@ -290,7 +298,7 @@ def parse_envelope(raw: bytes, doc: Any, parse_payload: Any) -> Attestation:
 
 
 def check_statement(
-    att: Attestation, manifest: dict[str, Any], manifest_sha256: str, events_sha256: str
+    att: Attestation, manifest: ManifestJSON, manifest_sha256: str, events_sha256: str
 ) -> None:
     """The statement names exactly the bundle's members and run with their digests, and its
     predicate agrees with the manifest; raises AttestationError saying what differs."""

@@ -2,14 +2,14 @@
 them did it; `evidence diff --baseline baseline.json NEW` then reports only what is new.
 
 Each bundle is verified and reduced to its behaviour keys exactly as `evidence diff` reduces it
-(bundle/diff.py: programs with argv, files by access class, network destinations, denials, the exit
+(bundle/diff_keys.py: programs with argv, files by access class, network destinations, denials, the exit
 code; normalised by bundle/normalize.py with each bundle's own roots and the `--ignore` patterns).
 The baseline keeps every key any run showed, with `runs`: in how many of the runs it appeared.
 `diff --baseline FILE --min-runs N NEW` counts a key as known when at least N of the baseline's runs
 showed it (default 1: ever seen), and reports each key of NEW that is not known as *added*, saying
 whether the baseline never saw it or in how few runs. A network destination keyed by name (the
 names the run's configured resolvers gave its address) keeps in how many runs its addresses were in
-each range (`scopes`, diff.address_scope): a known name whose addresses in NEW are in a loopback,
+each range (`scopes`, diff_keys.address_scope): a known name whose addresses in NEW are in a loopback,
 private or link-local range that fewer than N runs showed for it is *added* too (github.com, known,
 now at 127.0.0.77). Nothing is "removed" or "changed": a baseline
 says what is usual, not what must happen. Keys of events in another mount namespace (mntns:
@@ -17,18 +17,18 @@ says what is usual, not what must happen. Keys of events in another mount namesp
 own namespace, and known only from items that carry it. The format is in docs/baseline.md.
 
 Memory is bounded as diff's is: each bundle is reduced within diff's cap on keys, and the baseline
-keeps at most diff.MAX_KEYS keys (and diff.MAX_KEY_CHARS characters of them) over all its runs;
-what is past either cap is not counted (a warning says how many events), so a later diff reports
-what those events did as never seen, and a bundle past its own cap is a difference of its own.
+keeps at most diff_keys.MAX_KEYS keys (and diff_keys.MAX_KEY_CHARS characters of them) over all
+its runs; what is past either cap is not counted (a warning says how many events), so a later diff
+reports what those events did as never seen, and a bundle past its own cap is a difference of its
+own. The commands are bundle/commands/baseline.py (build) and bundle/commands/diff.py (--baseline).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import logging
 import re
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -36,8 +36,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evidence import __version__
-from evidence.bundle import diff
-from evidence.bundle.diff import Behaviour, Budget, Change, Keys
+from evidence.bundle import diff, diff_keys
+from evidence.bundle.diff import Change
+from evidence.bundle.diff_keys import Budget, Keys, Side
 from evidence.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class Baseline(BaseModel):
                     )
                 key = json.dumps(item.model_dump(exclude={"runs", "scopes"}), sort_keys=True)
                 ranges: dict[str, int] = getattr(item, "scopes", {})
-                if any(not 1 <= r <= n or s not in diff.SCOPES for s, r in ranges.items()):
+                if any(not 1 <= r <= n or s not in diff_keys.SCOPES for s, r in ranges.items()):
                     raise ValueError(
                         f"a {kind} item has a range that is none, or seen in no or too many runs"
                     )
@@ -225,7 +226,7 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
     exits: dict[str, int] = {}
     refs = []
     for path in bundles:
-        b = diff.behaviour(path, ignore)
+        b = diff_keys.behaviour(path, ignore)
         for kind, n in sorted(b.budget.past.items()):
             logger.warning(
                 "%s: %d %s events past the %d distinct keys a bundle is reduced to are not in the "
@@ -233,7 +234,7 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
                 path,
                 n,
                 kind,
-                diff.MAX_KEYS,
+                diff_keys.MAX_KEYS,
             )
         refs.append(
             BundleRef(
@@ -255,7 +256,7 @@ def build(bundles: Iterable[str], ignore: list[str]) -> Baseline:
             "against it reports what they did as never seen",
             n,
             kind,
-            diff.MAX_KEYS,
+            diff_keys.MAX_KEYS,
         )
     sides: tuple[tuple[_Counts, MntNs], ...] = ((own, None), (other, "other"))  # the run's own first
     return Baseline(
@@ -375,7 +376,7 @@ def _seen(n: int | None, bl: Baseline) -> str:
     return "never seen" if not n else f"seen in {n} of {bl.runs} baseline runs"
 
 
-def new_behaviour(bl: Baseline, b: Behaviour, min_runs: int) -> list[Change]:
+def new_behaviour(bl: Baseline, b: Side, min_runs: int) -> list[Change]:
     """What `b` did that fewer than min_runs of the baseline's runs did, as 'added' changes: the
     keys of the run's own namespace, the exit code, then those of another mount namespace."""
     out = diff.past_cap(b, "added") + _new_keys(bl, b.own(), min_runs, None)
@@ -407,7 +408,7 @@ def _new_keys(bl: Baseline, b: Keys, min_runs: int, mntns: MntNs) -> list[Change
         per = b.files[path]
         notes = [
             f"{acc} {diff.fmt_counts(per[acc])}, {_seen(all_files.get((path, acc)), bl)}"
-            for acc in diff.ACCESS
+            for acc in diff_keys.ACCESS
             if acc in per and (path, acc) not in files
         ]
         if notes:
@@ -427,7 +428,7 @@ def _new_keys(bl: Baseline, b: Keys, min_runs: int, mntns: MntNs) -> list[Change
         if n not in nets:
             continue  # not known: added above
         usual = scopes.get(n, {})
-        for scope in diff.LOCAL:
+        for scope in diff_keys.LOCAL:
             if scope in seen and usual.get(scope, 0) < min_runs:
                 known = ", ".join(f"{s} in {k}" for s, k in sorted(usual.items())) or "none known"
                 out.append(
@@ -453,10 +454,10 @@ def _new_keys(bl: Baseline, b: Keys, min_runs: int, mntns: MntNs) -> list[Change
     return out
 
 
-def as_side(bl: Baseline, path: str, min_runs: int) -> Behaviour:
+def as_side(bl: Baseline, path: str, min_runs: int) -> Side:
     """The baseline as diff's side A, for its reports."""
     exits = sorted(bl.exit, key=lambda x: -x.runs)
-    a = Behaviour(
+    a = Side(
         path=path,
         run_id=f"baseline of {bl.runs} runs, known at --min-runs {min_runs}",
         events=sum(r.events for r in bl.bundles),
@@ -469,40 +470,26 @@ def as_side(bl: Baseline, path: str, min_runs: int) -> Behaviour:
     return a
 
 
-def diff_against(baseline_path: str, new: str, args: argparse.Namespace) -> int:
-    """`evidence diff --baseline FILE [--min-runs N] NEW`."""
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What `diff --baseline FILE` found: the baseline as side A, the new run, what the new run did
+    that the baseline had not seen, and the patterns both were normalised with (the baseline's own,
+    then the caller's)."""
+
+    baseline: Side
+    new: Side
+    changes: list[Change]
+    ignore: list[str]
+
+
+def diff_against(baseline_path: str, new: str, min_runs: int | None, ignore: list[str]) -> Found:
+    """`evidence diff --baseline FILE [--min-runs N] NEW`: `min_runs` None is 1 (ever seen)."""
     bl = load(baseline_path)
-    min_runs = args.min_runs if args.min_runs is not None else 1
+    min_runs = min_runs if min_runs is not None else 1
     if not 1 <= min_runs <= bl.runs:
         raise UsageError(
             f"--min-runs {min_runs}: the baseline {baseline_path} has {bl.runs} runs (1 to {bl.runs})"
         )
-    ignore = [*bl.ignore, *(p for p in args.ignore if p not in bl.ignore)]
-    b = diff.behaviour(new, ignore)
-    changes = new_behaviour(bl, b, min_runs)
-    return diff.report(as_side(bl, baseline_path, min_runs), b, changes, args, ignore)
-
-
-# --- command -------------------------------------------------------------------------------------
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    b = sub.add_parser(
-        "build",
-        help="write a baseline (JSON, on stdout) of what the runs did, each item with how many runs showed it",
-    )
-    b.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundles of runs of the same job")
-    b.add_argument(
-        "--ignore",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="regular expression replaced by <ignored> before counting (repeatable; kept in the baseline)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    diff.check_patterns(args.ignore)
-    sys.stdout.writelines(chunks(build(args.bundles, args.ignore)))
-    return 0
+    both = [*bl.ignore, *(p for p in ignore if p not in bl.ignore)]
+    b = diff_keys.behaviour(new, both)
+    return Found(as_side(bl, baseline_path, min_runs), b, new_behaviour(bl, b, min_runs), both)

@@ -21,6 +21,7 @@ import orjson
 
 from evidence.bundle import container, schemas
 from evidence.bundle import format as fmt
+from evidence.bundle.read_types import EventJSON
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ _TYPES = {
 }
 
 
-def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[dict[str, Any]]:
+def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
     """The fast path over `lines`, the first of which is event `seq`: makes every check the careful
     path makes, yields each event that passes (adding it to `passed`) and stops at the first that
     does not, without saying why; and at the first event whose place in the run needs checking (the
@@ -152,7 +153,7 @@ def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator
 class Fold(Protocol):
     """What `Bundle.fold` folds the events of one piece of the stream into."""
 
-    def feed(self, ev: dict[str, Any], /) -> None: ...
+    def feed(self, ev: EventJSON, /) -> None: ...
 
 
 Start = Callable[[int], Fold]  # the fold for the events from seq on

@@ -1,4 +1,5 @@
-"""The bundle format: names, event types, data models, hashes and the run id.
+"""The bundle format: names, event types, data models, limits and hashes (the events' content
+hashes, the root hash). The run id is not made here: bundle/run_id.py computes it (the writer asks).
 
 docs/bundle-format.md is the prose version of this module; bundle/schemas/ holds the JSON Schemas
 generated from the models here (`python -m bundle.schemas` rewrites them, a test checks they match).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -458,7 +459,7 @@ def source_for(run_id: str) -> str:
     return f"urn:evidence:run:{run_id}"
 
 
-def content_hash(event: dict[str, Any]) -> str:
+def content_hash(event: Mapping[str, object]) -> str:
     """sha256 over the canonical {specversion, type, datacontenttype, subject, data} of an event:
     what happened, without when (time) or its place in this bundle (id, seq, run id)."""
     core = {k: event.get(k) for k in ("specversion", "type", "datacontenttype", "subject", "data")}

@@ -6,17 +6,16 @@ finding on many events is reported once, with a count), and only then reported: 
 SARIF 2.1.0 for GitHub code scanning. Exit 1 when a finding reaches --fail-on, else 0. It says
 whether the bundle is signed and by which keyid; `--key KEY.pub` checks the signature (exit 2 unless
 signed by that key), `--require-signature` refuses an unsigned bundle.
+
+This module is the visitor: it applies the rules (bundle/lint_rules.py: their table, texts and the
+patterns they judge by) to a bundle's events and returns the findings; the command, its options and
+its output formats are bundle/commands/lint.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import hashlib
 import ipaddress
 import logging
-import re
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,238 +23,32 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from evidence.bundle import command as claims
 from evidence.bundle import format as fmt
-from evidence.bundle import reader, signing, workflow
-from evidence.bundle.lint_output import SEVERITIES, render_json, render_sarif, render_text
+from evidence.bundle import reader
+from evidence.bundle.lint_output import SEVERITIES
+from evidence.bundle.lint_rules import (
+    FAIL_ON,
+    FD_PATH,
+    RULES,
+    SECRETS,
+    TEMP_DIRS,
+    THROUGH_FD,
+    WRITE_OK,
+    Finding,
+    Signature,
+    changes_paths,
+    maybe_secret,
+    redact,
+)
 from evidence.bundle.normalize import Normalizer
-from evidence.errors import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, UsageError
+from evidence.bundle.read_types import EventJSON, ManifestJSON
+from evidence.errors import EXIT_FINDINGS, EXIT_OK
 
 logger = logging.getLogger(__name__)
 
-_FAIL_ON = {"error": 0, "warn": 1, "info": 2, "none": -1}  # index into SEVERITIES reached
 MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
 MAX_PLAIN = 50_000  # strings remembered to hold no secret, each at most MAX_PLAIN_LEN long
 MAX_PLAIN_LEN = 4096
 CLOCK_TOLERANCE_NS = 1_000_000_000
-TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-WRITE_OK = (
-    "/tmp", "/var/tmp", "/dev/shm", "/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/dev/ptmx",
-    "/dev/pts", "/dev/stdout", "/dev/stderr", "/dev/fd", "/proc/self/fd", "/proc/thread-self/fd",
-)  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    code: str
-    name: str
-    severity: str  # error | warning | note
-    short: str
-    explain: str
-
-
-RULES: dict[str, Rule] = {
-    r.code: r
-    for r in (
-        Rule("EV001", "events-lost", "warning", "The recorder lost events",
-             "The kernel ring buffer or the agent dropped events (manifest lost.total > 0, or "
-             "dev.evidence.loss events). The bundle is then a lower bound of what the run did: an "
-             "operation that is absent may simply not have been recorded, and a job can cause "
-             "loss on purpose (a flood of system calls) to hide something in it. Gates that need "
-             "complete evidence should use --fail-on warn. Re-run with a larger buffer or less "
-             "detail (--detail summary) if you need complete evidence."),
-        Rule("EV002", "enforcement-degraded", "warning", "Recording or enforcement was degraded",
-             "A dev.evidence.degradation event says that a component (a probe, Landlock, the "
-             "connect filter) could not do all it should, e.g. because the kernel lacks a feature. "
-             "What the event's 'impact' names was not recorded or not enforced."),
-        Rule("EV003", "secret-exposed", "error", "A secret or token appears in argv, a path or a subject",
-             "A string that looks like a credential (GitHub token ghp_/github_pat_, AWS key AKIA, "
-             "API key sk-, Slack token xox[bp]-, 'Bearer ...', a PEM private key header, or "
-             "password=/token=/secret=...) appears in a command line, a path or an event subject. "
-             "Command lines are visible to every process on the host and now sit in this bundle: "
-             "rotate the secret and pass it through a file or the environment instead. The finding "
-             "shows only the kind of secret and its first characters."),
-        Rule("EV004", "write-outside-workspace", "warning", "A file was written outside the workspace",
-             "A file.open that succeeded with write or create access, or a file.change that "
-             "succeeded (rename, unlink, link, truncate, chmod, ...), names a path outside the "
-             "workspace (manifest.policy.workspace, else the run's cwd), outside the run's TMPDIR "
-             "and outside the usual scratch places (/tmp, /var/tmp, /dev/shm, /dev/null, ttys, "
-             "/proc/self/fd). Builds that write elsewhere (home directory caches, /etc, /usr) are "
-             "not hermetic and may tamper with the machine. A path that keeps a '..' after a "
-             "component (the recorder had no kernel name for it; that component may be a symlink) "
-             "may lead anywhere and is judged outside. A change through a descriptor's magic link "
-             "(/proc/self/fd/N, /dev/fd/N, /dev/stdout, ...) is named after the file the descriptor "
-             "held; one the recorder could not name so (a descriptor it never saw opened) may have "
-             "changed any file and is judged outside. A write or change of a file with other names "
-             "(nlink, its link count: a hard link, made in an earlier run, say) is flagged wherever "
-             "it is named: the other names may be outside the workspace. Relative paths are not "
-             "judged."),
-        Rule("EV005", "egress-unenforced", "warning", "Network connection to a non-loopback address in an observe-only run",
-             "The run had no policy (manifest.policy is null), and a process connected (or tried "
-             "to connect) to an address that is not loopback. Nothing restricted this traffic; if "
-             "the run should be offline, record it with a policy that denies connects."),
-        Rule("EV006", "exec-from-temp", "warning", "A program was executed from a writable temp directory or a file descriptor",
-             "A process.exec that succeeded ran a binary (or a #! script's interpreter) under "
-             "/tmp, /var/tmp, /dev/shm or the "
-             "run's TMPDIR (but not inside the workspace), or from a file descriptor the recorder "
-             "did not see opened (/dev/fd/N: a memfd, or a descriptor passed in), which leaves no "
-             "file to inspect; or through a name that keeps a '..' after a component (that "
-             "component may be a symlink: the program may be from anywhere). Droppers and "
-             "downloaded tools run from there; check where the binary came from."),
-        Rule("EV007", "run-not-finished", "error", "The run was not recorded to its end",
-             "There is no dev.evidence.run.finished event, or the manifest says cut_short: the "
-             "recorder stopped before the run ended (killed, timeout, agent restart). Anything the "
-             "run did afterwards is missing from the bundle."),
-        Rule("EV008", "clock-backwards", "note", "Event times go backwards",
-             "An event's time (for summary-mode opens and connects, its first_time) is earlier "
-             "than an earlier event's by more than one second. Events from different CPUs can be "
-             "slightly out of order; more than a second suggests a clock jump (NTP step, VM "
-             "migration) and makes durations in this bundle unreliable."),
-        Rule("EV009", "program-from-writable-place", "note", "A program ran from a place the job can write",
-             "A process.exec that succeeded ran a program (or a #! script, or a script whose #! "
-             "interpreter is there) from the workspace, "
-             "/tmp, /var/tmp, /dev/shm or the run's TMPDIR: places the job itself, or anything it "
-             "ran, could have written. The finding names the program with its sha256 (as read "
-             "when it ran; an interpreter's, interpreter_sha256), so that what ran can be compared "
-             "with what was built or reviewed; the "
-             "same path with another content is another finding (and `evidence diff` reports it "
-             "as changed between runs)."),
-        Rule("EV010", "other-mount-namespace", "warning", "A process left the run's mount namespace, mounted or chrooted",
-             "A dev.evidence.process.namespace event says that a process of the run made a new "
-             "mount or user namespace (unshare, clone), entered a namespace (setns), mounted "
-             "(mount, move_mount, open_tree, fsmount), or changed its root (chroot, pivot_root), "
-             "and it succeeded; or events carry mntns: \"other\" (by such a process, or a child "
-             "of one). From then on the paths that process names may name other files than the "
-             "same paths in the run's own namespace: a job can bind-mount a file of its own over "
-             "/etc/hostname or /usr/bin/true, and the bundle then says that /etc/hostname was "
-             "read and /usr/bin/true ran. Read those events' paths as names the process used, "
-             "not as the files of the machine. The finding names the processes and what they did."),
-        Rule("EV011", "tampered-outside-run", "error", "A process of the run traced or wrote the memory of a process outside it",
-             "A ptrace (attach, seize, poketext, pokedata, pokeuser) or process_vm_writev by a "
-             "process of the run succeeded on a process that is not one of the run's. Such a "
-             "process can be made to do anything on the job's behalf, and what it does is not "
-             "recorded. By default the job's Landlock domain forbids it; a run with "
-             "--allow-setuid runs without that domain."),
-        Rule("EV012", "tamper-attempt-outside-run", "note", "A process of the run tried to trace or write the memory of a process outside it",
-             "A ptrace (attach, seize, poke) or process_vm_writev by a process of the run on a "
-             "process that is not one of the run's failed (the event's result says why, e.g. "
-             "EPERM from the job's Landlock domain). Nothing was done to that process, but the job "
-             "tried: a note, since the default confinement is doing its work."),
-        Rule("EV013", "32bit-syscall-refused", "warning", "A process made a system call through a 32-bit entry, which was refused",
-             "A dev.evidence.policy.denial with operation 'syscall' and rule 'isolation: 32-bit "
-             "system calls': a process called the kernel through the i386 entry (int $0x80, "
-             "sysenter, or syscall from 32-bit code) or as x32. The kernel's syscall tracepoints "
-             "do not see such calls, so every command evidence launches runs under a seccomp "
-             "filter that refuses them: the call was not made and the thread got SIGSYS (which "
-             "kills it unless it handles the signal). A 64-bit program that does this is hiding "
-             "what it does; a real 32-bit program cannot run recorded at all: run it with "
-             "`evidence run --allow-32bit`, which lets it run unrecorded and says so (EV002)."),
-        Rule("EV014", "command-not-as-claimed", "error", "The command the kernel executed is not the one claimed",
-             "A dev.evidence.degradation with component 'command': the argv of the run's first "
-             "exec, as the kernel copied it (the manifest's command), is not the command the "
-             "caller claimed (manifest.claimed_command; for a #! script the kernel's argv is the "
-             "interpreter, the script's name and the claim's arguments, which agrees), or no such "
-             "exec was recorded (it failed, none was made, or its record was lost). A client of "
-             "the agent is not trusted: one that claims `make test` and runs `sh -c 'cat SECRET'` "
-             "gets a bundle that says what ran, with its claim beside it and this error. Read the "
-             "manifest's command and the run's first process.exec event (filename, sha256) for "
-             "what ran; argv[0] alone never names the program."),
-        Rule("EV015", "dns-unsolicited", "warning", "A DNS answer was credited to no query of the run",
-             "A dev.evidence.network.dns event has 'unsolicited': an answer was received that the "
-             "recorder did not credit to a query of the run, so the names in it were given to no "
-             "connect. 'other source': it came from another address or port than its query was "
-             "sent to, e.g. a job answering its own query from a port of its own to give an "
-             "address of its choosing the name github.com; 'unverified': its bytes are not those of a "
-             "message the kernel delivered to the socket it was read from (rewritten in the job's "
-             "buffer by another thread, read from the middle of a DNS-over-TCP stream, or its "
-             "delivery not recorded, which a degradation event says); 'no query': no query with "
-             "its id and question was sent on that socket. A resolver's late answer to a query "
-             "sent again can be one too. Connects to the addresses in it are compared by address "
-             "(evidence diff, baseline, profile), so the finding explains a destination that "
-             "looks new rather than hiding one. The finding names the answer and where it came from."),
-        Rule("EV016", "dns-other-resolver", "note", "DNS queries went to a server that is not one of the run's configured resolvers",
-             "A dev.evidence.network.dns event has 'configured_resolver': false: its query went "
-             "to, or its answer came from, a server other than the nameservers of the run's "
-             "/etc/resolv.conf (manifest.resolvers), or it was received by a process in another "
-             "mount namespace (whose network may be one of its own). Programs that talk to a DNS "
-             "server of their own choosing (a public resolver, a server of the job's) do this. "
-             "The names such answers give are recorded as a connect's 'other_names' and are "
-             "never used to compare connects: those are compared by address. Not reported for "
-             "bundles without manifest.resolvers (recorded before the field)."),
-    )
-}  # fmt: skip
-_BY_NAME = {r.name: r for r in RULES.values()}
-
-# Secrets: (kind, pattern). Patterns are anchored on the token shape so ordinary words don't match.
-_SECRETS = [
-    ("GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})")),
-    ("AWS access key id", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("API key", re.compile(r"\bsk-[A-Za-z0-9_-]{16,}")),
-    ("Slack token", re.compile(r"\bxox[bpas]-[A-Za-z0-9-]{10,}")),
-    ("bearer token", re.compile(r"\bBearer\s+[A-Za-z0-9._~+/=-]{8,}")),
-    ("private key", re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")),
-    ("password", re.compile(r"(?i)\b(?:password|passwd|pwd|secret|token|api[_-]?key)=[^\s&;]{3,}")),
-]
-
-
-_FD_PATH = re.compile(r"/dev/fd/\d|/proc/(?:self|thread-self|\d+)/fd/\d")  # a program run from a descriptor
-# a change through a descriptor's magic link that the recorder could not name after the file (one
-# it never saw opened, or that named another file by then), or /dev/stdin, stdout, stderr (links
-# to /proc/self/fd/0-2): it may have changed any file
-_THROUGH_FD = re.compile(
-    r"/dev/(?:fd/\d|std(?:in|out|err)(?:/|$))|/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d"
-)
-
-
-_PATH_NS = ("CLONE_NEWNS", "CLONE_NEWUSER")
-
-
-def _changes_paths(op: str, flags: list[str]) -> bool:
-    """Whether a successful namespace call changes what the process's paths name (as the kernel
-    marks it: record.bpf.c ns_exit and ns_fork)."""
-    if op in ("unshare", "clone"):
-        return any(f in _PATH_NS for f in flags)
-    if op == "setns":
-        return not flags or any(f in _PATH_NS for f in flags)
-    return op in ("mount", "move_mount", "open_tree", "fsmount", "pivot_root", "chroot")
-
-
-def _maybe_secret(s: str) -> bool:
-    """A cheap pre-check (a regex search per string costs too much at a million events)."""
-    return (
-        "=" in s
-        or "gh" in s
-        or "sk-" in s
-        or "AKIA" in s
-        or "ASIA" in s
-        or "xox" in s
-        or "earer" in s
-        or "PRIVATE" in s
-    )
-
-
-@dataclasses.dataclass
-class Finding:
-    rule: Rule
-    message: str
-    key: str  # what makes this finding itself, normalised (stable across runs)
-    event_id: str | None = None
-    seq: int | None = None
-    count: int = 1
-
-    @property
-    def fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.rule.code}\0{self.key}".encode()).hexdigest()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule.code,
-            "name": self.rule.name,
-            "severity": self.rule.severity,
-            "message": self.message,
-            "event_id": self.event_id,
-            "seq": self.seq,
-            "count": self.count,
-            "fingerprint": self.fingerprint,
-        }
 
 
 class _Roots:
@@ -275,10 +68,6 @@ def _endpoint(address: str, port: Any) -> str:
     return f"{host}:{port}" if port is not None else address
 
 
-def _redact(secret: str) -> str:
-    return secret[:6] + "..." if len(secret) > 8 else "..."
-
-
 class Linter:
     """Lints a verified bundle: `start` makes the fold of a piece of its events (what
     reader.Bundle.fold needs), `take` takes the folds in order, `findings()` when done.
@@ -287,7 +76,7 @@ class Linter:
     on the events before a piece is settled in `take`: a finding seen before only gains a count, and
     the clock rule compares each event's time with the latest time before it in the whole run."""
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
+    def __init__(self, manifest: ManifestJSON) -> None:
         self.manifest = manifest
         self.rules = _Rules(manifest)
         self.start: Callable[[int], _Part] = self.rules.part
@@ -378,7 +167,7 @@ class _Rules:
     """What the per-event rules need to know of the run (it pickles: the reader may send it to its
     helper process)."""
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
+    def __init__(self, manifest: ManifestJSON) -> None:
         policy = manifest.get("policy") or {}
         self.observe_only = manifest.get("policy") is None
         self.workspace = str(policy.get("workspace") or manifest["cwd"]).rstrip("/") or "/"
@@ -390,7 +179,7 @@ class _Rules:
         self.ips: dict[str, bool] = {}  # address -> not loopback
         self.resolvers: list[str] | None = manifest.get("resolvers")  # EV016 (None: not recorded)
         # strings seen to hold nothing that looks like a secret (paths and subjects repeat: a
-        # lookup costs less than _maybe_secret), bounded: a hostile bundle may show any number
+        # lookup costs less than maybe_secret), bounded: a hostile bundle may show any number
         self.plain: set[str] = set()
         self.write_ok = _Roots((self.workspace, self.tmpdir, *WRITE_OK))  # EV004 does not judge these
         self.temp = _Roots((*TEMP_DIRS, self.tmpdir))  # EV006
@@ -415,7 +204,7 @@ class _Part:
         self.cut_short = False
         self.lost_events = 0
         self.plain = rules.plain
-        self._dispatch: dict[str, Callable[[dict[str, Any]], None]] = {
+        self._dispatch: dict[str, Callable[[EventJSON], None]] = {
             fmt.RUN_STARTED: self._started,
             fmt.RUN_FINISHED: self._finished,
             fmt.PROCESS_EXEC: self._exec,
@@ -451,7 +240,7 @@ class _Part:
         in_order = sorted(times)
         return in_order[0], in_order[-1], times == in_order, lambda: times
 
-    def add(self, code: str, message: str, key: str, ev: dict[str, Any]) -> None:
+    def add(self, code: str, message: str, key: str, ev: EventJSON) -> None:
         k = (code, key)
         f = self.found.get(k)
         if f is not None:
@@ -459,7 +248,7 @@ class _Part:
         else:
             self.found[k] = Finding(RULES[code], message, key, ev["id"], ev["seq"])
 
-    def feed(self, ev: dict[str, Any]) -> None:
+    def feed(self, ev: EventJSON) -> None:
         data = ev["data"]
         self.times.append(data.get("first_time", ev["time"]) if type(data) is dict else ev["time"])
         subject = ev["subject"]
@@ -473,21 +262,21 @@ class _Part:
 
     # -- rules
 
-    def _text(self, text: str, where: str, ev: dict[str, Any]) -> None:
+    def _text(self, text: str, where: str, ev: EventJSON) -> None:
         """Looks for a secret in `text` (a subject, a path), unless it is known to hold none."""
         plain = self.plain
         if text in plain:
             return
-        if _maybe_secret(text):
+        if maybe_secret(text):
             self._secrets(text, where, ev)
         elif len(plain) < MAX_PLAIN and len(text) <= MAX_PLAIN_LEN:
             plain.add(text)
 
-    def _secrets(self, text: str, where: str, ev: dict[str, Any]) -> None:
-        for kind, rx in _SECRETS:
+    def _secrets(self, text: str, where: str, ev: EventJSON) -> None:
+        for kind, rx in SECRETS:
             m = rx.search(text)
             if m:
-                shown = _redact(m.group())
+                shown = redact(m.group())
                 normal = self.rules.norm.text(text.replace(m.group(), "<secret>"))[:200]
                 self.add(
                     "EV003",
@@ -497,20 +286,20 @@ class _Part:
                 )
                 return
 
-    def _argv(self, argv: list[str], where: str, ev: dict[str, Any]) -> None:
+    def _argv(self, argv: list[str], where: str, ev: EventJSON) -> None:
         joined = " ".join(argv)
-        if _maybe_secret(joined):
+        if maybe_secret(joined):
             self._secrets(joined, where, ev)
 
-    def _started(self, ev: dict[str, Any]) -> None:
+    def _started(self, ev: EventJSON) -> None:
         self._argv(ev["data"]["command"], "the run's command", ev)
 
-    def _finished(self, ev: dict[str, Any]) -> None:
+    def _finished(self, ev: EventJSON) -> None:
         self.finished = True
         if ev["data"].get("cut_short"):
             self.cut_short = True
 
-    def _exec(self, ev: dict[str, Any]) -> None:
+    def _exec(self, ev: EventJSON) -> None:
         d = ev["data"]
         self._argv(d["argv"], "argv", ev)
         filename = d["filename"]
@@ -530,11 +319,11 @@ class _Part:
                 how = f" (the interpreter of {filename})"
                 self._program(interp, how, d.get("interpreter_sha256"), d.get("interpreter_not_hashed"), ev)
 
-    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: dict[str, Any]) -> None:
+    def _program(self, filename: str, how: str, digest: Any, not_hashed: Any, ev: EventJSON) -> None:
         """EV006 and EV009 for a program that ran (`filename`, absolute: the exec's file, or a #!
         script's interpreter, said in `how`)."""
         rules = self.rules
-        if _FD_PATH.match(filename):
+        if FD_PATH.match(filename):
             self.add(
                 "EV006",
                 f"executed {filename}{how}: a program from a file descriptor (a memfd?), with no file behind it",
@@ -561,7 +350,7 @@ class _Part:
                 ev,
             )
 
-    def _open(self, ev: dict[str, Any]) -> None:
+    def _open(self, ev: EventJSON) -> None:
         d = ev["data"]
         path = d["path"]
         plain = self.plain
@@ -587,7 +376,7 @@ class _Part:
         elif d.get("nlink"):
             self._other_names(path, f"wrote {path} ({'+'.join(access)})", ev)
 
-    def _other_names(self, path: str, what: str, ev: dict[str, Any]) -> None:
+    def _other_names(self, path: str, what: str, ev: EventJSON) -> None:
         """EV004 for a write to a file that has other names (its link count, `nlink`): a hard link
         (made in an earlier run, say, in /tmp or the workspace) writes what the other names name,
         and they may be outside the workspace."""
@@ -600,7 +389,7 @@ class _Part:
             ev,
         )
 
-    def _change(self, ev: dict[str, Any]) -> None:
+    def _change(self, ev: EventJSON) -> None:
         d = ev["data"]
         op = d["operation"]
         names = [d["path"]] + ([d["target"]] if d.get("target") is not None and op != "symlink" else [])
@@ -614,7 +403,7 @@ class _Part:
             if not path.startswith("/"):
                 continue
             exe = d.get("exe") or "?"
-            if _THROUGH_FD.match(path):
+            if THROUGH_FD.match(path):
                 self.add(
                     "EV004",
                     f"{exe} changed {path} ({op}): through a descriptor the recorder could not name, "
@@ -632,7 +421,7 @@ class _Part:
             elif d.get("nlink"):  # the file changed (truncate, chmod, chown) has other names
                 self._other_names(path, f"changed {path} ({op})", ev)
 
-    def _connect(self, ev: dict[str, Any]) -> None:
+    def _connect(self, ev: EventJSON) -> None:
         rules = self.rules
         if not rules.observe_only:
             return
@@ -661,10 +450,10 @@ class _Part:
                 ev,
             )
 
-    def _loss(self, ev: dict[str, Any]) -> None:
+    def _loss(self, ev: EventJSON) -> None:
         self.lost_events += ev["data"]["count"]
 
-    def _degradation(self, ev: dict[str, Any]) -> None:
+    def _degradation(self, ev: EventJSON) -> None:
         d = ev["data"]
         if d["component"] == claims.COMPONENT:  # the recorder compared the claim with the kernel's
             self.add("EV014", f"the run's command is not as claimed: {d['reason']}", "command", ev)
@@ -676,7 +465,7 @@ class _Part:
             ev,
         )
 
-    def _denial(self, ev: dict[str, Any]) -> None:
+    def _denial(self, ev: EventJSON) -> None:
         d = ev["data"]
         target = d["target"]
         if d["operation"] == "syscall" and d["rule"] == fmt.COMPAT_RULE:
@@ -686,7 +475,7 @@ class _Part:
         if target != ev["subject"]:
             self._text(target, "path", ev)
 
-    def _namespace(self, ev: dict[str, Any]) -> None:
+    def _namespace(self, ev: EventJSON) -> None:
         d = ev["data"]
         op = d["operation"]
         exe = d.get("exe") or "?"
@@ -710,7 +499,7 @@ class _Part:
                     ev,
                 )
             return
-        if d["result"] != 0 or not _changes_paths(op, d["flags"]):
+        if d["result"] != 0 or not changes_paths(op, d["flags"]):
             return
         flags = ",".join(d["flags"])
         paths = " ".join(d["paths"])
@@ -723,7 +512,7 @@ class _Part:
             ev,
         )
 
-    def _dns(self, ev: dict[str, Any]) -> None:
+    def _dns(self, ev: EventJSON) -> None:
         d = ev["data"]
         if d.get("malformed"):
             return
@@ -753,7 +542,7 @@ class _Part:
             ev,
         )
 
-    def _other_ns(self, ev: dict[str, Any]) -> None:
+    def _other_ns(self, ev: EventJSON) -> None:
         d = ev["data"]
         kind = ev["type"].removeprefix(fmt.TYPE_PREFIX)
         exe = d.get("exe") or d.get("filename") or "?"
@@ -765,30 +554,11 @@ class _Part:
             ev,
         )
 
-    def _inventory(self, ev: dict[str, Any]) -> None:
+    def _inventory(self, ev: EventJSON) -> None:
         self._argv(ev["data"]["argv"], "argv", ev)
 
 
-@dataclasses.dataclass(frozen=True)
-class Signature:
-    """What lint says about a bundle's signature: the keyids it is signed by (none: unsigned), and
-    the keyid of the --key it was checked with (None: not checked)."""
-
-    keyids: tuple[str, ...] = ()
-    checked: str | None = None
-
-    def text(self) -> str:
-        if not self.keyids:
-            return "note: not signed"
-        if self.checked is not None:
-            return f"signature verified: signed by keyid {self.checked}"
-        return f"note: signed by keyid {', '.join(self.keyids)} (signature not checked: give --key KEY.pub)"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"signed": bool(self.keyids), "keyids": list(self.keyids), "verified_keyid": self.checked}
-
-
-def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
+def lint(path: str) -> tuple[ManifestJSON, list[Finding], int]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS).
     Raises reader.VerificationError (exit 2) if the bundle fails verification."""
     manifest, findings, dropped, _ = lint_signed(path)
@@ -797,7 +567,7 @@ def lint(path: str) -> tuple[dict[str, Any], list[Finding], int]:
 
 def lint_signed(
     path: str, key: Ed25519PublicKey | None = None, *, require_signature: bool = False
-) -> tuple[dict[str, Any], list[Finding], int, Signature]:
+) -> tuple[ManifestJSON, list[Finding], int, Signature]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS, signature).
     Raises reader.VerificationError (exit 2) if the bundle fails verification, and, with a `key`,
     if it is not signed by that key; with `require_signature`, if it is not signed."""
@@ -815,76 +585,8 @@ def lint_signed(
 
 
 def exit_code(findings: list[Finding], fail_on: str) -> int:
-    reach = _FAIL_ON[fail_on]
+    reach = FAIL_ON[fail_on]
     if reach < 0:
         return EXIT_OK
     worst = min((SEVERITIES.index(f.rule.severity) for f in findings), default=99)
     return EXIT_FINDINGS if worst <= reach else EXIT_OK
-
-
-def explain(which: str) -> str:
-    rule = RULES.get(which.upper()) or _BY_NAME.get(which.lower())
-    if rule is None:
-        raise UsageError(
-            f"no lint rule {which!r}",
-            hint="rules: " + ", ".join(f"{r.code} {r.name}" for r in RULES.values()),
-        )
-    return f"{rule.code} {rule.name} (default severity: {rule.severity})\n{rule.short}.\n\n{rule.explain}\n"
-
-
-# --- command -------------------------------------------------------------------------------------
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", nargs="?", help="the bundle (.tar.gz) to verify and lint")
-    parser.add_argument(
-        "--format",
-        choices=("text", "json", "sarif", "github"),
-        default="text",
-        help="output format (default: text; github: workflow commands, annotations in the Actions page)",
-    )
-    parser.add_argument(
-        "--fail-on",
-        choices=tuple(_FAIL_ON),
-        default="error",
-        help="exit 1 when a finding of this severity or worse is found (default: error; warn, info, none)",
-    )
-    parser.add_argument("--explain", metavar="RULE", help="explain a rule (code like EV003 or name) and exit")
-    parser.add_argument(
-        "--key", metavar="KEY.pub", help="exit 2 unless the bundle is signed by this (ed25519 PEM) public key"
-    )
-    parser.add_argument(
-        "--require-signature", action="store_true", help="exit 2 if the bundle is not signed (by any key)"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.explain:
-        sys.stdout.write(explain(args.explain))
-        return EXIT_OK
-    if not args.bundle:
-        raise UsageError("lint needs a BUNDLE (or --explain RULE)")
-    path = args.bundle
-    key = signing.load_public_key(args.key) if args.key else None
-    try:
-        manifest, findings, dropped, signature = lint_signed(
-            path, key, require_signature=args.require_signature
-        )
-    except reader.VerificationError as e:
-        if args.format == "json":
-            sys.stdout.write(render_json(path, None, [], 0, e.problems, EXIT_ERROR))
-        elif args.format == "sarif":
-            sys.stdout.write(render_sarif(path, [], e.problems, RULES))
-        elif args.format == "github":
-            sys.stdout.write(workflow.render_problems(path, e.problems))
-        raise
-    code = exit_code(findings, args.fail_on)
-    if args.format == "json":
-        sys.stdout.write(render_json(path, manifest, findings, dropped, [], code, signature))
-    elif args.format == "sarif":
-        sys.stdout.write(render_sarif(path, findings, [], RULES))
-    elif args.format == "github":
-        sys.stdout.write(workflow.render_lint(path, findings, dropped, signature.text()))
-    else:
-        sys.stdout.write(render_text(path, manifest, findings, dropped, signature))
-    return code

@@ -11,7 +11,8 @@ from evidence import __version__
 from evidence.bundle.text import join_lines
 
 if TYPE_CHECKING:  # the types only: lint imports this module, not the other way round
-    from evidence.bundle.lint import Finding, Rule, Signature
+    from evidence.bundle.lint_rules import Finding, Rule, Signature
+    from evidence.bundle.read_types import ManifestJSON
 
 SEVERITIES = ("error", "warning", "note")  # SARIF levels, most severe first
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -19,7 +20,7 @@ HELP_URI = "https://github.com/evidence-dev/evidence/blob/main/docs/bundle-forma
 
 
 def render_text(
-    path: str, manifest: dict[str, Any], findings: list[Finding], dropped: int, signature: Signature
+    path: str, manifest: ManifestJSON, findings: list[Finding], dropped: int, signature: Signature
 ) -> str:
     out = [
         f"{path}: verified: run {manifest['run_id']}, {manifest['events']} events, root hash {manifest['root_hash'][:16]}",
@@ -37,7 +38,7 @@ def render_text(
 
 def render_json(
     path: str,
-    manifest: dict[str, Any] | None,
+    manifest: ManifestJSON | None,
     findings: list[Finding],
     dropped: int,
     problems: list[str],

@@ -45,6 +45,7 @@ from evidence.bundle.attestation import Attestation
 from evidence.bundle.container import MAX_MANIFEST, Limits
 from evidence.bundle.fastpath import Fold
 from evidence.bundle.format import ATTESTATION_NAME
+from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.bundle.verify import MAX_PROBLEMS, VerificationError, Verifier, time_ns
 
 __all__ = [
@@ -80,7 +81,7 @@ class Bundle:
         v = Verifier(self.path, self.limits)
         for _ in v.run(manifest_only=True):
             pass
-        self.manifest: dict[str, Any] = v.manifest
+        self.manifest: ManifestJSON = v.manifest
         self._last: Verifier | None = None  # the latest pass over the events
 
     def _pass(self, start: Callable[[int], Any] | None = None) -> Generator[Any, None, None]:
@@ -88,7 +89,7 @@ class Bundle:
         self._last = v
         return v.run()
 
-    def events(self) -> Generator[dict[str, Any], None, None]:
+    def events(self) -> Generator[EventJSON, None, None]:
         """Every event, in sequence order, verifying as it goes; raises VerificationError (at the
         latest when exhausted) if anything is wrong. Close it to stop early."""
         return self._pass()
@@ -137,14 +138,14 @@ def open_bundle(
     return Bundle(path, limits, parallel=parallel)
 
 
-def read_manifest(path: str | os.PathLike[str], limits: Limits | None = None) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str], limits: Limits | None = None) -> ManifestJSON:
     """The manifest of a bundle that passes full verification."""
     b = Bundle(path, limits)
     b.verify()
     return b.manifest
 
 
-def read_events(path: str | os.PathLike[str], limits: Limits | None = None) -> Iterator[dict[str, Any]]:
+def read_events(path: str | os.PathLike[str], limits: Limits | None = None) -> Iterator[EventJSON]:
     """The events of a bundle that passes full verification (checked in a first pass, then streamed
     in a second pass that verifies again, so a file changed in between is caught too)."""
     b = Bundle(path, limits)

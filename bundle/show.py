@@ -3,20 +3,21 @@
 The process tree (from process.exec pid/ppid), files grouped by access, network destinations,
 denials, loss and the exit code. Sections list at most --limit entries (0: all). This module sums
 the bundle up and writes the text; `show_markdown` (for $GITHUB_STEP_SUMMARY) and `show_html` (one
-self-contained page, with lint's findings) render the same summary.
+self-contained page, with lint's findings) render the same summary; the command is
+bundle/commands/show.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from evidence.bundle import format as fmt
 from evidence.bundle import lint, reader
+from evidence.bundle.lint_rules import Finding
+from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.bundle.text import join_lines
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class Summary:
     `take` adds the pieces that follow, in order: a capped section keeps the entries first seen in
     the whole run, whichever process summed up which piece."""
 
-    manifest: dict[str, Any]
+    manifest: ManifestJSON
     started: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
     procs: dict[int, list[Exec]] = dataclasses.field(default_factory=dict)  # pid -> its execs
@@ -49,9 +50,9 @@ class Summary:
 
     def part(self, seq: int) -> Summary:
         """An empty summary for the events from `seq` on (what Bundle.fold folds into)."""
-        return Summary({})
+        return Summary(cast("ManifestJSON", {}))  # a part's manifest is never read: take() keeps its own
 
-    def feed(self, ev: dict[str, Any]) -> None:
+    def feed(self, ev: EventJSON) -> None:
         t, d = ev["type"], ev["data"]
         if t == fmt.FILE_OPEN:
             failed = d["result"] != 0
@@ -199,7 +200,7 @@ class _Both:
     summary: Summary
     lint: Any  # what lint.Linter.start makes
 
-    def feed(self, ev: dict[str, Any]) -> None:
+    def feed(self, ev: EventJSON) -> None:
         self.summary.feed(ev)
         self.lint.feed(ev)
 
@@ -217,7 +218,7 @@ class _BothStart:
 class Linted:
     """lint's verdict, found in the same pass as the summary."""
 
-    findings: list[lint.Finding]
+    findings: list[Finding]
     dropped: int
     keyids: tuple[str, ...] = ()  # the keys the bundle is signed by (its signature not checked here)
 
@@ -279,7 +280,7 @@ def _shown(filename: str, argv: list[str]) -> str:
     return f"{filename} (argv: {text})"
 
 
-def claimed_differs(manifest: dict[str, Any]) -> bool:
+def claimed_differs(manifest: ManifestJSON) -> bool:
     """Whether the manifest's claimed command is another than the one the kernel executed (a
     `#!` script's differs in form: bundle/command.py decides, and lint's EV014 says which)."""
     claimed = manifest.get("claimed_command")
@@ -340,7 +341,7 @@ def duration_text(s: Summary) -> str:
     return f"{s.finished['duration_ns'] / 1e9:.3f} s" if s.finished else ""
 
 
-def lost_text(m: dict[str, Any]) -> str:
+def lost_text(m: ManifestJSON) -> str:
     """'none', or how many events were lost, by kind."""
     lost = m["lost"]["total"]
     kinds = ", ".join(f"{k} {v}" for k, v in m["lost"]["by_kind"].items() if v)
@@ -359,7 +360,7 @@ def render(s: Summary, limit: int = 50) -> str:
     ]
     out.append(f"  command: {argv_text(m['command'])}")
     if claimed_differs(m):
-        out.append(f"  claimed: {argv_text(m['claimed_command'])}")
+        out.append(f"  claimed: {argv_text(m.get('claimed_command') or [])}")
     out.append(f"  cwd:     {m['cwd']}")
     duration = f"  ({duration_text(s)})" if s.finished else ""
     out.append(f"  time:    {m['started_at']} .. {m['finished_at']}{duration}")
@@ -406,32 +407,3 @@ def render(s: Summary, limit: int = 50) -> str:
             f"({s.untracked} events beyond {MAX_TRACKED} distinct entries per section are not listed)",
         ]
     return join_lines(out)
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="the bundle (.tar.gz) to summarise")
-    parser.add_argument("--limit", type=int, default=50, help="entries per section (default 50, 0: all)")
-    parser.add_argument(
-        "--format",
-        choices=("text", "markdown", "html"),
-        default="text",
-        help="text (default); markdown (for $GITHUB_STEP_SUMMARY); html (one self-contained page, "
-        "with lint's findings)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    limit = max(0, args.limit)
-    if args.format == "text":
-        sys.stdout.write(render(summarise(args.bundle), limit))
-        return 0
-    summary, linted = summarise_and_lint(args.bundle)
-    if args.format == "markdown":
-        from evidence.bundle import show_markdown
-
-        sys.stdout.write(show_markdown.render(summary, linted, limit))
-    else:
-        from evidence.bundle import show_html
-
-        sys.stdout.write(show_html.render(summary, linted, limit, path=args.bundle))
-    return 0

@@ -133,7 +133,7 @@ def _header(s: show.Summary, linted: show.Linted, path: str) -> list[str]:
         ("exit", f'<span class="{exit_cls}">{esc(show.exit_text(s))}</span>'
          + (' <span class="bad">(cut short)</span>' if m.get("cut_short") else "")),
         ("command", _code(show.argv_text(m["command"]))),
-        *([("claimed", _code(show.argv_text(m["claimed_command"])))] if show.claimed_differs(m) else []),
+        *([("claimed", _code(show.argv_text(m.get("claimed_command") or [])))] if show.claimed_differs(m) else []),
         ("cwd", _code(m["cwd"])),
         ("time", f"{esc(m['started_at'])} .. {esc(m['finished_at'])}"
          + (f" ({esc(show.duration_text(s))})" if s.finished else "")),

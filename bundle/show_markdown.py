@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from evidence.bundle import show
+from evidence.bundle.read_types import ManifestJSON
 from evidence.bundle.text import join_lines, printable
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def _exit(s: show.Summary) -> str:
     return show.exit_text(s)
 
 
-def _lost(m: dict[str, Any]) -> str:
+def _lost(m: ManifestJSON) -> str:
     """show.lost_text, with each kind (the bundle's) as a code span."""
     total = m["lost"]["total"]
     kinds = ", ".join(f"{code(k)} {v}" for k, v in m["lost"]["by_kind"].items() if v)

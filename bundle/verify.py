@@ -12,7 +12,7 @@ import pickle
 import stat
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 import pydantic
@@ -33,6 +33,7 @@ from evidence.bundle.container import (
     whole_lines,
 )
 from evidence.bundle.fastpath import TIME, Context, Helper, Passed, Piece, Start, check_piece, fast
+from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.errors import BundleError
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ class Verifier:
         self.path = path
         self.limits = limits
         self.problems: list[str] = []
-        self.manifest: dict[str, Any] = {}
+        # set once the manifest passed its checks (format.Manifest), before anything reads it
+        self.manifest: ManifestJSON = cast("ManifestJSON", {})
         self.parallel = parallel
         self.helper: Helper | None = None
         self.start = start  # the pass folds each piece's events into start(seq), and yields the folds
@@ -211,7 +213,7 @@ class Verifier:
         if self.problems:
             raise VerificationError(self.path, self.problems)
 
-    def _walk(self, s: Stream, manifest_only: bool) -> Iterator[dict[str, Any]]:
+    def _walk(self, s: Stream, manifest_only: bool) -> Iterator[EventJSON]:
         first = header(s.read(BLOCK))
         if first is None:
             raise Fatal("empty archive: no manifest.json")
@@ -231,7 +233,7 @@ class Verifier:
         if bad:
             self.problems.extend(bad)
             raise _Stop()
-        self.manifest = manifest
+        self.manifest = cast("ManifestJSON", manifest)  # checked against format.Manifest: its shape
         if manifest_only:
             return
         second = header(s.read(BLOCK))
@@ -366,7 +368,7 @@ class Verifier:
                 yield folded
         self._finish()
 
-    def _checked(self, lines: list[bytes], ctx: Context) -> Iterator[dict[str, Any]]:
+    def _checked(self, lines: list[bytes], ctx: Context) -> Iterator[EventJSON]:
         """The events of `lines` that pass, in order: the fast path while it can, then the careful."""
         done = 0
         if self._fast():
@@ -387,7 +389,7 @@ class Verifier:
         for etype, n in counts.items():
             self.counts[etype] = self.counts.get(etype, 0) + n
 
-    def _careful(self, lines: list[bytes]) -> Iterator[dict[str, Any]]:
+    def _careful(self, lines: list[bytes]) -> Iterator[EventJSON]:
         """The careful path: line by line, saying what is wrong with each bad event."""
         m = self.manifest
         run_id = m["run_id"]
@@ -495,9 +497,11 @@ class Verifier:
         bad = check(ev["data"])
         if bad is not None:
             return f"{etype} data {bad}"
-        return self._position(ev, seq) or "is not a valid event"
+        return (
+            self._position(cast("EventJSON", ev), seq) or "is not a valid event"
+        )  # its envelope checked above
 
-    def _position(self, ev: dict[str, Any], seq: int) -> str | None:
+    def _position(self, ev: EventJSON, seq: int) -> str | None:
         """run.started first and only once; nothing after run.finished."""
         etype = ev["type"]
         if seq == 0:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from evidence.bundle.text import join_lines, printable
 
 if TYPE_CHECKING:
-    from evidence.bundle.lint import Finding
+    from evidence.bundle.lint_rules import Finding
 
 logger = logging.getLogger(__name__)
 

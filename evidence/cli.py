@@ -1,8 +1,10 @@
 """The `evidence` command line. `main(argv) -> int` is tested in-process.
 
-Subcommands live next to what they drive and are imported only when used, so `lint`, `diff`, `show`
-and `profile` never import BCC or need root. Each command module offers `configure(parser)` and
-`run(args) -> int`.
+Commands live in one place per side: `agent/commands/` (recording: root, BCC and the `agent` extra)
+and `bundle/commands/` (reading bundles: `show`, `lint`, `diff`, `baseline`, `profile`, `keygen`,
+`verify`, `attestation`; no BCC, no root). A command is imported only when used. Each command module
+offers `configure(parser)` and `run(args) -> int`; the library modules they drive take typed
+arguments, return results and know nothing of argparse.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from evidence.errors import AGENT_EXTRA, EXIT_ERROR, Error, extra_error
 
 logger = logging.getLogger("evidence")
 
-# name -> (module, help). Modules under bundle/ and policy/ are pure; agent/ ones need root + BCC
-# and the `agent` extra.
+# name -> (module, help). bundle/commands/ ones are pure; agent/commands/ ones need root + BCC and
+# the `agent` extra.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("evidence.agent.commands.run", "run a command and record what it does into a bundle"),
     "doctor": ("evidence.agent.commands.doctor", "check what this machine offers the recorder"),
-    "show": ("evidence.bundle.show", "print a readable summary of a bundle"),
-    "lint": ("evidence.bundle.lint", "verify a bundle and report problems"),
-    "diff": ("evidence.bundle.diff", "compare the behaviour of two runs"),
-    "baseline": ("evidence.bundle.baseline", "build a baseline of what many runs did, for diff --baseline"),
-    "profile": ("evidence.policy.profile", "write a policy that allows exactly what a run did"),
+    "show": ("evidence.bundle.commands.show", "print a readable summary of a bundle"),
+    "lint": ("evidence.bundle.commands.lint", "verify a bundle and report problems"),
+    "diff": ("evidence.bundle.commands.diff", "compare the behaviour of two runs"),
+    "baseline": (
+        "evidence.bundle.commands.baseline",
+        "build a baseline of what many runs did, for diff --baseline",
+    ),
+    "profile": ("evidence.bundle.commands.profile", "write a policy that allows exactly what a run did"),
     "keygen": ("evidence.bundle.commands.keygen", "make an ed25519 key pair for signing bundles"),
     "verify": ("evidence.bundle.commands.verify", "check that a bundle is valid and signed by a key"),
     "attestation": ("evidence.bundle.commands.attestation", "print a signed bundle's DSSE envelope"),

@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from evidence.bundle.format import has_dotdot
+from evidence.bundle.read_types import EventJSON
 from evidence.bundle.text import printable
 from evidence.policy.model import CommandRule, CommandsPolicy
 
@@ -213,7 +214,7 @@ class ExecsSeen:
     other_ns: int = 0  # execs in another mount namespace: their names are not host paths
     unplaced: set[str] = field(default_factory=set)  # relative names with no cwd, '..' after a component
 
-    def watch(self, events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def watch(self, events: Iterable[EventJSON]) -> Iterator[EventJSON]:
         for ev in events:
             if ev.get("type") == PROCESS_EXEC:
                 self.add(ev.get("data") or {})

@@ -21,7 +21,7 @@ import glob as _glob
 import logging
 import os
 import stat
-from typing import Any
+from typing import TypedDict
 
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL, abi_version, restrict
 from evidence.policy.model import FsPolicy, PathRule, Policy, under
@@ -142,6 +142,19 @@ class LandlockRule:
     is_dir: bool
 
 
+class LandlockSummary(TypedDict):
+    """What the manifest's policy says of Landlock (`policy.landlock`; docs/bundle-format.md)."""
+
+    abi: int
+    enforced: bool
+    handled_fs: list[str]
+    scoped: list[str]  # abstract_unix_socket, signal
+    rules: int
+    expanded_directories: list[str]
+    costs: list[str]
+    degradations: list[dict[str, str]]  # {"component", "reason", "impact"}
+
+
 @dataclasses.dataclass(frozen=True)
 class LandlockPlan:
     abi: int
@@ -160,7 +173,7 @@ class LandlockPlan:
         """(path, rights) for each rule: what the launcher needs to apply the plan."""
         return [(r.path, r.access) for r in self.rules]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> LandlockSummary:
         """JSON-able summary for the bundle manifest."""
         return {
             "abi": self.abi,

@@ -28,24 +28,22 @@ connects are kept: an address is not a path.
 When any program was executed, /lib and /lib64 join the exec list: the kernel opens the dynamic
 loader itself, which leaves no open event. The deny list is the shipped default's secret paths,
 except those the run did touch. The result is checked with the policy's own evaluation before it is
-printed: every recorded access must be allowed by it.
+printed: every recorded access must be allowed by it. The command is bundle/commands/profile.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypedDict
 
 from evidence.bundle.format import has_dotdot
 from evidence.bundle.normalize import canonical_address
+from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.bundle.text import printable
-from evidence.errors import EXIT_OK, UsageError
 from evidence.policy.commands import ExecsSeen, render_commands, unallowed_programs
 from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
 
@@ -91,16 +89,6 @@ NETWORK_DNS = "dev.evidence.network.dns"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="the bundle of a recorded run")
-    parser.add_argument(
-        "--workspace", help="the run's workspace (default: from the bundle's policy, else its cwd)"
-    )
-    parser.add_argument("--tmpdir", help="the run's private tmp (default: from the bundle's policy)")
-    parser.add_argument("--home", help="the home directory of the run (default: from the bundle's policy)")
-    parser.add_argument("-o", "--output", help="write the policy here instead of standard output")
-
-
 class Activity:
     """What a run did, as paths per access and network targets."""
 
@@ -122,10 +110,10 @@ class Activity:
             yield p, "exec"
 
 
-def collect(events: Iterable[dict[str, Any]]) -> Activity:
+def collect(events: Iterable[EventJSON]) -> Activity:
     act = Activity()
     other_paths: set[tuple[Any, str]] = set()  # (pid, path) of opens and execs in another namespace
-    dry_denials: list[dict[str, Any]] = []
+    dry_denials: list[EventJSON] = []
     for ev in events:
         etype, data = ev.get("type"), ev.get("data") or {}
         if data.get("mntns") == "other" and etype in (FILE_OPEN, FILE_CHANGE, PROCESS_EXEC):
@@ -169,8 +157,9 @@ def collect(events: Iterable[dict[str, Any]]) -> Activity:
                     canonical_address(a) for a in data.get("addresses") or []
                 )
         elif etype == POLICY_DENIAL and data.get("enforced") is False:
-            dry_denials.append(data)  # after the pass: its open may come later at the same time
-    for data in dry_denials:
+            dry_denials.append(ev)  # after the pass: its open may come later at the same time
+    for denial in dry_denials:
+        data = denial["data"]
         op, target = data.get("operation"), str(data.get("target"))
         if op in ("connect", "sendmsg"):
             act.connects.add(_split_target(target))
@@ -282,10 +271,19 @@ def _net_entry(address: str, port: int | None) -> str:
     return f"[{addr}]/128:{port}" if port else f"{addr}/128"
 
 
+class RecordedEnv(TypedDict, total=False):
+    """The `env` section of a recorded policy (the manifest's policy, policy/model.py's summary)."""
+
+    strip_secrets: bool
+    strip_exec_influence: bool
+    allow: list[str]
+    strip: list[str]
+
+
 def render_policy(
     fs: dict[str, list[str]],
     net_allow: list[str],
-    env: dict[str, Any],
+    env: RecordedEnv,
     header: list[str],
     commands: list[str] | None = None,
 ) -> str:
@@ -318,8 +316,8 @@ def render_policy(
 
 
 def build_profile(
-    manifest: dict[str, Any],
-    events: Iterable[dict[str, Any]],
+    manifest: ManifestJSON,
+    events: Iterable[EventJSON],
     *,
     workspace: str | None = None,
     tmpdir: str | None = None,
@@ -354,7 +352,8 @@ def build_profile(
     covered = [e for e in fs["write"] + fs["exec"]]
     fs["read"] = [r for r in _minimal(read, variables) if r not in covered]
     deny = list(SECRET_DENY)
-    env = recorded.get("env") or {"strip_secrets": True, "strip_exec_influence": False, "allow": []}
+    default_env: RecordedEnv = {"strip_secrets": True, "strip_exec_influence": False, "allow": []}
+    env: RecordedEnv = recorded.get("env") or default_env
     # the command is the job's own text: escaped, so that a newline in it cannot add lines to the policy
     command = printable(" ".join(manifest.get("command", [])))
     header = [
@@ -411,21 +410,3 @@ def _blocking_denies(policy: Policy, act: Activity) -> set[int]:
         if d is not None:  # pragma: no cover - every connect has its own allow entry
             raise AssertionError(f"profile does not allow connect {addr}:{port}: {d.rule}")
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    from evidence.bundle.reader import read_events, read_manifest
-
-    try:
-        manifest = read_manifest(args.bundle)
-    except OSError as e:
-        raise UsageError(f"{args.bundle}: {e.strerror or e}") from None
-    text, _ = build_profile(
-        manifest, read_events(args.bundle), workspace=args.workspace, tmpdir=args.tmpdir, home=args.home
-    )
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return EXIT_OK

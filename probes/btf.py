@@ -147,7 +147,7 @@ NEEDED = {
     "MM_EXE_FILE_OFF": ("mm_struct", "exe_file"),
     "FILE_INODE_OFF": ("file", "f_inode"),
     # what a descriptor names now (task->files->fdt->fd[n]->f_inode), for the identity checks of
-    # records resolved against a descriptor (record.bpf.c fd_inode)
+    # records resolved against a descriptor (bpf/lib/task.h fd_inode)
     "TASK_FILES_OFF": ("task_struct", "files"),
     "FILES_FDT_OFF": ("files_struct", "fdt"),
     "FDT_MAX_FDS_OFF": ("fdtable", "max_fds"),
@@ -162,7 +162,7 @@ NEEDED = {
     "FS_PWD_OFF": ("fs_struct", "pwd"),
     "PATH_DENTRY_OFF": ("path", "dentry"),
     "DENTRY_INODE_OFF": ("dentry", "d_inode"),
-    # the kernel's name of a file or cwd (record.bpf.c kernel_name): the dentry chain up to the
+    # the kernel's name of a file or cwd (bpf/names.bpf.c kernel_name): the dentry chain up to the
     # process's root (task->fs->root), across mounts (struct mount around its vfsmount)
     "FILE_PATH_OFF": ("file", "f_path"),
     "PATH_MNT_OFF": ("path", "mnt"),
@@ -175,7 +175,7 @@ NEEDED = {
     "MOUNT_MNT_OFF": ("mount", "mnt"),
     "MOUNT_PARENT_OFF": ("mount", "mnt_parent"),
     "MOUNT_MOUNTPOINT_OFF": ("mount", "mnt_mountpoint"),
-    # a write's file's link count (record.bpf.c inode_nlink): i_nlink, and i_mode to leave out
+    # a write's file's link count (bpf/lib/emit.h inode_nlink): i_nlink, and i_mode to leave out
     # directories (and, for ---- dns, to tell a socket's inode)
     "INODE_NLINK_OFF": ("inode", "i_nlink"),
     "INODE_MODE_OFF": ("inode", "i_mode"),

@@ -1,28 +1,26 @@
 """Load connect_guard's cgroup/sock_addr programs (compiled by BCC once, then from the compiled-probe
-cache), fill their rule tries, attach and poll them."""
+cache), fill their rule tries, attach them and read their records.
 
-# ConnectGuard renders probes/connect_guard.bpf.c (probes/render.py), fills its two LPM tries with the
-# tables policy/connect.py builds from the policy's `net` section, and attaches connect4, connect6,
-# sendmsg4 and sendmsg6 to a cgroup with BPF_F_ALLOW_MULTI. Programs attached to a cgroup apply to
-# every descendant cgroup, so containers and sub-cgroups a run creates are covered too. Nothing here
-# needs BCC until `load()`. `python -m evidence.probes.guard --ebpf POLICY` prints the final C.
+`GuardProgram` renders probes/connect_guard.bpf.c (probes/render.py), fills its two LPM tries with the
+tables it is given (`GuardRules`: policy/connect.py builds them from a policy's `net` section) and
+attaches connect4, connect6, sendmsg4 and sendmsg6 to a cgroup with BPF_F_ALLOW_MULTI. Programs
+attached to a cgroup apply to every descendant cgroup, so containers and sub-cgroups a run creates
+are covered too. Its records come back as bytes: what a record means (which rule, which denial) is
+the policy's (agent/recorder/connect_guard.py joins the two). Nothing here needs BCC until `load()`.
+"""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
 import struct
-import sys
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from evidence.errors import SetupError
-from evidence.policy.connect import Entry, GuardRecord, build_tables, decode_record, to_denial
-from evidence.policy.model import NetPolicy, load_policy
+from evidence.probes.bpfsys import Function, LoadedObject, Map
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import GuardConfig, render_guard
 from evidence.probes.ringbuf import RingBuffer
@@ -43,30 +41,38 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _ENTRY = struct.Struct("<HBBI")  # struct rule_entry: port, proto, action, rule
 
+Entry = tuple[int, int, int, int]  # struct rule_entry: (port or 0, protocol number or 0, action, rule id)
+Table = Mapping[tuple[bytes, int], Sequence[Entry]]  # (network bytes, prefix length) -> its rules
 
-class ConnectGuard:
-    """connect4/connect6/sendmsg4/sendmsg6 programs on a cgroup, enforcing `net` (or reporting only)."""
 
-    def __init__(self, net: NetPolicy | None, dry_run: bool = False, *, max_entries: int = 16) -> None:
-        self.net = net if net is not None else NetPolicy(default="allow")
+@dataclasses.dataclass(frozen=True)
+class GuardRules:
+    """What the programs enforce: the contents of their two LPM tries and what a call no rule
+    matches gets."""
+
+    v4: Table
+    v6: Table
+    default_allow: bool
+
+
+class GuardProgram:
+    """connect4/connect6/sendmsg4/sendmsg6 programs on a cgroup, enforcing `rules` (or reporting only)."""
+
+    def __init__(self, rules: GuardRules, dry_run: bool = False, *, max_entries: int = 16) -> None:
+        self.rules = rules
         self.dry_run = dry_run
-        self.labels = self.net.labels()
-        self.v4, self.v6 = build_tables(self.net, max_entries)
         self.config = GuardConfig(
-            default_allow=self.net.default == "allow",
+            default_allow=rules.default_allow,
             dry_run=dry_run,
             max_entries=max_entries,
-            v4_capacity=max(1, len(self.v4)),
-            v6_capacity=max(1, len(self.v6)),
+            v4_capacity=max(1, len(rules.v4)),
+            v6_capacity=max(1, len(rules.v6)),
         )
         self.text = render_guard(self.config)
-        self._bpf: Any = None  # an objcache.LoadedObject
+        self._bpf: LoadedObject | None = None
         self._ring: RingBuffer | None = None
-        self._fns: list[tuple[Any, int]] = []
+        self._fns: list[tuple[Function, int]] = []
         self._cgroup_fd: int | None = None
-        self._pending: list[dict[str, Any]] = []
-        self._raw: list[GuardRecord] = []
-        self._mono_offset = time.time_ns() - time.monotonic_ns()
 
     # -- loading -------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -84,8 +90,8 @@ class ConnectGuard:
         except Exception as e:  # BCC raises bare Exception on compile failures
             raise SetupError(f"cannot load connect_guard: {e}") from e
         try:
-            self._fill(self._bpf[b"rules_v4"], self.v4)
-            self._fill(self._bpf[b"rules_v6"], self.v6)
+            self._fill(self._bpf[b"rules_v4"], self.rules.v4)
+            self._fill(self._bpf[b"rules_v6"], self.rules.v6)
             for name in PROGRAMS:
                 fn = self._bpf.load_func(name.encode(), PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_TYPES[name])
                 self._fns.append((fn, ATTACH_TYPES[name]))
@@ -94,7 +100,7 @@ class ConnectGuard:
             self.close()
             raise SetupError(f"cannot load connect_guard: {e}") from e
 
-    def _fill(self, table: Any, entries: dict[tuple[bytes, int], list[Entry]]) -> None:
+    def _fill(self, table: Map, entries: Table) -> None:
         """Each prefix's rules as struct rule_set (connect_guard.bpf.c): n, pad, then the entries."""
         for (packed, plen), rules in entries.items():
             key = _U32.pack(plen) + packed  # the address stays in network byte order
@@ -109,44 +115,34 @@ class ConnectGuard:
         """Attach the four programs to a cgroup (v2 directory); its descendants are covered too."""
         self.load()
         fd = os.open(cgroup_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        attached: list[tuple[Any, int]] = []
+        attached: list[tuple[Function, int]] = []
         try:
             for fn, atype in self._fns:
-                self._bpf.attach_cgroup(fn, fd, atype, BPF_F_ALLOW_MULTI)
+                LoadedObject.attach_cgroup(fn, fd, atype, BPF_F_ALLOW_MULTI)
                 attached.append((fn, atype))
         except Exception as e:
             for fn, atype in attached:
                 with contextlib.suppress(Exception):  # best effort while failing
-                    self._bpf.detach_cgroup(fn, fd, atype)
+                    LoadedObject.detach_cgroup(fn, fd, atype)
             os.close(fd)
             raise SetupError(f"cannot attach connect_guard to {cgroup_path}: {e}") from e
         self._cgroup_fd = fd
         logger.info(
-            "connect_guard attached to %s (%s, default %s, %d rules)",
+            "connect_guard attached to %s (%s, default %s)",
             cgroup_path,
             "dry-run" if self.dry_run else "enforce",
-            self.net.default,
-            len(self.labels),
+            "allow" if self.rules.default_allow else "deny",
         )
 
-    def poll(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
-        """Denial records since the last poll (waits up to timeout_ms for the first one)."""
+    def read(self, timeout_ms: int = 0) -> list[bytes]:
+        """Records since the last read (waits up to timeout_ms for the first one), as bytes."""
         if self._ring is None:
             return []
         raw = self._ring.read()
         if not raw and timeout_ms > 0:
             self._ring.wait(timeout_ms)
             raw = self._ring.read()
-        out = []
-        for data in raw:
-            rec = decode_record(data)
-            self._raw.append(rec)
-            out.append(to_denial(rec, self.labels, self.net.default, self._mono_offset))
-        return out
-
-    def poll_raw(self) -> list[GuardRecord]:
-        """Every decoded record so far with its cgroup id, protocol and thread id (for tests and audits)."""
-        return list(self._raw)
+        return raw
 
     @property
     def lost(self) -> int:
@@ -161,7 +157,7 @@ class ConnectGuard:
             return
         for fn, atype in self._fns:
             try:
-                self._bpf.detach_cgroup(fn, self._cgroup_fd, atype)
+                LoadedObject.detach_cgroup(fn, self._cgroup_fd, atype)
             except Exception as e:  # noqa: BLE001 - report and go on detaching the others
                 logger.warning("detaching %s: %s", fn.name.decode(), e)
         os.close(self._cgroup_fd)
@@ -177,28 +173,8 @@ class ConnectGuard:
             self._bpf = None
         self._fns = []
 
-    def __enter__(self) -> ConnectGuard:
+    def __enter__(self) -> GuardProgram:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m evidence.probes.guard", description="print connect_guard's C for a policy"
-    )
-    parser.add_argument("policy", nargs="?", help="policy file (default: an empty default-allow policy)")
-    parser.add_argument("--ebpf", action="store_true", help="print the rendered C")
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
-    net = None
-    if args.policy:
-        net = load_policy(args.policy, workspace=os.getcwd(), tmpdir=os.environ.get("TMPDIR", "/tmp")).net
-    guard = ConnectGuard(net, args.dry_run)
-    print(guard.text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

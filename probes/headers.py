@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class Headers:
     path: str | None  # the tree BCC compiles against
     via: str  # "modules" (the kernel's own /lib/modules build), "BCC_KERNEL_SOURCE", or "none"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:  # the manifest's `headers` (a dict of JSON values)
         return dataclasses.asdict(self)
 
 
@@ -122,7 +123,10 @@ def _farm(flavour: Path, common: Path, root: Path) -> Path:
 
 
 def ensure_headers(
-    modules: Path = MODULES, src: Path = SRC, farm_root: Path = FARM_ROOT, environ: Any = os.environ
+    modules: Path = MODULES,
+    src: Path = SRC,
+    farm_root: Path = FARM_ROOT,
+    environ: MutableMapping[str, str] = os.environ,
 ) -> Headers:
     """Find headers for BCC and set `BCC_KERNEL_SOURCE` in `environ` when they are not the kernel's
     own /lib/modules tree. Never writes under `modules`, except to remove an earlier version's links."""

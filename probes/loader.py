@@ -1,6 +1,7 @@
 """Compile and load the recorder probes with BCC, once per agent process.
 
-This is the only module of probes/ that needs BCC and root. One `RecorderProbes` serves any number
+This module and objcache.py (the compiled-probe cache) are the modules of probes/ that need BCC
+and root. One `RecorderProbes` serves any number
 of concurrent runs: a run is a slot number in the `tracked` map (cgroup id -> slot); nothing is
 recompiled per run.
 """
@@ -14,16 +15,16 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, Unpack
 
-from evidence.probes import btf, kinds, objcache
+from evidence.probes import abi, bpfsys, btf, objcache
 from evidence.probes.headers import ensure_headers
 from evidence.probes.render import ProbeConfig, render
 from evidence.probes.ringbuf import RingBuffer
 
 logger = logging.getLogger(__name__)
 
-EV_KINDS = kinds.EV_KINDS
+EV_KINDS = abi.EV_KINDS
 # Syscall handlers of record.bpf.c and the syscalls each one is attached to (where they exist: open
 # and creat are x86_64 legacy calls). Every one of them also gets `on_exit` on its exit tracepoint,
 # or the handler EXIT_HANDLERS names.
@@ -88,32 +89,42 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 _PROG_TYPE_CGROUP_SKB = 8
 _CGROUP_INET_INGRESS = 0
 _F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
-# a kind's number -> its name in loss counts (probes/kinds.py: the one definition)
-KIND_NAMES = kinds.LOSS_NAMES
+# a kind's number -> its name in loss counts (probes/abi.py: the one definition)
+KIND_NAMES = abi.LOSS_NAMES
 NOT_LOSS = frozenset(("agg_map_full",))
-# struct call: refetch, refetch2, size, nr, hbase, hlen, hskip, htok, koff, hoff, owner, walked, mfd, mfd2;
-# the record follows
-_CALL = struct.Struct("<QQIiQIIQIIIIii")
-# struct akey and struct aval, as bytes
-_AKEY = struct.Struct("<QQQIIiHHQ")  # exe, tok, cgid, run, access, result, kind, pad, ino
-_AVAL = struct.Struct("<QQQ")  # count, first, last
-_AKEY_RUN = struct.Struct("<24xI")  # struct akey: run
+# struct call (refetch, refetch2, size, nr, ...; the record follows), struct akey and struct aval
+# (`agg`'s entries), as probes/abi.py lays them out
+_CALL = abi.CALL.struct
+_AKEY = abi.AKEY.struct  # exe, tok, cgid, run, access, result, kind, ino
+_AVAL = abi.AVAL.struct  # count, first, last
+_AKEY_RUN = struct.Struct(f"<{abi.AKEY.offset('run')}xI")  # struct akey: run
 _TS = struct.Struct("<Q")
 _U32 = struct.Struct("<I")  # an array's index, a u32 value
 _U64 = struct.Struct("<Q")
-_HDR_RUN_KIND = struct.Struct("<16xI8xH")  # struct hdr: run (at 16) and kind (at 28)
+_RUN_OFF, _KIND_OFF = abi.HDR.offset("run"), abi.HDR.offset("kind")
+_HDR_RUN_KIND = struct.Struct(f"<{_RUN_OFF}xI{_KIND_OFF - _RUN_OFF - 4}xH")  # struct hdr: run and kind
 
 
-def detect_config(**overrides: Any) -> ProbeConfig:
-    """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here."""
-    events = objcache.TRACEFS / "events"
+class Sizes(TypedDict, total=False):
+    """ProbeConfig's sizes, overridden (tests: a small ring buffer, a small aggregation map)."""
+
+    args_bytes: int
+    max_args: int
+    max_runs: int
+    cgroup_depth: int
+    ringbuf_pages: int
+    wakeup_every: int
+    inflight_max: int
+    inflight_per_run: int
+    agg_max: int
+
+
+def detect_config(**overrides: Unpack[Sizes]) -> ProbeConfig:
+    """A ProbeConfig for the running kernel: BTF offsets and tracepoints that exist here, with
+    `overrides` of its sizes (tests: a small ring buffer, a small aggregation map)."""
+    events = bpfsys.TRACEFS / "events"
     exit_fmt = (events / "sched/sched_process_exit/format").read_text()
-    values: dict[str, Any] = {
-        "offsets": btf.probe_offsets(),
-        "have_group_dead": "group_dead" in exit_fmt,
-    }
-    values.update(overrides)
-    return ProbeConfig(**values)
+    return ProbeConfig(offsets=btf.probe_offsets(), have_group_dead="group_dead" in exit_fmt, **overrides)
 
 
 class RecorderProbes:
@@ -123,7 +134,7 @@ class RecorderProbes:
         self.source = render(self.config)
         # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
         self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
-        # on_exit tail-calls on_exit_name and on_exit_hash (see record.bpf.c); the SipHash key is drawn here, once
+        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn here, once
         tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
         self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
         naming = self.bpf.load_func(b"on_exit_name", self.bpf.TRACEPOINT)  # the kernel's names
@@ -136,7 +147,7 @@ class RecorderProbes:
         self.attached: list[str] = []
         for fn, syscalls in SYSCALL_HANDLERS.items():
             for name in syscalls:
-                if not (objcache.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
+                if not (bpfsys.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
                     continue
                 self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
                 exit_fn = EXIT_HANDLERS.get(name, "on_exit")
@@ -206,7 +217,7 @@ class RecorderProbes:
 
     def read_fallbacks(self, slot: int) -> int:
         """Operations recorded one by one because the aggregation map was full (not loss)."""
-        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + kinds.K_AGG_MAP_FULL)])[0])
+        return int(_U64.unpack(self._lost[_U32.pack(slot * EV_KINDS + abi.K_AGG_MAP_FULL)])[0])
 
     def set_aggregation(self, slot: int, max_distinct: int) -> None:
         """Aggregate the opens and connects of run `slot` in the kernel, keeping at most
@@ -236,7 +247,7 @@ class RecorderProbes:
         keys, values = self.bpf[b"agg"].items_raw()  # many entries per system call, unpacked in bulk
         out = []
         others = False  # entries of other runs (an agent's concurrent runs) stay in the map
-        for (exe, tok, cgid, run, access, result, kind, _, ino), (count, first, last) in zip(
+        for (exe, tok, cgid, run, access, result, kind, ino), (count, first, last) in zip(
             _AKEY.iter_unpack(keys), _AVAL.iter_unpack(values), strict=True
         ):
             if run != slot:
@@ -267,7 +278,7 @@ class RecorderProbes:
         for key, raw in table.items():
             _, _, size, *_ = _CALL.unpack_from(raw, 0)
             rec = raw[_CALL.size : _CALL.size + size]
-            run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= 32 else (0, 0)
+            run, kind = _HDR_RUN_KIND.unpack_from(rec, 0) if len(rec) >= abi.HDR_SIZE else (0, 0)
             if run == slot and kind != 0:
                 out.append(rec)
                 with contextlib.suppress(KeyError):

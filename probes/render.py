@@ -2,8 +2,9 @@
 
 The .bpf.c files are package data with UPPERCASE tokens; `render` (record.bpf.c) and `render_guard`
 (connect_guard.bpf.c, tokens written `__NAME__`) replace each one and fail if any is left unfilled,
-so a typo can never reach the compiler as an undefined macro. record.bpf.c's RECORD_KINDS line
-becomes the #defines of the record kinds, from probes/kinds.py (their one definition).
+so a typo can never reach the compiler as an undefined macro. record.bpf.c lists the files it is
+made of (`#include "bpf/..."` lines, joined here in that order) and the generated header of the
+kernel/user ABI (`#include "abi.h"`: probes/abi.py's render_header, their one definition).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import re
 from importlib import resources
 
-from evidence.probes import kinds
+from evidence.probes import abi
 
 _TOKENS = (
     "ARGS_BYTES",
@@ -96,6 +97,34 @@ def template(name: str = "record.bpf.c") -> str:
     return resources.files("evidence.probes").joinpath(name).read_text()
 
 
+# parts record.bpf.c includes that are made here, not read from a file
+GENERATED = {"abi.h": abi.render_header}
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
+
+
+def join_parts(root: str) -> str:
+    """record.bpf.c's `#include "..."` lines replaced by the files they name (package data, in the
+    order the root lists them, each once): BCC compiles one text, not a tree of files."""
+    seen: set[str] = set()
+
+    def part(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in seen:
+            raise RenderError(f"{name} is included twice")
+        seen.add(name)
+        if name in GENERATED:
+            return GENERATED[name]().rstrip("\n") + "\n\n"
+        try:
+            text = template(name)
+        except OSError as e:
+            raise RenderError(f"no part {name} beside record.bpf.c") from e
+        if _INCLUDE.search(text):
+            raise RenderError(f"{name} includes another part: only record.bpf.c lists them")
+        return text.rstrip("\n") + "\n\n"
+
+    return _INCLUDE.sub(part, root)
+
+
 def render(config: ProbeConfig, source: str | None = None) -> str:
     if not _power_of_two(config.args_bytes) or config.args_bytes > 8192:
         raise RenderError("args_bytes must be a power of two <= 8192")
@@ -118,15 +147,13 @@ def render(config: ProbeConfig, source: str | None = None) -> str:
     missing = [t for t in _TOKENS if t not in values]
     if missing:
         raise RenderError(f"no value for {', '.join(missing)}")
-    text = source if source is not None else template()
-    # the record kinds, defined once (probes/kinds.py): their #defines in place of the line
-    text = re.sub(r"^RECORD_KINDS$", lambda _: kinds.c_defines(), text, count=1, flags=re.MULTILINE)
+    text = join_parts(source if source is not None else template())
     text = re.sub(r"\b(" + "|".join(_TOKENS) + r")\b", lambda m: str(int(values[m.group(1)])), text)
     defines = []
     if config.have_group_dead:
         defines.append("#define HAVE_GROUP_DEAD 1")
     text = "\n".join(defines) + "\n" + text
-    left = re.findall(r"\b(" + "|".join((*_TOKENS, "RECORD_KINDS")) + r")\b", text)
+    left = re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
     if left:
         raise RenderError(f"unfilled tokens: {sorted(set(left))}")
     return text

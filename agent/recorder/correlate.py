@@ -84,7 +84,7 @@ Correlated = (
 # the restarted call is recorded again, with its own result
 _RESTART = {512: "ERESTARTSYS", 513: "ERESTARTNOINTR", 514: "ERESTARTNOHAND", 516: "ERESTART_RESTARTBLOCK"}
 # not a kernel code: the result of a call whose result never came (lost, or still in progress at the end)
-NO_RESULT = -1_000_000
+NO_RESULT = d.NO_RESULT  # the probes write it (probes/abi.py)
 _RESTART[-NO_RESULT] = "NO_RESULT"
 _PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
 

@@ -1,7 +1,7 @@
 """Decode the probes' raw ring-buffer records (bytes) into dicts. Pure: no BCC, no root.
 
-The layouts mirror the structs in probes/record.bpf.c; tests/unit/test_decode.py checks them against
-saved raw records. Each kind's decoded dict has a type here (a TypedDict, `kind` its Literal
+The layouts are probes/abi.py's (the one definition the BPF C includes too); tests/unit/test_decode.py
+checks them against saved raw records. Each kind's decoded dict has a type here (a TypedDict, `kind` its Literal
 discriminator: `RawEvent` is their union), checked by tests/unit/test_record_types.py against what
 the saved raw records decode to; the correlator turns them into the spool's records
 (bundle/record_types.py).
@@ -14,104 +14,79 @@ import socket
 import struct
 from typing import Literal, NotRequired, TypedDict, cast
 
-from evidence.probes import kinds
+from evidence.probes import abi
+from evidence.probes.abi import ACCESS_BITS as ACCESS_BITS
+from evidence.probes.abi import CHANGE_OPS as CHANGE_OPS
+from evidence.probes.abi import DNS_DELIVERED as DNS_DELIVERED
+from evidence.probes.abi import DNS_RECEIVED as DNS_RECEIVED
+from evidence.probes.abi import DNS_SENT as DNS_SENT
+from evidence.probes.abi import EV_CHANGE as EV_CHANGE
+from evidence.probes.abi import EV_CHDIR as EV_CHDIR
+from evidence.probes.abi import EV_CONNECT as EV_CONNECT
+from evidence.probes.abi import EV_DNS as EV_DNS
+from evidence.probes.abi import EV_DUP as EV_DUP
+from evidence.probes.abi import EV_EXEC as EV_EXEC
+from evidence.probes.abi import EV_EXEC_OK as EV_EXEC_OK
+from evidence.probes.abi import EV_EXIT as EV_EXIT
+from evidence.probes.abi import EV_FCHDIR as EV_FCHDIR
+from evidence.probes.abi import EV_FORK as EV_FORK
+from evidence.probes.abi import EV_KINDS as EV_KINDS
+from evidence.probes.abi import EV_NS as EV_NS
+from evidence.probes.abi import EV_OPEN as EV_OPEN
+from evidence.probes.abi import EV_RET as EV_RET
+from evidence.probes.abi import EV_SIGSYS as EV_SIGSYS
+from evidence.probes.abi import F_ARGS_FAULT as F_ARGS_FAULT
+from evidence.probes.abi import F_ARGS_TRUNC as F_ARGS_TRUNC
+from evidence.probes.abi import F_FIRST as F_FIRST
+from evidence.probes.abi import F_FNAME_FAULT as F_FNAME_FAULT
+from evidence.probes.abi import F_IN_ROOT as F_IN_ROOT
+from evidence.probes.abi import F_KNAME as F_KNAME
+from evidence.probes.abi import F_OTHER_NS as F_OTHER_NS
+from evidence.probes.abi import F_PATH2_FAULT as F_PATH2_FAULT
+from evidence.probes.abi import F_PATH2_TRUNC as F_PATH2_TRUNC
+from evidence.probes.abi import F_PATH_TRUNC as F_PATH_TRUNC
+from evidence.probes.abi import F_SEND as F_SEND
+from evidence.probes.abi import F_STATE as F_STATE
+from evidence.probes.abi import NO_RESULT as NO_RESULT
+from evidence.probes.abi import NS_OPS as NS_OPS
+from evidence.probes.abi import SC_EXEC as SC_EXEC
 
-# the record kinds, defined once (probes/kinds.py; record.bpf.c gets them from there too)
-EV_EXEC = kinds.EV_EXEC
-EV_EXEC_OK = kinds.EV_EXEC_OK
-EV_FORK = kinds.EV_FORK
-EV_EXIT = kinds.EV_EXIT
-EV_OPEN = kinds.EV_OPEN
-EV_CONNECT = kinds.EV_CONNECT
-EV_CHDIR = kinds.EV_CHDIR
-EV_FCHDIR = kinds.EV_FCHDIR
-EV_DUP = kinds.EV_DUP
-EV_RET = kinds.EV_RET
-EV_CHANGE = kinds.EV_CHANGE  # a file change that is not an open (op)
-EV_NS = kinds.EV_NS  # a namespace, mount, chroot or ptrace call (op)
-EV_DNS = kinds.EV_DNS  # ---- dns: a DNS message sent or received, or what the kernel delivered
-EV_SIGSYS = kinds.EV_SIGSYS  # a 32-bit system call the run's seccomp filter refused
-EV_KINDS = kinds.EV_KINDS
-KIND_NAMES = kinds.RECORD_NAMES
-DNS_SENT, DNS_RECEIVED, DNS_DELIVERED = 0, 1, 2  # struct dns_ev's dir
-SC_EXEC = 2  # ret_ev.sc: exec's result is the only result that is a record of its own
-
-F_PATH_TRUNC = 0x1
-F_ARGS_TRUNC = 0x2
-F_ARGS_FAULT = 0x4
-F_FNAME_FAULT = 0x8
-F_SEND = 0x10  # a connect record that is a send to an explicit address (sendto/sendmsg/sendmmsg)
-F_FIRST = 0x20  # the first occurrence of a key the kernel aggregates (its count is in the agg map)
-F_STATE = 0x40  # already counted by the kernel: only for the cwd and descriptor tables
-F_PATH2_FAULT = 0x80  # a change record's second path could not be read
-F_PATH2_TRUNC = 0x100  # a change record's second path is truncated
-F_OTHER_NS = 0x200  # by a process that left the run's mount or user namespace, mounted or chrooted
-F_IN_ROOT = 0x400  # an open by openat2 with RESOLVE_IN_ROOT: its path, even absolute, is below its dirfd
-# a successful open that is a record, a chdir or fchdir: the kernel's name of the file opened (of
-# the new cwd) follows the path (record.bpf.c kernel_name)
-F_KNAME = 0x800
-
-# struct change_ev's op: what a file change record is
-CHANGE_OPS = {
-    1: "rename",
-    2: "unlink",
-    3: "rmdir",
-    4: "link",
-    5: "symlink",
-    6: "truncate",
-    7: "chmod",
-    8: "chown",
-    9: "mkdir",
-    10: "mknod",
-}
-
-# struct ns_ev's op: which namespace, mount, chroot or ptrace call
-NS_OPS = {
-    1: "unshare",
-    2: "setns",
-    3: "clone",
-    4: "mount",
-    5: "move_mount",
-    6: "open_tree",
-    7: "fsmount",
-    8: "pivot_root",
-    9: "chroot",
-    10: "ptrace",
-    11: "process_vm_writev",
-}
-
-HDR = struct.Struct("<QQIIIHH")  # ts, cgid, run, tgid, tid, kind, flags
+# The record kinds, flags, operations and layouts are probes/abi.py's (their one definition, which
+# record.bpf.c includes as a generated header); the names above are re-exported for the recorder.
+KIND_NAMES = abi.RECORD_NAMES
+HDR = abi.HDR.struct  # ts, cgid, run, tgid, tid, kind, flags
 # Calls paired in the kernel (open, chdir, fchdir, connect, dup): one record each, the result first.
 # exe_tok and tok: the kernel's aggregation key (with cgid, kind, access and result) when F_FIRST.
 # dino, dino2: what a dirfd named at entry, rino: what the descriptor a call returned names, each
 # the address of the file's struct inode in the kernel (0: not read): identities, compared with
 # what the descriptor table learnt, never written to a bundle
 # nlink: a write open's file's link count (0: not read), a change's when a descriptor names its file
-_OPEN = struct.Struct("<qQQiIHHHHQQ")  # ret, exe_tok, tok, dfd, flags, mode, nlink, sc, path_len, dino, rino
-_CONNECT = struct.Struct("<qQQiI8xQ8x")  # ret, exe_tok, tok, fd, addrlen, dino
-_DUP = struct.Struct("<qiiQ")  # ret, oldfd, newfd, rino
+_OPEN = abi.OPEN_EV.struct  # ret, exe_tok, tok, dfd, flags, mode, nlink, sc, path_len, dino, rino
+_CONNECT = abi.CONNECT_EV.struct  # ret, exe_tok, tok, fd, addrlen, dino
+_DUP = abi.DUP_EV.struct  # ret, oldfd, newfd, rino
 # a file change: ret, mino, mino2, dfd, dfd2, dino, dino2, mode, nlink, uid, gid, at_flags, op, len1, len2
-# (mino, mino2: what the descriptor a path names through a magic link named, record.bpf.c magic_fd)
-_CHANGE = struct.Struct("<qQQiiQQHHIIIHHH2x")
+# (mino, mino2: what the descriptor a path names through a magic link named, bpf/changes.bpf.c magic_fd)
+_CHANGE = abi.CHANGE_EV.struct
 # a namespace call: ret, flags, target, dfd, dfd2, dino, dino2, fstype, op, len1, len2 (the paths as a change's)
-_NS = struct.Struct("<qQQiiQQ16sHHH2x")
+_NS = abi.NS_EV.struct
 # dfd, at_flags, old_tid, fname_len, args_len, argc, then (exec_ok) the file that was mapped: dev
 # (kernel encoding), ino, size, ctime (s, ns); then (exec) dino
-_EXEC = struct.Struct("<iIIHHIIQQqI4xQ")
-_FORK = struct.Struct("<II")
-_EXIT = struct.Struct("<iI")
-_RET = struct.Struct("<IIq")
-_SIGSYS = struct.Struct("<iIQ")  # nr, arch, ip
-OPEN_PATH_OFF = HDR.size + _OPEN.size  # 88
-EXEC_BUF_OFF = HDR.size + _EXEC.size  # 96
+_EXEC = abi.EXEC_EV.struct
+_FORK = abi.FORK_EV.struct  # child
+_EXIT = abi.EXIT_EV.struct  # status
+_RET = abi.RET_EV.struct  # sc, ret
+_SIGSYS = abi.SIGSYS_EV.struct  # nr, arch, ip
+OPEN_PATH_OFF = abi.OPEN_EV.size  # where the path starts (chdir's and fchdir's too)
+EXEC_BUF_OFF = abi.EXEC_EV.size
 # i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
 _NSEC_MASK = (1 << 30) - 1
-CONNECT_ADDR_OFF = HDR.size + _CONNECT.size  # 88
-CHANGE_BUF_OFF = HDR.size + _CHANGE.size  # 104
+CONNECT_ADDR_OFF = abi.CONNECT_EV.size
+CONNECT_ADDR_MAX = abi.CONNECT_ADDR_MAX
+CHANGE_BUF_OFF = abi.CHANGE_EV.size
 # ret, fd, dir, len, the server's (delivered: the source's) sockaddr, seq, sock, cookie, proto, tcp flags
-_DNS = struct.Struct("<qiHH28sIQQBB6x")
-DNS_DATA_OFF = HDR.size + _DNS.size  # 104
-NS_BUF_OFF = HDR.size + _NS.size  # 104
+_DNS = abi.DNS_EV.struct
+DNS_DATA_OFF = abi.DNS_EV.size
+NS_BUF_OFF = abi.NS_EV.size
 
 
 class _Header(TypedDict):
@@ -292,7 +267,7 @@ RawEvent = (
     | RetEvent
     | SigsysEvent
 )
-# a record kind's number -> the type of what decode() makes of it (names from probes/kinds.py)
+# a record kind's number -> the type of what decode() makes of it (names from probes/abi.py)
 EVENT_TYPES: dict[int, type] = {
     EV_EXEC: ExecEvent,
     EV_EXEC_OK: ExecOkEvent,
@@ -309,9 +284,6 @@ EVENT_TYPES: dict[int, type] = {
     EV_RET: RetEvent,
     EV_SIGSYS: SigsysEvent,
 }
-
-
-ACCESS_BITS = 0o3 | 0o100 | 0o1000 | 0o10000000 | 0o20200000  # as record.bpf.c: what access depends on
 
 
 def agg_key(ev: OpenEvent | ConnectEvent) -> tuple[int, int, int, int, int, int, int]:
@@ -402,7 +374,7 @@ def refused_call(arch: int, nr: int) -> str:
 
 
 def decode(raw: bytes) -> RawEvent:
-    """The decoded record: `kind` (its name, probes/kinds.py), its header's fields and its own."""
+    """The decoded record: `kind` (its name, probes/abi.py), its header's fields and its own."""
     if len(raw) < HDR.size:
         raise DecodeError(f"record of {len(raw)} bytes is shorter than its header")
     ts, cgid, run, tgid, tid, kind, flags = HDR.unpack_from(raw, 0)
@@ -434,7 +406,9 @@ def decode(raw: bytes) -> RawEvent:
         return {"kind": "exit", **hdr, "status": _EXIT.unpack_from(raw, o)[0]}
     if kind == EV_CONNECT:
         ret, exe_tok, tok, fd, addrlen, dino = _CONNECT.unpack_from(raw, o)
-        family, address, port = decode_sockaddr(raw[CONNECT_ADDR_OFF : CONNECT_ADDR_OFF + 128], addrlen)
+        family, address, port = decode_sockaddr(
+            raw[CONNECT_ADDR_OFF : CONNECT_ADDR_OFF + CONNECT_ADDR_MAX], addrlen
+        )
         return {
             "kind": "connect",
             **hdr,
@@ -531,7 +505,7 @@ def decode(raw: bytes) -> RawEvent:
             "payload": raw[DNS_DATA_OFF : DNS_DATA_OFF + n],
         }
     if kind == EV_RET:
-        sc, _, ret = _RET.unpack_from(raw, o)
+        sc, ret = _RET.unpack_from(raw, o)
         return {"kind": "ret", **hdr, "sc": sc, "ret": ret}
     if kind == EV_SIGSYS:
         nr, arch, ip = _SIGSYS.unpack_from(raw, o)
@@ -582,5 +556,5 @@ def _exec(
 # An open record's header and fields in one unpack (the recorder's fast path, Recorder._process):
 # ts, cgid, run, tgid, tid, kind, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, sc, path_len, dino, rino
 OPEN_REC = struct.Struct(HDR.format + _OPEN.format.lstrip("<"))
-KIND_OFF = 28  # struct hdr: kind (u16) at byte 28
+KIND_OFF = abi.HDR.offset("kind")
 OPEN_KIND = struct.pack("<H", EV_OPEN)  # those two bytes of an open record

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from evidence.agent.recorder.decode import F_OTHER_NS
 from evidence.bundle.normalize import canonical_address
 from evidence.bundle.record_types import DnsRecord
+from evidence.probes import abi
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.decode import DnsEvent
@@ -41,7 +42,7 @@ MAX_ADDRESSES = 65536  # addresses with names (past it the oldest is forgotten)
 MAX_NAMES = 16  # names kept per address
 MAX_ANSWERS = 64  # answer records kept per message
 MAX_TEXT = 255  # characters of an answer's value kept
-MAX_MESSAGE = 1024  # bytes of a message the probes keep (record.bpf.c DNS_MAX_)
+MAX_MESSAGE = abi.DNS_MAX  # bytes of a message the probes keep (DNS_MAX_)
 MAX_DELIVERIES = 8192  # UDP datagrams and TCP segments kept to check receives against, all sockets
 MAX_STREAM_MESSAGES = 64  # DNS-over-TCP messages framed per connection
 NO_ANSWER = "no answer"  # the result of a query whose answer was not seen

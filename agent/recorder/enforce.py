@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from evidence.agent.recorder.connect_guard import ConnectGuard
 from evidence.agent.recorder.decode import path_text
 from evidence.agent.recorder.exe_hash import SHEBANG_MAX, read_head, shebang_interpreter
 from evidence.agent.recorder.launch import Landlock
@@ -24,7 +25,6 @@ from evidence.policy import landlock
 from evidence.policy import tmp as ptmp
 from evidence.policy.model import Policy, load_policy
 from evidence.policy.netns import PrivateNetns
-from evidence.probes.guard import ConnectGuard
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.recording import Session
@@ -217,7 +217,7 @@ class Enforcement:
         if self.guard is None:
             return []
         # policy/connect.py's to_denial makes them (a DenialRecord: PolicyDenial's shape, k and t);
-        # the guard (probes/guard.py) hands them on as plain dicts
+        # the guard (agent/recorder/connect_guard.py) hands them on as plain dicts
         out = cast("list[DenialRecord]", self.guard.poll(timeout_ms))
         for rec in out:
             rec["exe"] = exe_of(rec["pid"])

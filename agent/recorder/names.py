@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Final
 
 from evidence.agent.recorder import decode as d
 from evidence.bundle.format import has_dotdot
+from evidence.probes import abi
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.correlate import Proc
@@ -25,7 +26,7 @@ MAGIC: Final = ("/proc/", "/dev/fd/")
 _FD_LINK: Final = re.compile(
     r"/(?:proc/(?:self|thread-self|([0-9]+)(?:/task/[0-9]+)?)/fd|dev/fd)/([0-9]+)(/.*)?", re.DOTALL
 )
-_MAGIC_SCAN = 48  # record.bpf.c MAGIC_SCAN_
+_MAGIC_SCAN = abi.MAGIC_SCAN  # what the probe scans (bpf/changes.bpf.c magic_fd)
 _FD_NUMBER: Final = re.compile(r"[0-9]{1,9}(?=/|$)")
 
 

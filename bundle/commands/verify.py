@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from evidence.bundle import reader, signing
+from evidence.bundle.read_types import ManifestJSON
 from evidence.errors import EXIT_OK
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def verify(path: str, key: Ed25519PublicKey) -> tuple[dict[str, Any], str]:
+def verify(path: str, key: Ed25519PublicKey) -> tuple[ManifestJSON, str]:
     """(manifest, keyid) of a bundle that passes verification and is signed by `key`; else
     VerificationError (exit 2) with the reason."""
     bundle = reader.open_bundle(path)

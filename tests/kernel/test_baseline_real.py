@@ -52,10 +52,10 @@ def test_a_flood_of_distinct_execs_is_bounded_and_still_a_difference(
 ) -> None:
     """Issue 22, item 7. A job (as nobody) runs 400 distinct command lines, then one more program:
     a bundle of 1.5M such execs took `diff` 3 GB and `baseline build` 3.4 GB. With the cap on keys a
-    side keeps made small (diff.MAX_KEYS 100, in process: the same code as 200,000), both keep at most
+    side keeps made small (diff_keys.MAX_KEYS 100, in process: the same code as 200,000), both keep at most
     that many keys; the execs past it are a difference of their own (added), so the default gate
     fails and the program after the flood cannot hide in it."""
-    from evidence.bundle import baseline, diff
+    from evidence.bundle import baseline, diff, diff_keys
     from evidence.cli import main
     from tests.kernel.util import PY, as_user
 
@@ -65,8 +65,8 @@ def test_a_flood_of_distinct_execs_is_bounded_and_still_a_difference(
     flood = "import subprocess\nfor i in range(400):\n    subprocess.run(['/bin/true', str(i)])\nsubprocess.run(['/bin/echo', 'after'])\n"
     proc, _, _ = record(tmp_path, *as_user(65534, PY, "-c", flood), name="flood.tar.gz", cwd="/tmp")
     assert proc.returncode == 0, proc.stderr
-    monkeypatch.setattr(diff, "MAX_KEYS", 100)
-    b = diff.behaviour(str(tmp_path / "flood.tar.gz"))
+    monkeypatch.setattr(diff_keys, "MAX_KEYS", 100)
+    b = diff_keys.behaviour(str(tmp_path / "flood.tar.gz"))
     assert sum(map(len, (b.execs, b.files, b.network, b.denials))) <= 100 and b.budget.past["exec"] > 200
     bl = baseline.build([str(quiet), str(tmp_path / "flood.tar.gz")], [])
     assert len(bl.exec) + len(bl.file) + len(bl.network) + len(bl.denial) <= 100

@@ -251,7 +251,7 @@ def _collect(guard, want: int, deadline_s: float = 3.0) -> list[dict[str, object
 
 
 def test_enforce_denies_every_way_of_reaching_a_denied_address(peer: dict[str, str], cgroup: Path) -> None:
-    from evidence.probes.guard import ConnectGuard
+    from evidence.agent.recorder.connect_guard import ConnectGuard
 
     policy = _policy(peer)
     guard = ConnectGuard(policy.net, dry_run=False)
@@ -308,7 +308,7 @@ def test_enforce_denies_every_way_of_reaching_a_denied_address(peer: dict[str, s
 
 
 def test_dry_run_reports_would_block_but_lets_traffic_through(peer: dict[str, str], cgroup: Path) -> None:
-    from evidence.probes.guard import ConnectGuard
+    from evidence.agent.recorder.connect_guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=True)
     try:
@@ -330,7 +330,7 @@ def test_dry_run_reports_would_block_but_lets_traffic_through(peer: dict[str, st
 def test_outside_the_cgroup_nothing_is_blocked(peer: dict[str, str], cgroup: Path) -> None:
     import socket
 
-    from evidence.probes.guard import ConnectGuard
+    from evidence.agent.recorder.connect_guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     try:
@@ -343,7 +343,7 @@ def test_outside_the_cgroup_nothing_is_blocked(peer: dict[str, str], cgroup: Pat
 
 
 def test_detach_removes_the_programs(peer: dict[str, str], cgroup: Path) -> None:
-    from evidence.probes.guard import ConnectGuard
+    from evidence.agent.recorder.connect_guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     guard.attach(str(cgroup))
@@ -410,7 +410,7 @@ print(json.dumps(out))
 
 
 def test_io_uring_connect_is_denied_too(peer: dict[str, str], cgroup: Path) -> None:
-    from evidence.probes.guard import ConnectGuard
+    from evidence.agent.recorder.connect_guard import ConnectGuard
 
     guard = ConnectGuard(_policy(peer).net, dry_run=False)
     try:

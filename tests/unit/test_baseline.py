@@ -157,13 +157,13 @@ def test_a_baseline_keeps_at_most_the_cap_of_keys(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Over all its runs a baseline keeps at most diff.MAX_KEYS keys; the rest are not counted, a
+    """Over all its runs a baseline keeps at most diff_keys.MAX_KEYS keys; the rest are not counted, a
     warning says so, and a diff against it reports them as never seen. A new run past its own cap is
     a difference (added) of its own."""
-    from evidence.bundle import diff
+    from evidence.bundle import diff, diff_keys
     from tests.unit.conftest_bundles import exec_
 
-    monkeypatch.setattr(diff, "MAX_KEYS", 30)
+    monkeypatch.setattr(diff_keys, "MAX_KEYS", 30)
     r1 = write(
         tmp_path / "r1.tar.gz",
         [*records(), *(exec_(9000 + i, 300 + i, 101, "/bin/a", [str(i)]) for i in range(20))],
@@ -180,7 +180,7 @@ def test_a_baseline_keeps_at_most_the_cap_of_keys(
     assert main(["diff", "--format", "json", "--baseline", str(path), str(r2)]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert any(c["key"] == "/bin/b -- 19" and "never seen" in c["detail"] for c in doc["added"])
-    monkeypatch.setattr(diff, "MAX_KEYS", 10)
+    monkeypatch.setattr(diff_keys, "MAX_KEYS", 10)
     assert main(["diff", "--format", "json", "--baseline", str(path), str(r2)]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert [c["kind"] for c in doc["added"] if c["key"] == diff.PAST_CAP] == ["exec"]

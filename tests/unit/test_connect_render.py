@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from evidence.agent.recorder.connect_guard import ConnectGuard, main
 from evidence.errors import PolicyError
 from evidence.policy.connect import (
     ACTION_ALLOW,
@@ -19,11 +20,10 @@ from evidence.policy.connect import (
     to_denial,
 )
 from evidence.policy.model import parse_policy
-from evidence.probes.guard import ConnectGuard, main
 from evidence.probes.render import GUARD_TEMPLATE, GuardConfig, render_guard, template
 
 # Snapshot of the rendered C. When probes/connect_guard.bpf.c changes on purpose, look at the output
-# of `python -m evidence.probes.guard --ebpf` and update these hashes (sha256 of the rendered text).
+# of `python -m evidence.agent.recorder.connect_guard --ebpf` and update these hashes (sha256 of the rendered text).
 SNAPSHOT = {
     False: "b7644c41f5d327593fbc95a199cf06916dde471faecf8681db27fde576c1ff11",
     True: "6f5f550112455616dfee139297e2d93bfea6999e64e2b41d33dad25c335f05fb",

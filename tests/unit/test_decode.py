@@ -98,7 +98,7 @@ def test_non_utf8_paths_are_escaped_not_lost() -> None:
 
 
 def test_a_refused_32bit_call_decodes_with_its_architecture_and_name() -> None:
-    """record.bpf.c's struct sigsys_ev: the header, then si_syscall, si_arch and si_call_addr."""
+    """struct sigsys_ev (probes/abi.py): the header, then si_syscall, si_arch and si_call_addr."""
     raw = d.HDR.pack(5, 7, 1, 42, 43, d.EV_SIGSYS, 0) + struct.pack("<iIQ", 5, d.AUDIT_ARCH_I386, 0x4000100F)
     ev = d.decode(raw)
     assert ev == {

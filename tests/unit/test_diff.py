@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from evidence.bundle import diff
+from evidence.bundle import diff, diff_keys
 from evidence.cli import main
 from tests.unit.conftest_bundles import WS, connect, denial, exec_, open_, records, write
 
@@ -166,7 +166,7 @@ def test_baseline_refuses_to_store_a_bad_bundle(tmp_path: Path, capsys: pytest.C
 
 
 def test_behaviour_keeps_only_keys(tmp_path: Path) -> None:
-    b = diff.behaviour(str(write(tmp_path / "a.tar.gz")))
+    b = diff_keys.behaviour(str(write(tmp_path / "a.tar.gz")))
     assert b.files["${WORKSPACE}/Makefile"] == {"read": [2, 2, 0]}
     assert b.files["/etc/missing.conf"] == {"read": [1, 0, 1]}
     assert b.exit == "0" and b.lost == 0
@@ -241,12 +241,12 @@ def test_a_side_past_the_cap_on_keys_is_a_difference_and_memory_stays_bounded(
     the events of keys past it are counted by kind, and each such kind is a difference of its own
     (added for B, removed for A), so a flood of keys cannot hide what came after it (the default
     --fail-on added fails). At most MAX_CHANGES differences are listed, the rest counted."""
-    monkeypatch.setattr(diff, "MAX_KEYS", 40)
+    monkeypatch.setattr(diff_keys, "MAX_KEYS", 40)
     monkeypatch.setattr(diff, "MAX_CHANGES", 5)
     flood = [exec_(9000 + i, 300 + i, 101, "/usr/bin/true", ["true", str(i)]) for i in range(60)]
     a = write(tmp_path / "a.tar.gz")
     b = write(tmp_path / "b.tar.gz", [*records(), *flood, exec_(9999, 999, 101, "/tmp/evil", ["evil"])])
-    behaviour = diff.behaviour(str(b))
+    behaviour = diff_keys.behaviour(str(b))
     assert sum(map(len, (behaviour.execs, behaviour.files, behaviour.network, behaviour.denials))) <= 40
     code, doc = _diff(a, b, capsys)
     assert code == 1
@@ -318,4 +318,4 @@ def test_a_name_whose_addresses_move_to_a_local_range_is_a_change(
     ],
 )
 def test_address_scopes(address: str, scope: str) -> None:
-    assert diff.address_scope(address) == scope
+    assert diff_keys.address_scope(address) == scope

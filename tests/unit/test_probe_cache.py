@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from evidence.probes import objcache
-from evidence.probes.objcache import CompiledObject, MapDef, relocate
+from evidence.probes.bpfsys import CompiledObject, MapDef, relocate
 
 INSN = struct.Struct("<BBhi")
 

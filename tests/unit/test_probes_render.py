@@ -1,18 +1,21 @@
-"""The probes' C is rendered by a pure function; a snapshot keeps its changes visible in review.
-Regenerate with: EVIDENCE_UPDATE_SNAPSHOTS=1 .venv/bin/pytest tests/unit/test_probes_render.py"""
+"""The probes' C is rendered by a pure function: every token filled, every program the loader
+attaches present, the layouts' sizes the ABI module's, each concern's file joined once in the order
+record.bpf.c lists them. (`evidence run --ebpf` prints the C of this machine.)"""
 
 from __future__ import annotations
 
-import os
+import re
 import struct
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
+from evidence.probes import abi, loader
 from evidence.probes.btf import BTF, BTFError
-from evidence.probes.render import ProbeConfig, RenderError, render
+from evidence.probes.render import _TOKENS, GENERATED, ProbeConfig, RenderError, join_parts, render, template
 
-SNAPSHOT = Path(__file__).parent.parent / "data" / "record.rendered.bpf.c"
+_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
 OFFSETS = {
     "TASK_PID_OFF": 1264,
     "TASK_TGID_OFF": 1268,
@@ -59,12 +62,79 @@ OFFSETS = {
 }
 
 
-def test_render_matches_snapshot() -> None:
-    text = render(ProbeConfig(offsets=OFFSETS))
-    if os.environ.get("EVIDENCE_UPDATE_SNAPSHOTS"):
-        SNAPSHOT.write_text(text)
-    assert text == SNAPSHOT.read_text()
-    assert "#define HAVE_GROUP_DEAD 1" in text and "+ 1268" in text
+def _rendered() -> str:
+    return render(ProbeConfig(offsets=OFFSETS))
+
+
+def test_every_token_is_filled() -> None:
+    text = _rendered()
+    assert not re.findall(r"\b(" + "|".join(_TOKENS) + r")\b", text)
+    assert not _INCLUDE.search(text)  # every part joined in: BCC is given one text
+    assert "#define HAVE_GROUP_DEAD 1" in text and "+ 1268" in text  # a flag and a BTF offset
+    assert "BPF_RINGBUF_OUTPUT(events, 16384);" in text and "#define MAX_RUNS_ 1024" in text
+
+
+def test_every_program_the_loader_attaches_is_present_and_no_other() -> None:
+    text = _rendered()
+    defined = set(
+        re.findall(r"^int (\w+)\((?:struct sys_(?:enter|exit)_ctx|struct __sk_buff) \*\w+\) \{", text, re.M)
+    )
+    loaded = {
+        *loader.SYSCALL_HANDLERS,
+        *loader.EXIT_HANDLERS.values(),
+        "on_exit",
+        "on_exit_hash",
+        "on_exit_name",
+    }
+    loaded |= {"on_enter_dns", "on_exit_dns", "on_dns_ingress"}
+    assert defined == loaded
+    for probe in (
+        "TRACEPOINT_PROBE(sched, sched_process_exec)",
+        "TRACEPOINT_PROBE(sched, sched_process_exit)",
+        "RAW_TRACEPOINT_PROBE(sched_process_fork)",
+        "RAW_TRACEPOINT_PROBE(signal_generate)",
+    ):
+        assert text.count(probe + " {") == 1, probe
+
+
+def test_the_layouts_and_their_sizes_are_the_abi_modules() -> None:
+    text = _rendered()
+    assert text.count(abi.render_header()) == 1
+    for lay in abi.LAYOUTS:
+        assert text.count(f"struct {lay.name} {{") == 1, lay.name
+        assert f"struct {lay.name}" in text.split(abi.render_header())[1], lay.name  # used after it
+        assert re.search(
+            rf"_Static_assert\((sizeof|offsetof)\(struct {lay.name}\b[^)]*\) == {lay.size},", text
+        )
+
+
+def _parts() -> list[str]:
+    return _INCLUDE.findall(template())
+
+
+def test_each_concerns_file_is_joined_once_in_record_bpf_cs_order() -> None:
+    parts = _parts()
+    assert len(parts) == len(set(parts))
+    assert parts[:2] == ["bpf/lib/common.h", "abi.h"]  # limits first, then the ABI every part uses
+    files = resources.files("evidence.probes").joinpath("bpf")
+    on_disk = {f"bpf/{f.name}" for f in files.iterdir() if f.name.endswith(".bpf.c")}
+    on_disk |= {f"bpf/lib/{f.name}" for f in files.joinpath("lib").iterdir() if f.name.endswith(".h")}
+    assert set(parts) - set(GENERATED) == on_disk  # every file listed, none listed that is not there
+    text, at = join_parts(template()), 0  # (before the tokens are filled)
+    for name in parts:  # each part's text, in the order listed
+        body = GENERATED[name]() if name in GENERATED else template(name)
+        found = text.find(body, at)
+        assert found >= at, name
+        at = found + len(body)
+
+
+def test_a_part_twice_missing_or_nested_is_refused() -> None:
+    root = template()
+    with pytest.raises(RenderError, match="twice"):
+        join_parts(root + '#include "bpf/opens.bpf.c"\n')
+    with pytest.raises(RenderError, match="no part"):
+        join_parts(root + '#include "bpf/nope.bpf.c"\n')
+    assert not any(_INCLUDE.search(template(name)) for name in _parts() if name not in GENERATED)
 
 
 def test_render_refuses_missing_and_unfilled_tokens() -> None:

@@ -22,7 +22,7 @@ from evidence.bundle import record_types as rt
 from evidence.bundle import records
 from evidence.bundle.spool import SpoolWriter, read_spool
 from evidence.policy import connect
-from evidence.probes import kinds
+from evidence.probes import abi
 
 RAW = json.loads((Path(__file__).parent.parent / "data" / "raw_records.json").read_text())
 
@@ -119,9 +119,9 @@ CORRELATED = correlated()
 
 
 def test_every_record_kind_has_a_raw_event_type_named_as_probes_kinds_names_it() -> None:
-    assert set(d.EVENT_TYPES) == set(kinds.RECORD_NAMES)
+    assert set(d.EVENT_TYPES) == set(abi.RECORD_NAMES)
     for value, td in d.EVENT_TYPES.items():
-        assert kind_of(td, "kind") == kinds.RECORD_NAMES[value]
+        assert kind_of(td, "kind") == abi.RECORD_NAMES[value]
 
 
 @pytest.mark.parametrize("ev", DECODED, ids=lambda ev: str(ev["kind"]))
@@ -135,7 +135,7 @@ def test_the_saved_raw_records_cover_the_raw_event_types() -> None:
     # capture has no record of: the other types are checked on real data
     missing = {kind_of(t, "kind") for t in d.EVENT_TYPES.values()} - {ev["kind"] for ev in DECODED}
     assert missing == {"fork", "sigsys"}
-    fork = d.decode(d.HDR.pack(1, 2, 3, 4, 4, d.EV_FORK, 0) + d._FORK.pack(5, 0))
+    fork = d.decode(d.HDR.pack(1, 2, 3, 4, 4, d.EV_FORK, 0) + d._FORK.pack(5))
     assert problems(fork, d.ForkEvent) == []
     sigsys = d.decode(d.HDR.pack(1, 2, 3, 4, 4, d.EV_SIGSYS, 0) + d._SIGSYS.pack(5, d.AUDIT_ARCH_I386, 9))
     assert problems(sigsys, d.SigsysEvent) == []

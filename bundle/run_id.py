@@ -1,0 +1,186 @@
+"""What a run's content-addressed run id is made of (`Behaviour`), and the run id itself.
+
+`Behaviour` holds what the run did, normalised by the run's roots (its workspace and tmp become
+placeholders), as sets: how often and when do not change the run id. The recorder feeds it record
+by record as it spools them (so the writer, bundle/writer.py, need not read the spool for it); for a
+spool recovered after a crash the writer's own pass feeds it. Its sets are bounded: past the memory
+budget (MEMORY_ITEMS, shared with the writer) they go to disk as sorted runs, merged back when the
+run id is made, so a job that floods execs or distinct paths cannot grow the recorder's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from evidence.bundle import canonical
+from evidence.bundle.normalize import Normalizer
+from evidence.bundle.record_types import SpoolRecord
+
+logger = logging.getLogger(__name__)
+
+# Records and behaviour items the writer holds in memory at most (EVIDENCE_WRITER_MEMORY sets it;
+# tests use a small value). Past it, a summary bundle's events are streamed by a second pass over
+# the spool instead of kept, and the run id's sorted sets go to sorted runs on disk, merged when the
+# run id is made: a job that floods execs or, under full detail, distinct paths cannot grow the
+# writer's memory (the recorder's or the agent's) with the number of its records.
+MEMORY_ITEMS = int(os.environ.get("EVIDENCE_WRITER_MEMORY", "150000"))
+# A run's Behaviour while it is recorded holds a quarter of that: an agent records many runs at once.
+RECORDING_ITEMS = max(1, MEMORY_ITEMS // 4)
+
+
+class _SpillSet:
+    """A set of behaviour items that yields the canonical JSON of each, sorted by repr; past the
+    budget of its Behaviour, its items go to disk as a sorted run and are merged back."""
+
+    def __init__(self, owner: Behaviour) -> None:
+        self.owner = owner
+        self.items: set[tuple[Any, ...]] = set()
+        self.runs: list[IO[bytes]] = []
+
+    def add(self, item: tuple[Any, ...]) -> None:
+        if item not in self.items:
+            self.items.add(item)
+            self.owner.held += 1
+            if self.owner.held > self.owner.budget:
+                self.owner.spill()
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.runs)
+
+    def spill(self) -> None:
+        run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
+        for key, item in self._sorted():
+            run.write(key + b"\t" + canonical.dumps(item, check=False) + b"\n")
+        run.seek(0)
+        self.runs.append(run)
+        self.owner.held -= len(self.items)
+        self.items = set()
+
+    def _sorted(self) -> list[tuple[bytes, tuple[Any, ...]]]:
+        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr)
+        return sorted((repr(i).encode("utf-8", "surrogatepass"), i) for i in self.items)
+
+    def canonical_items(self) -> Iterator[bytes]:
+        """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""
+        streams: list[Iterator[tuple[bytes, bytes]]] = [
+            ((key, canonical.dumps(item, check=False)) for key, item in self._sorted())
+        ]
+        if not self.runs:  # all in memory: each item once already
+            for _, value in streams[0]:
+                yield value
+            return
+        streams += [(tuple(line.rstrip(b"\n").split(b"\t", 1)) for line in run) for run in self.runs]  # type: ignore[misc]
+        last = None
+        # (key, value) pairs compare by key first, and one key has one value: no key function needed
+        for key, value in heapq.merge(*streams):
+            if key != last:  # an item spilled in one run and added again after it
+                last = key
+                yield value
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+
+class Behaviour:
+    """What the run id is made of: what the run did, with the run's roots (workspace, tmp) replaced
+    by their placeholders, as sets (how often and when do not change it). Fed record by record: by
+    the recorder as it spools them (SpoolWriter's `feed`), so that the writer need not read the spool
+    for it, or by the writer's own pass over the records. Its run id is made once."""
+
+    def __init__(
+        self, roots: Mapping[str, str] | None = None, budget: int | None = None, tmp_dir: Path | None = None
+    ) -> None:
+        self.roots = dict(roots or {})  # the writer uses it only for a run with these same roots
+        self.norm = Normalizer(self.roots)
+        self.tmp_dir = tmp_dir  # where sets past the budget go (beside the bundle: not a tmpfs in RAM)
+        self.budget = MEMORY_ITEMS if budget is None else budget
+        self.closed = False
+        self.held = 0
+        self.execs = _SpillSet(self)
+        self.files = _SpillSet(self)
+        self.nets = _SpillSet(self)
+        self.denials = _SpillSet(self)
+        self.changes = _SpillSet(self)
+        self.namespaces = _SpillSet(self)
+        self.sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
+
+    def spill(self) -> None:
+        """Past the budget: the set holding the most items goes to disk."""
+        max(self.sets, key=lambda s: len(s.items)).spill()
+
+    def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
+        """Add records as they are spooled; an item that is bytes is a spool line the recorder made
+        from the record before it (a repeated open, the same but for its time): nothing new here."""
+        add = self.add
+        for rec in recs:
+            if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
+                add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__
+
+    def add(self, rec: SpoolRecord) -> None:
+        norm = self.norm
+        # each test of `k` narrows the record's type (not through a local copy): opens first
+        if rec["k"] == "open":
+            self.files.add((norm.text(rec["path"]), tuple(rec["access"]), rec["result"]))
+        elif rec["k"] == "exec":
+            self.execs.add((norm.text(rec["filename"]), tuple(norm.argv(rec["argv"])), rec["result"]))
+        elif rec["k"] == "connect":
+            self.nets.add((rec["family"], norm.text(rec["address"]), rec.get("port"), rec["result"]))
+        elif rec["k"] == "change":
+            target = rec.get("target")
+            self.changes.add(
+                (
+                    rec["operation"],
+                    norm.text(rec["path"]),
+                    norm.text(target) if target else None,
+                    rec["result"],
+                )
+            )
+        elif rec["k"] == "denial":
+            self.denials.add((rec["operation"], norm.text(rec["target"]), rec["rule"], rec["enforced"]))
+        elif rec["k"] == "namespace":
+            paths = tuple(norm.text(p) for p in rec["paths"])
+            self.namespaces.add((rec["operation"], tuple(rec["flags"]), paths, rec["result"]))
+
+    def run_id(self, command: list[str]) -> str:
+        """`run-` and the first half of the sha256 of the canonical JSON of {command, execs, files,
+        connects, denials, and changes and namespaces when there are some}, each set sorted by repr:
+        streamed into the hash, as canonical.dumps would write the whole document."""
+        parts: dict[str, _SpillSet | None] = {
+            "command": None,
+            "execs": self.execs,
+            "files": self.files,
+            "connects": self.nets,
+            "denials": self.denials,
+        }
+        if self.changes:  # only when there are some: a run id made before file changes were recorded holds
+            parts["changes"] = self.changes
+        if self.namespaces:  # the same: only when there are some
+            parts["namespaces"] = self.namespaces
+        h = hashlib.sha256(b"{")
+        for i, name in enumerate(sorted(parts)):
+            h.update(b"," * (i > 0) + canonical.dumps(name) + b":")
+            part = parts[name]
+            if part is None:
+                h.update(canonical.dumps(self.norm.argv(command), check=False))
+                continue
+            h.update(b"[")
+            for j, item in enumerate(part.canonical_items()):
+                h.update(b"," * (j > 0) + item)
+            h.update(b"]")
+        h.update(b"}")
+        self.close()
+        return "run-" + h.hexdigest()[:32]
+
+    def close(self) -> None:
+        """Let go of the sets' runs on disk; a closed Behaviour makes no run id."""
+        self.closed = True
+        for part in self.sets:
+            part.close()
