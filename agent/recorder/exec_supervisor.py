@@ -51,6 +51,7 @@ from evidence.agent.recorder.exec_check import (
     decided_exec,
     shebang,
 )
+from evidence.bundle.record_types import DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
 from evidence.policy.model import CommandsPolicy
 
@@ -477,6 +478,29 @@ class ExecDecision:
     depth: int
     allowed: bool
     error: str | None = None  # why the request could not be read (then refused)
+    # --dry-run: refused by the rules (allowed False) but let run; an `approve` was not asked
+    dry_run: bool = False
+
+
+def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
+    """The policy.denial record of an exec the supervisor refused (or, in a dry run, would have:
+    `enforced` false), or None for one it let run. An exec whose request could not be read is
+    named `<unreadable>`, its rule saying why."""
+    if result.allowed:
+        return None
+    req = result.request
+    refused = not result.dry_run
+    return {
+        "k": "denial",
+        "t": t,
+        "pid": req.pid if req is not None else 0,
+        "exe": None,
+        "operation": "exec",
+        "target": req.program if req is not None else "<unreadable>",
+        "rule": result.decision.label if result.error is None else f"{result.decision.label}: {result.error}",
+        "enforced": refused,
+        "result": "EACCES" if refused else 0,
+    }
 
 
 @dataclass
@@ -504,6 +528,8 @@ class ExecSupervisor:
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     # execs waiting for approval at once; more are refused at once
     max_waiting: int = 64
+    # --dry-run: every exec goes on; what the rules would refuse or ask is only recorded
+    dry_run: bool = False
     _waiting: threading.BoundedSemaphore = field(init=False)
 
     def __post_init__(self) -> None:
@@ -560,6 +586,8 @@ class ExecSupervisor:
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
         decision = decide_request(self.commands, req, depth)
+        if self.dry_run:  # decide, record, let it run; nobody is asked
+            return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))
         if decision.runs is not None:
             return self._finish(note, ExecDecision(req, decision, depth, decision.runs))
         if not self._waiting.acquire(blocking=False):  # a job asking without end holds no more threads
@@ -576,6 +604,12 @@ class ExecSupervisor:
         if not self.pending(note.id):
             return result
         req = result.request
+        if result.dry_run:
+            with self._lock:
+                if self.listener >= 0:
+                    respond(self.listener, note.id)
+            self.on_decision(result)
+            return result
         if result.allowed and self.publish is not None and req is not None:
             decided = self.decided(req)
             if decided is None:  # fail closed: what the kernel loads could not be checked

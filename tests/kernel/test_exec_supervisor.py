@@ -107,6 +107,16 @@ def test_denied_exec_fails_with_eacces_and_the_caller_goes_on(place: Path) -> No
         ("/bin/echo", "a", "--force")
     ]
     assert told[0] == "evidence: exec of /usr/bin/id refused by commands.rules[0] (no-id): no ids here"
+    from evidence.agent.recorder.exec_supervisor import denial_record
+
+    rec = denial_record(refused[0], 5)
+    assert rec is not None and (rec["target"], rec["rule"], rec["enforced"], rec["result"]) == (
+        "/usr/bin/id",
+        "commands.rules[0] (no-id)",
+        True,
+        "EACCES",
+    )
+    assert all(denial_record(d, 5) is None for d in decisions if d.allowed)
 
 
 def test_default_deny_and_a_supervisor_gone_fails_closed(place: Path) -> None:
@@ -274,3 +284,61 @@ def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
         proc.wait(10)
         sup.stop()
         ours.close()
+
+
+def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(place: Path) -> None:
+    from evidence.agent.recorder.exec_supervisor import denial_record
+
+    commands = _commands(
+        [
+            {"name": "no-id", "program": ["/usr/bin/id"], "decision": "deny"},
+            {"name": "ask-true", "program": ["true"], "decision": "approve"},
+        ]
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "/usr/bin/id -u; echo id=$?; /usr/bin/true; echo true=$?",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=place,
+    )
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    told: list[str] = []
+    asked: list[object] = []
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(
+            receive_listener(ours),
+            commands,
+            proc.pid,
+            on_decision=decisions.append,
+            tell=told.append,
+            approver=lambda a: asked.append(a) or True,
+            dry_run=True,
+        )
+        sup.start()
+        out, err = proc.communicate(timeout=60)
+        sup.stop()
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert out.splitlines() == [str(NOBODY), "id=0", "true=0"], (out, err)
+    assert told == [] and asked == []  # nobody is told or asked in a dry run
+    would = [denial_record(d, 1) for d in decisions]
+    assert [(r["target"], r["rule"], r["enforced"], r["result"]) for r in would if r] == [
+        ("/usr/bin/id", "commands.rules[0] (no-id)", False, 0),
+        ("/usr/bin/true", "commands.rules[1] (ask-true)", False, 0),
+    ]
