@@ -211,7 +211,8 @@ class ApprovalBroker:
         return self._resolve(entry, allow, via, uid, reason)
 
     def close_run(self, run: str) -> int:
-        """The run ends (or its supervisor stopped): withdraw its open requests; how many."""
+        """The run ends (or its supervisor stopped): withdraw its open requests (how many) and
+        forget the run's requests. Call it after the supervisor stopped."""
         with self._lock:
             entries = [e for e in self._open.values() if e.request.run == run and e.answer is None]
         n = 0
@@ -221,6 +222,9 @@ class ApprovalBroker:
                 n += 1
             except AlreadyAnswered:
                 pass
+        with self._lock:  # the run's resolved requests are forgotten (an agent runs many)
+            for rid in [rid for rid, e in self._open.items() if e.request.run == run]:
+                del self._open[rid]
         return n
 
     def _resolve(self, entry: _Open, allow: bool, via: Via, uid: int | None, reason: str | None) -> Answer:
