@@ -163,6 +163,45 @@ class RecorderProbes:
         self._cache = self.bpf[b"cgcache"]
         self._lost = self.bpf[b"lost"]
         self._ring: RingBuffer | None = None
+        self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
+
+    # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
+
+    def enforce_execs(self, slot: int, key: bytes) -> None:
+        """Check every exec of run `slot` from now on against its pin (`publish`): one that loads
+        another file or copies other arguments, or has no pin, is killed before its first
+        instruction and recorded (EV_EXEC_VIOLATION). `key`: the run's 16-byte SipHash key, the one
+        its pins are hashed with (abi.exec_pin). The check's program is attached the first time
+        (runs without the check pay nothing until then). Call it before the run's first supervised
+        exec: from then on an exec of the run without a pin is killed."""
+        if len(key) != 16:
+            raise ValueError("the exec check's key is 16 bytes")
+        if not self.bpf.raw_tracepoint_fds.get(b"sched_process_exec"):
+            more = self.bpf.load_func(b"exec_hash_more", self.bpf.RAW_TRACEPOINT)
+            self.bpf[b"exec_tail"][_U32.pack(0)] = _U32.pack(more.fd)
+            self.bpf.attach_raw_tracepoint(tp=b"sched_process_exec", fn_name=b"exec_check")
+        k0, k1 = struct.unpack("<QQ", key)
+        self.bpf[b"exec_guard"][_U32.pack(slot)] = abi.EXEC_GUARD.struct.pack(k0, k1, 1)
+        self._exec_checked.add(slot)
+        self.bpf[b"exec_guarded"][_U32.pack(0)] = _U64.pack(len(self._exec_checked))
+
+    def release_execs(self, slot: int) -> None:
+        """Stop checking run `slot`'s execs (its run ended); its key is wiped from the kernel."""
+        self.bpf[b"exec_guard"][_U32.pack(slot)] = abi.EXEC_GUARD.struct.pack(0, 0, 0)
+        self._exec_checked.discard(slot)
+        self.bpf[b"exec_guarded"][_U32.pack(0)] = _U64.pack(len(self._exec_checked))
+
+    def publish(self, tid: int, pin: abi.ExecPin) -> None:
+        """Pin what thread `tid` (the seccomp notification's pid) must load if its exec goes on:
+        call it before answering CONTINUE. The thread's exec takes the pin; a pin of a thread whose
+        exec failed stays until its next (which the supervisor pins again) or its exit. Raises
+        OSError when the kernel cannot hold it (EXEC_PINS_MAX pins): then refuse the exec."""
+        self.bpf[b"exec_pins"][_U32.pack(tid)] = pin.pack()
+
+    def forget(self, tid: int) -> None:
+        """Drop thread `tid`'s pin, if it has one (an exec refused after all)."""
+        with contextlib.suppress(KeyError):
+            del self.bpf[b"exec_pins"][_U32.pack(tid)]
 
     def attach_ingress(self, cgroup_id: int, cgroup_path: Path) -> None:
         """---- dns: attach on_dns_ingress to a run's cgroup (before it is tracked), so that what
