@@ -113,16 +113,19 @@ def launch(
     mode: str = "plain",
     alt: tuple[str, str] = ("", ""),
     pin_tid: int | None = None,
+    wrap: tuple[str, ...] = (),
 ) -> Outcome:
-    """Start the job unchecked, then check the run's execs, publish `pin` for the thread that will
-    exec (or `pin_tid`), and let it exec."""
+    """Start the job unchecked (under `wrap`, a command that runs its arguments), then check the
+    run's execs, publish `pin` for the thread that will exec (or `pin_tid`), and let it exec."""
     c.probes.release_execs(SLOT)  # the job's own start (sh, setpriv, python) is not what is tested
-    job = as_user(NOBODY, "/usr/bin/python3", "-S", "-c", _LAUNCHER, mode, path, *alt, *argv)
+    job = as_user(NOBODY, *wrap, "/usr/bin/python3", "-S", "-c", _LAUNCHER, mode, path, *alt, *argv)
     proc = subprocess.Popen(
         in_cgroup(c.cg.procs_file(), *job), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdin is not None and proc.stdout is not None
     tid = int(proc.stdout.readline())
+    if wrap:  # the id the job sees is its namespace's: the kernel's (and the supervisor's) is global
+        tid = global_tid(c.cg, tid)
     c.probes.ring().read()  # what the start recorded
     c.probes.enforce_execs(SLOT, c.key)
     if pin is not None:
@@ -135,6 +138,17 @@ def launch(
     assert all(v["old_tid"] == tid for v in violations)
     c.probes.forget(tid)
     return Outcome(proc.returncode, output, violations)  # type: ignore[arg-type]
+
+
+def global_tid(cg: RunCgroup, ns_tid: int) -> int:
+    """The id, in this (the initial) pid namespace, of the run's process whose innermost id is
+    `ns_tid` (a single-threaded process: its one thread)."""
+    for pid in Path(cg.procs_file()).read_text().split():
+        with open(f"/proc/{pid}/status") as f:
+            ids = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+        if len(ids) > 1 and int(ids[-1]) == ns_tid:
+            return int(ids[0])
+    raise AssertionError(f"no process of the run is {ns_tid} in a pid namespace of its own")
 
 
 def pin_for(c: Checked, path: str, argv: list[str]) -> abi.ExecPin:
@@ -222,6 +236,24 @@ def test_an_exec_from_another_thread_is_checked_under_that_threads_id(checked: C
     proc.communicate(timeout=30)
     assert proc.returncode == -9 and not marker.exists()
     c.probes.forget(proc.pid)
+
+
+UNSHARE = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc")
+
+
+def test_the_init_of_a_pid_namespace_of_the_jobs_own_is_killed_too(checked: Checked, place: Path) -> None:
+    """The job makes itself the init of a pid (and user) namespace of its own, which ignores
+    signals it has no handler for: the kernel's SIGKILL still kills it; its pin is under its
+    global id, as the supervisor's notification names it, and as decided it runs."""
+    marker = place / "m"
+    argv = shell(marker)
+    out = launch(checked, SH, argv, None, wrap=UNSHARE)
+    assert not marker.exists()
+    (v,) = out.violations
+    assert v["reasons"] == ["no_pin"] and v["killed"]
+    out = launch(checked, SH, argv, pin_for(checked, SH, argv), wrap=UNSHARE)
+    assert (out.status, out.violations) == (0, [])
+    assert marker.read_text() == "ran\n"
 
 
 def test_a_script_runs_as_its_interpreter_with_the_kernels_argv(checked: Checked, place: Path) -> None:
