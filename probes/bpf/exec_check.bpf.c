@@ -19,7 +19,9 @@
 // one must not be). The hash is exec_hash_more's, EXEC_CHUNK_ bytes per run, the next chunk in a tail
 // call of itself, its state in a per-CPU map (a tracepoint runs with preemption off).
 
-BPF_HASH(exec_pins, u32, struct exec_pin, EXEC_PINS_MAX_);  // thread id -> its decided exec (user space)
+// thread id -> its decided exec (written by user space; allocated on demand: a recorder whose runs
+// have no command rules holds none)
+BPF_F_TABLE("hash", u32, struct exec_pin, exec_pins, EXEC_PINS_MAX_, BPF_F_NO_PREALLOC);
 BPF_ARRAY(exec_guard, struct exec_guard, MAX_RUNS_);         // per run slot: checked? and the key
 BPF_ARRAY(exec_guarded, u64, 1);  // run slots checked: while 0, a thread's exit has no pin to drop
 BPF_PROG_ARRAY(exec_tail, 1);     // exec_hash_more

@@ -10,6 +10,7 @@ while its process execs never gets the rewritten exec to run."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class Outcome:
     status: int  # the job's wait status as subprocess gives it (-9: SIGKILL)
     output: str
     violations: list[ExecViolationEvent]
+    pin_left: bool  # the exec's thread still had a pin once the job was gone
 
 
 def launch(
@@ -136,8 +138,9 @@ def launch(
     records = [decode(raw) for raw in c.probes.ring().read()]
     violations = [r for r in records if r["kind"] == "exec_violation"]
     assert all(v["old_tid"] == tid for v in violations)
+    left = c.probes.bpf[b"exec_pins"].lookup(struct.pack("<I", tid))
     c.probes.forget(tid)
-    return Outcome(proc.returncode, output, violations)  # type: ignore[arg-type]
+    return Outcome(proc.returncode, output, violations, left is not None)  # type: ignore[arg-type]
 
 
 def global_tid(cg: RunCgroup, ns_tid: int) -> int:
@@ -208,6 +211,18 @@ def test_a_pin_is_taken_by_one_exec(checked: Checked, place: Path) -> None:
     assert launch(checked, SH, argv, pin).status == 0
     checked.probes.forget(0)  # no such thread: nothing to drop, no error
     assert len(checked.probes.bpf[b"exec_pins"].keys()) == 0
+
+
+def test_a_pin_whose_exec_failed_goes_with_its_thread(checked: Checked, place: Path) -> None:
+    """An exec that fails after the decision (no such file) leaves its pin: the thread's exit drops
+    it, so a later thread given the same id finds none."""
+    missing = str(place / "missing")
+    out = launch(checked, missing, [missing], pin_for(checked, SH, [missing]))
+    assert "execve failed" in out.output and out.violations == []
+    assert not out.pin_left
+    # and an exec that ran took its pin
+    argv = shell(place / "m")
+    assert not launch(checked, SH, argv, pin_for(checked, SH, argv)).pin_left
 
 
 def test_an_exec_from_another_thread_is_checked_under_that_threads_id(checked: Checked, place: Path) -> None:
