@@ -179,7 +179,9 @@ class RecorderProbes:
         instruction and recorded (EV_EXEC_VIOLATION). `key`: the run's 16-byte SipHash key, the one
         its pins are hashed with (abi.exec_pin). The check's program is attached the first time
         (runs without the check pay nothing until then). Call it before the run's first supervised
-        exec: from then on an exec of the run without a pin is killed."""
+        exec: from then on an exec of the run without a pin is killed. Raises ObjectError when the
+        kernel refuses the program: then nothing closes the race after the decision (a degradation,
+        or exit 2 with --fail-closed)."""
         if len(key) != 16:
             raise ValueError("the exec check's key is 16 bytes")
         k0, k1 = struct.unpack("<QQ", key)
