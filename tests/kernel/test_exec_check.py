@@ -10,6 +10,7 @@ while its process execs never gets the rewritten exec to run."""
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -31,29 +32,47 @@ SLOT = 1
 SH = "/bin/sh"  # dash here: a builtin echo, so the job's one exec is the one under test
 
 # The job: the thread that will exec says its id, waits for the test to publish its pin, then execs
-# (libc's execve through ctypes, from the main thread or another). `race`: a second thread rewrites
-# the path and one argument (same lengths) back and forth while the exec reads them.
+# (libc's execve through ctypes, from the main thread or another) a path and argv kept in a shared
+# mapping. `race`: a second thread rewrites the path and the last argument (to others of the same
+# lengths) back and forth while the exec reads them; `race-process`: a child process does, through
+# the mapping (it runs beside the exec on the other CPU instead of waiting for the GIL).
 _LAUNCHER = r"""
-import ctypes, sys, threading
+import ctypes, mmap, os, sys, threading, time
 mode, path, alt_path, alt_arg, *argv = sys.argv[1:]
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
-bufs = [ctypes.create_string_buffer(a.encode()) for a in argv]
-arr = (ctypes.c_char_p * (len(bufs) + 1))(*[ctypes.addressof(b) for b in bufs], None)
-pbuf = ctypes.create_string_buffer(path.encode())
+shared = mmap.mmap(-1, 1 << 20)  # MAP_SHARED: a child sees and writes the same bytes
+base = ctypes.addressof(ctypes.c_char.from_buffer(shared))
+offs, at = [], 0
+for s in (path, *argv):
+    shared[at : at + len(s) + 1] = s.encode() + b"\0"
+    offs.append(at)
+    at += len(s) + 1
+arr = (ctypes.c_char_p * (len(argv) + 1))(*[base + o for o in offs[1:]], None)
 env = (ctypes.c_char_p * 1)(None)
-def rewrite():
+flipping = threading.Event()
+def rewrite(deadline=None, started=None):
     a, b = (path.encode(), argv[-1].encode()), (alt_path.encode(), alt_arg.encode())
-    while True:
-        for p, x in (b, a):
-            ctypes.memmove(pbuf, p, len(p))
-            ctypes.memmove(bufs[-1], x, len(x))
+    while deadline is None or time.monotonic() < deadline:
+        for p, x in (a, b):  # the rewritten version stands while the loop goes round
+            shared[offs[0] : offs[0] + len(p)] = p
+            shared[offs[-1] : offs[-1] + len(x)] = x
+        flipping.set()
+        if started is not None:
+            os.write(started, b"."); os.close(started); started = None
 def run():
     print(libc.syscall(186), flush=True)  # gettid
     sys.stdin.readline()
     if mode == "race":
         threading.Thread(target=rewrite, daemon=True).start()
-    libc.execve(pbuf, arr, env)
+        flipping.wait()  # the exec starts while the rewrites go on, whichever version it finds
+    elif mode == "race-process":
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.close(0); os.close(1)
+            rewrite(time.monotonic() + 0.5, w); os._exit(0)
+        os.read(r, 1)
+    libc.execve(ctypes.c_char_p(base + offs[0]), arr, env)
     print("execve failed", ctypes.get_errno(), flush=True)
 if mode == "thread":
     t = threading.Thread(target=run)
@@ -291,6 +310,43 @@ def test_a_script_runs_as_its_interpreter_with_the_kernels_argv(checked: Checked
     assert out.violations[0]["reasons"] == ["args"]
 
 
+def test_an_exec_from_an_overlay_is_identified_as_stat_names_it(checked: Checked, place: Path) -> None:
+    """On overlayfs stat(2) gives the overlay's device and the layer's inode number: the kernel's
+    mm->exe_file is the overlay's file, with the same identity (a lower file and a copied-up one)."""
+    layers = {n: place / n for n in ("lower", "upper", "work", "merged")}
+    for d in layers.values():
+        d.mkdir()
+    shutil.copy2("/usr/bin/true", layers["lower"] / "t")
+    opts = f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(layers["merged"])], check=True)
+    try:
+        shutil.copy2(layers["merged"] / "t", layers["merged"] / "u")  # in the upper layer
+        for name in ("t", "u"):
+            prog = str(layers["merged"] / name)
+            assert identity(prog) != identity(str(layers["lower" if name == "t" else "upper"] / name))
+            out = launch(checked, prog, [prog], pin_for(checked, prog, [prog]))
+            assert (out.status, out.violations) == (0, []), name
+    finally:
+        subprocess.run(["umount", str(layers["merged"])], check=True)
+
+
+LDSO = "/lib64/ld-linux-x86-64.so.2"
+
+
+def test_the_dynamic_loader_run_as_a_program_is_the_file_loaded(checked: Checked, place: Path) -> None:
+    """`ld.so PROGRAM`: the kernel loads the dynamic loader, which maps the program itself; the pin
+    names the loader's file, and the program's name is in the arguments hashed."""
+    marker = place / "m"
+    argv = [LDSO, SH, "-c", f"echo ran > {marker}"]
+    out = launch(checked, LDSO, argv, pin_for(checked, LDSO, argv))
+    assert (out.status, out.violations) == (0, [])
+    assert marker.read_text() == "ran\n"
+    marker.unlink()
+    out = launch(checked, LDSO, argv, pin_for(checked, SH, argv))  # the payload's file: not what was loaded
+    assert out.status == -9 and not marker.exists()
+    assert out.violations[0]["reasons"] == ["file"]
+
+
 def test_an_empty_argv_is_pinned_as_the_kernel_fills_it(checked: Checked) -> None:
     """execve with no arguments: the kernel gives the program one empty argument (abi.arg_area)."""
     out = launch(checked, "/usr/bin/true", [], abi.exec_pin(checked.key, identity("/usr/bin/true"), []))
@@ -331,15 +387,17 @@ def test_a_thread_rewriting_path_and_argv_during_the_exec_never_runs_its_version
     checked: Checked, place: Path
 ) -> None:
     """The race the check closes: the pin is made from the path and argv the supervisor read; a
-    second thread flips both (to /bin/ls and another command) while the first execs. Every attempt
+    second thread (or a child process, through a shared mapping) flips both (to /bin/ls and another
+    command) while the first execs. Every attempt
     either ran as decided (exit 0, the decided marker), was killed and recorded, or failed (a torn
     path names no file); the rewritten command never ran."""
     killed = ran = failed = 0
-    for i in range(20):
+    for i in range(40):
         marker = place / f"m{i}"
         argv = [SH, "-c", f"echo ok1 > {marker}"]
         alt_arg = f"echo ev1 > {marker}"
-        out = launch(checked, SH, argv, pin_for(checked, SH, argv), mode="race", alt=("/bin/ls", alt_arg))
+        mode = "race" if i % 2 else "race-process"
+        out = launch(checked, SH, argv, pin_for(checked, SH, argv), mode=mode, alt=("/bin/ls", alt_arg))
         if "execve failed" in out.output:  # a torn path (/bin/lh): no such file, nothing ran
             failed += 1
             assert out.violations == [] and not marker.exists()
@@ -351,5 +409,5 @@ def test_a_thread_rewriting_path_and_argv_during_the_exec_never_runs_its_version
             ran += 1
             assert (out.status, out.violations) == (0, [])
             assert marker.read_text() == "ok1\n"
-    assert killed + ran + failed == 20
-    assert killed >= 1  # the rewrite did land in the exec (here: 14 of 20 attempts)
+    assert killed + ran + failed == 40
+    assert killed >= 1  # the rewrites did land in the execs
