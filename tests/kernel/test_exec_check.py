@@ -22,7 +22,7 @@ import pytest
 from evidence.agent.recorder.cgroups import RunCgroup
 from evidence.agent.recorder.decode import ExecViolationEvent, decode
 from evidence.agent.recorder.kernel import mount_tracefs
-from evidence.probes import abi
+from evidence.probes import abi, loader
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes
 from tests.kernel.util import as_user, in_cgroup
@@ -105,6 +105,22 @@ def checked() -> Iterator[Checked]:
         probes.untrack(cg.id)
         cg.wait_empty()
         cg.remove()
+        probes.close()
+
+
+def test_no_program_runs_at_exec_for_the_check_until_a_run_asks_for_it() -> None:
+    """Runs without command rules pay nothing new: exec_check is attached by the first
+    enforce_execs, not at load."""
+    mount_tracefs()
+    ensure_headers()
+    probes = RecorderProbes()
+    try:
+        assert b"sched_process_exec" not in probes.bpf.raw_tracepoint_fds
+        assert loader.EXEC_CHECK.encode() not in probes.bpf.funcs
+        probes.enforce_execs(SLOT, bytes(16))
+        assert probes.bpf.raw_tracepoint_fds[b"sched_process_exec"] >= 0
+        probes.release_execs(SLOT)
+    finally:
         probes.close()
 
 
