@@ -36,6 +36,16 @@ struct exec_hash {
 };
 BPF_PERCPU_ARRAY(exec_scratch, struct exec_hash, 1);
 
+// A thread's pin, dropped when its exec returned (it failed: the supervisor pins its next exec
+// again) or it exited: pins are only ever those of execs under way, so a job cannot fill the map
+// with pins of execs it made fail. Free while no run is checked.
+static __always_inline void exec_unpin(u32 tid) {
+    u32 zero = 0;
+    u64 *guarded = exec_guarded.lookup(&zero);
+    if (guarded && *guarded)
+        exec_pins.delete(&tid);
+}
+
 #define SIPROUND24                                                              \
     do {                                                                        \
         v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);               \

@@ -74,6 +74,7 @@ def run():
         os.read(r, 1)
     libc.execve(ctypes.c_char_p(base + offs[0]), arr, env)
     print("execve failed", ctypes.get_errno(), flush=True)
+    sys.stdin.readline()  # the test may look at the thread, alive, until it closes our stdin
 if mode == "thread":
     t = threading.Thread(target=run)
     t.start()
@@ -248,16 +249,31 @@ def test_a_pin_is_taken_by_one_exec(checked: Checked, place: Path) -> None:
     assert len(checked.probes.bpf[b"exec_pins"].keys()) == 0
 
 
-def test_a_pin_whose_exec_failed_goes_with_its_thread(checked: Checked, place: Path) -> None:
-    """An exec that fails after the decision (no such file) leaves its pin: the thread's exit drops
-    it, so a later thread given the same id finds none."""
+def test_a_pin_whose_exec_failed_is_dropped_when_the_exec_returns(checked: Checked, place: Path) -> None:
+    """An exec that fails after the decision (no such file) returns: its pin goes with it, while the
+    thread lives on (a job cannot fill the map with pins of execs it makes fail); one whose exec ran
+    was taken by it."""
+    c = checked
     missing = str(place / "missing")
-    out = launch(checked, missing, [missing], pin_for(checked, SH, [missing]))
-    assert "execve failed" in out.output and out.violations == []
-    assert not out.pin_left
-    # and an exec that ran took its pin
+    c.probes.release_execs(SLOT)
+    job = as_user(NOBODY, "/usr/bin/python3", "-S", "-c", _LAUNCHER, "plain", missing, "", "", missing)
+    proc = subprocess.Popen(
+        in_cgroup(c.cg.procs_file(), *job), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    tid = int(proc.stdout.readline())
+    c.probes.enforce_execs(SLOT, c.key)
+    key = struct.pack("<I", tid)
+    c.probes.publish(tid, pin_for(c, SH, [missing]))
+    assert c.probes.bpf[b"exec_pins"].lookup(key) is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().startswith("execve failed")
+    assert c.probes.bpf[b"exec_pins"].lookup(key) is None  # the thread is alive, its pin gone
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
     argv = shell(place / "m")
-    assert not launch(checked, SH, argv, pin_for(checked, SH, argv)).pin_left
+    assert not launch(c, SH, argv, pin_for(c, SH, argv)).pin_left
 
 
 def test_an_exec_from_another_thread_is_checked_under_that_threads_id(checked: Checked, place: Path) -> None:
