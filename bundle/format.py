@@ -49,6 +49,7 @@ NETWORK_CONNECT = "dev.evidence.network.connect"
 LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
+POLICY_APPROVAL = "dev.evidence.policy.approval"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
 
@@ -299,6 +300,31 @@ class PolicyDenial(BaseModel):
     count: int = 1
 
 
+class PolicyApproval(BaseModel):
+    """A request for a person's approval of an exec (`commands` rule with decision `approve`), or its
+    resolution: `state` requested, then allowed or denied. The resolution repeats the request's
+    fields, so each event stands alone. `via`: who resolved it, a person at the terminal of `evidence
+    run` or through the agent's API (`by_uid` the uid of the terminal's owner or of the socket's
+    peer), the timeout (`approvals.on_timeout` decided), or withdrawn (the exec's caller died, or the
+    supervisor stopped, before an answer: the exec did not run). A resolution's time is the event's
+    `time`."""
+
+    model_config = _FROZEN
+    id: str
+    state: Literal["requested", "allowed", "denied"]
+    pid: int
+    program: str
+    argv: list[str]
+    argv_truncated: bool
+    depth: int
+    rule: str
+    message: str | None
+    requested_at: str
+    via: Literal["terminal", "api", "timeout", "withdrawn"] | None = None
+    by_uid: int | None = None
+    reason: str | None = None
+
+
 class Inventory(BaseModel):
     model_config = _FROZEN
     pid: int
@@ -321,6 +347,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     LOSS: Loss,
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
+    POLICY_APPROVAL: PolicyApproval,
     INVENTORY: Inventory,
     NETWORK_DNS: NetworkDns,
 }

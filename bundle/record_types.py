@@ -189,6 +189,26 @@ class DenialRecord(Counted):
     result: Result
 
 
+class ApprovalRecord(TypedDict):
+    """An approval request or its resolution (agent/recorder/approvals.py; format.PolicyApproval)."""
+
+    k: Literal["approval"]
+    t: int
+    id: str
+    state: Literal["requested", "allowed", "denied"]
+    pid: int
+    program: str
+    argv: list[str]
+    argv_truncated: bool
+    depth: int
+    rule: str
+    message: str | None
+    requested_at: str
+    via: NotRequired[Literal["terminal", "api", "timeout", "withdrawn"]]
+    by_uid: NotRequired[int | None]
+    reason: NotRequired[str | None]
+
+
 class InventoryRecord(TypedDict):
     """A process already in the cgroup when the recording started (agent/recorder/inventory.py)."""
 
@@ -221,6 +241,7 @@ SpoolRecord = (
     | DnsRecord
     | NamespaceRecord
     | DenialRecord
+    | ApprovalRecord
     | InventoryRecord
     | DegradationRecord
 )
@@ -236,6 +257,7 @@ RECORD_TYPES: dict[str, type] = {
     "dns": DnsRecord,
     "namespace": NamespaceRecord,
     "denial": DenialRecord,
+    "approval": ApprovalRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,
 }

@@ -22,6 +22,7 @@ KIND_TYPE = {
     "change": fmt.FILE_CHANGE,
     "connect": fmt.NETWORK_CONNECT,
     "denial": fmt.POLICY_DENIAL,
+    "approval": fmt.POLICY_APPROVAL,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
     "dns": fmt.NETWORK_DNS,
@@ -83,6 +84,8 @@ def subject(rec: SpoolRecord) -> str:
         return str(rec["target"])
     if rec["k"] == "degradation":
         return str(rec["component"])
+    if rec["k"] == "approval":
+        return str(rec["program"])
     if rec["k"] == "dns":
         return str(rec["name"] if rec.get("name") is not None else rec["server"])
     if rec["k"] == "namespace":

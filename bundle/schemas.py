@@ -43,7 +43,7 @@ _ID_BASE = "urn:evidence:schema:v1:"
 TIME_PATTERN = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$"
 HEX64_PATTERN = r"^[0-9a-f]{64}$"
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-TIME_FIELDS = frozenset({"first_time", "last_time"})  # data fields that hold a time
+TIME_FIELDS = frozenset({"first_time", "last_time", "requested_at"})  # data fields that hold a time
 
 Checker = Callable[[Any], str | None]
 

@@ -44,6 +44,7 @@ from evidence.bundle.format import has_dotdot
 from evidence.bundle.normalize import canonical_address
 from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.bundle.text import printable
+from evidence.policy.commands import ExecsSeen, render_commands, unallowed_programs
 from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
 
 logger = logging.getLogger(__name__)
@@ -279,7 +280,13 @@ class RecordedEnv(TypedDict, total=False):
     strip: list[str]
 
 
-def render_policy(fs: dict[str, list[str]], net_allow: list[str], env: RecordedEnv, header: list[str]) -> str:
+def render_policy(
+    fs: dict[str, list[str]],
+    net_allow: list[str],
+    env: RecordedEnv,
+    header: list[str],
+    commands: list[str] | None = None,
+) -> str:
     lines = [f"# {h}" for h in header]
     lines.append("version: 1")
     lines.append("fs:")
@@ -304,6 +311,7 @@ def render_policy(fs: dict[str, list[str]], net_allow: list[str], env: RecordedE
     lines.append(f"  allow: {json.dumps(list(env.get('allow', [])))}")
     if env.get("strip"):
         lines.append(f"  strip: {json.dumps(list(env['strip']))}")
+    lines.extend(commands or [])
     return "\n".join(lines) + "\n"
 
 
@@ -325,7 +333,8 @@ def build_profile(
         "TMPDIR": canonical_path(tmpdir or rvars.get("TMPDIR") or "/nonexistent-tmpdir"),
         "HOME": canonical_path(home or rvars.get("HOME") or os.path.expanduser("~")),
     }
-    act = collect(events)
+    execs = ExecsSeen()
+    act = collect(execs.watch(events))
     if not act.read and not act.write and not act.exec:
         logger.warning("the bundle has no file or exec events: the profile allows no file access")
     gen = _Generaliser(variables)
@@ -368,10 +377,12 @@ def build_profile(
         logger.warning("%s (an identical run may be blocked there)", left_out)
     for _ in range(len(deny) + 1):
         fs["deny"] = deny
-        text = render_policy(fs, net_allow, env, header)
+        text = render_policy(fs, net_allow, env, header, render_commands(execs))
         # host names resolve to what the run's own lookups answered: the check is of the run as recorded
         policy = parse_policy(text, name="profile.yaml", variables=variables, resolve=_recorded(act))
         blocking = _blocking_denies(policy, act)
+        if unallowed_programs(policy.commands, execs):  # pragma: no cover - a rule for each program
+            raise AssertionError(f"profile does not allow {unallowed_programs(policy.commands, execs)}")
         if not blocking:
             return text, policy
         deny = [d for i, d in enumerate(deny) if i not in blocking]

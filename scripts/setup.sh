@@ -12,6 +12,7 @@ command -v runc >/dev/null || need_apt+=(runc)
 command -v chromium >/dev/null || need_apt+=(chromium)  # renders show --format html in a test
 [ -x /bin/busybox ] || need_apt+=(busybox-static)
 command -v ip >/dev/null || need_apt+=(iproute2)
+/usr/bin/python3 -c 'import seccomp' 2>/dev/null || need_apt+=(python3-seccomp)  # the exec supervisor's filter
 need_headers=
 ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] || need_headers=1
 if [ ${#need_apt[@]} -gt 0 ] || [ -n "$need_headers" ]; then

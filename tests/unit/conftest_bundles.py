@@ -172,6 +172,24 @@ def denial(t: int, target: str, operation: str = "write") -> dict[str, Any]:
     )
 
 
+def approval(t: int, state: str = "requested", **answer: Any) -> dict[str, Any]:
+    return dict(
+        k="approval",
+        t=T0 + t,
+        id="a1",
+        state=state,
+        pid=104,
+        program="/usr/bin/git",
+        argv=["git", "push", "--force"],
+        argv_truncated=False,
+        depth=1,
+        rule="commands.rules[0] (no-force-push)",
+        message="force-push needs a human",
+        requested_at=fmt.format_time(T0 + 1000),
+        **answer,
+    )
+
+
 def records() -> list[dict[str, Any]]:
     """A small, realistic run: make -> sh -> cc, some files, one connect."""
     return [

@@ -18,7 +18,18 @@ from hypothesis import strategies as st
 from evidence.bundle import format as fmt
 from evidence.bundle import schemas
 from evidence.bundle.writer import write_bundle
-from tests.unit.conftest_bundles import change, connect, denial, dns, members, meta, namespace, records, write
+from tests.unit.conftest_bundles import (
+    approval,
+    change,
+    connect,
+    denial,
+    dns,
+    members,
+    meta,
+    namespace,
+    records,
+    write,
+)
 
 
 def test_committed_schemas_are_up_to_date() -> None:
@@ -44,6 +55,7 @@ def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail:
         *records(),
         connect(8500, "::1", 22, family="AF_INET6"),
         denial(8600, "/etc/shadow"),
+        approval(8650, "denied", via="timeout", by_uid=None, reason="no answer in 60s"),
         change(8700, "rename", "/ws/a", "/ws/b"),
         change(8800, "chmod", "/ws/b", mode=0o600),
         dns(8900, "example.org", ["192.0.2.7"]),

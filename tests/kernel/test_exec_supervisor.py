@@ -1,0 +1,344 @@
+"""The exec supervisor's core (agent/recorder/exec_supervisor.py) with a real child run as nobody:
+its launcher loads the seccomp filter (python3-seccomp), hands the listener over SCM_RIGHTS and
+execs a shell; a denied exec fails with EACCES and the shell goes on; what the supervisor read
+(resolved program, argv, depth) is what the job asked; a supervisor that goes away fails the job's
+next exec (ENOSYS)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
+from evidence.policy.model import CommandsPolicy
+from tests.kernel.util import as_user
+
+NOBODY = 65534
+
+LAUNCHER = """\
+import os, socket, sys
+from evidence.agent.recorder.exec_supervisor import install_exec_filter, send_listener
+sock = socket.socket(fileno=int(sys.argv[1]))
+send_listener(sock, install_exec_filter())
+sock.close()
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _commands(rules: list[dict[str, object]], default: str = "allow") -> CommandsPolicy:
+    return CommandsPolicy.model_validate({"default": default, "rules": rules}, context={"variables": {}})
+
+
+def _run(
+    commands: CommandsPolicy, script: str, cwd: Path
+) -> tuple[subprocess.CompletedProcess[str], list[ExecDecision], list[str]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    decisions: list[ExecDecision] = []
+    told: list[str] = []
+    proc = subprocess.Popen(
+        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    )
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        listener = receive_listener(ours)
+        sup = ExecSupervisor(listener, commands, proc.pid, on_decision=decisions.append, tell=told.append)
+        sup.start()
+        out, err = proc.communicate(timeout=60)
+        sup.stop()
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), decisions, told
+
+
+def test_denied_exec_fails_with_eacces_and_the_caller_goes_on(place: Path) -> None:
+    link = place / "innocent"
+    link.symlink_to("/usr/bin/id")
+    script_file = place / "script"
+    script_file.write_text("#!/usr/bin/id\n")  # a `#!` script is judged by its interpreter too
+    script_file.chmod(0o755)
+    commands = _commands(
+        [
+            {"name": "no-id", "program": ["/usr/bin/id"], "decision": "deny", "message": "no ids here"},
+            {"name": "no-force", "program": "echo", "args": ["*--force*"], "decision": "deny"},
+        ]
+    )
+    script = (
+        "/usr/bin/id; echo id=$?; "
+        f"{link}; echo link=$?; "  # a symlink with another name: what really runs decides
+        "/usr/bin/env /usr/bin/id -u; echo env=$?; "  # nested through env: the second exec is refused
+        "/bin/echo a --force; echo force=$?; "
+        "/bin/echo fine; "
+        f"{script_file}; echo shebang=$?; "
+        "/proc/self/root/usr/bin/id; echo procself=$?; "
+        "cd /usr && ./bin/id; echo rel=$?"  # relative to the caller's cwd
+    )
+    proc, decisions, told = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "id=126" in lines and "link=126" in lines and "force=126" in lines and "rel=126" in lines, proc
+    assert "shebang=126" in lines and "procself=126" in lines
+    assert "env=126" in lines  # env's own exec ran, its exec of id was refused (env exits 126)
+    assert "fine" in lines and "uid=" not in proc.stdout
+    assert "Permission denied" in proc.stderr
+    refused = [d for d in decisions if not d.allowed]
+    assert [d.request.program for d in refused if d.request] == ["/usr/bin/id"] * 3 + [
+        os.path.realpath("/bin/echo")
+    ] + [str(script_file), "/usr/bin/id", "/usr/bin/id"]
+    assert {d.decision.label for d in refused} == {
+        "commands.rules[0] (no-id)",
+        "commands.rules[1] (no-force)",
+    }
+    by_path = {d.request.path: d for d in decisions if d.request}
+    assert by_path[str(link)].request.program == "/usr/bin/id"  # type: ignore[union-attr]
+    assert by_path["/bin/sh"].depth == 0 and by_path["/usr/bin/id"].depth == 1
+    assert by_path["./bin/id"].request.program == "/usr/bin/id"  # type: ignore[union-attr]
+    assert [d.request.argv for d in refused if d.request and d.request.argv[0] == "/bin/echo"] == [
+        ("/bin/echo", "a", "--force")
+    ]
+    assert told[0] == "evidence: exec of /usr/bin/id refused by commands.rules[0] (no-id): no ids here"
+    from evidence.agent.recorder.exec_supervisor import denial_record
+
+    rec = denial_record(refused[0], 5)
+    assert rec is not None and (rec["target"], rec["rule"], rec["enforced"], rec["result"]) == (
+        "/usr/bin/id",
+        "commands.rules[0] (no-id)",
+        True,
+        "EACCES",
+    )
+    assert all(denial_record(d, 5) is None for d in decisions if d.allowed)
+
+
+def test_default_deny_and_a_supervisor_gone_fails_closed(place: Path) -> None:
+    sh = os.path.realpath("/bin/sh")
+    commands = _commands([{"name": "shell", "program": [sh], "decision": "allow"}], default="deny")
+    proc, decisions, told = _run(commands, "/usr/bin/true; echo true=$?; /bin/sh -c 'echo inner'", place)
+    assert proc.stdout.splitlines() == ["true=126", "inner"], proc
+    assert told == ["evidence: exec of /usr/bin/true refused by commands.default"]
+    # the listener closed (supervisor stopped) while the job still runs: its next exec fails
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "read x; /usr/bin/true; echo after=$?",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    try:
+        ours.settimeout(30)
+        listener = receive_listener(ours)
+        sup = ExecSupervisor(listener, _commands([]), child.pid)
+        sup.start()
+        # wait for sh to be running (its own exec answered), then stop answering
+        for _ in range(500):
+            if os.path.realpath(f"/proc/{child.pid}/exe") == sh:
+                break
+            __import__("time").sleep(0.01)
+        sup.stop()
+        out, err = child.communicate("go\n", timeout=30)
+    finally:
+        ours.close()
+        if child.poll() is None:
+            child.kill()
+    assert "after=" in out and "after=0" not in out, (out, err)
+
+
+def test_a_bind_mount_in_the_jobs_own_namespace_does_not_pass_for_an_allowed_program(place: Path) -> None:
+    # nobody makes a user and mount namespace of its own and binds /usr/bin/id over the allowed
+    # /usr/bin/true: judged by name alone, id would run as true
+    allowed = [
+        os.path.realpath(p) for p in ("/bin/sh", "/usr/bin/unshare", "/usr/bin/mount", "/usr/bin/true")
+    ]
+    commands = _commands([{"name": "tools", "program": allowed, "decision": "allow"}], default="deny")
+    script = (
+        "/usr/bin/true; echo plain=$?; "
+        "/usr/bin/unshare -Urm /bin/sh -c '/usr/bin/mount --bind /usr/bin/id /usr/bin/true && "
+        "/usr/bin/true; echo bound=$?'"
+    )
+    proc, decisions, told = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "plain=0" in lines and "bound=126" in lines, proc
+    assert "uid=" not in proc.stdout
+    foreign = [d for d in decisions if d.request and d.request.foreign]
+    assert [(d.request.program, d.allowed, d.decision.label) for d in foreign if d.request] == [
+        ("/usr/bin/true", False, "commands.default")
+    ]
+
+
+def test_fexecve_through_a_descriptor_is_decided_on_the_file(place: Path) -> None:
+    commands = _commands([{"name": "no-id", "program": "id", "decision": "deny"}])
+    code = "import os; fd = os.open('/usr/bin/id', os.O_RDONLY)\ntry: os.execve(fd, ['innocent'], {})\nexcept OSError as e: print('fexecve', e.errno)"
+    py = os.path.realpath("/usr/bin/python3")
+    proc, decisions, _ = _run(commands, f'{py} -c "{code}"', place)
+    assert "fexecve 13" in proc.stdout, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [(d.request.program, d.request.argv) for d in refused if d.request] == [
+        ("/usr/bin/id", ("innocent",))
+    ]
+
+
+def test_the_dynamic_loader_run_as_a_program_is_judged_by_what_it_loads(place: Path) -> None:
+    commands = _commands([{"name": "no-id", "program": "/usr/bin/id", "args": ["-u"], "decision": "deny"}])
+    ldso = next(p for p in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1") if os.path.exists(p))
+    script = (
+        f"{ldso} /usr/bin/id -u; echo direct=$?; "
+        f"{ldso} --argv0 x --inhibit-cache /usr/bin/id -u; echo options=$?; "
+        f"{ldso} /usr/bin/id -g; echo other=$?"
+    )
+    proc, decisions, _ = _run(commands, script, place)
+    lines = proc.stdout.splitlines()
+    assert "direct=126" in lines and "options=126" in lines and "other=0" in lines, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [d.request.loads for d in refused if d.request] == ["/usr/bin/id", "/usr/bin/id"]
+
+
+def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
+    """The no-race check's user-space half against the kernel's own view of the new image: the file
+    mapped (/proc/PID/exe) and the arg area it copied (/proc/PID/cmdline), for a program and for a
+    `#!` script run by a relative name (the kernel maps the interpreter and rewrites argv)."""
+    import time
+
+    from evidence.agent.recorder.exec_check import MemoryPublisher, new_key
+
+    script_file = place / "follow"
+    script_file.write_text("#!/usr/bin/tail -f\n")
+    script_file.chmod(0o755)
+    key = new_key()
+    pub = MemoryPublisher(key)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "/bin/sleep 300 & ./follow -n 1 & wait",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=place,
+    )
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    running: dict[str, int] = {}
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(
+            receive_listener(ours),
+            _commands([]),
+            proc.pid,
+            on_decision=decisions.append,
+            publish=pub,
+            check_key=key,
+        )
+        sup.start()
+        want = {os.path.realpath("/bin/sleep"), os.path.realpath("/usr/bin/tail")}
+        for _ in range(3000):
+            for d in decisions:
+                if d.request and d.request.argv[0] in ("/bin/sleep", "./follow"):
+                    with contextlib.suppress(OSError):
+                        exe = os.readlink(f"/proc/{d.request.pid}/exe")
+                        if exe in want:
+                            running[exe] = d.request.pid
+            if len(running) == 2:
+                break
+            time.sleep(0.01)
+        assert len(running) == 2, (decisions, proc.stderr)
+        for exe, pid in running.items():
+            st = os.stat(f"/proc/{pid}/exe")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert pub.check(pid, st.st_dev, st.st_ino, cmdline), (exe, cmdline)
+        assert Path(f"/proc/{running[os.path.realpath('/usr/bin/tail')]}/cmdline").read_bytes() == (
+            b"/usr/bin/tail\0-f\0./follow\0-n\0001\0"
+        )
+    finally:
+        proc.kill()
+        for pid in running.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        proc.wait(10)
+        sup.stop()
+        ours.close()
+
+
+def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(place: Path) -> None:
+    from evidence.agent.recorder.exec_supervisor import denial_record
+
+    commands = _commands(
+        [
+            {"name": "no-id", "program": ["/usr/bin/id"], "decision": "deny"},
+            {"name": "ask-true", "program": ["true"], "decision": "approve"},
+        ]
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        as_user(
+            NOBODY,
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(theirs.fileno()),
+            "/bin/sh",
+            "-c",
+            "/usr/bin/id -u; echo id=$?; /usr/bin/true; echo true=$?",
+        ),
+        pass_fds=[theirs.fileno()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=place,
+    )
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    told: list[str] = []
+    asked: list[object] = []
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(
+            receive_listener(ours),
+            commands,
+            proc.pid,
+            on_decision=decisions.append,
+            tell=told.append,
+            approver=lambda a: asked.append(a) or True,
+            dry_run=True,
+        )
+        sup.start()
+        out, err = proc.communicate(timeout=60)
+        sup.stop()
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert out.splitlines() == [str(NOBODY), "id=0", "true=0"], (out, err)
+    assert told == [] and asked == []  # nobody is told or asked in a dry run
+    would = [denial_record(d, 1) for d in decisions]
+    assert [(r["target"], r["rule"], r["enforced"], r["result"]) for r in would if r] == [
+        ("/usr/bin/id", "commands.rules[0] (no-id)", False, 0),
+        ("/usr/bin/true", "commands.rules[1] (ask-true)", False, 0),
+    ]
