@@ -56,6 +56,7 @@ from evidence.files import file_sha256
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
+    from evidence.agent.daemon.fleet import FleetPublisher
     from evidence.agent.daemon.models import PolicySpec
     from evidence.agent.recorder.cgroups import RunCgroup
     from evidence.agent.recorder.enforce import Enforcement
@@ -140,7 +141,9 @@ class RecorderBackend:
         registry: m.Registry | None = None,
         watchdog: RunWatchdog | None = None,
         signer: Any = None,
+        fleet: FleetPublisher | None = None,
     ) -> None:
+        self.fleet = fleet  # a fleet's NATS JetStream (agent/daemon/fleet.py): events and bundles
         self.bundle_dir = Path(bundle_dir)
         self.signer = signer  # every bundle this agent writes is signed with its key, if it has one
         self.watchdog = watchdog
@@ -471,13 +474,16 @@ class RecorderBackend:
         with self._lock:
             for k, n in counts.items():
                 self._events[k] = self._events.get(k, 0) + n
-        if self.streamer is not None:
+        if self.streamer is not None or self.fleet is not None:
             from evidence.agent.daemon.delivery import live_event
 
             sid = run.session.session_id
             for r in recs:
                 try:
-                    self.streamer.submit(live_event(sid, run.seq, r, run.extensions))
+                    event = live_event(sid, run.seq, r, run.extensions)
+                    for sink in (self.streamer, self.fleet):
+                        if sink is not None:
+                            sink.submit(event)
                 except (KeyError, ValueError) as e:
                     logger.debug("no live event for a %s record: %s", r.get("k"), e)
                 run.seq += 1
@@ -567,6 +573,8 @@ class RecorderBackend:
             (self.spool_dir / f"{sid}{RUN_META_SUFFIX}").unlink()
         if self.uploader is not None and Path(bundle_path).parent == self.bundle_dir:
             self.uploader.enqueue(bundle_path)
+        if self.fleet is not None:
+            self.fleet.bundle_written(Path(bundle_path), manifest)
         return manifest
 
     def _exit_status(

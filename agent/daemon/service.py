@@ -74,6 +74,8 @@ class Daemon:
             private_dir(spool_dir)
             if s.stream_url:
                 private_dir(s.stream_spill_dir)
+            if s.fleet_outbox_dir is not None:
+                private_dir(s.fleet_outbox_dir)
         except OSError as e:
             raise SetupError(f"cannot use {e.filename}: {e.strerror}") from None
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -115,6 +117,13 @@ class Daemon:
             if s.stream_url
             else None
         )
+        fleet = None
+        if s.sink.nats is not None and s.fleet_outbox_dir is not None:
+            from evidence.agent.daemon.fleet import FleetPublisher
+
+            fleet = FleetPublisher(s.sink.nats, s.fleet_outbox_dir, registry=registry)
+            for path in recovered:
+                fleet.bundle_written(path)
         watchdog = self._watchdog()
         backend = RecorderBackend(
             bundle_dir,
@@ -124,6 +133,7 @@ class Daemon:
             registry=registry,
             watchdog=watchdog,
             signer=signer,
+            fleet=fleet,
         )
         api = AgentAPI(
             backend,
@@ -144,6 +154,8 @@ class Daemon:
                 uploader.enqueue(path)
         if streamer is not None:
             streamer.start()
+        if fleet is not None:
+            fleet.start()
         try:
             api.start()
         except (OSError, Error) as e:
@@ -190,6 +202,8 @@ class Daemon:
                 uploader.stop()
             if streamer is not None:
                 streamer.close()
+            if fleet is not None:
+                fleet.close()
             api.stop()
             if recorder is not None:
                 recorder.close()
