@@ -81,7 +81,10 @@ async def connect(
     if tls is not None:
         opts["tls"] = tls
 
+    last: list[Exception] = []
+
     async def quiet(e: Exception) -> None:  # the CLI reports the last error itself, once
+        last.append(e)
         logger.debug("nats: %s", e)
 
     try:
@@ -89,16 +92,19 @@ async def connect(
             servers,
             name=name,
             connect_timeout=int(max(1, timeout)),
-            reconnect_time_wait=1 if forever else 0,
-            max_reconnect_attempts=-1 if forever else 0,
-            allow_reconnect=forever,
+            # one try a server (nats-py 2.16 loops for good on a refused first connect with
+            # allow_reconnect off: measured; with it on and one attempt, it gives up)
+            reconnect_time_wait=1 if forever else 0.2,
+            max_reconnect_attempts=-1 if forever else 1,
+            allow_reconnect=True,
             error_cb=callbacks.pop("error_cb", quiet),
             **callbacks,
             **opts,
         )
     except (TimeoutError, OSError, nats.errors.Error) as e:
+        why: Exception = last[-1] if isinstance(e, nats.errors.NoServersError) and last else e
         raise Unreachable(
-            f"cannot connect to {', '.join(servers)}: {str(e) or type(e).__name__}",
+            f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
             hint="check the servers, the credentials and that the cluster is up",
         ) from None
 
