@@ -17,7 +17,8 @@ asyncio loop with one NATS connection that reconnects for good:
   event's id), pipelined; the segment goes when JetStream acknowledged every event in it. What was not
   acknowledged is sent again, oldest first, with backoff: JetStream drops a message whose id it
   stored within the stream's duplicate window (10 minutes when the agent made the stream).
-- bundles: put into the object store under `<node>.<session>` unless it has it already; its info read
+- bundles: put into the node's object store bucket (`evidence-bundles-<node>`) under
+  `<node>.<session>` unless it has it already; its info read
   back; only when the server's size and SHA-256 are the bundle's is the index entry written and the
   bundle removed from the outbox. An object of that name with another digest is an error (logged,
   counted, retried with backoff): nothing is overwritten.
@@ -63,9 +64,11 @@ class FleetPublisher:
         backoff: Backoff | None = None,
         queue_size: int = 20_000,
         replicas: int = 1,
+        inbox_prefix: str | None = None,
     ) -> None:
         self.sink = sink
         self.node = sink.node
+        self.inbox_prefix = inbox_prefix or names.inbox_prefix(sink.node)
         self.outbox = Outbox(outbox_dir, sink.outbox_max_bytes)
         self.backoff = backoff or Backoff(0.5, 30.0)
         self.replicas = replicas
@@ -77,7 +80,9 @@ class FleetPublisher:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._last_error = ""
+        self._said: dict[str, float] = {}
+        self._nc: NATS | None = None
+        self._common: asyncio.Task[None] | None = None
         self._event_failures = 0
         self._event_retry_at = 0.0
         self._bundle_failures: dict[str, int] = {}
@@ -196,21 +201,16 @@ class FleetPublisher:
             await batcher
             return
         try:
+            self._nc = nc
             js = nc.jetstream(timeout=self.sink.ack_timeout)
-            while not self._stop.is_set():
-                try:
-                    await names_layout(js, self.replicas)
-                    break
-                except Exception as e:
-                    self._error("layout", f"cannot find or make the stream and buckets: {_describe(e)}")
-                    await self._sleep(self.backoff.delay(1))
+            self._common = asyncio.create_task(self._layout(js, None))
             sender = asyncio.create_task(self._events_loop(js))
             bundles = asyncio.create_task(self._bundles_loop(js))
             await batcher
             # a last try to send what was queued before stopping, bounded
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._send_segments(js), timeout=2.0)
-            for t in (sender, bundles):
+            for t in (sender, bundles, self._common):
                 t.cancel()
             await asyncio.gather(sender, bundles, return_exceptions=True)
         finally:
@@ -240,6 +240,7 @@ class FleetPublisher:
                 tls_ca=self.sink.tls_ca,
                 name=f"evidence-agent {self.node}",
                 forever=True,
+                inbox_prefix=self.inbox_prefix,
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
@@ -266,10 +267,14 @@ class FleetPublisher:
             await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, seconds))
 
     def _error(self, what: str, message: str) -> None:
+        """Count it; log it, the same message at most once a minute (a refusal repeats at each retry)."""
         self.metrics.errors.labels(what=what).inc()
-        if message != self._last_error:
+        now = time.monotonic()
+        if now - self._said.get(message, -1e9) >= 60.0:
             logger.error("fleet: %s", message)
-            self._last_error = message
+            self._said[message] = now
+            if len(self._said) > 256:
+                self._said = {m: t for m, t in self._said.items() if now - t < 60.0}
 
     def update_backlog(self) -> None:
         b = self.outbox.backlog()
@@ -296,6 +301,8 @@ class FleetPublisher:
     # --- events ---------------------------------------------------------------------------------------
 
     async def _events_loop(self, js: JetStreamContext) -> None:
+        assert self._common is not None
+        await asyncio.shield(self._common)  # an event sent before its stream exists is refused
         while True:
             if time.monotonic() >= self._event_retry_at:
                 await self._send_segments(js)
@@ -303,6 +310,11 @@ class FleetPublisher:
             await self._sleep(wait)
 
     async def _send_segments(self, js: JetStreamContext) -> None:
+        # not while disconnected: nats-py would hold the messages and send them on reconnect, after
+        # their acknowledgements were given up on (sent twice, the second dropped by its id, but
+        # out of order with what is sent meanwhile)
+        if self._nc is not None and not self._nc.is_connected:
+            return
         for seg in self.outbox.segments():
             events = self.outbox.read(seg)
             rest = await self._publish(js, events)
@@ -369,7 +381,23 @@ class FleetPublisher:
 
     # --- bundles --------------------------------------------------------------------------------------
 
+    async def _layout(self, js: JetStreamContext, node: str | None) -> None:
+        """Until it is done: the stream and the index (node None), or the node's bucket."""
+        failures = 0
+        what = f"bucket {names.bundle_bucket(node)}" if node else "the stream and the index"
+        while True:
+            try:
+                await names_layout(js, self.replicas, node)
+                return
+            except Exception as e:
+                failures += 1
+                self._error("layout", f"cannot find or make {what}: {_describe(e)}")
+                await self._sleep(self.backoff.delay(failures))
+
     async def _bundles_loop(self, js: JetStreamContext) -> None:
+        assert self._common is not None
+        await asyncio.shield(self._common)
+        await self._layout(js, self.node)
         while True:
             now = time.monotonic()
             for job in self.outbox.bundle_jobs():
@@ -393,7 +421,7 @@ class FleetPublisher:
 
         digest = object_digest(job.sha256)
         try:
-            store = await js.object_store(names.BUNDLE_BUCKET)
+            store = await js.object_store(names.bundle_bucket(self.node))
             try:
                 info = await store.get_info(job.key)
             except ObjectNotFoundError:
@@ -453,10 +481,10 @@ class FleetPublisher:
         )
 
 
-async def names_layout(js: JetStreamContext, replicas: int) -> None:
+async def names_layout(js: JetStreamContext, replicas: int, node: str | None) -> None:
     from evidence.bundle.fleet.client import ensure_layout
 
-    await ensure_layout(js, replicas)
+    await ensure_layout(js, replicas, node)
 
 
 def _describe(e: BaseException) -> str:

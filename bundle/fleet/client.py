@@ -71,6 +71,7 @@ async def connect(
     tls_ca: Path | None = None,
     name: str = "evidence",
     forever: bool = False,
+    inbox_prefix: str | None = None,
     timeout: float = 5.0,
     **callbacks: Callable[..., Awaitable[None]],
 ) -> NATS:
@@ -80,6 +81,8 @@ async def connect(
     tls = tls_context(tls_ca)
     if tls is not None:
         opts["tls"] = tls
+    if inbox_prefix is not None:
+        opts["inbox_prefix"] = inbox_prefix
 
     last: list[Exception] = []
 
@@ -109,9 +112,20 @@ async def connect(
         ) from None
 
 
-async def ensure_layout(js: JetStreamContext, replicas: int = 1) -> None:
-    """The events stream, the index and the bundle bucket, made when missing (an existing one is
-    left as its operator configured it)."""
+async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | None = None) -> None:
+    """The events stream and the index, or (with `node`) that node's bundle bucket, made when
+    missing; an existing one is left as its operator configured it."""
+    if node is not None:
+        bucket = names.bundle_bucket(node)
+        try:
+            await js.object_store(bucket)
+        except BucketNotFoundError:
+            await js.create_object_store(
+                bucket=bucket,
+                config=api.ObjectStoreConfig(bucket=bucket, replicas=replicas, storage=api.StorageType.FILE),
+            )
+            logger.info("made object store %s (replicas %d)", bucket, replicas)
+        return
     try:
         await js.stream_info(names.EVENTS_STREAM)
     except NotFoundError:
@@ -131,16 +145,6 @@ async def ensure_layout(js: JetStreamContext, replicas: int = 1) -> None:
             bucket=names.INDEX_BUCKET, history=1, replicas=replicas, storage=api.StorageType.FILE
         )
         logger.info("made key-value bucket %s (replicas %d)", names.INDEX_BUCKET, replicas)
-    try:
-        await js.object_store(names.BUNDLE_BUCKET)
-    except BucketNotFoundError:
-        await js.create_object_store(
-            bucket=names.BUNDLE_BUCKET,
-            config=api.ObjectStoreConfig(
-                bucket=names.BUNDLE_BUCKET, replicas=replicas, storage=api.StorageType.FILE
-            ),
-        )
-        logger.info("made object store %s (replicas %d)", names.BUNDLE_BUCKET, replicas)
 
 
 def object_digest(sha256_hex: str) -> str:
@@ -181,9 +185,13 @@ async def fetch_bundle(js: JetStreamContext, entry: IndexEntry, out: BinaryIO) -
     """Write the run's bundle to `out`: the object store checks the object's own SHA-256 as it
     reads, and this checks it (and the size) against the index entry. BundleError when either
     differs or the bundle is not there."""
-    store = await js.object_store(names.BUNDLE_BUCKET)
     try:
+        store = await js.object_store(names.bundle_bucket(entry.node))
         info = await store.get_info(entry.key)
+    except BucketNotFoundError:
+        raise BundleError(
+            f"run {entry.key}: the index lists it, node {entry.node} has no bundle bucket"
+        ) from None
     except ObjectNotFoundError:
         raise BundleError(f"run {entry.key}: the index lists it, the bucket has no bundle") from None
     if info.digest != object_digest(entry.bundle_sha256) or info.size != entry.bundle_size:

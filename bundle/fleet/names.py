@@ -3,7 +3,11 @@
 - Live events: stream EVIDENCE_EVENTS, subjects `evidence.events.<node>.<session>` (the session id:
   a run's run id is known only once its bundle is written; the run id is made of the run's
   behaviour, so two runs that did the same get the same one, and cannot name a run in a fleet).
-- Bundles: object store bucket `evidence-bundles`, object `<node>.<session>`.
+- Bundles: one object store bucket a node, `evidence-bundles-<node>`, object `<node>.<session>`. Not
+  one shared bucket: an object's name is base64 in one subject token (`$O.<bucket>.M.<base64>`), so
+  no subject permission can give a node the names it created and refuse it the others'; a bucket
+  of its own can (`$O.evidence-bundles-<node>.>`), and the server then refuses node A a write into
+  node B's bucket.
 - The run index: key-value bucket `evidence-index`, key `<node>.<session>`: the key's first token is
   the node, so a node's credentials can be allowed `$KV.evidence-index.<node>.>` and no other key.
 
@@ -18,7 +22,7 @@ from evidence.errors import UsageError
 
 EVENTS_STREAM = "EVIDENCE_EVENTS"
 EVENTS_PREFIX = "evidence.events"
-BUNDLE_BUCKET = "evidence-bundles"
+BUNDLE_BUCKET_PREFIX = "evidence-bundles-"
 INDEX_BUCKET = "evidence-index"
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -48,6 +52,17 @@ def events_filter(node: str | None = None, session_id: str | None = None) -> str
     n = check_node(node) if node else "*"
     s = check_session(session_id) if session_id else "*"
     return f"{EVENTS_PREFIX}.{n}.{s}"
+
+
+def bundle_bucket(node: str) -> str:
+    """The object store bucket of a node's bundles."""
+    return BUNDLE_BUCKET_PREFIX + check_node(node)
+
+
+def inbox_prefix(node: str) -> str:
+    """A node's reply subjects: its credentials may subscribe there and nowhere else, so it reads no
+    one else's replies (a reader's fetched bundle arrives on an inbox too)."""
+    return f"_INBOX_{check_node(node)}"
 
 
 def run_key(node: str, session_id: str) -> str:

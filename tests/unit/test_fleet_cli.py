@@ -168,7 +168,7 @@ def test_tampered_object_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
 
         async def swap() -> None:
             nc = await client.connect([server.url])
-            store = await nc.jetstream().object_store(names.BUNDLE_BUCKET)
+            store = await nc.jetstream().object_store(names.bundle_bucket("node-a"))
             await store.put("node-a.t1", other.read_bytes())
             await nc.close()
 
