@@ -29,6 +29,8 @@ def _header_value(value: Any) -> str:
         text = str(value)
     else:
         text = orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    if text.isascii() and text.isprintable() and "%" not in text and '"' not in text:
+        return text  # the common case, as quote() would return it, without its cost
     return quote(text, safe=_SAFE)
 
 

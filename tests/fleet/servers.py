@@ -40,6 +40,16 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
+    @classmethod
+    def from_config(cls, tmp: Path, name: str, config: Path, port: int) -> Server:
+        """A server from a configuration file as written (its client port given for the checks)."""
+        self = cls.__new__(cls)
+        self.name, self.dir, self.port, self.config = name, config.parent, port, config
+        self.log = self.dir / "server.log"
+        self.proc = None
+        self.start()
+        return self
+
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
