@@ -47,7 +47,7 @@ def deploy_cluster(tmp: Path) -> tuple[list[Server], dict[str, Path]]:
 
 
 def test_agent_sink_settings_are_valid() -> None:
-    data = yaml.safe_load((NATS / "agent-sink.yaml").read_text())
+    data = yaml.safe_load((NATS / "agent.yaml").read_text())
     s = AgentSettings(**data)
     assert s.sink.nats is not None and len(s.sink.nats.servers) == 3
 
