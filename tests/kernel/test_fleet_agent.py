@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -138,3 +140,52 @@ def test_outbox_survives_kill_9(tmp_path: Path) -> None:
     finally:
         assert again.stop() == 0, again.output()
         server.kill()
+
+
+HOSTILE = (
+    "import os\n"
+    "d = os.environ['D']\n"
+    "names = ['x\\r\\nNats-Msg-Id: forged', 'y\\nce-id: forged', 'z\\r\\n\\r\\nbody', 'p%0D%0Aq', 'q\"r']\n"
+    "for n in names:\n"
+    "    try: open(os.path.join(d, n), 'w').close()\n"
+    "    except OSError: pass\n"
+)
+
+
+def test_unprivileged_job_cannot_forge_headers(tmp_path: Path, place: Path) -> None:
+    """A job run as nobody names its files with CR/LF and header lines: in the stream each is one
+    event under its own id (`Nats-Msg-Id` = the event's id: a forged one would make JetStream drop
+    other events as duplicates), its subject header percent-encoded and decoded back exactly."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.kernel.util import as_user
+
+    server = Server(tmp_path)
+    home = Path(tempfile.mkdtemp(prefix="evidence-fleet-"))  # nobody must reach the socket
+    home.chmod(0o755)
+    env = {**agent_env(server), "EVIDENCE_ALLOWED_UIDS": "65534", "EVIDENCE_SOCKET_GID": "65534"}
+    agent = Agent(home, env=env)
+    try:
+        bundle = place / "run.tar.gz"
+        proc = subprocess.run(
+            as_user(65534, sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle",
+                    str(bundle), "--", PY, "-c", HOSTILE),
+            env={**os.environ, "D": str(place)}, cwd=place, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr + agent.output()
+        manifest = read_manifest(bundle)
+        metrics = wait_metric(agent, "evidence_fleet_bundles_stored_total", 1)
+        n = recorded_events(metrics)
+        wait_metric(agent, "evidence_fleet_events_published_total", n)
+        events = [e for e in stream_events(server.url) if e["sessionid"] == manifest["session_id"]]
+        assert len(events) == n and len({e["id"] for e in events}) == n
+        assert all(e["id"] == f"{e['sessionid']}:{e['seq']}" for e in events)
+        subjects = {e.get("subject") for e in events}
+        for name in ("x\r\nNats-Msg-Id: forged", "y\nce-id: forged", "z\r\n\r\nbody", "p%0D%0Aq", 'q"r'):
+            assert str(place / name) in subjects, name
+    finally:
+        assert agent.stop() == 0, agent.output()
+        server.kill()
+        shutil.rmtree(home, ignore_errors=True)
