@@ -573,7 +573,7 @@ class RecorderBackend:
             (self.spool_dir / f"{sid}{RUN_META_SUFFIX}").unlink()
         if self.uploader is not None and Path(bundle_path).parent == self.bundle_dir:
             self.uploader.enqueue(bundle_path)
-        if self.fleet is not None:
+        if self.fleet is not None and Path(bundle_path).parent == self.bundle_dir:  # not an abandoned run's
             self.fleet.bundle_written(Path(bundle_path), manifest)
         return manifest
 
