@@ -64,6 +64,7 @@ from evidence.files import file_sha256
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
+    from evidence.agent.daemon.fleet import FleetPublisher
     from evidence.agent.daemon.models import PolicySpec
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder
@@ -89,7 +90,9 @@ class RecorderBackend:
         registry: m.Registry | None = None,
         watchdog: RunWatchdog | None = None,
         signer: Signer | None = None,
+        fleet: FleetPublisher | None = None,
     ) -> None:
+        self.fleet = fleet  # a fleet's NATS JetStream (agent/daemon/fleet.py): events and bundles
         self.bundle_dir = Path(bundle_dir)
         self.signer = signer  # every bundle this agent writes is signed with its key, if it has one
         self.watchdog = watchdog
@@ -393,8 +396,14 @@ class RecorderBackend:
         with self._lock:
             for k, n in counts.items():
                 self._events[k] = self._events.get(k, 0) + n
-        if self.streamer is not None:
-            run.seq = self.streamer.submit_records(run.session.session_id, run.seq, recs, run.extensions)
+        if self.streamer is not None or self.fleet is not None:
+            from evidence.agent.daemon.delivery import live_events  # the agent extra's cloudevents
+
+            events, run.seq = live_events(run.session.session_id, run.seq, recs, run.extensions)
+            for sink in (self.streamer, self.fleet):
+                if sink is not None:
+                    for event in events:
+                        sink.submit(event)
 
     def update_labels(
         self, session_id: str, labels: Mapping[str, str], bundle_name: str | None = None
@@ -467,9 +476,14 @@ class RecorderBackend:
 
     def _bundle_written(self, run: AgentRun, bundle_path: Path, manifest: Mapping[str, Any]) -> None:
         """The seam where a run ends: its bundle is written (`manifest`). One in the bundle
-        directory is queued for upload."""
-        if self.uploader is not None and bundle_path.parent == self.bundle_dir:
+        directory (not an abandoned run's, beside the spools) is queued for upload and for the
+        fleet."""
+        if bundle_path.parent != self.bundle_dir:
+            return
+        if self.uploader is not None:
             self.uploader.enqueue(bundle_path)
+        if self.fleet is not None:
+            self.fleet.bundle_written(bundle_path, manifest)
 
     def _remove_cgroup(self, run: AgentRun) -> None:
         cg = run.cgroup
