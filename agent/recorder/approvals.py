@@ -34,7 +34,7 @@ from typing import Literal
 from evidence.bundle.format import format_time
 from evidence.bundle.record_types import ApprovalRecord
 from evidence.policy.commands import CommandDecision
-from evidence.policy.model import ApprovalsPolicy
+from evidence.policy.governance import ApprovalsPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from evidence.agent.recorder.exec_check import (
 )
 from evidence.bundle.record_types import DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
 
 logger = logging.getLogger(__name__)
 
