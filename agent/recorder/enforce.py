@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from evidence.agent.recorder.connect_guard import ConnectGuard
 from evidence.agent.recorder.decode import path_text
@@ -75,6 +75,13 @@ def _as_text(value: Any) -> Any:
     return value
 
 
+Section = Literal["commands", "limits"]
+SECTIONS: tuple[Section, ...] = ("commands", "limits")
+_UNAPPLIED: dict[Section, str] = {
+    "commands": "every program runs, whatever its rules say",
+    "limits": "the run may use more than the policy allows",
+}
+
 _COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
 
 
@@ -97,7 +104,10 @@ class Enforcement:
         env_removed: Sequence[str] = (),
         net_mode: str | None = None,
         owns_tmp: bool = False,
+        applies: Collection[Section] = (),
     ) -> None:
+        """`applies`: the sections of issue 24 (commands, limits) that the caller puts in force on
+        the run; a section of the policy it does not apply is a degradation, never a claim."""
         self.policy = policy
         self.mode = "dry-run" if dry_run else "enforce"
         self.workspace = workspace
@@ -122,6 +132,15 @@ class Enforcement:
                     impact="file rules are recorded but not enforced",
                 )
             )
+        for section in SECTIONS:
+            if getattr(policy, section) is not None and section not in applies:
+                self.degradations.append(
+                    Degradation(
+                        component=section,
+                        reason=f"this run cannot apply the policy's {section} section",
+                        impact=f"{section} is in the policy but not in force: {_UNAPPLIED[section]}",
+                    )
+                )
 
     @classmethod
     def for_run(
@@ -133,6 +152,7 @@ class Enforcement:
         fail_closed: bool,
         net_mode: str | None,
         environ: Mapping[str, str],
+        applies: Collection[Section] = (),
     ) -> Enforcement:
         """The policy at `policy_path` on a run of this process's: a private tmp, the environment
         scrubbed, and the network namespace (`net_mode`) made now."""
@@ -151,6 +171,7 @@ class Enforcement:
                 env_removed=removed,
                 net_mode=net_mode,
                 owns_tmp=True,
+                applies=applies,
             )
         except BaseException:
             ptmp.remove_private_tmp(tmpdir)
