@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
-from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
+from evidence.errors import EXIT_WALL, EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.cgroups import RunCgroup
@@ -279,6 +279,7 @@ class StandaloneRun:
                 fail_closed=args.fail_closed,
                 net_mode=args.net,
                 environ=os.environ,
+                applies=("limits",),
             )
         elif args.net:
             from evidence.policy.netns import PrivateNetns
@@ -351,9 +352,13 @@ class StandaloneRun:
         behind in its cgroup and wait until the cgroup is empty."""
         assert self.child is not None
         try:
-            assert self.run is not None
-            status = _wait(self.child, self.run)
-            if status < 0:
+            assert self.run is not None and self.cgroup is not None
+            status = _wait(self.child, self.run, self.cgroup)
+            if self.run.wall_reached:
+                self.signal = signal_name(-status) if status < 0 else None
+                self.exit_code = None if status < 0 else status
+                self.rc = EXIT_WALL
+            elif status < 0:
                 self.signal = signal_name(-status)
                 self.exit_code = None
                 self.rc = 128 - status
@@ -452,15 +457,25 @@ def _blocking(*fds: int) -> None:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
 
 
-def _wait(child: subprocess.Popen[bytes], run: Run) -> int:
-    """Wait for the command, collecting connect-guard denials meanwhile."""
-    if run.enforcement is None or run.enforcement.guard is None:
+def _wait(child: subprocess.Popen[bytes], run: Run, cgroup: RunCgroup) -> int:
+    """Wait for the command, collecting connect-guard denials and reading the policy's limits
+    meanwhile; the wall limit kills the run's cgroup, saying so."""
+    guard = run.enforcement is not None and run.enforcement.guard is not None
+    if not guard and run.limits is None:
         return child.wait()
     while True:
         try:
-            return child.wait(timeout=0.1)
+            return child.wait(timeout=0.1 if guard else 1.0)
         except subprocess.TimeoutExpired:
-            run.poll_denials()
+            if guard:
+                run.poll_denials()
+            if run.poll_limits():
+                assert run.limits is not None
+                print(
+                    f"evidence: the run reached limits.wall ({(run.limits.limits.wall_ms or 0) / 1000:g} s): killing it",
+                    file=sys.stderr,
+                )
+                cgroup.kill()
 
 
 def _summary(manifest: dict[str, Any], bundle: Path) -> None:

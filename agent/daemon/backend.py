@@ -355,6 +355,7 @@ class RecorderBackend:
         try:
             if proc is None or (pidfd is not None and exits.observe(pidfd, 0).state != "running"):
                 raise ProcessLookupError
+            run.run.enter_limits(pid)  # the policy's limits held on v1 hierarchies, if any
             (cg.path / "cgroup.procs").write_text(str(pid))
         except OSError as e:
             self._abandon(run)
@@ -539,11 +540,20 @@ class RecorderBackend:
         return [r.info for r in self.open_runs()]
 
     def _poll_denials(self, run: AgentRun) -> None:
-        """Move the connect guard's denials into the run's records."""
+        """Move the connect guard's denials into the run's records; read its limits (the wall limit
+        reached: its cgroup is killed, and the client sees its command killed)."""
         try:
             run.run.poll_denials()
         except Exception as e:  # noqa: BLE001 - housekeeping goes on; the guard's losses are counted
             logger.warning("run %s: reading connect denials failed: %s", run.session.session_id, e)
+        try:
+            if run.run.poll_limits() and run.cgroup is not None:
+                logger.info(
+                    "run %s: limits.wall reached: killing %s", run.session.session_id, run.cgroup.path
+                )
+                run.cgroup.kill()
+        except Exception as e:  # noqa: BLE001 - housekeeping goes on
+            logger.warning("run %s: reading its limits failed: %s", run.session.session_id, e)
 
     def poll_denials(self) -> None:
         for run in self.open_runs():

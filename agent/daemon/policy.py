@@ -33,6 +33,7 @@ def agent_enforcement(spec: PolicySpec, net: Network = None) -> Enforcement:
         fail_closed=spec.fail_closed,
         env_removed=spec.env_removed,
         net_mode=net,
+        applies=("limits",),  # on the cgroup the agent makes for the run (backend.py: _isolate)
     )
 
 

@@ -104,7 +104,7 @@ class Enforcement:
         env_removed: Sequence[str] = (),
         net_mode: str | None = None,
         owns_tmp: bool = False,
-        applies: Collection[Section] = (),
+        applies: Collection[str] = (),
     ) -> None:
         """`applies`: the sections of issue 24 (commands, limits) that the caller puts in force on
         the run; a section of the policy it does not apply is a degradation, never a claim."""
@@ -152,7 +152,7 @@ class Enforcement:
         fail_closed: bool,
         net_mode: str | None,
         environ: Mapping[str, str],
-        applies: Collection[Section] = (),
+        applies: Collection[str] = (),
     ) -> Enforcement:
         """The policy at `policy_path` on a run of this process's: a private tmp, the environment
         scrubbed, and the network namespace (`net_mode`) made now."""
@@ -218,12 +218,25 @@ class Enforcement:
             )
 
     # ---- around the child ----------------------------------------------------------------------
-    def enforce_on(self, session: Session) -> None:
+    def enforce_on(
+        self, session: Session, *, watch: Callable[[Sequence[SpoolRecord]], None] | None = None
+    ) -> None:
         """Make `session` this policy's run (standalone and through the agent alike): the manifest's
         policy, the policy's degradations, denials of what it records, and the connect guard on its
-        cgroup, attached before the command is in it."""
-        session.enforce(self.manifest_policy(), self.degradations, self.observe)
+        cgroup, attached before the command is in it. `watch`: shown the run's records too."""
+        observe = self.observe
+        if watch is not None:
+
+            def observe(records: Sequence[SpoolRecord]) -> list[DenialRecord]:
+                watch(records)
+                return self.observe(records)
+
+        session.enforce(self.manifest_policy(), self.degradations, observe)
         self.attach(str(session.cgroup_path))
+
+    @property
+    def fail_closed(self) -> bool:
+        return self._fail_closed
 
     def attach(self, cgroup_path: str) -> None:
         if self.guard is not None:
