@@ -46,6 +46,7 @@ from evidence.bundle.record_types import ExitRecord, LimitRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 
 if TYPE_CHECKING:
+    from evidence.agent.recorder.command_rules import CommandRules
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.limits import AppliedLimits, LimitEvent, LimitWatcher
     from evidence.agent.recorder.recording import Recorder
@@ -111,6 +112,7 @@ class Run:
         self._polled_ns = 0
         self._killed: collections.deque[ExitRecord] = collections.deque(maxlen=4096)  # SIGKILLed
         self.wall_reached = False
+        self.commands: CommandRules | None = None  # the policy's command rules, when in force
 
     @property
     def session_id(self) -> str:
@@ -300,6 +302,8 @@ class Run:
             self.poll_denials()
         except Exception as e:  # noqa: BLE001 - the bundle is written all the same; the guard counts its losses
             logger.warning("run %s: reading connect denials failed: %s", self.session_id, e)
+        if self.commands is not None:  # the run's processes are gone: nothing waits any more
+            self.close_commands()
         if self._watcher is not None:  # the last counts, the run's exits all read: the victims named
             self.recorder.drain()
             self.poll_limits()
@@ -324,7 +328,14 @@ class Run:
         enforcement, self.enforcement = self.enforcement, None
         if enforcement is not None:
             enforcement.close()
+        self.close_commands()
         self.close_limits()
+
+    def close_commands(self) -> None:
+        """Stop deciding the run's execs (a waiting one fails) and withdraw its approval requests."""
+        rules, self.commands = self.commands, None
+        if rules is not None:
+            rules.close()
 
     def close_limits(self) -> None:
         """Remove the v1 cgroups made for the run's limits (killing what is left in them); once."""
