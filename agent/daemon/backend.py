@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 from evidence.agent.daemon import exits
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunStatus, UnknownRun
+from evidence.agent.daemon.policy import command_rules, exec_listener
 from evidence.agent.daemon.runs import (
     ADOPTED,
     AgentRun,
@@ -54,6 +55,7 @@ from evidence.agent.daemon.runs import (
     process_depths,
 )
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
+from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
 from evidence.agent.recorder.recovery import unique_path
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder
     from evidence.bundle.attestation import Signer
-    from evidence.bundle.record_types import SpoolRecord
+    from evidence.bundle.record_types import ApprovalRecord, SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,9 @@ class RecorderBackend:
         self._bundle_bytes = 0
         self._lag = 0.0
         self._lag_probe_since: float | None = None
+        # ONE broker for every run's approvals (command rules' `approve`): the API's /v1/approvals
+        # and `evidence approvals` answer through it; each record goes to its run
+        self.approvals = ApprovalBroker(record=lambda _rec: None, route=self._approval_record)
 
     # lifecycle
 
@@ -300,7 +305,9 @@ class RecorderBackend:
         # loaded and compiled before anything is made: a bad one starts nothing
         enforcement = loaded_enforcement(policy, net) if policy is not None else None
         try:
-            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
+            return self._isolate(
+                pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net, policy
+            )
         except BaseException:
             if enforcement is not None:
                 enforcement.close()
@@ -316,6 +323,7 @@ class RecorderBackend:
         pidfd: int | None,
         enforcement: Enforcement | None,
         net: Network = None,
+        spec: PolicySpec | None = None,
     ) -> RunStatus:
         from evidence.agent.recorder.cgroups import isolation_home
 
@@ -329,7 +337,13 @@ class RecorderBackend:
             )
         # the client is not trusted to have given its command evidence's filters: read them back
         unfiltered, compat = filter_degradations(pid)
-        cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
+        listener = exec_listener(pid, pidfd, enforcement, spec)
+        try:
+            cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
+        except BaseException:
+            if listener is not None:
+                os.close(listener)
+            raise
         said = ([misplaced] if misplaced is not None else []) + unfiltered
         try:  # the policy's guard holds the cgroup before the command is in it, the record says all
             run = self.start_run(
@@ -343,8 +357,15 @@ class RecorderBackend:
             )
         except BaseException:
             cg.remove()
+            if listener is not None:
+                os.close(listener)
             raise
         run.cgroup = cg
+        if listener is not None:
+            assert enforcement is not None and spec is not None and pidfd is not None
+            run.run.commands = command_rules(
+                run.run, pid, pidfd, listener, enforcement, spec, self.approvals, self._require_recorder()
+            )
         if pidfd is not None:
             run.pidfd = os.dup(pidfd)
         if self.watchdog is not None:
@@ -363,6 +384,11 @@ class RecorderBackend:
             raise UsageError(f"cannot move process {pid} into {cg.path}: {why}") from None
         logger.info("run %s: process %d moved into its own cgroup %s", sid, pid, cg.path)
         return run.info
+
+    def _approval_record(self, session_id: str, rec: ApprovalRecord) -> None:
+        run = self.run(session_id)
+        if run is not None:
+            run.session.add_records([rec])
 
     def _recording(self, cgroup: Path) -> tuple[Path, str] | None:
         """(cgroup, session) of the run that records `cgroup` (it or an ancestor), if any."""
