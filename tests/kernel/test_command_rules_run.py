@@ -182,6 +182,16 @@ def test_the_recorder_killed_while_an_exec_waits(place: Path) -> None:
             proc.kill()
     assert not marker.exists() or marker.read_text() == "", "id ran"
     assert not after.exists()
+    rec = evidence("recover")  # the run's records are left for recover, which writes its bundle
+    assert rec.returncode == 0 and "(cut short)" in rec.stderr, rec.stderr
+    recovered = Path(rec.stdout.split()[-1])
+    _, events = read_bundle(recovered)
+    recovered.unlink()
+    # (the supervisor's records are kept in memory until the run finishes, as the connect guard's
+    # denials are: the request is not in the recovered bundle; the exec that ran nothing is)
+    asked = [e["data"]["state"] for e in of_type(events, "policy.approval")]
+    assert "allowed" not in asked, asked
+    assert not [e for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/id"]
 
 
 def test_a_policy_without_commands_loads_no_filter(place: Path) -> None:
@@ -203,3 +213,49 @@ def test_a_policy_without_commands_loads_no_filter(place: Path) -> None:
         proc.stdout,
         proc2.stdout,
     )
+
+
+def test_an_approval_answered_on_the_terminal_evidence_run_was_started_from(place: Path) -> None:
+    """`evidence run` on a terminal (pexpect): the held exec is asked there; `y` and a reason
+    allow it, recorded with the terminal owner's uid; `n` denies the next."""
+    import pexpect
+
+    policy = place / "policy.yaml"
+    policy.write_text("version: 1\ncommands:\n" + textwrap.indent(APPROVE_ID, "  "))
+    bundle = place / "tty.tar.gz"
+    job = "/usr/bin/id -u; echo rc=$?; /usr/bin/id -g; echo rc2=$?"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "evidence", "run", "--bundle", str(bundle), "--policy", str(policy), "--",
+         *as_user(NOBODY, "/bin/sh", "-c", job)],
+        encoding="utf-8", timeout=60, cwd=str(place),
+    )  # fmt: skip
+    try:
+        child.expect(r"allow\? \[y/N")
+        assert "exec of /usr/bin/id" in child.before
+        child.sendline("y checked it")
+        child.expect(r"allow\? \[y/N")
+        out = child.before
+        child.sendline("no not today")
+        child.expect(pexpect.EOF)
+        out += child.before
+    finally:
+        child.close(force=True)
+    assert "rc=0" in out and "rc2=126" in out, out
+    _, events = read_bundle(bundle)
+    asked = [
+        (e["data"]["state"], e["data"].get("via"), e["data"].get("reason"))
+        for e in of_type(events, "policy.approval")
+    ]
+    assert asked == [
+        ("requested", None, None),
+        ("allowed", "terminal", "checked it"),
+        ("requested", None, None),
+        ("denied", "terminal", "not today"),
+    ], asked
+    owner = 0  # the pseudo-terminal pexpect made is root's
+    assert {
+        e["data"].get("by_uid")
+        for e in of_type(events, "policy.approval")
+        if e["data"]["state"] != "requested"
+    } == {owner}
