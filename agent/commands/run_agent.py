@@ -143,7 +143,8 @@ class ClientPolicy:
         }
         if listener is not None:
             body["exec_listener_fd"] = listener
-            body["quiet_denials"] = quiet
+        if quiet:
+            body["quiet_denials"] = True
         return body
 
     def close(self) -> None:

@@ -299,7 +299,7 @@ class StandaloneRun:
                     "--allow-setuid cannot run with a policy's command rules: their filter needs no_new_privs",
                     "drop --allow-setuid, or use --dry-run",
                 )
-            if self.exec_rules:
+            if not args.quiet_denials:  # the job is told of refusals on its own stderr
                 self._job_stderr = os.dup(2)
         elif args.net:
             from evidence.policy.netns import PrivateNetns
@@ -335,6 +335,12 @@ class StandaloneRun:
             where={"bundle_name": self.bundle.name, "bundle_path": str(self.bundle), "sign_key": key},
             held=True,  # locked while this run lives: `evidence recover` never takes its spool
         )
+        if self._job_stderr >= 0:
+            from evidence.agent.recorder.notices import NoticeWriter
+
+            run.notices = NoticeWriter(self._job_stderr)
+            self._job_stderr = -1  # the writer's now
+            run.notices.start()
         run.start(self.cgroup.path)  # with its policy, and its run record written
         self.watchdog.watch(self.cgroup.path, self.session_id)
         # the helper becomes the command (same pid): known as the run's root before it can exec, so
@@ -374,7 +380,6 @@ class StandaloneRun:
         returns what starts the supervisor on the listener the launcher hands over."""
         from evidence.agent.recorder.approvals import ApprovalBroker
         from evidence.agent.recorder.command_rules import CommandRules
-        from evidence.agent.recorder.notices import NoticeWriter
         from evidence.agent.recorder.tty_approver import TtyApprover
 
         assert self.enforcement is not None and self.recorder is not None
@@ -391,18 +396,14 @@ class StandaloneRun:
         if self.approver is not None:
             owner = self.approver.terminal_uid
             self.approver.start()
-        notices = None
-        if self._job_stderr >= 0:
-            notices = NoticeWriter(self._job_stderr, quiet=self.args.quiet_denials)
-            self._job_stderr = -1  # the writer's now
-            notices.start()
+        notices = run.notices
         run.commands = CommandRules(
             self.session_id,
             self.enforcement.policy,
             add_records=session.add_records,
             broker=broker,
             owner_uid=owner,
-            notices=notices,
+            tell=notices.tell if notices is not None else lambda _line: None,
             dry_run=dry_run,
             clock_ns=clock_ns,
         )

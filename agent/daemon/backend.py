@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 from evidence.agent.daemon import exits
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunStatus, UnknownRun
-from evidence.agent.daemon.policy import command_rules, exec_listener
+from evidence.agent.daemon.policy import command_rules, exec_listener, job_notices
 from evidence.agent.daemon.runs import (
     ADOPTED,
     AgentRun,
@@ -361,6 +361,8 @@ class RecorderBackend:
                 os.close(listener)
             raise
         run.cgroup = cg
+        if spec is not None and pidfd is not None:
+            job_notices(run.run, pidfd, spec)
         if listener is not None:
             assert enforcement is not None and spec is not None and pidfd is not None
             run.run.commands = command_rules(

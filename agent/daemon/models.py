@@ -187,7 +187,7 @@ class PolicySpec(Request):
     # the policy's command rules: the descriptor number, in the process to isolate, of the exec
     # filter's listener (the agent takes it with pidfd_getfd and checks the filter is installed)
     exec_listener_fd: int | None = Field(default=None, ge=3, le=1 << 20)
-    quiet_denials: bool = False  # tell the job nothing of refused or held execs
+    quiet_denials: bool = False  # tell the job nothing of the policy's refusals (--quiet-denials)
 
 
 class IsolateRequest(Request):

@@ -141,19 +141,11 @@ def command_rules(
     recorder: Recorder,
 ) -> CommandRules:
     """The run's command rules (agent/recorder/command_rules.py), deciding from `listener` now:
-    approvals through the agent's one broker, the job told on its own stderr (a copy of the
-    process's descriptor 2) unless the client asked for quiet."""
+    approvals through the agent's one broker, the job told through the run's notices."""
     from evidence.agent.recorder.command_rules import CommandRules
-    from evidence.agent.recorder.notices import NoticeWriter
 
     offset = recorder.wall_offset_ns
-    notices = None
-    if not spec.quiet_denials:
-        try:
-            notices = NoticeWriter(pidfd_getfd(pidfd, 2))
-            notices.start()
-        except OSError as e:
-            logger.info("run %s: the job's stderr cannot be taken: %s", run.session_id, e.strerror)
+    notices = run.notices
     try:
         owner = os.stat(f"/proc/{pid}").st_uid
     except OSError:
@@ -164,7 +156,7 @@ def command_rules(
         add_records=run.session.add_records,
         broker=broker,
         owner_uid=owner,
-        notices=notices,
+        tell=notices.tell if notices is not None else lambda _line: None,
         dry_run=enforcement.mode == "dry-run",
         clock_ns=lambda: time.monotonic_ns() + offset,
     )
@@ -174,3 +166,19 @@ def command_rules(
         rules.close()
         raise
     return rules
+
+
+def job_notices(run: Run, pidfd: int, spec: PolicySpec) -> None:
+    """Tell the job of the policy's refusals on its own stderr (a copy of the process's descriptor
+    2, taken before it execs), unless the client asked for quiet (--quiet-denials)."""
+    from evidence.agent.recorder.notices import NoticeWriter
+
+    if spec.quiet_denials:
+        return
+    try:
+        fd = pidfd_getfd(pidfd, 2)
+    except OSError as e:
+        logger.info("run %s: the job's stderr cannot be taken: %s", run.session_id, e.strerror)
+        return
+    run.notices = NoticeWriter(fd)
+    run.notices.start()

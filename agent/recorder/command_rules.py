@@ -6,8 +6,8 @@ listener over (agent/recorder/launch.py: `LaunchSpec.supervise`, agent/recorder/
 `CommandRules.supervise` starts an `ExecSupervisor` (exec_supervisor.py) on it, whose decisions
 become the run's records: a refused exec (or, in a dry run, one the rules would refuse or ask
 about) a `policy.denial`, each approval request and its answer a `policy.approval` (the broker's
-records). Refusals and waits are told to the job through a `NoticeWriter` (notices.py) on a dup of
-its stderr, unless `--quiet-denials`. `close` (once the run's processes are gone) stops the
+records). Refusals and waits are told to the job (`tell`: the run's `NoticeWriter`, notices.py, on
+a dup of its stderr, unless `--quiet-denials`). `close` (once the run's processes are gone) stops the
 supervisor and withdraws what still waits.
 
 The no-race check after an allowed exec (exec_check.py, its BPF half to come) plugs in here:
@@ -27,7 +27,6 @@ from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.approvals import ApprovalBroker
-    from evidence.agent.recorder.notices import NoticeWriter
     from evidence.bundle.record_types import SpoolRecord
     from evidence.policy.model import Policy
 
@@ -63,7 +62,7 @@ class CommandRules:
         add_records: Callable[[list[SpoolRecord]], None],
         broker: ApprovalBroker,
         owner_uid: int,
-        notices: NoticeWriter | None = None,
+        tell: Callable[[str], None] = lambda _line: None,
         dry_run: bool = False,
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
@@ -74,7 +73,7 @@ class CommandRules:
         self.add_records = add_records
         self.broker = broker
         self.owner_uid = owner_uid
-        self.notices = notices
+        self.tell = tell  # a line to the job (the run's NoticeWriter.tell)
         self.dry_run = dry_run
         self.clock_ns = clock_ns
         self.supervisor: ExecSupervisor | None = None
@@ -89,7 +88,7 @@ class CommandRules:
                 root_pid,
                 approver=self.broker.approver(self.session_id, self.owner_uid, self.policy.approvals),
                 on_decision=self._decided,
-                tell=self.notices.tell if self.notices is not None else lambda _line: None,
+                tell=self.tell,
                 dry_run=self.dry_run,
                 publish=None,  # the BPF exec check plugs in here (exec_check.py)
             )
@@ -109,6 +108,3 @@ class CommandRules:
         if sup is not None:
             sup.stop()
         self.broker.close_run(self.session_id)
-        if self.notices is not None:
-            self.notices.close()
-            self.notices = None

@@ -219,17 +219,27 @@ class Enforcement:
 
     # ---- around the child ----------------------------------------------------------------------
     def enforce_on(
-        self, session: Session, *, watch: Callable[[Sequence[SpoolRecord]], None] | None = None
+        self,
+        session: Session,
+        *,
+        watch: Callable[[Sequence[SpoolRecord]], None] | None = None,
+        tell: Callable[[DenialRecord], None] | None = None,
     ) -> None:
         """Make `session` this policy's run (standalone and through the agent alike): the manifest's
         policy, the policy's degradations, denials of what it records, and the connect guard on its
-        cgroup, attached before the command is in it. `watch`: shown the run's records too."""
+        cgroup, attached before the command is in it. `watch`: shown the run's records too;
+        `tell`: given each denial of its records (the job is told of refusals)."""
         observe = self.observe
-        if watch is not None:
+        if watch is not None or tell is not None:
 
             def observe(records: Sequence[SpoolRecord]) -> list[DenialRecord]:
-                watch(records)
-                return self.observe(records)
+                if watch is not None:
+                    watch(records)
+                out = self.observe(records)
+                if tell is not None:
+                    for rec in out:
+                        tell(rec)
+                return out
 
         session.enforce(self.manifest_policy(), self.degradations, observe)
         self.attach(str(session.cgroup_path))

@@ -42,13 +42,14 @@ from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.kernel import capabilities_in_force
 from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, write_run_record
 from evidence.bundle.format import Degradation
-from evidence.bundle.record_types import ExitRecord, LimitRecord, SpoolRecord
+from evidence.bundle.record_types import DenialRecord, ExitRecord, LimitRecord, SpoolRecord
 from evidence.errors import PolicyError, SetupError
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.command_rules import CommandRules
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.limits import AppliedLimits, LimitEvent, LimitWatcher
+    from evidence.agent.recorder.notices import NoticeWriter
     from evidence.agent.recorder.recording import Recorder
     from evidence.agent.recorder.session import Session, Spool
     from evidence.bundle.attestation import Signer
@@ -113,6 +114,8 @@ class Run:
         self._killed: collections.deque[ExitRecord] = collections.deque(maxlen=4096)  # SIGKILLed
         self.wall_reached = False
         self.commands: CommandRules | None = None  # the policy's command rules, when in force
+        # the job's stderr: a line for each refusal of the policy's (exec, file, connect), rate-limited
+        self.notices: NoticeWriter | None = None
 
     @property
     def session_id(self) -> str:
@@ -153,7 +156,7 @@ class Run:
             raise
         if self.enforcement is not None:
             self.enforcement.enforce_on(
-                self._session, watch=self._watch_exits if self.limits is not None else None
+                self._session, watch=self._watch_exits if self.limits is not None else None, tell=self.tell
             )
         self._session.degrade(*said)
         self.save()
@@ -263,10 +266,19 @@ class Run:
         self.save()
 
     def poll_denials(self, timeout_ms: int = 0) -> None:
-        """Move the connect guard's denials into the run's records."""
+        """Move the connect guard's denials into the run's records (and tell the job)."""
         enf = self.enforcement
         if enf is not None and enf.guard is not None:
-            self.session.add_records(enf.poll_denials(self.session.correlator.exe_of, timeout_ms=timeout_ms))
+            denials = enf.poll_denials(self.session.correlator.exe_of, timeout_ms=timeout_ms)
+            self.session.add_records(denials)
+            for rec in denials:
+                self.tell(rec)
+
+    def tell(self, rec: DenialRecord) -> None:
+        """One line on the job's stderr for a refusal (notices.py: not for what went on)."""
+        notices = self.notices
+        if notices is not None:
+            notices.denial(rec)
 
     def save(self, **ended: str | int | None) -> Path | None:
         """Write the run record: the session's description, whole, and where its bundle goes
@@ -330,6 +342,9 @@ class Run:
             enforcement.close()
         self.close_commands()
         self.close_limits()
+        notices, self.notices = self.notices, None
+        if notices is not None:
+            notices.close()
 
     def close_commands(self) -> None:
         """Stop deciding the run's execs (a waiting one fails) and withdraw its approval requests."""
