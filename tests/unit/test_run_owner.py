@@ -73,7 +73,7 @@ class FakeEnforcement:
         self.polls = 0
         self.policy = parse_policy("version: 1\n", name="p.yaml", variables={})  # no limits: nothing to apply
 
-    def enforce_on(self, session: Session, watch: Any = None) -> None:
+    def enforce_on(self, session: Session, watch: Any = None, tell: Any = None) -> None:
         session.enforce({"mode": "enforce"}, [SAID], lambda recs: [])
 
     def poll_denials(self, exe_of: Callable[[int], str | None], timeout_ms: int = 0) -> list[Any]:
