@@ -1,7 +1,8 @@
 """A policy's `limits` on a run (issue 24), standalone (`evidence run --policy`, the job as nobody)
 and through an agent (`run --agent`, an unprivileged client): a memory hog OOM-killed and recorded
 naming the process, a fork bomb stopped at limits.pids and recorded, limits.wall killing the run
-(standalone: exit 124), and the manifest saying which limits were in force."""
+(standalone: exit 124), and the manifest saying which limits were in force; --fail-closed runs when
+they are."""
 
 from __future__ import annotations
 
@@ -135,15 +136,18 @@ def test_the_wall_limit_kills_the_run_and_says_so(agent: Agent, place: Path, via
         assert proc.returncode != 0
 
 
-def test_fail_closed_refuses_a_limit_it_cannot_apply(place: Path) -> None:
-    """A limit the host cannot hold under --fail-closed: nothing runs, exit 2 (here: the policy's
-    commands section, which this run does not apply yet)."""
+def test_fail_closed_runs_when_commands_and_limits_are_in_force(place: Path) -> None:
+    """--fail-closed with commands and limits this host applies: the run starts, nothing degraded
+    (a section not applied refuses it: tests/unit/test_enforce.py)."""
     policy = place / "policy.yaml"
-    policy.write_text("version: 1\ncommands:\n  rules:\n    - {name: x, program: [curl], decision: deny}\n")
+    policy.write_text(
+        "version: 1\nlimits:\n  pids: 64\ncommands:\n  rules:\n    - {name: x, program: [curl], decision: deny}\n"
+    )
     marker = place / "ran"
     proc = evidence(
         "run", "--bundle", str(place / "b.tar.gz"), "--policy", str(policy), "--fail-closed", "--",
-        "/bin/sh", "-c", f"touch {marker}",
+        *as_user(NOBODY, "/bin/sh", "-c", f"touch {marker}"),
     )  # fmt: skip
-    assert proc.returncode == 2 and not marker.exists(), proc.stderr
-    assert "commands" in proc.stderr
+    assert proc.returncode == 0 and marker.exists(), proc.stderr
+    _, events = read_bundle(place / "b.tar.gz")
+    assert of_type(events, "degradation") == [], of_type(events, "degradation")
