@@ -406,6 +406,7 @@ def _isolated_run(
             if policy is not None
             else None,
             net=args.net,
+            subjects=list(args.subject) or None,
         )
     except Error as e:
         os.close(go_w)  # the child reads EOF and exits without running anything

@@ -125,6 +125,7 @@ class RunOptions:
     sign_key: str | None = None
     pass_fd: tuple[int, ...] = ()
     quiet_denials: bool = False
+    subjects: tuple[str, ...] = ()  # --subject
 
 
 class StandaloneRun:
@@ -329,6 +330,7 @@ class StandaloneRun:
                 capabilities=self.capabilities,
                 degradations=self.degradations,
                 session_id=self.session_id,
+                subjects=self.args.subjects,
             ),
             record_dir=RUN_SPOOL_DIR,
             enforcement=self.enforcement,
