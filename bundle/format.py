@@ -50,6 +50,7 @@ LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 POLICY_APPROVAL = "dev.evidence.policy.approval"
+POLICY_LIMIT = "dev.evidence.policy.limit"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
 
@@ -325,6 +326,23 @@ class PolicyApproval(BaseModel):
     reason: str | None = None
 
 
+class PolicyLimit(BaseModel):
+    """A resource limit of the policy reached (`limits`), as the kernel counted it since the last
+    look (agent/recorder/limits.py): `kind` oom_kill (processes the OOM killer took at
+    limits.memory), memory_max (memory use reached the limit), fork_refused (forks refused at
+    limits.pids), cpu_throttled (periods throttled at limits.cpu), wall (limits.wall reached: the
+    run is killed). `pids`: the processes it names (an OOM kill's victims, from the run's exits:
+    `certain` when as many as counted, else candidates)."""
+
+    model_config = _FROZEN
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
 class Inventory(BaseModel):
     model_config = _FROZEN
     pid: int
@@ -348,6 +366,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
     POLICY_APPROVAL: PolicyApproval,
+    POLICY_LIMIT: PolicyLimit,
     INVENTORY: Inventory,
     NETWORK_DNS: NetworkDns,
 }

@@ -209,6 +209,19 @@ class ApprovalRecord(TypedDict):
     reason: NotRequired[str | None]
 
 
+class LimitRecord(TypedDict):
+    """A resource limit reached (agent/recorder/limits.py: LimitEvent; format.PolicyLimit)."""
+
+    k: Literal["limit"]
+    t: int
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
 class InventoryRecord(TypedDict):
     """A process already in the cgroup when the recording started (agent/recorder/inventory.py)."""
 
@@ -242,6 +255,7 @@ SpoolRecord = (
     | NamespaceRecord
     | DenialRecord
     | ApprovalRecord
+    | LimitRecord
     | InventoryRecord
     | DegradationRecord
 )
@@ -258,6 +272,7 @@ RECORD_TYPES: dict[str, type] = {
     "namespace": NamespaceRecord,
     "denial": DenialRecord,
     "approval": ApprovalRecord,
+    "limit": LimitRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,
 }

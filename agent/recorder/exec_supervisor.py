@@ -585,6 +585,13 @@ class ExecSupervisor:
             return self._finish(
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
+        if req.identity is None and _identity(req.program) is None:
+            # the name leads to no file for the caller (a shell's PATH search tries each directory):
+            # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
+            with self._lock:
+                if self.listener >= 0 and still_pending(self.listener, note.id):
+                    respond(self.listener, note.id, error=0 if self.dry_run else errno.ENOENT)
+            return None
         decision = decide_request(self.commands, req, depth)
         if self.dry_run:  # decide, record, let it run; nobody is asked
             return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))
