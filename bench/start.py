@@ -256,7 +256,9 @@ def main() -> int:
     ap.add_argument("ways", nargs="*", default=["bench", "user", "user-tty", "cold-pyc", "python", "imports"])
     ap.add_argument("-n", type=int, default=7, help="runs of each way (interleaved)")
     ap.add_argument("--profile", metavar="WAY", help="one run of WAY under pyinstrument, its tree printed")
-    ap.add_argument("--before", metavar="DIR", help="way `before`: `python -m evidence` from DIR, beside `module`")
+    ap.add_argument(
+        "--before", metavar="DIR", help="way `before`: `python -m evidence` from DIR, beside `module`"
+    )
     ap.add_argument("--phases", metavar="WAY", help="-n runs of WAY with its phases timed (wall and CPU)")
     args = ap.parse_args()
     if args.before:
