@@ -239,6 +239,7 @@ class _Part:
             fmt.LOSS: self._loss,
             fmt.DEGRADATION: self._degradation,
             fmt.POLICY_DENIAL: self._denial,
+            fmt.POLICY_VIOLATION: self._violation,
             fmt.INVENTORY: self._inventory,
             fmt.PROCESS_NAMESPACE: self._namespace,
             fmt.NETWORK_DNS: self._dns,
@@ -507,6 +508,13 @@ class _Part:
             return
         if target != ev["subject"]:
             self._text(target, "path", ev)
+
+    def _violation(self, ev: EventJSON) -> None:
+        d = ev["data"]
+        exe = d.get("exe") or "?"
+        how = "killed" if d["killed"] else f"not killed ({d['result']})"
+        what = ", ".join(d["reasons"])
+        self.add("EV021", f"{exe} (pid {d['pid']}) was not the exec decided ({what}): {how}", exe, ev)
 
     def _namespace(self, ev: EventJSON) -> None:
         d = ev["data"]

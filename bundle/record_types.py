@@ -222,6 +222,26 @@ class LimitRecord(TypedDict):
     detail: str
 
 
+class ViolationRecord(TypedDict):
+    """An exec killed by the exec check (agent/recorder/correlate.py from decode's exec_violation;
+    format.PolicyViolation)."""
+
+    k: Literal["violation"]
+    t: int
+    pid: int
+    tid: int
+    exe: str | None
+    operation: Literal["exec"]
+    reasons: list[Literal["no_pin", "file", "args", "too_long", "unread"]]
+    loaded: str | None
+    decided: str | None
+    args_len: int
+    decided_args_len: int | None
+    rule: str
+    killed: bool
+    result: Result
+
+
 class InventoryRecord(TypedDict):
     """A process already in the cgroup when the recording started (agent/recorder/inventory.py)."""
 
@@ -256,6 +276,7 @@ SpoolRecord = (
     | DenialRecord
     | ApprovalRecord
     | LimitRecord
+    | ViolationRecord
     | InventoryRecord
     | DegradationRecord
 )
@@ -273,6 +294,7 @@ RECORD_TYPES: dict[str, type] = {
     "denial": DenialRecord,
     "approval": ApprovalRecord,
     "limit": LimitRecord,
+    "violation": ViolationRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,
 }
