@@ -12,8 +12,7 @@ workloads would send them:
 - compress: what the deflate thread does to the events (sha256, CRC-32, deflate at level 6),
   timed on its own over the bundle's events.ndjson.
 Cases: `one`, N opens of one path (bench.py's open1m-full); `distinct`, N opens of distinct paths
-that do not exist, from two processes interleaved (bench.py's distinct-full, one of its two halves
-per N). Times are CPU times (time.thread_time for the thread doing the stage), not walls, so that the
+that do not exist, from two processes interleaved (bench.py's distinct-full makes 2 x N). Times are CPU times (time.thread_time for the thread doing the stage), not walls, so that the
 figures hold on a shared machine; each stage is also given as a share of the whole.
 
 Side by side: `--tree DIR` (repeatable) runs the same stages over another checkout's code (a
