@@ -54,6 +54,7 @@ from evidence.agent.daemon.runs import (
     process_depths,
 )
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
+from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
 from evidence.agent.recorder.recovery import unique_path
@@ -111,6 +112,8 @@ class RecorderBackend:
         self._bundle_bytes = 0
         self._lag = 0.0
         self._lag_probe_since: float | None = None
+        # the API's /approvals (agent/daemon/api.py); the run wiring routes its records to each run's spool
+        self.approvals = ApprovalBroker(record=lambda _rec: None)
 
     # lifecycle
 
