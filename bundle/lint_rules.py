@@ -162,6 +162,21 @@ RULES: dict[str, Rule] = {
              "The names such answers give are recorded as a connect's 'other_names' and are "
              "never used to compare connects: those are compared by address. Not reported for "
              "bundles without manifest.resolvers (recorded before the field)."),
+        # EV017, EV018: the attestation's subjects (bundle engineer, issue 26)
+        Rule("EV019", "approval-timed-out", "warning", "An exec waiting for a person's approval was decided by the timeout",
+             "A dev.evidence.policy.approval event resolved with 'via': 'timeout': a commands rule "
+             "with decision approve held the exec, nobody answered within approvals.timeout, and "
+             "approvals.on_timeout decided (its 'state' says which). With on_timeout: allow, the "
+             "exec ran without anyone's approval; with deny, the job may have failed for want of an "
+             "answer. Check that the approvers were reachable (the terminal of evidence run, or "
+             "evidence approvals through the agent), or lengthen the timeout."),
+        Rule("EV020", "exec-refused", "warning", "An exec was refused by a commands rule",
+             "A dev.evidence.policy.denial with operation 'exec': the exec supervisor refused the "
+             "exec (EACCES; 'enforced': false in a --dry-run, where it would have been) by the "
+             "commands rule its 'rule' names (commands.rules[N] (name), or commands.default), or "
+             "a person denied it. The job tried to run a program its policy forbids: a build that "
+             "needs it needs the policy changed; one that should not is worth a look. An exec the "
+             "supervisor could not read is named <unreadable>."),
     )
 }  # fmt: skip
 BY_NAME = {r.name: r for r in RULES.values()}
