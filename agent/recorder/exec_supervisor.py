@@ -28,6 +28,7 @@ kernel fails every waiting and later exec of the job with ENOSYS: command rules 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -39,6 +40,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -504,6 +506,49 @@ def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
 
 
 @dataclass
+class RoundTrips:
+    """How long the supervisor takes per exec, from receiving the notification to responding (an
+    exec held for approval is not counted: that is a person's time): all execs counted, the last
+    `keep` timed one by one for the median and the 99th percentile."""
+
+    keep: int = 65536
+    count: int = 0
+    total_ns: int = 0
+    max_ns: int = 0
+    recent: collections.deque[int] = field(default_factory=collections.deque)
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.total_ns += ns
+        self.max_ns = max(self.max_ns, ns)
+        self.recent.append(ns)
+        if len(self.recent) > self.keep:
+            self.recent.popleft()
+
+    def summary(self) -> dict[str, float]:
+        """count, and mean/median/p99/max in microseconds."""
+        ordered = sorted(self.recent)
+        if not ordered:
+            return {"count": 0}
+        return {
+            "count": self.count,
+            "mean_us": self.total_ns / self.count / 1000,
+            "median_us": ordered[len(ordered) // 2] / 1000,
+            "p99_us": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)] / 1000,
+            "max_us": self.max_ns / 1000,
+        }
+
+    def line(self) -> str:
+        s = self.summary()
+        if not s["count"]:
+            return "exec supervisor: no exec decided"
+        return (
+            f"exec supervisor: {int(s['count'])} execs decided, receive to respond: median "
+            f"{s['median_us']:.1f} us, p99 {s['p99_us']:.1f} us, mean {s['mean_us']:.1f} us, max {s['max_us']:.1f} us"
+        )
+
+
+@dataclass
 class ExecSupervisor:
     """Answers a listener's exec notifications by the policy's command rules, on a thread."""
 
@@ -531,6 +576,9 @@ class ExecSupervisor:
     # --dry-run: every exec goes on; what the rules would refuse or ask is only recorded
     dry_run: bool = False
     _waiting: threading.BoundedSemaphore = field(init=False)
+    # receive to respond, per exec decided on the supervisor's thread (bench/bench.py reads the line
+    # stop() logs at INFO)
+    round_trips: RoundTrips = field(init=False, default_factory=RoundTrips)
 
     def __post_init__(self) -> None:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
@@ -546,6 +594,8 @@ class ExecSupervisor:
             os.write(self._stop_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.round_trips.count:
+            logger.info("%s", self.round_trips.line())
         with self._lock:  # no approval's thread answers through a descriptor closed (or reused)
             for fd in (self._stop_r, self._stop_w, self.listener):
                 with contextlib.suppress(OSError):
@@ -573,7 +623,9 @@ class ExecSupervisor:
                     continue
                 logger.error("exec supervisor: %s", e.strerror)
                 return
-            self.answer(note)
+            received = time.monotonic_ns()
+            if self.answer(note) is not None:
+                self.round_trips.add(time.monotonic_ns() - received)
 
     def answer(self, note: Notification) -> ExecDecision | None:
         """Decide one notification. An `approve` decision waits for its approver on a thread of
