@@ -176,7 +176,7 @@ class Correlator:
         the most frequent records, and most name a path the run named before: the decoded and
         resolved path is cached by what it depends on (the bytes, and for a relative path the
         directory it is resolved against). An open the kernel counted already (F_STATE) only updates
-        the descriptor table and makes no record (Recorder._process would drop it). `dino`: what
+        the descriptor table and makes no record (the pipeline's _process would drop it). `dino`: what
         dfd named at entry, `rino`: what the descriptor returned names, `kname`: the kernel's name of
         it (F_KNAME: the bytes after the path; see _open_path), `nlink`: a write open's file's link
         count (decode.py)."""
