@@ -381,6 +381,9 @@ class AgentAPI:
             for sid in [s for s in self._owners if s not in live]:  # finished by the agent itself
                 del self._owners[sid]
             self._owners[info.session_id] = peer.uid
+        broker = getattr(self.backend, "approvals", None)  # a test's fake may have none
+        if broker is not None:  # the run's approval requests are its owner's to see and answer
+            broker.set_owner(info.session_id, peer.uid)
 
     def _bundle_owner(self, name: str, path: Path) -> int:
         """Who may download a bundle: the run's owner (kept in memory and, where the file system

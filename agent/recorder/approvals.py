@@ -12,7 +12,10 @@ the agent's API and live stream), and waits, holding the exec in the kernel, unt
 - the exec's caller goes away (it was killed: its notification is no longer pending), or the run
   ends (`close_run`): the request is `withdrawn` and the exec does not run.
 Each request and each resolution is an `ApprovalRecord` handed to `record` (the recorder spools it
-as a dev.evidence.policy.approval event). A resolution is final: a second answer gets
+as a dev.evidence.policy.approval event); an agent's one broker serves every run, so each run's
+approver names its own sink (`approver(..., record=<the run's spool writer>)`: the agent's live
+stream then carries the request while the exec waits). Who owns a run is the API's to say
+(`set_owner`, called when a run starts through it). A resolution is final: a second answer gets
 AlreadyAnswered.
 
 If the supervisor itself dies while an exec waits, the kernel fails the exec (ENOSYS from a listener
@@ -28,7 +31,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from evidence.bundle.format import format_time
@@ -101,6 +104,7 @@ class Asked:
 @dataclass
 class _Open:
     request: ApprovalRequest
+    record: Callable[[ApprovalRecord], None]  # where its records go (the run's spool, in the agent)
     done: threading.Event = field(default_factory=threading.Event)
     answer: Answer | None = None
 
@@ -115,6 +119,7 @@ class ApprovalBroker:
     poll_s: float = 0.25  # how often a waiting request checks that its exec still waits
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _open: dict[str, _Open] = field(init=False, default_factory=dict)
+    _owners: dict[str, int] = field(init=False, default_factory=dict)  # run -> owner, set by the API
     _subscribers: list[Callable[[ApprovalRequest], None]] = field(init=False, default_factory=list)
 
     # -- subscribers (terminal prompt, API's event stream) ---------------------------------------
@@ -126,16 +131,42 @@ class ApprovalBroker:
 
     # -- the supervisor's side ----------------------------------------------------------------
 
-    def approver(self, run: str, owner_uid: int, policy: ApprovalsPolicy) -> Callable[[Asked], bool]:
-        """The supervisor's approver for one run: opens a request and waits for its answer."""
+    def approver(
+        self,
+        run: str,
+        owner_uid: int,
+        policy: ApprovalsPolicy,
+        record: Callable[[ApprovalRecord], None] | None = None,
+    ) -> Callable[[Asked], bool]:
+        """The supervisor's approver for one run: opens a request and waits for its answer. `record`:
+        where this run's approval records go (an agent's one broker serves every run: the run's
+        spool writer, which passes each record to the live stream as it is written); default the
+        broker's `record`. `owner_uid` stands until `set_owner` names the run's owner."""
 
         def approve(asked: Asked) -> bool:
-            request = self.open(asked, run=run, owner_uid=owner_uid, policy=policy)
+            request = self.open(asked, run=run, owner_uid=owner_uid, policy=policy, record=record)
             return self.wait(request.id, asked.pending).allowed
 
         return approve
 
-    def open(self, asked: Asked, *, run: str, owner_uid: int, policy: ApprovalsPolicy) -> ApprovalRequest:
+    def set_owner(self, run: str, uid: int) -> None:
+        """The run's owner, as the agent's API knows it (the uid of the peer that started the run):
+        who, besides root, sees and answers its requests, open ones included."""
+        with self._lock:
+            self._owners[run] = uid
+            for entry in self._open.values():
+                if entry.request.run == run:
+                    entry.request = replace(entry.request, owner_uid=uid)
+
+    def open(
+        self,
+        asked: Asked,
+        *,
+        run: str,
+        owner_uid: int,
+        policy: ApprovalsPolicy,
+        record: Callable[[ApprovalRecord], None] | None = None,
+    ) -> ApprovalRequest:
         request = ApprovalRequest(
             id=secrets.token_hex(8),
             run=run,
@@ -151,10 +182,12 @@ class ApprovalBroker:
             timeout_ms=policy.timeout_ms,
             on_timeout=policy.on_timeout,
         )
-        with self._lock:
-            self._open[request.id] = _Open(request)
+        sink = record or self.record
+        with self._lock:  # the owner read and the request listed at once: set_owner misses none
+            request = replace(request, owner_uid=self._owners.get(run, owner_uid))
+            self._open[request.id] = _Open(request, sink)
             subscribers = list(self._subscribers)
-        self.record(_record(request, None, request.requested_at))
+        sink(_record(request, None, request.requested_at))
         for fn in subscribers:
             try:
                 fn(request)
@@ -225,6 +258,7 @@ class ApprovalBroker:
         with self._lock:  # the run's resolved requests are forgotten (an agent runs many)
             for rid in [rid for rid, e in self._open.items() if e.request.run == run]:
                 del self._open[rid]
+            self._owners.pop(run, None)
         return n
 
     def _resolve(self, entry: _Open, allow: bool, via: Via, uid: int | None, reason: str | None) -> Answer:
@@ -235,7 +269,7 @@ class ApprovalBroker:
                 return entry.answer  # the timeout or a withdrawal after an answer: the answer stands
             answer = Answer(allow, via, uid, self.clock_ns(), reason)
             entry.answer = answer  # kept: a later answer to it is AlreadyAnswered, not unknown
-        self.record(_record(entry.request, answer, answer.at))
+        entry.record(_record(entry.request, answer, answer.at))
         entry.done.set()
         return answer
 

@@ -291,3 +291,47 @@ def test_a_request_is_a_live_event_as_soon_as_it_is_written_to_the_runs_spool(tm
     assert event["data"]["id"] == held.request.id and event["subject"] == "/usr/bin/git"
     broker.answer(held.request.id, True, uid=0, via="api", reason="ok")
     assert held.outcome() is True and streamed[-1]["data"]["state"] == "allowed"
+
+
+def test_the_runs_owner_is_the_apis_whatever_uid_the_backend_opened_the_request_with(
+    api: AgentAPI, backend: ApprovalsBackend, cgroup_root: Path
+) -> None:
+    """The backend does not know who asked for a run; the API does (SO_PEERCRED at POST /runs) and
+    tells the broker, so the owner sees and answers the run's requests, open ones included."""
+    job = cgroup_root / "ci"
+    job.mkdir()
+    (job / "cgroup.procs").write_text("")
+    os.chown(job, NOBODY, NOBODY)
+    early = Held(backend.approvals, "s0001", 0, ("git", "push", "early"))  # opened before the owner is known
+    status, run = as_nobody(api.socket_path, "POST /runs", {"cgroup": "ci"})
+    assert status == 201 and run["session_id"] == "s0001" and run["owner_uid"] == NOBODY
+    later = Held(backend.approvals, "s0001", 0, ("git", "push", "later"))  # the backend still says 0
+    status, listed = as_nobody(api.socket_path, "GET /approvals")
+    assert status == 200 and [r["id"] for r in listed["approvals"]] == [early.request.id, later.request.id]
+    assert {r["owner_uid"] for r in listed["approvals"]} == {NOBODY}
+    for held in (early, later):
+        status, answer = as_nobody(
+            api.socket_path, f"POST /approvals/{held.request.id}", {"decision": "deny", "reason": "mine"}
+        )
+        assert status == 200 and answer["by_uid"] == NOBODY and held.outcome() is False
+
+
+def test_a_runs_records_go_where_its_approver_says(tmp_path: Path) -> None:
+    """One broker for every run of an agent: each run's records go to its own sink (its spool)."""
+    fallback: list[Any] = []
+    mine: list[Any] = []
+    broker = ApprovalBroker(record=fallback.append, poll_s=0.01)
+    policy = ApprovalsPolicy.model_validate({"timeout": "10m", "on_timeout": "deny"})
+    approve = broker.approver("i0001", 0, policy, record=mine.append)
+    decision = CommandDecision("approve", 1, "push", None)
+    got: list[bool] = []
+    t = threading.Thread(
+        target=lambda: got.append(approve(Asked(1, "/usr/bin/git", ("git",), False, 1, decision)))
+    )
+    t.start()
+    while not broker.pending(0):
+        t.join(0.01)
+    (req,) = broker.pending(0)
+    broker.answer(req.id, True, uid=0, via="api", reason="ok")
+    t.join(10)
+    assert got == [True] and [r["state"] for r in mine] == ["requested", "allowed"] and fallback == []
