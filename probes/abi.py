@@ -15,7 +15,9 @@ configuration, so the decoder reads it from the record's offsets, not through `s
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 # ---- constants ----------------------------------------------------------------------------------
@@ -54,7 +56,8 @@ EV_CHANGE = 14
 EV_NS = 15
 EV_DNS = 16
 EV_SIGSYS = 17  # a system call the run's seccomp filter refused: a 32-bit entry (SIGSYS)
-EV_KINDS = 18  # one past the last kind: each run slot's row in `lost`
+EV_EXEC_VIOLATION = 18  # an exec that loaded what the supervisor did not decide: killed (exec check)
+EV_KINDS = 19  # one past the last kind: each run slot's row in `lost`
 
 KINDS = (
     Const("EV_EXEC", EV_EXEC, "exec", before=("record kinds (hdr.kind) and loss counts (lost[])",)),
@@ -92,6 +95,12 @@ KINDS = (
     ),
     Const("EV_DNS", EV_DNS, "dns", "a DNS message sent or received (see ---- dns)"),
     Const("EV_SIGSYS", EV_SIGSYS, "sigsys", "a 32-bit system call refused (see ---- refused system calls)"),
+    Const(
+        "EV_EXEC_VIOLATION",
+        EV_EXEC_VIOLATION,
+        "exec_violation",
+        "an exec not as the supervisor decided it, killed (see ---- exec check)",
+    ),
     Const("EV_KINDS", EV_KINDS, comment="one past the last kind: each run slot's row in `lost`"),
 )
 # kinds that only count (lost[]), never a record in the ring buffer
@@ -209,7 +218,33 @@ OTHERS = (
     Const("ACCESS_BITS", ACCESS_BITS, comment="O_ACCMODE O_CREAT O_TRUNC O_PATH O_TMPFILE", fmt="o"),
 )
 
-CONSTANTS = KINDS + FLAGS + CHANGES + NAMESPACES + OTHERS
+# ---- exec check (issue 24): an exec of a run whose command rules are enforced must load the file
+# and copy the arguments its supervisor decided on; bpf/exec_check.bpf.c kills it otherwise
+EXEC_ARGS_MAX = 131072  # bytes of arg area hashed at most: a longer one is killed (XV_TOO_LONG)
+EXEC_CHUNK = 8192  # bytes hashed per program run (a tail call each: EXEC_ARGS_MAX / EXEC_CHUNK <= 32)
+EXEC_PINS_MAX = 65536  # threads with a decided exec not yet loaded, on the machine
+PIN_SCRIPT = 0x1  # exec_pin.flags: a `#!` script (the file is its interpreter, argv rewritten)
+
+VIOLATIONS = (
+    Const("XV_NO_PIN", 0x1, "no_pin", "no decision for the thread that called exec", fmt="x",
+          before=("exec_violation_ev.reason: what differed from the decision (bits)",)),
+    Const("XV_FILE", 0x2, "file", "another file was loaded (dev, ino)", fmt="x"),
+    Const("XV_ARGS", 0x4, "args", "other arguments were copied (length or hash)", fmt="x"),
+    Const("XV_TOO_LONG", 0x8, "too_long", "an arg area longer than EXEC_ARGS_MAX_ (not hashed)", fmt="x"),
+    Const("XV_UNREAD", 0x10, "unread", "what was loaded or copied could not be read", fmt="x"),
+)  # fmt: skip
+VIOLATION_REASONS = {c.value: c.name for c in VIOLATIONS}
+VIOLATION_BIT = {c.name: c.value for c in VIOLATIONS}
+
+EXEC_CONSTANTS = (
+    Const("EXEC_ARGS_MAX_", EXEC_ARGS_MAX, before=("---- exec check",), comment="arg area bytes hashed at most"),
+    Const("EXEC_CHUNK_", EXEC_CHUNK, comment="bytes hashed per run of a program (tail calls)"),
+    Const("EXEC_PINS_MAX_", EXEC_PINS_MAX, comment="entries of exec_pins"),
+    Const("PIN_SCRIPT", PIN_SCRIPT, comment="exec_pin.flags: a #! script", fmt="x"),
+    *VIOLATIONS,
+)  # fmt: skip
+
+CONSTANTS = KINDS + FLAGS + CHANGES + NAMESPACES + OTHERS + EXEC_CONSTANTS
 
 
 # ---- layouts ------------------------------------------------------------------------------------
@@ -537,10 +572,52 @@ AKEY = Layout(
 
 AVAL = Layout("aval", (_f("count", "u64"), _f("first", "u64"), _f("last", "u64")), header=False)
 
+EXEC_PIN = Layout(
+    "exec_pin",
+    (
+        _f("dev", "u64", "the file the exec must load: s_dev (kernel encoding: major << 20 | minor)"),
+        _f("ino", "u64", "and inode number (a #! script: its interpreter's)"),
+        _f("argv_hash", "u64", "SipHash-2-4 under the run's key of the arg area (argv_digest)"),
+        _f("args_len", "u32", "bytes of the arg area (each argument and its NUL)"),
+        _f("flags", "u32", "PIN_SCRIPT"),
+    ),
+    header=False,
+    comment=(
+        "`exec_pins`' value (key: the id of the thread that calls exec, sched_process_exec's old_pid): what",
+        "the supervisor decided, written before it lets the exec go on (see ---- exec check).",
+    ),
+)
+
+EXEC_GUARD = Layout(
+    "exec_guard",
+    (_f("k0", "u64", "the run's SipHash key"), _f("k1", "u64"), _f("on", "u32", "1: execs are checked"), _f("pad", "u32")),
+    header=False,
+    comment=("`exec_guard`'s value, per run slot: whether its execs are checked, and the key of its hashes.",),
+)  # fmt: skip
+
+EXEC_VIOLATION_EV = Layout(
+    "exec_violation_ev",
+    (
+        _f("old_tid", "u32", "the thread that called exec"),
+        _f("reason", "u32", "XV_*"),
+        _f("ino", "u64", "what the kernel loaded (mm->exe_file): inode number, ..."),
+        _f("dev", "u32", "... s_dev (kernel encoding), ..."),
+        _f("args_len", "u32", "... and the arg area's length ..."),
+        _f("argv_hash", "u64", "... and hash (0: not hashed)"),
+        _f("want_ino", "u64", "the decision (exec_pin), 0 with XV_NO_PIN"),
+        _f("want_hash", "u64"),
+        _f("want_dev", "u32"),
+        _f("want_args_len", "u32"),
+        _f("want_flags", "u32"),
+        _f("kill", "s32", "bpf_send_signal(SIGKILL)'s result: 0, the process dies before its first instruction"),
+    ),
+    comment=("An exec of a checked run that loaded or copied what its supervisor did not decide (EV_EXEC_VIOLATION).",),
+)  # fmt: skip
+
 # in the order the C declares them (a struct before the structs that contain it)
 LAYOUTS = (
     *(HDR, OPEN_EV, CHANGE_EV, NS_EV, EXEC_EV, FORK_EV, EXIT_EV, CONNECT_EV, DUP_EV, CALL, RET_EV),
-    *(SIGSYS_EV, DNS_EV, AKEY, AVAL),
+    *(SIGSYS_EV, DNS_EV, AKEY, AVAL, EXEC_PIN, EXEC_GUARD, EXEC_VIOLATION_EV),
 )
 
 
@@ -559,7 +636,7 @@ def render_header() -> str:
         "// record kinds, flags, operations and layouts; the decoder and the loader read the same module",
         "",
     ]
-    for group in (KINDS, FLAGS, CHANGES, NAMESPACES, OTHERS):
+    for group in (KINDS, FLAGS, CHANGES, NAMESPACES, OTHERS, EXEC_CONSTANTS):
         for c in group:
             out += [f"// {line}" for line in c.before]
             out.append(c.define())
@@ -568,3 +645,119 @@ def render_header() -> str:
         out += [layout.c(), ""]
     out += [_assertion(layout) for layout in LAYOUTS]
     return "\n".join(out) + "\n"
+
+
+# ---- the exec check's reference (issue 24): what the supervisor pins, computed as the BPF does --------
+#
+# The supervisor (agent/recorder/exec_supervisor.py) decides an exec on the path and argv it read
+# from the caller's memory; if it lets it go on, the kernel reads them again, and another thread of
+# the caller may have rewritten them meanwhile. So before answering it pins, for the calling thread,
+# the file the kernel must load and a keyed hash of the arguments the kernel must copy
+# (`exec_pin`), and the probe compares them at sched_process_exec with what the kernel did load
+# (mm->exe_file) and copy (the new image's arg area, mm->arg_start..arg_end: every argument with its
+# NUL; all of it, however long, up to EXEC_ARGS_MAX). The hash is SipHash-2-4 under a random key of
+# the run's that the job never sees: with an unkeyed hash the job could make an allowed and a refused
+# argv collide.
+
+_MASK64 = (1 << 64) - 1
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & _MASK64
+
+
+def siphash24(key: bytes, data: bytes) -> int:
+    """SipHash-2-4 (Aumasson and Bernstein) of `data` under a 16-byte key, as a 64-bit integer: the
+    reference bpf/exec_check.bpf.c computes too."""
+    if len(key) != 16:
+        raise ValueError("a SipHash key is 16 bytes")
+    k0, k1 = (int(k) for k in struct.unpack("<QQ", key))
+    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+
+    def rounds(n: int) -> None:
+        v0, v1, v2, v3 = v
+        for _ in range(n):
+            v0 = (v0 + v1) & _MASK64
+            v1 = _rotl(v1, 13) ^ v0
+            v0 = _rotl(v0, 32)
+            v2 = (v2 + v3) & _MASK64
+            v3 = _rotl(v3, 16) ^ v2
+            v0 = (v0 + v3) & _MASK64
+            v3 = _rotl(v3, 21) ^ v0
+            v2 = (v2 + v1) & _MASK64
+            v1 = _rotl(v1, 17) ^ v2
+            v2 = _rotl(v2, 32)
+        v[:] = [v0, v1, v2, v3]
+
+    end = len(data) - len(data) % 8
+    for (word,) in struct.iter_unpack("<Q", data[:end]):
+        m = int(word)
+        v[3] ^= m
+        rounds(2)
+        v[0] ^= m
+    last = int.from_bytes(data[end:], "little") | ((len(data) & 0xFF) << 56)
+    v[3] ^= last
+    rounds(2)
+    v[0] ^= last
+    v[2] ^= 0xFF
+    rounds(4)
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def arg_area(argv: Sequence[bytes]) -> bytes:
+    """The new image's arg area for `argv` as the kernel copies it: every argument followed by its
+    NUL. An empty argv gets one empty argument (fs/exec.c, since 5.18)."""
+    return b"".join(a + b"\0" for a in (argv or [b""]))
+
+
+def script_argv(
+    interpreter: bytes, argument: bytes | None, filename: bytes, argv: Sequence[bytes]
+) -> list[bytes]:
+    """The argv the kernel gives a `#!` script's interpreter (fs/binfmt_script.c): the interpreter
+    as the line names it, its one optional argument, the name the script was called by
+    (bprm->filename: the path as passed, or /dev/fd/N[/path] for execveat relative to a descriptor),
+    then argv[1:]."""
+    return [interpreter, *([argument] if argument is not None else []), filename, *argv[1:]]
+
+
+def argv_digest(key: bytes, argv: Sequence[bytes]) -> int:
+    """The hash an exec pin carries for `argv` (for a script, script_argv's), under the run's key.
+    Raises ValueError past EXEC_ARGS_MAX bytes: such an exec cannot be pinned (refuse it)."""
+    data = arg_area(argv)
+    if len(data) > EXEC_ARGS_MAX:
+        raise ValueError(f"an arg area of {len(data)} bytes is longer than {EXEC_ARGS_MAX}")
+    return siphash24(key, data)
+
+
+def kernel_dev(st_dev: int) -> int:
+    """stat(2)'s st_dev in the kernel's encoding (sb->s_dev: major << 20 | minor)."""
+    return (os.major(st_dev) << 20) | os.minor(st_dev)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecPin:
+    """An exec the supervisor let go on: `exec_pins`' value (struct exec_pin)."""
+
+    dev: int  # kernel encoding (kernel_dev)
+    ino: int
+    argv_hash: int
+    args_len: int
+    flags: int = 0  # PIN_SCRIPT
+
+    def pack(self) -> bytes:
+        return EXEC_PIN.struct.pack(self.dev, self.ino, self.argv_hash, self.args_len, self.flags)
+
+
+def exec_pin(
+    key: bytes, identity: tuple[int, int], argv: Sequence[bytes], *, script: bool = False
+) -> ExecPin:
+    """The pin of an exec that must load the file `identity` (stat(2)'s st_dev, st_ino; a `#!`
+    script's interpreter) with `argv` (a script's: script_argv). Raises ValueError when it cannot be
+    pinned (an arg area past EXEC_ARGS_MAX)."""
+    return ExecPin(
+        kernel_dev(identity[0]),
+        identity[1],
+        argv_digest(key, argv),
+        len(arg_area(argv)),
+        PIN_SCRIPT if script else 0,
+    )

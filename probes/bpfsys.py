@@ -346,6 +346,7 @@ class LoadedObject:
     `attach_tracepoint` and `cleanup`; BCC itself is not loaded."""
 
     TRACEPOINT = _PROG_TYPE_TRACEPOINT
+    RAW_TRACEPOINT = _PROG_TYPE_RAW_TRACEPOINT
 
     def __init__(self, obj: CompiledObject, forget: Callable[[], None] | None = None) -> None:
         """`forget`: removes the cache entry `obj` came from, called when the kernel refuses it."""

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -86,6 +87,10 @@ DNS_ENTER = ("read", "write", "writev", "recvfrom", "recvmsg", "recvmmsg")
 DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # ... and on_dns_ingress, a cgroup program attached to each run's cgroup (attach_ingress): what the
 # kernel delivered to the run's sockets, which a DNS receive's bytes are checked against
+# ---- exec check: exec_check on sched_process_exec's raw tracepoint, and exec_hash_more, which it
+# tail-calls (exec_tail 0), loaded when a run's execs are first checked (enforce_execs)
+EXEC_CHECK = "exec_check"
+EXEC_HASH = "exec_hash_more"
 _PROG_TYPE_CGROUP_SKB = 8
 _CGROUP_INET_INGRESS = 0
 _F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
@@ -163,6 +168,50 @@ class RecorderProbes:
         self._cache = self.bpf[b"cgcache"]
         self._lost = self.bpf[b"lost"]
         self._ring: RingBuffer | None = None
+        self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
+        self._exec_lock = threading.Lock()  # an agent's runs start and end on threads of their own
+
+    # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
+
+    def enforce_execs(self, slot: int, key: bytes) -> None:
+        """Check every exec of run `slot` from now on against its pin (`publish`): one that loads
+        another file or copies other arguments, or has no pin, is killed before its first
+        instruction and recorded (EV_EXEC_VIOLATION). `key`: the run's 16-byte SipHash key, the one
+        its pins are hashed with (abi.exec_pin). The check's program is attached the first time
+        (runs without the check pay nothing until then). Call it before the run's first supervised
+        exec: from then on an exec of the run without a pin is killed. Raises ObjectError when the
+        kernel refuses the program: then nothing closes the race after the decision (a degradation,
+        or exit 2 with --fail-closed)."""
+        if len(key) != 16:
+            raise ValueError("the exec check's key is 16 bytes")
+        k0, k1 = struct.unpack("<QQ", key)
+        with self._exec_lock:
+            if not self.bpf.raw_tracepoint_fds.get(b"sched_process_exec"):
+                more = self.bpf.load_func(EXEC_HASH.encode(), self.bpf.RAW_TRACEPOINT)
+                self.bpf[b"exec_tail"][_U32.pack(0)] = _U32.pack(more.fd)
+                self.bpf.attach_raw_tracepoint(tp=b"sched_process_exec", fn_name=EXEC_CHECK.encode())
+            self.bpf[b"exec_guard"][_U32.pack(slot)] = abi.EXEC_GUARD.struct.pack(k0, k1, 1)
+            self._exec_checked.add(slot)
+            self.bpf[b"exec_guarded"][_U32.pack(0)] = _U64.pack(len(self._exec_checked))
+
+    def release_execs(self, slot: int) -> None:
+        """Stop checking run `slot`'s execs (its run ended); its key is wiped from the kernel."""
+        with self._exec_lock:
+            self.bpf[b"exec_guard"][_U32.pack(slot)] = abi.EXEC_GUARD.struct.pack(0, 0, 0)
+            self._exec_checked.discard(slot)
+            self.bpf[b"exec_guarded"][_U32.pack(0)] = _U64.pack(len(self._exec_checked))
+
+    def publish(self, tid: int, pin: abi.ExecPin) -> None:
+        """Pin what thread `tid` (the seccomp notification's pid) must load if its exec goes on:
+        call it before answering CONTINUE. The thread's exec takes the pin; a pin of a thread whose
+        exec failed stays until its next (which the supervisor pins again) or its exit. Raises
+        OSError when the kernel cannot hold it (EXEC_PINS_MAX pins): then refuse the exec."""
+        self.bpf[b"exec_pins"][_U32.pack(tid)] = pin.pack()
+
+    def forget(self, tid: int) -> None:
+        """Drop thread `tid`'s pin, if it has one (an exec refused after all)."""
+        with contextlib.suppress(KeyError):
+            del self.bpf[b"exec_pins"][_U32.pack(tid)]
 
     def attach_ingress(self, cgroup_id: int, cgroup_path: Path) -> None:
         """---- dns: attach on_dns_ingress to a run's cgroup (before it is tracked), so that what

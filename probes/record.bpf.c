@@ -17,7 +17,8 @@
 // ONE record with the result. exec keeps three records: the attempt with its argv (EV_EXEC), the
 // success (EV_EXEC_OK, sched_process_exec) and the result (EV_RET), paired in user space. A failed
 // ring buffer reservation is counted in `lost`, per run slot and event kind: nothing is dropped
-// silently.
+// silently. For a run whose command rules are enforced, exec_check (bpf/exec_check.bpf.c, attached
+// only once a run asks for it) kills an exec that loaded or copied what its supervisor did not decide.
 
 #include "bpf/lib/common.h"
 // generated: the ABI (probes/abi.py render_header)
@@ -33,6 +34,7 @@
 #include "bpf/exit.bpf.c"
 #include "bpf/opens.bpf.c"
 #include "bpf/exec.bpf.c"
+#include "bpf/exec_check.bpf.c"
 #include "bpf/process.bpf.c"
 #include "bpf/sigsys.bpf.c"
 #include "bpf/network.bpf.c"

@@ -27,6 +27,7 @@ from evidence.probes.abi import EV_DNS as EV_DNS
 from evidence.probes.abi import EV_DUP as EV_DUP
 from evidence.probes.abi import EV_EXEC as EV_EXEC
 from evidence.probes.abi import EV_EXEC_OK as EV_EXEC_OK
+from evidence.probes.abi import EV_EXEC_VIOLATION as EV_EXEC_VIOLATION
 from evidence.probes.abi import EV_EXIT as EV_EXIT
 from evidence.probes.abi import EV_FCHDIR as EV_FCHDIR
 from evidence.probes.abi import EV_FORK as EV_FORK
@@ -76,6 +77,9 @@ _FORK = abi.FORK_EV.struct  # child
 _EXIT = abi.EXIT_EV.struct  # status
 _RET = abi.RET_EV.struct  # sc, ret
 _SIGSYS = abi.SIGSYS_EV.struct  # nr, arch, ip
+# old_tid, reason, then what was loaded (ino, dev, args_len, argv_hash) and what was decided
+# (want_ino, want_hash, want_dev, want_args_len, want_flags), kill
+_VIOLATION = abi.EXEC_VIOLATION_EV.struct
 OPEN_PATH_OFF = abi.OPEN_EV.size  # where the path starts (chdir's and fchdir's too)
 EXEC_BUF_OFF = abi.EXEC_EV.size
 # i_ctime_nsec's top bits are flags on kernels with multigrain timestamps (6.13: I_CTIME_QUERIED)
@@ -251,6 +255,26 @@ class SigsysEvent(_Header):
     ip: int  # the address after the calling instruction
 
 
+class ExecViolationEvent(_Header):
+    """An exec of a run whose command rules are enforced that loaded another file or copied other
+    arguments than its supervisor decided, or that it never decided: killed before its first
+    instruction (bpf/exec_check.bpf.c)."""
+
+    kind: Literal["exec_violation"]
+    old_tid: int  # the thread that called exec
+    reasons: list[str]  # what differed: probes/abi.py VIOLATIONS' names (no_pin, file, args, ...)
+    file: tuple[int, int]  # (st_dev, st_ino) of what the kernel loaded (0, 0: not read)
+    args_len: int  # the arg area the kernel copied: its length and hash (0: not hashed)
+    argv_hash: int
+    # the decision (the pin), None when there was none
+    decided: tuple[int, int] | None  # (st_dev, st_ino)
+    decided_args_len: int
+    decided_hash: int
+    decided_flags: int  # PIN_SCRIPT
+    killed: bool  # bpf_send_signal(SIGKILL) succeeded
+    kill_error: int  # its result when it did not (-errno)
+
+
 RawEvent = (
     ExecEvent
     | ExecOkEvent
@@ -266,6 +290,7 @@ RawEvent = (
     | DnsEvent
     | RetEvent
     | SigsysEvent
+    | ExecViolationEvent
 )
 # a record kind's number -> the type of what decode() makes of it (names from probes/abi.py)
 EVENT_TYPES: dict[int, type] = {
@@ -283,6 +308,7 @@ EVENT_TYPES: dict[int, type] = {
     EV_DNS: DnsEvent,
     EV_RET: RetEvent,
     EV_SIGSYS: SigsysEvent,
+    EV_EXEC_VIOLATION: ExecViolationEvent,
 }
 
 
@@ -510,7 +536,33 @@ def decode(raw: bytes) -> RawEvent:
     if kind == EV_SIGSYS:
         nr, arch, ip = _SIGSYS.unpack_from(raw, o)
         return {"kind": "sigsys", **hdr, "nr": nr, "arch": arch, "ip": ip}
+    if kind == EV_EXEC_VIOLATION:
+        if len(raw) < abi.EXEC_VIOLATION_EV.size:
+            raise DecodeError(f"exec violation record of {len(raw)} bytes")
+        old_tid, reason, ino, kdev, alen, ahash, w_ino, w_hash, w_dev, w_len, w_flags, kill = (
+            _VIOLATION.unpack_from(raw, o)
+        )
+        return {
+            "kind": "exec_violation",
+            **hdr,
+            "old_tid": old_tid,
+            "reasons": [name for bit, name in abi.VIOLATION_REASONS.items() if reason & bit],
+            "file": (_stat_dev(kdev), ino) if ino else (0, 0),
+            "args_len": alen,
+            "argv_hash": ahash,
+            "decided": None if reason & abi.VIOLATION_BIT["no_pin"] else (_stat_dev(w_dev), w_ino),
+            "decided_args_len": w_len,
+            "decided_hash": w_hash,
+            "decided_flags": w_flags,
+            "killed": kill == 0,
+            "kill_error": kill,
+        }
     raise DecodeError(f"unknown record kind {kind}")
+
+
+def _stat_dev(kdev: int) -> int:
+    """The kernel's encoding of a device number (major << 20 | minor) as stat(2) gives it."""
+    return os.makedev(kdev >> 20, kdev & 0xFFFFF)
 
 
 def _exec(
@@ -545,7 +597,7 @@ def _exec(
     )
     if ino:  # (st_dev, st_ino, st_size, st_ctime_ns) as stat(2) would give them
         ev["file"] = (
-            os.makedev(kdev >> 20, kdev & 0xFFFFF),
+            _stat_dev(kdev),
             ino,
             size,
             ctime_s * 1_000_000_000 + (ctime_ns & _NSEC_MASK),

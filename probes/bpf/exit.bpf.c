@@ -1,6 +1,7 @@
 // ---- a paired call's exit and the results
 
 static __always_inline void ns_exit(struct call *c);  // ---- namespaces and mounts
+static __always_inline void exec_unpin(u32 tid);     // ---- exec check
 
 // An open's or chdir's path that was not resident at entry, read again now the kernel paged it in.
 static __always_inline void refetch_path(struct call *c) {
@@ -109,6 +110,8 @@ int on_exit(struct sys_exit_ctx *ctx) {
     switch (ctx->nr) {
     case __NR_execve:
     case __NR_execveat:
+        // an exec that returns failed (or ran: its pin is taken already): its pin goes
+        exec_unpin((u32)bpf_get_current_pid_tgid());
         return emit_ret(SC_EXEC, ctx->ret);
     }
     return finish_call(ctx);

@@ -43,6 +43,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
             __sync_fetch_and_add(held, -1);
         inflight.delete(&tid);
     }
+    exec_unpin(tid);  // ---- exec check: a pin of an exec that never came
 #ifdef HAVE_GROUP_DEAD
     if (!args->group_dead)
         return 0;

@@ -72,6 +72,7 @@ LAYOUT_OF = {
     abi.EV_NS: abi.NS_EV,
     abi.EV_DNS: abi.DNS_EV,
     abi.EV_SIGSYS: abi.SIGSYS_EV,
+    abi.EV_EXEC_VIOLATION: abi.EXEC_VIOLATION_EV,
 }
 
 

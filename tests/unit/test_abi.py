@@ -123,3 +123,78 @@ def test_the_decoder_and_the_loader_read_the_abi() -> None:
     raw = abi.HDR.struct.pack(ts, cgid, run, tgid, tid, kind, flags)
     assert loader._HDR_RUN_KIND.unpack_from(raw, 0) == (run, kind)
     assert loader._AKEY_RUN.unpack_from(abi.AKEY.struct.pack(1, 2, 3, 44, 5, 6, 7, 8), 0) == (44,)
+
+
+# ---- the exec check's reference (the BPF side is checked against it on real execs:
+# tests/kernel/test_exec_check.py)
+
+# SipHash-2-4 under the key 00..0f of the messages 00..(n-1): the reference implementation's
+# vectors.h (Aumasson and Bernstein), its bytes as it lists them
+SIPHASH_VECTORS = {
+    0: "310e0edd47db6f72",
+    1: "fd67dc93c539f874",
+    8: "6224939a79f5f593",
+    15: "e545be4961ca29a1",
+    63: "724506eb4c328a95",
+}
+
+
+@pytest.mark.parametrize("n", sorted(SIPHASH_VECTORS))
+def test_siphash24_gives_the_reference_vectors(n: int) -> None:
+    got = abi.siphash24(bytes(range(16)), bytes(range(n)))
+    assert got.to_bytes(8, "little").hex() == SIPHASH_VECTORS[n]
+
+
+def test_siphash24_refuses_a_key_that_is_not_16_bytes() -> None:
+    with pytest.raises(ValueError):
+        abi.siphash24(b"short", b"")
+
+
+def test_the_arg_area_is_every_argument_with_its_nul_and_an_empty_argv_gets_one() -> None:
+    assert abi.arg_area([b"/bin/sh", b"-c", b""]) == b"/bin/sh\0-c\0\0"
+    assert abi.arg_area([]) == b"\0"  # fs/exec.c: an empty argv is given one empty argument
+
+
+def test_a_scripts_argv_is_the_kernels_rewrite() -> None:
+    argv = [b"./s.sh", b"a", b"b"]
+    assert abi.script_argv(b"/bin/sh", None, b"./s.sh", argv) == [b"/bin/sh", b"./s.sh", b"a", b"b"]
+    assert abi.script_argv(b"/usr/bin/env", b"python3 -u", b"/dev/fd/3", argv) == [
+        b"/usr/bin/env",
+        b"python3 -u",
+        b"/dev/fd/3",
+        b"a",
+        b"b",
+    ]
+
+
+def test_an_exec_pin_packs_as_struct_exec_pin() -> None:
+    key = bytes(16)
+    pin = abi.exec_pin(key, (0x801, 42), [b"/bin/true"], script=True)
+    assert pin.dev == (8 << 20) | 1  # stat's 8:1 in the kernel's encoding
+    assert pin.args_len == len(b"/bin/true\0")
+    assert pin.argv_hash == abi.siphash24(key, b"/bin/true\0")
+    assert pin.flags == abi.PIN_SCRIPT
+    raw = pin.pack()
+    assert len(raw) == abi.EXEC_PIN.struct.size == 32
+    assert abi.EXEC_PIN.struct.unpack(raw) == (pin.dev, 42, pin.argv_hash, pin.args_len, abi.PIN_SCRIPT)
+
+
+def test_an_arg_area_past_the_limit_cannot_be_pinned() -> None:
+    at_limit = [b"x" * (abi.EXEC_ARGS_MAX - 1)]
+    assert abi.exec_pin(bytes(16), (1, 1), at_limit).args_len == abi.EXEC_ARGS_MAX
+    with pytest.raises(ValueError):
+        abi.exec_pin(bytes(16), (1, 1), [b"x" * abi.EXEC_ARGS_MAX])
+
+
+def test_the_hash_is_chunked_so_that_the_tail_calls_fit() -> None:
+    # exec_hash_more hashes EXEC_CHUNK bytes per run, whole words, and tail-calls itself: at most
+    # 33 tail calls on a chain, one spent by exec_check
+    assert abi.EXEC_CHUNK % 8 == 0 and abi.EXEC_CHUNK & (abi.EXEC_CHUNK - 1) == 0
+    assert abi.EXEC_ARGS_MAX % abi.EXEC_CHUNK == 0
+    assert abi.EXEC_ARGS_MAX // abi.EXEC_CHUNK + 1 <= 33
+
+
+def test_violation_reasons_are_bits_decoded_by_name() -> None:
+    bits = list(abi.VIOLATION_REASONS)
+    assert all(b & (b - 1) == 0 for b in bits) and len(set(bits)) == len(bits)
+    assert {abi.VIOLATION_BIT[n] for n in abi.VIOLATION_REASONS.values()} == set(bits)

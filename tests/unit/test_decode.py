@@ -4,12 +4,14 @@ decoded JSON saved beside them."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import pytest
 
 from evidence.agent.recorder import decode as d
+from evidence.probes import abi
 
 
 def jsonable(decoded: dict) -> dict:
@@ -117,3 +119,28 @@ def test_a_refused_32bit_call_decodes_with_its_architecture_and_name() -> None:
     assert d.refused_call(d.AUDIT_ARCH_I386, 999) == "i386 call 999"
     assert d.refused_call(d.AUDIT_ARCH_X86_64, d.X32_SYSCALL_BIT | 257) == "x32 call 257"
     assert d.refused_call(d.AUDIT_ARCH_ARM, 5) == "arm call 5"
+
+
+def test_an_exec_violation_decodes_what_was_loaded_and_what_was_decided() -> None:
+    bits = abi.VIOLATION_BIT
+    body = abi.EXEC_VIOLATION_EV.struct.pack(
+        77, bits["file"] | bits["args"], 5, (254 << 20) | 0, 30, 0xAB, 6, 0xCD, (8 << 20) | 1, 31, 1, 0
+    )
+    ev = d.decode(d.HDR.pack(1, 2, 3, 4, 4, abi.EV_EXEC_VIOLATION, 0) + body)
+    assert ev["kind"] == "exec_violation"
+    assert ev["old_tid"] == 77 and ev["reasons"] == ["file", "args"]
+    assert ev["file"] == (os.makedev(254, 0), 5) and ev["decided"] == (os.makedev(8, 1), 6)
+    assert (ev["args_len"], ev["argv_hash"], ev["decided_args_len"], ev["decided_hash"]) == (
+        30,
+        0xAB,
+        31,
+        0xCD,
+    )
+    assert ev["decided_flags"] == abi.PIN_SCRIPT and ev["killed"] and ev["kill_error"] == 0
+    # no pin: nothing was decided; a failed kill says why
+    body = abi.EXEC_VIOLATION_EV.struct.pack(77, bits["no_pin"], 5, 1, 30, 0xAB, 0, 0, 0, 0, 0, -1)
+    ev = d.decode(d.HDR.pack(1, 2, 3, 4, 4, abi.EV_EXEC_VIOLATION, 0) + body)
+    assert ev["reasons"] == ["no_pin"] and ev["decided"] is None
+    assert not ev["killed"] and ev["kill_error"] == -1
+    with pytest.raises(d.DecodeError):
+        d.decode(d.HDR.pack(1, 2, 3, 4, 4, abi.EV_EXEC_VIOLATION, 0) + body[:-4])

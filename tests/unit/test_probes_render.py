@@ -77,7 +77,11 @@ def test_every_token_is_filled() -> None:
 def test_every_program_the_loader_attaches_is_present_and_no_other() -> None:
     text = _rendered()
     defined = set(
-        re.findall(r"^int (\w+)\((?:struct sys_(?:enter|exit)_ctx|struct __sk_buff) \*\w+\) \{", text, re.M)
+        re.findall(
+            r"^int (\w+)\((?:struct sys_(?:enter|exit)_ctx|struct __sk_buff|struct bpf_raw_tracepoint_args) \*\w+\) \{",
+            text,
+            re.M,
+        )
     )
     loaded = {
         *loader.SYSCALL_HANDLERS,
@@ -87,6 +91,7 @@ def test_every_program_the_loader_attaches_is_present_and_no_other() -> None:
         "on_exit_name",
     }
     loaded |= {"on_enter_dns", "on_exit_dns", "on_dns_ingress"}
+    loaded |= {loader.EXEC_CHECK, loader.EXEC_HASH}  # attached once a run's execs are checked
     assert defined == loaded
     for probe in (
         "TRACEPOINT_PROBE(sched, sched_process_exec)",
