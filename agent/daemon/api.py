@@ -41,7 +41,8 @@ Approvals (issue 24): an exec that a `commands` rule says to `approve` waits in 
 GET /approvals lists the open requests the peer may answer: root sees all, anyone else only those
 of runs it owns (the broker's `owner_uid`, the uid of the peer that started the run). POST answers
 one, recorded with the peer's uid from SO_PEERCRED, `via: api`, the time and the reason (required:
-it goes into the bundle). Another user's request is a 404, as another user's run is; a request
+it goes into the bundle), but never from a process inside a run the agent records (403: the job
+usually runs as its run's owner; authz.answer_from_outside). Another user's request is a 404, as another user's run is; a request
 already resolved (answered, timed out, withdrawn) is a 409.
 
 Errors are one line (`{"error", "hint"?}`): 400 bad input, 403 not the peer's, 404 unknown run,
@@ -67,6 +68,7 @@ from evidence.agent.daemon.authz import (
     Forbidden,
     Peer,
     PeerPolicy,
+    answer_from_outside,
     bundle_target,
     check_start,
     claim_pid,
@@ -524,6 +526,7 @@ class AgentAPI:
     def _answer(self, request_id: str, body: models.ApprovalAnswerRequest, peer: Peer) -> Response:
         """A person's answer through the API: root, or the owner of the request's run (the broker
         checks it, and answers 404 for another user's request as for an unknown one)."""
+        answer_from_outside(peer, [r.cgroup for r in self.backend.runs()], self.cgroup_root, self.ns_base)
         broker = self.backend.approvals
         try:
             answer = broker.answer(

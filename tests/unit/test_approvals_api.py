@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from evidence.agent.daemon.api import AgentAPI
-from evidence.agent.daemon.authz import PeerPolicy
+from evidence.agent.daemon.api import AgentAPI, RunStatus
+from evidence.agent.daemon.authz import Peer, PeerPolicy, peer_cgroup
 from evidence.agent.daemon.delivery import live_event
 from evidence.agent.daemon.wrappers import ObservedSpool
 from evidence.agent.recorder.approvals import ApprovalBroker, Asked
@@ -187,9 +188,7 @@ def test_bad_bodies_ids_and_unknown_requests_are_one_line_4xx(
     held = Held(backend.approvals, "i0001", 0, ("git", "push"))
     rid = held.request.id
     handle = api.handle
-    from evidence.agent.daemon.authz import Peer
-
-    root = Peer(1, 0, 0)
+    root = Peer(1, 0, 0, cgroup="/user.slice/a-shell")  # outside every run
     cases: list[tuple[str, dict[str, Any], int, str]] = [
         (f"/approvals/{rid}", {}, 400, "decision"),
         (
@@ -212,7 +211,10 @@ def test_bad_bodies_ids_and_unknown_requests_are_one_line_4xx(
         ("/approvals/NOT-AN-ID", {"decision": "allow", "reason": "x"}, 400, "is not an approval request id"),
         ("/approvals/0123456789abcdef", {"decision": "allow", "reason": "x"}, 404, "no approval request"),
     ]
+    cases.append((f"/approvals/{rid}", {"decision": "allow", "reason": "x"}, 403, "cannot tell whether"))
     for path, body, status, words in cases:
+        if status == 403:
+            root = Peer(1, 0, 0)  # where it is could not be read: refused
         resp = handle("POST", path, body, root)
         got = json.loads(resp.body)
         assert resp.status == status, (path, body, got)
@@ -335,3 +337,57 @@ def test_a_runs_records_go_where_its_approver_says(tmp_path: Path) -> None:
     broker.answer(req.id, True, uid=0, via="api", reason="ok")
     t.join(10)
     assert got == [True] and [r["state"] for r in mine] == ["requested", "allowed"] and fallback == []
+
+
+def _own_cgroup() -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    pytest.skip("no cgroup v2 line in /proc/self/cgroup")
+
+
+def test_an_answer_from_inside_a_recorded_run_is_refused(
+    api: AgentAPI, backend: ApprovalsBackend, cgroup_root: Path
+) -> None:
+    """The job usually runs as its run's owner and can reach the socket: it must not approve its own
+    execs. A process of the owner's inside a recorded cgroup (here: the test's own cgroup, which the
+    fake backend says it records) is refused; the exec stays held; from outside it is answered."""
+    held = Held(backend.approvals, "i0001", NOBODY, ("git", "push", "--force"))
+    inside = cgroup_root / _own_cgroup().lstrip("/")
+    backend.active["i0001"] = RunStatus("i0001", str(inside), isolated=True)
+    status, err = as_nobody(
+        api.socket_path, f"POST /approvals/{held.request.id}", {"decision": "allow", "reason": "me"}
+    )
+    assert status == 403 and "from inside a recorded run is refused" in err["error"]
+    assert held.thread.is_alive() and len(backend.recs) == 1  # still held, nothing recorded
+    status, listed = as_nobody(api.socket_path, "GET /approvals")  # seeing it is no harm
+    assert status == 200 and [r["id"] for r in listed["approvals"]] == [held.request.id]
+    backend.active["i0001"] = RunStatus("i0001", str(inside / "job"), isolated=True)  # the run is below us
+    status, answer = as_nobody(
+        api.socket_path, f"POST /approvals/{held.request.id}", {"decision": "deny", "reason": "no"}
+    )
+    assert status == 200 and answer["by_uid"] == NOBODY and held.outcome() is False
+
+
+def test_the_peers_cgroup_is_read_through_its_pidfd_and_unknown_once_it_is_gone(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(4)
+    try:
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(path)
+        conn, _ = server.accept()
+        assert peer_cgroup(conn) == _own_cgroup()
+        conn.close()
+        client.close()
+        # a peer that connected and exited before the agent looked: its pid may be anyone's now
+        subprocess.run(
+            [sys.executable, "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({path!r})"],
+            check=True,
+        )
+        conn, _ = server.accept()
+        assert peer_cgroup(conn) is None
+        conn.close()
+    finally:
+        server.close()
