@@ -377,6 +377,7 @@ def _isolated_run(
             detail=args.detail,
             policy=policy.request(args.fail_closed) if policy is not None else None,
             net=args.net,
+            subjects=list(args.subject) or None,
         )
     except Error as e:
         os.close(go_w)  # the child reads EOF and exits without running anything

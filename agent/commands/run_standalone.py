@@ -123,6 +123,7 @@ class RunOptions:
     allow_32bit: bool = False
     sign_key: str | None = None
     pass_fd: tuple[int, ...] = ()
+    subjects: tuple[str, ...] = ()  # --subject
 
 
 class StandaloneRun:
@@ -308,6 +309,7 @@ class StandaloneRun:
                 capabilities=self.capabilities,
                 degradations=self.degradations,
                 session_id=self.session_id,
+                subjects=self.args.subjects,
             ),
             record_dir=RUN_SPOOL_DIR,
             enforcement=self.enforcement,

@@ -285,6 +285,8 @@ class RecorderBackend:
         pidfd: int | None = None,
         policy: PolicySpec | None = None,
         net: Network = None,
+        subjects: Sequence[str] = (),
+        subjects_as: tuple[int, int] | None = None,
     ) -> RunStatus:
         """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
         tracked first, then the process is moved in, so nothing it does from then on is missed.
@@ -303,7 +305,10 @@ class RecorderBackend:
         # loaded and compiled before anything is made: a bad one starts nothing
         enforcement = loaded_enforcement(policy, net) if policy is not None else None
         try:
-            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
+            subjects_of = (tuple(subjects), subjects_as)
+            return self._isolate(
+                pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net, subjects_of
+            )
         except BaseException:
             if enforcement is not None:
                 enforcement.close()
@@ -319,6 +324,7 @@ class RecorderBackend:
         pidfd: int | None,
         enforcement: Enforcement | None,
         net: Network = None,
+        subjects_of: tuple[tuple[str, ...], tuple[int, int] | None] = ((), None),
     ) -> RunStatus:
         from evidence.agent.recorder.cgroups import isolation_home
 
@@ -342,7 +348,7 @@ class RecorderBackend:
                 session_id=sid,
                 detail=detail,
                 command=list(command),
-                launched=Launched(enforcement, net, compat, tuple(said)),
+                launched=Launched(enforcement, net, compat, tuple(said), *subjects_of),
             )
         except BaseException:
             cg.remove()

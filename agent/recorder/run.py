@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.kernel import capabilities_in_force
 from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, write_run_record
-from evidence.bundle.format import Degradation
+from evidence.bundle.format import Artifacts, Degradation
 from evidence.errors import SetupError
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class RunPlan:
     degradations: Sequence[Degradation] = ()
     session_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     attached_late: bool = False  # the cgroup held processes before the run started
+    subjects: Sequence[str] = ()  # `--subject`: globs, in the workspace, of files the run produces
+    subjects_as: tuple[int, int] | None = None  # (uid, gid) they are read as (an agent's client); None: root
 
     @staticmethod
     def roots_of(enforcement: Enforcement | None) -> dict[str, str]:
@@ -200,11 +202,23 @@ class Run:
                 signal=signal,
                 cut_short=cut_short,
                 signer=signer,
+                artifacts=self._artifacts(),
             )
         finally:
             self.close_enforcement()
         self.forget_record()
         return manifest
+
+    def _artifacts(self) -> Artifacts | None:
+        """The files the plan's subjects match in the workspace, hashed now that the command exited."""
+        if not self.plan.subjects:
+            return None
+        from evidence.bundle import subjects
+
+        workspace = self.enforcement.workspace if self.enforcement is not None else self.plan.cwd
+        if self.plan.subjects_as is not None:
+            return subjects.collect_as(*self.plan.subjects_as, workspace, self.plan.subjects)
+        return subjects.collect(workspace, self.plan.subjects)
 
     def close_enforcement(self) -> None:
         """Detach the policy's connect guard, remove its network namespace and the private tmp it
