@@ -12,11 +12,9 @@ the agent's API and live stream), and waits, holding the exec in the kernel, unt
 - the exec's caller goes away (it was killed: its notification is no longer pending), or the run
   ends (`close_run`): the request is `withdrawn` and the exec does not run.
 Each request and each resolution is an `ApprovalRecord` handed to `record` (the recorder spools it
-as a dev.evidence.policy.approval event); an agent's one broker serves every run, so each run's
-approver names its own sink (`approver(..., record=<the run's spool writer>)`: the agent's live
-stream then carries the request while the exec waits). Who owns a run is the API's to say
-(`set_owner`, called when a run starts through it). A resolution is final: a second answer gets
-AlreadyAnswered.
+as a dev.evidence.policy.approval event). Who owns a run is the agent's API's to say (`set_owner`,
+called when a run starts through it), whatever uid the run's approver was made with. A resolution
+is final: a second answer gets AlreadyAnswered.
 
 If the supervisor itself dies while an exec waits, the kernel fails the exec (ENOSYS from a listener
 that is gone); the broker, if it survives (the agent), withdraws the run's requests at close_run.
@@ -104,7 +102,6 @@ class Asked:
 @dataclass
 class _Open:
     request: ApprovalRequest
-    record: Callable[[ApprovalRecord], None]  # where its records go (the run's spool, in the agent)
     done: threading.Event = field(default_factory=threading.Event)
     answer: Answer | None = None
 
@@ -131,42 +128,26 @@ class ApprovalBroker:
 
     # -- the supervisor's side ----------------------------------------------------------------
 
-    def approver(
-        self,
-        run: str,
-        owner_uid: int,
-        policy: ApprovalsPolicy,
-        record: Callable[[ApprovalRecord], None] | None = None,
-    ) -> Callable[[Asked], bool]:
-        """The supervisor's approver for one run: opens a request and waits for its answer. `record`:
-        where this run's approval records go (an agent's one broker serves every run: the run's
-        spool writer, which passes each record to the live stream as it is written); default the
-        broker's `record`. `owner_uid` stands until `set_owner` names the run's owner."""
+    def approver(self, run: str, owner_uid: int, policy: ApprovalsPolicy) -> Callable[[Asked], bool]:
+        """The supervisor's approver for one run: opens a request and waits for its answer."""
 
         def approve(asked: Asked) -> bool:
-            request = self.open(asked, run=run, owner_uid=owner_uid, policy=policy, record=record)
+            request = self.open(asked, run=run, owner_uid=owner_uid, policy=policy)
             return self.wait(request.id, asked.pending).allowed
 
         return approve
 
     def set_owner(self, run: str, uid: int) -> None:
         """The run's owner, as the agent's API knows it (the uid of the peer that started the run):
-        who, besides root, sees and answers its requests, open ones included."""
+        who, besides root, sees and answers its requests, open ones included. It stands over the
+        `owner_uid` the run's approver was made with."""
         with self._lock:
             self._owners[run] = uid
             for entry in self._open.values():
                 if entry.request.run == run:
                     entry.request = replace(entry.request, owner_uid=uid)
 
-    def open(
-        self,
-        asked: Asked,
-        *,
-        run: str,
-        owner_uid: int,
-        policy: ApprovalsPolicy,
-        record: Callable[[ApprovalRecord], None] | None = None,
-    ) -> ApprovalRequest:
+    def open(self, asked: Asked, *, run: str, owner_uid: int, policy: ApprovalsPolicy) -> ApprovalRequest:
         request = ApprovalRequest(
             id=secrets.token_hex(8),
             run=run,
@@ -182,12 +163,11 @@ class ApprovalBroker:
             timeout_ms=policy.timeout_ms,
             on_timeout=policy.on_timeout,
         )
-        sink = record or self.record
         with self._lock:  # the owner read and the request listed at once: set_owner misses none
             request = replace(request, owner_uid=self._owners.get(run, owner_uid))
-            self._open[request.id] = _Open(request, sink)
+            self._open[request.id] = _Open(request)
             subscribers = list(self._subscribers)
-        sink(_record(request, None, request.requested_at))
+        self.record(_record(request, None, request.requested_at))
         for fn in subscribers:
             try:
                 fn(request)
@@ -269,7 +249,7 @@ class ApprovalBroker:
                 return entry.answer  # the timeout or a withdrawal after an answer: the answer stands
             answer = Answer(allow, via, uid, self.clock_ns(), reason)
             entry.answer = answer  # kept: a later answer to it is AlreadyAnswered, not unknown
-        entry.record(_record(entry.request, answer, answer.at))
+        self.record(_record(entry.request, answer, answer.at))
         entry.done.set()
         return answer
 

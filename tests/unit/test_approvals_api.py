@@ -318,27 +318,6 @@ def test_the_runs_owner_is_the_apis_whatever_uid_the_backend_opened_the_request_
         assert status == 200 and answer["by_uid"] == NOBODY and held.outcome() is False
 
 
-def test_a_runs_records_go_where_its_approver_says(tmp_path: Path) -> None:
-    """One broker for every run of an agent: each run's records go to its own sink (its spool)."""
-    fallback: list[Any] = []
-    mine: list[Any] = []
-    broker = ApprovalBroker(record=fallback.append, poll_s=0.01)
-    policy = ApprovalsPolicy.model_validate({"timeout": "10m", "on_timeout": "deny"})
-    approve = broker.approver("i0001", 0, policy, record=mine.append)
-    decision = CommandDecision("approve", 1, "push", None)
-    got: list[bool] = []
-    t = threading.Thread(
-        target=lambda: got.append(approve(Asked(1, "/usr/bin/git", ("git",), False, 1, decision)))
-    )
-    t.start()
-    while not broker.pending(0):
-        t.join(0.01)
-    (req,) = broker.pending(0)
-    broker.answer(req.id, True, uid=0, via="api", reason="ok")
-    t.join(10)
-    assert got == [True] and [r["state"] for r in mine] == ["requested", "allowed"] and fallback == []
-
-
 def _own_cgroup() -> str:
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         if line.startswith("0::"):
