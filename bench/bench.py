@@ -755,9 +755,9 @@ def run_commands_case(
         f"  ({(w1 - w0) / n * 1e6:+.0f} us per exec, {w1 / w0:.2f}x)"
     )
     out.append(
-        "  supervisor, receive to respond (last run): "
+        "  supervisor, notification read to response sent (last run): "
         + (
-            round_trip[-1].split("receive to respond: ", 1)[-1]
+            round_trip[-1].split("response sent: ", 1)[-1]
             if enforced
             else "no line: commands not enforced by this build"
         )

@@ -16,6 +16,7 @@ def test_counts_all_keeps_the_last_and_summarises_them() -> None:
     assert s["median_us"] == 951 and s["p99_us"] == 1000 and s["max_us"] == 1000
     assert s["mean_us"] == 500.5
     assert rt.line() == (
-        "exec supervisor: 1000 execs decided, receive to respond: median 951.0 us, p99 1000.0 us, "
+        "exec supervisor: 1000 execs decided, notification read to response sent: median 951.0 us, "
+        "p99 1000.0 us, "
         "mean 500.5 us, max 1000.0 us"
     )
