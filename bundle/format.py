@@ -50,6 +50,8 @@ LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 POLICY_APPROVAL = "dev.evidence.policy.approval"
+POLICY_LIMIT = "dev.evidence.policy.limit"
+POLICY_VIOLATION = "dev.evidence.policy.violation"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
 
@@ -325,6 +327,54 @@ class PolicyApproval(BaseModel):
     reason: str | None = None
 
 
+class PolicyLimit(BaseModel):
+    """A resource limit of the policy reached (`limits`), as the kernel counted it since the last
+    look (agent/recorder/limits.py): `kind` oom_kill (processes the OOM killer took at
+    limits.memory), memory_max (memory use reached the limit), fork_refused (forks refused at
+    limits.pids), cpu_throttled (periods throttled at limits.cpu), wall (limits.wall reached: the
+    run is killed). `pids`: the processes it names (an OOM kill's victims, from the run's exits:
+    `certain` when as many as counted, else candidates)."""
+
+    model_config = _FROZEN
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
+# the rule of a policy.violation: an exec the kernel ran otherwise than the exec supervisor allowed
+EXEC_CHECK_RULE = "commands: the exec check"
+
+
+class PolicyViolation(BaseModel):
+    """An exec of a run whose command rules are enforced that the kernel ran otherwise than the
+    exec supervisor allowed, found at sched_process_exec by the exec check (a BPF program; see
+    docs/policy-format.md "Closing the race after an allowed exec"): the new program was killed
+    before its first instruction (`killed`; when the kernel could not send the signal the recorder
+    killed it on reading the event, `result` then says the kernel's error). `reasons`: no_pin (no
+    exec of that thread was allowed: the supervisor never saw it, or refused it), file (another
+    file was loaded than decided), args (other arguments were copied), too_long (an arg area past
+    128 KiB, never compared), unread (what was loaded could not be read). `loaded` and `decided`:
+    the file the kernel loaded and the one decided, as `MAJOR:MINOR:INODE` (null: not read, or no
+    decision); `args_len`/`decided_args_len`: the arg area's bytes (each argument and its NUL)."""
+
+    model_config = _FROZEN
+    pid: int
+    tid: int  # the thread that called exec
+    exe: str | None
+    operation: Literal["exec"]
+    reasons: list[Literal["no_pin", "file", "args", "too_long", "unread"]]
+    loaded: str | None
+    decided: str | None
+    args_len: int
+    decided_args_len: int | None
+    rule: str
+    killed: bool
+    result: Result
+
+
 class Inventory(BaseModel):
     model_config = _FROZEN
     pid: int
@@ -348,6 +398,8 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
     POLICY_APPROVAL: PolicyApproval,
+    POLICY_LIMIT: PolicyLimit,
+    POLICY_VIOLATION: PolicyViolation,
     INVENTORY: Inventory,
     NETWORK_DNS: NetworkDns,
 }

@@ -240,6 +240,7 @@ class _Part:
             fmt.DEGRADATION: self._degradation,
             fmt.POLICY_DENIAL: self._denial,
             fmt.POLICY_APPROVAL: self._approval,
+            fmt.POLICY_VIOLATION: self._violation,
             fmt.INVENTORY: self._inventory,
             fmt.PROCESS_NAMESPACE: self._namespace,
             fmt.NETWORK_DNS: self._dns,
@@ -523,6 +524,13 @@ class _Part:
                 f"{d['rule']}\0{d['program']}\0{state}",
                 ev,
             )
+
+    def _violation(self, ev: EventJSON) -> None:
+        d = ev["data"]
+        exe = d.get("exe") or "?"
+        how = "killed" if d["killed"] else f"not killed ({d['result']})"
+        what = ", ".join(d["reasons"])
+        self.add("EV021", f"{exe} (pid {d['pid']}) was not the exec decided ({what}): {how}", exe, ev)
 
     def _namespace(self, ev: EventJSON) -> None:
         d = ev["data"]

@@ -195,6 +195,15 @@ RULES: dict[str, Rule] = {
              "a person denied it. The job tried to run a program its policy forbids: a build that "
              "needs it needs the policy changed; one that should not is worth a look. An exec the "
              "supervisor could not read is named <unreadable>."),
+        Rule("EV021", "exec-not-as-decided", "error", "An exec ran otherwise than the policy's command rules allowed, and was killed",
+             "A dev.evidence.policy.violation: an exec of a run whose command rules are enforced "
+             "loaded another file, or copied other arguments, than the exec supervisor allowed "
+             "(reasons file, args), or no exec of that thread was allowed at all (no_pin: the "
+             "supervisor never saw it). A job does this on purpose: one thread rewrites the path "
+             "or argv in memory after the supervisor read them and before the kernel copies them "
+             "again. The kernel's check killed the new program before its first instruction "
+             "(killed; if the kernel could not, the recorder killed it on reading the event, and "
+             "it may have run a little). The finding names the process and what differed."),
     )
 }  # fmt: skip
 BY_NAME = {r.name: r for r in RULES.values()}

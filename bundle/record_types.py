@@ -209,6 +209,39 @@ class ApprovalRecord(TypedDict):
     reason: NotRequired[str | None]
 
 
+class LimitRecord(TypedDict):
+    """A resource limit reached (agent/recorder/limits.py: LimitEvent; format.PolicyLimit)."""
+
+    k: Literal["limit"]
+    t: int
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
+class ViolationRecord(TypedDict):
+    """An exec killed by the exec check (agent/recorder/correlate.py from decode's exec_violation;
+    format.PolicyViolation)."""
+
+    k: Literal["violation"]
+    t: int
+    pid: int
+    tid: int
+    exe: str | None
+    operation: Literal["exec"]
+    reasons: list[Literal["no_pin", "file", "args", "too_long", "unread"]]
+    loaded: str | None
+    decided: str | None
+    args_len: int
+    decided_args_len: int | None
+    rule: str
+    killed: bool
+    result: Result
+
+
 class InventoryRecord(TypedDict):
     """A process already in the cgroup when the recording started (agent/recorder/inventory.py)."""
 
@@ -242,6 +275,8 @@ SpoolRecord = (
     | NamespaceRecord
     | DenialRecord
     | ApprovalRecord
+    | LimitRecord
+    | ViolationRecord
     | InventoryRecord
     | DegradationRecord
 )
@@ -258,6 +293,8 @@ RECORD_TYPES: dict[str, type] = {
     "namespace": NamespaceRecord,
     "denial": DenialRecord,
     "approval": ApprovalRecord,
+    "limit": LimitRecord,
+    "violation": ViolationRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,
 }

@@ -23,6 +23,8 @@ KIND_TYPE = {
     "connect": fmt.NETWORK_CONNECT,
     "denial": fmt.POLICY_DENIAL,
     "approval": fmt.POLICY_APPROVAL,
+    "limit": fmt.POLICY_LIMIT,
+    "violation": fmt.POLICY_VIOLATION,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
     "dns": fmt.NETWORK_DNS,
@@ -86,6 +88,10 @@ def subject(rec: SpoolRecord) -> str:
         return str(rec["component"])
     if rec["k"] == "approval":
         return str(rec["program"])
+    if rec["k"] == "limit":
+        return f"limits.{rec['limit']}"
+    if rec["k"] == "violation":
+        return str(rec["exe"] or "?")
     if rec["k"] == "dns":
         return str(rec["name"] if rec.get("name") is not None else rec["server"])
     if rec["k"] == "namespace":

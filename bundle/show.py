@@ -117,6 +117,12 @@ class Summary:
                 self.approvals[d["id"]] = (d, ev["time"])
             else:
                 self.untracked += 1
+        elif t == fmt.POLICY_VIOLATION:  # the exec check: listed with the denials
+            how = "killed" if d["killed"] else "could not kill"
+            key = f"{how} exec {d.get('exe') or '?'}: not as decided ({', '.join(d['reasons'])}; rule {d['rule']})"
+            entry = self.denials.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
         elif t == fmt.LOSS:
             self.lost[d["kind"]] = self.lost.get(d["kind"], 0) + d["count"]
         elif t == fmt.PROCESS_NAMESPACE:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import struct
 import threading
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -134,6 +137,17 @@ def detect_config(**overrides: Unpack[Sizes]) -> ProbeConfig:
 
 class RecorderProbes:
     def __init__(self, config: ProbeConfig | None = None) -> None:
+        with attaching():  # an earlier run's evidence-detach closes no perf event meanwhile
+            self._load(config)
+        self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
+        self._tracked = self.bpf[b"tracked"]
+        self._cache = self.bpf[b"cgcache"]
+        self._lost = self.bpf[b"lost"]
+        self._ring: RingBuffer | None = None
+        self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
+        self._exec_lock = threading.Lock()  # an agent's runs start and end on threads of their own
+
+    def _load(self, config: ProbeConfig | None) -> None:
         headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
@@ -163,13 +177,6 @@ class RecorderProbes:
         for name in DNS_EXIT:
             self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit_dns")
         self._ingress = self.bpf.load_func(b"on_dns_ingress", _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
-        self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
-        self._tracked = self.bpf[b"tracked"]
-        self._cache = self.bpf[b"cgcache"]
-        self._lost = self.bpf[b"lost"]
-        self._ring: RingBuffer | None = None
-        self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
-        self._exec_lock = threading.Lock()  # an agent's runs start and end on threads of their own
 
     # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
 
@@ -361,12 +368,76 @@ class RecorderProbes:
                         os.dup2(devnull, fd)
                     os.setsid()
                     os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
+                    close_yielding(self.bpf.tracepoint_fds.values())
                 finally:
                     os._exit(0)
             os.close(r)
             self._keepalive = w
             return
         self.bpf.cleanup()
+
+
+# ---- a start beside an earlier run's teardown (issue 27)
+#
+# Closing the last perf event of a tracepoint unregisters it and waits for RCU grace periods while
+# holding the kernel's event_mutex (perf_trace_destroy: ~40 ms each here, 4 s for the recorder's
+# 112), and attaching one takes that mutex too (perf_trace_init, and reading a tracepoint's format).
+# So a run started while an earlier run's `evidence-detach` was closing its perf events waited
+# behind it, tracepoint after tracepoint (a user's second run, or one right after `make demo`: 0.3
+# s more than the bench, which waits for the detach to end). Now a start holds ATTACH_LOCK shared
+# while it loads and attaches, and the detach takes it exclusive for each close: a start waits for
+# one close at most, then attaches to tracepoints the detach still holds (no registration: the
+# tracepoint is enabled), and the detach's later closes are not the last (no grace period).
+ATTACH_LOCK = Path("/run/evidence/attach.lock")  # root's tmpfs (probes.btf keeps its offsets there)
+_ATTACH_WAIT = 1.0  # s a start waits for the lock at most (one close is ~40 ms), then goes on
+
+
+def _attach_lock() -> int:
+    ATTACH_LOCK.parent.mkdir(mode=0o755, exist_ok=True)
+    return os.open(ATTACH_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+
+
+@contextlib.contextmanager
+def attaching(wait: float = _ATTACH_WAIT) -> Iterator[None]:
+    """Held while probes load and attach: no evidence-detach closes a perf event meanwhile. Never
+    fails a start: without the lock (not root, no /run, held past `wait`) the start goes on."""
+    try:
+        fd = _attach_lock()
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.002)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def close_yielding(fds: Iterable[int], pause: float = 0.005) -> None:
+    """Close perf events one by one, each while no start is attaching (ATTACH_LOCK exclusive), with
+    a pause after each so that a start waiting for the lock takes it before the next close."""
+    try:
+        lock = _attach_lock()
+    except OSError:
+        lock = -1
+    for fd in list(fds):
+        if lock >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        if lock >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            time.sleep(pause)
 
 
 def _name_self(name: bytes) -> None:

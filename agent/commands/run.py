@@ -72,6 +72,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "processes outside the run (for jobs that need sudo); recorded as a degradation",
     )
     p.add_argument(
+        "--quiet-denials",
+        action="store_true",
+        help="do not tell the job (one line on its stderr) when a policy's command rule refuses an exec "
+        "or holds it for approval",
+    )
+    p.add_argument(
         "--allow-32bit",
         action="store_true",
         help="let the command make 32-bit (i386, x32) system calls, which the kernel's syscall tracepoints "
@@ -223,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             allow_32bit=args.allow_32bit,
             sign_key=args.sign_key,
             pass_fd=tuple(args.pass_fd),
+            quiet_denials=args.quiet_denials,
             subjects=tuple(args.subject),
         )
     )

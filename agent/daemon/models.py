@@ -198,6 +198,10 @@ class PolicySpec(Request):
     mode: Literal["enforce", "dry-run"] = "enforce"
     fail_closed: bool = False
     env_removed: tuple[str, ...] = ()
+    # the policy's command rules: the descriptor number, in the process to isolate, of the exec
+    # filter's listener (the agent takes it with pidfd_getfd and checks the filter is installed)
+    exec_listener_fd: int | None = Field(default=None, ge=3, le=1 << 20)
+    quiet_denials: bool = False  # tell the job nothing of the policy's refusals (--quiet-denials)
 
 
 class IsolateRequest(Request):
@@ -357,6 +361,8 @@ class PolicyBody(TypedDict):
     mode: Literal["enforce", "dry-run"]
     fail_closed: bool
     env_removed: list[str]
+    exec_listener_fd: NotRequired[int]
+    quiet_denials: NotRequired[bool]
 
 
 class RunAnswer(TypedDict):

@@ -12,8 +12,11 @@ queries and answers agent/recorder/dns.py; names resolved through the tables age
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import posixpath
+import signal
 from collections.abc import Callable
 from typing import Any, Final, cast
 
@@ -28,7 +31,7 @@ from evidence.agent.recorder.calls import (
 )
 from evidence.agent.recorder.dns import Resolutions
 from evidence.agent.recorder.names import AT_FDCWD, MAGIC, UNREADABLE, Names
-from evidence.bundle.format import COMPAT_RULE
+from evidence.bundle.format import COMPAT_RULE, EXEC_CHECK_RULE
 from evidence.bundle.record_types import (
     ChangeRecord,
     ConnectRecord,
@@ -40,6 +43,7 @@ from evidence.bundle.record_types import (
     NamespaceRecord,
     OpenRecord,
     Result,
+    ViolationRecord,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ Correlated = (
     | NamespaceRecord
     | DegradationRecord
     | DenialRecord
+    | ViolationRecord
 )
 
 _MNTNS_KINDS: Final = ("open", "change", "exec", "connect", "namespace")  # a tuple, as _PAIRED
@@ -137,6 +142,9 @@ class Correlator:
         # first successful exec: what the kernel executed, the manifest's command (bundle/command.py)
         self.root_pid: int | None = None
         self.root_exec: ExecRecord | None = None
+        # the exec check (issue 24): kills a process whose exec the kernel could not kill itself
+        # (an exec_violation record with killed false); the process's id -> whether it was killed
+        self.kill: Callable[[int], bool] = self._kill_in_run
 
     def exe_of(self, pid: int) -> str | None:
         p = self.procs.get(pid)
@@ -321,8 +329,8 @@ class Correlator:
         if out and self.cgroup_name is not None:
             name, container = self._cgroups.get(cgid) or self._cgroup_named(cgid)
             if name is not None:
-                for rec in out:
-                    if rec["k"] == "degradation" or rec["k"] == "denial":  # (a denial has no such fields)
+                for rec in out:  # (a degradation, denial or violation has no such fields)
+                    if rec["k"] == "degradation" or rec["k"] == "denial" or rec["k"] == "violation":
                         continue
                     rec["cgroup"] = name
                     if container:
@@ -378,6 +386,8 @@ class Correlator:
                 "result": "SIGSYS",
             }
             return [denial]
+        if ev["kind"] == "exec_violation":  # ---- the exec check: killed before its first instruction
+            return [self._violation(ev, t)]
         if ev["kind"] == "exit":
             p = self._proc(ev["tgid"])
             code, sig = split_status(ev["status"])
@@ -396,6 +406,51 @@ class Correlator:
             }
             return [rec]
         return []
+
+    def _violation(self, ev: d.ExecViolationEvent, t: int) -> ViolationRecord:
+        """An exec the kernel ran otherwise than the supervisor allowed (bpf/exec_check.bpf.c). The
+        kernel killed it; if it could not (bpf_send_signal failed), the recorder kills it here, on
+        reading the record (the new program may have run a little)."""
+        p = self._proc(ev["tgid"])
+        killed, result = ev["killed"], "SIGKILL"
+        if not killed:
+            result = errno.errorcode.get(-ev["kill_error"], str(ev["kill_error"]))
+            killed = self.kill(p.pid)
+        dev, ino = ev["file"]
+        decided = ev["decided"]
+        return {
+            "k": "violation",
+            "t": t,
+            "pid": p.pid,
+            "tid": ev["old_tid"],
+            "exe": p.exe,
+            "operation": "exec",
+            "reasons": cast(Any, ev["reasons"]),
+            "loaded": _file_id(dev, ino) if ino else None,
+            "decided": None if decided is None else _file_id(*decided),
+            "args_len": ev["args_len"],
+            "decided_args_len": None if decided is None else ev["decided_args_len"],
+            "rule": EXEC_CHECK_RULE,
+            "killed": killed,
+            "result": result,
+        }
+
+    def _kill_in_run(self, pid: int) -> bool:
+        """SIGKILL process `pid` if it is still the run's (through a pidfd: the signal goes to the
+        process checked, never to one that took its id since)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            if self.cgroup_of is not None and not self.in_run(pid):
+                return False
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def _exec_record(
         self, p: Proc, t: int, filename: str, argv: list[str], trunc: bool, result: Result
@@ -591,3 +646,8 @@ class Correlator:
             rec.pop("_cgid", None)
             out.append(rec)
         return out
+
+
+def _file_id(dev: int, ino: int) -> str:
+    """A file's identity as policy.violation gives it: MAJOR:MINOR:INODE."""
+    return f"{os.major(dev)}:{os.minor(dev)}:{ino}"

@@ -1,101 +1,50 @@
 """The no-race check's user-space half (issue 24): what the exec supervisor decided, per thread, for
-a BPF program at sched_process_exec to compare with what the kernel really loaded (the BPF half is
-the probes' owner's: docs/policy-format.md "Closing the race after an allowed exec" is the contract).
+the BPF program at sched_process_exec (probes/bpf/exec_check.bpf.c) to compare with what the kernel
+really loaded. docs/policy-format.md "Closing the race after an allowed exec" is the contract.
 
 When the supervisor lets an exec go on (SECCOMP_USER_NOTIF_FLAG_CONTINUE) the kernel reads the path
 and argv again from the caller's memory, which another thread of the caller may have rewritten since
-the supervisor read them. So before answering, the supervisor publishes, for the calling thread's id,
-a `DecidedExec`: the identity of the file the kernel is expected to map (st_dev in the kernel's
-encoding, st_ino) and a keyed hash of the argument bytes the kernel is expected to copy. The BPF
-program reads both at sched_process_exec (mm->exe_file's inode and sb->s_dev; the arg area
-mm->arg_start..arg_end, as the recorder's probe already does) for `old_pid`, the thread that called
-exec, and on any difference, or no entry, kills the process (bpf_send_signal(SIGKILL)) before its
-first instruction and records a violation.
+the supervisor read them. So before answering, the supervisor pins, for the calling thread's id, the
+file the kernel must load and a keyed hash of the arguments it must copy (`pin_exec`: an
+`abi.ExecPin`, computed by probes/abi.py's reference, the one the BPF program is tested against);
+the program kills (SIGKILL before the new image's first instruction) and records an exec of a
+checked run whose pin is missing or differs.
 
-The argv bytes are exactly what the probe copies: every argument followed by its NUL, joined, cut
-to the probe's cap (ARGS_BYTES - 1 bytes; probes/render.py). For a `#!` script the kernel maps the
-interpreter and rewrites argv (fs/binfmt_script.c): [interpreter as written, its optional argument,
-the name it was called by (bprm->filename: the path as passed, or /dev/fd/N[/path] for execveat
-relative to a descriptor), argv[1:]...]; the entry says that. The hash is SipHash-2-4 keyed with a
-random 128-bit key of the run's (the job cannot compute it, so it cannot make two argvs collide;
-FNV and its kin can be collided at will).
+The pieces, and who holds them:
+- `ExecCheck`: one run's check, held by the run: its SipHash key (random, never shown to the job),
+  its run slot, `enforce()` before the run's first supervised exec, `release()` when it ends, and
+  `publish`, the supervisor's one call per allowed exec (backed by RecorderProbes.publish).
+- `pin_exec`: the pin of one request (what `ExecSupervisor.decided` computes).
+- `MemoryPublisher`: the same check in user space (tests: what the supervisor pins against the
+  kernel's own view of an exec, /proc/PID/exe and /proc/PID/cmdline).
+
+What the BPF side hashes is the whole arg area (each argument and its NUL, an empty argv counting
+as one empty argument), not the recorder's probe's copy cut at ARGS_BYTES: an argv the supervisor
+did not read whole, or longer than abi.EXEC_ARGS_MAX, cannot be pinned and its exec is refused.
+For a `#!` script the kernel maps the interpreter and rewrites argv (fs/binfmt_script.c:
+abi.script_argv); `shebang` and `bprm_filename` say how.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import secrets
-import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
-ARGS_BYTES = 8192  # the probe's default cap (probes/render.py ProbeConfig.args_bytes)
-_MASK = 0xFFFFFFFFFFFFFFFF
-# the BPF map's value, little-endian: kdev u64, ino u64, argv_hash u64, args_len u32, flags u32
-ENTRY = struct.Struct("<QQQII")
-FLAG_SCRIPT = 0x1  # the kernel maps a `#!` line's interpreter: identity and argv are the interpreter's
+from evidence.probes import abi
+
+logger = logging.getLogger(__name__)
+
+# (the calling thread's id, what its exec must load) -> whether the kernel holds the pin; an exec
+# whose pin is not held is refused (the kernel would kill it: no pin)
+Publish = Callable[[int, abi.ExecPin], bool]
 
 
 def new_key() -> bytes:
-    """A run's hash key (16 random bytes), given to the BPF program (a read-only map) at start-up."""
+    """A run's hash key (16 random bytes), given to the BPF program with `ExecCheck.enforce`."""
     return secrets.token_bytes(16)
-
-
-def _rotl(x: int, b: int) -> int:
-    return ((x << b) | (x >> (64 - b))) & _MASK
-
-
-def siphash24(key: bytes, data: bytes) -> int:
-    """SipHash-2-4 (Aumasson and Bernstein) of `data` under a 16-byte key, as a 64-bit integer."""
-    if len(key) != 16:
-        raise ValueError("a SipHash key is 16 bytes")
-    k0, k1 = (int(k) for k in struct.unpack("<QQ", key))
-    v0, v1, v2, v3 = (
-        k0 ^ 0x736F6D6570736575,
-        k1 ^ 0x646F72616E646F6D,
-        k0 ^ 0x6C7967656E657261,
-        k1 ^ 0x7465646279746573,
-    )
-
-    def rounds(n: int) -> None:
-        nonlocal v0, v1, v2, v3
-        for _ in range(n):
-            v0 = (v0 + v1) & _MASK
-            v1 = _rotl(v1, 13) ^ v0
-            v0 = _rotl(v0, 32)
-            v2 = (v2 + v3) & _MASK
-            v3 = _rotl(v3, 16) ^ v2
-            v0 = (v0 + v3) & _MASK
-            v3 = _rotl(v3, 21) ^ v0
-            v2 = (v2 + v1) & _MASK
-            v1 = _rotl(v1, 17) ^ v2
-            v2 = _rotl(v2, 32)
-
-    end = len(data) - len(data) % 8
-    for (m,) in struct.iter_unpack("<Q", data[:end]):
-        v3 ^= m
-        rounds(2)
-        v0 ^= m
-    last = int.from_bytes(data[end:] + bytes(8 - len(data) % 8 if len(data) % 8 else 8), "little")
-    last = (last & ((1 << 56) - 1)) | ((len(data) & 0xFF) << 56)
-    v3 ^= last
-    rounds(2)
-    v0 ^= last
-    v2 ^= 0xFF
-    rounds(4)
-    return v0 ^ v1 ^ v2 ^ v3
-
-
-def argv_bytes(argv: Sequence[bytes], cap: int = ARGS_BYTES) -> bytes:
-    """The bytes the probe copies from the new image's arg area: each argument and its NUL, cut to
-    `cap` - 1 bytes."""
-    return b"".join(a + b"\0" for a in argv)[: cap - 1]
-
-
-def kernel_dev(st_dev: int) -> int:
-    """stat(2)'s st_dev in the kernel's encoding (sb->s_dev: major << 20 | minor), which the BPF
-    side reads (the inverse of agent/recorder/decode.py's)."""
-    return (os.major(st_dev) << 20) | os.minor(st_dev)
 
 
 def shebang(head: bytes) -> tuple[bytes, bytes | None] | None:
@@ -121,67 +70,111 @@ def bprm_filename(path: bytes, dirfd: int, empty_path: bool) -> bytes:
     return b"/dev/fd/%d/%s" % (dirfd, path)
 
 
-@dataclass(frozen=True)
-class DecidedExec:
-    """What the kernel must load for an exec the supervisor let go on."""
-
-    dev: int  # st_dev as stat(2) gives it
-    ino: int
-    argv_hash: int
-    args_len: int
-    script: bool = False
-
-    def pack(self) -> bytes:
-        """The BPF map's value (ENTRY)."""
-        return ENTRY.pack(
-            kernel_dev(self.dev), self.ino, self.argv_hash, self.args_len, FLAG_SCRIPT * self.script
-        )
-
-
-def decided_exec(
+def pin_exec(
     key: bytes,
-    identity: tuple[int, int],
+    identity: tuple[int, int] | None,
     argv: Sequence[bytes],
     *,
     script: tuple[bytes, bytes | None, bytes] | None = None,
-    cap: int = ARGS_BYTES,
-) -> DecidedExec:
-    """The entry for an exec of the file `identity` (st_dev, st_ino: for a script, its
-    interpreter's) with `argv`; `script`: (interpreter, its argument, bprm filename)."""
+    truncated: bool = False,
+) -> abi.ExecPin | None:
+    """The pin of an exec of the file `identity` (stat(2)'s st_dev, st_ino; for a script, its
+    interpreter's) with `argv` as the caller passed it; `script`: (interpreter, its argument, bprm
+    filename) of a `#!` line. None when it cannot be pinned, and the exec must be refused: no file
+    (`identity` None), an argv not read whole (`truncated`), an arg area past abi.EXEC_ARGS_MAX."""
+    if identity is None or truncated:
+        return None
     if script is not None:
-        interp, arg, filename = script
-        argv = [interp, *([arg] if arg is not None else []), filename, *argv[1:]]
-    data = argv_bytes(argv, cap)
-    return DecidedExec(identity[0], identity[1], siphash24(key, data), len(data), script is not None)
+        argv = abi.script_argv(script[0], script[1], script[2], argv)
+    try:
+        return abi.exec_pin(key, identity, argv, script=script is not None)
+    except ValueError:
+        return None
 
 
-Publish = Callable[[int, DecidedExec], None]  # (the calling thread's id, what it must load)
+class ExecPins(Protocol):
+    """What the check needs of the recorder's probes (probes/loader.py RecorderProbes)."""
+
+    def enforce_execs(self, slot: int, key: bytes) -> None: ...
+    def release_execs(self, slot: int) -> None: ...
+    def publish(self, tid: int, pin: abi.ExecPin) -> None: ...
+    def forget(self, tid: int) -> None: ...
+
+
+@dataclass
+class ExecCheck:
+    """One run's exec check. The run makes it once its recording has a slot, calls `enforce()`
+    before the command can exec (from then on an exec of the run without a pin is killed), gives
+    `key` and `publish` to its ExecSupervisor, and calls `release()` when the run ends (before its
+    slot is another run's). `enforce` raises probes' ObjectError when the kernel refuses the
+    check's program: then nothing closes the race (a degradation, or exit 2 with --fail-closed)."""
+
+    probes: ExecPins
+    slot: int
+    key: bytes = field(default_factory=new_key, repr=False)
+    enforced: bool = field(init=False, default=False)
+
+    def enforce(self) -> None:
+        self.probes.enforce_execs(self.slot, self.key)
+        self.enforced = True
+
+    def release(self) -> None:
+        """Stop checking the run's execs; its key is wiped from the kernel. Idempotent."""
+        if self.enforced:
+            self.enforced = False
+            self.probes.release_execs(self.slot)
+
+    def publish(self, tid: int, pin: abi.ExecPin) -> bool:
+        """The supervisor's call before it answers CONTINUE for thread `tid` (the notification's
+        pid). False when the kernel cannot hold the pin (abi.EXEC_PINS_MAX on the machine): refuse
+        the exec then (without a pin the kernel would kill it)."""
+        try:
+            self.probes.publish(tid, pin)
+        except OSError as e:
+            logger.warning("exec check: the pin of thread %d is not held: %s", tid, e.strerror or e)
+            return False
+        return True
+
+    def forget(self, tid: int) -> None:
+        """Drop thread `tid`'s pin (an exec refused after it was pinned)."""
+        self.probes.forget(tid)
 
 
 @dataclass
 class MemoryPublisher:
-    """A stand-in for the BPF map (tests, and a dry run): tid -> entry, and the check the BPF side
-    makes, so the contract is tested in user space against the kernel's own view of an exec."""
+    """A stand-in for the kernel's half (tests): tid -> pin, and the comparison the BPF program
+    makes, so the supervisor's pins are tested in user space against the kernel's own view of an
+    exec. It is an `ExecPins` (and a `Publish`, called directly)."""
 
     key: bytes
-    cap: int = ARGS_BYTES
+    entries: dict[int, abi.ExecPin] = field(default_factory=dict)
+    enforced: set[int] = field(default_factory=set)
 
-    def __post_init__(self) -> None:
-        self.entries: dict[int, DecidedExec] = {}
+    def __call__(self, tid: int, pin: abi.ExecPin) -> bool:
+        self.entries[tid] = pin
+        return True
 
-    def __call__(self, tid: int, decided: DecidedExec) -> None:
-        self.entries[tid] = decided
+    def enforce_execs(self, slot: int, key: bytes) -> None:
+        self.enforced.add(slot)
+
+    def release_execs(self, slot: int) -> None:
+        self.enforced.discard(slot)
+
+    def publish(self, tid: int, pin: abi.ExecPin) -> None:
+        self.entries[tid] = pin
+
+    def forget(self, tid: int) -> None:
+        self.entries.pop(tid, None)
 
     def check(self, old_tid: int, st_dev: int, st_ino: int, arg_area: bytes) -> bool:
-        """The BPF check at sched_process_exec: the entry of the thread that called exec (taken:
-        one entry, one exec) against the file mapped and the arg area copied."""
-        decided = self.entries.pop(old_tid, None)
-        if decided is None:
+        """The BPF check at sched_process_exec: the pin of the thread that called exec (taken: one
+        pin, one exec) against the file mapped (stat of /proc/PID/exe) and the whole arg area."""
+        pin = self.entries.pop(old_tid, None)
+        if pin is None or len(arg_area) > abi.EXEC_ARGS_MAX:
             return False
-        data = arg_area[: self.cap - 1]
-        return (decided.dev, decided.ino, decided.args_len, decided.argv_hash) == (
-            st_dev,
+        return (pin.dev, pin.ino, pin.args_len, pin.argv_hash) == (
+            abi.kernel_dev(st_dev),
             st_ino,
-            len(data),
-            siphash24(self.key, data),
+            len(arg_area),
+            abi.siphash24(self.key, arg_area),
         )

@@ -45,17 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evidence.agent.recorder.approvals import Asked
-from evidence.agent.recorder.exec_check import (
-    ARGS_BYTES,
-    DecidedExec,
-    Publish,
-    bprm_filename,
-    decided_exec,
-    shebang,
-)
+from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec, shebang
 from evidence.bundle.record_types import DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
+from evidence.probes import abi
 
 logger = logging.getLogger(__name__)
 
@@ -643,6 +637,13 @@ class ExecSupervisor:
             return self._finish(
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
+        if req.identity is None and _identity(req.program) is None:
+            # the name leads to no file for the caller (a shell's PATH search tries each directory):
+            # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
+            with self._lock:
+                if self.listener >= 0 and still_pending(self.listener, note.id):
+                    respond(self.listener, note.id, error=0 if self.dry_run else errno.ENOENT)
+            return None
         decision = decide_request(self.commands, req, depth)
         if self.dry_run:  # decide, record, let it run; nobody is asked
             return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))
@@ -671,13 +672,11 @@ class ExecSupervisor:
             self.on_decision(result)
             return result
         if result.allowed and self.publish is not None and req is not None:
-            decided = self.decided(req)
-            if decided is None:  # fail closed: what the kernel loads could not be checked
+            pin = self.decided(req)
+            if pin is None or not self.publish(req.pid, pin):  # fail closed: it could not be checked
                 result = ExecDecision(
                     req, result.decision, result.depth, False, "what would run cannot be pinned"
                 )
-            else:
-                self.publish(req.pid, decided)
         if result.request is not None and not result.allowed:
             # told before the answer, so the line usually comes before the job's own complaint
             message = result.error or (
@@ -693,9 +692,9 @@ class ExecSupervisor:
         self.on_decision(result)
         return result
 
-    def decided(self, req: ExecRequest) -> DecidedExec | None:
-        """What the kernel must load for `req` (exec_check.py), or None when that cannot be said:
-        the file named nothing for the caller, or argv was not read as far as the probe copies it."""
+    def decided(self, req: ExecRequest) -> abi.ExecPin | None:
+        """What the kernel must load for `req` (exec_check.pin_exec), or None when that cannot be
+        said: the file named nothing for the caller, or argv was not read whole."""
         raw = [a.encode("utf-8", "surrogateescape") for a in req.argv]
         script = None
         identity = req.identity
@@ -705,10 +704,7 @@ class ExecSupervisor:
             script = (req.shebang[0], req.shebang[1], filename)
         if identity is None:
             return None
-        decided = decided_exec(self.check_key, identity, raw, script=script)
-        if req.truncated and decided.args_len < ARGS_BYTES - 1:
-            return None  # the probe copies arguments the supervisor did not read
-        return decided
+        return pin_exec(self.check_key, identity, raw, script=script, truncated=req.truncated)
 
     def pending(self, nid: int) -> bool:
         """Whether the notification still waits for an answer from this supervisor."""

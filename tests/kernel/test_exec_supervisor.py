@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
 from tests.kernel.util import as_user
 
 NOBODY = 65534

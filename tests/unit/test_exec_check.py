@@ -1,6 +1,8 @@
-"""The no-race check's user-space half (agent/recorder/exec_check.py): the keyed hash is SipHash-2-4
-(the reference vector, and OpenSSL's over generated inputs), the argv bytes are what the probe
-copies, a `#!` line splits as the kernel splits it, and the entry's layout is fixed."""
+"""The no-race check's user-space half (agent/recorder/exec_check.py): its pins are probes/abi.py's
+(the reference the BPF program is tested against in tests/kernel/test_exec_check.py), hashed over
+the whole arg area (not the recorder probe's 8191-byte copy; an empty argv is one empty argument);
+what cannot be pinned is None (the supervisor refuses it); a `#!` line splits as the kernel splits
+it; a run's check enforces, publishes and releases through the probes."""
 
 from __future__ import annotations
 
@@ -13,24 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evidence.agent.recorder.exec_check import (
-    ENTRY,
+    ExecCheck,
     MemoryPublisher,
-    argv_bytes,
     bprm_filename,
-    decided_exec,
-    kernel_dev,
+    pin_exec,
     shebang,
-    siphash24,
 )
+from evidence.probes import abi
 
 KEY = bytes(range(16))
-
-
-def test_siphash_matches_the_papers_vector() -> None:
-    assert siphash24(KEY, bytes(range(15))) == 0xA129CA6149BE45E5  # SipHash paper, appendix A
-    assert siphash24(KEY, b"") == 0x726FDB47DD0E0E31
-    with pytest.raises(ValueError):
-        siphash24(b"short", b"")
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is in the base image")
@@ -43,13 +36,7 @@ def test_siphash_agrees_with_openssl(key: bytes, data: bytes) -> None:
         capture_output=True,
         check=True,
     ).stdout
-    assert siphash24(key, data).to_bytes(8, "little").hex().upper() == out.decode().strip()
-
-
-def test_argv_bytes_are_the_probes_copy_of_the_arg_area() -> None:
-    assert argv_bytes([b"git", b"push", b""]) == b"git\0push\0\0"
-    assert argv_bytes([b"x" * 10_000]) == b"x" * 8191  # cut at ARGS_BYTES - 1, as the probe cuts
-    assert argv_bytes([b"ab", b"cd"], cap=4) == b"ab\0"
+    assert abi.siphash24(key, data).to_bytes(8, "little").hex().upper() == out.decode().strip()
 
 
 def test_a_shebang_splits_as_the_kernel_splits_it() -> None:
@@ -64,20 +51,76 @@ def test_a_shebang_splits_as_the_kernel_splits_it() -> None:
     assert bprm_filename(b"/abs", 5, False) == b"/abs"
 
 
-def test_an_entry_matches_only_the_file_and_argv_it_was_made_for() -> None:
+def test_a_pin_is_abis_over_the_whole_arg_area() -> None:
     st_ = os.stat("/bin/sh")
+    ident = (st_.st_dev, st_.st_ino)
+    long = [b"sh", b"x" * 20_000]  # past the recorder probe's ARGS_BYTES: still hashed whole
+    pin = pin_exec(KEY, ident, long)
+    assert pin == abi.exec_pin(KEY, ident, long)
+    assert pin is not None and pin.args_len == 20_004 and pin.dev == abi.kernel_dev(st_.st_dev)
+    # an empty argv is one empty argument in the new image (fs/exec.c since 5.18)
+    empty = pin_exec(KEY, ident, [])
+    assert empty is not None and (empty.args_len, empty.argv_hash) == (1, abi.siphash24(KEY, b"\0"))
+
+
+def test_what_cannot_be_pinned_is_none() -> None:
+    assert pin_exec(KEY, None, [b"sh"]) is None  # the name leads to no file
+    assert pin_exec(KEY, (1, 2), [b"sh"], truncated=True) is None  # argv not read whole
+    assert pin_exec(KEY, (1, 2), [b"x" * abi.EXEC_ARGS_MAX]) is None  # past the BPF side's limit
+    assert pin_exec(KEY, (1, 2), [b"x" * (abi.EXEC_ARGS_MAX - 1)]) is not None
+
+
+def test_a_scripts_pin_is_its_interpreters_file_with_the_kernels_argv() -> None:
+    pin = pin_exec(KEY, (1, 2), [b"./s", b"a"], script=(b"/bin/tail", b"-f", b"./s"))
+    assert pin == abi.exec_pin(KEY, (1, 2), [b"/bin/tail", b"-f", b"./s", b"a"], script=True)
+    assert pin is not None and pin.flags == abi.PIN_SCRIPT
+
+
+def test_a_pin_matches_only_the_file_and_arg_area_it_was_made_for() -> None:
+    st_ = os.stat("/bin/sh")
+    ident = (st_.st_dev, st_.st_ino)
     pub = MemoryPublisher(KEY)
-    pub(7, decided_exec(KEY, (st_.st_dev, st_.st_ino), [b"sh", b"-c", b"true"]))
+
+    def pin(argv: list[bytes]) -> abi.ExecPin:
+        p = pin_exec(KEY, ident, argv)
+        assert p is not None
+        return p
+
+    pub(7, pin([b"sh", b"-c", b"true"]))
     assert pub.check(7, st_.st_dev, st_.st_ino, b"sh\0-c\0true\0")
-    assert not pub.check(7, st_.st_dev, st_.st_ino, b"sh\0-c\0true\0")  # one entry, one exec
-    pub(7, decided_exec(KEY, (st_.st_dev, st_.st_ino), [b"sh", b"-c", b"true"]))
+    assert not pub.check(7, st_.st_dev, st_.st_ino, b"sh\0-c\0true\0")  # one pin, one exec
+    pub(7, pin([b"sh", b"-c", b"true"]))
     assert not pub.check(7, st_.st_dev, st_.st_ino, b"sh\0-c\0rm -rf /\0")  # argv rewritten
-    pub(7, decided_exec(KEY, (st_.st_dev, st_.st_ino), [b"sh"]))
+    pub(7, pin([b"sh"]))
     assert not pub.check(7, st_.st_dev, st_.st_ino + 1, b"sh\0")  # another file
-    assert not pub.check(8, st_.st_dev, st_.st_ino, b"sh\0")  # no entry for that thread
-    # a script: the interpreter's file, the kernel's argv
-    d = decided_exec(KEY, (1, 2), [b"./s", b"a"], script=(b"/bin/tail", b"-f", b"./s"))
-    assert d.script and d.args_len == len(b"/bin/tail\0-f\0./s\0a\0")
-    kdev, ino, h, n, flags = ENTRY.unpack(d.pack())
-    assert (kdev, ino, h, n, flags) == (kernel_dev(1), 2, d.argv_hash, d.args_len, 1)
-    assert kernel_dev(os.makedev(259, 3)) == (259 << 20) | 3
+    assert not pub.check(8, st_.st_dev, st_.st_ino, b"sh\0")  # no pin for that thread
+    # a rewrite past the first 8191 bytes is a difference too
+    head = [b"sh", b"-c", b"true", b"x" * 9000]
+    pub(7, pin(head))
+    assert not pub.check(7, st_.st_dev, st_.st_ino, b"sh\0-c\0true\0" + b"x" * 8999 + b"y\0")
+
+
+def test_a_runs_check_enforces_publishes_and_releases_through_the_probes() -> None:
+    probes = MemoryPublisher(KEY)
+    check = ExecCheck(probes, slot=3)
+    assert len(check.key) == 16 and check.key != ExecCheck(probes, slot=4).key  # a key per run
+    assert repr(check.key) not in repr(check)  # a log line never shows it
+    check.enforce()
+    assert probes.enforced == {3}
+    p = pin_exec(check.key, (1, 2), [b"true"])
+    assert p is not None and check.publish(11, p) and probes.entries == {11: p}
+    check.forget(11)
+    assert probes.entries == {}
+    check.release()
+    check.release()  # once
+    assert probes.enforced == set() and not check.enforced
+
+
+def test_a_pin_the_kernel_cannot_hold_is_refused() -> None:
+    class Full(MemoryPublisher):
+        def publish(self, tid: int, pin: abi.ExecPin) -> None:
+            raise OSError(7, "Argument list too long")
+
+    check = ExecCheck(Full(KEY), slot=1)
+    p = pin_exec(check.key, (1, 2), [b"true"])
+    assert p is not None and check.publish(5, p) is False

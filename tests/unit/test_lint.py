@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from evidence.bundle import container, fastpath, lint, verify
 from evidence.bundle import format as fmt
 from evidence.cli import main
-from tests.unit.conftest_bundles import WS, connect, denial, dns, exec_, open_, records, write
+from tests.unit.conftest_bundles import WS, connect, denial, dns, exec_, open_, records, violation, write
 
 
 def _lint(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
@@ -95,6 +95,8 @@ def test_clean_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixture
         ([], {"cut_short": True}, "EV007"),
         ([open_(-2_000_000_000, WS + "/late", ["read"])], {}, "EV008"),
         ([_refused_32bit(9100)], {}, "EV013"),
+        ([violation(9100, "args")], {}, "EV021"),
+        ([violation(9100, "no_pin", killed=False)], {}, "EV021"),
         # a job answering its own query from a port of its own; a server that is not the run's resolver
         (
             [

@@ -11,7 +11,18 @@ import orjson
 from evidence.agent.daemon.delivery import live_event
 from evidence.bundle import format as fmt
 from evidence.bundle import records
-from tests.unit.conftest_bundles import T0, approval, change, connect, denial, exec_, members, open_, write
+from tests.unit.conftest_bundles import (
+    T0,
+    approval,
+    change,
+    connect,
+    denial,
+    exec_,
+    members,
+    open_,
+    violation,
+    write,
+)
 
 
 def _all_kinds() -> list[dict[str, Any]]:
@@ -24,6 +35,7 @@ def _all_kinds() -> list[dict[str, Any]]:
         denial(3500, "/etc/passwd"),
         approval(3600),
         approval(3700, "allowed", via="terminal", by_uid=1000, reason=None),
+        violation(3800, "no_pin"),
         dict(k="inventory", t=T0 + 4000, pid=101, exe="/usr/bin/make", ppid=100, argv=["make"], cwd="/w"),
         dict(k="degradation", t=T0 + 4500, component="landlock", reason="not here", impact="no file rules"),
         dict(k="exit", t=T0 + 5000, pid=101, ppid=100, exe=None, exit_code=0),

@@ -1,0 +1,69 @@
+"""A start beside an earlier run's teardown (issue 27): an `evidence-detach` (what `evidence run`
+leaves to close its perf events, a grace period each under the kernel's event_mutex) closes none
+while a start holds probes.loader's attach lock, and finishes once it is let go, closing every one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evidence.agent.recorder.kernel import mount_tracefs
+from evidence.probes.headers import ensure_headers
+from evidence.probes.loader import attaching
+
+pytestmark = pytest.mark.kernel
+
+# loads the probes, leaves them to an evidence-detach as `evidence run` does, says its pid, exits
+RUN = """
+import os
+from evidence.probes.loader import load_probes
+p = load_probes()
+p.close(background=True)
+for pid in os.listdir("/proc"):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        continue
+    comm, _, rest = stat.partition("(")[2].rpartition(")")
+    if comm == "evidence-detach" and int(rest.split()[1]) == os.getpid():
+        print(pid, flush=True)
+"""
+
+
+def _perf_events(pid: int) -> int:
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            n += os.readlink(fd) == "anon_inode:[perf_event]"
+        except OSError:
+            continue
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_detach_closes_nothing_while_a_start_attaches_and_everything_after() -> None:
+    mount_tracefs()
+    ensure_headers()
+    with attaching(wait=30):  # a start, attaching
+        out = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        detach = int(out.stdout.split()[0])  # its parent gone: it wants to close its perf events now
+        held = _perf_events(detach)
+        assert held >= 100  # the recorder's syscall tracepoints (112 here)
+        time.sleep(0.5)  # it would have closed several by now (~40 ms each)
+        assert _alive(detach) and _perf_events(detach) == held
+    deadline = time.monotonic() + 120
+    while _alive(detach) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(detach), "the detach closed its perf events and exited once the start was done"
