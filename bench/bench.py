@@ -11,6 +11,10 @@ path (standalone, --detail full, and through an `evidence agent` started here), 
 not ours: `pip wheel` of a C-extension sdist downloaded once from the package registry (not timed;
 skipped, and said so, when the registry cannot be reached) and `python -m compileall` of a copy of
 the stdlib, each run under `workloads run` so that it has the same tail and in-loop figures.
+Command rules (case `exec-commands`): 5k fork+exec under `--policy` with a 20-rule `commands`
+section against the same run under the same policy without it, interleaved, whole process wall and
+peak RSS each; and the exec supervisor's own time per exec, from receiving the notification to
+responding, as it logs it (agent/recorder/exec_supervisor.py: RoundTrips).
 The floor (bench/floor.py, case `floor`): the 300k open/close loop in-loop untraced, with empty
 programs on openat's tracepoints, with a minimal recorder of a cgroup's opens, and under `evidence
 run`, interleaved: how much of an open's cost is the tracepoints', any recorder's, and ours.
@@ -73,10 +77,51 @@ CASES = {
     "open10": Case("1M opens of 10 paths", "open10", 1_000_000),
     "distinct": Case("2 x 1M distinct paths", "distinct", 1_000_000),
     "distinct-full": Case("2 x 1M distinct, full", "distinct", 1_000_000, ("--detail", "full")),
+    "exec-commands": Case("5k fork+exec, 20 rules", "exec", 5_000),
     "pip-wheel": Case(f"pip wheel {SDIST.split('=')[0]}", "pip-wheel"),
     "compileall": Case("compileall stdlib copy", "compileall"),
 }
 BUILDS = ("pip-wheel", "compileall")
+
+
+# case exec-commands: the same policy without and with 20 command rules, none of which matches the
+# workload's /bin/true (each exec is matched against all 20; `default: allow` lets it run): names,
+# absolute paths, globs, args patterns and depths, as a CI policy's would be
+POLICY_BASE = "version: 1\n"
+COMMAND_RULES = [
+    ("no-curl", "[curl, /usr/bin/curl]", None, None),
+    ("no-wget", "wget", None, None),
+    ("no-nc", "[nc, ncat, netcat, socat]", None, None),
+    ("no-ssh", "[ssh, scp, sftp]", None, None),
+    ("no-telnet", "[telnet, ftp, tftp]", None, None),
+    ("no-rsync-remote", "rsync", '["*:*"]', None),
+    ("no-force-push", "git", '[push, "*--force*"]', None),
+    ("no-push-delete", "git", '[push, "*--delete*"]', None),
+    ("no-npm-publish", "npm", "[publish]", None),
+    ("no-twine", "twine", "[upload]", None),
+    ("no-pip-index", "[pip, pip3]", '[install, "--index-url*"]', None),
+    ("no-docker", "[docker, podman]", None, None),
+    ("no-kubectl", "kubectl", None, None),
+    ("no-sudo", "[sudo, su, doas]", None, None),
+    ("no-debuggers", "[gdb, strace, ltrace]", None, None),
+    ("no-shm-programs", '["/var/tmp/*", "/dev/shm/*"]', None, None),  # not /tmp: the workload is there
+    ("no-shell-from-make", "[bash, zsh]", '["-c", "*curl*"]', None),
+    ("no-deep-python", "[python3]", '["-c", "*socket*"]', "{min: 3}"),
+    ("no-crontab", "[crontab, at]", None, None),
+    ("no-mount", "[/usr/bin/mount, /usr/bin/umount]", None, "any"),
+]
+
+
+def commands_policy() -> str:
+    lines = [POLICY_BASE.rstrip("\n"), "commands:", "  default: allow", "  rules:"]
+    for name, program, args, depth in COMMAND_RULES:
+        lines += [f"    - name: {name}", f"      program: {program}"]
+        if args:
+            lines.append(f"      args: {args}")
+        if depth:
+            lines.append(f"      depth: {depth}")
+        lines.append("      decision: deny")
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -160,7 +205,7 @@ def wait_released(timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def measure(cmd: list[str]) -> Sample:
+def measure(cmd: list[str], err_out: list[str] | None = None) -> Sample:
     """Run cmd to its end, its stdout and stderr to temp files, once no earlier run's probes are
     being released (wait_released). The tail is taken with the clock the workload printed its end
     with (CLOCK_REALTIME), right after wait4 returns."""
@@ -177,6 +222,8 @@ def measure(cmd: list[str]) -> Sample:
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed ({p.returncode}): {stderr.strip()[-500:]}")
+    if err_out is not None:
+        err_out.append(stderr)
     loop_ns, end_ns = (int(x) for x in stdout.strip().splitlines()[-1].split())
     return Sample(loop_ns, wall, usage.ru_maxrss, (exited_ns - end_ns) / 1e9)
 
@@ -393,6 +440,7 @@ def main() -> int:
         floor_rows = run_floor(args, exe, work) if with_floor else None
         agent_rss = 0
         clean: dict[str, list[Sample]] = {}
+        commands_rows: list[str] = []
 
         def untraced(case: str) -> list[Sample]:
             """A case's untraced runs, no agent's probes attached (none: the case is skipped)."""
@@ -405,7 +453,10 @@ def main() -> int:
                 # probes attached every process pays for them, so they would flatter its ratios
                 clean = {later: untraced(later) for later in ordered if CASES[later].agent}
                 agents = Agents(pythons, work)
-            row = run_case(case, args, exe, work, builder, agents, checks, clean.get(case))
+            if case == "exec-commands":
+                row = run_commands_case(args, exe, work, checks, commands_rows)
+            else:
+                row = run_case(case, args, exe, work, builder, agents, checks, clean.get(case))
             if isinstance(row, str):
                 skipped.append((CASES[case].label, row))
             else:
@@ -433,6 +484,8 @@ def main() -> int:
 
         print_table(rows, skipped, true_rec, true_agent, true_rec - true_base, py_start, agent_rss)
         print_starts(starts, pythons, args)
+        if commands_rows:
+            print("\n".join(commands_rows))
         if floor_rows is not None:
             print_floor(floor_rows, args)
         ok = print_checks(checks)
@@ -590,6 +643,135 @@ def run_case(
         rss=max(t.rss_kib for t in traced),
         tail=statistics.median(t.tail for t in traced),
         strace=s_ratio,
+        events=manifest["events"],
+        lost=lost,
+    )
+
+
+def run_commands_case(
+    args: argparse.Namespace,
+    exe: Path,
+    work: Path,
+    checks: list[tuple[str, object, object]],
+    out: list[str],
+) -> Row | str:
+    """Case exec-commands: untraced, `--policy` without and with the 20 rules, interleaved; the
+    row is the run with the rules (its -true: `run --policy` with them, of /bin/true), `out` gets
+    the side-by-side lines and the supervisor's round trip."""
+    c = CASES["exec-commands"]
+    n = c.n // (10 if args.quick else 1)
+    evidence = [args.python, "-P", "-m", "evidence"]
+    workload = [str(exe), "exec", str(n)]
+    plain, ruled = work / "policy-base.yaml", work / "policy-commands.yaml"
+    plain.write_text(POLICY_BASE)
+    ruled.write_text(commands_policy())
+    run_help = subprocess.run([*evidence, "run", "--help"], capture_output=True, text=True).stdout
+    how = ["--standalone"] if "--standalone" in run_help else []
+    bases: list[Sample] = []
+    without: list[Sample] = []
+    with_rules: list[Sample] = []
+    trues: list[float] = []
+    errs: list[str] = []
+    bundle = work / "exec-commands.tar.gz"
+    for i in range(args.repeat):
+        bases.append(measure(workload))
+        without.append(
+            measure(
+                [
+                    *evidence,
+                    "run",
+                    *how,
+                    "--policy",
+                    str(plain),
+                    "--bundle",
+                    str(work / f"ec-base-{i}.tar.gz"),
+                    "--",
+                    *workload,
+                ]
+            )
+        )
+        bundle = work / f"exec-commands-{i}.tar.gz"
+        with_rules.append(
+            measure(
+                [
+                    *evidence,
+                    "-v",
+                    "run",
+                    *how,
+                    "--policy",
+                    str(ruled),
+                    "--bundle",
+                    str(bundle),
+                    "--",
+                    *workload,
+                ],
+                errs,
+            )
+        )
+        trues.append(
+            loop_wall(
+                [
+                    *evidence,
+                    "run",
+                    *how,
+                    "--policy",
+                    str(ruled),
+                    "--bundle",
+                    str(work / "ec-true.tar.gz"),
+                    "--",
+                    "/bin/true",
+                ]
+            )
+        )
+    manifest = read_manifest(bundle)
+    lost = manifest["lost"]["total"]
+    round_trip = [
+        line
+        for e in errs
+        for line in e.splitlines()
+        if "exec supervisor:" in line and "execs decided" in line
+    ]
+    enforced = bool(round_trip)
+    checks.append(
+        (f"{c.label}: the exec supervisor decided the execs (wired into `evidence run`)", enforced, True)
+    )
+    execs = [
+        e
+        for e in iter_events(bundle, "dev.evidence.process.exec")
+        if e["data"]["argv"] == ["/bin/true", "bench-arg"] and e["data"]["result"] == 0
+    ]
+    checks.append((f"{c.label}: execs captured with argv", len(execs), n))
+    refused = sum(1 for _ in iter_events(bundle, "dev.evidence.policy.denial"))
+    checks.append((f"{c.label}: no exec refused (no rule matches /bin/true)", refused, 0))
+    checks.append((f"{c.label}: events lost", lost, 0))
+    med = statistics.median
+    w0, w1 = med(s.wall for s in without), med(s.wall for s in with_rules)
+    r0, r1 = max(s.rss_kib for s in without), max(s.rss_kib for s in with_rules)
+    out.append(
+        f"\ncommand rules, {n} fork+exec of /bin/true, whole process, median of {args.repeat} (interleaved):"
+        f"\n  untraced                         {med(s.wall for s in bases):>7.2f} s"
+        f"\n  --policy without `commands`      {w0:>7.2f} s  peak RSS {r0 / 1024:>5.0f} MB"
+        f"\n  --policy with 20 command rules   {w1:>7.2f} s  peak RSS {r1 / 1024:>5.0f} MB"
+        f"  ({(w1 - w0) / n * 1e6:+.0f} us per exec, {w1 / w0:.2f}x)"
+    )
+    out.append(
+        "  supervisor, notification read to response sent (last run): "
+        + (
+            round_trip[-1].split("response sent: ", 1)[-1]
+            if enforced
+            else "no line: commands not enforced by this build"
+        )
+    )
+    return Row(
+        case="exec-commands",
+        label=c.label,
+        bases=bases,
+        wall=w1,
+        start=med(trues),
+        traced_loop_ns=med(s.loop_ns for s in with_rules),
+        rss=r1,
+        tail=med(s.tail for s in with_rules),
+        strace=float("nan"),
         events=manifest["events"],
         lost=lost,
     )

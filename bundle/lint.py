@@ -239,6 +239,7 @@ class _Part:
             fmt.LOSS: self._loss,
             fmt.DEGRADATION: self._degradation,
             fmt.POLICY_DENIAL: self._denial,
+            fmt.POLICY_APPROVAL: self._approval,
             fmt.POLICY_VIOLATION: self._violation,
             fmt.INVENTORY: self._inventory,
             fmt.PROCESS_NAMESPACE: self._namespace,
@@ -506,8 +507,23 @@ class _Part:
             exe = d.get("exe") or "?"
             self.add("EV013", f"{exe} (pid {d['pid']}) made a 32-bit system call: {target}, refused", exe, ev)
             return
+        if d["operation"] == "exec":
+            how = "refused" if d["enforced"] else "would be refused (dry run)"
+            self.add("EV020", f"exec of {target} {how} by {d['rule']}", f"{d['rule']}\0{target}", ev)
         if target != ev["subject"]:
             self._text(target, "path", ev)
+
+    def _approval(self, ev: EventJSON) -> None:
+        d = ev["data"]
+        self._argv(d["argv"], "argv", ev)
+        if d.get("via") == "timeout":
+            state = "allowed" if d["state"] == "allowed" else "denied"
+            self.add(
+                "EV019",
+                f"exec of {d['program']} waited for approval by {d['rule']}: nobody answered, {state} by the timeout",
+                f"{d['rule']}\0{d['program']}\0{state}",
+                ev,
+            )
 
     def _violation(self, ev: EventJSON) -> None:
         d = ev["data"]

@@ -181,7 +181,20 @@ RULES: dict[str, Rule] = {
              "came past the caps (256 subjects, 4 GiB hashed in all); or a pattern matched "
              "nothing. manifest.artifacts.refused lists each with the reason. Such a file is not attested: a release that "
              "needs it must produce it in the workspace, under the caps."),
-        # EV021: the exec check (issue 24), its own block (EV017-EV020 are other branches')
+        Rule("EV019", "approval-timed-out", "warning", "An exec waiting for a person's approval was decided by the timeout",
+             "A dev.evidence.policy.approval event resolved with 'via': 'timeout': a commands rule "
+             "with decision approve held the exec, nobody answered within approvals.timeout, and "
+             "approvals.on_timeout decided (its 'state' says which). With on_timeout: allow, the "
+             "exec ran without anyone's approval; with deny, the job may have failed for want of an "
+             "answer. Check that the approvers were reachable (the terminal of evidence run, or "
+             "evidence approvals through the agent), or lengthen the timeout."),
+        Rule("EV020", "exec-refused", "warning", "An exec was refused by a commands rule",
+             "A dev.evidence.policy.denial with operation 'exec': the exec supervisor refused the "
+             "exec (EACCES; 'enforced': false in a --dry-run, where it would have been) by the "
+             "commands rule its 'rule' names (commands.rules[N] (name), or commands.default), or "
+             "a person denied it. The job tried to run a program its policy forbids: a build that "
+             "needs it needs the policy changed; one that should not is worth a look. An exec the "
+             "supervisor could not read is named <unreadable>."),
         Rule("EV021", "exec-not-as-decided", "error", "An exec ran otherwise than the policy's command rules allowed, and was killed",
              "A dev.evidence.policy.violation: an exec of a run whose command rules are enforced "
              "loaded another file, or copied other arguments, than the exec supervisor allowed "

@@ -43,6 +43,10 @@ class Summary:
     network: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # dest -> [count, exe, events]
     denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # what -> [count, events]
     dns: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # query -> [count, exe, events]
+    # commands: execs refused by rule ("rule: refused PROGRAM" -> [count, events]); approvals by id,
+    # the last event of each (a resolution repeats its request's fields) and its time
+    exec_denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    approvals: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
     degradations: list[str] = dataclasses.field(default_factory=list)
     namespaces: list[str] = dataclasses.field(default_factory=list)  # namespace, mount, ptrace calls
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -103,6 +107,16 @@ class Summary:
             entry = self.denials.setdefault(key, [0, 0])
             entry[0] += d.get("count", 1)
             entry[1] += 1
+            if d["operation"] == "exec":
+                how = "refused" if d["enforced"] else "would refuse"
+                entry = self.exec_denials.setdefault(f"{d['rule']}: {how} {d['target']}", [0, 0])
+                entry[0] += d.get("count", 1)
+                entry[1] += 1
+        elif t == fmt.POLICY_APPROVAL:
+            if d["id"] in self.approvals or len(self.approvals) < MAX_TRACKED:
+                self.approvals[d["id"]] = (d, ev["time"])
+            else:
+                self.untracked += 1
         elif t == fmt.POLICY_VIOLATION:  # the exec check: listed with the denials
             how = "killed" if d["killed"] else "could not kill"
             key = f"{how} exec {d.get('exe') or '?'}: not as decided ({', '.join(d['reasons'])}; rule {d['rule']})"
@@ -142,6 +156,12 @@ class Summary:
         self.untracked += _add_counts(self.network, part.network)
         self.untracked += _add_counts(self.denials, part.denials)
         self.untracked += _add_counts(self.dns, part.dns)
+        self.untracked += _add_counts(self.exec_denials, part.exec_denials)
+        for aid, last in part.approvals.items():
+            if aid in self.approvals or len(self.approvals) < MAX_TRACKED:
+                self.approvals[aid] = last
+            else:
+                self.untracked += 1
         for kind, n in part.lost.items():
             self.lost[kind] = self.lost.get(kind, 0) + n
         self.degradations += part.degradations
@@ -354,6 +374,26 @@ def lost_text(m: ManifestJSON) -> str:
     return f"{lost} events ({kinds})" if lost else "none"
 
 
+def approval_text(d: dict[str, Any], time: str) -> str:
+    """One approval request as it ended: what was asked, by which rule, who answered, when, why."""
+    what = f"{d['id']} exec of {d['program']} ({argv_text(d['argv'], 120)}) by {d['rule']}"
+    via = d.get("via")
+    if via is None:
+        return f"{what}: requested {d['requested_at']}, no answer recorded"
+    state = "allowed" if d["state"] == "allowed" else "denied"
+    if via == "timeout":
+        return f"{what}: timed out at {time}, {state} (approvals.on_timeout)"
+    if via == "withdrawn":
+        return f"{what}: withdrawn at {time} ({d.get('reason') or 'no reason'}): it did not run"
+    return f"{what}: {state} by uid {d.get('by_uid')} via {via} at {time}: {d.get('reason') or 'no reason given'}"
+
+
+def approval_lines(s: Summary) -> list[str]:
+    """The approvals in the order they were requested."""
+    ordered = sorted(s.approvals.values(), key=lambda v: (v[0]["requested_at"], v[0]["id"]))
+    return [approval_text(d, time) for d, time in ordered]
+
+
 def file_classes(s: Summary) -> list[str]:
     """The access classes of files, in the order shown: writes first, then reads, then failures."""
     return sorted(s.files, key=lambda k: (k == "failed", k == "read", k))
@@ -412,6 +452,11 @@ def render(s: Summary, limit: int = 50) -> str:
     out += ["", f"Denials ({len(s.denials)}):"]
     lines = [f"  {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.denials.items())]
     out += _limited(lines, limit) or ["  none"]
+    if s.exec_denials or s.approvals:
+        out += ["", f"Commands ({len(s.exec_denials)} refused execs by rule, {len(s.approvals)} approvals):"]
+        lines = [f"  {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.exec_denials.items())]
+        out += _limited(lines, limit)
+        out += _limited([f"  approval {line}" for line in approval_lines(s)], limit)
     if s.untracked:
         out += [
             "",

@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("evidence.agent.commands.agent", "run the recording daemon (sidecar / DaemonSet)"),
     "start": ("evidence.agent.commands.start", "start recording a cgroup through a running agent"),
     "finish": ("evidence.agent.commands.finish", "finish a run started through a running agent"),
+    "approvals": ("evidence.agent.commands.approvals", "list and answer execs waiting for approval"),
     "recover": ("evidence.agent.commands.recover", "write the bundles of runs whose recorder died"),
 }
 

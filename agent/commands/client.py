@@ -1,5 +1,5 @@
-"""The small HTTP-over-Unix-socket client of the agent's API, used by `evidence start`, `finish` and
-`run --agent`. Pure standard library: the client runs in job containers that have no BCC.
+"""The small HTTP-over-Unix-socket client of the agent's API, used by `evidence start`, `finish`,
+`approvals` and `run --agent`. Pure standard library: the client runs in job containers that have no BCC.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from urllib.parse import quote
 from evidence.errors import EXIT_SETUP, Error, UsageError
 
 if TYPE_CHECKING:
-    from evidence.agent.daemon.models import FinishAnswer, PolicyBody, ReadyAnswer, RunAnswer
+    from evidence.agent.daemon.models import (
+        ApprovalAnswer,
+        ApprovalView,
+        FinishAnswer,
+        PolicyBody,
+        ReadyAnswer,
+        RunAnswer,
+    )
 
 Body = dict[str, object]  # a request's JSON body (agent/daemon/models.py checks it)
 
@@ -373,6 +380,17 @@ class AgentClient:
 
     def runs(self) -> list[RunAnswer]:
         result: list[RunAnswer] = self.request("GET", "/runs")["runs"]
+        return result
+
+    def approvals(self) -> list[ApprovalView]:
+        """The execs waiting for an answer that this uid may give (root: all)."""
+        result: list[ApprovalView] = self.request("GET", "/approvals")["approvals"]
+        return result
+
+    def answer(self, request_id: str, decision: str, reason: str) -> ApprovalAnswer:
+        result: ApprovalAnswer = self.request(
+            "POST", f"/approvals/{quote(request_id, safe='')}", {"decision": decision, "reason": reason}
+        )
         return result
 
     def health(self) -> ReadyAnswer:

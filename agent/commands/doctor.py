@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import stat
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from evidence.agent.recorder import kernel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +212,126 @@ def checks(bundle_dir: Path | None = None) -> list[Check]:
             "connect enforcement", bool(sock_addr and sock_addr.ok), "cgroup/connect4,6 and sendmsg4,6", False
         )
     )
+    out += governance_checks(root)
     out.append(private_dir_check("bundle directory", bundle_dir or DEFAULT_BUNDLE_DIR))
     out.append(private_dir_check("run spools", RUN_SPOOL_DIR))
     return out
+
+
+def governance_checks(root: bool) -> list[Check]:
+    """What a policy's `commands`, `approvals` and `limits` need (issue 24), each probed for real,
+    with what is lost without it. None is required to record: a run whose policy needs a missing
+    one gets a degradation (or, with --fail-closed, does not start)."""
+    ok, why = user_notification()
+    out = [
+        Check(
+            "seccomp user notification",
+            ok,
+            why,
+            False,
+            ""
+            if ok
+            else "without it `commands` rules and approvals are not enforced (a degradation; "
+            "--fail-closed refuses such a policy): Linux 5.5+ and apt-get install python3-seccomp",
+        )
+    ]
+    ok, why = send_signal_helper() if root else (False, "needs root")
+    out.append(
+        Check(
+            "bpf_send_signal",
+            ok,
+            why,
+            False,
+            ""
+            if ok
+            else "without it the exec check at sched_process_exec cannot kill an exec that is not "
+            "the one decided (the race after an allowed exec stays open: a degradation); Linux 5.3+",
+        )
+    )
+    from evidence.agent.recorder import limits
+
+    try:
+        found = limits.detect()
+    except OSError as e:
+        found = {}
+        logger.debug("cgroup hierarchies: %s", e)
+    for ctl in limits.CONTROLLERS:
+        h = found.get(ctl)
+        out.append(
+            Check(
+                f"limits: {ctl}",
+                h is not None,
+                f"cgroup v{h.version} at {h.mount}" if h is not None else "no hierarchy offers it",
+                False,
+                ""
+                if h is not None
+                else f"without it `limits` that need the {ctl} controller are not applied (a degradation): "
+                f"enable it in cgroup.subtree_control, or mount a v1 {ctl} hierarchy",
+            )
+        )
+    return out
+
+
+def user_notification() -> tuple[bool, str]:
+    """Whether a seccomp listener can be made here, for real: a child installs the exec filter the
+    launcher installs (execve/execveat to a listener, agent/recorder/exec_supervisor.py) and exits
+    without exec'ing."""
+    try:
+        avail = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError:
+        avail = []
+    if "user_notif" not in avail:
+        return False, "the kernel offers no user_notif action (/proc/sys/kernel/seccomp/actions_avail)"
+    try:
+        import seccomp  # noqa: F401 - Debian's python3-seccomp
+    except ImportError:
+        return False, "python3-seccomp is not installed"
+    from evidence.agent.recorder.exec_supervisor import install_exec_filter
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(install_exec_filter())
+            code = 0
+        except BaseException:  # noqa: BLE001 - the exit code says it
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return True, "a listener for execve/execveat was made (libseccomp NOTIFY)"
+    return False, "installing a notify filter failed in a test process"
+
+
+BPF_FUNC_SEND_SIGNAL = 109
+BPF_PROG_TYPE_TRACEPOINT = 5
+
+
+def send_signal_helper(helper: int = BPF_FUNC_SEND_SIGNAL) -> tuple[bool, str]:
+    """Whether a tracepoint program may call bpf_send_signal: the verifier is asked for real with a
+    three-instruction program (r1 = 0; call bpf_send_signal; r0 = 0; exit), loaded and closed, never
+    attached."""
+    import ctypes
+    import errno
+
+    insns = (ctypes.c_uint64 * 4)(
+        0x00000000_000001B7,  # r1 = 0 (signal 0: nothing would be sent)
+        (helper << 32) | 0x85,  # call
+        0x00000000_000000B7,  # r0 = 0
+        0x00000000_00000095,  # exit
+    )
+    license_ = ctypes.create_string_buffer(b"GPL")
+    attr = ctypes.create_string_buffer(128)
+    base = ctypes.addressof(attr)
+    ctypes.memmove(base, ctypes.byref(ctypes.c_uint32(BPF_PROG_TYPE_TRACEPOINT)), 4)
+    ctypes.memmove(base + 4, ctypes.byref(ctypes.c_uint32(len(insns))), 4)
+    ctypes.memmove(base + 8, ctypes.byref(ctypes.c_uint64(ctypes.addressof(insns))), 8)
+    ctypes.memmove(base + 16, ctypes.byref(ctypes.c_uint64(ctypes.addressof(license_))), 8)
+    rc = kernel._bpf(kernel.BPF_PROG_LOAD, attr)
+    if rc == 0:
+        return True, "a tracepoint program calling it loads"
+    return False, f"a tracepoint program calling it is refused ({errno.errorcode.get(-rc, str(-rc))})"
 
 
 def _compat_detail() -> str:

@@ -7,6 +7,8 @@
     POST /runs/<session>/finish  {"bundle": NAME?, "exit_code"?, "signal"?}
                                  -> {"session_id", "run_id", "path", "name", "sha256", "counts", ...}
     GET  /bundles/<name>         -> the bundle's bytes (application/gzip)
+    GET  /approvals              -> {"approvals": [request, ...]}: execs waiting for a person
+    POST /approvals/<id>         {"decision": "allow"|"deny", "reason": TEXT} -> the answer
     GET  /healthz                -> 200 while the server answers
     GET  /readyz                 -> 200 once the recorder is ready (probes loaded), else 503 and why
     GET  /metrics                -> Prometheus text format
@@ -34,6 +36,15 @@ root's). Only the owner and root see it in GET /runs, finish it, or download its
 else it is a 404. Starts on a pid or a cgroup follow the isolate_pid rule (authz.check_start), and
 PID 1, the agent and its ancestors are refused to every peer (authz.protected_pids).
 
+Approvals (issue 24): an exec that a `commands` rule says to `approve` waits in the backend's one
+`ApprovalBroker` (agent/recorder/approvals.py) until a person answers or `approvals.timeout` passes.
+GET /approvals lists the open requests the peer may answer: root sees all, anyone else only those
+of runs it owns (the broker's `owner_uid`, the uid of the peer that started the run). POST answers
+one, recorded with the peer's uid from SO_PEERCRED, `via: api`, the time and the reason (required:
+it goes into the bundle), but never from a process inside a run the agent records (403: the job
+usually runs as its run's owner; authz.answer_from_outside). Another user's request is a 404, as another user's run is; a request
+already resolved (answered, timed out, withdrawn) is a 409.
+
 Errors are one line (`{"error", "hint"?}`): 400 bad input, 403 not the peer's, 404 unknown run,
 409 conflict, 503 not ready; anything unexpected is a 500 whose details stay in the agent's log.
 
@@ -57,6 +68,7 @@ from evidence.agent.daemon.authz import (
     Forbidden,
     Peer,
     PeerPolicy,
+    answer_from_outside,
     bundle_target,
     check_start,
     claim_pid,
@@ -64,6 +76,8 @@ from evidence.agent.daemon.authz import (
 )
 from evidence.agent.daemon.transport import Listeners
 from evidence.agent.daemon.wire import Response
+from evidence.agent.recorder.approvals import ApprovalBroker, ApprovalError, ApprovalRequest
+from evidence.bundle.format import format_time
 from evidence.errors import Error, SetupError, UsageError
 from evidence.files import file_sha256
 
@@ -161,6 +175,11 @@ class Backend(Protocol):
 
     def ready(self) -> str | None:
         """None when runs can be started; otherwise why not (shown by /readyz)."""
+        ...
+
+    @property
+    def approvals(self) -> ApprovalBroker:
+        """The one broker every run's exec supervisor asks (GET/POST /approvals)."""
         ...
 
 
@@ -338,6 +357,13 @@ class AgentAPI:
             return self._finish(sid, models.parse(models.FinishRequest, body), peer)
         if len(parts) == 2 and parts[0] == "bundles" and method == "GET":
             return self._bundle(models.bundle_name(parts[1]), peer)
+        if parts == ["approvals"] and method == "GET":
+            pending = [approval_json(r) for r in self.backend.approvals.pending(peer.uid)]
+            return Response.json(200, {"approvals": pending}, "/approvals")
+        if len(parts) == 2 and parts[0] == "approvals" and method == "POST":
+            return self._answer(
+                models.approval_id(parts[1]), models.parse(models.ApprovalAnswerRequest, body), peer
+            )
         return Response.error(404, f"no route {method} {urlsplit(path).path}", "other")
 
     # ownership: a run is its starter's (root's when the agent started it: pods, windows)
@@ -359,6 +385,9 @@ class AgentAPI:
             for sid in [s for s in self._owners if s not in live]:  # finished by the agent itself
                 del self._owners[sid]
             self._owners[info.session_id] = peer.uid
+        broker = getattr(self.backend, "approvals", None)  # a test's fake may have none
+        if broker is not None:  # the run's approval requests are its owner's to see and answer
+            broker.set_owner(info.session_id, peer.uid)
 
     def _bundle_owner(self, name: str, path: Path) -> int:
         """Who may download a bundle: the run's owner (kept in memory and, where the file system
@@ -498,6 +527,30 @@ class AgentAPI:
         logger.info("run %s finished: %s (%d bytes, run id %s)", sid, target, size, result["run_id"])
         return Response.json(200, result, "/runs/{id}/finish")
 
+    def _answer(self, request_id: str, body: models.ApprovalAnswerRequest, peer: Peer) -> Response:
+        """A person's answer through the API: root, or the owner of the request's run (the broker
+        checks it, and answers 404 for another user's request as for an unknown one)."""
+        answer_from_outside(peer, [r.cgroup for r in self.backend.runs()], self.cgroup_root, self.ns_base)
+        broker = self.backend.approvals
+        try:
+            answer = broker.answer(
+                request_id, body.decision == "allow", uid=peer.uid, via="api", reason=body.reason
+            )
+        except ApprovalError as e:
+            return Response.error(e.status, str(e), "/approvals/{id}")
+        logger.info(
+            "approval %s: %s by uid %d through the API (%s)", request_id, body.decision, peer.uid, body.reason
+        )
+        result: models.ApprovalAnswer = {
+            "id": request_id,
+            "decision": "allow" if answer.allowed else "deny",
+            "via": "api",
+            "by_uid": peer.uid,
+            "at": format_time(answer.at),
+            "reason": answer.reason,
+        }
+        return Response.json(200, result, "/approvals/{id}")
+
     def _bundle(self, name: str, peer: Peer) -> Response:
         path = self.bundle_dir / name
         try:
@@ -509,3 +562,22 @@ class AgentAPI:
             return Response.error(404, f"no bundle {name}", "/bundles/{name}")
         size = os.fstat(f.fileno()).st_size
         return Response(200, b"", "application/gzip", "/bundles/{name}", stream=f, length=size)
+
+
+def approval_json(r: ApprovalRequest) -> models.ApprovalView:
+    """An open request as GET /approvals shows it (the client escapes it for a terminal)."""
+    return {
+        "id": r.id,
+        "session_id": r.run,
+        "owner_uid": r.owner_uid,
+        "pid": r.pid,
+        "program": r.program,
+        "argv": list(r.argv),
+        "argv_truncated": r.argv_truncated,
+        "depth": r.depth,
+        "rule": r.rule,
+        "message": r.message,
+        "requested_at": format_time(r.requested_at),
+        "expires_at": format_time(r.requested_at + r.timeout_ms * 1_000_000),
+        "on_timeout": r.on_timeout,
+    }

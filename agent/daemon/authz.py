@@ -19,6 +19,15 @@ own, a cgroup it names by path is delegated to it, and every process in the cgro
 Never, for any peer (`protected_pids`): PID 1, the agent, or an ancestor of the agent, isolated or
 recorded, nor a cgroup that holds one of them.
 
+Who may answer an exec held for approval (`answer_from_outside`): root or the run's owner (the
+broker checks that), and only from outside every run the agent records. The job under record
+usually runs as its run's owner, and can reach the socket: an answer from a process inside a
+recorded cgroup would be the job approving itself. The peer's cgroup is read once, at connect
+(`Peer.cgroup`), through a pidfd of the peer (SO_PEERPIDFD, Linux 6.5) that is checked to be still
+alive after /proc/PID/cgroup is read, so a pid reused meanwhile is never taken for the peer; where
+it cannot be read (the peer exited, is in a pid namespace the agent cannot see into) the answer is
+refused.
+
 Where bundles go (`bundle_target`): always into the agent's bundle directory, under the name the
 client asks for (a plain file name) or `<session>.tar.gz`. Only a root peer may name an absolute
 path: the agent runs as root, and writing where an unprivileged client says would let it overwrite
@@ -71,8 +80,10 @@ class Peer:
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
+    cgroup: str | None = None  # its cgroup v2 path at connect, as /proc/PID/cgroup says; None: unknown
 
 
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python names it only on some builds
 _NGROUPS_MAX = 65536
 
@@ -83,7 +94,55 @@ def peer_of(sock: socket.socket) -> Peer:
     or be 0 from another pid namespace)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return Peer(pid, uid, gid, _peer_groups(sock))
+    return Peer(pid, uid, gid, _peer_groups(sock), peer_cgroup(sock))
+
+
+def peer_cgroup(sock: socket.socket, proc_root: Path = Path("/proc")) -> str | None:
+    """The connecting process's cgroup v2 path, or None when it cannot be told for sure: read
+    through a pidfd of the peer (SO_PEERPIDFD), and kept only if the process is still alive after
+    the read (then the pid was not reused)."""
+    import signal
+
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return None  # a kernel before 6.5: the pid could be reused under us, so: unknown
+    try:
+        pid = 0
+        with open(proc_root / "self" / "fdinfo" / str(pidfd)) as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    pid = int(line.split()[1])
+        if pid <= 0:  # exited (-1), or in a pid namespace the agent does not see (0)
+            return None
+        rel = k8s.parse_proc_cgroup((proc_root / str(pid) / "cgroup").read_text())
+        signal.pidfd_send_signal(pidfd, 0)  # still the peer: raises once it is gone
+        return rel
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(pidfd)
+
+
+def answer_from_outside(peer: Peer, run_cgroups: Sequence[str], cgroup_root: Path, ns_base: str = "") -> None:
+    """Forbidden unless the peer is known to be outside every cgroup in `run_cgroups` (absolute
+    paths under cgroup_root): the job under record must not answer for a person."""
+    if peer.cgroup is None:
+        raise Forbidden(
+            "the agent cannot tell whether you are inside a recorded run (your process is gone, or "
+            "in a pid namespace it cannot see): approvals are answered only from outside the runs",
+            hint="answer from a shell on the host, or at the terminal of evidence run",
+        )
+    root = Path(os.path.realpath(cgroup_root))
+    where = Path(os.path.normpath(f"{root}/{ns_base.strip('/')}/{peer.cgroup.lstrip('/')}"))
+    for c in run_cgroups:
+        run = Path(c)
+        if where == run or run in where.parents:
+            raise Forbidden(
+                "an answer from inside a recorded run is refused: approvals come from people, not from "
+                "the jobs they govern",
+                hint="answer from outside the run: a shell on the host, or the terminal of evidence run",
+            )
 
 
 def _peer_groups(sock: socket.socket) -> tuple[int, ...]:

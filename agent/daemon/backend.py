@@ -116,7 +116,7 @@ class RecorderBackend:
         self._bundle_bytes = 0
         self._lag = 0.0
         self._lag_probe_since: float | None = None
-        # ONE broker for every run's approvals (command rules' `approve`): the API's /v1/approvals
+        # ONE broker for every run's approvals (command rules' `approve`): the API's /approvals
         # and `evidence approvals` answer through it; each record goes to its run
         self.approvals = ApprovalBroker(record=lambda _rec: None, route=self._approval_record)
 

@@ -245,6 +245,31 @@ class ExitStatus(Request):
     signal: Annotated[str | None, BeforeValidator(_signal)] = None
 
 
+MAX_REASON = 1024
+APPROVAL_ID = re.compile(r"[0-9a-f]{16}")  # agent/recorder/approvals.py: secrets.token_hex(8)
+
+
+def _reason(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise _invalid('"reason" must be a non-empty string: it is recorded with the answer')
+    if len(raw) > MAX_REASON:
+        raise _invalid(f'"reason" is longer than {MAX_REASON} characters')
+    return raw
+
+
+def _decision(raw: Any) -> Any:
+    if raw not in ("allow", "deny"):
+        raise _invalid('"decision" must be "allow" or "deny"')
+    return raw
+
+
+class ApprovalAnswerRequest(Request):
+    """POST /approvals/<id>: a person's answer to an exec waiting for approval."""
+
+    decision: Annotated[Literal["allow", "deny"], BeforeValidator(_decision)]
+    reason: Annotated[str, BeforeValidator(_reason)]
+
+
 RequestT = TypeVar("RequestT", bound=Request)
 
 
@@ -289,8 +314,23 @@ def _bundle_name(raw: str) -> str:
     return raw
 
 
+def _approval_id(raw: str) -> str:
+    if not APPROVAL_ID.fullmatch(raw):
+        raise _invalid(f"{raw!r} is not an approval request id")
+    return raw
+
+
 _SESSION_ID = TypeAdapter(Annotated[str, BeforeValidator(_session_id)])
+_APPROVAL_ID = TypeAdapter(Annotated[str, BeforeValidator(_approval_id)])
 _BUNDLE_NAME = TypeAdapter(Annotated[str, BeforeValidator(_bundle_name)])
+
+
+def approval_id(text: str) -> str:
+    """An approval request's id from a path (/approvals/<id>), or UsageError."""
+    try:
+        return _APPROVAL_ID.validate_python(text)
+    except ValidationError as e:
+        raise UsageError(_message(e, "")) from None
 
 
 def session_id(text: str) -> str:
@@ -358,3 +398,32 @@ class ReadyAnswer(TypedDict):
     """GET /readyz (200)."""
 
     status: str
+
+
+class ApprovalView(TypedDict):
+    """GET /approvals: each of "approvals", an exec waiting for a person's answer."""
+
+    id: str
+    session_id: str
+    owner_uid: int
+    pid: int
+    program: str
+    argv: list[str]
+    argv_truncated: bool
+    depth: int
+    rule: str  # commands.rules[2] (no-force-push)
+    message: str | None
+    requested_at: str
+    expires_at: str  # when approvals.on_timeout decides
+    on_timeout: Literal["allow", "deny"]
+
+
+class ApprovalAnswer(TypedDict):
+    """POST /approvals/<id> (200): the answer as recorded."""
+
+    id: str
+    decision: Literal["allow", "deny"]
+    via: Literal["api"]
+    by_uid: int
+    at: str
+    reason: str | None

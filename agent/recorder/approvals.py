@@ -12,8 +12,9 @@ the agent's API and live stream), and waits, holding the exec in the kernel, unt
 - the exec's caller goes away (it was killed: its notification is no longer pending), or the run
   ends (`close_run`): the request is `withdrawn` and the exec does not run.
 Each request and each resolution is an `ApprovalRecord` handed to `record` (the recorder spools it
-as a dev.evidence.policy.approval event). A resolution is final: a second answer gets
-AlreadyAnswered.
+as a dev.evidence.policy.approval event). Who owns a run is the agent's API's to say (`set_owner`,
+called when a run starts through it), whatever uid the run's approver was made with. A resolution
+is final: a second answer gets AlreadyAnswered.
 
 If the supervisor itself dies while an exec waits, the kernel fails the exec (ENOSYS from a listener
 that is gone); the broker, if it survives (the agent), withdraws the run's requests at close_run.
@@ -28,7 +29,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from evidence.bundle.format import format_time
@@ -115,6 +116,7 @@ class ApprovalBroker:
     poll_s: float = 0.25  # how often a waiting request checks that its exec still waits
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _open: dict[str, _Open] = field(init=False, default_factory=dict)
+    _owners: dict[str, int] = field(init=False, default_factory=dict)  # run -> owner, set by the API
     _subscribers: list[Callable[[ApprovalRequest], None]] = field(init=False, default_factory=list)
     # a broker of many runs (the agent's): each record to its run's records, instead of `record`
     route: Callable[[str, ApprovalRecord], None] | None = None
@@ -137,6 +139,16 @@ class ApprovalBroker:
 
         return approve
 
+    def set_owner(self, run: str, uid: int) -> None:
+        """The run's owner, as the agent's API knows it (the uid of the peer that started the run):
+        who, besides root, sees and answers its requests, open ones included. It stands over the
+        `owner_uid` the run's approver was made with."""
+        with self._lock:
+            self._owners[run] = uid
+            for entry in self._open.values():
+                if entry.request.run == run:
+                    entry.request = replace(entry.request, owner_uid=uid)
+
     def open(self, asked: Asked, *, run: str, owner_uid: int, policy: ApprovalsPolicy) -> ApprovalRequest:
         request = ApprovalRequest(
             id=secrets.token_hex(8),
@@ -153,7 +165,8 @@ class ApprovalBroker:
             timeout_ms=policy.timeout_ms,
             on_timeout=policy.on_timeout,
         )
-        with self._lock:
+        with self._lock:  # the owner read and the request listed at once: set_owner misses none
+            request = replace(request, owner_uid=self._owners.get(run, owner_uid))
             self._open[request.id] = _Open(request)
             subscribers = list(self._subscribers)
         self._emit(request, _record(request, None, request.requested_at))
@@ -227,6 +240,7 @@ class ApprovalBroker:
         with self._lock:  # the run's resolved requests are forgotten (an agent runs many)
             for rid in [rid for rid, e in self._open.items() if e.request.run == run]:
                 del self._open[rid]
+            self._owners.pop(run, None)
         return n
 
     def _emit(self, request: ApprovalRequest, rec: ApprovalRecord) -> None:

@@ -7,11 +7,14 @@ next exec (ENOSYS)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
 from evidence.policy.governance import CommandsPolicy
@@ -342,3 +345,43 @@ def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(
         ("/usr/bin/id", "commands.rules[0] (no-id)", False, 0),
         ("/usr/bin/true", "commands.rules[1] (ask-true)", False, 0),
     ]
+
+
+def test_the_supervisor_times_each_exec_from_receive_to_respond(
+    place: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What bench/bench.py reports as the supervisor's round trip: every exec decided on its thread
+    counted (200 execs of /bin/true through 20 rules none of which matches), its summary logged
+    at stop."""
+    rules: list[dict[str, object]] = [
+        {
+            "name": f"r{i}",
+            "program": [f"/opt/nothing/tool{i}", f"tool{i}*"],
+            "args": ["--x*"],
+            "decision": "deny",
+        }
+        for i in range(20)
+    ]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c",
+                "i=0; while [ $i -lt 200 ]; do /bin/true; i=$((i+1)); done; echo done"),
+        pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=place,
+    )  # fmt: skip
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(receive_listener(ours), _commands(rules), proc.pid, on_decision=decisions.append)
+        sup.start()
+        out, _ = proc.communicate(timeout=120)
+        with caplog.at_level(logging.INFO, logger="evidence.agent.recorder.exec_supervisor"):
+            sup.stop()
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert out == "done\n" and len(decisions) == 201 and all(d.allowed for d in decisions)
+    s = sup.round_trips.summary()
+    assert s["count"] == 201 and 0 < s["median_us"] <= s["p99_us"] <= s["max_us"]
+    assert sup.round_trips.line() in caplog.text and "201 execs decided" in caplog.text
