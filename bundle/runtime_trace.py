@@ -80,7 +80,7 @@ class ProcessEntry(TypedDict):
     pid: int | None
     ppid: int | None
     time: str
-    result: int | None
+    result: fmt.Result | None  # 0, or the errno's name
 
 
 class ConnectEntry(TypedDict):
@@ -91,7 +91,7 @@ class ConnectEntry(TypedDict):
     hostname: NotRequired[str]  # the first name the run's DNS answers gave the address
     hostnames: NotRequired[list[str]]  # all of them, when more than one
     invokingProcess: InvokingProcess
-    result: int | None
+    result: fmt.Result | None
     count: int
 
 
@@ -102,7 +102,7 @@ class DnsEntry(TypedDict):
     port: int | None
     dnsQuery: str | None
     dnsType: str | None
-    dnsResult: str | None
+    dnsResult: str | None  # the rcode, "no answer"
     dnsAddresses: list[str]
     invokingProcess: InvokingProcess
     count: int
