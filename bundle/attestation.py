@@ -27,7 +27,8 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Literal, Protocol, TypedDict
+from collections.abc import Mapping
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict
 
@@ -135,16 +136,85 @@ class SubjectJSON(TypedDict):
     digest: dict[str, str]  # "sha256" -> lowercase hex
 
 
-def predicate(manifest: ManifestJSON) -> dict[str, Any]:
+class RunPolicyJSON(TypedDict):
+    """The run predicate's `policy` (PolicySummary)."""
+
+    mode: str | None
+    sha256: str
+
+
+class RunEnforcementJSON(TypedDict):
+    """The run predicate's `enforcement` (EnforcementSummary)."""
+
+    enforcement: str | None
+    isolation: str | None
+    denials: int
+    degradations: int
+
+
+class RunLostJSON(TypedDict):
+    """The run predicate's `lost` (LostSummary)."""
+
+    total: int
+    byKind: dict[str, int]
+
+
+class RunPredicateJSON(TypedDict):
+    """`predicate(manifest)`: RunPredicate's JSON, as the statement holds it (tests/unit/
+    test_signing.py checks the two have the same fields)."""
+
+    claimedCommand: NotRequired[list[str] | None]  # only when the manifest has claimed_command
+    runId: str
+    sessionId: str
+    command: list[str]
+    cwd: str
+    startedAt: str
+    finishedAt: str
+    exitCode: int | None
+    signal: str | None
+    cutShort: bool
+    attachedLate: bool
+    detail: Literal["summary", "full"]
+    labels: dict[str, str]
+    host: dict[str, str]
+    kernel: str | None
+    producer: dict[str, str]
+    capabilities: dict[str, object]  # the manifest's, as it is
+    lost: RunLostJSON
+    policy: RunPolicyJSON | None
+    enforcement: RunEnforcementJSON
+    events: int
+    counts: dict[str, int]
+    rootHash: str
+
+
+class StatementJSON(TypedDict):
+    """The in-toto Statement v1 the writer signs (`statement`), or an older bundle's (`run_statement`)."""
+
+    _type: str  # STATEMENT_TYPE
+    subject: list[SubjectJSON]
+    predicateType: str  # RUNTIME_TRACE_TYPE, or PREDICATE_TYPE
+    predicate: runtime_trace.TracePredicate | RunPredicateJSON
+
+
+class ParsedStatement(TypedDict):
+    """A statement as `parse_envelope` checked it: its four fields there, its types right; subject and
+    predicate are still as the payload had them (check_statement checks them against the bundle)."""
+
+    _type: str
+    subject: object
+    predicateType: str
+    predicate: object
+
+
+def predicate(manifest: ManifestJSON) -> RunPredicateJSON:
     """The predicate for a (checked) manifest: a pure function of it. `claimedCommand` only when the
     manifest has `claimed_command` (null or not): a bundle signed before that field existed still
     agrees with its predicate."""
     m = manifest
     caps = m["capabilities"]
     policy = m.get("policy")
-    claimed = {"claimedCommand": _list_or_none(m["claimed_command"])} if "claimed_command" in m else {}
-    return {
-        **claimed,
+    out: RunPredicateJSON = {
         "runId": m["run_id"],
         "sessionId": m["session_id"],
         "command": list(m["command"]),
@@ -178,6 +248,9 @@ def predicate(manifest: ManifestJSON) -> dict[str, Any]:
         "counts": dict(m["counts"]),
         "rootHash": m["root_hash"],
     }
+    if "claimed_command" in m:
+        out["claimedCommand"] = _list_or_none(m["claimed_command"])
+    return out
 
 
 # --- the statement and the envelope ---------------------------------------------------------------
@@ -204,7 +277,7 @@ def statement(
     manifest_sha256: str,
     events_sha256: str,
     trace: runtime_trace.Trace | None = None,
-) -> dict[str, Any]:
+) -> StatementJSON:
     """The statement the writer signs: the runtime trace of the run (`trace`: fed its events; None:
     an empty monitorLog)."""
     trace = runtime_trace.Trace() if trace is None else trace
@@ -216,7 +289,7 @@ def statement(
     }
 
 
-def run_statement(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> dict[str, Any]:
+def run_statement(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> StatementJSON:
     """The statement of a bundle signed before the runtime trace (PREDICATE_TYPE): still verified."""
     return {
         "_type": STATEMENT_TYPE,
@@ -262,7 +335,7 @@ class Attestation:
     raw: bytes
     payload_type: str
     payload: bytes
-    statement: dict[str, Any]
+    statement: ParsedStatement
     signatures: tuple[tuple[str, bytes], ...]
 
     @property
@@ -403,7 +476,7 @@ def check_statement(
             raise AttestationError(f"the predicate's monitorLog.{key} is not a list of objects")
 
 
-def _agree(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+def _agree(got: Mapping[str, object], want: Mapping[str, object], where: str) -> None:
     for key in sorted(want.keys() | got.keys()):
         if key not in got:
             raise AttestationError(f"the predicate lacks {where + key!r}")

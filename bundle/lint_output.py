@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from evidence import __version__
 from evidence.bundle.text import join_lines
@@ -59,7 +59,71 @@ def render_json(
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
-def sarif_rules(rules: Mapping[str, Rule]) -> list[dict[str, Any]]:
+# --- SARIF 2.1.0, the parts lint writes -----------------------------------------------------------
+
+
+class SarifText(TypedDict):
+    text: str
+
+
+class SarifHelp(TypedDict):
+    text: str
+    markdown: str
+
+
+class SarifConfiguration(TypedDict):
+    level: str  # a severity (SEVERITIES)
+
+
+class SarifProperties(TypedDict):
+    tags: list[str]
+
+
+class SarifRule(TypedDict):
+    """A reportingDescriptor of the driver's rules: one lint rule."""
+
+    id: str
+    name: str
+    shortDescription: SarifText
+    fullDescription: SarifText
+    help: SarifHelp
+    helpUri: str
+    defaultConfiguration: SarifConfiguration
+    properties: SarifProperties
+
+
+class SarifArtifactLocation(TypedDict):
+    uri: str
+
+
+class SarifPhysicalLocation(TypedDict):
+    artifactLocation: SarifArtifactLocation
+
+
+class SarifLogicalLocation(TypedDict):
+    name: str  # the event's id
+    fullyQualifiedName: str
+    kind: str
+
+
+class SarifLocation(TypedDict):
+    """Where a finding is: the bundle, and the event when it is about one."""
+
+    physicalLocation: SarifPhysicalLocation
+    logicalLocations: NotRequired[list[SarifLogicalLocation]]
+
+
+class SarifNotification(TypedDict):
+    level: str
+    message: SarifText
+
+
+class SarifInvocation(TypedDict):
+    executionSuccessful: bool  # the bundle verified
+    toolExecutionNotifications: NotRequired[list[SarifNotification]]  # why it did not
+
+
+def sarif_rules(rules: Mapping[str, Rule]) -> list[SarifRule]:
     return [
         {
             "id": r.code,
@@ -79,7 +143,7 @@ def render_sarif(path: str, findings: list[Finding], problems: list[str], rules:
     uri = path.lstrip("/") if path.startswith("/") else path
     results = []
     for f in findings:
-        loc: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri}}}
+        loc: SarifLocation = {"physicalLocation": {"artifactLocation": {"uri": uri}}}
         if f.event_id is not None:
             loc["logicalLocations"] = [
                 {"name": f.event_id, "fullyQualifiedName": f"{path}#{f.event_id}", "kind": "object"}
@@ -94,7 +158,7 @@ def render_sarif(path: str, findings: list[Finding], problems: list[str], rules:
                 "partialFingerprints": {"evidenceFinding/v1": f.fingerprint},
             }
         )
-    invocation: dict[str, Any] = {"executionSuccessful": not problems}
+    invocation: SarifInvocation = {"executionSuccessful": not problems}
     if problems:
         invocation["toolExecutionNotifications"] = [
             {"level": "error", "message": {"text": p}} for p in problems

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, NotRequired, TypedDict, TypeVar
 from urllib.parse import quote
 
 import orjson
@@ -38,6 +38,9 @@ import orjson
 from evidence.bundle import format as fmt
 from evidence.bundle import provenance
 from evidence.bundle.read_types import ManifestJSON
+
+if TYPE_CHECKING:
+    from evidence.bundle.attestation import RunPolicyJSON, RunPredicateJSON
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +62,123 @@ MAX_FILES_BY_NAME = 1000
 MAX_FILE_BYTES = 256 * 1024
 
 
-class _List:
+# --- the predicate's JSON -------------------------------------------------------------------------
+
+
+class InvokingProcess(TypedDict):
+    pid: int | None
+    exe: str | None
+
+
+class ProcessEntry(TypedDict):
+    """monitorLog.process: one exec."""
+
+    eventType: str  # "exec"
+    processBinary: str | None
+    arguments: list[str]  # clipped (MAX_ARGS, MAX_ARG)
+    sha256: str | None
+    pid: int | None
+    ppid: int | None
+    time: str
+    result: fmt.Result | None  # 0, or the errno's name
+
+
+class ConnectEntry(TypedDict):
+    """monitorLog.network: a connect (an IP family's)."""
+
+    ip: str | None
+    port: int | None
+    hostname: NotRequired[str]  # the first name the run's DNS answers gave the address
+    hostnames: NotRequired[list[str]]  # all of them, when more than one
+    invokingProcess: InvokingProcess
+    result: fmt.Result | None
+    count: int
+
+
+class DnsEntry(TypedDict):
+    """monitorLog.network: a DNS query and its answer."""
+
+    ip: str | None  # the resolver
+    port: int | None
+    dnsQuery: str | None
+    dnsType: str | None
+    dnsResult: str | None  # the rcode, "no answer"
+    dnsAddresses: list[str]
+    invokingProcess: InvokingProcess
+    count: int
+
+
+class FileAnnotations(TypedDict):
+    access: list[str]  # "subject", "exec", or the accesses of the file's opens
+
+
+class SubjectAnnotations(FileAnnotations, provenance.TieJSON):
+    """A subject's annotations: how the run wrote it (provenance.Tie)."""
+
+
+class ResourceDescriptor(TypedDict):
+    """in-toto's ResourceDescriptor, as monitorLog.fileAccess lists files."""
+
+    name: str
+    uri: str
+    digest: NotRequired[dict[str, str]]  # "sha256" -> lowercase hex
+    annotations: NotRequired[FileAnnotations | SubjectAnnotations]
+
+
+class MonitorLog(TypedDict):
+    process: list[ProcessEntry]
+    network: list[ConnectEntry | DnsEntry]
+    fileAccess: list[ResourceDescriptor]
+
+
+class TracePolicy(TypedDict):
+    detail: str
+    policySummary: RunPolicyJSON | None  # the run predicate's: the policy's mode and sha256
+    policy: Mapping[str, object] | None  # manifest.policy, as it is
+
+
+class Monitor(TypedDict):
+    type: str  # MONITOR_URI + version
+    tracePolicy: TracePolicy
+
+
+class MonitoredProcess(TypedDict):
+    hostID: str
+    type: str
+    event: str
+
+
+class Metadata(TypedDict):
+    buildStartedOn: str
+    buildFinishedOn: str
+    evidenceOmitted: dict[str, int]  # list -> entries left out by the budgets
+
+
+class ManifestPart(TypedDict):
+    """What of the predicate is a function of the manifest alone (`from_manifest`)."""
+
+    monitor: Monitor
+    monitoredProcess: MonitoredProcess
+    evidenceRun: RunPredicateJSON
+
+
+class TracePredicate(ManifestPart):
+    """The Runtime Trace v0.2 predicate (PREDICATE_TYPE) the writer signs."""
+
+    monitorLog: MonitorLog
+    metadata: Metadata
+
+
+# --- gathering ------------------------------------------------------------------------------------
+
+_E = TypeVar("_E", ProcessEntry, ConnectEntry | DnsEntry, ResourceDescriptor)
+
+
+class _List(Generic[_E]):
     """Entries up to a count and a byte budget; what did not fit is counted."""
 
     def __init__(self, count: int, size: int) -> None:
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[_E] = []
         self.count = count
         self.room = size
         self.omitted = 0
@@ -72,7 +187,7 @@ class _List:
     def full(self) -> bool:
         return len(self.entries) >= self.count or self.room <= 0
 
-    def add(self, entry: dict[str, Any]) -> None:
+    def add(self, entry: _E) -> None:
         if len(self.entries) >= self.count:
             self.omitted += 1
             return
@@ -100,10 +215,10 @@ class Trace:
     """What the predicate lists, gathered from the events as they come (module docstring)."""
 
     def __init__(self) -> None:
-        self.process = _List(MAX_PROCESSES, MAX_PROCESS_BYTES)
-        self.network = _List(MAX_NETWORK, MAX_NETWORK_BYTES)
-        self.programs = _List(MAX_PROGRAMS, MAX_PROGRAM_BYTES)
-        self.files = _List(MAX_FILES_BY_NAME, MAX_FILE_BYTES)
+        self.process = _List[ProcessEntry](MAX_PROCESSES, MAX_PROCESS_BYTES)
+        self.network = _List[ConnectEntry | DnsEntry](MAX_NETWORK, MAX_NETWORK_BYTES)
+        self.programs = _List[ResourceDescriptor](MAX_PROGRAMS, MAX_PROGRAM_BYTES)
+        self.files = _List[ResourceDescriptor](MAX_FILES_BY_NAME, MAX_FILE_BYTES)
         self._programs: set[tuple[str, str]] = set()
         self._files: dict[str, set[str]] = {}  # path -> access, for the files listed
         self._unlisted: set[str] = set()  # paths seen past the budget (counted once each)
@@ -189,16 +304,17 @@ class Trace:
         if d.get("family") not in ("AF_INET", "AF_INET6"):
             return
         names = d.get("names") or []
-        entry: dict[str, Any] = {"ip": d.get("address"), "port": d.get("port")}
+        entry: ConnectEntry = {
+            "ip": d.get("address"),
+            "port": d.get("port"),
+            "invokingProcess": {"pid": d.get("pid"), "exe": d.get("exe")},
+            "result": d.get("result"),
+            "count": d.get("count", 1),
+        }
         if names:
             entry["hostname"] = names[0]
         if len(names) > 1:
             entry["hostnames"] = list(names)
-        entry.update(
-            invokingProcess={"pid": d.get("pid"), "exe": d.get("exe")},
-            result=d.get("result"),
-            count=d.get("count", 1),
-        )
         self.network.add(entry)
 
     def _dns(self, d: Mapping[str, Any]) -> None:
@@ -217,8 +333,8 @@ class Trace:
             }
         )
 
-    def file_access(self, manifest: ManifestJSON) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def file_access(self, manifest: ManifestJSON) -> list[ResourceDescriptor]:
+        out: list[ResourceDescriptor] = []
         artifacts = manifest.get("artifacts")
         if artifacts:
             ties = self.tracker.ties(artifacts["files"], manifest["started_at"], manifest["finished_at"])
@@ -249,7 +365,7 @@ def monitor_type(manifest: ManifestJSON) -> str:
     return MONITOR_URI + manifest["producer"].get("version", "unknown")
 
 
-def monitored_process(manifest: ManifestJSON) -> dict[str, str]:
+def monitored_process(manifest: ManifestJSON) -> MonitoredProcess:
     """hostID, type and event, from the CI's variables as the run's labels hold them (module doc)."""
     labels = manifest.get("labels") or {}
     repo, run = labels.get("github/repository"), labels.get("github/run")
@@ -270,11 +386,11 @@ def monitored_process(manifest: ManifestJSON) -> dict[str, str]:
     }
 
 
-def trace_policy(manifest: ManifestJSON, summary: Any) -> dict[str, Any]:
+def trace_policy(manifest: ManifestJSON, summary: RunPolicyJSON | None) -> TracePolicy:
     return {"detail": manifest["detail"], "policySummary": summary, "policy": manifest.get("policy")}
 
 
-def from_manifest(manifest: ManifestJSON, run_predicate: dict[str, Any]) -> dict[str, Any]:
+def from_manifest(manifest: ManifestJSON, run_predicate: RunPredicateJSON) -> ManifestPart:
     """The parts of the predicate that are a function of the manifest alone (what a verifier
     checks against it): everything but monitorLog and metadata.evidenceOmitted."""
     return {
@@ -287,16 +403,20 @@ def from_manifest(manifest: ManifestJSON, run_predicate: dict[str, Any]) -> dict
     }
 
 
-def predicate(manifest: ManifestJSON, run_predicate: dict[str, Any], trace: Trace) -> dict[str, Any]:
+def predicate(manifest: ManifestJSON, run_predicate: RunPredicateJSON, trace: Trace) -> TracePredicate:
     p = from_manifest(manifest, run_predicate)
-    p["monitorLog"] = {
-        "process": trace.process.entries,
-        "network": trace.network.entries,
-        "fileAccess": trace.file_access(manifest),
+    return {
+        "monitor": p["monitor"],
+        "monitoredProcess": p["monitoredProcess"],
+        "evidenceRun": p["evidenceRun"],
+        "monitorLog": {
+            "process": trace.process.entries,
+            "network": trace.network.entries,
+            "fileAccess": trace.file_access(manifest),
+        },
+        "metadata": {
+            "buildStartedOn": manifest["started_at"],
+            "buildFinishedOn": manifest["finished_at"],
+            "evidenceOmitted": trace.omitted(),
+        },
     }
-    p["metadata"] = {
-        "buildStartedOn": manifest["started_at"],
-        "buildFinishedOn": manifest["finished_at"],
-        "evidenceOmitted": trace.omitted(),
-    }
-    return p

@@ -30,10 +30,10 @@ import fnmatch
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from evidence.bundle.format import has_dotdot
 from evidence.bundle.read_types import EventJSON
@@ -220,7 +220,7 @@ class ExecsSeen:
                 self.add(ev.get("data") or {})
             yield ev
 
-    def add(self, data: dict[str, Any]) -> None:
+    def add(self, data: Mapping[str, object]) -> None:
         if data.get("result", 0) != 0:  # refused, or nothing there (a PATH search's ENOENT): nothing ran
             return
         if data.get("mntns") == "other":
@@ -241,12 +241,20 @@ class ExecsSeen:
             self.programs.add(os.path.normpath(name))
 
 
-def profile_rules(seen: ExecsSeen) -> list[dict[str, Any]]:
+class ProfileRule(TypedDict):
+    """A `commands.rules` entry that `evidence profile` writes: allow one program by its path."""
+
+    name: str
+    program: list[str]
+    decision: Literal["allow"]
+
+
+def profile_rules(seen: ExecsSeen) -> list[ProfileRule]:
     """`commands.rules` allowing each program the run executed, by its absolute path, at any depth
     (one rule a program, named after it); `commands.default` is deny. Only execs that succeeded
     count: one refused, or of a name that was not there (a PATH search), ran nothing."""
     names: dict[str, int] = {}
-    rules = []
+    rules: list[ProfileRule] = []
     for program in sorted(seen.programs):
         base = re.sub(r"[^A-Za-z0-9._+-]", "_", program.rsplit("/", 1)[-1])[:60] or "program"
         names[base] = names.get(base, 0) + 1

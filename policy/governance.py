@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import (
     BaseModel,
@@ -230,7 +230,26 @@ class LimitsPolicy(BaseModel):
         return {k: v for k, v in out.items() if v is not None}
 
 
-def commands_summary(commands: CommandsPolicy) -> dict[str, Any]:
+class CommandRuleSummary(TypedDict):
+    """A command rule as the manifest's policy summary lists it."""
+
+    name: str
+    program: list[str]  # the patterns as written
+    args: list[str]
+    depth: str
+    decision: Literal["allow", "deny", "approve", "audit"]
+
+
+class CommandsSummary(TypedDict):
+    """policy.commands in the manifest's policy summary (`commands_summary`)."""
+
+    default: Literal["allow", "deny"]
+    rule_count: int
+    decisions: dict[str, int]  # decision -> how many rules have it (those with some)
+    rules: list[CommandRuleSummary]
+
+
+def commands_summary(commands: CommandsPolicy) -> CommandsSummary:
     """The commands section in force, for the manifest: its default, how many rules of each
     decision, and each rule (name, program as written, args, depth, decision)."""
     counts = {d: sum(r.decision == d for r in commands.rules) for d in DECISIONS}

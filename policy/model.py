@@ -25,7 +25,7 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 import yaml
 from pydantic import (
@@ -39,7 +39,13 @@ from pydantic import (
 
 from evidence.bundle.format import has_dotdot
 from evidence.errors import PolicyError
-from evidence.policy.governance import ApprovalsPolicy, CommandsPolicy, LimitsPolicy, commands_summary
+from evidence.policy.governance import (
+    ApprovalsPolicy,
+    CommandsPolicy,
+    CommandsSummary,
+    LimitsPolicy,
+    commands_summary,
+)
 from evidence.policy.paths import (
     canonical_glob,
     canonical_path,
@@ -201,7 +207,17 @@ class NetRule(BaseModel):
         return tuple(ipaddress.ip_network(n) for n in self.networks)
 
 
-def parse_net_rule(text: str, resolve: Resolver | None = None) -> dict[str, Any]:
+class NetRuleFields(TypedDict):
+    """What parse_net_rule makes of a rule's text: the fields of a NetRule."""
+
+    text: str
+    host: NotRequired[str]  # the host name, for a rule written with one (its addresses in networks)
+    networks: tuple[str, ...]
+    port: int | None
+    protocol: str | None
+
+
+def parse_net_rule(text: str, resolve: Resolver | None = None) -> NetRuleFields:
     """`CIDR`, `ADDR[/LEN]:PORT`, `[V6[/LEN]]:PORT`, `HOST[:PORT]`; a protocol as `tcp://...` or
     `.../udp`. A bare IPv6 (no brackets) has no port."""
     body = text.strip()
@@ -341,6 +357,64 @@ class EnvPolicy(BaseModel):
 # The policy
 
 
+class FsRuleSummary(TypedDict):
+    rule: str  # as written
+    path: str  # expanded and canonical
+
+
+class NetRuleSummary(TypedDict):
+    rule: str  # as written
+    networks: list[str]  # resolved once, at start, for a rule with a host name
+    host: NotRequired[str]
+    port: NotRequired[int]
+    protocol: NotRequired[str]
+
+
+class NetSummary(TypedDict):
+    default: Literal["allow", "deny"]
+    allow: NotRequired[list[NetRuleSummary]]
+    deny: NotRequired[list[NetRuleSummary]]
+
+
+class EnvSummary(TypedDict):
+    strip_secrets: bool
+    strip_exec_influence: bool
+    allow: list[str]
+    strip: list[str]
+
+
+class ApprovalsSummary(TypedDict):
+    timeout_ms: int
+    on_timeout: Literal["deny", "allow"]
+
+
+class PolicySummary(TypedDict):
+    """`Policy.summary()`: the policy in force as the bundle's manifest records it (enforcement adds
+    its mode and what Landlock was given). A section the policy leaves out is absent."""
+
+    version: int
+    source: str
+    sha256: str
+    variables: dict[str, str]
+    env: EnvSummary
+    fs: NotRequired[dict[str, list[FsRuleSummary]]]  # read, write, exec, deny
+    net: NotRequired[NetSummary]
+    commands: NotRequired[CommandsSummary]
+    approvals: NotRequired[ApprovalsSummary]
+    limits: NotRequired[dict[str, int]]  # LimitsPolicy.summary()
+
+
+def _net_rule_summary(r: NetRule) -> NetRuleSummary:
+    item: NetRuleSummary = {"rule": r.text, "networks": list(r.networks)}
+    if r.host is not None:
+        item["host"] = r.host
+    if r.port is not None:
+        item["port"] = r.port
+    if r.protocol is not None:
+        item["protocol"] = r.protocol
+    return item
+
+
 class Policy(BaseModel):
     model_config = _FROZEN
     version: Literal[1]
@@ -371,13 +445,19 @@ class Policy(BaseModel):
             return None
         return self.net.check(family, address, port, protocol)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> PolicySummary:
         """JSON-able (no floats) description for the bundle manifest, with resolved host addresses."""
-        out: dict[str, Any] = {
+        out: PolicySummary = {
             "version": self.version,
             "source": self.source,
             "sha256": self.sha256,
             "variables": dict(sorted(self.variables.items())),
+            "env": {
+                "strip_secrets": self.env.strip_secrets,
+                "strip_exec_influence": self.env.strip_exec_influence,
+                "allow": list(self.env.allow),
+                "strip": list(self.env.strip),
+            },
         }
         if self.fs is not None:
             out["fs"] = {
@@ -385,26 +465,10 @@ class Policy(BaseModel):
                 for name in ("read", "write", "exec", "deny")
             }
         if self.net is not None:
-            net: dict[str, Any] = {"default": self.net.default}
-            for name in ("allow", "deny"):
-                items = []
-                for r in getattr(self.net, name):
-                    item: dict[str, Any] = {"rule": r.text, "networks": list(r.networks)}
-                    if r.host is not None:
-                        item["host"] = r.host
-                    if r.port is not None:
-                        item["port"] = r.port
-                    if r.protocol is not None:
-                        item["protocol"] = r.protocol
-                    items.append(item)
-                net[name] = items
+            net: NetSummary = {"default": self.net.default}
+            net["allow"] = [_net_rule_summary(r) for r in self.net.allow]
+            net["deny"] = [_net_rule_summary(r) for r in self.net.deny]
             out["net"] = net
-        out["env"] = {
-            "strip_secrets": self.env.strip_secrets,
-            "strip_exec_influence": self.env.strip_exec_influence,
-            "allow": list(self.env.allow),
-            "strip": list(self.env.strip),
-        }
         if self.commands is not None:
             out["commands"] = commands_summary(self.commands)
             out["approvals"] = {

@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, cast
 from urllib.parse import quote
 
 from cloudevents.core.bindings import http as ce_http
@@ -74,16 +74,33 @@ class Backoff:
 # --- encoding (pure) --------------------------------------------------------------------------------
 
 
+class LiveEvent(TypedDict):
+    """A live CloudEvent as a dict (`live_event`): the bundle's event attributes, with the session as
+    source and `sessionid` in place of `runid`; plus, beyond these keys, the run's extension
+    attributes (`extensions`: lowercase alphanumeric names, string values, such as poduid)."""
+
+    specversion: str
+    id: str  # <session>:<seq>, what receivers deduplicate by
+    source: str  # urn:evidence:session:<session>
+    type: str
+    subject: str
+    time: str  # RFC 3339, ns
+    datacontenttype: str
+    sessionid: str
+    seq: int
+    data: Mapping[str, object]  # its shape is the type's (bundle/format.py's data models)
+
+
 def live_event(
-    session_id: str, seq: int, record: SpoolRecord, extensions: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
+    session_id: str, seq: int, record: SpoolRecord, extensions: Mapping[str, str] | None = None
+) -> LiveEvent:
     """A spool record as a live CloudEvent dict (the bundle's event shape, with the session as source:
     the run id is only known once the run is finished). `extensions` (lowercase alphanumeric names,
     e.g. poduid, containerid) are added to the event's attributes."""
     from evidence.bundle import records  # the bundle's own mapping of a record to its event
 
     etype, subject, t_ns, data = records.to_event(record)
-    event: dict[str, Any] = {
+    event: LiveEvent = {
         "specversion": fmt.SPECVERSION,
         "id": f"{session_id}:{seq}",
         "source": f"urn:evidence:session:{session_id}",
@@ -95,19 +112,21 @@ def live_event(
         "seq": seq,
         "data": data,
     }
-    for name, value in (extensions or {}).items():
+    if not extensions:
+        return event
+    for name in extensions:
         if not _EXTENSION.fullmatch(name) or name in event:
             raise ValueError(f"{name!r} is not a usable CloudEvents extension name")
-        event[name] = value
-    return event
+    # the extensions are keys beyond LiveEvent's (which a TypedDict value may have: its docstring)
+    return cast(LiveEvent, {**event, **extensions})
 
 
 def live_events(
-    session_id: str, seq: int, recs: Iterable[SpoolRecord], extensions: Mapping[str, Any] | None = None
-) -> tuple[list[dict[str, Any]], int]:
+    session_id: str, seq: int, recs: Iterable[SpoolRecord], extensions: Mapping[str, str] | None = None
+) -> tuple[list[LiveEvent], int]:
     """A run's records as live events, numbered from `seq` (a record that makes no event still takes
     its number), and the next number: what every live sink (the HTTP stream, the fleet) is given."""
-    events = []
+    events: list[LiveEvent] = []
     for r in recs:
         try:
             events.append(live_event(session_id, seq, r, extensions))
@@ -349,8 +368,9 @@ class SpillDir:
             self._bytes += len(data)
         return True
 
-    def read(self, seg: Path) -> list[dict[str, Any]]:
-        out = []
+    def read(self, seg: Path) -> list[LiveEvent]:
+        """The events of a segment, as add() wrote them (a corrupt line is skipped, and logged)."""
+        out: list[LiveEvent] = []
         for line in seg.read_bytes().splitlines():
             if line.strip():
                 try:
@@ -401,8 +421,8 @@ class EventStreamer:
         self.timeout = timeout
         self.spill = SpillDir(spill_dir, spill_max_bytes)
         self._send = send
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
-        self._overflow: list[dict[str, Any]] = []
+        self._queue: queue.Queue[LiveEvent] = queue.Queue(maxsize=queue_size)
+        self._overflow: list[LiveEvent] = []
         self._overflow_lock = threading.Lock()
         self._failures = 0
         self._retry_at = 0.0
@@ -420,13 +440,13 @@ class EventStreamer:
 
     # producer side
 
-    def submit(self, event: Mapping[str, Any]) -> None:
+    def submit(self, event: LiveEvent) -> None:
         """Never blocks: a full queue sends the event to the spill directory (in batches)."""
         try:
-            self._queue.put_nowait(dict(event))
+            self._queue.put_nowait(event.copy())
         except queue.Full:
             with self._overflow_lock:
-                self._overflow.append(dict(event))
+                self._overflow.append(event.copy())
                 if len(self._overflow) < self.batch_size:
                     return
                 batch, self._overflow = self._overflow, []
@@ -440,13 +460,13 @@ class EventStreamer:
         self.submit_many(events)
         return seq
 
-    def submit_many(self, events: Iterable[Mapping[str, Any]]) -> None:
+    def submit_many(self, events: Iterable[LiveEvent]) -> None:
         for e in events:
             self.submit(e)
 
     # sender side
 
-    def _to_spill(self, batch: list[dict[str, Any]]) -> None:
+    def _to_spill(self, batch: list[LiveEvent]) -> None:
         if self.spill.add(batch):
             self.spilled.inc(len(batch))
         else:
@@ -496,8 +516,8 @@ class EventStreamer:
             self._spill_bytes.set(self.spill.bytes)
         return True
 
-    def _collect(self, wait: float) -> list[dict[str, Any]]:
-        batch: list[dict[str, Any]] = []
+    def _collect(self, wait: float) -> list[LiveEvent]:
+        batch: list[LiveEvent] = []
         deadline = time.monotonic() + wait
         while len(batch) < self.batch_size:
             remaining = deadline - time.monotonic()
@@ -516,7 +536,7 @@ class EventStreamer:
                 self._overflow = self._overflow[take:]
         return batch
 
-    def _handle(self, batch: list[dict[str, Any]]) -> None:
+    def _handle(self, batch: list[LiveEvent]) -> None:
         if not batch:
             return
         # Anything already spilled goes first; while the endpoint is down, new batches queue behind it.

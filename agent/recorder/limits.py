@@ -37,8 +37,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
+from evidence.bundle.record_types import DegradationRecord
 from evidence.policy.governance import LimitsPolicy
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class LimitDegradation:
     def impact(self) -> str:
         return f"limits.{self.limit} is not enforced: the run may use more than the policy allows"
 
-    def record(self, t: int) -> dict[str, Any]:
+    def record(self, t: int) -> DegradationRecord:
         """The spool's degradation record (bundle/record_types.DegradationRecord)."""
         return {
             "k": "degradation",
@@ -146,6 +147,13 @@ class Placement:
     made: bool  # a v1 cgroup made for the run (entered by enter(), removed by remove())
 
 
+class LimitInForce(TypedDict):
+    """A limit in force, for the manifest: its value and what holds it ("cgroup v2", "watcher")."""
+
+    value: int
+    by: str
+
+
 @dataclass
 class AppliedLimits:
     """What `apply` set: the placements, what it wrote, and what could not be applied."""
@@ -163,10 +171,10 @@ class AppliedLimits:
         for path in self.v1_dirs():
             (path / "cgroup.procs").write_text(f"{pid}\n")
 
-    def in_force(self) -> dict[str, Any]:
+    def in_force(self) -> dict[str, LimitInForce]:
         """For the manifest: each limit in force and the cgroup version that holds it (wall: the
         watcher), as JSON with no floats."""
-        out: dict[str, Any] = {}
+        out: dict[str, LimitInForce] = {}
         for name, value in self.limits.summary().items():
             ctl = "cpu" if name == "cpu_millis" else name
             if ctl == "wall_ms":

@@ -105,7 +105,7 @@ def verify_artifact(artifact: str, path: str, key: Ed25519PublicKey) -> tuple[pr
     return written[0], keyid
 
 
-def _signed_ties(st: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _signed_ties(st: attestation.ParsedStatement) -> dict[str, dict[str, Any]]:
     """The statement's subject entries of monitorLog.fileAccess, by path: their annotations."""
     out: dict[str, dict[str, Any]] = {}
     log = st["predicate"].get("monitorLog") if isinstance(st["predicate"], dict) else None

@@ -623,3 +623,9 @@ def test_a_bundle_signed_before_the_runtime_trace_still_verifies(
     one_line_2(
         *run_cli(capsys, "verify", str(path), "--key", str(keys[1]))[::2], "predicate's exitCode disagrees"
     )
+
+
+def test_the_run_predicate_json_has_the_models_fields() -> None:
+    """attestation.RunPredicateJSON (what predicate() returns, typed) names RunPredicate's fields."""
+    td = attestation.RunPredicateJSON
+    assert td.__required_keys__ | td.__optional_keys__ == set(attestation.RunPredicate.model_fields)
