@@ -1,13 +1,18 @@
-"""The attestation of a signed bundle: an in-toto Statement v1 about the bundle, in a DSSE envelope.
+"""The attestation of a signed bundle: an in-toto Statement v1 about the bundle and what the run
+produced, in a DSSE envelope.
 
 A signed bundle's third member, `attestation.intoto.json`, is a DSSE envelope (payloadType
 `application/vnd.in-toto+json`, docs/bundle-format.md "Signatures") whose payload is a Statement:
 
-- subjects: `manifest.json` and `events.ndjson` with the sha256 of their bytes, and the run itself,
-  named by its run id, with the root hash as its sha256 digest;
-- predicate (type PREDICATE_TYPE, schema bundle/schemas/run-predicate.schema.json): what the run was,
-  taken from the manifest by `predicate(manifest)`, so that a tool that reads only the envelope
-  knows what it is about, and a verifier can check that it agrees with the manifest field by field.
+- subjects: `manifest.json` and `events.ndjson` with the sha256 of their bytes, the run itself,
+  named by its run id, with the root hash as its sha256 digest, then the run's artifacts
+  (manifest.artifacts.files, named relative to the workspace: bundle/subjects.py);
+- predicate: in-toto's Runtime Trace v0.2 (RUNTIME_TRACE_TYPE, bundle/runtime_trace.py), whose
+  extension field `evidenceRun` is this tool's run predicate (RUN_PREDICATE, schema
+  bundle/schemas/run-predicate.schema.json): what the run was, taken from the manifest by
+  `predicate(manifest)`, so that a verifier can check it agrees with the manifest field by field.
+  Bundles signed before the runtime trace carry the run predicate itself (predicateType
+  PREDICATE_TYPE) and still verify.
 
 Everything here is pure: building the statement and the envelope (given a `Signer`), and checking
 an envelope's structure and statement against the members. The signature itself (ed25519 keys, the
@@ -26,13 +31,16 @@ from typing import Any, Literal, Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict
 
-from evidence.bundle import canonical
+from evidence.bundle import canonical, runtime_trace
 from evidence.bundle import format as fmt
 from evidence.bundle.read_types import ManifestJSON
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-PREDICATE_TYPE = "https://evidence.dev/attestation/run/v1"
+PREDICATE_TYPE = "https://evidence.dev/attestation/run/v1"  # the run predicate's own type (older bundles)
+RUNTIME_TRACE_TYPE = runtime_trace.PREDICATE_TYPE  # what the writer signs now
+PREDICATE_TYPES = (RUNTIME_TRACE_TYPE, PREDICATE_TYPE)
+_TRACE_KEYS = frozenset(("monitor", "monitoredProcess", "monitorLog", "metadata", "evidenceRun"))
 MAX_SIGNATURES = 16
 SIGNATURE_SIZE = 64  # ed25519
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
@@ -175,19 +183,44 @@ def predicate(manifest: ManifestJSON) -> dict[str, Any]:
 # --- the statement and the envelope ---------------------------------------------------------------
 
 
-def subjects(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> list[SubjectJSON]:
-    """The statement's subjects, in this order: the two other members, then the run."""
-    return [
+def subjects(
+    manifest: ManifestJSON, manifest_sha256: str, events_sha256: str, *, artifacts: bool = True
+) -> list[SubjectJSON]:
+    """The statement's subjects, in this order: the two other members, the run, then its artifacts
+    (`artifacts=False`: not them, as a statement of PREDICATE_TYPE has none)."""
+    found = manifest.get("artifacts") if artifacts else None
+    out: list[SubjectJSON] = [
         {"name": fmt.MANIFEST_NAME, "digest": {"sha256": manifest_sha256}},
         {"name": fmt.EVENTS_NAME, "digest": {"sha256": events_sha256}},
         {"name": manifest["run_id"], "digest": {"sha256": manifest["root_hash"]}},
     ]
+    for f in found["files"] if found else ():
+        out.append({"name": f["name"], "digest": {"sha256": f["sha256"]}})
+    return out
 
 
-def statement(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> dict[str, Any]:
+def statement(
+    manifest: ManifestJSON,
+    manifest_sha256: str,
+    events_sha256: str,
+    trace: runtime_trace.Trace | None = None,
+) -> dict[str, Any]:
+    """The statement the writer signs: the runtime trace of the run (`trace`: fed its events; None:
+    an empty monitorLog)."""
+    trace = runtime_trace.Trace() if trace is None else trace
     return {
         "_type": STATEMENT_TYPE,
         "subject": subjects(manifest, manifest_sha256, events_sha256),
+        "predicateType": RUNTIME_TRACE_TYPE,
+        "predicate": runtime_trace.predicate(manifest, predicate(manifest), trace),
+    }
+
+
+def run_statement(manifest: ManifestJSON, manifest_sha256: str, events_sha256: str) -> dict[str, Any]:
+    """The statement of a bundle signed before the runtime trace (PREDICATE_TYPE): still verified."""
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": subjects(manifest, manifest_sha256, events_sha256, artifacts=False),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate(manifest),
     }
@@ -207,9 +240,15 @@ def envelope(payload: bytes, signers: list[Signer]) -> bytes:
     return canonical.dumps(doc)
 
 
-def member(manifest: ManifestJSON, manifest_bytes: bytes, events_sha256: str, signer: Signer) -> bytes:
+def member(
+    manifest: ManifestJSON,
+    manifest_bytes: bytes,
+    events_sha256: str,
+    signer: Signer,
+    trace: runtime_trace.Trace | None = None,
+) -> bytes:
     """The bytes of attestation.intoto.json for a bundle (what the writer adds)."""
-    st = statement(manifest, hashlib.sha256(manifest_bytes).hexdigest(), events_sha256)
+    st = statement(manifest, hashlib.sha256(manifest_bytes).hexdigest(), events_sha256, trace)
     return envelope(canonical.dumps(st), [signer])
 
 
@@ -292,20 +331,24 @@ def parse_envelope(raw: bytes, doc: Any, parse_payload: Any) -> Attestation:
     _keys(st, {"_type", "subject", "predicateType", "predicate"}, "the statement")
     if st["_type"] != STATEMENT_TYPE:
         raise AttestationError(f"statement _type {_show(st['_type'])} is not {STATEMENT_TYPE!r}")
-    if st["predicateType"] != PREDICATE_TYPE:
-        raise AttestationError(f"predicateType {_show(st['predicateType'])} is not {PREDICATE_TYPE!r}")
+    if st["predicateType"] not in PREDICATE_TYPES:
+        raise AttestationError(f"predicateType {_show(st['predicateType'])} is not {RUNTIME_TRACE_TYPE!r}")
     return Attestation(raw, PAYLOAD_TYPE, payload, st, tuple(pairs))
 
 
 def check_statement(
     att: Attestation, manifest: ManifestJSON, manifest_sha256: str, events_sha256: str
 ) -> None:
-    """The statement names exactly the bundle's members and run with their digests, and its
-    predicate agrees with the manifest; raises AttestationError saying what differs."""
+    """The statement names exactly the bundle's members, run and artifacts with their digests, and
+    its predicate agrees with the manifest; raises AttestationError saying what differs. The
+    runtime trace's monitorLog (made from the events by the writer) is checked for its shape only:
+    `evidence verify --artifact` ties a subject to the run from the events themselves."""
+    trace = att.statement["predicateType"] == RUNTIME_TRACE_TYPE
     found = att.statement["subject"]
     if type(found) is not list:
         raise AttestationError("the statement's subject is not a list")
-    expected = {s["name"]: s for s in subjects(manifest, manifest_sha256, events_sha256)}
+    expected = {s["name"]: s for s in subjects(manifest, manifest_sha256, events_sha256, artifacts=trace)}
+    members = {fmt.MANIFEST_NAME, fmt.EVENTS_NAME, manifest["run_id"]}
     seen: set[str] = set()
     for i, subject in enumerate(found):
         _keys(subject, {"name", "digest"}, f"subject {i}")
@@ -317,21 +360,54 @@ def check_statement(
         seen.add(name)
         want = expected.get(name)
         if want is None:
-            raise AttestationError(f"subject {_show(name)} is not a member of the bundle or its run id")
+            raise AttestationError(
+                f"subject {_show(name)} is not a member of the bundle, its run id or an artifact"
+            )
         if subject["digest"] != want["digest"]:
-            what = "the run's root hash" if name == manifest["run_id"] else "the member"
+            what = (
+                "the run's root hash"
+                if name == manifest["run_id"]
+                else "the member"
+                if name in members
+                else "the manifest's artifact"
+            )
             raise AttestationError(f"subject {_show(name)}: digest does not match {what} (tampered?)")
     missing = [n for n in expected if n not in seen]
     if missing:
         raise AttestationError(f"no subject for {_show(missing[0])}")
     got = att.statement["predicate"]
-    want_p = predicate(manifest)
     if type(got) is not dict:
         raise AttestationError("the predicate is not a JSON object")
-    for key in sorted(want_p.keys() | got.keys()):
-        if key not in got:
-            raise AttestationError(f"the predicate lacks {key!r}")
-        if key not in want_p:
-            raise AttestationError(f"the predicate has unknown field {_show(key)}")
-        if canonical.dumps(got[key], check=False) != canonical.dumps(want_p[key], check=False):
+    run_p = predicate(manifest)
+    if not trace:
+        _agree(got, run_p, "")
+        return
+    _keys(got, set(_TRACE_KEYS), "the predicate")
+    if type(got["evidenceRun"]) is not dict:
+        raise AttestationError("the predicate's evidenceRun is not a JSON object")
+    _agree(got["evidenceRun"], run_p, "evidenceRun.")
+    for key, value in runtime_trace.from_manifest(manifest, run_p).items():
+        if canonical.dumps(got[key], check=False) != canonical.dumps(value, check=False):
             raise AttestationError(f"the predicate's {key} disagrees with the manifest")
+    meta = got["metadata"]
+    _keys(meta, {"buildStartedOn", "buildFinishedOn", "evidenceOmitted"}, "the predicate's metadata")
+    if meta["buildStartedOn"] != manifest["started_at"] or meta["buildFinishedOn"] != manifest["finished_at"]:
+        raise AttestationError("the predicate's metadata disagrees with the manifest's times")
+    omitted = meta["evidenceOmitted"]
+    if type(omitted) is not dict or any(type(v) is not int for v in omitted.values()):
+        raise AttestationError("the predicate's metadata.evidenceOmitted is not counts")
+    log = got["monitorLog"]
+    _keys(log, {"process", "network", "fileAccess"}, "the predicate's monitorLog")
+    for key in ("process", "network", "fileAccess"):
+        if type(log[key]) is not list or any(type(e) is not dict for e in log[key]):
+            raise AttestationError(f"the predicate's monitorLog.{key} is not a list of objects")
+
+
+def _agree(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    for key in sorted(want.keys() | got.keys()):
+        if key not in got:
+            raise AttestationError(f"the predicate lacks {where + key!r}")
+        if key not in want:
+            raise AttestationError(f"the predicate has unknown field {_show(where + key)}")
+        if canonical.dumps(got[key], check=False) != canonical.dumps(want[key], check=False):
+            raise AttestationError(f"the predicate's {where}{key} disagrees with the manifest")

@@ -33,7 +33,10 @@ MAX_DECOMPRESSED = 1024 * 1024 * 1024
 MAX_EVENTS = 2_000_000
 MAX_LINE = 1024 * 1024
 MAX_DEPTH = 64
-MAX_ATTESTATION = 2 * 1024 * 1024  # its payload is a statement about a manifest of at most MAX_LINE
+# its payload: a statement about a manifest of at most MAX_LINE (twice: the run predicate and the
+# trace policy), the subjects (at most subjects.MAX_FILES, twice), and the runtime trace's lists
+# within their budgets (runtime_trace.MAX_*_BYTES): base64 of at most ~4 MiB
+MAX_ATTESTATION = 8 * 1024 * 1024
 
 RUN_STARTED = "dev.evidence.run.started"
 RUN_FINISHED = "dev.evidence.run.finished"
@@ -47,6 +50,7 @@ LOSS = "dev.evidence.loss"
 DEGRADATION = "dev.evidence.degradation"
 POLICY_DENIAL = "dev.evidence.policy.denial"
 POLICY_APPROVAL = "dev.evidence.policy.approval"
+POLICY_LIMIT = "dev.evidence.policy.limit"
 POLICY_VIOLATION = "dev.evidence.policy.violation"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
@@ -323,6 +327,23 @@ class PolicyApproval(BaseModel):
     reason: str | None = None
 
 
+class PolicyLimit(BaseModel):
+    """A resource limit of the policy reached (`limits`), as the kernel counted it since the last
+    look (agent/recorder/limits.py): `kind` oom_kill (processes the OOM killer took at
+    limits.memory), memory_max (memory use reached the limit), fork_refused (forks refused at
+    limits.pids), cpu_throttled (periods throttled at limits.cpu), wall (limits.wall reached: the
+    run is killed). `pids`: the processes it names (an OOM kill's victims, from the run's exits:
+    `certain` when as many as counted, else candidates)."""
+
+    model_config = _FROZEN
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
 # the rule of a policy.violation: an exec the kernel ran otherwise than the exec supervisor allowed
 EXEC_CHECK_RULE = "commands: the exec check"
 
@@ -377,6 +398,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     DEGRADATION: Degradation,
     POLICY_DENIAL: PolicyDenial,
     POLICY_APPROVAL: PolicyApproval,
+    POLICY_LIMIT: PolicyLimit,
     POLICY_VIOLATION: PolicyViolation,
     INVENTORY: Inventory,
     NETWORK_DNS: NetworkDns,
@@ -407,6 +429,46 @@ class BundleHeader(BaseModel):
     source: str
 
 
+class ArtifactFile(BaseModel):
+    """A file the run's `--subject` patterns matched, as it was when the run ended (bundle/subjects.py):
+    a subject of the signed attestation. `name` is relative to the workspace (what the statement's
+    subject is named), `path` the absolute path it was read at (its real path: what the events
+    name); mtime and ctime as the file system gave them then."""
+
+    model_config = _FROZEN
+    name: str
+    path: str
+    sha256: str
+    size: int
+    mtime: str
+    ctime: str
+
+
+class ArtifactRefusal(BaseModel):
+    """A match of a `--subject` pattern that is not a subject, and why (or a pattern that matched
+    nothing: its name is the pattern)."""
+
+    model_config = _FROZEN
+    name: str
+    reason: str
+
+
+class Artifacts(BaseModel):
+    """What the run's `--subject` patterns found when the run ended: the subjects (in name order),
+    what was refused and why (at most subjects.MAX_REFUSED listed, the rest counted), and the caps
+    they were collected under."""
+
+    model_config = _FROZEN
+    workspace: str
+    patterns: list[str]
+    collected_at: str
+    max_files: int
+    max_bytes: int
+    files: list[ArtifactFile]
+    refused: list[ArtifactRefusal]
+    refused_more: int = 0
+
+
 class RunInfo(BaseModel):
     """What manifest.json says about the run itself, declared once: `Manifest` adds the bundle header
     and what the writer computes (times, counts, hashes), writer.RunMeta what it computes them from."""
@@ -435,6 +497,8 @@ class RunInfo(BaseModel):
     # the nameservers of /etc/resolv.conf as the run's first process saw it when the run started
     # (its mount namespace): the run's configured resolvers. None: not read (an older recorder)
     resolvers: list[str] | None = None
+    # the run's artifacts (`--subject`): absent when none were asked for (and in older bundles)
+    artifacts: Artifacts | None = None
 
 
 class Manifest(RunInfo, BundleHeader):

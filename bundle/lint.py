@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from evidence.bundle import command as claims
 from evidence.bundle import format as fmt
-from evidence.bundle import reader
+from evidence.bundle import provenance, reader
 from evidence.bundle.lint_output import SEVERITIES
 from evidence.bundle.lint_rules import (
     FAIL_ON,
@@ -45,6 +45,7 @@ from evidence.errors import EXIT_FINDINGS, EXIT_OK
 
 logger = logging.getLogger(__name__)
 
+_TIED = frozenset((fmt.PROCESS_EXEC, fmt.PROCESS_EXIT, fmt.FILE_OPEN, fmt.FILE_CHANGE))
 MAX_FINDINGS = 1000  # distinct findings kept; more are counted, not listed
 MAX_PLAIN = 50_000  # strings remembered to hold no secret, each at most MAX_PLAIN_LEN long
 MAX_PLAIN_LEN = 4096
@@ -86,6 +87,8 @@ class Linter:
         self.lost_events = 0
         self.max_time = ""
         self.backwards: list[tuple[int, int]] = []  # (how far back in ns, seq)
+        # the run's subjects (`--subject`): what ties them to the run's writes (EV017)
+        self.tracker = provenance.Tracker() if manifest.get("artifacts") else None
 
     def take(self, part: _Part) -> None:
         """Folds in the part that comes next."""
@@ -111,6 +114,9 @@ class Linter:
             self.max_time = high
         self.finished = self.finished or part.finished
         self.lost_events += part.lost_events
+        if self.tracker is not None:
+            for etype, t, data in part.tied:
+                self.tracker.feed(etype, t, data)
         if part.cut_short:
             self.manifest = {**self.manifest, "cut_short": True}
 
@@ -151,8 +157,24 @@ class Linter:
                 "clock",
                 seq,
             )
+        self._subjects()
         order = {s: i for i, s in enumerate(SEVERITIES)}
         return sorted(self._found.values(), key=lambda f: (order[f.rule.severity], f.rule.code, f.seq or 0))
+
+    def _subjects(self) -> None:
+        """EV017 for each subject the run did not write, EV018 for what was refused as one."""
+        m = self.manifest
+        artifacts = m.get("artifacts")
+        if not artifacts or self.tracker is None:
+            return
+        for tie in self.tracker.ties(artifacts["files"], m["started_at"], m["finished_at"]):
+            if not tie.written:
+                self.add("EV017", f"subject {tie.name}: {tie.reason}", "subject:" + tie.name, None)
+        refused = artifacts["refused"]
+        if refused:
+            n = len(refused) + artifacts.get("refused_more", 0)
+            first = "; ".join(f"{r['name']}: {r['reason']}" for r in refused[:3])
+            self.add("EV018", f"{n} --subject match(es) refused: {first}", "refused", None)
 
     def _clock(self, seq: int, high: str, t: str) -> None:
         try:
@@ -178,6 +200,7 @@ class _Rules:
         self.norm = Normalizer(roots)
         self.ips: dict[str, bool] = {}  # address -> not loopback
         self.resolvers: list[str] | None = manifest.get("resolvers")  # EV016 (None: not recorded)
+        self.ties = bool(manifest.get("artifacts"))  # EV017: the events a tie needs are kept
         # strings seen to hold nothing that looks like a secret (paths and subjects repeat: a
         # lookup costs less than maybe_secret), bounded: a hostile bundle may show any number
         self.plain: set[str] = set()
@@ -204,6 +227,8 @@ class _Part:
         self.cut_short = False
         self.lost_events = 0
         self.plain = rules.plain
+        # EV017: the execs, exits, write opens and changes, for Linter.take to tie the subjects in order
+        self.tied: list[tuple[str, str, dict[str, Any]]] = []
         self._dispatch: dict[str, Callable[[EventJSON], None]] = {
             fmt.RUN_STARTED: self._started,
             fmt.RUN_FINISHED: self._finished,
@@ -255,9 +280,17 @@ class _Part:
         subject = ev["subject"]
         if subject not in self.plain:
             self._text(subject, "subject", ev)
-        handler = self._dispatch.get(ev["type"])
+        etype = ev["type"]
+        handler = self._dispatch.get(etype)
         if handler is not None:
             handler(ev)
+        if (
+            self.rules.ties
+            and etype in _TIED
+            and type(data) is dict
+            and (etype != fmt.FILE_OPEN or "write" in data["access"] or "create" in data["access"])
+        ):
+            self.tied.append((etype, ev["time"], data))
         if type(data) is dict and data.get("mntns") == "other":
             self._other_ns(ev)
 

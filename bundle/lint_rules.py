@@ -162,6 +162,25 @@ RULES: dict[str, Rule] = {
              "The names such answers give are recorded as a connect's 'other_names' and are "
              "never used to compare connects: those are compared by address. Not reported for "
              "bundles without manifest.resolvers (recorded before the field)."),
+        Rule("EV017", "subject-not-written-by-run", "error", "A subject of the attestation was not written by the run",
+             "The run was asked to attest files it produced (`evidence run --subject`), and one of "
+             "them, as it was when the run ended, is not tied to a write by a process of the run: "
+             "the run never wrote, created or renamed anything into its path (it was there before, "
+             "or something outside the run made it); or the run removed or moved it away after its "
+             "last write; or it was renamed into place from a file the run did not write; or its "
+             "ctime, which no process can set, is after the run ended, before it started, or before "
+             "the run's last write of it (it was replaced by a process outside the run). The "
+             "attestation names it as a subject with 'writtenByRun': false and the reason, and "
+             "`evidence verify --artifact` refuses it. What the events cannot show: a process "
+             "outside the run writing to the file while a process of the run still held it open "
+             "for writing (docs/bundle-format.md \"Artifacts\")."),
+        Rule("EV018", "subjects-refused", "warning", "Files the --subject patterns matched were refused as subjects",
+             "A match of a `--subject` pattern is not a subject: it leads out of the workspace (a "
+             "symlink), is not a regular file (a directory, FIFO, device or socket), has other "
+             "names (a hard link), changed while it was hashed, has a path over 512 bytes, or "
+             "came past the caps (256 subjects, 4 GiB hashed in all); or a pattern matched "
+             "nothing. manifest.artifacts.refused lists each with the reason. Such a file is not attested: a release that "
+             "needs it must produce it in the workspace, under the caps."),
         # EV021: the exec check (issue 24), its own block (EV017-EV020 are other branches')
         Rule("EV021", "exec-not-as-decided", "error", "An exec ran otherwise than the policy's command rules allowed, and was killed",
              "A dev.evidence.policy.violation: an exec of a run whose command rules are enforced "

@@ -33,6 +33,35 @@ class FileJSON(TypedDict):
     size: int
 
 
+class ArtifactFileJSON(TypedDict):
+    """An entry of manifest.artifacts.files (format.ArtifactFile)."""
+
+    name: str
+    path: str
+    sha256: str
+    size: int
+    mtime: str
+    ctime: str
+
+
+class ArtifactRefusalJSON(TypedDict):
+    name: str
+    reason: str
+
+
+class ArtifactsJSON(TypedDict):
+    """manifest.artifacts (format.Artifacts)."""
+
+    workspace: str
+    patterns: list[str]
+    collected_at: str
+    max_files: int
+    max_bytes: int
+    files: list[ArtifactFileJSON]
+    refused: list[ArtifactRefusalJSON]
+    refused_more: NotRequired[int]
+
+
 class ManifestJSON(TypedDict):
     """manifest.json of a verified bundle (format.Manifest: BundleHeader + RunInfo + what the writer
     computes). A field with a default in the model may be absent (a bundle made before it)."""
@@ -60,6 +89,7 @@ class ManifestJSON(TypedDict):
     policy: NotRequired[dict[str, Any] | None]
     network: NotRequired[Literal["none", "loopback"] | None]
     resolvers: NotRequired[list[str] | None]
+    artifacts: NotRequired[ArtifactsJSON | None]
     # Manifest
     started_at: str
     finished_at: str

@@ -209,6 +209,19 @@ class ApprovalRecord(TypedDict):
     reason: NotRequired[str | None]
 
 
+class LimitRecord(TypedDict):
+    """A resource limit reached (agent/recorder/limits.py: LimitEvent; format.PolicyLimit)."""
+
+    k: Literal["limit"]
+    t: int
+    limit: Literal["memory", "pids", "cpu", "wall"]
+    kind: Literal["oom_kill", "memory_max", "fork_refused", "cpu_throttled", "wall"]
+    count: int
+    pids: list[int]
+    certain: bool
+    detail: str
+
+
 class ViolationRecord(TypedDict):
     """An exec killed by the exec check (agent/recorder/correlate.py from decode's exec_violation;
     format.PolicyViolation)."""
@@ -262,6 +275,7 @@ SpoolRecord = (
     | NamespaceRecord
     | DenialRecord
     | ApprovalRecord
+    | LimitRecord
     | ViolationRecord
     | InventoryRecord
     | DegradationRecord
@@ -279,6 +293,7 @@ RECORD_TYPES: dict[str, type] = {
     "namespace": NamespaceRecord,
     "denial": DenialRecord,
     "approval": ApprovalRecord,
+    "limit": LimitRecord,
     "violation": ViolationRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,

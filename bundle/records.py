@@ -23,6 +23,7 @@ KIND_TYPE = {
     "connect": fmt.NETWORK_CONNECT,
     "denial": fmt.POLICY_DENIAL,
     "approval": fmt.POLICY_APPROVAL,
+    "limit": fmt.POLICY_LIMIT,
     "violation": fmt.POLICY_VIOLATION,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
@@ -87,6 +88,8 @@ def subject(rec: SpoolRecord) -> str:
         return str(rec["component"])
     if rec["k"] == "approval":
         return str(rec["program"])
+    if rec["k"] == "limit":
+        return f"limits.{rec['limit']}"
     if rec["k"] == "violation":
         return str(rec["exe"] or "?")
     if rec["k"] == "dns":

@@ -378,6 +378,11 @@ def render(s: Summary, limit: int = 50) -> str:
         else "  lost:    none"
     )
     out.append(f"  policy:  {'observe only' if m.get('policy') is None else 'enforced'}")
+    artifacts = m.get("artifacts")
+    if artifacts:  # `run --subject`: what was attested (`lint` and `verify --artifact` tie each to the run)
+        refused = len(artifacts["refused"]) + artifacts.get("refused_more", 0)
+        out.append(f"  subjects: {len(artifacts['files'])}" + (f" ({refused} refused)" if refused else ""))
+        out += _limited([f"    {f['name']}  sha256 {f['sha256']}" for f in artifacts["files"]], limit)
     for d in s.degradations:
         out.append(f"  degraded: {d}")
     n_exec = sum(len(v) for v in s.procs.values())

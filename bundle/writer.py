@@ -43,7 +43,7 @@ from evidence.bundle.run_id import Behaviour as Behaviour
 from evidence.files import atomic_write
 
 if TYPE_CHECKING:
-    from evidence.bundle import attestation
+    from evidence.bundle import attestation, runtime_trace
     from evidence.bundle.read_types import ManifestJSON
 
 logger = logging.getLogger(__name__)
@@ -281,6 +281,7 @@ class _EventSink:
         self._subject_json = b""
         self._sha = hashlib.sha256()  # copied for each content hash: cheaper than a new one
         self.root = fmt.RootHasher()
+        self.trace: runtime_trace.Trace | None = None  # a signed bundle's: fed every event written
 
     def _line(self, etype: str, subject: str, t_ns: int, data: dict[str, Any]) -> tuple[bytes, bytes]:
         """(the event's canonical JSON line, the canonical JSON its content hash is taken over)."""
@@ -317,7 +318,11 @@ class _EventSink:
     def emit(self, etype: str, subject: str, t_ns: int, data: dict[str, Any], capped: bool = False) -> bool:
         """Write one event; with `capped`, only if the bundle's caps leave room (False: not written)."""
         line, core = self._line(etype, subject, t_ns, data)
-        return self._put(etype, line, core, capped)
+        if not self._put(etype, line, core, capped):
+            return False
+        if self.trace is not None:
+            self.trace.feed_at(etype, t_ns, data)
+        return True
 
     def _put(self, etype: str, line: bytes, core: bytes, capped: bool) -> bool:
         n = len(line)
@@ -365,6 +370,11 @@ class _EventSink:
                     if not self._put(etype, line, b"".join((b'{"data":', d, core_end)), True):
                         kind = "over_cap:" + etype.removeprefix("dev.evidence.")
                         capped[kind] = capped.get(kind, 0) + 1
+                    elif self.trace is not None:  # a signed bundle: the trace sees the repeat too
+                        again = prev.copy()
+                        again["t"] = t
+                        etype_, _, t_ns, data = to_event(again)
+                        self.trace.feed_at(etype_, t_ns, data)
                     continue
                 rec = prev.copy()
                 rec["t"] = t
@@ -499,6 +509,10 @@ def _write_bundle(
         deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
         try:
             sink = _EventSink(deflater, run_id, meta.labels, caps)
+            if signer is not None:  # only a signed bundle needs the trace (and its imports)
+                from evidence.bundle import runtime_trace
+
+                sink.trace = runtime_trace.Trace()
             for head in _head(meta):
                 sink.emit(*head)
             capped: dict[str, int] = {}
@@ -525,7 +539,13 @@ def _write_bundle(
             "producer": {"name": "evidence", "version": _version()},
             "run_id": run_id,
             "source": sink.source,
-            **{name: copy.copy(getattr(meta, name)) for name in fmt.RunInfo.model_fields},
+            **{
+                name: copy.copy(getattr(meta, name))
+                for name in fmt.RunInfo.model_fields
+                if name != "artifacts"
+            },
+            # the run's subjects: only when asked for (a bundle without keeps its bytes)
+            **({} if meta.artifacts is None else {"artifacts": meta.artifacts.model_dump()}),
             "started_at": fmt.format_time(meta.started_ns),
             "finished_at": fmt.format_time(meta.finished_ns),
             "counts": dict(sorted(sink.counts.items())),
@@ -540,7 +560,10 @@ def _write_bundle(
             from evidence.bundle import attestation  # only a signed bundle needs it (its import costs ~60 ms)
 
             # the manifest just made has the shape the reader's checks guarantee (read_types)
-            signed = attestation.member(cast("ManifestJSON", manifest), manifest_bytes, events_sha, signer)
+            assert sink.trace is not None
+            signed = attestation.member(
+                cast("ManifestJSON", manifest), manifest_bytes, events_sha, signer, sink.trace
+            )
             tail.append((_tarinfo(fmt.ATTESTATION_NAME, len(signed)), signed))
         with atomic_write(out_path, mode=0o600) as raw:  # argv, file names, peers: the owner's alone
             write_tar_gz(

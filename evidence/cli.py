@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("evidence.bundle.commands.keygen", "make an ed25519 key pair for signing bundles"),
     "verify": ("evidence.bundle.commands.verify", "check that a bundle is valid and signed by a key"),
     "attestation": ("evidence.bundle.commands.attestation", "print a signed bundle's DSSE envelope"),
+    "fleet": ("evidence.bundle.commands.fleet", "a fleet's runs, bundles and live events on NATS JetStream"),
     "agent": ("evidence.agent.commands.agent", "run the recording daemon (sidecar / DaemonSet)"),
     "start": ("evidence.agent.commands.start", "start recording a cgroup through a running agent"),
     "finish": ("evidence.agent.commands.finish", "finish a run started through a running agent"),

@@ -7,6 +7,7 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1  # lint/diff found something at or above --fail-on
 EXIT_ERROR = 2  # bad input, verification failure, policy cannot be enforced with --fail-closed
 EXIT_WOULD_BLOCK = 4  # --dry-run: something would have been blocked
+EXIT_WALL = 124  # run: the policy's limits.wall was reached and the run killed (as timeout(1))
 EXIT_SETUP = 70  # the recorder could not start (kernel, permissions): nothing was run
 
 

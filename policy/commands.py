@@ -38,7 +38,7 @@ from typing import Any, Literal
 from evidence.bundle.format import has_dotdot
 from evidence.bundle.read_types import EventJSON
 from evidence.bundle.text import printable
-from evidence.policy.model import CommandRule, CommandsPolicy
+from evidence.policy.governance import CommandRule, CommandsPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,6 @@ def unallowed_programs(commands: CommandsPolicy | None, seen: ExecsSeen) -> list
     or any other (profile's check of its own output): each must be allowed by some rule."""
     if commands is None:
         return sorted(seen.programs)
-    from evidence.policy.model import canonical_path
+    from evidence.policy.paths import canonical_path
 
     return sorted(p for p in seen.programs if decide(commands, canonical_path(p), [p], 0).runs is not True)

@@ -24,7 +24,8 @@ import stat
 from typing import TypedDict
 
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL, abi_version, restrict
-from evidence.policy.model import FsPolicy, PathRule, Policy, under
+from evidence.policy.model import FsPolicy, PathRule, Policy
+from evidence.policy.paths import under
 
 __all__ = [
     "SCOPE_ABSTRACT_UNIX_SOCKET",

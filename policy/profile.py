@@ -45,7 +45,8 @@ from evidence.bundle.normalize import canonical_address
 from evidence.bundle.read_types import EventJSON, ManifestJSON
 from evidence.bundle.text import printable
 from evidence.policy.commands import ExecsSeen, render_commands, unallowed_programs
-from evidence.policy.model import Policy, canonical_path, is_host_name, parse_policy, under
+from evidence.policy.model import Policy, is_host_name, parse_policy
+from evidence.policy.paths import canonical_path, under
 
 logger = logging.getLogger(__name__)
 

@@ -338,6 +338,7 @@ class AgentClient:
         detail: str = "summary",
         policy: PolicyBody | None = None,
         net: str | None = None,
+        subjects: list[str] | None = None,
     ) -> RunAnswer:
         """Have the agent move `pid` (a child of ours, waiting before exec) into a cgroup made for a
         new run: the answer's "cgroup" is that cgroup, "session_id" the run. `net`: the private
@@ -349,6 +350,7 @@ class AgentClient:
             "command": command,
             "policy": policy,
             "net": net,
+            "subjects": subjects,  # files the command produces: the agent hashes them as this uid
         }
         result: RunAnswer = self.request("POST", "/runs", {k: v for k, v in body.items() if v is not None})
         return result

@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from evidence.errors import Error, SetupError, UsageError
+from evidence.errors import EXIT_ERROR, Error, SetupError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "processes outside the run (for jobs that need sudo); recorded as a degradation",
     )
     p.add_argument(
+        "--quiet-denials",
+        action="store_true",
+        help="do not tell the job (one line on its stderr) when a policy's command rule refuses an exec "
+        "or holds it for approval",
+    )
+    p.add_argument(
         "--allow-32bit",
         action="store_true",
         help="let the command make 32-bit (i386, x32) system calls, which the kernel's syscall tracepoints "
@@ -91,6 +98,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--sign-key",
         metavar="KEY",
         help="sign the bundle with this ed25519 private key (evidence keygen); checked before the command starts",
+    )
+    p.add_argument(
+        "--subject",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="attest the files this glob matches in the workspace once the command exits (repeatable; "
+        "at most 256 files, 4 GiB): subjects of the signed attestation, each tied to the run's writes",
+    )
+    p.add_argument(
+        "--subject-must-be-written",
+        action="store_true",
+        help="exit 2 when a --subject file was not written by the run (lint's EV017)",
     )
     p.add_argument("--ebpf", action="store_true", help="print the rendered BPF C and exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
@@ -165,12 +185,27 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run and args.fail_closed:
         raise UsageError("--dry-run and --fail-closed exclude each other")
     labels = _labels(args.label)
+    if args.subject or args.subject_must_be_written:
+        from evidence.bundle.subjects import SubjectError, check_pattern
+
+        if not args.subject:
+            raise UsageError("--subject-must-be-written needs --subject")
+        try:
+            for pattern in args.subject:
+                check_pattern(pattern)
+        except SubjectError as e:
+            raise UsageError(str(e)) from None
+
     if not args.agent and not args.standalone:
         args.agent = _running_agent(args)
         args.agent_chosen = bool(args.agent)
     if args.agent:
         if args.sign_key:
             raise UsageError("--sign-key is not available with --agent", "sign with the agent's own key")
+        if args.subject_must_be_written:
+            raise UsageError(
+                "--subject-must-be-written is not available with --agent yet", "lint the bundle (EV017)"
+            )
         from evidence.agent.commands.run_agent import run_via_agent
 
         return run_via_agent(args, command, labels)
@@ -194,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
             allow_32bit=args.allow_32bit,
             sign_key=args.sign_key,
             pass_fd=tuple(args.pass_fd),
+            quiet_denials=args.quiet_denials,
+            subjects=tuple(args.subject),
         )
     )
     standalone.prepare()
@@ -210,4 +247,19 @@ def run(args: argparse.Namespace) -> int:
         raise SetupError(f"recording failed: {type(e).__name__}: {e}", "run with -vv for details") from e
     finally:
         standalone.close()
-    return standalone.report(manifest)
+    rc = standalone.report(manifest)
+    if args.subject_must_be_written and not _subjects_written(str(standalone.bundle), manifest):
+        return EXIT_ERROR
+    return rc
+
+
+def _subjects_written(bundle: str, manifest: dict[str, Any]) -> bool:
+    """--subject-must-be-written: whether the run wrote every subject, by the bundle's own events
+    (read back and verified); a line on stderr for each it did not."""
+    from evidence.bundle import provenance, reader
+
+    ties = provenance.ties_of(manifest, reader.read_events(bundle))
+    for tie in ties:
+        if not tie.written:
+            print(f"evidence: subject {tie.name} was not written by the run: {tie.reason}", file=sys.stderr)
+    return all(t.written for t in ties)

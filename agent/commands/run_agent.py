@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.commands.finish import check_target, fetch_bundle
 from evidence.agent.commands.summary import signal_name, summary_line
+from evidence.agent.recorder.exec_supervisor import install_exec_filter
 from evidence.agent.recorder.launch import Landlock, inherited_fds, isolation
 from evidence.errors import EXIT_SETUP, EXIT_WOULD_BLOCK, Error, PolicyError, SetupError, UsageError
 from evidence.policy import landlock_syscalls as ll
@@ -117,12 +118,22 @@ class ClientPolicy:
             self.close()
             raise
 
+    @property
+    def exec_rules(self) -> bool:
+        """The policy has command rules and this host can have them decided (seccomp user
+        notification): the command's process loads the exec filter and the agent takes its listener.
+        Otherwise the agent records a degradation (or refuses the run with --fail-closed)."""
+        from evidence.agent.recorder.command_rules import user_notification
+
+        return self.policy.commands is not None and user_notification() is None
+
     def domain(self) -> Landlock | None:
         """The policy's Landlock domain for the command (None: dry run, or no Landlock here)."""
         return Landlock.of_plan(self.plan) if self.mode == "enforce" else None
 
-    def request(self, fail_closed: bool) -> PolicyBody:
-        return {
+    def request(self, fail_closed: bool, listener: int | None = None, quiet: bool = False) -> PolicyBody:
+        """`listener`: the exec filter's listener's number in the command's process."""
+        body: PolicyBody = {
             "text": self.text,
             "name": self.policy.source,
             "variables": dict(self.policy.variables),
@@ -130,6 +141,11 @@ class ClientPolicy:
             "fail_closed": fail_closed,
             "env_removed": list(self.env_removed),
         }
+        if listener is not None:
+            body["exec_listener_fd"] = listener
+        if quiet:
+            body["quiet_denials"] = True
+        return body
 
     def close(self) -> None:
         from evidence.policy import tmp as ptmp
@@ -149,6 +165,7 @@ def _child(
     environ: dict[str, str] | None = None,
     net: str | None = None,
     ready: int = -1,
+    exec_rules: bool = False,
 ) -> NoReturn:
     """In the forked child: make the private network (`net`: its mode), give itself evidence's
     seccomp filters, say so on `ready` (or why not), wait for the agent to have moved us, then exec.
@@ -166,10 +183,13 @@ def _child(
             ll.deny_tty_injection()  # the job cannot type into the terminal it shares with this client
             ll.deny_io_uring()  # nor act through io_uring, which no system call tracepoint sees
             ll.deny_compat_syscalls()  # nor through a 32-bit entry, which they skip (SIGSYS, recorded)
+            # the policy's command rules: every exec from here on (the command's too) waits for the
+            # agent, which takes the listener from this process (its number follows the go)
+            listener = install_exec_filter() if exec_rules else -1
         except OSError as e:
             os.write(ready, f"{e.strerror or e}".encode(errors="replace")[:500])
             os._exit(EXIT_SETUP)
-        os.write(ready, _GO)
+        os.write(ready, _GO + (str(listener).encode() if listener >= 0 else b""))
         os.close(ready)
         for fd in drop_fds:  # inherited by the client but not named with --pass-fd: not the job's
             with contextlib.suppress(OSError):
@@ -180,6 +200,8 @@ def _child(
         if os.read(go, 1) != _GO:  # the client gave up (the agent refused): run nothing
             os._exit(EXIT_SETUP)
         os.close(go)
+        if listener >= 0:  # the agent has its own: a copy kept here could answer for the job
+            os.close(listener)
         if domain is not None:  # the policy's (it is scoped as the isolation domain is)
             ll.restrict(domain.abi, domain.handled_fs, domain.scoped, domain.rules, domain.file_rights)
         else:
@@ -195,14 +217,17 @@ def _child(
     os._exit(code)
 
 
-def _wait_for_child(ready_r: int, ready_w: int, net: str | None) -> None:
+def _wait_for_child(ready_r: int, ready_w: int, net: str | None) -> int | None:
     """The child has made its private network (if asked) and given itself evidence's filters, or
-    SetupError with why not (the child has exited)."""
+    SetupError with why not (the child has exited); the exec filter's listener's number in the
+    child, when it loaded one."""
     os.close(ready_w)
     answer = b""
     while chunk := os.read(ready_r, 512):
         answer += chunk
     os.close(ready_r)
+    if answer[:1] == _GO and answer[1:].isdigit():
+        return int(answer[1:])
     if answer != _GO:
         why = answer.decode(errors="replace") or "the command's process died"
         if net is None:
@@ -211,6 +236,7 @@ def _wait_for_child(ready_r: int, ready_w: int, net: str | None) -> None:
             f"cannot give the command a private network (--net {net}): {why}",
             "unprivileged user namespaces may be disabled here (sysctl user.max_user_namespaces)",
         )
+    return None
 
 
 def _isolate_self() -> None:
@@ -362,6 +388,7 @@ def _isolated_run(
                 policy.environ,
                 args.net,
                 ready_w,
+                policy.exec_rules,
             )
         _child(go_r, go_w, err_r, err_w, path, command, drop, net=args.net, ready=ready_w)
     os.close(go_r)
@@ -369,14 +396,17 @@ def _isolated_run(
     session: list[str] = []
     forwarder = _Forwarder(os.pidfd_open(pid), session)
     try:
-        _wait_for_child(ready_r, ready_w, args.net)
+        listener = _wait_for_child(ready_r, ready_w, args.net)
         started = client.isolate(
             pid,
             labels=labels,
             command=command,
             detail=args.detail,
-            policy=policy.request(args.fail_closed) if policy is not None else None,
+            policy=policy.request(args.fail_closed, listener, args.quiet_denials)
+            if policy is not None
+            else None,
             net=args.net,
+            subjects=list(args.subject) or None,
         )
     except Error as e:
         os.close(go_w)  # the child reads EOF and exits without running anything

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from evidence.agent.commands.run import RUN_SPOOL_DIR
 from evidence.agent.commands.summary import signal_name, summary_line
-from evidence.errors import EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
+from evidence.errors import EXIT_WALL, EXIT_WOULD_BLOCK, PolicyError, SetupError, UsageError
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.cgroups import RunCgroup
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from evidence.agent.recorder.launch import Landlock, Launcher, Watchdog
     from evidence.agent.recorder.recording import Recorder
     from evidence.agent.recorder.run import Run
+    from evidence.agent.recorder.tty_approver import TtyApprover
     from evidence.bundle.attestation import Signer
     from evidence.bundle.format import Degradation
     from evidence.policy.netns import PrivateNetns
@@ -123,6 +124,8 @@ class RunOptions:
     allow_32bit: bool = False
     sign_key: str | None = None
     pass_fd: tuple[int, ...] = ()
+    quiet_denials: bool = False
+    subjects: tuple[str, ...] = ()  # --subject
 
 
 class StandaloneRun:
@@ -166,6 +169,11 @@ class StandaloneRun:
         self.signal: str | None = None
         self.rc = 0
         self._closed = False
+        # the policy's command rules: the job's stderr (dup'ed before anything else is opened),
+        # the run's approvals and the terminal that answers them
+        self._job_stderr = -1
+        self.exec_rules = False
+        self.approver: TtyApprover | None = None
 
     # -- prepare -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -213,6 +221,7 @@ class StandaloneRun:
                 self.cwd,
                 self.inherited,
                 netns.fd if netns is not None else None,
+                exec_rules=self.exec_rules,
             )
         except BaseException:
             loading.discard(lambda probes: probes.close(background=True))
@@ -269,9 +278,13 @@ class StandaloneRun:
         the command unprotected."""
         args = self.args
         if args.policy:
+            from evidence.agent.recorder.command_rules import user_notification
             from evidence.agent.recorder.enforce import Enforcement
             from evidence.policy.model import policy_file
 
+            why_not = user_notification()  # command rules need it; without: a degradation (or exit 2)
+            if why_not is not None:
+                logger.info("command rules cannot be enforced here: %s", why_not)
             self.enforcement = Enforcement.for_run(
                 policy_file(args.policy),
                 workspace=args.workspace or self.cwd,
@@ -279,7 +292,16 @@ class StandaloneRun:
                 fail_closed=args.fail_closed,
                 net_mode=args.net,
                 environ=os.environ,
+                applies=("limits",) if why_not else ("limits", "commands"),
             )
+            self.exec_rules = self.enforcement.policy.commands is not None and why_not is None
+            if self.exec_rules and args.allow_setuid and not args.dry_run:
+                raise UsageError(
+                    "--allow-setuid cannot run with a policy's command rules: their filter needs no_new_privs",
+                    "drop --allow-setuid, or use --dry-run",
+                )
+            if not args.quiet_denials:  # the job is told of refusals on its own stderr
+                self._job_stderr = os.dup(2)
         elif args.net:
             from evidence.policy.netns import PrivateNetns
 
@@ -308,12 +330,19 @@ class StandaloneRun:
                 capabilities=self.capabilities,
                 degradations=self.degradations,
                 session_id=self.session_id,
+                subjects=self.args.subjects,
             ),
             record_dir=RUN_SPOOL_DIR,
             enforcement=self.enforcement,
             where={"bundle_name": self.bundle.name, "bundle_path": str(self.bundle), "sign_key": key},
             held=True,  # locked while this run lives: `evidence recover` never takes its spool
         )
+        if self._job_stderr >= 0:
+            from evidence.agent.recorder.notices import NoticeWriter
+
+            run.notices = NoticeWriter(self._job_stderr)
+            self._job_stderr = -1  # the writer's now
+            run.notices.start()
         run.start(self.cgroup.path)  # with its policy, and its run record written
         self.watchdog.watch(self.cgroup.path, self.session_id)
         # the helper becomes the command (same pid): known as the run's root before it can exec, so
@@ -323,6 +352,7 @@ class StandaloneRun:
         # command can run: what recovery needs, whole (its pid, policy, degradations)
         run.session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
         run.launched(self.launcher.process.pid)
+        root = self.launcher.process.pid
         spec = LaunchSpec(
             argv=self.command,
             cgroup_procs=Path(self.cgroup.procs_file()),
@@ -330,6 +360,7 @@ class StandaloneRun:
             no_new_privs=self.no_new_privs,
             oom_score_adj=self.oom_score_adj,
             allow_32bit=self.args.allow_32bit,
+            supervise=self._command_rules(run, root) if self.exec_rules else None,
         )
         launcher, self.launcher = self.launcher, None
         assert launcher is not None
@@ -345,15 +376,55 @@ class StandaloneRun:
                 file=sys.stderr,
             )
 
+    def _command_rules(self, run: Run, root: int) -> Callable[[int], None]:
+        """The run's command rules (agent/recorder/command_rules.py): its approvals broker, the
+        terminal that answers them (when `evidence run` has one), notices to the job's stderr;
+        returns what starts the supervisor on the listener the launcher hands over."""
+        from evidence.agent.recorder.approvals import ApprovalBroker
+        from evidence.agent.recorder.command_rules import CommandRules
+        from evidence.agent.recorder.tty_approver import TtyApprover
+
+        assert self.enforcement is not None and self.recorder is not None
+        wall_offset = self.recorder.wall_offset_ns
+
+        def clock_ns() -> int:
+            return time.monotonic_ns() + wall_offset
+
+        session = run.session
+        broker = ApprovalBroker(record=lambda rec: session.add_records([rec]), clock_ns=clock_ns)
+        dry_run = self.enforcement.mode == "dry-run"
+        self.approver = None if dry_run else TtyApprover.open(broker, run=self.session_id)
+        owner = os.getuid()
+        if self.approver is not None:
+            owner = self.approver.terminal_uid
+            self.approver.start()
+        notices = run.notices
+        run.commands = CommandRules(
+            self.session_id,
+            self.enforcement.policy,
+            add_records=session.add_records,
+            broker=broker,
+            owner_uid=owner,
+            tell=notices.tell if notices is not None else lambda _line: None,
+            dry_run=dry_run,
+            clock_ns=clock_ns,
+        )
+        rules = run.commands
+        return lambda listener: rules.supervise(listener, root)
+
     # -- wait ----------------------------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for the command (collecting connect-guard denials meanwhile), then kill what it left
         behind in its cgroup and wait until the cgroup is empty."""
         assert self.child is not None
         try:
-            assert self.run is not None
-            status = _wait(self.child, self.run)
-            if status < 0:
+            assert self.run is not None and self.cgroup is not None
+            status = _wait(self.child, self.run, self.cgroup)
+            if self.run.wall_reached:
+                self.signal = signal_name(-status) if status < 0 else None
+                self.exit_code = None if status < 0 else status
+                self.rc = EXIT_WALL
+            elif status < 0:
                 self.signal = signal_name(-status)
                 self.exit_code = None
                 self.rc = 128 - status
@@ -402,6 +473,12 @@ class StandaloneRun:
         if self.launcher is not None:  # prepared, never launched: the helper exits, nothing runs
             self.launcher.abort()
             self.launcher = None
+        if self.approver is not None:
+            self.approver.stop()
+            self.approver = None
+        if self._job_stderr >= 0:
+            os.close(self._job_stderr)
+            self._job_stderr = -1
         if self.run is not None:
             self.run.close_enforcement()  # (if finish has not)
         elif self.enforcement is not None and not self._closed:
@@ -452,15 +529,25 @@ def _blocking(*fds: int) -> None:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
 
 
-def _wait(child: subprocess.Popen[bytes], run: Run) -> int:
-    """Wait for the command, collecting connect-guard denials meanwhile."""
-    if run.enforcement is None or run.enforcement.guard is None:
+def _wait(child: subprocess.Popen[bytes], run: Run, cgroup: RunCgroup) -> int:
+    """Wait for the command, collecting connect-guard denials and reading the policy's limits
+    meanwhile; the wall limit kills the run's cgroup, saying so."""
+    guard = run.enforcement is not None and run.enforcement.guard is not None
+    if not guard and run.limits is None:
         return child.wait()
     while True:
         try:
-            return child.wait(timeout=0.1)
+            return child.wait(timeout=0.1 if guard else 1.0)
         except subprocess.TimeoutExpired:
-            run.poll_denials()
+            if guard:
+                run.poll_denials()
+            if run.poll_limits():
+                assert run.limits is not None
+                print(
+                    f"evidence: the run reached limits.wall ({(run.limits.limits.wall_ms or 0) / 1000:g} s): killing it",
+                    file=sys.stderr,
+                )
+                cgroup.kill()
 
 
 def _summary(manifest: dict[str, Any], bundle: Path) -> None:

@@ -133,6 +133,8 @@ class Backend(Protocol):
         pidfd: int | None = None,
         policy: models.PolicySpec | None = None,
         net: Literal["none", "loopback"] | None = None,
+        subjects: Sequence[str] = (),
+        subjects_as: tuple[int, int] | None = None,
     ) -> RunStatus:
         """Make a cgroup below the one `pid` is in (else under mount/evidence/), start recording it,
         then move `pid` into it (the caller checked the peer owns it; `pidfd` tells whether it is
@@ -429,6 +431,8 @@ class AgentAPI:
                 pidfd=pidfd,
                 policy=request.policy,
                 net=request.net,
+                subjects=request.subjects,
+                subjects_as=(peer.uid, peer.gid),  # read as the client, never as root
             )
         finally:
             os.close(pidfd)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 from evidence.agent.daemon import exits
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.api import NotReady, RunConflict, RunStatus, UnknownRun
+from evidence.agent.daemon.policy import command_rules, exec_listener, job_notices
 from evidence.agent.daemon.runs import (
     ADOPTED,
     AgentRun,
@@ -54,6 +55,7 @@ from evidence.agent.daemon.runs import (
     process_depths,
 )
 from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
+from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
 from evidence.agent.recorder.recovery import unique_path
@@ -64,11 +66,12 @@ from evidence.files import file_sha256
 
 if TYPE_CHECKING:
     from evidence.agent.daemon.delivery import BundleUploader, EventStreamer
+    from evidence.agent.daemon.fleet import FleetPublisher
     from evidence.agent.daemon.models import PolicySpec
     from evidence.agent.recorder.enforce import Enforcement
     from evidence.agent.recorder.recording import Recorder
     from evidence.bundle.attestation import Signer
-    from evidence.bundle.record_types import SpoolRecord
+    from evidence.bundle.record_types import ApprovalRecord, SpoolRecord
     from evidence.bundle.spool import SpoolWriter
 
 logger = logging.getLogger(__name__)
@@ -89,7 +92,9 @@ class RecorderBackend:
         registry: m.Registry | None = None,
         watchdog: RunWatchdog | None = None,
         signer: Signer | None = None,
+        fleet: FleetPublisher | None = None,
     ) -> None:
+        self.fleet = fleet  # a fleet's NATS JetStream (agent/daemon/fleet.py): events and bundles
         self.bundle_dir = Path(bundle_dir)
         self.signer = signer  # every bundle this agent writes is signed with its key, if it has one
         self.watchdog = watchdog
@@ -111,6 +116,9 @@ class RecorderBackend:
         self._bundle_bytes = 0
         self._lag = 0.0
         self._lag_probe_since: float | None = None
+        # ONE broker for every run's approvals (command rules' `approve`): the API's /v1/approvals
+        # and `evidence approvals` answer through it; each record goes to its run
+        self.approvals = ApprovalBroker(record=lambda _rec: None, route=self._approval_record)
 
     # lifecycle
 
@@ -282,6 +290,8 @@ class RecorderBackend:
         pidfd: int | None = None,
         policy: PolicySpec | None = None,
         net: Network = None,
+        subjects: Sequence[str] = (),
+        subjects_as: tuple[int, int] | None = None,
     ) -> RunStatus:
         """A run in a cgroup made for it, holding only `pid` (and what it starts): the cgroup is
         tracked first, then the process is moved in, so nothing it does from then on is missed.
@@ -300,7 +310,10 @@ class RecorderBackend:
         # loaded and compiled before anything is made: a bad one starts nothing
         enforcement = loaded_enforcement(policy, net) if policy is not None else None
         try:
-            return self._isolate(pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net)
+            subjects_of = (tuple(subjects), subjects_as)
+            return self._isolate(
+                pid, labels, Path(mount), list(command), detail, pidfd, enforcement, net, subjects_of, policy
+            )
         except BaseException:
             if enforcement is not None:
                 enforcement.close()
@@ -316,6 +329,8 @@ class RecorderBackend:
         pidfd: int | None,
         enforcement: Enforcement | None,
         net: Network = None,
+        subjects_of: tuple[tuple[str, ...], tuple[int, int] | None] = ((), None),
+        spec: PolicySpec | None = None,
     ) -> RunStatus:
         from evidence.agent.recorder.cgroups import isolation_home
 
@@ -329,7 +344,13 @@ class RecorderBackend:
             )
         # the client is not trusted to have given its command evidence's filters: read them back
         unfiltered, compat = filter_degradations(pid)
-        cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
+        listener = exec_listener(pid, pidfd, enforcement, spec)
+        try:
+            cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
+        except BaseException:
+            if listener is not None:
+                os.close(listener)
+            raise
         said = ([misplaced] if misplaced is not None else []) + unfiltered
         try:  # the policy's guard holds the cgroup before the command is in it, the record says all
             run = self.start_run(
@@ -339,12 +360,21 @@ class RecorderBackend:
                 session_id=sid,
                 detail=detail,
                 command=list(command),
-                launched=Launched(enforcement, net, compat, tuple(said)),
+                launched=Launched(enforcement, net, compat, tuple(said), *subjects_of),
             )
         except BaseException:
             cg.remove()
+            if listener is not None:
+                os.close(listener)
             raise
         run.cgroup = cg
+        if spec is not None and pidfd is not None:
+            job_notices(run.run, pidfd, spec)
+        if listener is not None:
+            assert enforcement is not None and spec is not None and pidfd is not None
+            run.run.commands = command_rules(
+                run.run, pid, pidfd, listener, enforcement, spec, self.approvals, self._require_recorder()
+            )
         if pidfd is not None:
             run.pidfd = os.dup(pidfd)
         if self.watchdog is not None:
@@ -355,6 +385,7 @@ class RecorderBackend:
         try:
             if proc is None or (pidfd is not None and exits.observe(pidfd, 0).state != "running"):
                 raise ProcessLookupError
+            run.run.enter_limits(pid)  # the policy's limits held on v1 hierarchies, if any
             (cg.path / "cgroup.procs").write_text(str(pid))
         except OSError as e:
             self._abandon(run)
@@ -362,6 +393,11 @@ class RecorderBackend:
             raise UsageError(f"cannot move process {pid} into {cg.path}: {why}") from None
         logger.info("run %s: process %d moved into its own cgroup %s", sid, pid, cg.path)
         return run.info
+
+    def _approval_record(self, session_id: str, rec: ApprovalRecord) -> None:
+        run = self.run(session_id)
+        if run is not None:
+            run.session.add_records([rec])
 
     def _recording(self, cgroup: Path) -> tuple[Path, str] | None:
         """(cgroup, session) of the run that records `cgroup` (it or an ancestor), if any."""
@@ -387,8 +423,14 @@ class RecorderBackend:
         with self._lock:
             for k, n in counts.items():
                 self._events[k] = self._events.get(k, 0) + n
-        if self.streamer is not None:
-            run.seq = self.streamer.submit_records(run.session.session_id, run.seq, recs, run.extensions)
+        if self.streamer is not None or self.fleet is not None:
+            from evidence.agent.daemon.delivery import live_events  # the agent extra's cloudevents
+
+            events, run.seq = live_events(run.session.session_id, run.seq, recs, run.extensions)
+            for sink in (self.streamer, self.fleet):
+                if sink is not None:
+                    for event in events:
+                        sink.submit(event)
 
     def update_labels(
         self, session_id: str, labels: Mapping[str, str], bundle_name: str | None = None
@@ -461,9 +503,14 @@ class RecorderBackend:
 
     def _bundle_written(self, run: AgentRun, bundle_path: Path, manifest: Mapping[str, Any]) -> None:
         """The seam where a run ends: its bundle is written (`manifest`). One in the bundle
-        directory is queued for upload."""
-        if self.uploader is not None and bundle_path.parent == self.bundle_dir:
+        directory (not an abandoned run's, beside the spools) is queued for upload and for the
+        fleet."""
+        if bundle_path.parent != self.bundle_dir:
+            return
+        if self.uploader is not None:
             self.uploader.enqueue(bundle_path)
+        if self.fleet is not None:
+            self.fleet.bundle_written(bundle_path, manifest)
 
     def _remove_cgroup(self, run: AgentRun) -> None:
         cg = run.cgroup
@@ -539,11 +586,20 @@ class RecorderBackend:
         return [r.info for r in self.open_runs()]
 
     def _poll_denials(self, run: AgentRun) -> None:
-        """Move the connect guard's denials into the run's records."""
+        """Move the connect guard's denials into the run's records; read its limits (the wall limit
+        reached: its cgroup is killed, and the client sees its command killed)."""
         try:
             run.run.poll_denials()
         except Exception as e:  # noqa: BLE001 - housekeeping goes on; the guard's losses are counted
             logger.warning("run %s: reading connect denials failed: %s", run.session.session_id, e)
+        try:
+            if run.run.poll_limits() and run.cgroup is not None:
+                logger.info(
+                    "run %s: limits.wall reached: killing %s", run.session.session_id, run.cgroup.path
+                )
+                run.cgroup.kill()
+        except Exception as e:  # noqa: BLE001 - housekeeping goes on
+            logger.warning("run %s: reading its limits failed: %s", run.session.session_id, e)
 
     def poll_denials(self) -> None:
         for run in self.open_runs():

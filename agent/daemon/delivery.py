@@ -102,6 +102,21 @@ def live_event(
     return event
 
 
+def live_events(
+    session_id: str, seq: int, recs: Iterable[SpoolRecord], extensions: Mapping[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """A run's records as live events, numbered from `seq` (a record that makes no event still takes
+    its number), and the next number: what every live sink (the HTTP stream, the fleet) is given."""
+    events = []
+    for r in recs:
+        try:
+            events.append(live_event(session_id, seq, r, extensions))
+        except (KeyError, ValueError) as e:
+            logger.debug("no live event for a %s record: %s", r.get("k"), e)
+        seq += 1
+    return events, seq
+
+
 def to_cloudevent(event: Mapping[str, Any]) -> CloudEvent:
     """The SDK's CloudEvent for an event dict. `time` (RFC 3339, ns) becomes a datetime (us)."""
     attrs = {k: v for k, v in event.items() if k != "data"}
@@ -420,14 +435,9 @@ class EventStreamer:
     def submit_records(
         self, session_id: str, seq: int, recs: Iterable[SpoolRecord], extensions: Mapping[str, str]
     ) -> int:
-        """A run's records as live events, numbered from `seq` (a record that makes no event still
-        takes its number); the next number."""
-        for r in recs:
-            try:
-                self.submit(live_event(session_id, seq, r, extensions))
-            except (KeyError, ValueError) as e:
-                logger.debug("no live event for a %s record: %s", r.get("k"), e)
-            seq += 1
+        """A run's records as live events, numbered from `seq`; the next number."""
+        events, seq = live_events(session_id, seq, recs, extensions)
+        self.submit_many(events)
         return seq
 
     def submit_many(self, events: Iterable[Mapping[str, Any]]) -> None:

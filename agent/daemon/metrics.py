@@ -140,3 +140,49 @@ class Registry:
     def render(self) -> bytes:
         """Every metric in the text exposition format (0.0.4): see CONTENT_TYPE."""
         return generate_latest(_WithoutCreated(self.collectors))
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetMetrics:
+    """The fleet publisher's metrics (agent/daemon/fleet.py): its outbox's backlog by kind (bundle,
+    event), what was sent, and the errors by what failed (connect, publish, bundle, layout, nats,
+    outbox), a refusal of the server's among them."""
+
+    backlog_items: Gauge
+    backlog_bytes: Gauge
+    backlog_age: Gauge
+    connected: Gauge
+    events_published: Counter
+    events_duplicate: Counter
+    events_dropped: Counter
+    bundles_stored: Counter
+    bundle_bytes_stored: Counter
+    errors: Counter
+
+    @classmethod
+    def of(cls, reg: Registry) -> FleetMetrics:
+        kind = ("kind",)
+        return cls(
+            backlog_items=reg.gauge(
+                "evidence_fleet_backlog_items", "Bundles and events in the fleet outbox.", kind
+            ),
+            backlog_bytes=reg.gauge("evidence_fleet_backlog_bytes", "Bytes in the fleet outbox.", kind),
+            backlog_age=reg.gauge(
+                "evidence_fleet_backlog_age_seconds", "Age of the oldest item in the fleet outbox.", kind
+            ),
+            connected=reg.gauge("evidence_fleet_connected", "1 while connected to the fleet's NATS servers."),
+            events_published=reg.counter(
+                "evidence_fleet_events_published", "Live events JetStream acknowledged."
+            ),
+            events_duplicate=reg.counter(
+                "evidence_fleet_events_duplicate", "Live events sent again that JetStream already had."
+            ),
+            events_dropped=reg.counter(
+                "evidence_fleet_events_dropped", "Live events dropped: the outbox was full."
+            ),
+            bundles_stored=reg.counter("evidence_fleet_bundles_stored", "Bundles stored and indexed."),
+            bundle_bytes_stored=reg.counter("evidence_fleet_bundle_bytes_stored", "Bytes of bundles stored."),
+            errors=reg.counter(
+                "evidence_fleet_errors", "Fleet publishing errors, by what failed.", ("what",)
+            ),
+        )

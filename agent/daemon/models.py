@@ -81,6 +81,20 @@ def _command(raw: Any) -> list[str]:
     return raw
 
 
+def _subjects(raw: Any) -> list[str]:
+    """`evidence run --agent --subject`: globs relative to the run's cwd (bundle/subjects.py)."""
+    from evidence.bundle.subjects import MAX_PATTERNS, SubjectError, check_pattern
+
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_PATTERNS or not all(isinstance(p, str) for p in raw):
+        raise _invalid(f'"subjects" must be a list of at most {MAX_PATTERNS} strings')
+    try:
+        return [check_pattern(p) for p in raw]
+    except SubjectError as e:
+        raise _invalid(str(e)) from None
+
+
 def _detail(raw: Any) -> Any:
     if raw not in ("summary", "full"):
         raise _invalid('"detail" must be "summary" or "full"')
@@ -184,6 +198,10 @@ class PolicySpec(Request):
     mode: Literal["enforce", "dry-run"] = "enforce"
     fail_closed: bool = False
     env_removed: tuple[str, ...] = ()
+    # the policy's command rules: the descriptor number, in the process to isolate, of the exec
+    # filter's listener (the agent takes it with pidfd_getfd and checks the filter is installed)
+    exec_listener_fd: int | None = Field(default=None, ge=3, le=1 << 20)
+    quiet_denials: bool = False  # tell the job nothing of the policy's refusals (--quiet-denials)
 
 
 class IsolateRequest(Request):
@@ -198,6 +216,8 @@ class IsolateRequest(Request):
     isolate_pid: Annotated[int, BeforeValidator(_isolate_pid)]
     policy: PolicySpec | None = None
     net: Literal["none", "loopback"] | None = None  # the private network the process made itself
+    # files the command produces, hashed once it exited, as the peer (never as root)
+    subjects: Annotated[tuple[str, ...], BeforeValidator(_subjects)] = ()
 
 
 class FinishRequest(Request):
@@ -301,6 +321,8 @@ class PolicyBody(TypedDict):
     mode: Literal["enforce", "dry-run"]
     fail_closed: bool
     env_removed: list[str]
+    exec_listener_fd: NotRequired[int]
+    quiet_denials: NotRequired[bool]
 
 
 class RunAnswer(TypedDict):

@@ -12,7 +12,7 @@ import errno
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 
 from evidence.agent.daemon.api import RunStatus
 from evidence.agent.daemon.wrappers import ObservedSpool
@@ -71,6 +71,8 @@ class PlanFields(TypedDict):
     roots: dict[str, str]
     capabilities: dict[str, str]
     degradations: tuple[Degradation, ...]
+    subjects: NotRequired[tuple[str, ...]]
+    subjects_as: NotRequired[tuple[int, int] | None]
 
 
 # a run of processes the agent adopted (start --pid/--cgroup, a pod): not started by evidence, so
@@ -93,6 +95,8 @@ class Launched:
     network: Network
     compat: str
     degradations: tuple[Degradation, ...]
+    subjects: tuple[str, ...] = ()  # `--subject`, collected as the client (uid, gid)
+    subjects_as: tuple[int, int] | None = None
 
     def plan(self) -> PlanFields:
         return PlanFields(
@@ -100,6 +104,8 @@ class Launched:
             roots=RunPlan.roots_of(self.enforcement),
             capabilities={"32bit_syscalls": self.compat},
             degradations=self.degradations,
+            subjects=self.subjects,
+            subjects_as=self.subjects_as,
         )
 
 

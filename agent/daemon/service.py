@@ -80,6 +80,8 @@ class Daemon:
             private_dir(spool_dir)
             if s.stream_url:
                 private_dir(s.stream_spill_dir)
+            if s.fleet_outbox_dir is not None:
+                private_dir(s.fleet_outbox_dir)
         except OSError as e:
             raise SetupError(f"cannot use {e.filename}: {e.strerror}") from None
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -121,6 +123,13 @@ class Daemon:
             if s.stream_url
             else None
         )
+        fleet = None
+        if s.sink.nats is not None and s.fleet_outbox_dir is not None:
+            from evidence.agent.daemon.fleet import FleetPublisher
+
+            fleet = FleetPublisher(s.sink.nats, s.fleet_outbox_dir, registry=registry)
+            for path in recovered:
+                fleet.bundle_written(path)
         watchdog = self._watchdog()
         backend = RecorderBackend(
             bundle_dir,
@@ -130,6 +139,7 @@ class Daemon:
             registry=registry,
             watchdog=watchdog,
             signer=signer,
+            fleet=fleet,
         )
         api = AgentAPI(
             backend,
@@ -150,6 +160,8 @@ class Daemon:
                 uploader.enqueue(path)
         if streamer is not None:
             streamer.start()
+        if fleet is not None:
+            fleet.start()
         try:
             api.start()
         except (OSError, Error) as e:
@@ -196,6 +208,8 @@ class Daemon:
                 uploader.stop()
             if streamer is not None:
                 streamer.close()
+            if fleet is not None:
+                fleet.close()
             api.stop()
             if recorder is not None:
                 recorder.close()

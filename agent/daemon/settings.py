@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -42,6 +50,65 @@ def _int_list(value: Any) -> Any:
 
 
 IdList = Annotated[list[int], NoDecode]
+
+
+class NatsSink(BaseModel):
+    """`sink.nats`: the fleet's NATS JetStream (docs/deploy.md, "A fleet"). The agent publishes every
+    live event, every bundle and each run's index entry there, through an outbox on disk."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    servers: list[str] = Field(min_length=1, description="nats:// or tls:// URLs of the cluster's servers")
+    node: str = Field(default_factory=lambda: _hostname(), description="this node's name (one subject token)")
+    creds: Path | None = Field(None, description="a NATS credentials file (user JWT and NKey seed)")
+    nkey_seed: Path | None = Field(None, description="a file holding the node user's NKey seed")
+    tls_ca: Path | None = Field(None, description="CA bundle the servers' certificates are checked with")
+    outbox_dir: Path | None = Field(
+        None, description="bundles and events not yet acknowledged; default <bundle_dir>/../fleet-outbox"
+    )
+    outbox_max_bytes: int = Field(
+        1024 * 1024 * 1024, ge=0, description="events past this are dropped and counted (bundles never)"
+    )
+    batch_size: int = Field(
+        500, ge=1, le=100_000, description="events written to the outbox and published at once"
+    )
+    batch_interval: float = Field(0.2, gt=0, description="longest wait before a partial batch is sent")
+    ack_timeout: float = Field(10.0, gt=0, description="seconds to wait for JetStream's acknowledgements")
+
+    @field_validator("servers")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("nats://", "tls://")):
+                raise ValueError(f"{url!r} is not a nats:// or tls:// URL")
+        return value
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, value: str) -> str:
+        from evidence.bundle.fleet.names import check_node
+
+        try:
+            return check_node(value)
+        except UsageError as e:
+            raise ValueError(e.message) from None
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> NatsSink:
+        if self.creds is not None and self.nkey_seed is not None:
+            raise ValueError("give creds or nkey_seed, not both")
+        return self
+
+
+class SinkSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    nats: NatsSink | None = None
+
+
+def _hostname() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:64] or "node"
 
 
 class AgentSettings(BaseSettings):
@@ -98,6 +165,11 @@ class AgentSettings(BaseSettings):
     )
     spill_max_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="past this, events are dropped and counted"
+    )
+
+    sink: SinkSettings = Field(
+        default_factory=SinkSettings,
+        description="where else the agent sends what it records: `nats` (a fleet's JetStream)",
     )
 
     spool_dir: Path | None = Field(
@@ -176,6 +248,13 @@ class AgentSettings(BaseSettings):
     @property
     def stream_spill_dir(self) -> Path:
         return self.spill_dir or self.bundle_dir.parent / "stream-spill"
+
+    @property
+    def fleet_outbox_dir(self) -> Path | None:
+        nats = self.sink.nats
+        if nats is None:
+            return None
+        return nats.outbox_dir or self.bundle_dir.parent / "fleet-outbox"
 
     @classmethod
     def settings_customise_sources(

@@ -34,7 +34,7 @@ from typing import Literal
 from evidence.bundle.format import format_time
 from evidence.bundle.record_types import ApprovalRecord
 from evidence.policy.commands import CommandDecision
-from evidence.policy.model import ApprovalsPolicy
+from evidence.policy.governance import ApprovalsPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +109,15 @@ class _Open:
 class ApprovalBroker:
     """Open approval requests of one recorder (or of every run of the agent), and their answers."""
 
-    record: Callable[[ApprovalRecord], None]
+    record: Callable[[ApprovalRecord], None]  # each request and resolution, as a run's record
     clock_ns: Callable[[], int] = time.time_ns
     monotonic: Callable[[], float] = time.monotonic
     poll_s: float = 0.25  # how often a waiting request checks that its exec still waits
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _open: dict[str, _Open] = field(init=False, default_factory=dict)
     _subscribers: list[Callable[[ApprovalRequest], None]] = field(init=False, default_factory=list)
+    # a broker of many runs (the agent's): each record to its run's records, instead of `record`
+    route: Callable[[str, ApprovalRecord], None] | None = None
 
     # -- subscribers (terminal prompt, API's event stream) ---------------------------------------
 
@@ -154,7 +156,7 @@ class ApprovalBroker:
         with self._lock:
             self._open[request.id] = _Open(request)
             subscribers = list(self._subscribers)
-        self.record(_record(request, None, request.requested_at))
+        self._emit(request, _record(request, None, request.requested_at))
         for fn in subscribers:
             try:
                 fn(request)
@@ -227,6 +229,12 @@ class ApprovalBroker:
                 del self._open[rid]
         return n
 
+    def _emit(self, request: ApprovalRequest, rec: ApprovalRecord) -> None:
+        if self.route is not None:
+            self.route(request.run, rec)
+        else:
+            self.record(rec)
+
     def _resolve(self, entry: _Open, allow: bool, via: Via, uid: int | None, reason: str | None) -> Answer:
         with self._lock:
             if entry.answer is not None:
@@ -235,7 +243,7 @@ class ApprovalBroker:
                 return entry.answer  # the timeout or a withdrawal after an answer: the answer stands
             answer = Answer(allow, via, uid, self.clock_ns(), reason)
             entry.answer = answer  # kept: a later answer to it is AlreadyAnswered, not unknown
-        self.record(_record(entry.request, answer, answer.at))
+        self._emit(entry.request, _record(entry.request, answer, answer.at))
         entry.done.set()
         return answer
 

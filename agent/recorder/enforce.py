@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from evidence.agent.recorder.connect_guard import ConnectGuard
 from evidence.agent.recorder.decode import path_text
@@ -75,6 +75,13 @@ def _as_text(value: Any) -> Any:
     return value
 
 
+Section = Literal["commands", "limits"]
+SECTIONS: tuple[Section, ...] = ("commands", "limits")
+_UNAPPLIED: dict[Section, str] = {
+    "commands": "every program runs, whatever its rules say",
+    "limits": "the run may use more than the policy allows",
+}
+
 _COMPILE = threading.Lock()  # BCC compiles one program at a time in a process
 
 
@@ -97,7 +104,10 @@ class Enforcement:
         env_removed: Sequence[str] = (),
         net_mode: str | None = None,
         owns_tmp: bool = False,
+        applies: Collection[str] = (),
     ) -> None:
+        """`applies`: the sections of issue 24 (commands, limits) that the caller puts in force on
+        the run; a section of the policy it does not apply is a degradation, never a claim."""
         self.policy = policy
         self.mode = "dry-run" if dry_run else "enforce"
         self.workspace = workspace
@@ -122,6 +132,15 @@ class Enforcement:
                     impact="file rules are recorded but not enforced",
                 )
             )
+        for section in SECTIONS:
+            if getattr(policy, section) is not None and section not in applies:
+                self.degradations.append(
+                    Degradation(
+                        component=section,
+                        reason=f"this run cannot apply the policy's {section} section",
+                        impact=f"{section} is in the policy but not in force: {_UNAPPLIED[section]}",
+                    )
+                )
 
     @classmethod
     def for_run(
@@ -133,6 +152,7 @@ class Enforcement:
         fail_closed: bool,
         net_mode: str | None,
         environ: Mapping[str, str],
+        applies: Collection[str] = (),
     ) -> Enforcement:
         """The policy at `policy_path` on a run of this process's: a private tmp, the environment
         scrubbed, and the network namespace (`net_mode`) made now."""
@@ -151,6 +171,7 @@ class Enforcement:
                 env_removed=removed,
                 net_mode=net_mode,
                 owns_tmp=True,
+                applies=applies,
             )
         except BaseException:
             ptmp.remove_private_tmp(tmpdir)
@@ -197,12 +218,35 @@ class Enforcement:
             )
 
     # ---- around the child ----------------------------------------------------------------------
-    def enforce_on(self, session: Session) -> None:
+    def enforce_on(
+        self,
+        session: Session,
+        *,
+        watch: Callable[[Sequence[SpoolRecord]], None] | None = None,
+        tell: Callable[[DenialRecord], None] | None = None,
+    ) -> None:
         """Make `session` this policy's run (standalone and through the agent alike): the manifest's
         policy, the policy's degradations, denials of what it records, and the connect guard on its
-        cgroup, attached before the command is in it."""
-        session.enforce(self.manifest_policy(), self.degradations, self.observe)
+        cgroup, attached before the command is in it. `watch`: shown the run's records too;
+        `tell`: given each denial of its records (the job is told of refusals)."""
+        observe = self.observe
+        if watch is not None or tell is not None:
+
+            def observe(records: Sequence[SpoolRecord]) -> list[DenialRecord]:
+                if watch is not None:
+                    watch(records)
+                out = self.observe(records)
+                if tell is not None:
+                    for rec in out:
+                        tell(rec)
+                return out
+
+        session.enforce(self.manifest_policy(), self.degradations, observe)
         self.attach(str(session.cgroup_path))
+
+    @property
+    def fail_closed(self) -> bool:
+        return self._fail_closed
 
     def attach(self, cgroup_path: str) -> None:
         if self.guard is not None:

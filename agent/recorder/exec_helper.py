@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+from types import ModuleType
 from typing import NoReturn, TypedDict
 
 from evidence.policy import landlock_syscalls as ll
@@ -46,6 +47,8 @@ class LaunchMessage(TypedDict):
     landlock: LandlockSpec | None
     no_new_privs: bool
     allow_32bit: bool
+    # the policy's command rules: a Unix socket to hand the exec filter's listener to the recorder
+    exec_listener_sock: int | None
 
 
 EXIT_SETUP = 71  # the recorder reports set-up failures itself; this code is only seen if it cannot
@@ -60,6 +63,37 @@ def _fail(status: int, message: bytes, code: int) -> NoReturn:
         os._exit(code)
 
 
+def _import_seccomp() -> ModuleType:
+    """Debian's python3-seccomp, imported before the cgroup join (its files are not the job's)."""
+    import importlib
+
+    try:
+        return importlib.import_module("seccomp")
+    except ImportError as e:
+        raise OSError(38, f"command rules need python3-seccomp: {e}") from None
+
+
+def _hand_over_exec_listener(seccomp: ModuleType, sock_fd: int) -> None:
+    """Load the seccomp filter that sends execve/execveat to a listener (as
+    agent/recorder/exec_supervisor.py install_exec_filter) and hand the listener to the recorder
+    over `sock_fd`, keeping no copy: a job holding it could answer its own execs."""
+    import socket
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "execve")
+    f.add_rule(seccomp.NOTIFY, "execveat")
+    f.load()
+    fd = int(f.get_notify_fd())
+    if fd < 0:
+        raise OSError(38, "seccomp gave no listener descriptor")
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        socket.send_fds(sock, [b"L"], [fd])
+    finally:
+        os.close(fd)
+        sock.close()
+
+
 def main(spec_fd: int) -> NoReturn:
     with os.fdopen(spec_fd, "rb") as f:
         raw = f.read()
@@ -70,6 +104,8 @@ def main(spec_fd: int) -> NoReturn:
     os.set_inheritable(status, False)  # closed by a successful exec: EOF tells the recorder
     try:
         procs_path, netns_fd, oom = spec.get("procs"), spec.get("netns_fd"), spec.get("oom_score_adj")
+        sock = spec.get("exec_listener_sock")
+        seccomp = _import_seccomp() if sock is not None else None
         procs = os.open(procs_path, os.O_WRONLY | os.O_CLOEXEC) if procs_path else None
         if netns_fd is not None:
             ll.enter_netns(int(netns_fd))
@@ -95,6 +131,8 @@ def main(spec_fd: int) -> NoReturn:
         if procs is not None:  # opened before Landlock, written after: the last step before exec
             os.write(procs, str(os.getpid()).encode())
             os.close(procs)
+        if seccomp is not None and sock is not None:  # last: every exec from here on is decided
+            _hand_over_exec_listener(seccomp, int(sock))
     except OSError as e:
         _fail(status, b"S" + str(e).encode(errors="replace"), EXIT_SETUP)
     for name in _RESET:

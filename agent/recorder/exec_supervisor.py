@@ -46,7 +46,7 @@ from evidence.agent.recorder.approvals import Asked
 from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec, shebang
 from evidence.bundle.record_types import DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
 
 logger = logging.getLogger(__name__)
@@ -579,6 +579,13 @@ class ExecSupervisor:
             return self._finish(
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
+        if req.identity is None and _identity(req.program) is None:
+            # the name leads to no file for the caller (a shell's PATH search tries each directory):
+            # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
+            with self._lock:
+                if self.listener >= 0 and still_pending(self.listener, note.id):
+                    respond(self.listener, note.id, error=0 if self.dry_run else errno.ENOENT)
+            return None
         decision = decide_request(self.commands, req, depth)
         if self.dry_run:  # decide, record, let it run; nobody is asked
             return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))

@@ -17,9 +17,10 @@ import errno
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,9 @@ class LaunchSpec:
     no_new_privs: bool = False
     oom_score_adj: int | None = None  # the command's (the recorder protects itself, not the job)
     allow_32bit: bool = False  # no compat_filter: 32-bit system calls are made, unrecorded
+    # the policy's command rules: called with the exec filter's listener (the helper loads the
+    # filter last and its exec of the command waits for the answer: start the supervisor here)
+    supervise: Callable[[int], None] | None = None
 
 
 @dataclasses.dataclass
@@ -174,13 +178,25 @@ class Launcher:
     started."""
 
     def __init__(
-        self, env: Mapping[str, str], cwd: str, keep_fds: Sequence[int] = (), netns_fd: int | None = None
+        self,
+        env: Mapping[str, str],
+        cwd: str,
+        keep_fds: Sequence[int] = (),
+        netns_fd: int | None = None,
+        *,
+        exec_rules: bool = False,
     ) -> None:
+        """`exec_rules`: the command's execs are decided by the recorder (LaunchSpec.supervise)."""
         spec_r, self._spec_w = os.pipe()
         self._status_r, status_w = os.pipe()
         self._status_fd = status_w
         self._netns_fd = netns_fd
-        ours = [fd for fd in (spec_r, status_w, netns_fd) if fd is not None]
+        self._sock: socket.socket | None = None
+        theirs: socket.socket | None = None
+        if exec_rules:
+            self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock_fd = theirs.fileno() if theirs is not None else None
+        ours = [fd for fd in (spec_r, status_w, netns_fd, self._sock_fd) if fd is not None]
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-I", "-m", HELPER, str(spec_r)],
@@ -192,10 +208,14 @@ class Launcher:
         except BaseException:
             os.close(self._spec_w)
             os.close(self._status_r)
+            if self._sock is not None:
+                self._sock.close()
             raise
         finally:
             os.close(spec_r)
             os.close(status_w)
+            if theirs is not None:
+                theirs.close()
 
     def go(self, spec: LaunchSpec) -> Launched:
         """Start the command; returns once it runs (or its exec failed). Raises LaunchError when the
@@ -209,12 +229,15 @@ class Launcher:
             "landlock": spec.landlock.as_json() if spec.landlock else None,
             "no_new_privs": spec.no_new_privs,
             "allow_32bit": spec.allow_32bit,
+            "exec_listener_sock": self._sock_fd,
         }
         try:
             with os.fdopen(self._spec_w, "wb") as w:
                 w.write(json.dumps(message).encode())
         except BrokenPipeError:
             pass  # the helper died before reading: its status pipe says so
+        if self._sock is not None:
+            self._take_listener(spec)
         answer = b""
         with os.fdopen(self._status_r, "rb") as r:
             while chunk := r.read(4096):
@@ -229,11 +252,31 @@ class Launcher:
             raise LaunchError(answer[1:].decode(errors="replace"))
         raise LaunchError(f"the launcher exited {process.returncode} before starting the command")
 
+    def _take_listener(self, spec: LaunchSpec) -> None:
+        """The exec filter's listener, from the helper (none: its set-up failed, its status says
+        why), to `spec.supervise`, before the helper's exec of the command, which waits for it."""
+        assert self._sock is not None
+        sock, self._sock = self._sock, None
+        try:
+            _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+        except OSError:
+            fds = []
+        finally:
+            sock.close()
+        if fds and spec.supervise is not None:
+            spec.supervise(fds[0])
+        else:
+            for fd in fds:
+                os.close(fd)
+
     def abort(self) -> None:
         """Nothing will run: the helper reads no instructions and exits."""
         for fd in (self._spec_w, self._status_r):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         self.process.wait()
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from evidence.policy.model import LimitsPolicy
+from evidence.policy.governance import LimitsPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from evidence.agent.recorder.procfs import (
 )
 from evidence.agent.recorder.session import Session, Spool
 from evidence.bundle.command import judge
-from evidence.bundle.format import Degradation
+from evidence.bundle.format import Artifacts, Degradation
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
 from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
@@ -193,12 +193,13 @@ class Recorder(Pipeline):
         signal: str | None = None,
         cut_short: bool = False,
         signer: Signer | None = None,
+        artifacts: Artifacts | None = None,
     ) -> dict[str, Any]:
         """End the run and write its bundle; its manifest. The cyclic garbage collector is off
         meanwhile (writer.no_cycle_collection): the run's aggregates and first records, 100,000 of
         each past a flood, would make it walk every object alive again and again."""
         with no_cycle_collection():
-            return self._finish(session, bundle_path, exit_code, signal, cut_short, signer)
+            return self._finish(session, bundle_path, exit_code, signal, cut_short, signer, artifacts)
 
     def _finish(
         self,
@@ -208,6 +209,7 @@ class Recorder(Pipeline):
         signal: str | None,
         cut_short: bool,
         signer: Signer | None,
+        artifacts: Artifacts | None = None,
     ) -> dict[str, Any]:
         with self._lock:
             self.probes.untrack(session.cgroup_id)
@@ -310,6 +312,7 @@ class Recorder(Pipeline):
             resolvers=session.resolvers,
             degradations=[d.model_dump() for d in session.degradations],
             roots=session.roots,
+            artifacts=artifacts,  # `--subject`: collected by Run.finish once the command exited
         )
         spool_path = session.spool.path
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads

@@ -121,3 +121,73 @@ def _stopped(pid: int, timeout: float | None = None) -> int:
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, _WALL)  # its end, reported to us as its tracer
     raise OSError(errno.ETIMEDOUT, "the process did not stop to have its filters read: killed")
+
+
+# ---- the exec filter of a policy's command rules (agent/recorder/exec_supervisor.py) -------------
+
+AUDIT_ARCH_X86_64 = 0xC000003E
+SECCOMP_RET_ACTION_FULL = 0xFFFF0000
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+_EXECS = (59, 322)  # execve, execveat
+
+
+def run_filter(prog: Sequence[Insn], nr: int, arch: int = AUDIT_ARCH_X86_64) -> int | None:
+    """What classic-BPF seccomp program `prog` returns for system call `nr` (arguments and ip 0),
+    or None when it uses an instruction this small interpreter does not know (then it proves
+    nothing). Loads of seccomp_data (nr, arch, the rest 0), ALU and jumps with constants, returns."""
+    data = {0: nr, 4: arch}
+    a = x = 0
+    pc = 0
+    for _ in range(4096):
+        if pc >= len(prog):
+            return None
+        code, jt, jf, k = prog[pc]
+        cls = code & 0x07
+        if code == 0x20:  # ld [k] (BPF_LD|BPF_W|BPF_ABS)
+            a = data.get(k, 0)
+        elif code == 0x00:  # ld #k
+            a = k
+        elif code == 0x01:  # ldx #k
+            x = k
+        elif code == 0x06:  # ret #k
+            return k
+        elif code == 0x16:  # ret a
+            return a
+        elif cls == 0x04 and code & 0x08 == 0:  # alu with k
+            op = code & 0xF0
+            ops = {0x00: a + k, 0x10: a - k, 0x50: a & k, 0x40: a | k, 0xA0: a ^ k}
+            if op not in ops:
+                return None
+            a = ops[op] & 0xFFFFFFFF
+        elif code == 0x05:  # ja
+            pc += k
+        elif cls == 0x05 and code & 0x08 == 0:  # jeq/jgt/jge/jset with k
+            op = code & 0xF0
+            if op == 0x10:
+                taken = a == k
+            elif op == 0x20:
+                taken = a > k
+            elif op == 0x30:
+                taken = a >= k
+            elif op == 0x40:
+                taken = bool(a & k)
+            else:
+                return None
+            pc += jt if taken else jf
+        elif code == 0x07:  # tax
+            x = a
+        elif code == 0x87:  # txa
+            a = x
+        else:
+            return None
+        pc += 1
+    return None
+
+
+def notifies_execs(installed: Sequence[Sequence[Insn]]) -> bool:
+    """Whether one of `installed` sends execve and execveat to a listener (user notification)."""
+    for prog in installed:
+        results = [run_filter(prog, nr) for nr in _EXECS]
+        if all(r is not None and r & SECCOMP_RET_ACTION_FULL == SECCOMP_RET_USER_NOTIF for r in results):
+            return True
+    return False

@@ -17,7 +17,7 @@ from typing import Any
 
 from evidence.agent.recorder.approvals import ApprovalBroker, ApprovalRequest
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
-from evidence.policy.model import ApprovalsPolicy, CommandsPolicy
+from evidence.policy.governance import ApprovalsPolicy, CommandsPolicy
 from tests.kernel.test_exec_supervisor import LAUNCHER, NOBODY
 from tests.kernel.util import as_user
 
@@ -146,7 +146,7 @@ SUPERVISOR = """\
 import socket, sys
 from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.exec_supervisor import ExecSupervisor, receive_listener
-from evidence.policy.model import ApprovalsPolicy, CommandsPolicy
+from evidence.policy.governance import ApprovalsPolicy, CommandsPolicy
 rules = [{"name": "ask-id", "program": ["/usr/bin/id"], "decision": "approve"}]
 commands = CommandsPolicy.model_validate({"rules": rules}, context={"variables": {}})
 broker = ApprovalBroker(record=lambda r: None)

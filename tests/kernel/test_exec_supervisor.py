@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
 from tests.kernel.util import as_user
 
 NOBODY = 65534

@@ -16,7 +16,7 @@ import pytest
 
 from evidence.agent.recorder.cgroups import RunCgroup
 from evidence.agent.recorder.limits import AppliedLimits, LimitWatcher, apply, detect, name_victims
-from evidence.policy.model import LimitsPolicy
+from evidence.policy.governance import LimitsPolicy
 from tests.kernel.util import PY, as_user
 
 NOBODY = 65534

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from evidence.agent.recorder.exec_supervisor import ExecSupervisor, receive_listener
 from evidence.agent.recorder.notices import NoticeWriter
-from evidence.policy.model import CommandsPolicy
+from evidence.policy.governance import CommandsPolicy
 from tests.kernel.test_exec_supervisor import LAUNCHER, NOBODY
 from tests.kernel.util import as_user
 

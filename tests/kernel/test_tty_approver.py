@@ -18,7 +18,7 @@ import os, socket, subprocess, sys
 from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.exec_supervisor import ExecSupervisor, receive_listener
 from evidence.agent.recorder.tty_approver import TtyApprover
-from evidence.policy.model import ApprovalsPolicy, CommandsPolicy
+from evidence.policy.governance import ApprovalsPolicy, CommandsPolicy
 launcher, job_script, owner = sys.argv[1], sys.argv[2], int(sys.argv[3])
 os.fchown(0, owner, -1)  # the terminal belongs to the user logged in on it, as login makes it
 rules = [{"name": "ask-id", "program": ["/usr/bin/id"], "decision": "approve", "message": "who?"}]

@@ -190,6 +190,22 @@ def approval(t: int, state: str = "requested", **answer: Any) -> dict[str, Any]:
     )
 
 
+def limit(t: int, kind: str = "oom_kill", **more: Any) -> dict[str, Any]:
+    return (
+        dict(
+            k="limit",
+            t=T0 + t,
+            limit={"oom_kill": "memory", "fork_refused": "pids", "wall": "wall"}.get(kind, "memory"),
+            kind=kind,
+            count=1,
+            pids=[105],
+            certain=True,
+            detail="1 processes killed by the OOM killer at limits.memory",
+        )
+        | more
+    )
+
+
 def violation(t: int, *reasons: str, killed: bool = True) -> dict[str, Any]:
     """An exec the exec check killed (the run's `sh` rewrote its argv after the decision)."""
     no_pin = "no_pin" in reasons

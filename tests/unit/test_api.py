@@ -66,6 +66,8 @@ class FakeBackend:
         pidfd: int | None = None,
         policy: models.PolicySpec | None = None,
         net: Literal["none", "loopback"] | None = None,
+        subjects: Sequence[str] = (),
+        subjects_as: tuple[int, int] | None = None,
     ) -> RunStatus:
         assert pidfd is not None
         with self.lock:

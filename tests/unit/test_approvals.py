@@ -20,7 +20,7 @@ from evidence.agent.recorder.approvals import (
 from evidence.bundle import format as fmt
 from evidence.bundle import records
 from evidence.policy.commands import CommandDecision
-from evidence.policy.model import ApprovalsPolicy
+from evidence.policy.governance import ApprovalsPolicy
 
 OWNER = 1000
 

@@ -144,7 +144,8 @@ def _without_claim(path: Path, key: Path) -> Path:
     del manifest["claimed_command"]
     raw = canonical.dumps(manifest)
     events_sha = hashlib.sha256(members[fmt.EVENTS_NAME]).hexdigest()
-    signed = attestation.member(manifest, raw, events_sha, signing.load_signer(key))
+    old = attestation.run_statement(manifest, hashlib.sha256(raw).hexdigest(), events_sha)  # as then
+    signed = attestation.envelope(canonical.dumps(old), [signing.load_signer(key)])
     assert b"claimedCommand" not in signed
     parts = [
         (fmt.MANIFEST_NAME, raw),
@@ -173,4 +174,4 @@ def test_a_bundle_made_before_the_claim_was_kept_still_verifies_and_lints(tmp_pa
     nb = reader.open_bundle(new)
     nb.verify()
     assert nb.attestation is not None
-    assert nb.attestation.statement["predicate"]["claimedCommand"] == ["make"]
+    assert nb.attestation.statement["predicate"]["evidenceRun"]["claimedCommand"] == ["make"]

@@ -82,3 +82,40 @@ def test_a_refused_exec_of_an_allowed_name_is_a_denial_of_the_file_it_reached(tm
         (prog, rule, str(allowed / "relative"), True),
         (prog, rule, prog, True),
     ]
+
+
+def _sections_policy(tmp_path: Path) -> Path:
+    p = tmp_path / "policy.yaml"
+    p.write_text(
+        "version: 1\n"
+        "commands:\n  default: allow\n  rules:\n"
+        "    - {name: no-curl, program: [curl], decision: deny}\n"
+        "limits:\n  memory: 64MiB\n  wall: 5s\n"
+    )
+    return p
+
+
+def test_a_section_the_run_does_not_apply_is_a_degradation_and_fail_closed_refuses(tmp_path: Path) -> None:
+    """commands and limits a run does not put in force are degradations (the manifest's policy
+    summary names them: it must not read as a claim); --fail-closed refuses to start; a section the
+    caller applies is no degradation."""
+    import pytest
+
+    from evidence.errors import EXIT_ERROR, PolicyError
+
+    policy = load_policy(str(_sections_policy(tmp_path)), workspace=str(tmp_path), tmpdir=str(tmp_path))
+
+    def enforcement(**kw: Any) -> Enforcement:
+        return Enforcement(policy, workspace=str(tmp_path), tmpdir=str(tmp_path), dry_run=False, **kw)
+
+    none = enforcement(fail_closed=False)
+    said = {d.component: d for d in none.degradations}
+    assert set(said) == {"commands", "limits"}
+    assert "not in force" in said["commands"].impact and "not in force" in said["limits"].impact
+    with pytest.raises(PolicyError) as e:
+        enforcement(fail_closed=True).load_programs()
+    assert e.value.exit_code == EXIT_ERROR and "commands" in e.value.message
+    assert [d.component for d in enforcement(fail_closed=False, applies=("limits",)).degradations] == [
+        "commands"
+    ]
+    assert enforcement(fail_closed=True, applies=("limits", "commands")).degradations == []

@@ -14,7 +14,7 @@ from evidence.agent.recorder.limits import (
     parse_counters,
     parse_hierarchies,
 )
-from evidence.policy.model import LimitsPolicy
+from evidence.policy.governance import LimitsPolicy
 
 HYBRID_MOUNTS = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -25,7 +25,8 @@ from evidence.policy.commands import (
     rule_specificity,
     unallowed_programs,
 )
-from evidence.policy.model import CommandsPolicy, parse_policy
+from evidence.policy.governance import CommandsPolicy
+from evidence.policy.model import parse_policy
 from evidence.policy.profile import build_profile
 
 DECISIONS = ("allow", "deny", "approve", "audit")

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from evidence.cli import main
 from evidence.errors import PolicyError
-from evidence.policy.model import Decision, default_policy_path, glob_regex, load_policy, parse_policy
+from evidence.policy.model import Decision, default_policy_path, load_policy, parse_policy
+from evidence.policy.paths import glob_regex
 
 ISSUE_POLICY = """\
 version: 1

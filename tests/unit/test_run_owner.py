@@ -19,6 +19,7 @@ from evidence.agent.recorder.run import Run, RunPlan
 from evidence.agent.recorder.session import Session
 from evidence.bundle.format import Degradation
 from evidence.bundle.spool import SpoolWriter
+from evidence.policy.model import parse_policy
 
 SAID = Degradation(component="isolation", reason="a reason", impact="an impact")
 
@@ -70,8 +71,9 @@ class FakeEnforcement:
         self.guard = object()
         self.closed = False
         self.polls = 0
+        self.policy = parse_policy("version: 1\n", name="p.yaml", variables={})  # no limits: nothing to apply
 
-    def enforce_on(self, session: Session) -> None:
+    def enforce_on(self, session: Session, watch: Any = None, tell: Any = None) -> None:
         session.enforce({"mode": "enforce"}, [SAID], lambda recs: [])
 
     def poll_denials(self, exe_of: Callable[[int], str | None], timeout_ms: int = 0) -> list[Any]:

@@ -197,7 +197,7 @@ def test_the_statement_names_the_members_and_the_run_and_its_predicate_follows_t
     st = statement_of(env)
     manifest = orjson.loads(members[fmt.MANIFEST_NAME])
     assert st["_type"] == "https://in-toto.io/Statement/v1"
-    assert st["predicateType"] == attestation.PREDICATE_TYPE
+    assert st["predicateType"] == attestation.RUNTIME_TRACE_TYPE
     assert st["subject"] == [
         {
             "name": "manifest.json",
@@ -206,7 +206,9 @@ def test_the_statement_names_the_members_and_the_run_and_its_predicate_follows_t
         {"name": "events.ndjson", "digest": {"sha256": hashlib.sha256(members[fmt.EVENTS_NAME]).hexdigest()}},
         {"name": manifest["run_id"], "digest": {"sha256": manifest["root_hash"]}},
     ]
-    p = st["predicate"]
+    trace = st["predicate"]
+    assert trace["metadata"]["buildStartedOn"] == manifest["started_at"]
+    p = trace["evidenceRun"]  # the run predicate, an extension field of the runtime trace
     assert p["runId"] == manifest["run_id"] and p["rootHash"] == manifest["root_hash"]
     assert p["command"] == ["make", "test"] and p["exitCode"] == 0 and p["labels"] == {"job": "7"}
     assert p["kernel"] == "6.1.0" and p["policy"]["mode"] == "enforce"
@@ -385,7 +387,7 @@ def _hostile(members: dict[str, bytes], key: Path) -> dict[str, tuple[list[tuple
         "subject-extra": (with_st({**st, "subject": [*st["subject"], {"name": "x", "digest": {"sha256": "0" * 64}}]}), "subject \"x\" is not a member", True),
         "subject-digest": (with_st({**st, "subject": [st["subject"][0], {**st["subject"][1], "digest": {"sha256": "0" * 64}}, st["subject"][2]]}), "subject \"events.ndjson\": digest does not match the member", True),
         "root-hash-subject": (with_st({**st, "subject": [*st["subject"][:2], {**st["subject"][2], "digest": {"sha256": "0" * 64}}]}), "does not match the run's root hash", True),
-        "predicate-disagrees": (with_st({**st, "predicate": {**st["predicate"], "exitCode": 1}}), "predicate's exitCode disagrees with the manifest", True),
+        "predicate-disagrees": (with_st({**st, "predicate": {**st["predicate"], "evidenceRun": {**st["predicate"]["evidenceRun"], "exitCode": 1}}}), "predicate's evidenceRun.exitCode disagrees with the manifest", True),
         "predicate-type": (with_st({**st, "predicateType": "https://slsa.dev/provenance/v1"}), "predicateType", True),
         "statement-type": (with_st({**st, "_type": "https://in-toto.io/Statement/v0.1"}), "statement _type", True),
         "manifest-changed": ([(fmt.MANIFEST_NAME, new_manifest), (fmt.EVENTS_NAME, ev), (fmt.ATTESTATION_NAME, att)], "subject \"manifest.json\": digest does not match", True),
@@ -443,7 +445,7 @@ def test_a_huge_envelope_is_refused_before_it_is_read(tmp_path: Path, pristine: 
     path = tmp_path / "huge.tar.gz"
     path.write_bytes(gzip.compress(raw.getvalue(), compresslevel=1, mtime=0))
     bundle = reader.open_bundle(path)
-    with pytest.raises(reader.VerificationError, match="larger than the limit of 2097152 bytes"):
+    with pytest.raises(reader.VerificationError, match="larger than the limit of 8388608 bytes"):
         bundle.verify()
 
 
@@ -594,3 +596,30 @@ def test_any_mutation_of_the_statement_or_envelope_is_handled(
     code = main(["verify", str(path), "--key", str(keys[1])])
     assert code in (0, 2)
     assert (code == 0) == (raw == pristine[fmt.ATTESTATION_NAME])
+
+
+def test_a_bundle_signed_before_the_runtime_trace_still_verifies(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bundle whose statement is the run predicate itself (PREDICATE_TYPE, as signed before the
+    runtime trace) verifies, and its predicate is still held to the manifest."""
+    members = unpack(signed(tmp_path / "new.tar.gz", keys[0]))
+    m, ev = members[fmt.MANIFEST_NAME], members[fmt.EVENTS_NAME]
+    old = attestation.run_statement(
+        orjson.loads(m), hashlib.sha256(m).hexdigest(), hashlib.sha256(ev).hexdigest()
+    )
+    assert old["predicateType"] == attestation.PREDICATE_TYPE == "https://evidence.dev/attestation/run/v1"
+    path = repack(
+        tmp_path / "old.tar.gz",
+        [(fmt.MANIFEST_NAME, m), (fmt.EVENTS_NAME, ev), (fmt.ATTESTATION_NAME, resign(old, keys[0]))],
+    )
+    code, out, _ = run_cli(capsys, "verify", str(path), "--key", str(keys[1]))
+    assert code == 0 and "verified and signed" in out
+    bad = {**old, "predicate": {**old["predicate"], "exitCode": 9}}
+    path = repack(
+        tmp_path / "bad.tar.gz",
+        [(fmt.MANIFEST_NAME, m), (fmt.EVENTS_NAME, ev), (fmt.ATTESTATION_NAME, resign(bad, keys[0]))],
+    )
+    one_line_2(
+        *run_cli(capsys, "verify", str(path), "--key", str(keys[1]))[::2], "predicate's exitCode disagrees"
+    )

@@ -135,7 +135,8 @@ def test_run_meta_and_manifest_share_the_run_fields(tmp_path: Path) -> None:
     assert set(fmt.RunInfo.model_fields) <= set(fmt.Manifest.model_fields) & set(RunMeta.model_fields)
     meta = META.model_copy(update={"signal": "SIGTERM", "labels": {"a": "b"}, "policy": {"mode": "enforce"}})
     manifest = write_bundle(tmp_path / "x.tar.gz", meta, lambda: RECORDS)
-    assert {k: manifest[k] for k in fmt.RunInfo.model_fields} == meta.model_dump(
+    # (`artifacts` is left out of a manifest without them: its bytes are those of older bundles)
+    assert {k: manifest.get(k) for k in fmt.RunInfo.model_fields} == meta.model_dump(
         include=set(fmt.RunInfo.model_fields)
     )
     assert list(fmt.Manifest.model_fields)[:2] == ["format", "format_version"]  # checked first by the reader

@@ -1,0 +1,214 @@
+"""The I/O half of bundle/fleet: connecting to a fleet's NATS servers, the JetStream layout, and
+the reads `evidence fleet` makes (index entries, bundles). nats-py (the `fleet` extra) is imported
+here and nowhere else on the reader's side.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+
+from evidence.bundle.fleet import names
+from evidence.bundle.fleet.models import IndexEntry
+from evidence.errors import BundleError, SetupError, UsageError
+
+logger = logging.getLogger(__name__)
+
+EVENTS_DUPLICATE_WINDOW = 600.0  # seconds in which a retried event (same Nats-Msg-Id) is dropped
+
+
+class Unreachable(SetupError):
+    """The fleet's servers cannot be reached, or refused the credentials (exit 70)."""
+
+
+def tls_context(ca: Path | None) -> ssl.SSLContext | None:
+    if ca is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=str(ca))
+    except (OSError, ssl.SSLError) as e:
+        raise UsageError(f"cannot use the TLS CA {ca}: {e}") from None
+
+
+def auth_options(creds: Path | None, nkey_seed: Path | None) -> dict[str, Any]:
+    """nats-py's connect options for a credentials file or an NKey seed file (read here, so that a
+    missing or unreadable one is one line)."""
+    opts: dict[str, Any] = {}
+    for label, path in (("credentials file", creds), ("NKey seed file", nkey_seed)):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read the {label} {path}: {getattr(e, 'strerror', None) or e}") from None
+        if label == "NKey seed file":
+            seed = text.strip()
+            if not seed.startswith("SU"):
+                raise UsageError(f"{path} holds no user NKey seed (SU...)")
+            opts["nkeys_seed_str"] = seed
+        else:
+            if "-----BEGIN USER NKEY SEED-----" not in text:
+                raise UsageError(f"{path} is not a NATS credentials file")
+            opts["user_credentials"] = str(path)
+    return opts
+
+
+async def connect(
+    servers: list[str],
+    *,
+    creds: Path | None = None,
+    nkey_seed: Path | None = None,
+    tls_ca: Path | None = None,
+    name: str = "evidence",
+    forever: bool = False,
+    inbox_prefix: str | None = None,
+    timeout: float = 5.0,
+    **callbacks: Callable[..., Awaitable[None]],
+) -> NATS:
+    """A connection. `forever` (the agent): keep trying and reconnecting for good; otherwise (the
+    CLI) one try, Unreachable when it fails."""
+    opts = auth_options(creds, nkey_seed)
+    tls = tls_context(tls_ca)
+    if tls is not None:
+        opts["tls"] = tls
+    if inbox_prefix is not None:
+        opts["inbox_prefix"] = inbox_prefix
+
+    last: list[Exception] = []
+
+    async def quiet(e: Exception) -> None:  # the CLI reports the last error itself, once
+        last.append(e)
+        logger.debug("nats: %s", e)
+
+    try:
+        return await nats.connect(
+            servers,
+            name=name,
+            connect_timeout=int(max(1, timeout)),
+            # one try a server (nats-py 2.16 loops for good on a refused first connect with
+            # allow_reconnect off: measured; with it on and one attempt, it gives up)
+            reconnect_time_wait=1 if forever else 0.2,
+            max_reconnect_attempts=-1 if forever else 1,
+            allow_reconnect=True,
+            error_cb=callbacks.pop("error_cb", quiet),
+            **callbacks,
+            **opts,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as e:
+        why: Exception = last[-1] if isinstance(e, nats.errors.NoServersError) and last else e
+        raise Unreachable(
+            f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
+            hint="check the servers, the credentials and that the cluster is up",
+        ) from None
+
+
+async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | None = None) -> None:
+    """The events stream and the index, or (with `node`) that node's bundle bucket, made when
+    missing; an existing one is left as its operator configured it."""
+    if node is not None:
+        bucket = names.bundle_bucket(node)
+        try:
+            await js.object_store(bucket)
+        except BucketNotFoundError:
+            await js.create_object_store(
+                bucket=bucket,
+                config=api.ObjectStoreConfig(bucket=bucket, replicas=replicas, storage=api.StorageType.FILE),
+            )
+            logger.info("made object store %s (replicas %d)", bucket, replicas)
+        return
+    try:
+        await js.stream_info(names.EVENTS_STREAM)
+    except NotFoundError:
+        await js.add_stream(
+            name=names.EVENTS_STREAM,
+            subjects=[f"{names.EVENTS_PREFIX}.>"],
+            storage=api.StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=EVENTS_DUPLICATE_WINDOW,
+            allow_direct=True,
+        )
+        logger.info("made stream %s (replicas %d)", names.EVENTS_STREAM, replicas)
+    try:
+        await js.key_value(names.INDEX_BUCKET)
+    except BucketNotFoundError:
+        await js.create_key_value(
+            bucket=names.INDEX_BUCKET, history=1, replicas=replicas, storage=api.StorageType.FILE
+        )
+        logger.info("made key-value bucket %s (replicas %d)", names.INDEX_BUCKET, replicas)
+
+
+def object_digest(sha256_hex: str) -> str:
+    """The object store's digest string of a sha256 (nats: `SHA-256=<base64url>`)."""
+    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+async def index_entries(js: JetStreamContext, node: str | None = None) -> list[IndexEntry]:
+    """Every entry of the index (one node's: filtered by the server), read through a watcher (no
+    bundle is read). An entry that is not one is logged and left out."""
+    try:
+        kv = await js.key_value(names.INDEX_BUCKET)
+    except BucketNotFoundError:
+        return []
+    watcher = await kv.watch(f"{names.check_node(node)}.*" if node else ">", ignore_deletes=True)
+    out: list[IndexEntry] = []
+    try:
+        while True:
+            entry = await watcher.updates(timeout=10)  # type: ignore[no-untyped-call]
+            if entry is None:
+                break
+            if entry.value is None:
+                continue
+            try:
+                written_by, _ = names.split_key(entry.key)
+                out.append(IndexEntry.from_json(entry.value, key=entry.key, written_by=written_by))
+            except (BundleError, UsageError) as e:
+                logger.warning("%s", e.message)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+    return out
+
+
+async def fetch_bundle(js: JetStreamContext, entry: IndexEntry, out: BinaryIO) -> None:
+    """Write the run's bundle to `out`: the object store checks the object's own SHA-256 as it
+    reads, and this checks it (and the size) against the index entry. BundleError when either
+    differs or the bundle is not there."""
+    try:
+        store = await js.object_store(names.bundle_bucket(entry.node))
+        info = await store.get_info(entry.key)
+    except BucketNotFoundError:
+        raise BundleError(
+            f"run {entry.key}: the index lists it, node {entry.node} has no bundle bucket"
+        ) from None
+    except ObjectNotFoundError:
+        raise BundleError(f"run {entry.key}: the index lists it, the bucket has no bundle") from None
+    if info.digest != object_digest(entry.bundle_sha256) or info.size != entry.bundle_size:
+        raise BundleError(
+            f"run {entry.key}: the bucket's bundle ({info.size} bytes, {info.digest}) is not the one the "
+            f"index names ({entry.bundle_size} bytes, sha256 {entry.bundle_sha256})"
+        )
+    h = hashlib.sha256()
+
+    class _Tee:
+        def write(self, data: bytes) -> int:
+            h.update(data)
+            return out.write(data)
+
+    try:
+        await store.get(entry.key, writeinto=_Tee())  # type: ignore[arg-type]
+    except nats.js.errors.DigestMismatchError:
+        raise BundleError(f"run {entry.key}: the bundle read from the bucket fails its SHA-256") from None
+    if h.hexdigest() != entry.bundle_sha256:
+        raise BundleError(f"run {entry.key}: the bundle read is not the one the index names (sha256)")

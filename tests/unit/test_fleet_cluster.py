@@ -1,0 +1,110 @@
+"""deploy/nats/: the 3-node configuration, its users and the agent's settings, run for real: a
+cluster made from those files (ports and directories moved to the test's), the layout at R3 by the
+operator, two nodes publishing eight runs and their events while one server is killed part way:
+every bundle and event arrives and `fleet ls` lists all eight."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evidence.agent.daemon.settings import AgentSettings
+from evidence.cli import main
+from tests.fleet.servers import Server, free_port
+from tests.unit import conftest_bundles as cb
+from tests.unit.test_fleet_publish import event, publisher, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+NATS = REPO / "deploy" / "nats"
+
+
+def deploy_cluster(tmp: Path) -> tuple[list[Server], dict[str, Path]]:
+    users = tmp / "users"
+    subprocess.run([sys.executable, str(NATS / "make-users.py"), str(users), "node-a", "node-b"], check=True,
+                   capture_output=True)  # fmt: skip
+    client_ports = [free_port() for _ in range(3)]
+    route_ports = [free_port() for _ in range(3)]
+    servers = []
+    for i in range(3):
+        text = (NATS / f"nats-{i}.conf").read_text()
+        text = text.replace(f"127.0.0.1:422{2 + i}", f"127.0.0.1:{client_ports[i]}")
+        text = re.sub(r'http: "[^"]*"', f'http: "127.0.0.1:{free_port()}"', text)
+        for j in range(3):
+            text = text.replace(f"127.0.0.1:622{2 + j}", f"127.0.0.1:{route_ports[j]}")
+        text = text.replace(f"/var/lib/nats/evidence-{i}", str(tmp / f"store-{i}"))
+        d = tmp / f"nats-n{i}"
+        d.mkdir()
+        (d / "users.conf").write_text((users / "users.conf").read_text())  # includes are relative
+        (d / "server.conf").write_text(text)
+        servers.append(Server.from_config(tmp, f"n{i}", d / "server.conf", client_ports[i]))
+    return servers, {p.stem: p for p in users.glob("*.nk")}
+
+
+def test_agent_sink_settings_are_valid() -> None:
+    data = yaml.safe_load((NATS / "agent.yaml").read_text())
+    s = AgentSettings(**data)
+    assert s.sink.nats is not None and len(s.sink.nats.servers) == 3
+
+
+@pytest.mark.parametrize("kill", ["n1"])
+def test_r3_cluster_one_server_killed_mid_way(
+    tmp_path: Path, kill: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servers, seeds = deploy_cluster(tmp_path)
+    urls = [s.url for s in servers]
+    try:
+        op = ["fleet", *[a for u in urls for a in ("--server", u)], "--nkey", str(seeds["operator"])]
+        wait_for(lambda: main([*op, "init", "--replicas", "3"]) == 0, timeout=60, what="init at R3")
+        capsys.readouterr()
+        pubs = []
+        for node in ("node-a", "node-b"):
+            pub, reg = publisher(tmp_path, urls[0], node, nkey_seed=seeds[node])
+            pubs.append((pub, reg))
+        for pub, _ in pubs:
+            pub.sink.servers[:] = urls  # every server: a client reconnects to the others
+            pub.replicas = 3
+            pub.start()
+        for k in range(8):
+            pub, _ = pubs[k % 2]
+            sid = f"c{k}"
+            for i in range(200):
+                pub.submit(event(sid, i))
+            pub.bundle_written(
+                cb.write(tmp_path / f"{sid}.tar.gz", session_id=sid, labels={"job": "cluster"})
+            )
+            if k == 3:
+                next(s for s in servers if s.name == kill).kill()
+        for _pub, reg in pubs:
+            wait_for(
+                lambda reg=reg: reg.value("evidence_fleet_bundles_stored_total") == 4,
+                timeout=120,
+                what="bundles",
+            )
+            wait_for(
+                lambda reg=reg: reg.value("evidence_fleet_events_published_total") >= 800,
+                timeout=120,
+                what="events",
+            )
+        for pub, _ in pubs:
+            pub.close()
+        live = [u for s, u in zip(servers, urls, strict=True) if s.name != kill]
+        reader = ["fleet", *[a for u in live for a in ("--server", u)], "--nkey", str(seeds["reader"])]
+        # right after the kill the cluster elects new leaders: JetStream answers 503 meanwhile (exit 70)
+        wait_for(lambda: main([*reader, "ls", "--label", "job=cluster", "--format", "json"]) == 0, timeout=60)
+        rows = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert sorted(r["session_id"] for r in rows) == [f"c{k}" for k in range(8)]
+        got = tmp_path / "got.tar.gz"
+        assert main([*reader, "get", "node-b.c7", "-o", str(got)]) == 0
+        assert got.read_bytes() == (tmp_path / "c7.tar.gz").read_bytes()
+        assert main([*reader, "follow", "--since", "1h", "--count", "1600", "--format", "json"]) == 0
+        ids = [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()]
+        assert len(ids) == len(set(ids)) == 1600
+    finally:
+        for s in servers:
+            s.kill()
