@@ -578,6 +578,12 @@ class RootHasher:
         if len(self._pending) >= self._BATCH:
             self._flush()
 
+    def add_many(self, chashes: list[str]) -> None:
+        """add() of each of `chashes`, in order."""
+        self._pending += chashes
+        if len(self._pending) >= self._BATCH:
+            self._flush()
+
     def _flush(self) -> None:
         if self._pending:
             self._pending.append("")

@@ -56,16 +56,19 @@ class _SpillSet:
 
     def spill(self) -> None:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
-        for key, item in self._sorted():
-            run.write(key + b"\t" + canonical.dumps(item, check=False) + b"\n")
+        dumps = canonical.dumps_unchecked
+        run.writelines([key + b"\t" + dumps(item) + b"\n" for key, item in self._sorted()])
         run.seek(0)
         self.runs.append(run)
         self.owner.held -= len(self.items)
         self.items = set()
 
     def _sorted(self) -> list[tuple[bytes, tuple[Any, ...]]]:
-        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr)
-        return sorted((repr(i).encode("utf-8", "surrogatepass"), i) for i in self.items)
+        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr) (sorted by
+        # key alone, each key made once: no tuple compared, items never compared)
+        items = list(self.items)
+        keys = [repr(i).encode("utf-8", "surrogatepass") for i in items]
+        return [(keys[j], items[j]) for j in sorted(range(len(items)), key=keys.__getitem__)]
 
     def canonical_items(self) -> Iterator[bytes]:
         """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""

@@ -233,6 +233,22 @@ def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Iterator[Eve
             yield to_event(rec, t)
 
 
+# full detail's events made at a time before they are checked against the caps together (_EventSink.write_full)
+_FULL_BATCH = 1024
+# a repeat's record's data cut at its time, with its line's and content hash's constant parts (_prepare)
+_Prepared = tuple[str, tuple[bytes, ...], bytes, bytes, bytes]
+
+
+@dataclasses.dataclass
+class _Repeats:
+    """Where write_full is in its records: the last record (which the repeats that follow it repeat),
+    its _Prepared once made (None: it cannot be cut at its time), and whether that was tried."""
+
+    prev: SpoolRecord | None = None
+    split: _Prepared | None = None
+    tried: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Caps:
     """What one bundle may hold, below the reader's limits (bundle/format.py MAX_*) with room kept
@@ -283,18 +299,19 @@ class _EventSink:
         self.root = fmt.RootHasher()
         self.trace: runtime_trace.Trace | None = None  # a signed bundle's: fed every event written
 
-    def _line(self, etype: str, subject: str, t_ns: int, data: dict[str, Any]) -> tuple[bytes, bytes]:
-        """(the event's canonical JSON line, the canonical JSON its content hash is taken over)."""
+    def _line(
+        self, etype: str, subject: str, t_ns: int, data: dict[str, Any], seq_no: int | None = None
+    ) -> tuple[bytes, bytes]:
+        """(the event's canonical JSON line as event `seq_no` (default: the next), the canonical
+        JSON its content hash is taken over)."""
         d = _dumps(data)
         if subject is self._subject:  # the same string object: runs of one path
             s = self._subject_json
         else:
             s = self._subject_json = _dumps(subject)
             self._subject = subject
-        ty = self._types.get(etype)
-        if ty is None:
-            ty = self._types[etype] = b',"type":' + _dumps(etype) + b"}"
-        seq = b"%d" % self.seq
+        ty = self._type(etype)
+        seq = b"%d" % (self.seq if seq_no is None else seq_no)
         line = b"".join(
             (
                 b'{"data":',
@@ -314,6 +331,13 @@ class _EventSink:
             )
         )
         return line, b"".join((b'{"data":', d, self._core_mid, s, ty))
+
+    def _type(self, etype: str) -> bytes:
+        """The end of an event of type `etype` (and of its content hash's core): its type and '}'."""
+        ty = self._types.get(etype)
+        if ty is None:
+            ty = self._types[etype] = b',"type":' + _dumps(etype) + b"}"
+        return ty
 
     def emit(self, etype: str, subject: str, t_ns: int, data: dict[str, Any], capped: bool = False) -> bool:
         """Write one event; with `capped`, only if the bundle's caps leave room (False: not written)."""
@@ -349,11 +373,130 @@ class _EventSink:
         same line with its own time) as its time alone. Such a repeat makes the same event but for
         its times, so its data is put together from the canonical bytes of the first one's, cut at
         its time (_split_at_time), instead of made and serialised again: a flood of one open is
-        written about three times as fast. The bytes are the same."""
-        prev: SpoolRecord | None = None
-        # prev's data cut at its time, and the parts of its line and hash that do not change
-        split: tuple[str, tuple[bytes, ...], bytes, bytes, bytes] | None = None
-        tried = False
+        written about three times as fast. The bytes are the same.
+
+        The events are made _FULL_BATCH at a time and, when the whole batch fits under the caps
+        (which is then true of each of its events: the checks of _put pass for every one), taken in
+        at once: one hand-over to the deflater, one to the root hash, the counts once. A batch that
+        does not fit is made again event by event, each checked as _put checks it, and so is all
+        that follows (past a cap, every event is counted, none written). A signed bundle's trace
+        sees every event's data: its events are made one by one. Either way the bytes are the same."""
+        state = _Repeats()
+        if self.trace is not None:
+            self._full_each(marked, state, capped)
+            return
+        batch: list[SpoolRecord | int] = []
+        add = batch.append
+        near_cap = False
+        for item in marked:
+            add(item)
+            if len(batch) >= _FULL_BATCH:
+                if near_cap or not self._full_batch(batch, state):
+                    near_cap = True
+                    self._full_each(batch, state, capped)
+                batch.clear()
+        if batch and (near_cap or not self._full_batch(batch, state)):
+            self._full_each(batch, state, capped)
+
+    def _full_batch(self, items: list[SpoolRecord | int], state: _Repeats) -> bool:
+        """Make the events of `items` and take them in if all fit under the caps (True); else take
+        in none and leave `state` as it was (False), for _full_each to make them one by one."""
+        before = (state.prev, state.split, state.tried)
+        seq = self.seq
+        lines: list[bytes] = []
+        hashes: list[str] = []
+        counts: dict[str, int] = {}
+        size = longest = 0
+        base = self._sha
+        format_time = fmt.format_time
+        join = b"".join
+        id_, runid = self._id, self._runid
+        prev, split, tried = before
+        dumps = _dumps
+        after_source = self._source + b',"subject":'
+        core_mid = self._core_mid
+        open_type = self._type(fmt.FILE_OPEN)
+        open_end = b'"' + open_type + b"\n"
+        for item in items:
+            if item.__class__ is int:
+                t = item
+                assert prev is not None  # a repeat follows a record
+                if not tried:
+                    split, tried = self._prepare(prev), True
+                if split is not None:
+                    etype, parts, after_seq, end, core_end = split
+                    time = format_time(t).encode()
+                    d = (b'"' + time + b'"').join(parts)
+                    digits = b"%d" % seq
+                    line = join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end))
+                    core = join((b'{"data":', d, core_end))
+                else:
+                    rec = prev.copy()
+                    rec["t"] = t
+                    etype, subject, t_ns, data = to_event(rec)
+                    line, core = self._line(etype, subject, t_ns, data, seq)
+            else:
+                rec = prev = cast(SpoolRecord, item)
+                split, tried = None, False
+                if rec["k"] == "open" and "n" not in rec and "tl" not in rec and rec["path"].__class__ is str:
+                    # to_event and _line in one for the most frequent record (records.data: an open
+                    # that stands for itself has count 1 and its own time as first and last time,
+                    # the event's time too: formatted once)
+                    data = cast("dict[str, Any]", rec.copy())
+                    del data["k"], data["t"]
+                    when = format_time(rec["t"])
+                    data["count"] = 1
+                    data["first_time"] = data["last_time"] = when
+                    d = dumps(data)
+                    path = rec["path"]
+                    if path is not self._subject:
+                        self._subject_json = dumps(path)
+                        self._subject = path
+                    s = self._subject_json
+                    digits = b"%d" % seq
+                    etype = fmt.FILE_OPEN
+                    line = join(
+                        (b'{"data":', d, id_, digits, runid, digits, after_source, s,
+                         b',"time":"', when.encode(), open_end)
+                    )  # fmt: skip
+                    core = join((b'{"data":', d, core_mid, s, open_type))
+                else:
+                    etype, subject, t_ns, data = to_event(rec)
+                    line, core = self._line(etype, subject, t_ns, data, seq)
+            n = len(line)
+            if n > longest:
+                longest = n
+            size += n
+            h = base.copy()
+            h.update(core)
+            hashes.append(h.hexdigest())
+            lines.append(line)
+            counts[etype] = counts.get(etype, 0) + 1
+            seq += 1
+        caps = self.caps
+        if (
+            longest > caps.line
+            or seq > caps.events
+            or self.size + size > caps.decompressed
+            # each event's own check adds its line to the bound after those before it: at most this
+            or self.out.compressed_bound() + size + size // 64 + 1 > caps.compressed
+        ):
+            state.prev, state.split, state.tried = before
+            return False
+        state.prev, state.split, state.tried = prev, split, tried
+        self.root.add_many(hashes)
+        self.out.feed(join(lines))
+        self.size += size
+        self.seq = seq
+        for etype, n in counts.items():
+            self.counts[etype] = self.counts.get(etype, 0) + n
+        return True
+
+    def _full_each(
+        self, marked: Iterable[SpoolRecord | int], state: _Repeats, capped: dict[str, int]
+    ) -> None:
+        """write_full's events one by one, each under the caps (_put)."""
+        prev, split, tried = state.prev, state.split, state.tried
         for item in marked:
             if item.__class__ is int:
                 t = item
@@ -385,8 +528,9 @@ class _EventSink:
             if not self.emit(*event, capped=True):
                 kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
                 capped[kind] = capped.get(kind, 0) + 1
+        state.prev, state.split, state.tried = prev, split, tried
 
-    def _prepare(self, rec: SpoolRecord) -> tuple[str, tuple[bytes, ...], bytes, bytes, bytes] | None:
+    def _prepare(self, rec: SpoolRecord) -> _Prepared | None:
         """For write_full: `rec`'s event type, its data cut at its time, and its line's and
         content hash's constant parts (after the seq up to the time, after the time, after the
         data); None when its data cannot be cut so."""

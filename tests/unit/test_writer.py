@@ -480,3 +480,43 @@ def test_full_detail_read_from_the_spools_lines_is_the_same_bundle(tmp_path: Pat
     write_bundle(a, meta, lambda: read_spool(spool))
     write_bundle(b, meta, lambda: read_spool(spool), lines=lambda: read_spool_lines(spool))
     assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7, 1024])
+@pytest.mark.parametrize("cap", [None, 40])
+def test_full_detail_in_batches_is_the_bundle_made_event_by_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int, cap: int | None
+) -> None:
+    """write_full makes full detail's events a batch at a time and takes a batch in at once when it
+    fits under the caps: the bundle is byte for byte the one made event by event (each under _put's
+    checks), whatever the batch size, with repeats (split at their time or not) across batch
+    boundaries, and with a cap reached in the middle of a batch."""
+    from evidence.bundle import writer
+    from evidence.bundle.spool import read_spool_lines
+    from evidence.bundle.writer import Caps
+
+    own = cb.T0 + 2000
+    recs: list[dict] = []
+    for i, path in enumerate(["/etc/x", fmt.format_time(own), '/w/q"b\\s', "/w/\u4e2d", "/etc/x"]):
+        recs += [cb.open_(2000 + 1000 * i + j, path, ["read"]) for j in range(5 + 3 * i)]
+        recs += [cb.open_(9000 + 1000 * i + j, f"/w/d/{i}/{j}", ["write"], result="ENOENT") for j in range(4)]
+    recs += [cb.connect(90000 + j, "10.0.0.1", 443) for j in range(3)]
+    spool = tmp_path / "s.spool.zst"
+    with SpoolWriter(spool) as w:
+        w.write_many(recs)
+    meta = cb.meta(detail="full")
+    caps = Caps() if cap is None else Caps(events=cap)
+
+    def bundle(name: str) -> bytes:
+        out = tmp_path / name
+        write_bundle(out, meta, lambda: read_spool(spool), caps=caps, lines=lambda: read_spool_lines(spool))
+        return out.read_bytes()
+
+    monkeypatch.setattr(writer, "_FULL_BATCH", batch)
+    batched = bundle("batched.tar.gz")
+    monkeypatch.setattr(writer._EventSink, "_full_batch", lambda self, items, state: False)
+    assert batched == bundle("each.tar.gz")
+    if cap is not None:
+        with tarfile.open(tmp_path / "batched.tar.gz") as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+        assert manifest["lost"]["by_kind"]["over_cap:file.open"] > 0
