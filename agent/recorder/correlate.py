@@ -443,7 +443,7 @@ class Correlator:
         except OSError:
             return False
         try:
-            if self.cgroup_of is not None and not self.in_run(pid):
+            if not self.in_run(pid):
                 return False
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             return True
