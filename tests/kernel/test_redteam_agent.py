@@ -219,7 +219,7 @@ def test_the_agent_signs_the_command_the_kernel_executed_not_the_claim(agent: Ag
     m = b.manifest
     assert m["command"] == forged and m["claimed_command"] == ["make", "test"], m
     assert b.attestation is not None
-    predicate = b.attestation.statement["predicate"]
+    predicate = b.attestation.statement["predicate"]["evidenceRun"]  # ours, within the runtime trace
     assert predicate["command"] == forged and predicate["claimedCommand"] == ["make", "test"]
     degraded = [e["data"] for e in b.events() if e["type"] == "dev.evidence.degradation"]
     # its own client gave its child none of evidence's seccomp filters: the agent says so too
