@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from evidence.errors import EXIT_ERROR, Error, SetupError, UsageError
 
@@ -202,10 +201,6 @@ def run(args: argparse.Namespace) -> int:
     if args.agent:
         if args.sign_key:
             raise UsageError("--sign-key is not available with --agent", "sign with the agent's own key")
-        if args.subject_must_be_written:
-            raise UsageError(
-                "--subject-must-be-written is not available with --agent yet", "lint the bundle (EV017)"
-            )
         from evidence.agent.commands.run_agent import run_via_agent
 
         return run_via_agent(args, command, labels)
@@ -248,18 +243,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         standalone.close()
     rc = standalone.report(manifest)
-    if args.subject_must_be_written and not _subjects_written(str(standalone.bundle), manifest):
-        return EXIT_ERROR
+    if args.subject_must_be_written:
+        from evidence.agent.commands.summary import subjects_written
+
+        if not subjects_written(Path(standalone.bundle)):
+            return EXIT_ERROR
     return rc
-
-
-def _subjects_written(bundle: str, manifest: dict[str, Any]) -> bool:
-    """--subject-must-be-written: whether the run wrote every subject, by the bundle's own events
-    (read back and verified); a line on stderr for each it did not."""
-    from evidence.bundle import provenance, reader
-
-    ties = provenance.ties_of(manifest, reader.read_events(bundle))
-    for tie in ties:
-        if not tie.written:
-            print(f"evidence: subject {tie.name} was not written by the run: {tie.reason}", file=sys.stderr)
-    return all(t.written for t in ties)

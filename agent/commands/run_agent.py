@@ -50,10 +50,18 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.commands.finish import check_target, fetch_bundle
-from evidence.agent.commands.summary import signal_name, summary_line
+from evidence.agent.commands.summary import signal_name, subjects_written, summary_line
 from evidence.agent.recorder.exec_supervisor import install_exec_filter
 from evidence.agent.recorder.launch import Landlock, inherited_fds, isolation
-from evidence.errors import EXIT_SETUP, EXIT_WOULD_BLOCK, Error, PolicyError, SetupError, UsageError
+from evidence.errors import (
+    EXIT_ERROR,
+    EXIT_SETUP,
+    EXIT_WOULD_BLOCK,
+    Error,
+    PolicyError,
+    SetupError,
+    UsageError,
+)
 from evidence.policy import landlock_syscalls as ll
 
 if TYPE_CHECKING:
@@ -443,6 +451,8 @@ def _isolated_run(
             f"the command ran (exit {rc}) but its recording failed: {e.message}", e.hint
         ) from None
     _summary(result, bundle)
+    if args.subject_must_be_written and not subjects_written(bundle):
+        return EXIT_ERROR
     if result.get("lost"):
         logger.warning("%d events were lost: the bundle says which kinds", result["lost"])
     denials = (result.get("counts") or {}).get("dev.evidence.policy.denial", 0)

@@ -204,6 +204,16 @@ def test_through_an_agent_the_subjects_are_read_as_the_client(tmp_path: Path) ->
                     "--subject", "*.bin", "--", "/bin/sh", "-c", "cc -o app.bin hello.c"]  # fmt: skip
             proc = subprocess.run(as_user(65534, *argv), cwd=ws, capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, proc.stderr + agent.output()
+            # --subject-must-be-written through the agent: judged on the downloaded, verified bundle
+            (ws / "old.txt").write_bytes(b"made before the run")
+            os.chown(ws / "old.txt", 65534, 65534)
+            must = [sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle",
+                    str(ws / "must.tar.gz"), "--subject", "old.txt", "--subject-must-be-written", "--",
+                    "/bin/cat", "old.txt"]  # fmt: skip
+            proc = subprocess.run(as_user(65534, *must), cwd=ws, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, proc.stderr + agent.output()
+            assert "evidence: subject old.txt was not written by the run:" in proc.stderr, proc.stderr
+            assert (ws / "must.tar.gz").exists()  # the bundle is written first
         finally:
             assert agent.stop() == 0, agent.output()
         ok = evidence("verify", "--artifact", str(ws / "app.bin"), str(bundle), "--key", f"{key}.pub")

@@ -109,10 +109,6 @@ def test_names_beyond_a_symlink_out_of_the_workspace_are_never_listed(tmp_path: 
         (["--subject", "/etc/*"], "patterns are relative to the workspace"),
         (["--subject", "../out"], "may not leave the workspace"),
         (["--subject-must-be-written"], "--subject-must-be-written needs --subject"),
-        (
-            ["--agent", "/nonexistent.sock", "--subject", "app", "--subject-must-be-written"],
-            "--subject-must-be-written is not available with --agent",
-        ),
     ],
 )
 def test_run_refuses_a_bad_subject_before_anything_runs(
