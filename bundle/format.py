@@ -3,6 +3,9 @@ hashes, the root hash). The run id is not made here: bundle/run_id.py computes i
 
 docs/bundle-format.md is the prose version of this module; bundle/schemas/ holds the JSON Schemas
 generated from the models here (`python -m bundle.schemas` rewrites them, a test checks they match).
+
+(Over 600 lines on purpose: the bundle's contract, models and hashes, in the one place the docs
+mirror; each event type's model is a few lines, and a reader looks for them together.)
 """
 
 from __future__ import annotations

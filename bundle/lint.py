@@ -10,6 +10,10 @@ signed by that key), `--require-signature` refuses an unsigned bundle.
 This module is the visitor: it applies the rules (bundle/lint_rules.py: their table, texts and the
 patterns they judge by) to a bundle's events and returns the findings; the command, its options and
 its output formats are bundle/commands/lint.py's.
+
+(Over 600 lines on purpose: one visitor pass holds the per-run state every rule reads, such as
+which programs the run wrote before it ran them; split, the rules would share that state through
+an interface as wide as the state.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ each field at a multiple of its size (arrays: of their element's), padding writt
 named `pad*` (C members, Python `x` bytes), the size a multiple of the largest field. A layout's
 `tail` is the C array (or union) that follows the fixed part: its length depends on the
 configuration, so the decoder reads it from the record's offsets, not through `struct`.
+
+(Over 600 lines on purpose: the ABI is defined once, here, so the C and the decoder cannot
+disagree; split, it would be two definitions again.)
 """
 
 from __future__ import annotations

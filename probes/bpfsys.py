@@ -4,6 +4,9 @@ loads and attaches its programs with the bpf(2) and perf_event_open(2) system ca
 offering the part of BCC's `BPF` interface the loaders use (`obj[b"map"]`, here a `Map` of raw
 bytes, `load_func`, `attach_tracepoint`, `attach_cgroup`, `cleanup`). No BCC: objcache.py
 compiles with it (once) and keeps the objects.
+
+(About 600 lines: the bpf(2) and perf_event_open(2) calls, their attribute layouts and the map
+and program objects over them are one system-call layer.)
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ checks them against saved raw records. Each kind's decoded dict has a type here 
 discriminator: `RawEvent` is their union), checked by tests/unit/test_record_types.py against what
 the saved raw records decode to; the correlator turns them into the spool's records
 (bundle/record_types.py).
+
+(Over 600 lines on purpose: one decoder per record kind, each beside its TypedDict, read and changed
+with the layout it unpacks; split by kind they would import each other's flag tables.)
 """
 
 from __future__ import annotations
