@@ -30,9 +30,9 @@ errors in the log and in `evidence_fleet_errors_total`, never a crash.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Mapping
@@ -78,7 +78,10 @@ class FleetPublisher:
         self.publish_mode = publish_mode  # "inbox"; "publish_async" only for the bench's comparison
         self._ack_sub: _Acks | None = None
         self.metrics = m.FleetMetrics.of(registry or m.Registry())
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
+        # a deque, not a queue.Queue: append and popleft are atomic, without a lock and a condition
+        # an event (the bound is checked before the append: a few past it at worst)
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue_size = queue_size
         self._overflow: list[dict[str, Any]] = []
         self._overflow_lock = threading.Lock()
         self._stop = threading.Event()
@@ -97,9 +100,9 @@ class FleetPublisher:
     # --- producer side (never blocks, never touches the network) --------------------------------
 
     def submit(self, event: Mapping[str, Any]) -> None:
-        try:
-            self._queue.put_nowait(dict(event))
-        except queue.Full:
+        if len(self._pending) < self._queue_size:
+            self._pending.append(dict(event))
+        else:
             with self._overflow_lock:
                 self._overflow.append(dict(event))
                 if len(self._overflow) < self.sink.batch_size:
@@ -167,16 +170,14 @@ class FleetPublisher:
             logger.exception("fleet publisher stopped")
 
     def _collect(self, wait: float) -> list[dict[str, Any]]:
+        """Up to a batch: after `wait` seconds unless a whole batch is there already."""
+        if wait > 0 and len(self._pending) < self.sink.batch_size:
+            self._stop.wait(wait)
         batch: list[dict[str, Any]] = []
-        deadline = time.monotonic() + wait
-        while len(batch) < self.sink.batch_size:
-            remaining = deadline - time.monotonic()
-            try:
-                batch.append(
-                    self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                )
-            except queue.Empty:
-                break
+        pending = self._pending
+        with contextlib.suppress(IndexError):
+            for _ in range(min(self.sink.batch_size, len(pending))):
+                batch.append(pending.popleft())
         with self._overflow_lock:
             if self._overflow and len(batch) < self.sink.batch_size:
                 take = self.sink.batch_size - len(batch)
