@@ -187,6 +187,22 @@ def floor(url: str, n: int, raw: bool) -> tuple[float, float]:
     return asyncio.run(run())
 
 
+def one_agent(url: str, n: int, tmp: Path) -> float:
+    """CPU s per 1,000 events of one publisher alone in this process (an agent has one): `n` events
+    handed over at once, until all are acknowledged. The 50 publishers' figure above includes their
+    threads' contention for one interpreter."""
+    ((pub, reg),) = publishers([url], 1, tmp, 1, "inbox")
+    pub.start()
+    time.sleep(1.0)
+    cpu0 = time.process_time()
+    for i in range(n):
+        pub.submit(event("oneagent", i))
+    wait([reg], "evidence_fleet_events_published_total", [n], 600)
+    cpu = time.process_time() - cpu0
+    pub.close()
+    return cpu / n * 1000
+
+
 def measure(
     label: str, urls: list[str], store_dirs: list[Path], args: argparse.Namespace, replicas: int
 ) -> dict[str, Any]:
@@ -248,6 +264,8 @@ def measure(
         watcher.stop.set()
         disk1 = sum(du(d) for d in store_dirs)
     floors = [floor(urls[0], args.events, raw) for raw in (False, True)]
+    with tempfile.TemporaryDirectory(prefix="evidence-bench-fleet-") as t:
+        alone = one_agent(urls[0], min(args.events, 50_000), Path(t))
     n_runs = runs_per * len(pubs)
     return {
         "label": label,
@@ -257,6 +275,7 @@ def measure(
         "cpu_per_1k_events_old": events["publish_async"][1],
         "events_per_s": events["inbox"][0],
         "cpu_per_1k_events": events["inbox"][1],
+        "cpu_per_1k_events_alone": alone,
         "events_per_s_floor": floors[0][0],
         "cpu_per_1k_events_floor": floors[0][1],
         "events_per_s_raw": floors[1][0],
@@ -306,6 +325,7 @@ def main() -> int:
         ("disk per 1,000 runs, one copy (MB)", "disk_per_1k_runs", "{:.2f}", ""),
         ("CPU per 1,000 events, old (s)", "cpu_per_1k_events_old", "{:.3f}", ""),
         ("CPU per 1,000 events, new (s)", "cpu_per_1k_events", "{:.3f}", ""),
+        ("CPU per 1,000 events, new, 1 alone (s)", "cpu_per_1k_events_alone", "{:.3f}", ""),
         ("CPU per 1,000 events, floor (s)", "cpu_per_1k_events_floor", "{:.3f}", ""),
         ("CPU per 1,000 events, raw HPUB (s)", "cpu_per_1k_events_raw", "{:.3f}", ""),
         ("publisher CPU per run (s)", "cpu_per_run", "{:.4f}", ""),
@@ -318,7 +338,7 @@ def main() -> int:
         vals = [r[key] / (1e6 if key == "disk_per_1k_runs" else 1) for r in results]
         print(f"{name:38} " + "  ".join(f"{f.format(v):>14}" for v in vals) + f"  {target}")
     r1 = results[0]
-    for way, key in (("old", "_old"), ("new", ""), ("floor", "_floor")):
+    for way, key in (("old", "_old"), ("new", ""), ("new, 1 alone", "_alone"), ("floor", "_floor")):
         per_event = r1["cpu_per_1k_events" + key] / 1000
         core = (r1["cpu_per_run"] * 100 + per_event * args.events_per_run * 100) / 60
         print(
