@@ -4,7 +4,13 @@
 
 For an R1 server and a 3-node R3 cluster (all on this machine, loopback), each with the agent's own
 publisher (agent/daemon/fleet.py: outbox on disk, pipelined publishes, object store + index):
-- events/s acknowledged: `--events` live events from `--publishers` publishers at once;
+- events/s acknowledged: `--events` live events from `--publishers` publishers at once, the old way
+  (nats-py's `publish_async`: a future and a PubAck object a message) and the new way (core publishes
+  with a reply inbox of ours, a window of unanswered ones, one subscription for the acks), one after
+  the other on the same servers;
+- the floor on this machine: a plain batched loop of the same messages (encoded beforehand) with
+  nats-py's public `publish` and one ack subscription, no outbox, no queue; and, for scale, the same
+  messages written as raw HPUB lines through nats-py's private `_send_command` (not used by the agent);
 - runs/min stored and indexed: `--runs` bundles (a small recorded-run bundle, made by the writer)
   spread over the publishers; p50/p99 from a bundle handed to its publisher to its entry seen by an
   index watcher (what `fleet ls` reads);
@@ -36,7 +42,7 @@ from evidence.agent.daemon import metrics as m  # noqa: E402
 from evidence.agent.daemon.delivery import Backoff  # noqa: E402
 from evidence.agent.daemon.fleet import FleetPublisher  # noqa: E402
 from evidence.agent.daemon.settings import NatsSink  # noqa: E402
-from evidence.bundle.fleet import client, names  # noqa: E402
+from evidence.bundle.fleet import binding, client, names  # noqa: E402
 from tests.fleet.servers import Server, cluster  # noqa: E402
 from tests.unit import conftest_bundles as cb  # noqa: E402
 
@@ -70,7 +76,9 @@ def event(session: str, seq: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def publishers(urls: list[str], n: int, tmp: Path, replicas: int) -> list[tuple[FleetPublisher, m.Registry]]:
+def publishers(
+    urls: list[str], n: int, tmp: Path, replicas: int, mode: str = "inbox"
+) -> list[tuple[FleetPublisher, m.Registry]]:
     out = []
     for i in range(n):
         reg = m.Registry()
@@ -78,7 +86,12 @@ def publishers(urls: list[str], n: int, tmp: Path, replicas: int) -> list[tuple[
             servers=urls, node=f"node-{i:03d}", batch_interval=0.05, batch_size=1000, ack_timeout=20
         )
         pub = FleetPublisher(
-            sink, tmp / f"outbox-{i}", registry=reg, backoff=Backoff(0.2, 2.0), replicas=replicas
+            sink,
+            tmp / f"outbox-{mode}-{i}",
+            registry=reg,
+            backoff=Backoff(0.2, 2.0),
+            replicas=replicas,
+            publish_mode=mode,
         )
         out.append((pub, reg))
     return out
@@ -122,6 +135,74 @@ class IndexWatcher:
         await nc.close()
 
 
+def floor(url: str, n: int, raw: bool) -> tuple[float, float]:
+    """(events/s, CPU s per 1,000) of a plain loop: `n` messages encoded beforehand, published with a
+    reply inbox in windows of 2,000, acks counted by one subscription. `raw`: written as HPUB lines
+    through nats-py's private `_send_command` (what the public `publish` costs above the wire)."""
+
+    async def run() -> tuple[float, float]:
+        nc = await client.connect([url])
+        session = "floorraw" if raw else "floor"
+        msgs = [binding.to_message(event(session, i)) for i in range(n)]
+        subject = names.event_subject("floor", session)
+        inbox = nc.new_inbox()
+        got = 0
+        room = asyncio.Event()
+
+        async def on_ack(msg: Any) -> None:
+            nonlocal got
+            got += 1
+            room.set()
+
+        await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=-1)
+        cpu0, t0 = time.process_time(), time.monotonic()
+        chunk: list[bytes] = []
+        for i, (headers, payload) in enumerate(msgs):
+            while i - got >= 2000:
+                room.clear()
+                await room.wait()
+            if raw:
+                hdr = (
+                    "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+                ).encode()
+                chunk.append(
+                    f"HPUB {subject} {inbox}.{i} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode()
+                    + hdr
+                    + payload
+                    + b"\r\n"
+                )
+                if len(chunk) == 500 or i == n - 1:
+                    await nc._send_command(b"".join(chunk))
+                    await nc._flush_pending()
+                    chunk = []
+            else:
+                await nc.publish(subject, payload, reply=f"{inbox}.{i}", headers=headers)
+        while got < n:
+            room.clear()
+            await room.wait()
+        wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        await nc.close()
+        return n / wall, cpu / n * 1000
+
+    return asyncio.run(run())
+
+
+def one_agent(url: str, n: int, tmp: Path) -> float:
+    """CPU s per 1,000 events of one publisher alone in this process (an agent has one): `n` events
+    handed over at once, until all are acknowledged. The 50 publishers' figure above includes their
+    threads' contention for one interpreter."""
+    ((pub, reg),) = publishers([url], 1, tmp, 1, "inbox")
+    pub.start()
+    time.sleep(1.0)
+    cpu0 = time.process_time()
+    for i in range(n):
+        pub.submit(event("oneagent", i))
+    wait([reg], "evidence_fleet_events_published_total", [n], 600)
+    cpu = time.process_time() - cpu0
+    pub.close()
+    return cpu / n * 1000
+
+
 def measure(
     label: str, urls: list[str], store_dirs: list[Path], args: argparse.Namespace, replicas: int
 ) -> dict[str, Any]:
@@ -136,22 +217,26 @@ def measure(
             await nc.close()
 
         asyncio.run(init())
+        events: dict[str, tuple[float, float]] = {}
+        per = args.events // args.publishers
+        for mode in ("publish_async", "inbox"):
+            pubs = publishers(urls, args.publishers, tmp, replicas, mode)
+            for p, _ in pubs:
+                p.start()
+            regs = [r for _, r in pubs]
+            time.sleep(1.0)  # connected, buckets made
+            cpu0 = time.process_time()
+            t0 = time.monotonic()
+            for k, (p, _) in enumerate(pubs):
+                for i in range(per):
+                    p.submit(event(f"ev{mode.replace('_', '')}{k}", i))
+            ok &= wait(regs, "evidence_fleet_events_published_total", [per] * len(pubs), 600)
+            wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+            events[mode] = (per * len(pubs) / wall, cpu / (per * len(pubs)) * 1000)
+            if mode != "inbox":
+                for p, _ in pubs:
+                    p.close()
         watcher = IndexWatcher(urls)
-        pubs = publishers(urls, args.publishers, tmp, replicas)
-        for p, _ in pubs:
-            p.start()
-        regs = [r for _, r in pubs]
-        time.sleep(1.0)  # connected, buckets made
-        # events
-        per = args.events // len(pubs)
-        cpu0 = time.process_time()
-        t0 = time.monotonic()
-        for k, (p, _) in enumerate(pubs):
-            for i in range(per):
-                p.submit(event(f"ev{k}", i))
-        ok &= wait(regs, "evidence_fleet_events_published_total", [per] * len(pubs), 600)
-        ev_wall = time.monotonic() - t0
-        ev_cpu = time.process_time() - cpu0
         # runs
         disk0 = sum(du(d) for d in store_dirs)
         runs_per = max(1, args.runs // len(pubs))
@@ -178,13 +263,23 @@ def measure(
             p.close()
         watcher.stop.set()
         disk1 = sum(du(d) for d in store_dirs)
+    floors = [floor(urls[0], args.events, raw) for raw in (False, True)]
+    with tempfile.TemporaryDirectory(prefix="evidence-bench-fleet-") as t:
+        alone = one_agent(urls[0], min(args.events, 50_000), Path(t))
     n_runs = runs_per * len(pubs)
     return {
         "label": label,
         "ok": ok,
         "events": per * len(pubs),
-        "events_per_s": per * len(pubs) / ev_wall,
-        "cpu_per_1k_events": ev_cpu / (per * len(pubs)) * 1000,
+        "events_per_s_old": events["publish_async"][0],
+        "cpu_per_1k_events_old": events["publish_async"][1],
+        "events_per_s": events["inbox"][0],
+        "cpu_per_1k_events": events["inbox"][1],
+        "cpu_per_1k_events_alone": alone,
+        "events_per_s_floor": floors[0][0],
+        "cpu_per_1k_events_floor": floors[0][1],
+        "events_per_s_raw": floors[1][0],
+        "cpu_per_1k_events_raw": floors[1][1],
         "runs": n_runs,
         "runs_per_min": n_runs / run_wall * 60,
         "cpu_per_run": run_cpu / n_runs,
@@ -220,12 +315,19 @@ def main() -> int:
             for s in three:
                 s.kill()
     rows = [
-        ("events/s acknowledged", "events_per_s", "{:,.0f}", "R1 >= 20,000"),
+        ("events/s acked, old (publish_async)", "events_per_s_old", "{:,.0f}", ""),
+        ("events/s acked, new (inbox, window)", "events_per_s", "{:,.0f}", "R1 >= 20,000"),
+        ("events/s, floor: plain nats-py loop", "events_per_s_floor", "{:,.0f}", ""),
+        ("events/s, raw HPUB (private API)", "events_per_s_raw", "{:,.0f}", ""),
         ("runs/min stored + indexed", "runs_per_min", "{:,.0f}", "R1 >= 1,000"),
         ("run to listed p50 (s)", "p50", "{:.3f}", ""),
         ("run to listed p99 (s)", "p99", "{:.3f}", "<= 2"),
         ("disk per 1,000 runs, one copy (MB)", "disk_per_1k_runs", "{:.2f}", ""),
-        ("publisher CPU per 1,000 events (s)", "cpu_per_1k_events", "{:.3f}", ""),
+        ("CPU per 1,000 events, old (s)", "cpu_per_1k_events_old", "{:.3f}", ""),
+        ("CPU per 1,000 events, new (s)", "cpu_per_1k_events", "{:.3f}", ""),
+        ("CPU per 1,000 events, new, 1 alone (s)", "cpu_per_1k_events_alone", "{:.3f}", ""),
+        ("CPU per 1,000 events, floor (s)", "cpu_per_1k_events_floor", "{:.3f}", ""),
+        ("CPU per 1,000 events, raw HPUB (s)", "cpu_per_1k_events_raw", "{:.3f}", ""),
         ("publisher CPU per run (s)", "cpu_per_run", "{:.4f}", ""),
     ]
     print(
@@ -236,10 +338,12 @@ def main() -> int:
         vals = [r[key] / (1e6 if key == "disk_per_1k_runs" else 1) for r in results]
         print(f"{name:38} " + "  ".join(f"{f.format(v):>14}" for v in vals) + f"  {target}")
     r1 = results[0]
-    core = (r1["cpu_per_run"] * 100 + r1["cpu_per_1k_events"] * args.events_per_run * 100 / 1000) / 60
-    print(
-        f"{'one agent at 100 runs/min x ' + str(args.events_per_run) + ' events':38} {core * 100:>13.1f}%  of a core (<= 5%)"
-    )
+    for way, key in (("old", "_old"), ("new", ""), ("new, 1 alone", "_alone"), ("floor", "_floor")):
+        per_event = r1["cpu_per_1k_events" + key] / 1000
+        core = (r1["cpu_per_run"] * 100 + per_event * args.events_per_run * 100) / 60
+        print(
+            f"{f'100 runs/min x {args.events_per_run} events, {way}':38} {core * 100:>13.1f}%  of a core (<= 5%)"
+        )
     ok = all(r["ok"] for r in results)
     print("correctness:", "ok" if ok else "FAILED (events or bundles not acknowledged, or index incomplete)")
     return 0 if ok else 1

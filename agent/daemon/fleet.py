@@ -30,14 +30,16 @@ errors in the log and in `evidence_fleet_errors_total`, never a crash.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.delivery import Backoff
@@ -65,6 +67,7 @@ class FleetPublisher:
         queue_size: int = 20_000,
         replicas: int = 1,
         inbox_prefix: str | None = None,
+        publish_mode: str = "inbox",
     ) -> None:
         self.sink = sink
         self.node = sink.node
@@ -72,8 +75,13 @@ class FleetPublisher:
         self.outbox = Outbox(outbox_dir, sink.outbox_max_bytes)
         self.backoff = backoff or Backoff(0.5, 30.0)
         self.replicas = replicas
+        self.publish_mode = publish_mode  # "inbox"; "publish_async" only for the bench's comparison
+        self._ack_sub: _Acks | None = None
         self.metrics = m.FleetMetrics.of(registry or m.Registry())
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
+        # a deque, not a queue.Queue: append and popleft are atomic, without a lock and a condition
+        # an event (the bound is checked before the append: a few past it at worst)
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue_size = queue_size
         self._overflow: list[dict[str, Any]] = []
         self._overflow_lock = threading.Lock()
         self._stop = threading.Event()
@@ -92,9 +100,9 @@ class FleetPublisher:
     # --- producer side (never blocks, never touches the network) --------------------------------
 
     def submit(self, event: Mapping[str, Any]) -> None:
-        try:
-            self._queue.put_nowait(dict(event))
-        except queue.Full:
+        if len(self._pending) < self._queue_size:
+            self._pending.append(dict(event))
+        else:
             with self._overflow_lock:
                 self._overflow.append(dict(event))
                 if len(self._overflow) < self.sink.batch_size:
@@ -162,16 +170,14 @@ class FleetPublisher:
             logger.exception("fleet publisher stopped")
 
     def _collect(self, wait: float) -> list[dict[str, Any]]:
+        """Up to a batch: after `wait` seconds unless a whole batch is there already."""
+        if wait > 0 and len(self._pending) < self.sink.batch_size:
+            self._stop.wait(wait)
         batch: list[dict[str, Any]] = []
-        deadline = time.monotonic() + wait
-        while len(batch) < self.sink.batch_size:
-            remaining = deadline - time.monotonic()
-            try:
-                batch.append(
-                    self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                )
-            except queue.Empty:
-                break
+        pending = self._pending
+        with contextlib.suppress(IndexError):
+            for _ in range(min(self.sink.batch_size, len(pending))):
+                batch.append(pending.popleft())
         with self._overflow_lock:
             if self._overflow and len(batch) < self.sink.batch_size:
                 take = self.sink.batch_size - len(batch)
@@ -330,11 +336,93 @@ class FleetPublisher:
 
     async def _publish(self, js: JetStreamContext, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Publish pipelined; the events JetStream did not acknowledge, in order."""
+        if self.publish_mode == "publish_async":
+            return await self._publish_async(js, events)
+        return await self._publish_inbox(events)
+
+    async def _acks(self) -> _Acks:
+        """The one subscription JetStream's acknowledgements come back on (made once a connection)."""
+        nc = self._nc
+        assert nc is not None
+        if self._ack_sub is None:  # nats-py subscribes it again after a reconnect
+            acks = _Acks(nc.new_inbox(), self.sink.ack_window)
+            acks.sub = await nc.subscribe(acks.prefix + ".*", cb=acks.on_msg, pending_msgs_limit=-1)
+            self._ack_sub = acks
+        return self._ack_sub
+
+    async def _publish_inbox(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Core publishes with a reply subject of ours (`<inbox>.<n>`), at most `ack_window` without
+        an answer; one subscription takes JetStream's PubAcks. Each message keeps its Nats-Msg-Id, so
+        a retry of one that was stored is a duplicate JetStream drops, not a second copy."""
+        nc = self._nc
+        assert nc is not None
+        acks = await self._acks()
+        subjects: dict[str, str] = {}
+        tokens: list[int | None] = []
+        problem = ""
+        for e in events:
+            session = str(e.get("sessionid") or "")
+            subject = subjects.get(session)
+            if subject is None:
+                try:
+                    subject = subjects[session] = names.event_subject(self.node, session)
+                except Exception as err:  # not ours to send: an event without a session
+                    logger.error("fleet: an event without a usable session id is not sent: %s", err)
+                    tokens.append(None)
+                    continue
+            if acks.outstanding >= acks.window and not await acks.until(
+                acks.window // 2, self.sink.ack_timeout
+            ):
+                problem = "no acknowledgement in time"
+                break
+            headers, payload = binding.to_message(e)
+            token = acks.expect()
+            try:
+                await nc.publish(subject, payload, reply=f"{acks.prefix}.{token}", headers=headers)
+            except Exception as err:
+                acks.forget(token)
+                problem = f"cannot publish events: {_describe(err)}"
+                break
+            tokens.append(token)
+        # one batch at a time: what still waits is this batch's (take() forgets the ones given up on)
+        await acks.until(0, self.sink.ack_timeout)
+        rest: list[dict[str, Any]] = []
+        acked = dup = 0
+        for i, e in enumerate(events):
+            t = tokens[i] if i < len(tokens) else -1
+            if t is None:
+                continue
+            answer = acks.take(t) if t >= 0 else None
+            if answer is _STORED or answer is _DUPLICATE:
+                acked += 1
+                dup += answer is _DUPLICATE
+                continue
+            if isinstance(answer, str):
+                problem = problem or answer
+            elif t >= 0:
+                problem = problem or "no acknowledgement in time"
+            rest.append(e)
+        self._count(acked, dup, rest, problem)
+        return rest
+
+    def _count(self, acked: int, dup: int, rest: list[dict[str, Any]], problem: str) -> None:
+        self.metrics.events_published.inc(acked - dup)
+        if dup:
+            self.metrics.events_duplicate.inc(dup)
+        if rest:
+            self._error("publish", f"{len(rest)} event(s) refused or not acknowledged: {problem}")
+
+    async def _publish_async(
+        self, js: JetStreamContext, events: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The first way (round 1), kept for bench/fleet.py's side by side: nats-py's
+        `publish_async`, a future and a PubAck object a message."""
         futures: list[asyncio.Future[Any] | None] = []
+        problem = ""
         for e in events:
             try:
                 subject = names.event_subject(self.node, str(e.get("sessionid") or ""))
-            except Exception as err:  # not ours to send: an event without a session
+            except Exception as err:
                 logger.error("fleet: an event without a usable session id is not sent: %s", err)
                 futures.append(None)
                 continue
@@ -346,37 +434,28 @@ class FleetPublisher:
                     )
                 )
             except Exception as err:
-                self._error("publish", f"cannot publish events: {_describe(err)}")
-                futures += [asyncio.get_running_loop().create_future()] * 0
-                return (
-                    events[len(futures) - 1 :]
-                    if futures and futures[-1] is not None
-                    else events[len(futures) :]
-                )
+                problem = f"cannot publish events: {_describe(err)}"
+                break
         pending = [f for f in futures if f is not None]
         if pending:
             await asyncio.wait(pending, timeout=self.sink.ack_timeout)
         rest = []
         acked = dup = 0
-        first_problem = ""
-        for e, f in zip(events, futures, strict=True):
-            if f is None:
+        for i, e in enumerate(events):
+            f = futures[i] if i < len(futures) else None
+            if i < len(futures) and f is None:
                 continue
-            if f.done() and not f.cancelled() and f.exception() is None:
+            if f is not None and f.done() and not f.cancelled() and f.exception() is None:
                 acked += 1
                 dup += bool(getattr(f.result(), "duplicate", False))
                 continue
-            if not f.done():
+            if f is not None and not f.done():
                 f.cancel()
-                first_problem = first_problem or "no acknowledgement in time"
-            elif not f.cancelled() and f.exception() is not None:
-                first_problem = first_problem or _describe(f.exception())  # type: ignore[arg-type]
+                problem = problem or "no acknowledgement in time"
+            elif f is not None and not f.cancelled() and f.exception() is not None:
+                problem = problem or _describe(f.exception())  # type: ignore[arg-type]
             rest.append(e)
-        self.metrics.events_published.inc(acked - dup)
-        if dup:
-            self.metrics.events_duplicate.inc(dup)
-        if rest:
-            self._error("publish", f"{len(rest)} event(s) refused or not acknowledged: {first_problem}")
+        self._count(acked, dup, rest, problem)
         return rest
 
     # --- bundles --------------------------------------------------------------------------------------
@@ -479,6 +558,88 @@ class FleetPublisher:
             lint=LintCounts(**counts),
             signer_keyid=signature.keyids[0] if signature.keyids else None,
         )
+
+
+_STORED = object()
+_DUPLICATE = object()
+
+
+class _Acks:
+    """JetStream's answers to our publishes, by the token of their reply subject: a PubAck
+    (`{"stream":..,"seq":..}`, `"duplicate":true` when the id was stored already) or an error
+    (`{"error":{"code":..,"description":..}}`). Answers to tokens no longer expected (given up on,
+    then sent again) are ignored."""
+
+    def __init__(self, prefix: str, window: int) -> None:
+        self.prefix = prefix
+        self.window = window
+        self.sub: Any = None
+        self._next = 0
+        self._waiting: set[int] = set()
+        self._answers: dict[int, object] = {}
+        self._changed = asyncio.Event()
+        self._wake_at = -1  # the waiter's: set _changed when at most this many are waiting
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._waiting)
+
+    def expect(self) -> int:
+        self._next += 1
+        self._waiting.add(self._next)
+        return self._next
+
+    def forget(self, token: int) -> None:
+        self._waiting.discard(token)
+        self._answers.pop(token, None)
+
+    def take(self, token: int) -> object | None:
+        self._waiting.discard(token)
+        return self._answers.pop(token, None)
+
+    async def on_msg(self, msg: Any) -> None:
+        try:
+            token = int(msg.subject.rpartition(".")[2])
+        except ValueError:
+            return
+        if token not in self._waiting:
+            return
+        self._waiting.discard(token)
+        data: bytes = msg.data
+        if b'"error"' not in data and b'"seq"' in data:
+            # the server writes `"duplicate": true` (a space): parsed when the word is there at all
+            dup = b'"duplicate"' in data and orjson.loads(data).get("duplicate") is True
+            self._answers[token] = _DUPLICATE if dup else _STORED
+        else:
+            self._answers[token] = _problem(data, msg)
+        if len(self._waiting) <= self._wake_at:
+            self._changed.set()
+
+    async def until(self, at_most: int, timeout: float) -> bool:
+        """Until at most `at_most` publishes wait for their answer; False if that took too long."""
+        if len(self._waiting) <= at_most:
+            return True
+        self._wake_at = at_most
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=timeout)
+            return True
+        except TimeoutError:
+            return len(self._waiting) <= at_most
+        finally:
+            self._wake_at = -1
+
+
+def _problem(data: bytes, msg: Any) -> str:
+    """What an answer that is not a PubAck says (an error, or a no-responders status)."""
+    headers = getattr(msg, "headers", None) or {}
+    if not data and headers.get("Status") == "503":
+        return "no responders (the stream is not there)"
+    try:
+        err = orjson.loads(data).get("error") or {}
+        return f"JetStream refused it: {err.get('description', data[:200])} ({err.get('err_code', '')})"
+    except (orjson.JSONDecodeError, AttributeError):
+        return f"an answer that is not a PubAck: {data[:200]!r}"
 
 
 async def names_layout(js: JetStreamContext, replicas: int, node: str | None) -> None:

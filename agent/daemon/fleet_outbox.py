@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,7 @@ class Outbox:
     def segments(self) -> list[Path]:
         return sorted(self.event_dir.glob("seg-*.ndjson"))
 
-    def add_events(self, events: Sequence[Mapping[str, Any]]) -> bool:
+    def add_events(self, events: Sequence[dict[str, Any]]) -> bool:
         """Write a segment; False (nothing written) when it would pass max_bytes."""
         if not events:
             return True
@@ -145,7 +145,7 @@ class Outbox:
             write_atomic(self.event_dir / name, data, mode=0o600, fsync=False)
             self._event_bytes += len(data)
             self._event_count += len(events)
-            self._cache[name] = [dict(e) for e in events]
+            self._cache[name] = list(events)  # the caller's batch, not copied: it hands it over
         return True
 
     def read(self, seg: Path) -> list[dict[str, Any]]:
@@ -162,14 +162,14 @@ class Outbox:
                     logger.error("fleet outbox: skipping a corrupt line in %s", seg)
         return out
 
-    def done(self, seg: Path, rest: Sequence[Mapping[str, Any]] = ()) -> None:
+    def done(self, seg: Path, rest: Sequence[dict[str, Any]] = ()) -> None:
         """The segment's events were acknowledged but `rest`: rewrite it with those, or remove it."""
         with self._lock:
             size, count = _size(seg), len(self._cache.get(seg.name) or []) or _lines(seg)
             if rest:
                 data = b"".join(orjson.dumps(e, option=orjson.OPT_SORT_KEYS) + b"\n" for e in rest)
                 write_atomic(seg, data, mode=0o600, fsync=False)
-                self._cache[seg.name] = [dict(e) for e in rest]
+                self._cache[seg.name] = list(rest)
                 self._event_bytes += len(data) - size
                 self._event_count += len(rest) - count
                 return

@@ -73,6 +73,9 @@ class NatsSink(BaseModel):
     )
     batch_interval: float = Field(0.2, gt=0, description="longest wait before a partial batch is sent")
     ack_timeout: float = Field(10.0, gt=0, description="seconds to wait for JetStream's acknowledgements")
+    ack_window: int = Field(
+        2_000, ge=1, le=100_000, description="events published and not yet acknowledged, at most"
+    )
 
     @field_validator("servers")
     @classmethod

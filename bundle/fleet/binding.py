@@ -34,16 +34,34 @@ def _header_value(value: Any) -> str:
     return quote(text, safe=_SAFE)
 
 
+_HEADER_NAMES: dict[str, str] = {"datacontenttype": CONTENT_TYPE}
+
+
+def _header_name(name: str) -> str:
+    got = _HEADER_NAMES.get(name)
+    if got is None:
+        got = CE_PREFIX + name
+        if len(_HEADER_NAMES) < 256:  # attribute names are few; a flood of odd ones is not cached
+            _HEADER_NAMES[name] = got
+    return got
+
+
 def to_message(event: Mapping[str, Any]) -> tuple[dict[str, str], bytes]:
     """(headers, payload) of an event in binary content mode."""
     headers: dict[str, str] = {MSG_ID: _header_value(event["id"])}
     for name, value in event.items():
         if name == "data" or value is None:
             continue
-        if name == "datacontenttype":
-            headers[CONTENT_TYPE] = _header_value(value)
+        if (
+            type(value) is str
+            and value.isascii()
+            and value.isprintable()
+            and "%" not in value
+            and '"' not in value
+        ):
+            headers[_header_name(name)] = value  # most values: as _header_value returns them
         else:
-            headers[CE_PREFIX + name] = _header_value(value)
+            headers[_header_name(name)] = _header_value(value)
     payload = orjson.dumps(event.get("data"), option=orjson.OPT_SORT_KEYS)
     return headers, payload
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +35,7 @@ def publisher(
     tmp: Path, url: str, node: str = "node-a", inbox_prefix: str | None = None, **over: Any
 ) -> tuple[FleetPublisher, m.Registry]:
     reg = m.Registry()
-    sink = NatsSink(servers=[url], node=node, batch_interval=0.05, ack_timeout=2.0, **over)
+    sink = NatsSink(**{"servers": [url], "node": node, "batch_interval": 0.05, "ack_timeout": 2.0, **over})
     pub = FleetPublisher(
         sink, over.get("outbox_dir") or tmp / f"outbox-{node}", registry=reg, backoff=Backoff(0.1, 0.5),
         inbox_prefix=inbox_prefix,
@@ -175,3 +177,58 @@ def test_restarted_publisher_sends_its_backlog(tmp_path: Path, server: Server) -
         again.close()
     ids = [e["id"] for e in stream_events(server.url)]
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(f"s5:{i}" for i in range(50))
+
+
+def test_a_window_smaller_than_a_batch_still_sends_each_event_once(tmp_path: Path, server: Server) -> None:
+    pub, reg = publisher(tmp_path, server.url, batch_size=100, ack_window=7)
+    pub.start()
+    try:
+        for i in range(1000):
+            pub.submit(event("w1", i))
+        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 1000, what="events acked")
+    finally:
+        pub.close()
+    assert [e["id"] for e in stream_events(server.url)] == [f"w1:{i}" for i in range(1000)]
+    assert reg.value("evidence_fleet_events_duplicate_total") == 0
+    assert not pub.outbox.segments()
+
+
+def test_events_whose_acks_came_too_late_are_sent_again_and_stored_once(
+    tmp_path: Path, server: Server
+) -> None:
+    """The server frozen (SIGSTOP) holds the publishes unanswered past ack_timeout: the publisher
+    gives up on them and keeps them in the outbox; thawed, the server stores the first copies and
+    answers replies no one waits for; the copies sent again are dropped by their Nats-Msg-Id."""
+    assert server.proc is not None
+    pub, reg = publisher(tmp_path, server.url, ack_timeout=0.5)
+    pub.start()
+    try:
+        for i in range(10):
+            pub.submit(event("l1", i))
+        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="first events")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            for i in range(10, 400):
+                pub.submit(event("l1", i))
+            wait_for(lambda: reg.value("evidence_fleet_errors_total", what="publish") >= 1, what="a timeout")
+            assert pub.outbox.backlog().events > 0  # kept, not lost
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+
+        def all_answered() -> bool:
+            return (
+                reg.value("evidence_fleet_events_published_total")
+                + reg.value("evidence_fleet_events_duplicate_total")
+                >= 400
+            )
+
+        wait_for(all_answered, what="every event answered")
+        wait_for(lambda: not pub.outbox.segments(), what="the outbox emptied")
+    finally:
+        pub.close()
+    ids = [e["id"] for e in stream_events(server.url)]
+    assert sorted(ids) == sorted(f"l1:{i}" for i in range(400)) and len(ids) == 400
+    assert reg.value("evidence_fleet_events_duplicate_total") > 0
+    assert reg.value("evidence_fleet_events_published_total") == 400 - reg.value(
+        "evidence_fleet_events_duplicate_total"
+    )
