@@ -527,7 +527,10 @@ def test_one_runs_many_large_programs_do_not_starve_another_runs_hashes(agent: A
     ]
     assert len(a_execs) == 200
     reasons = {x.get("not_hashed") for x in a_execs}
-    assert "over_budget" in reasons and reasons <= {None, "over_budget", "timeout"}, reasons
+    # A is cut short by its budget (bytes or seconds); on a loaded machine its waits may time out
+    # first: either way not all of A is hashed, and what is not says why (the budget itself:
+    # tests/unit/test_exe_hash.py)
+    assert reasons & {"over_budget", "timeout"} and reasons <= {None, "over_budget", "timeout"}, reasons
     said = [e["data"] for e in of_type(a_events, "degradation") if e["data"]["component"] == "exe-hash"]
     assert said and "not hashed" in said[0]["reason"], said
 
