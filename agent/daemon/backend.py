@@ -557,6 +557,11 @@ class RecorderBackend:
             replacing=session_id,
         )
         self._probes.keep(old.session.cgroup_id)  # the new run's track must outlive the old untrack
+        rules, old.run.commands = old.run.commands, None
+        if rules is not None:  # the command rules go on deciding, the exec check on the new slot
+            rules.moved(new.session.slot)
+            rules.add_records = new.session.add_records
+            new.run.commands = rules
         self.finish(session_id, bundle_path)
         sha, _ = file_sha256(bundle_path)
         self.update_labels(new.session.session_id, {"previous_bundle_sha256": sha})
