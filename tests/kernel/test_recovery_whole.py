@@ -52,15 +52,15 @@ def _live_record(session: str) -> dict[str, Any]:
 
 
 def _kill_and_recover(
-    tmp_path: Path, shared: Path, *extra: str
-) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    tmp_path: Path, shared: Path, *extra: str, before: str = ""
+) -> tuple[dict[str, Any], dict[str, Any], list[Any], Path]:
     """`evidence run` of a job (as nobody) that says it started and sleeps, killed with SIGKILL
     while the job runs, then `evidence recover`: (the live run record, the recovered manifest and
     events)."""
     started = shared / "started"
     proc = subprocess.Popen(
         [sys.executable, "-m", "evidence", "run", "--bundle", str(tmp_path / "run.tar.gz"), *extra, "--",
-         *AS_NOBODY, "sh", "-c", f"touch {started}; sleep 30"],
+         *AS_NOBODY, "sh", "-c", f"{before}touch {started}; sleep 30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     _wait_for(started, proc)
@@ -113,6 +113,21 @@ def test_a_killed_run_with_a_policy_and_a_private_network_is_recovered_whole(
     # the job's first exec is the command's process: the record named it before the command ran
     execs = of_type(events, "process.exec")
     assert execs and execs[0]["data"]["pid"] == record["pid"]
+
+
+def test_a_killed_runs_command_rule_refusals_are_recovered(tmp_path: Path, shared: Path) -> None:
+    """The records made outside the ring buffer (here the exec supervisor's refusal) are journaled
+    as they are made, not held until the run ends: a kill -9 of `evidence run` loses none."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\ncommands:\n  default: allow\n  rules:\n    - {name: no-id, program: [id], decision: deny}\n"
+    )
+    _, manifest, events, _ = _kill_and_recover(
+        tmp_path, shared, "--policy", str(policy), "--quiet-denials", before="id; "
+    )
+    assert manifest["cut_short"] is True
+    refused = [e["data"] for e in of_type(events, "policy.denial") if e["data"]["operation"] == "exec"]
+    assert [(d["target"], d["rule"]) for d in refused] == [("/usr/bin/id", "commands.rules[0] (no-id)")]
 
 
 def test_a_killed_run_with_allow_setuid_keeps_its_degradation(tmp_path: Path, shared: Path) -> None:
