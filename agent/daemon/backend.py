@@ -26,6 +26,14 @@ drives a `Run`, agent/recorder/run.py). It adds to the recorder, from outside it
 - Kubernetes (agent/daemon/pods.py: `PodRuns`): one run per pod cgroup; containers are child cgroups,
   covered by the pod's run. Their records carry `cgroup` (the path below the pod's) and, when the
   scope name says so, `container` (the id); the run's labels also list every container seen.
+
+Why this module is over 600 lines (issue 23): it is one state machine, the table of runs and the
+lock that guards it, and every method left here reads or changes that table under the lock (start,
+isolate, finish, rotate, the housekeeping that walks the open runs). What does not touch the table
+is already elsewhere: the runs and what they run under (runs.py), a policy's pieces on an isolated
+run (policy.py), exit statuses (exits.py), spool wrappers (wrappers.py), pods (pods.py), a run's
+own life (agent/recorder/run.py). Cutting the rest in two would put the lock's invariants (a run
+is in the table until its bundle is written; `finishing` is set once, under the lock) in two files.
 """
 
 from __future__ import annotations
