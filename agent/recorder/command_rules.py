@@ -56,6 +56,27 @@ def user_notification() -> str | None:
     return None
 
 
+# filesystems whose files stat(2) names by another device than the one the kernel's check compares
+# (a btrfs subvolume's anonymous device): every exec of a program there would be killed
+UNPINNABLE = frozenset({"btrfs"})
+
+
+def unpinnable_programs(mountinfo: str) -> str | None:
+    """Why the exec check cannot be used here (None: it can): / or /usr (where programs are) is on a
+    filesystem whose files the pins cannot name (`UNPINNABLE`). `mountinfo`: /proc/self/mountinfo."""
+    types: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) >= 5 and right:
+            types[fields[4]] = right.split()[0]  # a later mount on the same point is over the earlier
+    for where in ("/", "/usr"):
+        fs = types.get(where) if where in types or where == "/" else types.get("/")
+        if fs in UNPINNABLE:
+            return f"{where} is {fs}, whose files stat(2) names by another device than the kernel's check"
+    return None
+
+
 class CommandRules:
     """The command rules of one run (this module's docstring)."""
 
@@ -120,6 +141,21 @@ class CommandRules:
         from evidence.bundle.format import Degradation
         from evidence.probes.bpfsys import ObjectError
 
+        try:
+            with open("/proc/self/mountinfo") as f:
+                unpinnable = unpinnable_programs(f.read())
+        except OSError:
+            unpinnable = None
+        if unpinnable is not None:  # every exec would be killed: a broken run, not a checked one
+            self.degrade(
+                Degradation(
+                    component="commands",
+                    reason=f"the exec check is off: {unpinnable}, so every exec would be killed",
+                    impact="an exec the command rules allowed may run other arguments or another file "
+                    "if another thread of the job rewrites them between the decision and the kernel's copy",
+                )
+            )
+            return None
         check = ExecCheck(self.pins, self.slot)
         try:
             check.enforce()
