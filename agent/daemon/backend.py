@@ -115,6 +115,7 @@ class RecorderBackend:
         self._not_ready: str | None = "the probes are loading"
         self._lock = threading.Lock()
         self._runs: dict[str, AgentRun] = {}
+        self._moved: dict[str, str] = {}  # a rotated run whose command rules went on -> the next run
         self._starting: set[Path] = set()
         self._events: dict[str, int] = {}
         self._lost_done: dict[str, int] = {}
@@ -403,6 +404,9 @@ class RecorderBackend:
         return run.info
 
     def _approval_record(self, session_id: str, rec: ApprovalRecord) -> None:
+        with self._lock:  # a run whose command rules went on in a later window (rotate)
+            while session_id in self._moved:
+                session_id = self._moved[session_id]
         run = self.run(session_id)
         if run is not None:
             run.session.add_records([rec])
@@ -570,6 +574,10 @@ class RecorderBackend:
             rules.moved(new.session.slot)
             rules.add_records = new.session.add_records
             new.run.commands = rules
+            if new.run.notices is None:  # the job is still told, through the new run
+                new.run.notices, old.run.notices = old.run.notices, None
+            with self._lock:  # its approvals' records (asked under the first run's id) go on too
+                self._moved[session_id] = new.session.session_id
         self.finish(session_id, bundle_path)
         sha, _ = file_sha256(bundle_path)
         self.update_labels(new.session.session_id, {"previous_bundle_sha256": sha})
