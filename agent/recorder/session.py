@@ -161,18 +161,43 @@ class Session:
         before the end loses none of them: `evidence recover` reads the journal beside the spool."""
         with self.journal_lock:
             self.extra_records += recs
-            if self.journal is None or not recs:
+            self._journal(recs)
+
+    def journal_early(self, recs: Sequence[SpoolRecord]) -> None:
+        """Journal records that are not the run's yet (limit events before the run's exits name
+        their victims): what a recovery has if the recorder dies first; `rejournal` drops them."""
+        with self.journal_lock:
+            self._journal(recs)
+
+    def rejournal(self) -> None:
+        """The journal holds the run's records made outside the ring buffer and nothing else (the
+        early ones dropped), replaced whole."""
+        with self.journal_lock:
+            if self.journal is None:
                 return
+            tmp = self.journal.with_name(self.journal.name + ".tmp")
             try:
-                fd = os.open(
-                    self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-                )
-                try:
-                    os.write(fd, b"".join(orjson.dumps(r) + b"\n" for r in recs))
-                finally:
-                    os.close(fd)
-            except OSError as e:  # the bundle still has them; only a recovery would miss them
-                logger.warning("run %s: cannot journal %d records: %s", self.session_id, len(recs), e)
+                tmp.unlink(missing_ok=True)
+                self._journal(self.extra_records, tmp)
+                if tmp.exists():
+                    tmp.replace(self.journal)
+                else:
+                    self.journal.unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning("run %s: cannot rewrite its journal: %s", self.session_id, e)
+
+    def _journal(self, recs: Sequence[SpoolRecord], to: Path | None = None) -> None:
+        path = to or self.journal
+        if path is None or not recs:
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"".join(orjson.dumps(r) + b"\n" for r in recs))
+            finally:
+                os.close(fd)
+        except OSError as e:  # the bundle still has them; only a recovery would miss them
+            logger.warning("run %s: cannot journal %d records: %s", self.session_id, len(recs), e)
 
     def drop_journal(self) -> None:
         """The run's records are all in its spool (it is closed): the journal is not needed."""

@@ -130,6 +130,25 @@ def test_a_killed_runs_command_rule_refusals_are_recovered(tmp_path: Path, share
     assert [(d["target"], d["rule"]) for d in refused] == [("/usr/bin/id", "commands.rules[0] (no-id)")]
 
 
+def test_a_killed_runs_limit_events_are_recovered(tmp_path: Path, shared: Path) -> None:
+    """A limit event (forks refused at limits.pids) is journaled when the recorder's poll sees it,
+    before the run's end would name its victims: a kill -9 of `evidence run` loses it not."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nlimits:\n  pids: 8\n")
+    bomb = shared / "bomb.py"
+    bomb.write_text(
+        "import os, time\nfor _ in range(32):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        continue\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n"
+    )
+    bomb.chmod(0o644)
+    _, manifest, events, _ = _kill_and_recover(
+        tmp_path, shared, "--policy", str(policy), before=f"python3 {bomb}; "
+    )
+    assert manifest["cut_short"] is True
+    forks = [e["data"] for e in of_type(events, "policy.limit") if e["data"]["kind"] == "fork_refused"]
+    assert forks and sum(f["count"] for f in forks) > 0, forks
+
+
 def test_a_killed_run_with_allow_setuid_keeps_its_degradation(tmp_path: Path, shared: Path) -> None:
     tmp_path.chmod(0o755)
     record, manifest, events, bundle = _kill_and_recover(tmp_path, shared, "--allow-setuid")
