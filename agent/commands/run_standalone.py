@@ -408,6 +408,9 @@ class StandaloneRun:
             tell=notices.tell if notices is not None else lambda _line: None,
             dry_run=dry_run,
             clock_ns=clock_ns,
+            pins=self.recorder.probes,
+            slot=session.slot,
+            degrade=run.degrade,
         )
         rules = run.commands
         return lambda listener: rules.supervise(listener, root)

@@ -26,6 +26,14 @@ drives a `Run`, agent/recorder/run.py). It adds to the recorder, from outside it
 - Kubernetes (agent/daemon/pods.py: `PodRuns`): one run per pod cgroup; containers are child cgroups,
   covered by the pod's run. Their records carry `cgroup` (the path below the pod's) and, when the
   scope name says so, `container` (the id); the run's labels also list every container seen.
+
+Why this module is over 600 lines (issue 23): it is one state machine, the table of runs and the
+lock that guards it, and every method left here reads or changes that table under the lock (start,
+isolate, finish, rotate, the housekeeping that walks the open runs). What does not touch the table
+is already elsewhere: the runs and what they run under (runs.py), a policy's pieces on an isolated
+run (policy.py), exit statuses (exits.py), spool wrappers (wrappers.py), pods (pods.py), a run's
+own life (agent/recorder/run.py). Cutting the rest in two would put the lock's invariants (a run
+is in the table until its bundle is written; `finishing` is set once, under the lock) in two files.
 """
 
 from __future__ import annotations
@@ -107,6 +115,7 @@ class RecorderBackend:
         self._not_ready: str | None = "the probes are loading"
         self._lock = threading.Lock()
         self._runs: dict[str, AgentRun] = {}
+        self._moved: dict[str, str] = {}  # a rotated run whose command rules went on -> the next run
         self._starting: set[Path] = set()
         self._events: dict[str, int] = {}
         self._lost_done: dict[str, int] = {}
@@ -395,6 +404,9 @@ class RecorderBackend:
         return run.info
 
     def _approval_record(self, session_id: str, rec: ApprovalRecord) -> None:
+        with self._lock:  # a run whose command rules went on in a later window (rotate)
+            while session_id in self._moved:
+                session_id = self._moved[session_id]
         run = self.run(session_id)
         if run is not None:
             run.session.add_records([rec])
@@ -557,6 +569,15 @@ class RecorderBackend:
             replacing=session_id,
         )
         self._probes.keep(old.session.cgroup_id)  # the new run's track must outlive the old untrack
+        rules, old.run.commands = old.run.commands, None
+        if rules is not None:  # the command rules go on deciding, the exec check on the new slot
+            rules.moved(new.session.slot)
+            rules.add_records = new.session.add_records
+            new.run.commands = rules
+            if new.run.notices is None:  # the job is still told, through the new run
+                new.run.notices, old.run.notices = old.run.notices, None
+            with self._lock:  # its approvals' records (asked under the first run's id) go on too
+                self._moved[session_id] = new.session.session_id
         self.finish(session_id, bundle_path)
         sha, _ = file_sha256(bundle_path)
         self.update_labels(new.session.session_id, {"previous_bundle_sha256": sha})

@@ -159,6 +159,9 @@ def command_rules(
         tell=notices.tell if notices is not None else lambda _line: None,
         dry_run=enforcement.mode == "dry-run",
         clock_ns=lambda: time.monotonic_ns() + offset,
+        pins=recorder.probes,
+        slot=run.session.slot,
+        degrade=run.degrade,
     )
     try:
         rules.supervise(listener, pid)

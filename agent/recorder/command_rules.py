@@ -10,9 +10,12 @@ records). Refusals and waits are told to the job (`tell`: the run's `NoticeWrite
 a dup of its stderr, unless `--quiet-denials`). `close` (once the run's processes are gone) stops the
 supervisor and withdraws what still waits.
 
-The no-race check after an allowed exec (exec_check.py, its BPF half to come) plugs in here:
-`ExecSupervisor(publish=..., check_key=...)` in `supervise`; until then `publish` is None and
-what another thread rewrites between the decision and the kernel's copy is not caught.
+The no-race check after an allowed exec (exec_check.py, probes/bpf/exec_check.bpf.c): `supervise`
+builds the run's `ExecCheck` on the run's slot and enforces it before it answers the command's first
+exec (the launcher's own execs are over by then: it hands the listener over last), so that from
+then on every exec of the run must have been pinned by the supervisor (`publish`) or is killed
+before its first instruction; `close` releases it. A kernel that refuses the check's program leaves
+the race open: `degrade` says so (the run's manifest), the rules still decide.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from evidence.agent.recorder.exec_check import ExecCheck, ExecPins
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, denial_record
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.approvals import ApprovalBroker
+    from evidence.bundle.format import Degradation
     from evidence.bundle.record_types import SpoolRecord
     from evidence.policy.model import Policy
 
@@ -51,6 +56,27 @@ def user_notification() -> str | None:
     return None
 
 
+# filesystems whose files stat(2) names by another device than the one the kernel's check compares
+# (a btrfs subvolume's anonymous device): every exec of a program there would be killed
+UNPINNABLE = frozenset({"btrfs"})
+
+
+def unpinnable_programs(mountinfo: str) -> str | None:
+    """Why the exec check cannot be used here (None: it can): / or /usr (where programs are) is on a
+    filesystem whose files the pins cannot name (`UNPINNABLE`). `mountinfo`: /proc/self/mountinfo."""
+    types: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) >= 5 and right:
+            types[fields[4]] = right.split()[0]  # a later mount on the same point is over the earlier
+    for where in ("/", "/usr"):
+        fs = types.get(where) if where in types or where == "/" else types.get("/")
+        if fs in UNPINNABLE:
+            return f"{where} is {fs}, whose files stat(2) names by another device than the kernel's check"
+    return None
+
+
 class CommandRules:
     """The command rules of one run (this module's docstring)."""
 
@@ -65,6 +91,9 @@ class CommandRules:
         tell: Callable[[str], None] = lambda _line: None,
         dry_run: bool = False,
         clock_ns: Callable[[], int] = time.time_ns,
+        pins: ExecPins | None = None,
+        slot: int = 0,
+        degrade: Callable[[Degradation], None] = lambda _said: None,
     ) -> None:
         assert policy.commands is not None
         self.session_id = session_id
@@ -77,11 +106,17 @@ class CommandRules:
         self.dry_run = dry_run
         self.clock_ns = clock_ns
         self.supervisor: ExecSupervisor | None = None
+        # the exec check (None: no probes to pin through, e.g. fakes): built by `supervise`
+        self.pins = pins
+        self.slot = slot
+        self.degrade = degrade
+        self.check: ExecCheck | None = None
 
     def supervise(self, listener: int, root_pid: int) -> None:
         """Decide the execs of the process `root_pid` (the command's, about to exec it) and of
         everything it starts, from the filter's `listener` (owned from now on)."""
         try:
+            check = self._enforce()
             self.supervisor = ExecSupervisor(
                 listener,
                 self.commands,
@@ -90,12 +125,65 @@ class CommandRules:
                 on_decision=self._decided,
                 tell=self.tell,
                 dry_run=self.dry_run,
-                publish=None,  # the BPF exec check plugs in here (exec_check.py)
+                publish=check.publish if check is not None else None,
+                check_key=check.key if check is not None else b"",
             )
             self.supervisor.start()
         except BaseException:
             os.close(listener)  # the job's execs fail (ENOSYS): nothing runs undecided
             raise
+
+    def _enforce(self) -> ExecCheck | None:
+        """The run's exec check, enforced (None: not in force, and the run says why; a dry run
+        refuses nothing, so has nothing to check)."""
+        if self.pins is None or self.dry_run:
+            return None
+        from evidence.bundle.format import Degradation
+        from evidence.probes.bpfsys import ObjectError
+
+        try:
+            with open("/proc/self/mountinfo") as f:
+                unpinnable = unpinnable_programs(f.read())
+        except OSError:
+            unpinnable = None
+        if unpinnable is not None:  # every exec would be killed: a broken run, not a checked one
+            self.degrade(
+                Degradation(
+                    component="commands",
+                    reason=f"the exec check is off: {unpinnable}, so every exec would be killed",
+                    impact="an exec the command rules allowed may run other arguments or another file "
+                    "if another thread of the job rewrites them between the decision and the kernel's copy",
+                )
+            )
+            return None
+        check = ExecCheck(self.pins, self.slot)
+        try:
+            check.enforce()
+        except ObjectError as e:
+            logger.warning("run %s: the exec check is not in force: %s", self.session_id, e)
+            self.degrade(
+                Degradation(
+                    component="commands",
+                    reason=f"the kernel refused the exec check: {e}",
+                    impact="an exec the command rules allowed may run other arguments or another file "
+                    "if another thread of the job rewrites them between the decision and the kernel's copy",
+                )
+            )
+            return None
+        self.check = check
+        return check
+
+    def moved(self, slot: int) -> None:
+        """The run's records go to slot `slot` from now on (a window cut by the agent): its execs
+        are checked there with the same key (the supervisor's pins stay valid), then not in the
+        old slot."""
+        old, self.slot = self.check, slot
+        if old is None:
+            return
+        new = ExecCheck(old.probes, slot, key=old.key)
+        new.enforce()
+        self.check = new
+        old.release()
 
     def _decided(self, result: ExecDecision) -> None:
         rec = denial_record(result, self.clock_ns())
@@ -107,4 +195,10 @@ class CommandRules:
         sup, self.supervisor = self.supervisor, None
         if sup is not None:
             sup.stop()
+        check, self.check = self.check, None
+        if check is not None:
+            try:
+                check.release()
+            except Exception as e:  # noqa: BLE001 - the slot's key is wiped when the slot is reused
+                logger.warning("run %s: releasing the exec check failed: %s", self.session_id, e)
         self.broker.close_run(self.session_id)

@@ -31,6 +31,7 @@ from evidence.agent.recorder.procfs import (
     proc_lookup,
     tgid_of,
 )
+from evidence.agent.recorder.recovery import JOURNAL_SUFFIX
 from evidence.agent.recorder.session import Session, Spool
 from evidence.bundle.command import judge
 from evidence.bundle.format import Artifacts, Degradation
@@ -148,6 +149,7 @@ class Recorder(Pipeline):
                 if detail == "full"
                 else max(1, self.max_distinct if max_distinct is None else max_distinct),
             )
+            session.journal = self.spool_dir / f"{sid}{JOURNAL_SUFFIX}"
             session.correlator.cgroup_name = names
             session.correlator.run_cgroup = str(cgroup_path)
             session.correlator.cgroup_mount = cgroup_mount_of(cgroup_path)
@@ -279,8 +281,10 @@ class Recorder(Pipeline):
         if session.observer is not None:  # held back behind an exec's hash: not observed yet
             held += session.observer(held)
         session.spool.write_many(held + pending + session.correlator.flush() + counted)
-        session.spool.write_many(session.extra_records)
-        session.spool.close()
+        with session.journal_lock:  # no record made from now on is lost to the spool
+            session.spool.write_many(session.extra_records)
+            session.spool.close()
+        session.drop_journal()
         command, claimed = session.command, None
         if session.claimed:  # what the kernel executed, and the caller's claim beside it
             verdict = judge(session.command, session.correlator.root_exec)

@@ -24,7 +24,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from evidence.agent.recorder.description import DescriptionError, RunDescription
 from evidence.bundle.format import Degradation
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 RUN_META_SUFFIX = ".run.json"
 SPOOL_SUFFIX = ".spool.zst"
+# beside a run's spool: the records made outside the ring buffer, as they are made (Session.journal)
+JOURNAL_SUFFIX = ".records.ndjson"
 
 
 def unique_path(path: Path) -> Path:
@@ -161,7 +163,8 @@ def recover_spools(
         meta_path = spool_dir / f"{sid}{RUN_META_SUFFIX}"
         info = read_run_record(meta_path, sid)
         state = ReadState()
-        records = tolerant_records(spool, state)
+        journal = spool_dir / f"{sid}{JOURNAL_SUFFIX}"
+        records = _with_journal(tolerant_records(spool, state), journal)
         last_t = first_t = count = 0
         root: SpoolRecord | None = None  # the first exec of the process that started the command
         for r in records():
@@ -241,6 +244,7 @@ def recover_spools(
             move_aside(spool, meta_path, spool_dir, str(e))
             continue
         spool.unlink(missing_ok=True)
+        journal.unlink(missing_ok=True)
         meta_path.unlink(missing_ok=True)
         logger.warning("recovered run %s into %s%s", sid, target, "" if info.ended else " (cut short)")
         out.append(target)
@@ -250,6 +254,36 @@ def recover_spools(
         ):
             orphan.unlink(missing_ok=True)
     return out
+
+
+def _with_journal(
+    spooled: Callable[[], Iterator[SpoolRecord]], journal: Path
+) -> Callable[[], Iterator[SpoolRecord]]:
+    """The spool's records, then those of the run's journal (Session.add_records: denials,
+    approvals, limit events made outside the ring buffer; a finished run's are in its spool and
+    its journal is gone), up to its first unreadable line."""
+    import orjson
+
+    def gen() -> Iterator[SpoolRecord]:
+        yield from spooled()
+        try:
+            with open(journal, "rb") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return
+        for line in lines:
+            try:
+                loaded: object = orjson.loads(line)
+            except orjson.JSONDecodeError:  # a line cut off mid-write: the end of what survived
+                return
+            if (
+                isinstance(loaded, dict)
+                and isinstance(loaded.get("k"), str)
+                and isinstance(loaded.get("t"), int)
+            ):
+                yield cast("SpoolRecord", loaded)  # the recorder's own file, like the spool
+
+    return gen
 
 
 def _safe_dir(path: Path) -> Path | None:

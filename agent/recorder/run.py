@@ -215,15 +215,22 @@ class Run:
         since, self._polled_ns = self._polled_ns, watcher.clock_ns()
         events = watcher.poll()
         self._limit_events += [(e, since) for e in events]
+        if events:  # what a recovery has if the recorder dies before the run's end names the victims
+            self.session.journal_early(self._limit_records_of([(e, since) for e in events]))
         wall = any(e.kind == "wall" for e in events)
         self.wall_reached = self.wall_reached or wall
         return wall
 
     def _limit_records(self) -> list[LimitRecord]:
+        out = self._limit_records_of(self._limit_events)
+        self._limit_events = []
+        return out
+
+    def _limit_records_of(self, events: Sequence[tuple[LimitEvent, int]]) -> list[LimitRecord]:
         from evidence.agent.recorder.limits import name_victims
 
         out: list[LimitRecord] = []
-        for event, since in self._limit_events:
+        for event, since in events:
             e = name_victims(event, self._killed, since)
             detail = e.describe()
             if e.kind == "wall" and self.limits is not None:
@@ -240,7 +247,6 @@ class Run:
                     "detail": detail,
                 }
             )
-        self._limit_events = []
         return out
 
     def launched(self, pid: int) -> None:
@@ -322,6 +328,7 @@ class Run:
             self.recorder.drain()
             self.poll_limits()
             self.session.add_records(self._limit_records())
+            self.session.rejournal()  # the early limit records out, the named ones in
         try:  # (the policy's matching of records held back behind a hash runs in the recorder's finish)
             manifest = self.recorder.finish(
                 self.session,

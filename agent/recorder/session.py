@@ -9,9 +9,14 @@ records of its own), and `describe()` is what its run record on disk holds, whol
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+import orjson
 
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
@@ -29,6 +34,8 @@ from evidence.bundle.writer import Behaviour
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.cgroups import CgroupNames
+
+logger = logging.getLogger(__name__)
 
 
 class Spool(Protocol):
@@ -72,6 +79,8 @@ class Session:
     degradations: list[Degradation] = dataclasses.field(default_factory=list)
     failed: int = 0  # records of batches the correlator failed on (a bug: logged), not recorded
     extra_records: list[SpoolRecord] = dataclasses.field(default_factory=list)
+    journal: Path | None = None  # where add_records journals them (JOURNAL_SUFFIX beside the spool)
+    journal_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     # what the run id is made of, fed by the spool as records are written (the writer's Behaviour)
     behaviour: Behaviour | None = None
@@ -146,9 +155,56 @@ class Session:
         self.observer = observer
 
     def add_records(self, recs: Sequence[SpoolRecord]) -> None:
-        """Records of the run made outside the ring buffer (the connect guard's denials): spooled
-        when the run finishes."""
-        self.extra_records += recs
+        """Records of the run made outside the ring buffer (the connect guard's denials, the command
+        rules' refusals and approvals, limit events): spooled when the run finishes, and journaled
+        as they are made (`journal`, one JSON line each, written through) so that a recorder killed
+        before the end loses none of them: `evidence recover` reads the journal beside the spool."""
+        with self.journal_lock:
+            self.extra_records += recs
+            self._journal(recs)
+
+    def journal_early(self, recs: Sequence[SpoolRecord]) -> None:
+        """Journal records that are not the run's yet (limit events before the run's exits name
+        their victims): what a recovery has if the recorder dies first; `rejournal` drops them."""
+        with self.journal_lock:
+            self._journal(recs)
+
+    def rejournal(self) -> None:
+        """The journal holds the run's records made outside the ring buffer and nothing else (the
+        early ones dropped), replaced whole."""
+        with self.journal_lock:
+            if self.journal is None:
+                return
+            tmp = self.journal.with_name(self.journal.name + ".tmp")
+            try:
+                tmp.unlink(missing_ok=True)
+                self._journal(self.extra_records, tmp)
+                if tmp.exists():
+                    tmp.replace(self.journal)
+                else:
+                    self.journal.unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning("run %s: cannot rewrite its journal: %s", self.session_id, e)
+
+    def _journal(self, recs: Sequence[SpoolRecord], to: Path | None = None) -> None:
+        path = to or self.journal
+        if path is None or not recs:
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"".join(orjson.dumps(r) + b"\n" for r in recs))
+            finally:
+                os.close(fd)
+        except OSError as e:  # the bundle still has them; only a recovery would miss them
+            logger.warning("run %s: cannot journal %d records: %s", self.session_id, len(recs), e)
+
+    def drop_journal(self) -> None:
+        """The run's records are all in its spool (it is closed): the journal is not needed."""
+        with self.journal_lock:
+            if self.journal is not None:
+                self.journal.unlink(missing_ok=True)
+                self.journal = None
 
     def update_labels(self, labels: Mapping[str, str]) -> None:
         self.labels.update(labels)

@@ -52,15 +52,15 @@ def _live_record(session: str) -> dict[str, Any]:
 
 
 def _kill_and_recover(
-    tmp_path: Path, shared: Path, *extra: str
-) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    tmp_path: Path, shared: Path, *extra: str, before: str = ""
+) -> tuple[dict[str, Any], dict[str, Any], list[Any], Path]:
     """`evidence run` of a job (as nobody) that says it started and sleeps, killed with SIGKILL
     while the job runs, then `evidence recover`: (the live run record, the recovered manifest and
     events)."""
     started = shared / "started"
     proc = subprocess.Popen(
         [sys.executable, "-m", "evidence", "run", "--bundle", str(tmp_path / "run.tar.gz"), *extra, "--",
-         *AS_NOBODY, "sh", "-c", f"touch {started}; sleep 30"],
+         *AS_NOBODY, "sh", "-c", f"{before}touch {started}; sleep 30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     _wait_for(started, proc)
@@ -113,6 +113,40 @@ def test_a_killed_run_with_a_policy_and_a_private_network_is_recovered_whole(
     # the job's first exec is the command's process: the record named it before the command ran
     execs = of_type(events, "process.exec")
     assert execs and execs[0]["data"]["pid"] == record["pid"]
+
+
+def test_a_killed_runs_command_rule_refusals_are_recovered(tmp_path: Path, shared: Path) -> None:
+    """The records made outside the ring buffer (here the exec supervisor's refusal) are journaled
+    as they are made, not held until the run ends: a kill -9 of `evidence run` loses none."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\ncommands:\n  default: allow\n  rules:\n    - {name: no-id, program: [id], decision: deny}\n"
+    )
+    _, manifest, events, _ = _kill_and_recover(
+        tmp_path, shared, "--policy", str(policy), "--quiet-denials", before="id; "
+    )
+    assert manifest["cut_short"] is True
+    refused = [e["data"] for e in of_type(events, "policy.denial") if e["data"]["operation"] == "exec"]
+    assert [(d["target"], d["rule"]) for d in refused] == [("/usr/bin/id", "commands.rules[0] (no-id)")]
+
+
+def test_a_killed_runs_limit_events_are_recovered(tmp_path: Path, shared: Path) -> None:
+    """A limit event (forks refused at limits.pids) is journaled when the recorder's poll sees it,
+    before the run's end would name its victims: a kill -9 of `evidence run` loses it not."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nlimits:\n  pids: 8\n")
+    bomb = shared / "bomb.py"
+    bomb.write_text(
+        "import os, time\nfor _ in range(32):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        continue\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n"
+    )
+    bomb.chmod(0o644)
+    _, manifest, events, _ = _kill_and_recover(
+        tmp_path, shared, "--policy", str(policy), before=f"python3 {bomb}; "
+    )
+    assert manifest["cut_short"] is True
+    forks = [e["data"] for e in of_type(events, "policy.limit") if e["data"]["kind"] == "fork_refused"]
+    assert forks and sum(f["count"] for f in forks) > 0, forks
 
 
 def test_a_killed_run_with_allow_setuid_keeps_its_degradation(tmp_path: Path, shared: Path) -> None:

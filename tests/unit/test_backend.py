@@ -245,3 +245,21 @@ def test_a_recovered_run_says_what_the_kernel_executed(
     assert manifest["command"] == argv and manifest["claimed_command"] == ["true"]
     components = [e["data"]["component"] for e in read_events(out) if e["type"] == "dev.evidence.degradation"]
     assert ("command" in components) == differs
+
+
+def test_a_recovered_run_keeps_its_journaled_records(tmp_path: Path) -> None:
+    """Records made outside the ring buffer are journaled as they are made (Session.add_records):
+    recovery adds them after the spool's, up to a line cut off mid-write, and removes the journal."""
+    spool_dir, bundles = tmp_path / "spool", tmp_path / "bundles"
+    meta = {"session_id": "s1", "cgroup": "/sys/fs/cgroup/x", "started_ns": 500, "labels": {},
+            "command": [], "cwd": ""}  # fmt: skip
+    _dead_agent_spool(spool_dir, "s1", 2, meta)
+    journaled = {"k": "exec", "t": 3_000, "pid": 200, "ppid": 5, "depth": 1, "filename": "/bin/false",
+                 "argv": ["false"], "argv_truncated": False, "cwd": "/", "result": 0}  # fmt: skip
+    (spool_dir / "s1.records.ndjson").write_bytes(json.dumps(journaled).encode() + b'\n{"k": "exe')
+    bundles.mkdir()
+    recover_spools(spool_dir, bundles)
+    _, events = read_bundle(bundles / "s1.tar.gz")
+    execs = [e["data"] for e in events if e["type"].endswith(".exec")]
+    assert [d["filename"] for d in execs][-1] == "/bin/false" and len(execs) == 3
+    assert not (spool_dir / "s1.records.ndjson").exists()

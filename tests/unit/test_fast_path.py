@@ -271,3 +271,24 @@ def _fields(raw: bytes) -> tuple[Any, ...]:
         dino,
         rino,
     )
+
+
+def test_records_made_outside_the_ring_are_journaled_and_early_ones_replaced(tmp_path: Path) -> None:
+    """Session.add_records journals as it goes (what `evidence recover` adds to a killed run's
+    spool); journal_early records (limit events not named yet) go at rejournal; drop_journal at the
+    end."""
+    _, session, _ = stopped_recorder(tmp_path)
+    session.journal = tmp_path / "s.records.ndjson"
+    denial: Any = {"k": "denial", "t": 1}
+    early: Any = {"k": "limit", "t": 2, "pids": []}
+    named: Any = {"k": "limit", "t": 2, "pids": [7]}
+    session.add_records([denial])
+    session.journal_early([early])
+    lines = [json.loads(x) for x in session.journal.read_text().splitlines()]
+    assert lines == [denial, early]
+    session.add_records([named])
+    session.rejournal()
+    assert [json.loads(x) for x in session.journal.read_text().splitlines()] == [denial, named]
+    assert session.extra_records == [denial, named]
+    session.drop_journal()
+    assert not (tmp_path / "s.records.ndjson").exists() and session.journal is None
