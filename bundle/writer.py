@@ -10,6 +10,9 @@ records and metadata always give the same bytes: fixed tar metadata (mtime 0, ui
 no user names), gzip header mtime 0 and no file name, canonical JSON everywhere. A signed bundle
 (`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too. The
 bundle file itself is 0600 whatever the umask: it holds the run's argv, file names and peers.
+
+(Over 600 lines on purpose: one pass over the spool makes the events, their hashes, the manifest
+and the tar.gz together, in the order the bytes come out; the run id's sets are bundle/run_id.py's.)
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ asyncio loop with one NATS connection that reconnects for good:
 
 A restarted agent sends what its outbox holds. Refusals (a permission violation, a full stream) are
 errors in the log and in `evidence_fleet_errors_total`, never a crash.
+
+(Over 600 lines on purpose: the publisher's sender thread, its event loop and the ack window are one
+state machine over the outbox; the outbox itself is agent/daemon/fleet_outbox.py.)
 """
 
 from __future__ import annotations

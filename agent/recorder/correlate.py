@@ -7,6 +7,9 @@ dup come as one record with their result (paired in the kernel); an exec's attem
 for its result record (or its success, exec_ok) from the same thread. What a call's record says
 from its own fields (results, flags, file changes, namespace calls) is agent/recorder/calls.py; DNS
 queries and answers agent/recorder/dns.py; names resolved through the tables agent/recorder/names.py.
+
+(Over 600 lines on purpose: the process table, with each process's cwd, descriptors and namespace
+marks, is what every record kind is resolved against; what a call's own fields say is calls.py's.)
 """
 
 from __future__ import annotations

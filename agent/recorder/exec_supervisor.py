@@ -1,5 +1,5 @@
 """The exec supervisor's core: command rules decided before the program runs, by seccomp user
-notification (issue 24; not wired into a run yet).
+notification (issue 24; a run starts and stops it through agent/recorder/command_rules.py).
 
 The command's launcher, just before it execs the command, calls `install_exec_filter()`: Debian's
 libseccomp binding (python3-seccomp) loads a filter that sends `execve` and `execveat` to a
@@ -22,8 +22,14 @@ restrictive winning.
 
 CONTINUE lets the kernel read the path and argv again: another thread of the caller may rewrite
 them between the decision and the exec. That race is closed by a check of what the kernel really
-loaded at sched_process_exec (issue 24, a BPF program: not here). If the supervisor goes away, the
+loaded: before it answers CONTINUE the supervisor pins what it allowed for the calling thread
+(agent/recorder/exec_check.py), and probes/bpf/exec_check.bpf.c kills, at sched_process_exec, an
+exec whose file or arguments differ, or that nothing pinned. If the supervisor goes away, the
 kernel fails every waiting and later exec of the job with ENOSYS: command rules fail closed.
+
+(Over 600 lines on purpose: resolving what an exec would run, through the caller's root, cwd,
+descriptors, `#!` lines and the dynamic loader, is one piece with the decision it feeds; a split
+would pass the caller's half-resolved state between modules.)
 """
 
 from __future__ import annotations
