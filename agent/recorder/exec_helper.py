@@ -11,7 +11,8 @@ in the way of the join.
 The answer goes to STATUS_FD, which is close-on-exec: `R` just before the exec, then EOF when it
 succeeded or `E<errno>` when it failed (after the join: the failed exec is recorded); `S<text>` when
 the set-up failed (before the join: nothing ran). No answer at all: the helper died. Standard library only, and no import of
-evidence's beyond the system-call module, so it starts in a few tens of milliseconds.
+evidence's beyond the system-call module (and, for a run with command rules, the exec filter's), so
+it starts in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -74,23 +75,16 @@ def _import_seccomp() -> ModuleType:
 
 
 def _hand_over_exec_listener(seccomp: ModuleType, sock_fd: int) -> None:
-    """Load the seccomp filter that sends execve/execveat to a listener (as
-    agent/recorder/exec_supervisor.py install_exec_filter) and hand the listener to the recorder
-    over `sock_fd`, keeping no copy: a job holding it could answer its own execs."""
+    """Load the seccomp filter that sends execve/execveat to a listener and hand the listener to the
+    recorder over `sock_fd`, keeping no copy (agent/recorder/exec_filter.py)."""
     import socket
 
-    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    f.add_rule(seccomp.NOTIFY, "execve")
-    f.add_rule(seccomp.NOTIFY, "execveat")
-    f.load()
-    fd = int(f.get_notify_fd())
-    if fd < 0:
-        raise OSError(38, "seccomp gave no listener descriptor")
+    from evidence.agent.recorder.exec_filter import load_exec_filter, send_listener
+
     sock = socket.socket(fileno=sock_fd)
     try:
-        socket.send_fds(sock, [b"L"], [fd])
+        send_listener(sock, load_exec_filter(seccomp))
     finally:
-        os.close(fd)
         sock.close()
 
 

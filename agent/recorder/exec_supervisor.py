@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from evidence.agent.recorder.approvals import Asked
 from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec, shebang
+from evidence.agent.recorder.exec_filter import load_exec_filter
 from evidence.bundle.record_types import DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
 from evidence.policy.governance import CommandsPolicy
@@ -88,22 +89,7 @@ def install_exec_filter() -> int:
     is about to exec the command: it applies to that process and everything it starts."""
     import seccomp  # Debian's python3-seccomp: in scripts/setup.sh's apt list
 
-    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    f.add_rule(seccomp.NOTIFY, "execve")
-    f.add_rule(seccomp.NOTIFY, "execveat")
-    f.load()
-    fd = int(f.get_notify_fd())
-    if fd < 0:
-        raise OSError(errno.ENOSYS, "seccomp gave no listener descriptor")
-    return fd
-
-
-def send_listener(sock: socket.socket, fd: int) -> None:
-    """Hand the listener to the supervisor and close this process's copy."""
-    try:
-        socket.send_fds(sock, [b"L"], [fd])
-    finally:
-        os.close(fd)
+    return load_exec_filter(seccomp)
 
 
 def receive_listener(sock: socket.socket) -> int:

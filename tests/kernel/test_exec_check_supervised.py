@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAUNCHER = """\
 import os, socket, sys
-from evidence.agent.recorder.exec_supervisor import install_exec_filter, send_listener
+from evidence.agent.recorder.exec_filter import send_listener
+from evidence.agent.recorder.exec_supervisor import install_exec_filter
 sock = socket.socket(fileno=int(sys.argv[1]))
 send_listener(sock, install_exec_filter())
 sock.close()

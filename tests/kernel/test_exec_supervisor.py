@@ -24,7 +24,8 @@ NOBODY = 65534
 
 LAUNCHER = """\
 import os, socket, sys
-from evidence.agent.recorder.exec_supervisor import install_exec_filter, send_listener
+from evidence.agent.recorder.exec_filter import send_listener
+from evidence.agent.recorder.exec_supervisor import install_exec_filter
 sock = socket.socket(fileno=int(sys.argv[1]))
 send_listener(sock, install_exec_filter())
 sock.close()

@@ -123,11 +123,13 @@ def test_outbox_survives_kill_9(tmp_path: Path) -> None:
     server.stop()
     agent = Agent(tmp_path, env=agent_env(server))
     bundle = tmp_path / "run.tar.gz"
-    manifest = record(agent, bundle, "job=fleet")
-    metrics = wait_metric(agent, 'evidence_fleet_backlog_items{kind="bundle"}', 1)
-    n = recorded_events(metrics)
-    wait_metric(agent, 'evidence_fleet_backlog_items{kind="event"}', n)
-    agent.stop(signal.SIGKILL)
+    try:
+        manifest = record(agent, bundle, "job=fleet")
+        metrics = wait_metric(agent, 'evidence_fleet_backlog_items{kind="bundle"}', 1)
+        n = recorded_events(metrics)
+        wait_metric(agent, 'evidence_fleet_backlog_items{kind="event"}', n)
+    finally:
+        agent.stop(signal.SIGKILL)  # the test's kill -9; after a failure, no agent is left running
     outbox = tmp_path / "fleet-outbox"
     assert list((outbox / "bundles").glob("*.json")) and list((outbox / "events").glob("seg-*"))
     server.start()

@@ -1,0 +1,37 @@
+"""The seccomp filter that sends a job's execve and execveat to the exec supervisor (command rules),
+loaded in the process about to exec the command, and its listener handed over.
+
+Standard library only, and Debian's python3-seccomp passed in: the launcher (exec_helper.py) imports
+the binding before it joins the run's cgroup and uses this module after, and the agent's client
+(run_agent.py) and `doctor` use it through exec_supervisor.install_exec_filter.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from types import ModuleType
+
+
+def load_exec_filter(seccomp: ModuleType) -> int:
+    """Load a filter sending execve/execveat to a listener; return the listener's descriptor
+    (close-on-exec). Sets no_new_privs, as an unprivileged filter needs. It applies to this process
+    and everything it starts."""
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "execve")
+    f.add_rule(seccomp.NOTIFY, "execveat")
+    f.load()
+    fd = int(f.get_notify_fd())
+    if fd < 0:
+        raise OSError(errno.ENOSYS, "seccomp gave no listener descriptor")
+    return fd
+
+
+def send_listener(sock: socket.socket, fd: int) -> None:
+    """Hand the listener to the supervisor and close this process's copy: a job holding one could
+    answer its own execs."""
+    try:
+        socket.send_fds(sock, [b"L"], [fd])
+    finally:
+        os.close(fd)
