@@ -21,7 +21,7 @@ import json
 import os
 import signal
 import sys
-from types import ModuleType
+from collections.abc import Callable
 from typing import NoReturn, TypedDict
 
 from evidence.policy import landlock_syscalls as ll
@@ -64,28 +64,28 @@ def _fail(status: int, message: bytes, code: int) -> NoReturn:
         os._exit(code)
 
 
-def _import_seccomp() -> ModuleType:
-    """Debian's python3-seccomp, imported before the cgroup join (its files are not the job's)."""
+def _exec_listener_hand_over() -> Callable[[int], None]:
+    """What a run with command rules needs last, imported first: Debian's python3-seccomp and the
+    exec filter's module (agent/recorder/exec_filter.py), before Landlock and the cgroup join (their
+    files are not the job's, and the job's domain may not let them be read); the hand-over of the
+    listener to the recorder over a socket descriptor, keeping no copy."""
     import importlib
-
-    try:
-        return importlib.import_module("seccomp")
-    except ImportError as e:
-        raise OSError(38, f"command rules need python3-seccomp: {e}") from None
-
-
-def _hand_over_exec_listener(seccomp: ModuleType, sock_fd: int) -> None:
-    """Load the seccomp filter that sends execve/execveat to a listener and hand the listener to the
-    recorder over `sock_fd`, keeping no copy (agent/recorder/exec_filter.py)."""
     import socket
 
+    try:
+        seccomp = importlib.import_module("seccomp")
+    except ImportError as e:
+        raise OSError(38, f"command rules need python3-seccomp: {e}") from None
     from evidence.agent.recorder.exec_filter import load_exec_filter, send_listener
 
-    sock = socket.socket(fileno=sock_fd)
-    try:
-        send_listener(sock, load_exec_filter(seccomp))
-    finally:
-        sock.close()
+    def hand_over(sock_fd: int) -> None:
+        sock = socket.socket(fileno=sock_fd)
+        try:
+            send_listener(sock, load_exec_filter(seccomp))
+        finally:
+            sock.close()
+
+    return hand_over
 
 
 def main(spec_fd: int) -> NoReturn:
@@ -99,7 +99,7 @@ def main(spec_fd: int) -> NoReturn:
     try:
         procs_path, netns_fd, oom = spec.get("procs"), spec.get("netns_fd"), spec.get("oom_score_adj")
         sock = spec.get("exec_listener_sock")
-        seccomp = _import_seccomp() if sock is not None else None
+        hand_over = _exec_listener_hand_over() if sock is not None else None
         procs = os.open(procs_path, os.O_WRONLY | os.O_CLOEXEC) if procs_path else None
         if netns_fd is not None:
             ll.enter_netns(int(netns_fd))
@@ -125,8 +125,8 @@ def main(spec_fd: int) -> NoReturn:
         if procs is not None:  # opened before Landlock, written after: the last step before exec
             os.write(procs, str(os.getpid()).encode())
             os.close(procs)
-        if seccomp is not None and sock is not None:  # last: every exec from here on is decided
-            _hand_over_exec_listener(seccomp, int(sock))
+        if hand_over is not None and sock is not None:  # last: every exec from here on is decided
+            hand_over(int(sock))
     except OSError as e:
         _fail(status, b"S" + str(e).encode(errors="replace"), EXIT_SETUP)
     for name in _RESET:
