@@ -148,14 +148,20 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 
 def check(att: Attestation, public_key: Ed25519PublicKey) -> str:
     """The keyid of `public_key` if one of the envelope's signatures verifies with it over the DSSE
-    PAE; else SignatureError. Every signature is tried (a keyid is only a hint, never trusted)."""
+    PAE; else SignatureError. Every signature is tried (a keyid is only a hint, never trusted to pick
+    one), but the one that verifies must carry the key's own keyid: DSSE leaves the keyid outside
+    what is signed, and a bundle whose envelope was altered there must not verify as unchanged."""
     message = att.signed_message()
     want = keyid(public_key)
-    for _, sig in att.signatures:
+    for label, sig in att.signatures:
         try:
             public_key.verify(sig, message)
         except InvalidSignature:
             continue
+        if label != want:
+            raise SignatureError(
+                f"the signature that verifies with key {want} is labelled keyid {label} (the envelope was altered)"
+            )
         return want
     if want in att.keyids:
         raise SignatureError(f"the signature by keyid {want} does not verify (tampered?)")

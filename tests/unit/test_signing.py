@@ -629,3 +629,19 @@ def test_the_run_predicate_json_has_the_models_fields() -> None:
     """attestation.RunPredicateJSON (what predicate() returns, typed) names RunPredicate's fields."""
     td = attestation.RunPredicateJSON
     assert td.__required_keys__ | td.__optional_keys__ == set(attestation.RunPredicate.model_fields)
+
+
+def test_a_relabelled_signature_does_not_verify(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    """DSSE signs the payload, not the keyid beside the signature: an envelope whose keyid was changed
+    (hypothesis found one hex digit flipped) is altered, and `verify --key` must say so (exit 2)."""
+    bundle = signed(tmp_path / "a.tar.gz", keys[0])
+    members = unpack(bundle)
+    envelope = json.loads(members[fmt.ATTESTATION_NAME])
+    label = envelope["signatures"][0]["keyid"]
+    envelope["signatures"][0]["keyid"] = ("0" if label[0] != "0" else "1") + label[1:]
+    members[fmt.ATTESTATION_NAME] = json.dumps(envelope, separators=(",", ":"), sort_keys=True).encode()
+    names = [*fmt.MEMBERS, fmt.ATTESTATION_NAME]
+    tar = tar_bytes([(tarinfo(n, len(members[n])), members[n]) for n in names])
+    path = tmp_path / "relabelled.tar.gz"
+    path.write_bytes(gzip.compress(tar, mtime=0))
+    assert main(["verify", str(path), "--key", str(keys[1])]) == 2
