@@ -6,6 +6,7 @@ here and nowhere else on the reader's side.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import ssl
@@ -114,12 +115,17 @@ async def connect(
 
 async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | None = None) -> None:
     """The events stream and the index, or (with `node`) that node's bundle bucket, made when
-    missing; an existing one is left as its operator configured it."""
+    missing (a node's bucket with as many replicas as the events stream has, if more); an existing
+    one is left as its operator configured it."""
     if node is not None:
         bucket = names.bundle_bucket(node)
         try:
             await js.object_store(bucket)
         except BucketNotFoundError:
+            # as many copies as the events stream the operator made (a node's bucket at R1 in a
+            # cluster would be lost with the one server holding it)
+            with contextlib.suppress(NotFoundError):
+                replicas = max(replicas, (await js.stream_info(names.EVENTS_STREAM)).config.num_replicas or 1)
             await js.create_object_store(
                 bucket=bucket,
                 config=api.ObjectStoreConfig(bucket=bucket, replicas=replicas, storage=api.StorageType.FILE),
