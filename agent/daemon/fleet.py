@@ -249,6 +249,7 @@ class FleetPublisher:
                 inbox=self.inbox,
                 name=f"evidence-agent {self.node} events",
                 tls=tls_context(self.sink.tls_ca),
+                ca=self.sink.tls_ca,
                 sign=signer(self.sink.creds, self.sink.nkey_seed),
                 on_error=self._error,
                 on_state=lambda up: self._state("events", up),

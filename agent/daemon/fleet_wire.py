@@ -322,6 +322,7 @@ class EventWire:
         inbox: str,
         name: str,
         tls: ssl.SSLContext | None = None,
+        ca: Path | None = None,
         sign: Callable[[str], dict[str, str]] = lambda nonce: {},
         on_error: Callable[[str, str], None] = lambda what, message: None,
         on_state: Callable[[bool], None] = lambda up: None,
@@ -330,6 +331,7 @@ class EventWire:
         self.servers = list(servers)
         self.name = name
         self.tls = tls
+        self.ca = ca  # the file `tls` was made from, for the messages
         self.sign = sign
         self.on_error = on_error
         self.on_state = on_state
@@ -435,7 +437,7 @@ class EventWire:
                     self.conn = None
                     if conn.transport is not None:
                         conn.transport.abort()
-                    self.on_error("connect", f"cannot connect the events to {url}: {_describe(e)}")
+                    self.on_error("connect", f"cannot connect the events to {url}: {self._why(e)}")
                     if i % len(self.servers) == 0:
                         failures += 1
                         await _sleep_unless(stopped, delay(failures))
@@ -448,6 +450,12 @@ class EventWire:
                         await asyncio.wait_for(conn.gone.wait(), timeout=0.5)
         finally:
             self.close()
+
+    def _why(self, e: BaseException) -> str:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            ca = f"the CA given ({self.ca})" if self.ca else "the system's CAs (no tls_ca given)"
+            return f"its TLS certificate does not verify against {ca}: {e.verify_message}"
+        return _describe(e)
 
     async def _connect(self, conn: _Conn, url: str) -> None:
         loop = asyncio.get_running_loop()

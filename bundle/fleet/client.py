@@ -5,6 +5,7 @@ here and nowhere else on the reader's side.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -86,31 +87,48 @@ async def connect(
         opts["inbox_prefix"] = inbox_prefix
 
     last: list[Exception] = []
+    error_cb = callbacks.pop("error_cb", None)
 
-    async def quiet(e: Exception) -> None:  # the CLI reports the last error itself, once
+    async def on_error(e: Exception) -> None:  # the CLI reports the last error itself, once
         last.append(e)
         logger.debug("nats: %s", e)
+        if error_cb is not None:
+            await error_cb(e)
 
-    try:
-        return await nats.connect(
-            servers,
-            name=name,
-            connect_timeout=int(max(1, timeout)),
-            # one try a server (nats-py 2.16 loops for good on a refused first connect with
-            # allow_reconnect off: measured; with it on and one attempt, it gives up)
-            reconnect_time_wait=1 if forever else 0.2,
-            max_reconnect_attempts=-1 if forever else 1,
-            allow_reconnect=True,
-            error_cb=callbacks.pop("error_cb", quiet),
-            **callbacks,
-            **opts,
-        )
-    except (TimeoutError, OSError, nats.errors.Error) as e:
-        why: Exception = last[-1] if isinstance(e, nats.errors.NoServersError) and last else e
-        raise Unreachable(
-            f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
-            hint="check the servers, the credentials and that the cluster is up",
-        ) from None
+    options: dict[str, Any] = dict(
+        name=name,
+        connect_timeout=int(max(1, timeout)),
+        # one try a server (nats-py 2.16 loops for good on a refused first connect with
+        # allow_reconnect off: measured; with it on and one attempt, it gives up)
+        reconnect_time_wait=1 if forever else 0.2,
+        max_reconnect_attempts=-1 if forever else 1,
+        allow_reconnect=True,
+        error_cb=on_error,
+        **callbacks,
+        **opts,
+    )
+    # each first connect bounded: nats-py 2.16 waits for good after a refused TLS handshake (the
+    # agent then tries again; the CLI says why it could not)
+    limit = timeout * max(1, len(servers)) + 1
+    while True:
+        nc = NATS()
+        try:
+            await asyncio.wait_for(nc.connect(servers, **options), limit)
+            return nc
+        except (TimeoutError, OSError, nats.errors.Error) as e:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2)
+            why: Exception = (
+                last[-1] if isinstance(e, nats.errors.NoServersError | TimeoutError) and last else e
+            )
+            if not forever:
+                raise Unreachable(
+                    f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
+                    hint="check the servers, the credentials and that the cluster is up",
+                ) from None
+            if isinstance(e, TimeoutError) and error_cb is not None:
+                await error_cb(why)
+            await asyncio.sleep(1.0)
 
 
 async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | None = None) -> None:
