@@ -29,8 +29,7 @@ the layout, and the events' own:
 A restarted agent sends what its outbox holds. Refusals (a permission violation, a full stream) are
 errors in the log and in `evidence_fleet_errors_total`, never a crash.
 
-(Over 500 lines: the publisher's threads and its event loop are one state machine over the outbox;
-the outbox is agent/daemon/fleet_outbox.py, the events' connection agent/daemon/fleet_wire.py.)
+The outbox is agent/daemon/fleet_outbox.py, the events' connection agent/daemon/fleet_wire.py.
 """
 
 from __future__ import annotations
@@ -239,8 +238,7 @@ class FleetPublisher:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         batcher = asyncio.create_task(self._batcher())
-        from evidence.agent.daemon.fleet_wire import signer
-        from evidence.bundle.fleet.client import tls_context
+        from evidence.bundle.fleet.client import signer, tls_context
         from evidence.errors import UsageError
 
         try:

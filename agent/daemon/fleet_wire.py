@@ -27,7 +27,6 @@ read at a time by one regular expression. Nothing here touches the outbox's file
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import json
@@ -148,67 +147,14 @@ def _message(seg: Segment, k: int) -> tuple[bytes, bytes, bytes]:
     return line[1], frame[eol + 2 : eol + 2 + hl], frame[eol + 2 + hl : -2]
 
 
-def _acks(prefix: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
-    """(a run of plain PubAcks to replies under `prefix`, one of them with its token as group 1)."""
+def _acks(inbox: str) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
+    """(a run of plain PubAcks to replies under `inbox`, one of them with its segment and token as
+    groups 1 and 2)."""
     one = (
-        rb"MSG " + re.escape(prefix) + rb"(\d+) \d+ \d+\r\n"
+        rb"MSG " + re.escape(inbox.encode()) + rb"\.(\d+)\.(\d+) \d+ \d+\r\n"
         rb'\{"stream":"[^"\r\n]*",(?:"domain":"[^"\r\n]*",)?"seq":\d+\}\r\n'
     )
-    return re.compile(b"(?:" + one.replace(b"(\\d+) ", b"\\d+ ", 1) + b")+"), re.compile(one)
-
-
-# --- credentials -------------------------------------------------------------------------------------
-
-_CREDS_BLOCK = re.compile(rb"-{3,}[^\n]*-{3,}\r?\n([\w\-.=]+)\r?\n-{3,}[^\n]*-{3,}")
-
-
-def signer(creds: Path | None, nkey_seed: Path | None) -> Callable[[str], dict[str, str]]:
-    """The CONNECT fields that answer a server's nonce: `{"nkey", "sig"}` for an NKey seed file,
-    `{"jwt", "sig"}` for a credentials file (its user JWT, then its seed); read at each connect,
-    so a rotated file is used. UsageError (one line) when the file is not one."""
-    import nkeys
-
-    def read(path: Path) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as e:
-            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-
-    def sign(seed: bytes, nonce: str) -> str:
-        try:
-            kp = nkeys.from_seed(bytearray(seed.strip()))
-        except Exception as e:
-            raise UsageError(f"not a user NKey seed: {e}") from None
-        try:
-            return base64.urlsafe_b64encode(kp.sign(nonce.encode())).rstrip(b"=").decode()
-        finally:
-            kp.wipe()
-
-    if nkey_seed is not None:
-        path = nkey_seed
-
-        def by_seed(nonce: str) -> dict[str, str]:
-            seed = read(path)
-            try:
-                kp = nkeys.from_seed(bytearray(seed.strip()))
-                public = kp.public_key.decode()
-                kp.wipe()
-            except Exception as e:
-                raise UsageError(f"{path} holds no user NKey seed: {e}") from None
-            return {"nkey": public, "sig": sign(seed, nonce)}
-
-        return by_seed
-    if creds is not None:
-        cpath = creds
-
-        def by_creds(nonce: str) -> dict[str, str]:
-            blocks = _CREDS_BLOCK.findall(read(cpath))
-            if len(blocks) < 2:
-                raise UsageError(f"{cpath} is not a NATS credentials file (a user JWT and a seed)")
-            return {"jwt": blocks[0].decode(), "sig": sign(blocks[1], nonce)}
-
-        return by_creds
-    return lambda nonce: {}
+    return re.compile(b"(?:" + one.replace(b"(\\d+)", b"\\d+") + b")+"), re.compile(one)
 
 
 # --- the connection ------------------------------------------------------------------------------------
@@ -345,7 +291,8 @@ class EventWire:
         # token (None: a token is its place), its answers, how many came, when to wake its waiter
         self._prefix = b""
         self.fast: tuple[re.Pattern[bytes], re.Pattern[bytes]] | None = None
-        self._fast: dict[int, tuple[re.Pattern[bytes], re.Pattern[bytes]]] = {}
+        self._fast = _acks(inbox)
+        self._seg = b""
         self._place: dict[int, int] | None = None
         self._answers: list[Answer] = []
         self._answered = 0
@@ -384,11 +331,13 @@ class EventWire:
             if not f.done():
                 f.set_result(None)
 
-    def stored(self, tokens: list[bytes]) -> None:
-        """PubAcks (not duplicates) of the segment in flight, by their tokens."""
-        answers, place, size = self._answers, self._place, len(self._answers)
+    def stored(self, acks: list[tuple[bytes, bytes]]) -> None:
+        """PubAcks (not duplicates) by (segment, token): those of the segment in flight count."""
+        answers, place, size, seg = self._answers, self._place, len(self._answers), self._seg
         got = 0
-        for t in tokens:
+        for s, t in acks:
+            if s != seg:
+                continue
             k = int(t) if place is None else place.get(int(t), -1)
             if 0 <= k < size and answers[k] is None:
                 answers[k] = STORED
@@ -534,12 +483,8 @@ class EventWire:
         (None: not sent, or no answer within `timeout` of the one before). One segment at a time."""
         n = len(seg)
         self._prefix = reply_prefix(self.inbox, seg.no)
-        fast = self._fast.get(seg.no)
-        if fast is None:
-            if len(self._fast) > 64:
-                self._fast.clear()
-            fast = self._fast[seg.no] = _acks(self._prefix)
-        self.fast = fast
+        self._seg = b"%d" % seg.no
+        self.fast = self._fast
         self._place = None if seg.tokens is None else {t: k for k, t in enumerate(seg.tokens)}
         self._answers, self._answered = [None] * n, 0
         answers = self._answers

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import hashlib
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -63,6 +64,59 @@ def auth_options(creds: Path | None, nkey_seed: Path | None) -> dict[str, Any]:
                 raise UsageError(f"{path} is not a NATS credentials file")
             opts["user_credentials"] = str(path)
     return opts
+
+
+_CREDS_BLOCK = re.compile(rb"-{3,}[^\n]*-{3,}\r?\n([\w\-.=]+)\r?\n-{3,}[^\n]*-{3,}")
+
+
+def signer(creds: Path | None, nkey_seed: Path | None) -> Callable[[str], dict[str, str]]:
+    """The CONNECT fields that answer a server's nonce, for a connection of our own (the agent's
+    events, agent/daemon/fleet_wire.py): `{"nkey", "sig"}` for an NKey seed file,
+    `{"jwt", "sig"}` for a credentials file (its user JWT, then its seed); read at each connect,
+    so a rotated file is used. UsageError (one line) when the file is not one."""
+    import nkeys
+
+    def read(path: Path) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+
+    def sign(seed: bytes, nonce: str) -> str:
+        try:
+            kp = nkeys.from_seed(bytearray(seed.strip()))
+        except Exception as e:
+            raise UsageError(f"not a user NKey seed: {e}") from None
+        try:
+            return base64.urlsafe_b64encode(kp.sign(nonce.encode())).rstrip(b"=").decode()
+        finally:
+            kp.wipe()
+
+    if nkey_seed is not None:
+        path = nkey_seed
+
+        def by_seed(nonce: str) -> dict[str, str]:
+            seed = read(path)
+            try:
+                kp = nkeys.from_seed(bytearray(seed.strip()))
+                public = kp.public_key.decode()
+                kp.wipe()
+            except Exception as e:
+                raise UsageError(f"{path} holds no user NKey seed: {e}") from None
+            return {"nkey": public, "sig": sign(seed, nonce)}
+
+        return by_seed
+    if creds is not None:
+        cpath = creds
+
+        def by_creds(nonce: str) -> dict[str, str]:
+            blocks = _CREDS_BLOCK.findall(read(cpath))
+            if len(blocks) < 2:
+                raise UsageError(f"{cpath} is not a NATS credentials file (a user JWT and a seed)")
+            return {"jwt": blocks[0].decode(), "sig": sign(blocks[1], nonce)}
+
+        return by_creds
+    return lambda nonce: {}
 
 
 async def connect(
