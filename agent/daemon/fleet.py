@@ -166,8 +166,13 @@ class FleetPublisher:
         return build(no, self.inbox, messages)
 
     def _to_outbox(self, batch: list[Mapping[str, Any]]) -> bool:
-        if self.outbox.add(self._segment(batch, self.outbox.reserve())):
-            return True
+        try:
+            if self.outbox.add(self._segment(batch, self.outbox.reserve())):
+                return True
+        except OSError as e:  # a full or broken disk: said, counted, and the agent goes on
+            self.metrics.events_dropped.inc(len(batch))
+            self._error("outbox", f"cannot write live events to the outbox {self.outbox.path}: {e}")
+            return False
         self.metrics.events_dropped.inc(len(batch))
         logger.error(
             "fleet outbox %s is full (%d bytes of events): dropped %d live events (they are in the bundles)",
@@ -378,7 +383,12 @@ class FleetPublisher:
         await asyncio.shield(self._common)  # an event sent before its stream exists is refused
         while True:
             if time.monotonic() >= self._event_retry_at:
-                await self._send_segments()
+                try:
+                    await self._send_segments()
+                except Exception as e:  # an outbox that cannot be read or rewritten: said, tried again
+                    self._event_failures += 1
+                    self._event_retry_at = time.monotonic() + self.backoff.delay(self._event_failures)
+                    self._error("outbox", f"cannot send the outbox's events: {_describe(e)}")
             wait = max(0.05, self._event_retry_at - time.monotonic()) if self._event_retry_at else 1.0
             await self._sleep(wait)
 

@@ -37,8 +37,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from evidence.errors import UsageError
-
 logger = logging.getLogger(__name__)
 
 # an answer: JetStream stored it, had it already (its id within the duplicate window), the message
@@ -382,7 +380,7 @@ class EventWire:
                 self.conn = conn
                 try:
                     await self._connect(conn, url)
-                except (OSError, TimeoutError, ssl.SSLError, ValueError, Lost, UsageError) as e:
+                except Exception as e:  # refused, unreachable, or a server we cannot make sense of
                     self.conn = None
                     if conn.transport is not None:
                         conn.transport.abort()

@@ -107,3 +107,32 @@ def test_a_message_too_large_is_dropped_not_the_connection(tmp_path: Path) -> No
         assert not pub.outbox.segments()
     finally:
         server.kill()
+
+
+def test_an_outbox_that_cannot_be_written_is_said_and_the_publisher_goes_on(tmp_path: Path) -> None:
+    """The events directory gone (a disk full, a broken mount, an operator): the batch is dropped
+    and counted, the error said; once it is back, events flow again."""
+    import shutil
+
+    server = Server(tmp_path)
+    try:
+        pub, reg = publisher(tmp_path, server.url)
+        pub.start()
+        try:
+            shutil.rmtree(pub.outbox.event_dir)
+            pub.outbox.event_dir.write_text("not a directory")
+            for i in range(10):
+                pub.submit(event("d1", i))
+            wait_for(lambda: reg.value("evidence_fleet_errors_total", what="outbox") >= 1, what="the error")
+            assert reg.value("evidence_fleet_events_dropped_total") == 10
+            assert pub._thread is not None and pub._thread.is_alive()
+            pub.outbox.event_dir.unlink()
+            pub.outbox.event_dir.mkdir(mode=0o700)
+            for i in range(10, 20):
+                pub.submit(event("d1", i))
+            wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="events again")
+        finally:
+            pub.close()
+        assert sorted(e["id"] for e in stream_events(server.url)) == sorted(f"d1:{i}" for i in range(10, 20))
+    finally:
+        server.kill()
