@@ -2,8 +2,8 @@
 (tests/fleet/auth.py). The agent's `tls_ca` verifies the server on both of its connections (events;
 bundles and the index) and the CLI's; a server whose certificate another CA signed is refused with
 one clear line in the log and the metrics, the publisher alive and its outbox kept. A `.creds` file
-(a user JWT and its seed, the server in operator mode) authenticates both connections; one whose JWT
-no trusted account issued is refused the same way."""
+(a user JWT and its seed, the server in operator mode) authenticates both connections and the CLI;
+one whose JWT no trusted account issued is refused the same way."""
 
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ def test_tls_with_another_ca_is_refused_not_a_crash(
         pub.close()
 
 
-def test_a_creds_file_authenticates_both_connections(tmp_path: Path, said: list[str]) -> None:
+def test_a_creds_file_authenticates_both_connections(
+    tmp_path: Path, said: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     op = Operator()
     server = Server(tmp_path, config=op.config())
     try:
@@ -120,6 +122,11 @@ def test_a_creds_file_authenticates_both_connections(tmp_path: Path, said: list[
         finally:
             pub.close()
         assert reg.value("evidence_fleet_errors_total", what="connect") == 0
+        # the CLI with a reader's .creds
+        reader = op.creds(tmp_path / "reader.creds", "reader")
+        assert main(["fleet", "--server", server.url, "--creds", str(reader), "ls", "--format", "json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out)
+        assert row["session_id"] == "c2" and row["node"] == "node-a"
         # a user JWT that no account the server trusts issued: refused, said, counted
         stranger = Operator()
         forged = op.creds(tmp_path / "forged.creds", "node-b", signer=stranger.account)
