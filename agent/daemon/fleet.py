@@ -111,6 +111,7 @@ class FleetPublisher:
     # --- producer side (never blocks, never touches the network) --------------------------------
 
     def submit(self, event: Mapping[str, Any]) -> None:
+        """Hand a live event over (not copied: the caller, who made it, does not change it after)."""
         if len(self._pending) < self._queue_size:
             self._pending.append(event)
         else:
