@@ -10,13 +10,16 @@
 Nothing here is on a run's path to the network. `submit` (the recorder's observer thread) puts an
 event in a bounded queue, or past it in a list that goes to disk; `bundle_written` (the finishing
 thread) links the bundle into the outbox (agent/daemon/fleet_outbox.py). A thread of its own runs an
-asyncio loop with one NATS connection that reconnects for good:
+asyncio loop with two NATS connections that reconnect for good, nats-py's for bundles, the index and
+the layout, and the events' own:
 
-- events: every batch is written to the outbox as a segment, then published to
-  `evidence.events.<node>.<session>` (bundle/fleet/binding.py: ce-* headers, `Nats-Msg-Id` = the
-  event's id), pipelined; the segment goes when JetStream acknowledged every event in it. What was not
-  acknowledged is sent again, oldest first, with backoff: JetStream drops a message whose id it
-  stored within the stream's duplicate window (10 minutes when the agent made the stream).
+- events: every batch is framed once (bundle/fleet/binding.py `encode`: ce-* headers, `Nats-Msg-Id`
+  = the event's id; subject `evidence.events.<node>.<session>`), written to the outbox as a segment of
+  those frames, then sent on a connection of the events' own (agent/daemon/fleet_wire.py: a write a
+  few hundred messages, JetStream's answers read in bulk, at most `ack_window` unanswered); the
+  segment goes when JetStream acknowledged every event in it. What was not acknowledged is sent
+  again, oldest first, with backoff: JetStream drops a message whose id it stored within the
+  stream's duplicate window (10 minutes when the agent made the stream).
 - bundles: put into the node's object store bucket (`evidence-bundles-<node>`) under
   `<node>.<session>` unless it has it already; its info read
   back; only when the server's size and SHA-256 are the bundle's is the index entry written and the
@@ -26,8 +29,7 @@ asyncio loop with one NATS connection that reconnects for good:
 A restarted agent sends what its outbox holds. Refusals (a permission violation, a full stream) are
 errors in the log and in `evidence_fleet_errors_total`, never a crash.
 
-(Over 600 lines on purpose: the publisher's sender thread, its event loop and the ack window are one
-state machine over the outbox; the outbox itself is agent/daemon/fleet_outbox.py.)
+The outbox is agent/daemon/fleet_outbox.py, the events' connection agent/daemon/fleet_wire.py.
 """
 
 from __future__ import annotations
@@ -38,25 +40,28 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import orjson
 
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.delivery import Backoff
 from evidence.agent.daemon.fleet_outbox import BundleJob, Outbox
+from evidence.agent.daemon.fleet_wire import DUPLICATE, STORED, TOO_LARGE, EventWire, Segment, build
 from evidence.bundle.fleet import binding, names
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+    from nats.js.object_store import ObjectStore
 
     from evidence.agent.daemon.settings import NatsSink
     from evidence.bundle.fleet.models import IndexEntry
 
 logger = logging.getLogger(__name__)
+
+SMALL_BUNDLE = 8 * 1024 * 1024  # bundles up to this are read whole to be stored
 
 
 class FleetPublisher:
@@ -70,22 +75,25 @@ class FleetPublisher:
         queue_size: int = 20_000,
         replicas: int = 1,
         inbox_prefix: str | None = None,
-        publish_mode: str = "inbox",
     ) -> None:
         self.sink = sink
         self.node = sink.node
         self.inbox_prefix = inbox_prefix or names.inbox_prefix(sink.node)
-        self.outbox = Outbox(outbox_dir, sink.outbox_max_bytes)
+        self._subjects: dict[str, bytes] = {}
+        self.outbox = Outbox(outbox_dir, sink.outbox_max_bytes, self._segment)
+        self.inbox = f"{self.inbox_prefix}.{self.outbox.id}"  # the events' replies
         self.backoff = backoff or Backoff(0.5, 30.0)
         self.replicas = replicas
-        self.publish_mode = publish_mode  # "inbox"; "publish_async" only for the bench's comparison
-        self._ack_sub: _Acks | None = None
+        self._wire: EventWire | None = None
+        self._up = {"events": False, "nats": False}
+        self._store: ObjectStore | None = None
+        self._kv: KeyValue | None = None
         self.metrics = m.FleetMetrics.of(registry or m.Registry())
         # a deque, not a queue.Queue: append and popleft are atomic, without a lock and a condition
         # an event (the bound is checked before the append: a few past it at worst)
-        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._pending: collections.deque[Mapping[str, Any]] = collections.deque()
         self._queue_size = queue_size
-        self._overflow: list[dict[str, Any]] = []
+        self._overflow: list[Mapping[str, Any]] = []
         self._overflow_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,11 +111,12 @@ class FleetPublisher:
     # --- producer side (never blocks, never touches the network) --------------------------------
 
     def submit(self, event: Mapping[str, Any]) -> None:
+        """Hand a live event over (not copied: the caller, who made it, does not change it after)."""
         if len(self._pending) < self._queue_size:
-            self._pending.append(dict(event))
+            self._pending.append(event)
         else:
             with self._overflow_lock:
-                self._overflow.append(dict(event))
+                self._overflow.append(event)
                 if len(self._overflow) < self.sink.batch_size:
                     return
                 batch, self._overflow = self._overflow, []
@@ -129,9 +138,42 @@ class FleetPublisher:
         self.update_backlog()
         self._poke()
 
-    def _to_outbox(self, batch: list[dict[str, Any]]) -> bool:
-        if self.outbox.add_events(batch):
-            return True
+    def _subject(self, session: str) -> bytes | None:
+        subject = self._subjects.get(session)
+        if subject is None:
+            try:
+                subject = names.event_subject(self.node, session).encode()
+            except Exception as err:  # not ours to send: an event without a session
+                logger.error("fleet: an event without a usable session id is not sent: %s", err)
+                return None
+            if len(self._subjects) > 1024:
+                self._subjects.clear()
+            self._subjects[session] = subject
+        return subject
+
+    def _segment(self, batch: Sequence[Mapping[str, Any]], no: int) -> Segment:
+        """Events framed as segment `no` (an event without a usable session is left out)."""
+        subjects = self._subjects
+        sendable = []
+        for event in batch:
+            subject = subjects.get(event.get("sessionid"))  # type: ignore[arg-type]
+            if subject is None:
+                subject = self._subject(str(event.get("sessionid") or ""))
+                if subject is None:
+                    continue
+            sendable.append((subject, event))
+        encoded = binding.encode_many([e for _, e in sendable])
+        messages = [(subject, h, p) for (subject, _), (h, p) in zip(sendable, encoded, strict=True)]
+        return build(no, self.inbox, messages)
+
+    def _to_outbox(self, batch: list[Mapping[str, Any]]) -> bool:
+        try:
+            if self.outbox.add(self._segment(batch, self.outbox.reserve())):
+                return True
+        except OSError as e:  # a full or broken disk: said, counted, and the agent goes on
+            self.metrics.events_dropped.inc(len(batch))
+            self._error("outbox", f"cannot write live events to the outbox {self.outbox.path}: {e}")
+            return False
         self.metrics.events_dropped.inc(len(batch))
         logger.error(
             "fleet outbox %s is full (%d bytes of events): dropped %d live events (they are in the bundles)",
@@ -172,11 +214,11 @@ class FleetPublisher:
         except Exception:
             logger.exception("fleet publisher stopped")
 
-    def _collect(self, wait: float) -> list[dict[str, Any]]:
+    def _collect(self, wait: float) -> list[Mapping[str, Any]]:
         """Up to a batch: after `wait` seconds unless a whole batch is there already."""
         if wait > 0 and len(self._pending) < self.sink.batch_size:
             self._stop.wait(wait)
-        batch: list[dict[str, Any]] = []
+        batch: list[Mapping[str, Any]] = []
         pending = self._pending
         with contextlib.suppress(IndexError):
             for _ in range(min(self.sink.batch_size, len(pending))):
@@ -202,29 +244,58 @@ class FleetPublisher:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         batcher = asyncio.create_task(self._batcher())
+        from evidence.bundle.fleet.client import signer, tls_context
+        from evidence.errors import UsageError
+
+        try:
+            self._wire = EventWire(
+                self.sink.servers,
+                inbox=self.inbox,
+                name=f"evidence-agent {self.node} events",
+                tls=tls_context(self.sink.tls_ca),
+                ca=self.sink.tls_ca,
+                sign=signer(self.sink.creds, self.sink.nkey_seed),
+                on_error=self._error,
+                on_state=lambda up: self._state("events", up),
+            )
+        except UsageError as e:
+            self._error("connect", e.message)
+            await batcher
+            return
+        wire = asyncio.create_task(self._wire.run(self._stop.is_set, self.backoff.delay))
         try:
             nc = await self._connect()
         except Exception as e:
             logger.error("fleet: cannot connect: %s", e)
             self.metrics.errors.labels(what="connect").inc()
             await batcher
+            await asyncio.gather(wire, return_exceptions=True)
             return
         try:
             self._nc = nc
             js = nc.jetstream(timeout=self.sink.ack_timeout)
             self._common = asyncio.create_task(self._layout(js, None))
-            sender = asyncio.create_task(self._events_loop(js))
+            sender = asyncio.create_task(self._events_loop())
             bundles = asyncio.create_task(self._bundles_loop(js))
             await batcher
             # a last try to send what was queued before stopping, bounded
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send_segments(js), timeout=2.0)
+                await asyncio.wait_for(self._send_segments(), timeout=2.0)
             for t in (sender, bundles, self._common):
                 t.cancel()
             await asyncio.gather(sender, bundles, return_exceptions=True)
         finally:
+            self._wire.close()
+            await asyncio.gather(wire, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), timeout=2.0)
+
+    def _state(self, which: str, up: bool) -> None:
+        """`evidence_fleet_connected` is 1 while both connections are up."""
+        self._up[which] = up
+        self.metrics.connected.set(1 if all(self._up.values()) else 0)
+        if up:
+            self._poke()
 
     async def _connect(self) -> NATS:
         from evidence.bundle.fleet.client import connect
@@ -233,13 +304,12 @@ class FleetPublisher:
             self._error("nats", _describe(e))
 
         async def on_disconnect() -> None:
-            self.metrics.connected.set(0)
+            self._state("nats", False)
             logger.warning("fleet: disconnected from NATS")
 
         async def on_reconnect() -> None:
-            self.metrics.connected.set(1)
+            self._state("nats", True)
             logger.info("fleet: reconnected to NATS")
-            self._poke()
 
         connecting = asyncio.create_task(
             connect(
@@ -261,7 +331,7 @@ class FleetPublisher:
             connecting.cancel()
             raise RuntimeError("stopped before the servers answered")
         stopping.cancel()
-        self.metrics.connected.set(1)
+        self._state("nats", True)
         logger.info("fleet: connected to %s as node %s", ", ".join(self.sink.servers), self.node)
         return connecting.result()
 
@@ -309,156 +379,63 @@ class FleetPublisher:
 
     # --- events ---------------------------------------------------------------------------------------
 
-    async def _events_loop(self, js: JetStreamContext) -> None:
+    async def _events_loop(self) -> None:
         assert self._common is not None
         await asyncio.shield(self._common)  # an event sent before its stream exists is refused
         while True:
             if time.monotonic() >= self._event_retry_at:
-                await self._send_segments(js)
+                try:
+                    await self._send_segments()
+                except Exception as e:  # an outbox that cannot be read or rewritten: said, tried again
+                    self._event_failures += 1
+                    self._event_retry_at = time.monotonic() + self.backoff.delay(self._event_failures)
+                    self._error("outbox", f"cannot send the outbox's events: {_describe(e)}")
             wait = max(0.05, self._event_retry_at - time.monotonic()) if self._event_retry_at else 1.0
             await self._sleep(wait)
 
-    async def _send_segments(self, js: JetStreamContext) -> None:
-        # not while disconnected: nats-py would hold the messages and send them on reconnect, after
-        # their acknowledgements were given up on (sent twice, the second dropped by its id, but
-        # out of order with what is sent meanwhile)
-        if self._nc is not None and not self._nc.is_connected:
-            return
-        for seg in self.outbox.segments():
-            events = self.outbox.read(seg)
-            rest = await self._publish(js, events)
-            self.outbox.done(seg, rest)
+    async def _send_segments(self) -> None:
+        wire = self._wire
+        if wire is None or not wire.connected:
+            return  # sent when it is back (the wire pokes)
+        for path in self.outbox.segments():
+            seg = self.outbox.read(path, self.inbox)
+            answers = await wire.publish(seg, self.sink.ack_window, self.sink.ack_timeout)
+            rest = self._count(answers)
+            self.outbox.done(path, seg, rest)
             if rest:
                 self._event_failures += 1
                 delay = self.backoff.delay(self._event_failures)
                 self._event_retry_at = time.monotonic() + delay
                 logger.warning("fleet: %d event(s) not acknowledged; retrying in %.1fs", len(rest), delay)
+                if wire.connected and None in answers:
+                    await wire.ping(self.sink.ack_timeout)  # a server that reads nothing: reconnect
                 return
             self._event_failures = 0
             self._event_retry_at = 0.0
 
-    async def _publish(self, js: JetStreamContext, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Publish pipelined; the events JetStream did not acknowledge, in order."""
-        if self.publish_mode == "publish_async":
-            return await self._publish_async(js, events)
-        return await self._publish_inbox(events)
-
-    async def _acks(self) -> _Acks:
-        """The one subscription JetStream's acknowledgements come back on (made once a connection)."""
-        nc = self._nc
-        assert nc is not None
-        if self._ack_sub is None:  # nats-py subscribes it again after a reconnect
-            acks = _Acks(nc.new_inbox(), self.sink.ack_window)
-            acks.sub = await nc.subscribe(acks.prefix + ".*", cb=acks.on_msg, pending_msgs_limit=-1)
-            self._ack_sub = acks
-        return self._ack_sub
-
-    async def _publish_inbox(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Core publishes with a reply subject of ours (`<inbox>.<n>`), at most `ack_window` without
-        an answer; one subscription takes JetStream's PubAcks. Each message keeps its Nats-Msg-Id, so
-        a retry of one that was stored is a duplicate JetStream drops, not a second copy."""
-        nc = self._nc
-        assert nc is not None
-        acks = await self._acks()
-        subjects: dict[str, str] = {}
-        tokens: list[int | None] = []
+    def _count(self, answers: list[Any]) -> list[int]:
+        """Count a segment's answers; the places of its events to send again (refused or not
+        answered), in order."""
+        acked = answers.count(STORED)
+        dup = answers.count(DUPLICATE)
+        large = answers.count(TOO_LARGE)
+        rest: list[int] = []
         problem = ""
-        for e in events:
-            session = str(e.get("sessionid") or "")
-            subject = subjects.get(session)
-            if subject is None:
-                try:
-                    subject = subjects[session] = names.event_subject(self.node, session)
-                except Exception as err:  # not ours to send: an event without a session
-                    logger.error("fleet: an event without a usable session id is not sent: %s", err)
-                    tokens.append(None)
-                    continue
-            if acks.outstanding >= acks.window and not await acks.until(
-                acks.window // 2, self.sink.ack_timeout
-            ):
-                problem = "no acknowledgement in time"
-                break
-            headers, payload = binding.to_message(e)
-            token = acks.expect()
-            try:
-                await nc.publish(subject, payload, reply=f"{acks.prefix}.{token}", headers=headers)
-            except Exception as err:
-                acks.forget(token)
-                problem = f"cannot publish events: {_describe(err)}"
-                break
-            tokens.append(token)
-        # one batch at a time: what still waits is this batch's (take() forgets the ones given up on)
-        await acks.until(0, self.sink.ack_timeout)
-        rest: list[dict[str, Any]] = []
-        acked = dup = 0
-        for i, e in enumerate(events):
-            t = tokens[i] if i < len(tokens) else -1
-            if t is None:
-                continue
-            answer = acks.take(t) if t >= 0 else None
-            if answer is _STORED or answer is _DUPLICATE:
-                acked += 1
-                dup += answer is _DUPLICATE
-                continue
-            if isinstance(answer, str):
-                problem = problem or answer
-            elif t >= 0:
-                problem = problem or "no acknowledgement in time"
-            rest.append(e)
-        self._count(acked, dup, rest, problem)
-        return rest
-
-    def _count(self, acked: int, dup: int, rest: list[dict[str, Any]], problem: str) -> None:
-        self.metrics.events_published.inc(acked - dup)
+        if acked + dup + large < len(answers):
+            for k, answer in enumerate(answers):
+                if answer not in (STORED, DUPLICATE, TOO_LARGE):
+                    problem = problem or (answer if isinstance(answer, str) else "no acknowledgement in time")
+                    rest.append(k)
+        self.metrics.events_published.inc(acked)
         if dup:
             self.metrics.events_duplicate.inc(dup)
+        if large:
+            self.metrics.events_dropped.inc(large)
+            self._error(
+                "publish", f"{large} event(s) larger than the server takes: dropped (they are in the bundles)"
+            )
         if rest:
             self._error("publish", f"{len(rest)} event(s) refused or not acknowledged: {problem}")
-
-    async def _publish_async(
-        self, js: JetStreamContext, events: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """The first way (round 1), kept for bench/fleet.py's side by side: nats-py's
-        `publish_async`, a future and a PubAck object a message."""
-        futures: list[asyncio.Future[Any] | None] = []
-        problem = ""
-        for e in events:
-            try:
-                subject = names.event_subject(self.node, str(e.get("sessionid") or ""))
-            except Exception as err:
-                logger.error("fleet: an event without a usable session id is not sent: %s", err)
-                futures.append(None)
-                continue
-            headers, payload = binding.to_message(e)
-            try:
-                futures.append(
-                    await js.publish_async(
-                        subject, payload, headers=headers, wait_stall=self.sink.ack_timeout
-                    )
-                )
-            except Exception as err:
-                problem = f"cannot publish events: {_describe(err)}"
-                break
-        pending = [f for f in futures if f is not None]
-        if pending:
-            await asyncio.wait(pending, timeout=self.sink.ack_timeout)
-        rest = []
-        acked = dup = 0
-        for i, e in enumerate(events):
-            f = futures[i] if i < len(futures) else None
-            if i < len(futures) and f is None:
-                continue
-            if f is not None and f.done() and not f.cancelled() and f.exception() is None:
-                acked += 1
-                dup += bool(getattr(f.result(), "duplicate", False))
-                continue
-            if f is not None and not f.done():
-                f.cancel()
-                problem = problem or "no acknowledgement in time"
-            elif f is not None and not f.cancelled() and f.exception() is not None:
-                problem = problem or _describe(f.exception())  # type: ignore[arg-type]
-            rest.append(e)
-        self._count(acked, dup, rest, problem)
         return rest
 
     # --- bundles --------------------------------------------------------------------------------------
@@ -503,14 +480,19 @@ class FleetPublisher:
 
         digest = object_digest(job.sha256)
         try:
-            store = await js.object_store(names.bundle_bucket(self.node))
+            if self._store is None:  # looked up once a connection (each look-up is a stream info)
+                self._store = await js.object_store(names.bundle_bucket(self.node))
+            store = self._store
             try:
                 info = await store.get_info(job.key)
             except ObjectNotFoundError:
                 info = None
             if info is None:
-                with open(job.path, "rb") as f:
-                    await store.put(job.key, f)
+                if job.size <= SMALL_BUNDLE:  # in one read, not a thread hop a 128 KiB chunk
+                    await store.put(job.key, job.path.read_bytes())
+                else:
+                    with open(job.path, "rb") as f:
+                        await store.put(job.key, f)
                 info = await store.get_info(job.key)  # what the server holds, not what we sent
             if info.digest != digest or info.size != job.size:
                 self._error(
@@ -520,13 +502,15 @@ class FleetPublisher:
                 )
                 return False
             entry = await asyncio.get_running_loop().run_in_executor(None, self._entry, job)
-            kv = await js.key_value(names.INDEX_BUCKET)
-            await kv.put(job.key, entry.to_json())
+            if self._kv is None:
+                self._kv = await js.key_value(names.INDEX_BUCKET)
+            await self._kv.put(job.key, entry.to_json())
         except FileNotFoundError:
             logger.error("fleet: bundle %s vanished from the outbox", job.key)
             self.outbox.remove_bundle(job)
             return True
         except Exception as e:
+            self._store = self._kv = None  # looked up again: the bucket may have been made since
             self._error("bundle", f"bundle {job.key} not stored yet: {_describe(e)}")
             return False
         self.outbox.remove_bundle(job)
@@ -561,88 +545,6 @@ class FleetPublisher:
             lint=LintCounts(**counts),
             signer_keyid=signature.keyids[0] if signature.keyids else None,
         )
-
-
-_STORED = object()
-_DUPLICATE = object()
-
-
-class _Acks:
-    """JetStream's answers to our publishes, by the token of their reply subject: a PubAck
-    (`{"stream":..,"seq":..}`, `"duplicate":true` when the id was stored already) or an error
-    (`{"error":{"code":..,"description":..}}`). Answers to tokens no longer expected (given up on,
-    then sent again) are ignored."""
-
-    def __init__(self, prefix: str, window: int) -> None:
-        self.prefix = prefix
-        self.window = window
-        self.sub: Any = None
-        self._next = 0
-        self._waiting: set[int] = set()
-        self._answers: dict[int, object] = {}
-        self._changed = asyncio.Event()
-        self._wake_at = -1  # the waiter's: set _changed when at most this many are waiting
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._waiting)
-
-    def expect(self) -> int:
-        self._next += 1
-        self._waiting.add(self._next)
-        return self._next
-
-    def forget(self, token: int) -> None:
-        self._waiting.discard(token)
-        self._answers.pop(token, None)
-
-    def take(self, token: int) -> object | None:
-        self._waiting.discard(token)
-        return self._answers.pop(token, None)
-
-    async def on_msg(self, msg: Any) -> None:
-        try:
-            token = int(msg.subject.rpartition(".")[2])
-        except ValueError:
-            return
-        if token not in self._waiting:
-            return
-        self._waiting.discard(token)
-        data: bytes = msg.data
-        if b'"error"' not in data and b'"seq"' in data:
-            # the server writes `"duplicate": true` (a space): parsed when the word is there at all
-            dup = b'"duplicate"' in data and orjson.loads(data).get("duplicate") is True
-            self._answers[token] = _DUPLICATE if dup else _STORED
-        else:
-            self._answers[token] = _problem(data, msg)
-        if len(self._waiting) <= self._wake_at:
-            self._changed.set()
-
-    async def until(self, at_most: int, timeout: float) -> bool:
-        """Until at most `at_most` publishes wait for their answer; False if that took too long."""
-        if len(self._waiting) <= at_most:
-            return True
-        self._wake_at = at_most
-        self._changed.clear()
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout=timeout)
-            return True
-        except TimeoutError:
-            return len(self._waiting) <= at_most
-        finally:
-            self._wake_at = -1
-
-
-def _problem(data: bytes, msg: Any) -> str:
-    """What an answer that is not a PubAck says (an error, or a no-responders status)."""
-    headers = getattr(msg, "headers", None) or {}
-    if not data and headers.get("Status") == "503":
-        return "no responders (the stream is not there)"
-    try:
-        err = orjson.loads(data).get("error") or {}
-        return f"JetStream refused it: {err.get('description', data[:200])} ({err.get('err_code', '')})"
-    except (orjson.JSONDecodeError, AttributeError):
-        return f"an answer that is not a PubAck: {data[:200]!r}"
 
 
 async def names_layout(js: JetStreamContext, replicas: int, node: str | None) -> None:

@@ -178,7 +178,8 @@ class FleetMetrics:
                 "evidence_fleet_events_duplicate", "Live events sent again that JetStream already had."
             ),
             events_dropped=reg.counter(
-                "evidence_fleet_events_dropped", "Live events dropped: the outbox was full."
+                "evidence_fleet_events_dropped",
+                "Live events dropped (each is in its run's bundle): the outbox full or unwritable, or larger than the server takes.",
             ),
             bundles_stored=reg.counter("evidence_fleet_bundles_stored", "Bundles stored and indexed."),
             bundle_bytes_stored=reg.counter("evidence_fleet_bundle_bytes_stored", "Bytes of bundles stored."),

@@ -5,9 +5,12 @@ here and nowhere else on the reader's side.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -63,6 +66,59 @@ def auth_options(creds: Path | None, nkey_seed: Path | None) -> dict[str, Any]:
     return opts
 
 
+_CREDS_BLOCK = re.compile(rb"-{3,}[^\n]*-{3,}\r?\n([\w\-.=]+)\r?\n-{3,}[^\n]*-{3,}")
+
+
+def signer(creds: Path | None, nkey_seed: Path | None) -> Callable[[str], dict[str, str]]:
+    """The CONNECT fields that answer a server's nonce, for a connection of our own (the agent's
+    events, agent/daemon/fleet_wire.py): `{"nkey", "sig"}` for an NKey seed file,
+    `{"jwt", "sig"}` for a credentials file (its user JWT, then its seed); read at each connect,
+    so a rotated file is used. UsageError (one line) when the file is not one."""
+    import nkeys
+
+    def read(path: Path) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+
+    def sign(seed: bytes, nonce: str) -> str:
+        try:
+            kp = nkeys.from_seed(bytearray(seed.strip()))
+        except Exception as e:
+            raise UsageError(f"not a user NKey seed: {e}") from None
+        try:
+            return base64.urlsafe_b64encode(kp.sign(nonce.encode())).rstrip(b"=").decode()
+        finally:
+            kp.wipe()
+
+    if nkey_seed is not None:
+        path = nkey_seed
+
+        def by_seed(nonce: str) -> dict[str, str]:
+            seed = read(path)
+            try:
+                kp = nkeys.from_seed(bytearray(seed.strip()))
+                public = kp.public_key.decode()
+                kp.wipe()
+            except Exception as e:
+                raise UsageError(f"{path} holds no user NKey seed: {e}") from None
+            return {"nkey": public, "sig": sign(seed, nonce)}
+
+        return by_seed
+    if creds is not None:
+        cpath = creds
+
+        def by_creds(nonce: str) -> dict[str, str]:
+            blocks = _CREDS_BLOCK.findall(read(cpath))
+            if len(blocks) < 2:
+                raise UsageError(f"{cpath} is not a NATS credentials file (a user JWT and a seed)")
+            return {"jwt": blocks[0].decode(), "sig": sign(blocks[1], nonce)}
+
+        return by_creds
+    return lambda nonce: {}
+
+
 async def connect(
     servers: list[str],
     *,
@@ -85,41 +141,63 @@ async def connect(
         opts["inbox_prefix"] = inbox_prefix
 
     last: list[Exception] = []
+    error_cb = callbacks.pop("error_cb", None)
 
-    async def quiet(e: Exception) -> None:  # the CLI reports the last error itself, once
+    async def on_error(e: Exception) -> None:  # the CLI reports the last error itself, once
         last.append(e)
         logger.debug("nats: %s", e)
+        if error_cb is not None:
+            await error_cb(e)
 
-    try:
-        return await nats.connect(
-            servers,
-            name=name,
-            connect_timeout=int(max(1, timeout)),
-            # one try a server (nats-py 2.16 loops for good on a refused first connect with
-            # allow_reconnect off: measured; with it on and one attempt, it gives up)
-            reconnect_time_wait=1 if forever else 0.2,
-            max_reconnect_attempts=-1 if forever else 1,
-            allow_reconnect=True,
-            error_cb=callbacks.pop("error_cb", quiet),
-            **callbacks,
-            **opts,
-        )
-    except (TimeoutError, OSError, nats.errors.Error) as e:
-        why: Exception = last[-1] if isinstance(e, nats.errors.NoServersError) and last else e
-        raise Unreachable(
-            f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
-            hint="check the servers, the credentials and that the cluster is up",
-        ) from None
+    options: dict[str, Any] = dict(
+        name=name,
+        connect_timeout=int(max(1, timeout)),
+        # one try a server (nats-py 2.16 loops for good on a refused first connect with
+        # allow_reconnect off: measured; with it on and one attempt, it gives up)
+        reconnect_time_wait=1 if forever else 0.2,
+        max_reconnect_attempts=-1 if forever else 1,
+        allow_reconnect=True,
+        error_cb=on_error,
+        **callbacks,
+        **opts,
+    )
+    # each first connect bounded: nats-py 2.16 waits for good after a refused TLS handshake (the
+    # agent then tries again; the CLI says why it could not)
+    limit = timeout * max(1, len(servers)) + 1
+    while True:
+        nc = NATS()
+        try:
+            await asyncio.wait_for(nc.connect(servers, **options), limit)
+            return nc
+        except (TimeoutError, OSError, nats.errors.Error) as e:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2)
+            why: Exception = (
+                last[-1] if isinstance(e, nats.errors.NoServersError | TimeoutError) and last else e
+            )
+            if not forever:
+                raise Unreachable(
+                    f"cannot connect to {', '.join(servers)}: {str(why) or type(why).__name__}",
+                    hint="check the servers, the credentials and that the cluster is up",
+                ) from None
+            if isinstance(e, TimeoutError) and error_cb is not None:
+                await error_cb(why)
+            await asyncio.sleep(1.0)
 
 
 async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | None = None) -> None:
     """The events stream and the index, or (with `node`) that node's bundle bucket, made when
-    missing; an existing one is left as its operator configured it."""
+    missing (a node's bucket with as many replicas as the events stream has, if more); an existing
+    one is left as its operator configured it."""
     if node is not None:
         bucket = names.bundle_bucket(node)
         try:
             await js.object_store(bucket)
         except BucketNotFoundError:
+            # as many copies as the events stream the operator made (a node's bucket at R1 in a
+            # cluster would be lost with the one server holding it)
+            with contextlib.suppress(NotFoundError):
+                replicas = max(replicas, (await js.stream_info(names.EVENTS_STREAM)).config.num_replicas or 1)
             await js.create_object_store(
                 bucket=bucket,
                 config=api.ObjectStoreConfig(bucket=bucket, replicas=replicas, storage=api.StorageType.FILE),

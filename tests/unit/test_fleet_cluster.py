@@ -5,6 +5,7 @@ every bundle and event arrives and `fleet ls` lists all eight."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from evidence.agent.daemon.settings import AgentSettings
+from evidence.bundle.fleet import client, names
 from evidence.cli import main
 from tests.fleet.servers import Server, free_port
 from tests.unit import conftest_bundles as cb
@@ -68,8 +70,7 @@ def test_r3_cluster_one_server_killed_mid_way(
             pubs.append((pub, reg))
         for pub, _ in pubs:
             pub.sink.servers[:] = urls  # every server: a client reconnects to the others
-            pub.replicas = 3
-            pub.start()
+            pub.start()  # its bucket gets the stream's 3 replicas (an agent is not told the cluster's size)
         for k in range(8):
             pub, _ = pubs[k % 2]
             sid = f"c{k}"
@@ -99,6 +100,7 @@ def test_r3_cluster_one_server_killed_mid_way(
         wait_for(lambda: main([*reader, "ls", "--label", "job=cluster", "--format", "json"]) == 0, timeout=60)
         rows = json.loads(capsys.readouterr().out.splitlines()[-1])
         assert sorted(r["session_id"] for r in rows) == [f"c{k}" for k in range(8)]
+        assert bucket_replicas(live, seeds["reader"], "node-a") == 3
         got = tmp_path / "got.tar.gz"
         assert main([*reader, "get", "node-b.c7", "-o", str(got)]) == 0
         assert got.read_bytes() == (tmp_path / "c7.tar.gz").read_bytes()
@@ -108,3 +110,15 @@ def test_r3_cluster_one_server_killed_mid_way(
     finally:
         for s in servers:
             s.kill()
+
+
+def bucket_replicas(urls: list[str], seed: Path, node: str) -> int:
+    async def read() -> int:
+        nc = await client.connect(urls, nkey_seed=seed)
+        try:
+            info = await nc.jetstream(timeout=10).stream_info(f"OBJ_{names.bundle_bucket(node)}")
+            return int(info.config.num_replicas or 1)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
