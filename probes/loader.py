@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -94,6 +95,8 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # tail-calls (exec_tail 0), loaded when a run's execs are first checked (enforce_execs)
 EXEC_CHECK = "exec_check"
 EXEC_HASH = "exec_hash_more"
+INGRESS = "on_dns_ingress"
+START_THREADS = 2  # programs verified side by side at a start (objcache.load_side_by_side)
 _PROG_TYPE_CGROUP_SKB = 8
 _CGROUP_INET_INGRESS = 0
 _F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
@@ -135,9 +138,30 @@ def detect_config(**overrides: Unpack[Sizes]) -> ProbeConfig:
     return ProbeConfig(offsets=btf.probe_offsets(), have_group_dead="group_dead" in exit_fmt, **overrides)
 
 
+def _syscall_attachments() -> tuple[list[tuple[bytes, bytes]], list[str]]:
+    """(tracepoint, program) of each syscall tracepoint a start attaches, in order, and the
+    syscalls of SYSCALL_HANDLERS that exist here (open and creat are x86_64's alone)."""
+    events = bpfsys.TRACEFS / "events" / "syscalls"
+    out: list[tuple[bytes, bytes]] = []
+    names: list[str] = []
+    for fn, syscalls in SYSCALL_HANDLERS.items():
+        for name in syscalls:
+            if not (events / f"sys_enter_{name}").is_dir():
+                continue
+            out.append((f"syscalls:sys_enter_{name}".encode(), fn.encode()))
+            out.append((f"syscalls:sys_exit_{name}".encode(), EXIT_HANDLERS.get(name, "on_exit").encode()))
+            names.append(name)
+    out += [(f"syscalls:sys_enter_{name}".encode(), b"on_enter_dns") for name in DNS_ENTER]
+    out += [(f"syscalls:sys_exit_{name}".encode(), b"on_exit_dns") for name in DNS_EXIT]
+    return out, names
+
+
 class RecorderProbes:
     def __init__(self, config: ProbeConfig | None = None) -> None:
-        with attaching():  # an earlier run's evidence-detach closes no perf event meanwhile
+        # an earlier run's evidence-detach closes no perf event meanwhile; Python work beside the
+        # load (a start's imports) hands the GIL over every 0.5 ms, not 5: each program's load
+        # needs it at its start and end, and would otherwise wait for it, again and again
+        with attaching(), _handing_over(0.0005):
             self._load(config)
         self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
         self._tracked = self.bpf[b"tracked"]
@@ -151,32 +175,26 @@ class RecorderProbes:
         headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
-        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
-        self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
+        attach, self.attached = _syscall_attachments()
+        tails = (b"on_exit_hash", b"on_exit_name", b"on_exit")  # exit_tail 0, 1, 2 (bpf/exit.bpf.c)
+        tracepoint = bpfsys.LoadedObject.TRACEPOINT
+        programs = [(fn, tracepoint, 0) for fn in dict.fromkeys([*tails, *(fn for _, fn in attach)])]
+        programs.append((INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS))
+        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py);
+        # every program a run needs is loaded now, START_THREADS at a time (the exec check's when a
+        # run first asks for it)
+        self.bpf = objcache.load(
+            self.source, str(headers.path) if headers.path else None, programs=programs, threads=START_THREADS
+        )
         # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn here, once
-        tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
-        self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
-        naming = self.bpf.load_func(b"on_exit_name", self.bpf.TRACEPOINT)  # the kernel's names
-        self.bpf[b"exit_tail"][_U32.pack(1)] = _U32.pack(naming.fd)
-        exits = self.bpf.load_func(b"on_exit", self.bpf.TRACEPOINT)  # on_exit_openat's way out
-        self.bpf[b"exit_tail"][_U32.pack(2)] = _U32.pack(exits.fd)
+        for i, fn in enumerate(tails):
+            self.bpf[b"exit_tail"][_U32.pack(i)] = _U32.pack(self.bpf.load_func(fn, tracepoint).fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
             hkey[_U32.pack(i)] = _U64.pack(word)
-        self.attached: list[str] = []
-        for fn, syscalls in SYSCALL_HANDLERS.items():
-            for name in syscalls:
-                if not (bpfsys.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
-                    continue
-                self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
-                exit_fn = EXIT_HANDLERS.get(name, "on_exit")
-                self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=exit_fn.encode())
-                self.attached.append(name)
-        for name in DNS_ENTER:
-            self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=b"on_enter_dns")
-        for name in DNS_EXIT:
-            self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit_dns")
-        self._ingress = self.bpf.load_func(b"on_dns_ingress", _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
+        for tp, fn in attach:
+            self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
+        self._ingress = self.bpf.load_func(INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
 
     # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
 
@@ -349,14 +367,16 @@ class RecorderProbes:
         return self._ring
 
     def close(self, background: bool = False) -> None:
-        """Detach and unload. Closing a tracepoint's perf event waits for an RCU grace period (~40
-        ms each here, 4 s in all); with `background=True` the programs are detached first (all
-        at once: objcache.detach_programs) and a child process, `evidence-detach`, inherits the
-        perf events and closes them after we are gone, so the caller does not wait."""
+        """Detach and unload. Closing a tracepoint's program (its link) waits for a grace period,
+        and its perf event for an RCU grace period (~40 ms each here, 4 s in all, one after the
+        other). With `background=True` the caller waits for neither: a child process,
+        `evidence-detach`, inherits every descriptor; this process closes its own copies of the
+        links first (not the last: nothing waits) and says so, then the child closes the last ones,
+        side by side (objcache.detach_programs: no program runs after that, on any process, ~40 ms
+        later), and the perf events one by one once this process is gone (close_yielding)."""
         for cgroup_id in list(self._ingress_at):  # runs not finished: nothing to deliver to any more
             self.untrack(cgroup_id)
         if background:
-            self.bpf.detach_programs()  # no program runs from here on; the perf events go later
             r, w = os.pipe()  # the write end stays open in this process until it exits
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -367,11 +387,23 @@ class RecorderProbes:
                     for fd in (0, 1, 2):
                         os.dup2(devnull, fd)
                     os.setsid()
-                    os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
+                    # b"L": the parent closed its copies of the links (else it is gone: EOF)
+                    if os.read(r, 1):
+                        self.bpf.detach_programs()  # the last ones: no program runs from here on
+                        os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
+                    else:
+                        self.bpf.detach_programs()
                     close_yielding(self.bpf.tracepoint_fds.values())
                 finally:
                     os._exit(0)
             os.close(r)
+            links = [*self.bpf.links, *self.bpf.raw_tracepoint_fds.values()]
+            self.bpf.links, self.bpf.raw_tracepoint_fds = [], {}
+            for fd in links:  # the child holds them: closing ours waits for nothing
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.write(w, b"L")  # now the child's are the last: its closes detach them
             self._keepalive = w
             return
         self.bpf.cleanup()
@@ -438,6 +470,17 @@ def close_yielding(fds: Iterable[int], pause: float = 0.005) -> None:
             with contextlib.suppress(OSError):
                 fcntl.flock(lock, fcntl.LOCK_UN)
             time.sleep(pause)
+
+
+@contextlib.contextmanager
+def _handing_over(interval: float) -> Iterator[None]:
+    """The interpreter's switch interval at most `interval` seconds meanwhile (the process's own)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, interval))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _name_self(name: bytes) -> None:

@@ -191,22 +191,22 @@ class StandaloneRun:
         if args.workspace and not os.path.isdir(args.workspace):
             raise UsageError(f"--workspace {args.workspace}: not a directory")
 
-        from evidence.agent.recorder.run import kernel_ready, open_recorder
+        from evidence.agent.recorder.kernel import kernel_ready
 
         headers = kernel_ready()
-        from evidence.agent.recorder.launch import protect
-
-        # the OOM killer takes the job before its recorder; the command gets back what we had
-        self.oom_score_adj = protect("self", -900)
         self.forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
-        # BCC compiles the probes (about a second) in a thread while the rest is imported and the
-        # policy loaded and planned here (BCC itself is not thread-safe: the policy's own programs
-        # are compiled afterwards)
+        # the probes load (from the compiled-probe cache: the kernel's verifier, on two threads; on a
+        # first start BCC compiles them) in a thread from here on, while the rest of the recorder is
+        # imported, the launcher and the watchdog started and the policy loaded and planned here
+        # (BCC itself is not thread-safe: the policy's own programs are loaded afterwards)
         loading = _InThread(_load_probes)
-        from evidence.agent.recorder.launch import Launcher, Watchdog
-        from evidence.files import private_dir
-
         try:
+            from evidence.agent.recorder.launch import Launcher, Watchdog, protect
+            from evidence.agent.recorder.run import open_recorder
+            from evidence.files import private_dir
+
+            # the OOM killer takes the job before its recorder; the command gets back what we had
+            self.oom_score_adj = protect("self", -900)
             if args.sign_key:  # a bad key runs nothing
                 from evidence.bundle.signing import load_signer
 
