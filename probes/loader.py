@@ -15,10 +15,9 @@ import logging
 import mmap
 import os
 import struct
-import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -157,12 +156,14 @@ def _syscall_attachments() -> tuple[list[tuple[bytes, bytes]], list[str]]:
 
 
 class RecorderProbes:
-    def __init__(self, config: ProbeConfig | None = None) -> None:
-        # an earlier run's evidence-detach closes no perf event meanwhile; Python work beside the
-        # load (a start's imports) hands the GIL over every 0.5 ms, not 5: each program's load
-        # needs it at its start and end, and would otherwise wait for it, again and again
-        with attaching(), _handing_over(0.0005):
-            self._load(config)
+    def __init__(
+        self, config: ProbeConfig | None = None, *, rendered: Callable[[], None] | None = None
+    ) -> None:
+        """`rendered`: called once the source is rendered, before the kernel's part of the load
+        (maps, the verifier, attachments), which needs the GIL for little: a caller's thread may
+        run Python beside it from then on."""
+        with attaching():  # an earlier run's evidence-detach closes no perf event meanwhile
+            self._load(config, rendered)
         self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
         self._tracked = self.bpf[b"tracked"]
         self._cache = self.bpf[b"cgcache"]
@@ -171,7 +172,7 @@ class RecorderProbes:
         self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
         self._exec_lock = threading.Lock()  # an agent's runs start and end on threads of their own
 
-    def _load(self, config: ProbeConfig | None) -> None:
+    def _load(self, config: ProbeConfig | None, rendered: Callable[[], None] | None) -> None:
         headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
@@ -180,20 +181,33 @@ class RecorderProbes:
         tracepoint = bpfsys.LoadedObject.TRACEPOINT
         programs = [(fn, tracepoint, 0) for fn in dict.fromkeys([*tails, *(fn for _, fn in attach)])]
         programs.append((INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS))
-        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py);
-        # every program a run needs is loaded now, START_THREADS at a time (the exec check's when a
-        # run first asks for it)
+        tracepoints: dict[bytes, list[bytes]] = {}  # program -> the tracepoints it is attached to
+        for tp, fn in attach:
+            tracepoints.setdefault(fn, []).append(tp)
+
+        def attach_its(loaded: bpfsys.LoadedObject, fn: bytes) -> None:
+            for tp in tracepoints.get(fn, ()):
+                loaded.attach_tracepoint(tp=tp, fn_name=fn)
+
+        if rendered is not None:
+            rendered()
+        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py):
+        # every program a run needs is loaded and attached now, START_THREADS at a time (the exec
+        # check's when a run first asks for it)
         self.bpf = objcache.load(
-            self.source, str(headers.path) if headers.path else None, programs=programs, threads=START_THREADS
+            self.source,
+            str(headers.path) if headers.path else None,
+            programs=programs,
+            threads=START_THREADS,
+            after=attach_its,
         )
-        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn here, once
+        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn
+        # here, once (nothing is tracked yet: no program records anything before both are set)
         for i, fn in enumerate(tails):
             self.bpf[b"exit_tail"][_U32.pack(i)] = _U32.pack(self.bpf.load_func(fn, tracepoint).fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
             hkey[_U32.pack(i)] = _U64.pack(word)
-        for tp, fn in attach:
-            self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
         self._ingress = self.bpf.load_func(INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
 
     # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
@@ -472,17 +486,6 @@ def close_yielding(fds: Iterable[int], pause: float = 0.005) -> None:
             time.sleep(pause)
 
 
-@contextlib.contextmanager
-def _handing_over(interval: float) -> Iterator[None]:
-    """The interpreter's switch interval at most `interval` seconds meanwhile (the process's own)."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
 def _name_self(name: bytes) -> None:
     """Set this process's name (its comm, up to 15 bytes), as `ps` and /proc/PID/comm show it."""
     import ctypes
@@ -491,12 +494,13 @@ def _name_self(name: bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
 
 
-def load_probes() -> RecorderProbes:
-    """Compile and load the recorder's probes (about a second), or raise SetupError."""
+def load_probes(rendered: Callable[[], None] | None = None) -> RecorderProbes:
+    """Load the recorder's probes (from the compiled-probe cache: a few tenths of a second; compiled
+    by BCC on a first start: a few seconds), or raise SetupError. `rendered`: RecorderProbes'."""
     from evidence.errors import SetupError
 
     try:
-        return RecorderProbes()
+        return RecorderProbes(rendered=rendered)
     except Exception as e:  # BCC raises bare Exception on compile/load failures
         raise SetupError(
             f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"

@@ -35,7 +35,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from evidence.probes.bpfsys import (
@@ -211,10 +211,11 @@ def load(
     root: Path | None = None,
     programs: Sequence[Program] = (),
     threads: int = 1,
+    after: Callable[[LoadedObject, bytes], None] | None = None,
 ) -> LoadedObject:
     """The probes of `source` in the kernel: maps created, `programs` loaded (on `threads` threads:
-    load_side_by_side), the functions BCC attaches by name attached; other programs are loaded as
-    they are asked for."""
+    load_side_by_side; `after(object, name)` right after each, on the same thread: attach it), the
+    functions BCC attaches by name attached; other programs are loaded as they are asked for."""
     obj, hit = cached_object(source, headers, root)
     loaded = LoadedObject(obj, forget=(lambda: forget(source, headers, root)) if hit else None)
     try:
@@ -223,7 +224,13 @@ def load(
                 (n.encode(), _AUTOLOAD[k], 0) for n in obj.functions for k in _AUTOLOAD if n.startswith(k)
             ]
             sizes = {name.encode(): len(code) for name, code in obj.functions.items()}
-            load_side_by_side(loaded, [*programs, *named], threads, sizes)
+            load_side_by_side(
+                loaded,
+                [*programs, *named],
+                threads,
+                sizes,
+                after=(lambda name: after(loaded, name)) if after is not None else None,
+            )
         loaded.autoload()
     except BaseException:
         loaded.cleanup()
@@ -238,19 +245,18 @@ Program = tuple[bytes, int, int]
 
 
 def load_side_by_side(
-    loaded: LoadedObject, programs: Sequence[Program], threads: int, sizes: Mapping[bytes, int] | None = None
+    loaded: LoadedObject,
+    programs: Sequence[Program],
+    threads: int,
+    sizes: Mapping[bytes, int] | None = None,
+    after: Callable[[bytes], None] | None = None,
 ) -> None:
-    """Load `programs` on `threads` threads, the largest first (`sizes`: bytes of each's code). Nearly all of a load is the kernel's
+    """Load `programs` on `threads` threads, the largest first (`sizes`: bytes of each's code), and
+    call `after(name)` on the same thread once each is loaded. Nearly all of a load is the kernel's
     verifier inside one bpf(2) call, made through ctypes with the GIL released, so on two CPUs two
-    programs verify at once. Each thread needs the GIL only around its calls: meanwhile the
-    interpreter hands it over every 0.5 ms instead of every 5 ms, so that a thread of the caller's
-    importing modules does not hold each load's start and end back. The first error is raised once
-    every thread has stopped (a program refused: the cache entry is forgotten, as one by one)."""
+    programs verify at once. The first error is raised once every thread has stopped (a program
+    refused: the cache entry is forgotten, as one by one)."""
     todo = sorted(programs, key=lambda p: (sizes or {}).get(p[0], 0), reverse=True)
-    if threads <= 1 or len(todo) <= 1:
-        for name, prog_type, attach_type in todo:
-            loaded.load_func(name, prog_type, attach_type)
-        return
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -262,12 +268,17 @@ def load_side_by_side(
                 name, prog_type, attach_type = todo.pop(0)
             try:
                 loaded.load_func(name, prog_type, attach_type)
+                if after is not None:
+                    after(name)
             except BaseException as e:  # noqa: BLE001 - raised by the caller's thread below
                 with lock:
                     errors.append(e)
                 return
 
-    helpers = [threading.Thread(target=work, name="evidence-verify", daemon=True) for _ in range(threads - 1)]
+    helpers = [
+        threading.Thread(target=work, name="evidence-verify", daemon=True)
+        for _ in range(min(threads, len(todo)) - 1)
+    ]
     for t in helpers:
         t.start()
     work()

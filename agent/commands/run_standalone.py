@@ -39,10 +39,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _load_probes() -> RecorderProbes:
-    from evidence.probes.loader import load_probes
+def _load_probes(rendered: threading.Event) -> RecorderProbes:
+    """The probes, loaded beside the rest of the start (imports, the launcher, the policy): the GIL
+    is handed over every 0.5 ms meanwhile, not every 5, since the load needs it at the start and end
+    of each program's load and would otherwise wait for it, again and again. `rendered` is set once
+    the load's own Python is done (its imports, the source rendered), or it failed."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, 0.0005))
+    try:
+        from evidence.probes.loader import load_probes
 
-    return load_probes()
+        return load_probes(rendered=rendered.set)
+    finally:
+        rendered.set()
+        sys.setswitchinterval(before)
 
 
 class _InThread(Generic[T]):
@@ -199,7 +209,11 @@ class StandaloneRun:
         # first start BCC compiles them) in a thread from here on, while the rest of the recorder is
         # imported, the launcher and the watchdog started and the policy loaded and planned here
         # (BCC itself is not thread-safe: the policy's own programs are loaded afterwards)
-        loading = _InThread(_load_probes)
+        rendered = threading.Event()
+        loading = _InThread(lambda: _load_probes(rendered))
+        # the load's Python first (a few tens of ms), alone: from then on it is the kernel's work
+        # (the verifier, on two threads) and this thread's imports run beside it, not against it
+        rendered.wait(timeout=2.0)
         try:
             from evidence.agent.recorder.launch import Launcher, Watchdog, protect
             from evidence.agent.recorder.run import open_recorder

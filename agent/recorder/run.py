@@ -167,11 +167,11 @@ class Run:
     def _apply_limits(self, cgroup: Path) -> list[Degradation]:
         """Set the policy's limits on `cgroup` (`self.limits`); what could not be set, as
         degradations. Under --fail-closed, anything not set refuses the run (PolicyError)."""
-        from evidence.agent.recorder import limits
-
         enf = self.enforcement
         if enf is None or enf.policy.limits is None:
             return []
+        from evidence.agent.recorder import limits
+
         if enf.mode == "dry-run":
             return [
                 Degradation(

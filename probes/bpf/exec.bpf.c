@@ -18,18 +18,18 @@ static __always_inline u32 read_argv(struct exec_ev *e, const char *const *argv)
             break;
         e->argc = i + 1;
         u32 off = *(volatile u16 *)&e->args_len;
+        // what is left of argv's ARGS_MAX_ - 1 bytes (off never precedes start: the mask only
+        // bounds it for the verifier, with no branch that would make two states of each turn)
         u32 room = start + ARGS_MAX_ - 1 - off;
+        barrier_var(room);
+        room &= ARGS_MAX_ - 1;
         if (room <= 1 || off >= PATH_MAX_ + ARGS_MAX_) {
             e->h.flags |= F_ARGS_TRUNC;
             break;
         }
-        if (room > ARGS_MAX_ - 1)
-            room = ARGS_MAX_ - 1;
         u32 pos = off;
         barrier_var(pos);
         pos &= BUF_MASK;
-        barrier_var(room);
-        room &= ARGS_MAX_ - 1;
         int n = bpf_probe_read_user_str(&e->buf[pos], room, arg);
         if (n < 0) {
             e->h.flags |= F_ARGS_FAULT;
@@ -169,8 +169,11 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     if (p) {
         u64 t = 0;
         u32 fl = *(volatile u16 *)&e->fname_len;
-        if (e->buf[0] == '/' && fl > 1)
-            t = name_token(0, e->buf, (fl - 1) & (PATH_MAX_ - 1));
+        if (e->buf[0] == '/' && fl > 1) {
+            e->pad = (fl - 1) & (PATH_MAX_ - 1);  // the name's length, where name_token reads it
+            t = name_token(0, e->buf, &e->pad);
+            e->pad = 0;
+        }
         p->exe = t ? t : random_token();
     }
     u64 size = offsetof(struct exec_ev, buf) + ((off + len) & BUF_MASK);
