@@ -109,7 +109,8 @@ def run_once(argv: list[str], env: dict[str, str], tty: bool, cwd: Path) -> tupl
 
 
 # --phases: the run inside this driver, with these functions timed (wall, and CPU of the thread that
-# calls them: the probes load in a thread of their own), by wrapping them; nothing in evidence changes
+# calls them: the probes load in a thread of their own, and their programs on two: load_func and
+# attach_tracepoint add up both threads' time), by wrapping them; nothing in evidence changes
 PHASES = [
     ("evidence.agent.commands.run_standalone", "StandaloneRun.__init__"),
     ("evidence.agent.commands.run_standalone", "StandaloneRun.prepare"),
@@ -141,6 +142,7 @@ import evidence.agent.commands.run_standalone
 T1, C1 = time.perf_counter(), time.process_time()
 PHASES = %r
 seen = {}
+lock = threading.Lock()  # the programs load and attach on two threads
 def wrap(label, fn):
     @functools.wraps(fn)
     def timed(*a, **kw):
@@ -148,8 +150,9 @@ def wrap(label, fn):
         try:
             return fn(*a, **kw)
         finally:
-            n, tw, tc = seen.get(label, (0, 0.0, 0.0))
-            seen[label] = (n + 1, tw + time.perf_counter() - w, tc + time.thread_time() - c)
+            with lock:
+                n, tw, tc = seen.get(label, (0, 0.0, 0.0))
+                seen[label] = (n + 1, tw + time.perf_counter() - w, tc + time.thread_time() - c)
     return timed
 for mod, name in PHASES:
     m = importlib.import_module(mod)

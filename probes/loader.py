@@ -401,6 +401,10 @@ class RecorderProbes:
                     for fd in (0, 1, 2):
                         os.dup2(devnull, fd)
                     os.setsid()
+                    # nothing of the parent's but the probes' attachments: a pipe another process
+                    # waits on for EOF (a launcher's helper, the watchdog), a lock, a run's files
+                    keep = {r, *self.bpf.tracepoint_fds.values(), *self.bpf.links}
+                    _close_all_but(keep | set(self.bpf.raw_tracepoint_fds.values()))
                     # b"L": the parent closed its copies of the links (else it is gone: EOF)
                     if os.read(r, 1):
                         self.bpf.detach_programs()  # the last ones: no program runs from here on
@@ -484,6 +488,15 @@ def close_yielding(fds: Iterable[int], pause: float = 0.005) -> None:
             with contextlib.suppress(OSError):
                 fcntl.flock(lock, fcntl.LOCK_UN)
             time.sleep(pause)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    """Close every descriptor above 2 but `keep` (a forked child's inheritance)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _name_self(name: bytes) -> None:

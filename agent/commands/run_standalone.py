@@ -211,32 +211,31 @@ class StandaloneRun:
         # (BCC itself is not thread-safe: the policy's own programs are loaded afterwards)
         rendered = threading.Event()
         loading = _InThread(lambda: _load_probes(rendered))
-        # the load's Python first (a few tens of ms), alone: from then on it is the kernel's work
-        # (the verifier, on two threads) and this thread's imports run beside it, not against it
-        rendered.wait(timeout=2.0)
         try:
-            from evidence.agent.recorder.launch import Launcher, Watchdog, protect
+            from evidence.agent.recorder.launch import Watchdog, protect
+
+            # the OOM killer takes the job before its recorder (and its watchdog, started next); the
+            # command gets back what we had
+            self.oom_score_adj = protect("self", -900)
+            # first: if this process dies from here on, the run's processes die with it. It and the
+            # command's launcher (when no policy or --net decides the command's environment) start
+            # now and wait: their interpreters start while the probes load
+            self.watchdog = Watchdog(parent_death=True)
+            if not args.policy and not args.net:
+                self.launcher = self._launcher()
+            # the load's Python first (a few tens of ms), alone: from then on it is the kernel's work
+            # (the verifier, on two threads) and this thread's imports run beside it, not against it
+            rendered.wait(timeout=2.0)
             from evidence.agent.recorder.run import open_recorder
             from evidence.files import private_dir
 
-            # the OOM killer takes the job before its recorder; the command gets back what we had
-            self.oom_score_adj = protect("self", -900)
             if args.sign_key:  # a bad key runs nothing
                 from evidence.bundle.signing import load_signer
 
                 self.signer = load_signer(args.sign_key)
-            # first: if this process dies from here on, the run's processes die with it
-            self.watchdog = Watchdog(parent_death=True)
             self._prepare_policy()
-            # the command's launcher starts now and waits: its interpreter starts during the compile
-            netns = self.enforcement.netns if self.enforcement is not None else self.netns
-            self.launcher = Launcher(
-                self.enforcement.environ if self.enforcement is not None else os.environ,
-                self.cwd,
-                self.inherited,
-                netns.fd if netns is not None else None,
-                exec_rules=self.exec_rules,
-            )
+            if self.launcher is None:
+                self.launcher = self._launcher()
         except BaseException:
             loading.discard(lambda probes: probes.close(background=True))
             self.close()
@@ -261,6 +260,19 @@ class StandaloneRun:
         except BaseException:
             self.close()
             raise
+
+    def _launcher(self) -> Launcher:
+        """The command's launcher, started now: it waits for the run's set-up (launch)."""
+        from evidence.agent.recorder.launch import Launcher
+
+        netns = self.enforcement.netns if self.enforcement is not None else self.netns
+        return Launcher(
+            self.enforcement.environ if self.enforcement is not None else os.environ,
+            self.cwd,
+            self.inherited,
+            netns.fd if netns is not None else None,
+            exec_rules=self.exec_rules,
+        )
 
     def _isolation(self) -> str:
         """Decide the command's Landlock domain: the policy's when it enforces one, else a domain of
