@@ -236,18 +236,18 @@ class StandaloneRun:
             self._prepare_policy()
             if self.launcher is None:
                 self.launcher = self._launcher()
+            from evidence.agent.recorder.launch import COMPAT_REFUSED
+
+            self.capabilities = {
+                "isolation": self._isolation(),  # may refuse the options (UsageError)
+                "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
+                if self.args.allow_32bit
+                else COMPAT_REFUSED,
+            }
         except BaseException:
             loading.discard(lambda probes: probes.close(background=True))
             self.close()
             raise
-        from evidence.agent.recorder.launch import COMPAT_REFUSED
-
-        self.capabilities = {
-            "isolation": self._isolation(),
-            "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
-            if self.args.allow_32bit
-            else COMPAT_REFUSED,
-        }
         try:
             self.recorder = open_recorder(
                 private_dir(RUN_SPOOL_DIR),
