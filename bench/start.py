@@ -6,6 +6,8 @@ what the run costs, whatever the other engineers' load does to the wall).
     .venv/bin/python bench/start.py                 # the default ways, 7 runs each
     .venv/bin/python bench/start.py -n 11 bench user-tty
     .venv/bin/python bench/start.py --profile user  # one run under pyinstrument (pip install pyinstrument)
+    .venv/bin/python bench/start.py --phases user   # where a start's wall and CPU go, function by function
+    .venv/bin/python bench/start.py --programs      # each program's load: the verifier's CPU and work
 
 The ways:
   bench       what `make bench` times: `python -P -m evidence run --bundle X -- /bin/true`, output captured
@@ -107,12 +109,13 @@ def run_once(argv: list[str], env: dict[str, str], tty: bool, cwd: Path) -> tupl
 
 
 # --phases: the run inside this driver, with these functions timed (wall, and CPU of the thread that
-# calls them: the probes load in a thread of their own), by wrapping them; nothing in evidence changes
+# calls them: the probes load in a thread of their own, and their programs on two: load_func and
+# attach_tracepoint add up both threads' time), by wrapping them; nothing in evidence changes
 PHASES = [
     ("evidence.agent.commands.run_standalone", "StandaloneRun.__init__"),
     ("evidence.agent.commands.run_standalone", "StandaloneRun.prepare"),
     ("evidence.agent.commands.run_standalone", "_load_probes"),
-    ("evidence.agent.recorder.run", "kernel_ready"),
+    ("evidence.agent.recorder.kernel", "kernel_ready"),
     ("evidence.agent.recorder.run", "open_recorder"),
     ("evidence.probes.loader", "ensure_headers"),
     ("evidence.probes.loader", "detect_config"),
@@ -120,6 +123,7 @@ PHASES = [
     ("evidence.probes.objcache", "load"),
     ("evidence.probes.objcache", "cached_object"),
     ("evidence.probes.bpfsys", "LoadedObject.__init__"),
+    ("evidence.probes.objcache", "load_side_by_side"),
     ("evidence.probes.bpfsys", "LoadedObject.load_func"),
     ("evidence.probes.bpfsys", "LoadedObject.attach_tracepoint"),
     ("evidence.probes.bpfsys", "LoadedObject.attach_raw_tracepoint"),
@@ -138,6 +142,7 @@ import evidence.agent.commands.run_standalone
 T1, C1 = time.perf_counter(), time.process_time()
 PHASES = %r
 seen = {}
+lock = threading.Lock()  # the programs load and attach on two threads
 def wrap(label, fn):
     @functools.wraps(fn)
     def timed(*a, **kw):
@@ -145,8 +150,9 @@ def wrap(label, fn):
         try:
             return fn(*a, **kw)
         finally:
-            n, tw, tc = seen.get(label, (0, 0.0, 0.0))
-            seen[label] = (n + 1, tw + time.perf_counter() - w, tc + time.thread_time() - c)
+            with lock:
+                n, tw, tc = seen.get(label, (0, 0.0, 0.0))
+                seen[label] = (n + 1, tw + time.perf_counter() - w, tc + time.thread_time() - c)
     return timed
 for mod, name in PHASES:
     m = importlib.import_module(mod)
@@ -242,6 +248,51 @@ def _clean(work: Path) -> None:
         p.unlink()
 
 
+# --programs: each program a start loads, loaded alone (from the probe cache, maps made once),
+# `n` times: the CPU its load costs this thread (nearly all of it the kernel's verifier) and the
+# instructions the verifier walked (bpf_prog_info.verified_insns)
+PROGRAMS = """
+import ctypes, struct, sys, time
+from evidence.agent.recorder.kernel import kernel_ready
+from evidence.probes import bpfsys, loader, objcache
+
+n = int(sys.argv[1])
+headers = kernel_ready()
+source = loader.render(loader.detect_config())
+obj, _ = objcache.cached_object(source, str(headers.path))
+attach, _ = loader._syscall_attachments()
+tp = bpfsys.LoadedObject.TRACEPOINT
+kinds = {fn: (tp, 0) for _, fn in attach}
+kinds |= {fn: (tp, 0) for fn in (b"on_exit_hash", b"on_exit_name", b"on_exit")}
+kinds[loader.INGRESS.encode()] = (loader._PROG_TYPE_CGROUP_SKB, loader._CGROUP_INET_INGRESS)
+kinds |= {f.encode(): (tp, 0) for f in obj.functions if f.startswith("tracepoint__")}
+kinds |= {f.encode(): (bpfsys.LoadedObject.RAW_TRACEPOINT, 0) for f in obj.functions if f.startswith("raw_")}
+rows = []
+loaded = bpfsys.LoadedObject(obj)
+for name, (kind, attach_type) in kinds.items():
+    cpu, verified = [], 0
+    for _ in range(n):
+        t = time.thread_time()
+        fn = loaded.load_func(name, kind, attach_type)
+        cpu.append(time.thread_time() - t)
+        info = ctypes.create_string_buffer(256)
+        attr = ctypes.create_string_buffer(struct.pack("<IIQ", fn.fd, len(info), ctypes.addressof(info)), 16)
+        bpfsys._bpf(15, attr)  # BPF_OBJ_GET_INFO_BY_FD
+        verified = struct.unpack_from("<I", info.raw, 216)[0]  # bpf_prog_info.verified_insns
+        bpfsys.os.close(loaded.funcs.pop(name).fd)
+    rows.append((sorted(cpu)[len(cpu) // 2], verified, len(obj.functions[name.decode()]) // 8, name.decode()))
+loaded.cleanup()
+print(f"{'program':40} {'CPU med':>8} {'verified':>9} {'insns':>6}   ({n} loads each)")
+for cpu, verified, insns, name in sorted(rows, reverse=True):
+    print(f"{name:40} {cpu * 1000:6.1f}ms {verified:9} {insns:6}")
+print(f"{'all':40} {sum(r[0] for r in rows) * 1000:6.1f}ms {sum(r[1] for r in rows):9}")
+"""
+
+
+def programs(n: int) -> None:
+    subprocess.run([PY, "-c", PROGRAMS, str(n)], check=True)
+
+
 def profile(way: str, work: Path) -> None:
     argv, env, _ = _way(way, work)
     if argv[0].endswith("/evidence"):
@@ -260,6 +311,11 @@ def main() -> int:
         "--before", metavar="DIR", help="way `before`: `python -m evidence` from DIR, beside `module`"
     )
     ap.add_argument("--phases", metavar="WAY", help="-n runs of WAY with its phases timed (wall and CPU)")
+    ap.add_argument(
+        "--programs",
+        action="store_true",
+        help="each program a start loads, -n loads each alone: CPU (the verifier) and instructions verified",
+    )
     args = ap.parse_args()
     if args.before:
         BEFORE[0] = str(Path(args.before).resolve())
@@ -272,6 +328,9 @@ def main() -> int:
             return 0
         if args.phases:
             phases(args.phases, work, args.n)
+            return 0
+        if args.programs:
+            programs(args.n)
             return 0
         ways: dict[str, Callable[[], tuple[float, float, int]]] = {}
         for name in args.ways:

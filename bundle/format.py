@@ -65,7 +65,8 @@ MntNs = Literal["other"] | None
 
 # A result is 0 for success or the errno name of the failure ("ENOENT"); "E<n>" when unnamed.
 Result = Literal[0] | str
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
+# each model is built the first time it is used (a plain `evidence run` uses Degradation alone)
+_FROZEN = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class RunStarted(BaseModel):

@@ -17,7 +17,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypedDict, Unpack
 
@@ -94,6 +94,8 @@ DNS_EXIT = ("read", "recvfrom", "recvmsg", "recvmmsg")
 # tail-calls (exec_tail 0), loaded when a run's execs are first checked (enforce_execs)
 EXEC_CHECK = "exec_check"
 EXEC_HASH = "exec_hash_more"
+INGRESS = "on_dns_ingress"
+START_THREADS = 2  # programs verified side by side at a start (objcache.load_side_by_side)
 _PROG_TYPE_CGROUP_SKB = 8
 _CGROUP_INET_INGRESS = 0
 _F_ALLOW_MULTI = 2  # beside the cgroup's other programs (a policy's, a container runtime's)
@@ -135,10 +137,33 @@ def detect_config(**overrides: Unpack[Sizes]) -> ProbeConfig:
     return ProbeConfig(offsets=btf.probe_offsets(), have_group_dead="group_dead" in exit_fmt, **overrides)
 
 
+def _syscall_attachments() -> tuple[list[tuple[bytes, bytes]], list[str]]:
+    """(tracepoint, program) of each syscall tracepoint a start attaches, in order, and the
+    syscalls of SYSCALL_HANDLERS that exist here (open and creat are x86_64's alone)."""
+    events = bpfsys.TRACEFS / "events" / "syscalls"
+    out: list[tuple[bytes, bytes]] = []
+    names: list[str] = []
+    for fn, syscalls in SYSCALL_HANDLERS.items():
+        for name in syscalls:
+            if not (events / f"sys_enter_{name}").is_dir():
+                continue
+            out.append((f"syscalls:sys_enter_{name}".encode(), fn.encode()))
+            out.append((f"syscalls:sys_exit_{name}".encode(), EXIT_HANDLERS.get(name, "on_exit").encode()))
+            names.append(name)
+    out += [(f"syscalls:sys_enter_{name}".encode(), b"on_enter_dns") for name in DNS_ENTER]
+    out += [(f"syscalls:sys_exit_{name}".encode(), b"on_exit_dns") for name in DNS_EXIT]
+    return out, names
+
+
 class RecorderProbes:
-    def __init__(self, config: ProbeConfig | None = None) -> None:
+    def __init__(
+        self, config: ProbeConfig | None = None, *, rendered: Callable[[], None] | None = None
+    ) -> None:
+        """`rendered`: called once the source is rendered, before the kernel's part of the load
+        (maps, the verifier, attachments), which needs the GIL for little: a caller's thread may
+        run Python beside it from then on."""
         with attaching():  # an earlier run's evidence-detach closes no perf event meanwhile
-            self._load(config)
+            self._load(config, rendered)
         self._ingress_at: dict[int, int] = {}  # cgroup id -> a descriptor of the cgroup it is attached to
         self._tracked = self.bpf[b"tracked"]
         self._cache = self.bpf[b"cgcache"]
@@ -147,36 +172,43 @@ class RecorderProbes:
         self._exec_checked: set[int] = set()  # run slots whose execs are checked (enforce_execs)
         self._exec_lock = threading.Lock()  # an agent's runs start and end on threads of their own
 
-    def _load(self, config: ProbeConfig | None) -> None:
+    def _load(self, config: ProbeConfig | None, rendered: Callable[[], None] | None) -> None:
         headers = ensure_headers()
         self.config = config or detect_config()
         self.source = render(self.config)
-        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py)
-        self.bpf = objcache.load(self.source, str(headers.path) if headers.path else None)
-        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn here, once
-        tail = self.bpf.load_func(b"on_exit_hash", self.bpf.TRACEPOINT)
-        self.bpf[b"exit_tail"][_U32.pack(0)] = _U32.pack(tail.fd)
-        naming = self.bpf.load_func(b"on_exit_name", self.bpf.TRACEPOINT)  # the kernel's names
-        self.bpf[b"exit_tail"][_U32.pack(1)] = _U32.pack(naming.fd)
-        exits = self.bpf.load_func(b"on_exit", self.bpf.TRACEPOINT)  # on_exit_openat's way out
-        self.bpf[b"exit_tail"][_U32.pack(2)] = _U32.pack(exits.fd)
+        attach, self.attached = _syscall_attachments()
+        tails = (b"on_exit_hash", b"on_exit_name", b"on_exit")  # exit_tail 0, 1, 2 (bpf/exit.bpf.c)
+        tracepoint = bpfsys.LoadedObject.TRACEPOINT
+        programs = [(fn, tracepoint, 0) for fn in dict.fromkeys([*tails, *(fn for _, fn in attach)])]
+        programs.append((INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS))
+        tracepoints: dict[bytes, list[bytes]] = {}  # program -> the tracepoints it is attached to
+        for tp, fn in attach:
+            tracepoints.setdefault(fn, []).append(tp)
+
+        def attach_its(loaded: bpfsys.LoadedObject, fn: bytes) -> None:
+            for tp in tracepoints.get(fn, ()):
+                loaded.attach_tracepoint(tp=tp, fn_name=fn)
+
+        if rendered is not None:
+            rendered()
+        # compiled once per source, kernel and BCC, then loaded from the cache (probes/objcache.py):
+        # every program a run needs is loaded and attached now, START_THREADS at a time (the exec
+        # check's when a run first asks for it)
+        self.bpf = objcache.load(
+            self.source,
+            str(headers.path) if headers.path else None,
+            programs=programs,
+            threads=START_THREADS,
+            after=attach_its,
+        )
+        # on_exit tail-calls on_exit_name and on_exit_hash (bpf/exit.bpf.c); the SipHash key is drawn
+        # here, once (nothing is tracked yet: no program records anything before both are set)
+        for i, fn in enumerate(tails):
+            self.bpf[b"exit_tail"][_U32.pack(i)] = _U32.pack(self.bpf.load_func(fn, tracepoint).fd)
         hkey = self.bpf[b"hkey"]
         for i, word in enumerate(struct.unpack("<QQ", os.urandom(16))):
             hkey[_U32.pack(i)] = _U64.pack(word)
-        self.attached: list[str] = []
-        for fn, syscalls in SYSCALL_HANDLERS.items():
-            for name in syscalls:
-                if not (bpfsys.TRACEFS / "events" / "syscalls" / f"sys_enter_{name}").is_dir():
-                    continue
-                self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=fn.encode())
-                exit_fn = EXIT_HANDLERS.get(name, "on_exit")
-                self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=exit_fn.encode())
-                self.attached.append(name)
-        for name in DNS_ENTER:
-            self.bpf.attach_tracepoint(tp=f"syscalls:sys_enter_{name}".encode(), fn_name=b"on_enter_dns")
-        for name in DNS_EXIT:
-            self.bpf.attach_tracepoint(tp=f"syscalls:sys_exit_{name}".encode(), fn_name=b"on_exit_dns")
-        self._ingress = self.bpf.load_func(b"on_dns_ingress", _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
+        self._ingress = self.bpf.load_func(INGRESS.encode(), _PROG_TYPE_CGROUP_SKB, _CGROUP_INET_INGRESS)
 
     # ---- exec check (bpf/exec_check.bpf.c): the supervisor's decisions, held by the kernel
 
@@ -349,14 +381,16 @@ class RecorderProbes:
         return self._ring
 
     def close(self, background: bool = False) -> None:
-        """Detach and unload. Closing a tracepoint's perf event waits for an RCU grace period (~40
-        ms each here, 4 s in all); with `background=True` the programs are detached first (all
-        at once: objcache.detach_programs) and a child process, `evidence-detach`, inherits the
-        perf events and closes them after we are gone, so the caller does not wait."""
+        """Detach and unload. Closing a tracepoint's program (its link) waits for a grace period,
+        and its perf event for an RCU grace period (~40 ms each here, 4 s in all, one after the
+        other). With `background=True` the caller waits for neither: a child process,
+        `evidence-detach`, inherits every descriptor; this process closes its own copies of the
+        links first (not the last: nothing waits) and says so, then the child closes the last ones,
+        side by side (objcache.detach_programs: no program runs after that, on any process, ~40 ms
+        later), and the perf events one by one once this process is gone (close_yielding)."""
         for cgroup_id in list(self._ingress_at):  # runs not finished: nothing to deliver to any more
             self.untrack(cgroup_id)
         if background:
-            self.bpf.detach_programs()  # no program runs from here on; the perf events go later
             r, w = os.pipe()  # the write end stays open in this process until it exits
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -367,11 +401,27 @@ class RecorderProbes:
                     for fd in (0, 1, 2):
                         os.dup2(devnull, fd)
                     os.setsid()
-                    os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
+                    # nothing of the parent's but the probes' attachments: a pipe another process
+                    # waits on for EOF (a launcher's helper, the watchdog), a lock, a run's files
+                    keep = {r, *self.bpf.tracepoint_fds.values(), *self.bpf.links}
+                    _close_all_but(keep | set(self.bpf.raw_tracepoint_fds.values()))
+                    # b"L": the parent closed its copies of the links (else it is gone: EOF)
+                    if os.read(r, 1):
+                        self.bpf.detach_programs()  # the last ones: no program runs from here on
+                        os.read(r, 1)  # returns at EOF: the parent is gone, its references with it
+                    else:
+                        self.bpf.detach_programs()
                     close_yielding(self.bpf.tracepoint_fds.values())
                 finally:
                     os._exit(0)
             os.close(r)
+            links = [*self.bpf.links, *self.bpf.raw_tracepoint_fds.values()]
+            self.bpf.links, self.bpf.raw_tracepoint_fds = [], {}
+            for fd in links:  # the child holds them: closing ours waits for nothing
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.write(w, b"L")  # now the child's are the last: its closes detach them
             self._keepalive = w
             return
         self.bpf.cleanup()
@@ -440,6 +490,15 @@ def close_yielding(fds: Iterable[int], pause: float = 0.005) -> None:
             time.sleep(pause)
 
 
+def _close_all_but(keep: set[int]) -> None:
+    """Close every descriptor above 2 but `keep` (a forked child's inheritance)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 def _name_self(name: bytes) -> None:
     """Set this process's name (its comm, up to 15 bytes), as `ps` and /proc/PID/comm show it."""
     import ctypes
@@ -448,12 +507,13 @@ def _name_self(name: bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
 
 
-def load_probes() -> RecorderProbes:
-    """Compile and load the recorder's probes (about a second), or raise SetupError."""
+def load_probes(rendered: Callable[[], None] | None = None) -> RecorderProbes:
+    """Load the recorder's probes (from the compiled-probe cache: a few tenths of a second; compiled
+    by BCC on a first start: a few seconds), or raise SetupError. `rendered`: RecorderProbes'."""
     from evidence.errors import SetupError
 
     try:
-        return RecorderProbes()
+        return RecorderProbes(rendered=rendered)
     except Exception as e:  # BCC raises bare Exception on compile/load failures
         raise SetupError(
             f"cannot load the probes: {e}", "run `evidence doctor` to see what is missing"

@@ -34,6 +34,8 @@ import logging
 import os
 import stat
 import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from evidence.probes.bpfsys import (
@@ -203,13 +205,84 @@ def forget(source: str, headers: str | None, root: Path | None = None) -> None:
         ((root or CACHE_DIR) / f"{cache_key(source, headers)}.json").unlink()
 
 
-def load(source: str, headers: str | None, root: Path | None = None) -> LoadedObject:
-    """The probes of `source` in the kernel: maps created, programs loaded as they are asked for."""
+def load(
+    source: str,
+    headers: str | None,
+    root: Path | None = None,
+    programs: Sequence[Program] = (),
+    threads: int = 1,
+    after: Callable[[LoadedObject, bytes], None] | None = None,
+) -> LoadedObject:
+    """The probes of `source` in the kernel: maps created, `programs` loaded (on `threads` threads:
+    load_side_by_side; `after(object, name)` right after each, on the same thread: attach it), the
+    functions BCC attaches by name attached; other programs are loaded as they are asked for."""
     obj, hit = cached_object(source, headers, root)
     loaded = LoadedObject(obj, forget=(lambda: forget(source, headers, root)) if hit else None)
     try:
+        if programs:  # with the ones autoload attaches
+            named = [
+                (n.encode(), _AUTOLOAD[k], 0) for n in obj.functions for k in _AUTOLOAD if n.startswith(k)
+            ]
+            sizes = {name.encode(): len(code) for name, code in obj.functions.items()}
+            load_side_by_side(
+                loaded,
+                [*programs, *named],
+                threads,
+                sizes,
+                after=(lambda name: after(loaded, name)) if after is not None else None,
+            )
         loaded.autoload()
     except BaseException:
         loaded.cleanup()
         raise
     return loaded
+
+
+# what LoadedObject.autoload attaches by name: the program type of each prefix
+_AUTOLOAD = {"tracepoint__": LoadedObject.TRACEPOINT, "raw_tracepoint__": LoadedObject.RAW_TRACEPOINT}
+# (function name, program type, expected attach type): a program to load
+Program = tuple[bytes, int, int]
+
+
+def load_side_by_side(
+    loaded: LoadedObject,
+    programs: Sequence[Program],
+    threads: int,
+    sizes: Mapping[bytes, int] | None = None,
+    after: Callable[[bytes], None] | None = None,
+) -> None:
+    """Load `programs` on `threads` threads, the largest first (`sizes`: bytes of each's code), and
+    call `after(name)` on the same thread once each is loaded. Nearly all of a load is the kernel's
+    verifier inside one bpf(2) call, made through ctypes with the GIL released, so on two CPUs two
+    programs verify at once. The first error is raised once every thread has stopped (a program
+    refused: the cache entry is forgotten, as one by one)."""
+    todo = sorted(programs, key=lambda p: (sizes or {}).get(p[0], 0), reverse=True)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                name, prog_type, attach_type = todo.pop(0)
+            try:
+                loaded.load_func(name, prog_type, attach_type)
+                if after is not None:
+                    after(name)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's thread below
+                with lock:
+                    errors.append(e)
+                return
+
+    helpers = [
+        threading.Thread(target=work, name="evidence-verify", daemon=True)
+        for _ in range(min(threads, len(todo)) - 1)
+    ]
+    for t in helpers:
+        t.start()
+    work()
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]

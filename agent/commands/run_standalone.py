@@ -39,10 +39,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _load_probes() -> RecorderProbes:
-    from evidence.probes.loader import load_probes
+def _load_probes(rendered: threading.Event) -> RecorderProbes:
+    """The probes, loaded beside the rest of the start (imports, the launcher, the policy): the GIL
+    is handed over every 0.5 ms meanwhile, not every 5, since the load needs it at the start and end
+    of each program's load and would otherwise wait for it, again and again. `rendered` is set once
+    the load's own Python is done (its imports, the source rendered), or it failed."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, 0.0005))
+    try:
+        from evidence.probes.loader import load_probes
 
-    return load_probes()
+        return load_probes(rendered=rendered.set)
+    finally:
+        rendered.set()
+        sys.setswitchinterval(before)
 
 
 class _InThread(Generic[T]):
@@ -191,50 +201,53 @@ class StandaloneRun:
         if args.workspace and not os.path.isdir(args.workspace):
             raise UsageError(f"--workspace {args.workspace}: not a directory")
 
-        from evidence.agent.recorder.run import kernel_ready, open_recorder
+        from evidence.agent.recorder.kernel import kernel_ready
 
         headers = kernel_ready()
-        from evidence.agent.recorder.launch import protect
-
-        # the OOM killer takes the job before its recorder; the command gets back what we had
-        self.oom_score_adj = protect("self", -900)
         self.forwarder = _SignalForwarder()  # first: every thread started later inherits the blocked mask
-        # BCC compiles the probes (about a second) in a thread while the rest is imported and the
-        # policy loaded and planned here (BCC itself is not thread-safe: the policy's own programs
-        # are compiled afterwards)
-        loading = _InThread(_load_probes)
-        from evidence.agent.recorder.launch import Launcher, Watchdog
-        from evidence.files import private_dir
-
+        # the probes load (from the compiled-probe cache: the kernel's verifier, on two threads; on a
+        # first start BCC compiles them) in a thread from here on, while the rest of the recorder is
+        # imported, the launcher and the watchdog started and the policy loaded and planned here
+        # (BCC itself is not thread-safe: the policy's own programs are loaded afterwards)
+        rendered = threading.Event()
+        loading = _InThread(lambda: _load_probes(rendered))
         try:
+            from evidence.agent.recorder.launch import Watchdog, protect
+
+            # the OOM killer takes the job before its recorder (and its watchdog, started next); the
+            # command gets back what we had
+            self.oom_score_adj = protect("self", -900)
+            # first: if this process dies from here on, the run's processes die with it. It and the
+            # command's launcher (when no policy or --net decides the command's environment) start
+            # now and wait: their interpreters start while the probes load
+            self.watchdog = Watchdog(parent_death=True)
+            if not args.policy and not args.net:
+                self.launcher = self._launcher()
+            # the load's Python first (a few tens of ms), alone: from then on it is the kernel's work
+            # (the verifier, on two threads) and this thread's imports run beside it, not against it
+            rendered.wait(timeout=2.0)
+            from evidence.agent.recorder.run import open_recorder
+            from evidence.files import private_dir
+
             if args.sign_key:  # a bad key runs nothing
                 from evidence.bundle.signing import load_signer
 
                 self.signer = load_signer(args.sign_key)
-            # first: if this process dies from here on, the run's processes die with it
-            self.watchdog = Watchdog(parent_death=True)
             self._prepare_policy()
-            # the command's launcher starts now and waits: its interpreter starts during the compile
-            netns = self.enforcement.netns if self.enforcement is not None else self.netns
-            self.launcher = Launcher(
-                self.enforcement.environ if self.enforcement is not None else os.environ,
-                self.cwd,
-                self.inherited,
-                netns.fd if netns is not None else None,
-                exec_rules=self.exec_rules,
-            )
+            if self.launcher is None:
+                self.launcher = self._launcher()
+            from evidence.agent.recorder.launch import COMPAT_REFUSED
+
+            self.capabilities = {
+                "isolation": self._isolation(),  # may refuse the options (UsageError)
+                "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
+                if self.args.allow_32bit
+                else COMPAT_REFUSED,
+            }
         except BaseException:
             loading.discard(lambda probes: probes.close(background=True))
             self.close()
             raise
-        from evidence.agent.recorder.launch import COMPAT_REFUSED
-
-        self.capabilities = {
-            "isolation": self._isolation(),
-            "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
-            if self.args.allow_32bit
-            else COMPAT_REFUSED,
-        }
         try:
             self.recorder = open_recorder(
                 private_dir(RUN_SPOOL_DIR),
@@ -247,6 +260,19 @@ class StandaloneRun:
         except BaseException:
             self.close()
             raise
+
+    def _launcher(self) -> Launcher:
+        """The command's launcher, started now: it waits for the run's set-up (launch)."""
+        from evidence.agent.recorder.launch import Launcher
+
+        netns = self.enforcement.netns if self.enforcement is not None else self.netns
+        return Launcher(
+            self.enforcement.environ if self.enforcement is not None else os.environ,
+            self.cwd,
+            self.inherited,
+            netns.fd if netns is not None else None,
+            exec_rules=self.exec_rules,
+        )
 
     def _isolation(self) -> str:
         """Decide the command's Landlock domain: the policy's when it enforces one, else a domain of

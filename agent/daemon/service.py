@@ -236,7 +236,8 @@ class Daemon:
 
     def _load_recorder(self, backend: RecorderBackend, spool_dir: Path) -> Recorder | None:
         """Load the probes. A failure keeps the agent up with /readyz at 503 and the reason."""
-        from evidence.agent.recorder.run import kernel_ready, open_recorder
+        from evidence.agent.recorder.kernel import kernel_ready
+        from evidence.agent.recorder.run import open_recorder
 
         try:
             # what a run's command runs under (isolation, 32-bit system calls) is said per run

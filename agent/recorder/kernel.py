@@ -18,6 +18,7 @@ from evidence.probes.objcache import TRACEFS as TRACEFS  # doctor reads it here
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.description import Capabilities
+    from evidence.probes.headers import Headers
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,25 @@ PROG_TYPES = {
     26: ("tracing", 24),  # BPF_TRACE_FENTRY (needs a BTF id: fails when unavailable)
     29: ("lsm", 27),  # BPF_LSM_MAC
 }
+
+
+def kernel_ready(*, hints: bool = True) -> Headers:
+    """tracefs mounted and kernel headers for BCC found, or SetupError saying what is missing."""
+    from evidence.errors import SetupError
+    from evidence.probes.headers import ensure_headers
+
+    if not mount_tracefs():
+        raise SetupError(
+            "tracefs is not available at /sys/kernel/tracing",
+            "mount -t tracefs tracefs /sys/kernel/tracing" if hints else None,
+        )
+    headers = ensure_headers()
+    if headers.path is None:
+        raise SetupError(
+            "no kernel headers for BCC",
+            "apt-get install linux-headers-$(uname -r) (or the distro's generic headers)" if hints else None,
+        )
+    return headers
 
 
 def mount_tracefs() -> bool:

@@ -24,10 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from evidence.bundle.format import Degradation
-
 if TYPE_CHECKING:
     from evidence.agent.recorder.exec_helper import LandlockSpec, LaunchMessage
+    from evidence.bundle.format import Degradation
     from evidence.policy.landlock import LandlockPlan
 from evidence.policy.landlock_syscalls import SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL
 
@@ -77,18 +76,35 @@ class Landlock:
 # by the filter every launched command gets, unless `--allow-32bit`; a process evidence did not
 # launch (an agent's `start --pid/--cgroup`, a pod) has no such filter
 COMPAT_REFUSED = "refused (SIGSYS, recorded as policy.denial)"
-COMPAT_ALLOWED = Degradation(
-    component="isolation",
-    reason="--allow-32bit: the command may make 32-bit (i386, x32) system calls",
-    impact="the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
-    "execs, connects) is not recorded",
-)
-COMPAT_NOT_REFUSED = Degradation(
-    component="isolation",
-    reason="the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
-    impact="the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
-    "execs, connects) is not recorded",
-)
+_COMPAT = {
+    "COMPAT_ALLOWED": (
+        "--allow-32bit: the command may make 32-bit (i386, x32) system calls",
+        "the kernel's syscall tracepoints skip them: what the job does through them (opens, writes, "
+        "execs, connects) is not recorded",
+    ),
+    "COMPAT_NOT_REFUSED": (
+        "the run's processes were not started by evidence: 32-bit (i386, x32) system calls are not refused",
+        "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
+        "execs, connects) is not recorded",
+    ),
+}
+_made: dict[str, Degradation] = {}
+
+
+def __getattr__(name: str) -> Degradation:
+    """COMPAT_ALLOWED and COMPAT_NOT_REFUSED, made the first time they are asked for: this module is
+    imported before a start's probes load, and the bundle's models (pydantic) are imported while
+    they do (issue 27)."""
+    if name not in _COMPAT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _made:
+        from evidence.bundle.format import Degradation
+
+        reason, impact = _COMPAT[name]
+        _made[name] = Degradation(component="isolation", reason=reason, impact=impact)
+    return _made[name]
+
+
 # capabilities.32bit_syscalls of a run of processes evidence did not start (with COMPAT_NOT_REFUSED)
 COMPAT_ADOPTED = "not refused, not recorded (processes evidence did not start: see the degradation)"
 
@@ -102,6 +118,8 @@ def isolation(abi: int, allow_setuid: bool = False) -> tuple[Landlock | None, bo
     signals and abstract unix sockets too, so a job cannot make a process of its uid outside the run
     act for it unrecorded. Before ABI 6 a domain that restricts nothing (MAKE_BLOCK handled and
     granted on /) still confines ptrace."""
+    from evidence.bundle.format import Degradation
+
     if allow_setuid:
         return (
             None,

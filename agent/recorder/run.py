@@ -43,7 +43,7 @@ from evidence.agent.recorder.kernel import capabilities_in_force
 from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, write_run_record
 from evidence.bundle.format import Artifacts, Degradation
 from evidence.bundle.record_types import DenialRecord, ExitRecord, LimitRecord, SpoolRecord
-from evidence.errors import PolicyError, SetupError
+from evidence.errors import PolicyError
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.command_rules import CommandRules
@@ -167,11 +167,11 @@ class Run:
     def _apply_limits(self, cgroup: Path) -> list[Degradation]:
         """Set the policy's limits on `cgroup` (`self.limits`); what could not be set, as
         degradations. Under --fail-closed, anything not set refuses the run (PolicyError)."""
-        from evidence.agent.recorder import limits
-
         enf = self.enforcement
         if enf is None or enf.policy.limits is None:
             return []
+        from evidence.agent.recorder import limits
+
         if enf.mode == "dry-run":
             return [
                 Degradation(
@@ -398,25 +398,6 @@ def _limits_text(applied: AppliedLimits) -> str:
 
 
 # ---- setting up a recorder: `evidence run` and the agent alike ---------------------------------
-
-
-def kernel_ready(*, hints: bool = True) -> Headers:
-    """tracefs mounted and kernel headers for BCC found, or SetupError saying what is missing."""
-    from evidence.agent.recorder import kernel
-    from evidence.probes.headers import ensure_headers
-
-    if not kernel.mount_tracefs():
-        raise SetupError(
-            "tracefs is not available at /sys/kernel/tracing",
-            "mount -t tracefs tracefs /sys/kernel/tracing" if hints else None,
-        )
-    headers = ensure_headers()
-    if headers.path is None:
-        raise SetupError(
-            "no kernel headers for BCC",
-            "apt-get install linux-headers-$(uname -r) (or the distro's generic headers)" if hints else None,
-        )
-    return headers
 
 
 def open_recorder(

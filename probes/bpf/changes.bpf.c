@@ -9,30 +9,33 @@
 // (within its first MAGIC_SCAN_ bytes: the ABI's), -1 when there is none, and records what descriptor N
 // names (magic_inode), so user space names the change after its table's entry for N while N
 // still names that file. names.magic_fd reads a name the same way: change both together.
+
 #define FD_SLASH_ 0x66642f  // "fd/", the three bytes before a candidate
 
 // The number of the descriptor the name at e->buf[base] reaches through a magic link, -1: none.
-static __always_inline s32 magic_fd(struct change_ev *e, u32 base) {
-    u32 w = 0, at = 0;  // w: the four bytes before position i
-    int found = 0;
+// Where the number starts goes through *at (the call's, a map value): the verifier walks the
+// digits' loop once from an unknown start, not once per position the scan can stop at.
+static __always_inline s32 magic_fd(struct change_ev *e, u32 base, s32 *at) {
+    u32 w = 0;  // w: the four bytes before position i
+    *(volatile s32 *)at = -1;
 #pragma clang loop unroll(disable)
     for (u32 i = 0; i < MAGIC_SCAN_; i++) {
         u8 ch = e->buf[(base + i) & (2 * PATH_MAX_ - 1)];
         if (ch == 0)
             break;
-        if (ch >= '0' && ch <= '9' && (i == 0 || ((w & 0xffffff) == FD_SLASH_ && (i == 3 || (w >> 24) == '/')))) {
-            at = i;
-            found = 1;
+        if (ch >= '0' && ch <= '9' && (i == 0 || (i >= 3 && (w & 0xffffff) == FD_SLASH_ && (i == 3 || (w >> 24) == '/')))) {
+            *(volatile s32 *)at = i;
             break;
         }
         w = (w << 8) | ch;
     }
-    if (!found)
+    s32 start = *(volatile s32 *)at;
+    if (start < 0)
         return -1;
     s32 n = 0;
 #pragma clang loop unroll(disable)
     for (u32 j = 0; j < 10; j++) {  // at most 9 digits, then '/' or the end of the name
-        u8 ch = e->buf[(base + at + j) & (2 * PATH_MAX_ - 1)];
+        u8 ch = e->buf[(base + (u32)start + j) & (2 * PATH_MAX_ - 1)];
         if (ch == '/' || ch == 0)
             return n;
         if (ch < '0' || ch > '9' || j == 9)
@@ -42,16 +45,11 @@ static __always_inline s32 magic_fd(struct change_ev *e, u32 base) {
     return -1;
 }
 
-static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1, s32 dfd2, const char *p2, u32 mode, u32 uid, u32 gid, u32 at_flags) {
-    u32 run = current_run();
-    if (!run)
-        return 0;
+static __always_inline int enter_change(u32 run, s32 nr, u16 op, s32 dfd, const char *p1, s32 dfd2, const char *p2, u32 mode, u32 uid, u32 gid, u32 at_flags) {
     struct call *c = begin_call(run, EV_CHANGE, nr);
     if (!c)
         return 0;
     struct change_ev *e = &c->ev.change;
-    e->dfd = dfd;
-    e->dfd2 = dfd2;
     e->mode = mode;
     e->nlink = 0;
     e->uid = uid;
@@ -59,16 +57,26 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
     e->at_flags = at_flags;
     e->op = op;
     e->pad = 0;
+    e->dfd = dfd;
+    e->dfd2 = dfd2;
     read_change_paths(c, p1, p2);
     // what the dirfds, or the cwd, name now (fchmod, fchown: the descriptor itself); rare calls:
     // read for any path
-    e->dino = dir_inode(dfd);
-    e->dino2 = p2 ? dir_inode(dfd2) : 0;
+    e->dino = read_dir_inode(dfd);
+    e->dino2 = p2 ? read_dir_inode(dfd2) : 0;
     // a name through a magic link: what its descriptor names (checked again at exit: finish_call)
-    c->mfd = e->len1 ? magic_fd(e, 0) : -1;
-    c->mfd2 = e->len2 ? magic_fd(e, e->len1) : -1;
-    e->mino = c->mfd >= 0 ? fd_inode(c->mfd) : 0;
-    e->mino2 = c->mfd2 >= 0 ? fd_inode(c->mfd2) : 0;
+    // (both names through one copy of the scan, each name's inputs read from the record: the
+    // verifier walks it once a name)
+#pragma clang loop unroll(disable)
+    for (int k = 0; k < 2; k++) {
+        s32 *mfd = k ? &c->mfd2 : &c->mfd;
+        u32 len = k ? *(volatile u16 *)&e->len2 : *(volatile u16 *)&e->len1;
+        u32 base = k ? *(volatile u16 *)&e->len1 : 0;
+        s32 fd = len ? magic_fd(e, base, mfd) : -1;
+        *(volatile s32 *)mfd = fd;
+    }
+    e->mino = c->mfd >= 0 ? read_fd_inode(c->mfd) : 0;
+    e->mino2 = c->mfd2 >= 0 ? read_fd_inode(c->mfd2) : 0;
     return 0;
 }
 
@@ -78,6 +86,10 @@ static __always_inline int enter_change(s32 nr, u16 op, s32 dfd, const char *p1,
 int on_enter_change(struct sys_enter_ctx *ctx) {
     // attached to every call below; arguments past the first are read with arg_beyond, since the
     // tracepoints sharing this handler have from 1 (unlink) to 5 (renameat2, linkat) arguments
+    // the run first: the verifier walks its cgroup loop once, not once per call's operands below
+    u32 run = current_run();
+    if (!run)
+        return 0;
     s32 nr = ctx->nr;
     const char *a0 = (const char *)ctx->args[0];
     // the call's operands, then one enter_change (written once: the verifier walks it once)
@@ -185,7 +197,7 @@ int on_enter_change(struct sys_enter_ctx *ctx) {
     default:
         return 0;
     }
-    return enter_change(nr, op, dfd, p1, dfd2, p2, mode, uid, gid, fl);
+    return enter_change(run, nr, op, dfd, p1, dfd2, p2, mode, uid, gid, fl);
 }
 
 #undef A

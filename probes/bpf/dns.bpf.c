@@ -84,7 +84,7 @@ static __always_inline struct dnsfd *dns_fd(s32 fd) {
         return NULL;
     struct pctx *p = procs.lookup(&tgid);
     // left by an earlier process of this pid, or the number names another file now
-    if (!p || p->gen != d->gen || fd_inode(fd) != d->ino) {
+    if (!p || p->gen != d->gen || read_fd_inode(fd) != d->ino) {
         dns_forget(tgid, fd);
         return NULL;
     }
@@ -122,7 +122,7 @@ static __always_inline u64 dns_mark(s32 fd, const u8 *addr) {
     struct pctx *p = proc_ctx(tgid);
     if (!p)
         return 0;
-    struct dnsfd d = {.gen = p->gen, .ino = fd_inode(fd)};
+    struct dnsfd d = {.gen = p->gen, .ino = read_fd_inode(fd)};
     __builtin_memcpy(d.addr, addr, sizeof(d.addr));
     if (dnsfds.insert(&k, &d) == 0)
         dns_count(tgid, 1);  // a new entry (an existing one is updated without counting it again)
@@ -142,7 +142,7 @@ static __always_inline u64 dns_cookie(u64 ino, s32 fd) {
         return 0;
     if ((mode & 0170000) != 0140000)  // S_IFSOCK
         return 0;
-    u64 file = fd_file(fd), sock = 0, sk = 0, cookie = 0;
+    u64 file = read_fd_file(fd), sock = 0, sk = 0, cookie = 0;
     if (!file || bpf_probe_read_kernel(&sock, sizeof(sock), (void *)(file + FILE_PRIVATE_DATA_OFF)) != 0 || !sock)
         return 0;
     if (bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SOCKET_SK_OFF)) != 0 || !sk)
@@ -232,90 +232,100 @@ static __always_inline void dns_send_msg(s32 fd, struct dnsfd *d, u64 uhdr) {
     dns_emit(run, fd, DNS_SENT, len, buf, len, addr, sock, 0);
 }
 
-// The DNS work of a syscall's entry: connect, read, write, writev, sendmsg, recvmsg (3), sendmmsg
-// (4), recvmmsg (5), sendto and recvfrom (6).
-static __always_inline int dns_enter(struct sys_enter_ctx *ctx) {
+// The DNS work of a syscall's entry, by the handler that runs it (each handler's own calls only:
+// the verifier walks what each program can run, not every call's way in every program).
+// connect: the socket is marked as a DNS socket (or unmarked).
+static __always_inline void dns_connect(struct sys_enter_ctx *ctx) {
+    if (!current_run())
+        return;
+    s32 fd = (s32)ctx->args[0];
+    u8 addr[28] = {};
+    if (dns_port((const void *)ctx->args[1], (u32)ctx->args[2], addr))
+        dns_mark(fd, addr);
+    else
+        dns_mark(fd, NULL);
+}
+
+// sendmsg (3 arguments), sendmmsg (4) and sendto (6)
+static __always_inline void dns_send(struct sys_enter_ctx *ctx) {
     s32 nr = ctx->nr;
     s32 fd = (s32)ctx->args[0];
-    if (nr == __NR_connect) {
-        if (!current_run())
-            return 0;
-        u8 addr[28] = {};
-        if (dns_port((const void *)arg_beyond(ctx, 1), (u32)arg_beyond(ctx, 2), addr))
-            dns_mark(fd, addr);
-        else
-            dns_mark(fd, NULL);
-        return 0;
-    }
     struct dnsfd *d = dns_fd(fd);
     if (nr == __NR_sendto) {
         u64 uaddr = arg_beyond(ctx, 4);
         u8 addr[28] = {};
         u64 sock = 0;
         if (!d && !uaddr)
-            return 0;
+            return;
         if (uaddr && current_run() && dns_port((const void *)uaddr, (u32)arg_beyond(ctx, 5), addr)) {
             sock = dns_mark(fd, addr);
         } else if (d) {
             __builtin_memcpy(addr, d->addr, sizeof(addr));
             sock = d->ino;
         } else {
-            return 0;
+            return;
         }
         u32 run = current_run();
         if (run)
-            dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), addr, sock, 0);
-        return 0;
+            dns_emit(run, fd, DNS_SENT, ctx->args[2], ctx->args[1], ctx->args[2], addr, sock, 0);
+        return;
     }
     if (nr == __NR_sendmsg) {
         if (d || current_run())
-            dns_send_msg(fd, d, arg_beyond(ctx, 1));
-        return 0;
+            dns_send_msg(fd, d, ctx->args[1]);
+        return;
     }
     if (nr == __NR_sendmmsg) {
         if (!d && !current_run())
-            return 0;
-        u64 vec = arg_beyond(ctx, 1);
-        u32 vlen = (u32)arg_beyond(ctx, 2);
+            return;
+        u64 vec = ctx->args[1];
+        u32 vlen = (u32)ctx->args[2];
         // struct mmsghdr: a user_msghdr (56 bytes) and the length sent; the resolvers send a
         // query or two (A and AAAA) at a time: the first two are read
         if (vlen > 0)
             dns_send_msg(fd, d, vec);
         if (vlen > 1)
             dns_send_msg(fd, dns_fd(fd), vec + 64);
-        return 0;
     }
+}
+
+// read, write, writev (3 arguments), recvmsg (3), recvmmsg (5) and recvfrom (6): a message written
+// to a DNS socket, or where a receive's message will be, kept until its exit
+static __always_inline int dns_io(struct sys_enter_ctx *ctx) {
+    s32 nr = ctx->nr;
+    s32 fd = (s32)ctx->args[0];
+    struct dnsfd *d = dns_fd(fd);
     if (!d)
         return 0;
     u32 run = current_run();
     if (!run)
         return 0;
     if (nr == __NR_write) {
-        if (arg_beyond(ctx, 2) == 2)
+        if (ctx->args[2] == 2)
             return 0;  // a DNS-over-TCP length on its own
-        dns_emit(run, fd, DNS_SENT, arg_beyond(ctx, 2), arg_beyond(ctx, 1), arg_beyond(ctx, 2), d->addr, d->ino, 0);
+        dns_emit(run, fd, DNS_SENT, ctx->args[2], ctx->args[1], ctx->args[2], d->addr, d->ino, 0);
         return 0;
     }
     if (nr == __NR_writev) {
         u64 buf, len;
-        dns_iov(arg_beyond(ctx, 1), arg_beyond(ctx, 2), &buf, &len);
+        dns_iov(ctx->args[1], ctx->args[2], &buf, &len);
         dns_emit(run, fd, DNS_SENT, len, buf, len, d->addr, d->ino, 0);
         return 0;
     }
     // a receive: where the message will be is kept until the exit
     struct dnsrecv r = {.fd = fd, .nr = nr};
     if (nr == __NR_read || nr == __NR_recvfrom) {
-        r.buf = arg_beyond(ctx, 1);
-        r.cap = arg_beyond(ctx, 2);
+        r.buf = ctx->args[1];
+        r.cap = ctx->args[2];
         if (nr == __NR_read && r.cap == 2)
             return 0;  // a DNS-over-TCP length on its own
     } else if (nr == __NR_recvmsg) {
         struct dns_msghdr m = {};
-        if (bpf_probe_read_user(&m, sizeof(m), (void *)arg_beyond(ctx, 1)) != 0)
+        if (bpf_probe_read_user(&m, sizeof(m), (void *)ctx->args[1]) != 0)
             return 0;
         dns_iov(m.iov, m.iovlen, &r.buf, &r.cap);
     } else if (nr == __NR_recvmmsg) {
-        r.vec = arg_beyond(ctx, 1);
+        r.vec = ctx->args[1];
     } else {
         return 0;
     }
@@ -337,9 +347,9 @@ static __always_inline void dns_recv_mmsg(u32 run, struct dnsrecv *r, struct dns
 }
 
 int on_enter_dns(struct sys_enter_ctx *ctx) {
-    // attached to read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends
-    // call dns_enter from their own handlers)
-    return dns_enter(ctx);
+    // attached to read, write, writev, recvfrom, recvmsg and recvmmsg (connect and the sends run
+    // dns_connect and dns_send from their own handlers)
+    return dns_io(ctx);
 }
 
 int on_exit_dns(struct sys_exit_ctx *ctx) {

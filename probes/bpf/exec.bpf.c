@@ -1,8 +1,12 @@
 // ---- exec --------------------------------------------------------------------------------
 
-// Appends the NUL-separated argv at buf[off..]: returns the number of bytes written.
-static __always_inline u32 read_argv(struct exec_ev *e, u32 off, const char *const *argv) {
-    u32 start = off;
+// Appends the NUL-separated argv at buf[off..]: returns the number of bytes written. The offset
+// goes through the record (a map value) on each turn, as kernel_name's does: the verifier then sees
+// an unknown number (each use is masked), not a range per turn and per way out of the loop, and
+// the ways out meet in one state it walks once.
+static __always_inline u32 read_argv(struct exec_ev *e, const char *const *argv) {
+    u32 start = *(volatile u16 *)&e->fname_len & (PATH_MAX_ - 1);
+    *(volatile u16 *)&e->args_len = start;
 #pragma clang loop unroll(disable)
     for (int i = 0; i < MAXARG_; i++) {
         const char *arg = NULL;
@@ -13,29 +17,29 @@ static __always_inline u32 read_argv(struct exec_ev *e, u32 off, const char *con
         if (!arg)
             break;
         e->argc = i + 1;
+        u32 off = *(volatile u16 *)&e->args_len;
+        // what is left of argv's ARGS_MAX_ - 1 bytes (off never precedes start: the mask only
+        // bounds it for the verifier, with no branch that would make two states of each turn)
         u32 room = start + ARGS_MAX_ - 1 - off;
+        barrier_var(room);
+        room &= ARGS_MAX_ - 1;
         if (room <= 1 || off >= PATH_MAX_ + ARGS_MAX_) {
             e->h.flags |= F_ARGS_TRUNC;
             break;
         }
-        if (room > ARGS_MAX_ - 1)
-            room = ARGS_MAX_ - 1;
         u32 pos = off;
         barrier_var(pos);
         pos &= BUF_MASK;
-        barrier_var(room);
-        room &= ARGS_MAX_ - 1;
         int n = bpf_probe_read_user_str(&e->buf[pos], room, arg);
         if (n < 0) {
             e->h.flags |= F_ARGS_FAULT;
             break;
         }
+        *(volatile u16 *)&e->args_len = off + n;
         if ((u32)n >= room) {
             e->h.flags |= F_ARGS_TRUNC;
-            off += n;
             break;
         }
-        off += n;
         if (i == MAXARG_ - 1) {
             // check whether more arguments were given than we read
             const char *more = NULL;
@@ -44,7 +48,8 @@ static __always_inline u32 read_argv(struct exec_ev *e, u32 off, const char *con
                 e->h.flags |= F_ARGS_TRUNC;
         }
     }
-    return off - start;
+    u32 end = *(volatile u16 *)&e->args_len;
+    return end > start ? end - start : 0;
 }
 
 static __always_inline int emit_exec(s32 dfd, const char *filename, const char *const *argv, u32 at_flags) {
@@ -76,10 +81,11 @@ static __always_inline int emit_exec(s32 dfd, const char *filename, const char *
     e->fname_len = n;
     e->pad = 0;
     // a relative name: what dfd (execveat), or the cwd, names now
-    e->dino = e->buf[0] == '/' ? 0 : dir_inode(dfd);
-    u32 alen = read_argv(e, n & (PATH_MAX_ - 1), argv);
+    e->dino = e->buf[0] == '/' ? 0 : read_dir_inode(dfd);
+    // from here on the name's length is read back from the record: every way here is one state
+    u32 alen = read_argv(e, argv);
     e->args_len = alen;
-    u64 size = offsetof(struct exec_ev, buf) + ((n + alen) & BUF_MASK);
+    u64 size = offsetof(struct exec_ev, buf) + ((*(volatile u16 *)&e->fname_len + alen) & BUF_MASK);
     return emit(e, size, run, EV_EXEC);
 }
 
@@ -150,7 +156,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
         len = ARGS_MAX_ - 1;
         e->h.flags |= F_ARGS_TRUNC;
     }
-    u32 off = n & (PATH_MAX_ - 1);
+    // the name's length is read back from the record: every way here is one state for the verifier
+    u32 off = *(volatile u16 *)&e->fname_len & (PATH_MAX_ - 1);
     len &= (ARGS_MAX_ - 1);
     if (len > 0 && bpf_probe_read_user(&e->buf[off & BUF_MASK], len, (void *)start) != 0) {
         len = 0;
@@ -161,8 +168,12 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     struct pctx *p = proc_ctx(e->h.tgid);
     if (p) {
         u64 t = 0;
-        if (e->buf[0] == '/' && n > 1)
-            t = name_token(0, e->buf, (n - 1) & (PATH_MAX_ - 1));
+        u32 fl = *(volatile u16 *)&e->fname_len;
+        if (e->buf[0] == '/' && fl > 1) {
+            e->pad = (fl - 1) & (PATH_MAX_ - 1);  // the name's length, where name_token reads it
+            t = name_token(0, e->buf, &e->pad);
+            e->pad = 0;
+        }
         p->exe = t ? t : random_token();
     }
     u64 size = offsetof(struct exec_ev, buf) + ((off + len) & BUF_MASK);

@@ -28,11 +28,11 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
     c->ev.open.ret = ctx->ret;
     if (ctx->ret >= 0) {  // a new descriptor: what it names, for the identity checks
         if (c->ev.h.kind == EV_OPEN)
-            c->ev.open.rino = fd_inode((s32)ctx->ret);
+            c->ev.open.rino = read_fd_inode((s32)ctx->ret);
         else if (c->ev.h.kind == EV_DUP)
-            c->ev.dup.rino = fd_inode((s32)ctx->ret);
+            c->ev.dup.rino = read_fd_inode((s32)ctx->ret);
         else if (c->ev.h.kind == EV_CHDIR || c->ev.h.kind == EV_FCHDIR)
-            c->ev.open.rino = cwd_inode();  // the directory it changed to
+            c->ev.open.rino = read_cwd_inode();  // the directory it changed to
     }
     if (c->ev.h.kind == EV_NS)
         ns_exit(c);
@@ -49,9 +49,9 @@ static __always_inline int finish_call(struct sys_exit_ctx *ctx) {
         // a magic link's descriptor that names another file at exit than at entry: the change
         // may have reached either, so neither is named
         if (c->ev.h.kind == EV_CHANGE) {
-            if (ce->mino && (c->mfd < 0 || fd_inode(c->mfd) != ce->mino))
+            if (ce->mino && (c->mfd < 0 || read_fd_inode(c->mfd) != ce->mino))
                 ce->mino = 0;
-            if (ce->mino2 && (c->mfd2 < 0 || fd_inode(c->mfd2) != ce->mino2))
+            if (ce->mino2 && (c->mfd2 < 0 || read_fd_inode(c->mfd2) != ce->mino2))
                 ce->mino2 = 0;
             // the file a descriptor names: fchmod's, fchown's, or path 1's magic link (a directory,
             // one with a name below it, has none)

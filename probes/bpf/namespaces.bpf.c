@@ -14,25 +14,22 @@
 #define NS_FLAGS_ (0x00020000ULL | 0x02000000ULL | 0x04000000ULL | 0x08000000ULL | 0x10000000ULL | 0x20000000ULL | 0x40000000ULL)
 #define NS_PATH_FLAGS_ (CLONE_NEWNS_ | CLONE_NEWUSER_)  // the namespaces that change what a path names
 
-static __always_inline int enter_ns(s32 nr, u16 op, u64 flags, u64 target, s32 dfd, const char *p1, s32 dfd2, const char *p2) {
-    u32 run = current_run();
-    if (!run)
-        return 0;
+static __always_inline int enter_ns(u32 run, s32 nr, u16 op, u64 flags, u64 target, s32 dfd, const char *p1, s32 dfd2, const char *p2) {
     struct call *c = begin_call(run, EV_NS, nr);
     if (!c)
         return 0;
     struct ns_ev *e = &c->ev.ns;
     e->flags = flags;
     e->target = target;
-    e->dfd = dfd;
-    e->dfd2 = dfd2;
     __builtin_memset(e->fstype, 0, sizeof(e->fstype));
     e->op = op;
     e->pad = 0;
+    e->dfd = dfd;
+    e->dfd2 = dfd2;
     read_change_paths(c, p1, p2);
     // what the dirfds, or the cwd, name now (rare calls: read for any path, like a change's)
-    e->dino = p1 ? dir_inode(dfd) : 0;
-    e->dino2 = p2 ? dir_inode(dfd2) : 0;
+    e->dino = p1 ? read_dir_inode(dfd) : 0;
+    e->dino2 = p2 ? read_dir_inode(dfd2) : 0;
     return 0;
 }
 
@@ -41,53 +38,74 @@ static __always_inline int enter_ns(s32 nr, u16 op, u64 flags, u64 target, s32 d
 
 int on_enter_ns(struct sys_enter_ctx *ctx) {
     // attached to every call below (from 1 argument, unshare and chroot, to 6); arguments past the
-    // first are read with arg_beyond
+    // first are read with arg_beyond. The call's operands, then one enter_ns (written once: the
+    // verifier walks it once, not once per call)
     s32 nr = ctx->nr;
     u64 a0 = ctx->args[0];
+    u16 op = 0;
+    u64 flags = 0, target = 0;
+    s32 dfd = 0, dfd2 = 0;
+    const char *p1 = NULL, *p2 = NULL;
     switch (nr) {
     case __NR_unshare:
         if (!(a0 & (NS_FLAGS_ | CLONE_NEWTIME_)))
             return 0;
-        return enter_ns(nr, NS_UNSHARE, a0, 0, 0, NULL, 0, NULL);
+        op = NS_UNSHARE; flags = a0;
+        break;
     case __NR_setns:
-        return enter_ns(nr, NS_SETNS, (u32)A(1), (s32)a0, 0, NULL, 0, NULL);
+        op = NS_SETNS; flags = (u32)A(1); target = (s32)a0;
+        break;
     case __NR_clone:
         if (!(a0 & NS_FLAGS_))
             return 0;  // almost every clone: no record
         // without the low byte (clone's exit signal; clone3's CLONE_NEWTIME)
-        return enter_ns(nr, NS_CLONE, a0 & ~0xFFULL, 0, 0, NULL, 0, NULL);
-    case __NR_clone3: {
-        u64 fl = 0;
-        if (bpf_probe_read_user(&fl, sizeof(fl), (void *)a0) != 0 || !(fl & (NS_FLAGS_ | CLONE_NEWTIME_)))
+        op = NS_CLONE; flags = a0 & ~0xFFULL;
+        break;
+    case __NR_clone3:
+        if (bpf_probe_read_user(&flags, sizeof(flags), (void *)a0) != 0 || !(flags & (NS_FLAGS_ | CLONE_NEWTIME_)))
             return 0;
-        return enter_ns(nr, NS_CLONE, fl, 0, 0, NULL, 0, NULL);
+        op = NS_CLONE;
+        break;
+    case __NR_mount:
+        op = NS_MOUNT; flags = (u32)A(3); dfd = -100; p1 = (const char *)a0; dfd2 = -100; p2 = P(1);
+        break;
+    case __NR_move_mount:
+        op = NS_MOVE_MOUNT; flags = (u32)A(4); dfd = (s32)a0; p1 = P(1); dfd2 = (s32)A(2); p2 = P(3);
+        break;
+    case __NR_open_tree:
+        op = NS_OPEN_TREE; flags = (u32)A(2); dfd = (s32)a0; p1 = P(1);
+        break;
+    case __NR_fsmount:
+        op = NS_FSMOUNT; flags = (u32)A(1); target = (s32)a0;
+        break;
+    case __NR_pivot_root:
+        op = NS_PIVOT_ROOT; dfd = -100; p1 = (const char *)a0; dfd2 = -100; p2 = P(1);
+        break;
+    case __NR_chroot:
+        op = NS_CHROOT; dfd = -100; p1 = (const char *)a0;
+        break;
+    case __NR_ptrace:
+        // attach, seize, and writes to the tracee's memory or user area: poketext, pokedata, pokeuser
+        if (a0 != 16 && a0 != 0x4206 && a0 != 4 && a0 != 5 && a0 != 6)
+            return 0;
+        op = NS_PTRACE; flags = a0; target = (u32)A(1);
+        break;
+    case __NR_process_vm_writev:
+        op = NS_VM_WRITE; target = (u32)a0;
+        break;
+    default:
+        return 0;
     }
-    case __NR_mount: {
-        enter_ns(nr, NS_MOUNT, (u32)A(3), 0, -100, (const char *)a0, -100, P(1));
+    u32 run = current_run();
+    if (!run)
+        return 0;
+    enter_ns(run, nr, op, flags, target, dfd, p1, dfd2, p2);
+    if (nr == __NR_mount) {  // the filesystem's type, once the record is the thread's call
         u32 tid = (u32)bpf_get_current_pid_tgid();
         struct call *c = inflight.lookup(&tid);
         const char *type = P(2);
         if (c && c->ev.h.kind == EV_NS && type)
             bpf_probe_read_user_str(c->ev.ns.fstype, sizeof(c->ev.ns.fstype), type);
-        return 0;
-    }
-    case __NR_move_mount:
-        return enter_ns(nr, NS_MOVE_MOUNT, (u32)A(4), 0, (s32)a0, P(1), (s32)A(2), P(3));
-    case __NR_open_tree:
-        return enter_ns(nr, NS_OPEN_TREE, (u32)A(2), 0, (s32)a0, P(1), 0, NULL);
-    case __NR_fsmount:
-        return enter_ns(nr, NS_FSMOUNT, (u32)A(1), (s32)a0, 0, NULL, 0, NULL);
-    case __NR_pivot_root:
-        return enter_ns(nr, NS_PIVOT_ROOT, 0, 0, -100, (const char *)a0, -100, P(1));
-    case __NR_chroot:
-        return enter_ns(nr, NS_CHROOT, 0, 0, -100, (const char *)a0, 0, NULL);
-    case __NR_ptrace:
-        // attach, seize, and writes to the tracee's memory or user area: poketext, pokedata, pokeuser
-        if (a0 != 16 && a0 != 0x4206 && a0 != 4 && a0 != 5 && a0 != 6)
-            return 0;
-        return enter_ns(nr, NS_PTRACE, a0, (u32)A(1), 0, NULL, 0, NULL);
-    case __NR_process_vm_writev:
-        return enter_ns(nr, NS_VM_WRITE, 0, (u32)a0, 0, NULL, 0, NULL);
     }
     return 0;
 }

@@ -2,7 +2,8 @@
 
 // ---- dns: defined in its section below; connect and the sends run it first (BCC keeps one program
 // per tracepoint, so the DNS work on a shared tracepoint is a call, not a program of its own)
-static __always_inline int dns_enter(struct sys_enter_ctx *ctx);
+static __always_inline void dns_connect(struct sys_enter_ctx *ctx);
+static __always_inline void dns_send(struct sys_enter_ctx *ctx);
 
 // A connect record for socket fd and the sockaddr at addr (of len bytes), completed at exit.
 static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, const void *addr, u32 len) {
@@ -24,7 +25,7 @@ static __always_inline int enter_sockaddr(u32 run, s32 nr, u16 flags, s32 fd, co
     e->pad2 = 0;
     // AF_UNIX (1) with a path that is not absolute (nor abstract: a NUL first): it names a file in
     // the cwd, so the cwd is part of what it names
-    e->dino = n > 2 && e->addr[0] == 1 && e->addr[1] == 0 && e->addr[2] != '/' && e->addr[2] != 0 ? cwd_inode() : 0;
+    e->dino = n > 2 && e->addr[0] == 1 && e->addr[1] == 0 && e->addr[2] != '/' && e->addr[2] != 0 ? read_cwd_inode() : 0;
     c->size = sizeof(struct connect_ev);
     return 0;
 }
@@ -43,28 +44,35 @@ static __always_inline int enter_send(s32 nr, s32 fd, const void *addr, u32 len)
 
 int on_enter_send(struct sys_enter_ctx *ctx) {
     // attached to sendto (6 arguments), sendmsg (3) and sendmmsg (4)
-    dns_enter(ctx);
-    if (ctx->nr == __NR_sendto)
-        return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)arg_beyond(ctx, 4), (u32)arg_beyond(ctx, 5));
-    if (ctx->nr == __NR_sendmmsg && (u32)arg_beyond(ctx, 2) == 0)
-        return 0;  // no message: nothing is sent
-    // struct user_msghdr (and struct mmsghdr, which starts with one): void *msg_name; int msg_namelen
-    struct {
-        u64 name;
-        u32 namelen;
-        u32 pad;
-    } h = {};
-    if (bpf_probe_read_user(&h, sizeof(h), (void *)ctx->args[1]) != 0) {
-        u32 run = current_run();
-        if (run)
-            count_lost(run, EV_CONNECT);  // a message header not in memory yet: counted, not guessed
-        return 0;
+    dns_send(ctx);
+    const void *addr;
+    u32 len;
+    if (ctx->nr == __NR_sendto) {
+        addr = (const void *)arg_beyond(ctx, 4);
+        len = (u32)arg_beyond(ctx, 5);
+    } else {
+        if (ctx->nr == __NR_sendmmsg && (u32)ctx->args[2] == 0)
+            return 0;  // no message: nothing is sent
+        // struct user_msghdr (and struct mmsghdr, which starts with one): void *msg_name; int msg_namelen
+        struct {
+            u64 name;
+            u32 namelen;
+            u32 pad;
+        } h = {};
+        if (bpf_probe_read_user(&h, sizeof(h), (void *)ctx->args[1]) != 0) {
+            u32 run = current_run();
+            if (run)
+                count_lost(run, EV_CONNECT);  // a message header not in memory yet: counted, not guessed
+            return 0;
+        }
+        addr = (const void *)h.name;
+        len = h.namelen;
     }
-    return enter_send(ctx->nr, (s32)ctx->args[0], (const void *)h.name, h.namelen);
+    return enter_send(ctx->nr, (s32)ctx->args[0], addr, len);  // written once: walked once
 }
 
 int on_enter_connect(struct sys_enter_ctx *ctx) {
-    dns_enter(ctx);
+    dns_connect(ctx);
     u32 run = current_run();
     if (run)
         enter_sockaddr(run, ctx->nr, 0, (s32)ctx->args[0], (const void *)ctx->args[1], (u32)ctx->args[2]);

@@ -31,22 +31,42 @@ int on_enter_openat(struct sys_enter_ctx *ctx) {
 }
 
 int on_enter_open(struct sys_enter_ctx *ctx) {
+    // attached to openat2 (4 arguments), open (3) and creat (2); the call's operands, then one
+    // enter_open (written once: the verifier walks it once)
+    s32 dfd = -100;
+    const char *filename = (const char *)ctx->args[0];
+    u32 flags, mode;
+    u16 sc;
+    u64 resolve = 0;
     switch (ctx->nr) {
-    // attached to openat2 (4 arguments), open (3) and creat (2)
     case __NR_openat2: {
         u64 how[3] = {};  // struct open_how: flags, mode, resolve
         bpf_probe_read_user(how, sizeof(how), (void *)arg_beyond(ctx, 2));
-        return enter_open(ctx->nr, (s32)ctx->args[0], (const char *)ctx->args[1], (u32)how[0], (u32)how[1], 1, how[2]);
+        dfd = (s32)ctx->args[0];
+        filename = (const char *)ctx->args[1];
+        flags = (u32)how[0];
+        mode = (u32)how[1];
+        resolve = how[2];
+        sc = 1;
+        break;
     }
 #ifdef __NR_open
     case __NR_open:
-        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], (u32)ctx->args[1], (u32)arg_beyond(ctx, 2), 2, 0);
+        flags = (u32)ctx->args[1];
+        mode = (u32)arg_beyond(ctx, 2);
+        sc = 2;
+        break;
 #endif
 #ifdef __NR_creat
     case __NR_creat:
         // creat(path, mode) == open(path, O_CREAT|O_WRONLY|O_TRUNC, mode)
-        return enter_open(ctx->nr, -100, (const char *)ctx->args[0], 01 | 0100 | 01000, (u32)ctx->args[1], 3, 0);
+        flags = 01 | 0100 | 01000;
+        mode = (u32)ctx->args[1];
+        sc = 3;
+        break;
 #endif
+    default:
+        return 0;
     }
-    return 0;
+    return enter_open(ctx->nr, dfd, filename, flags, mode, sc, resolve);
 }

@@ -47,9 +47,8 @@ static __always_inline void hash_name(struct call *c) {
     if (*(volatile u32 *)&c->hskip != 0)
         return;
     u64 base = *(volatile u64 *)&c->hbase;
-    u32 len = *(volatile u32 *)&c->hlen;
     u32 off = *(volatile u32 *)&c->hoff;
-    c->htok = name_token(base, c->ev.open.path + (off & (PATH_MAX_ - 1)), len);
+    c->htok = name_token(base, c->ev.open.path + (off & (PATH_MAX_ - 1)), &c->hlen);
     c->hskip = 3;  // hashed: on_exit_name keeps this token (see settle)
 }
 

@@ -131,10 +131,11 @@ def test_a_warm_start_does_not_load_bcc() -> None:
 def test_signals_while_the_programs_load_do_not_fail_the_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The verifier stops with EAGAIN when a signal is pending for the loading thread; a few stray
-    signals (a child exiting, a terminal resized) must neither fail the start nor make the cache
-    forget its entry (one program takes up to 150 ms to verify here: a signal every 60 ms lands
-    in some)."""
+    """The verifier stops with EAGAIN when a signal is pending for the loading thread; stray signals
+    (a child exiting, a terminal resized) must neither fail the start nor make the cache forget its
+    entry. This thread loads half the programs (the other half on a thread of its own): eight
+    signals 10 ms apart, from the load's start, land in its loads (one program takes up to ~25 ms to
+    verify here: some twice; a program is tried again up to ten times)."""
     mount_tracefs()
     ensure_headers()
     monkeypatch.setattr(objcache, "CACHE_DIR", tmp_path / "probes")
@@ -142,23 +143,27 @@ def test_signals_while_the_programs_load_do_not_fail_the_load(
     RecorderProbes().close()  # compiled once: the loads below come from the cache
     assert len(list((tmp_path / "probes").glob("*.json"))) == 1
     received: list[float] = []
-    signals = 8
     old = signal.signal(signal.SIGUSR1, lambda *_: received.append(time.monotonic()))
     loader = threading.get_ident()
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
     def interrupt() -> None:
         started.wait()
-        for _ in range(signals):
-            time.sleep(0.06)
+        for _ in range(8):
+            time.sleep(0.01)
+            if done.is_set():
+                return
             signal.pthread_kill(loader, signal.SIGUSR1)
 
     sender = threading.Thread(target=interrupt)
     sender.start()
     try:
         started.set()
-        probes = RecorderProbes()
-        loaded = time.monotonic()
+        try:
+            probes = RecorderProbes()
+        finally:
+            loaded = time.monotonic()
+            done.set()
         try:
             assert ["/bin/echo", "signalled"] in _execs_seen(probes, "signalled")
         finally:
@@ -166,5 +171,5 @@ def test_signals_while_the_programs_load_do_not_fail_the_load(
     finally:
         sender.join()
         signal.signal(signal.SIGUSR1, old)
-    assert len(received) == signals and received[signals // 2] < loaded  # signalled while it loaded
+    assert sum(1 for t in received if t < loaded) >= 4  # signalled while it loaded
     assert len(list((tmp_path / "probes").glob("*.json"))) == 1

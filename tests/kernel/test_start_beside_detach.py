@@ -4,6 +4,7 @@ while a start holds probes.loader's attach lock, and finishes once it is let go,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,12 +15,13 @@ import pytest
 
 from evidence.agent.recorder.kernel import mount_tracefs
 from evidence.probes.headers import ensure_headers
-from evidence.probes.loader import attaching
+from evidence.probes.loader import ATTACH_LOCK, attaching
 
 pytestmark = pytest.mark.kernel
 
 # loads the probes, leaves them to an evidence-detach as `evidence run` does, says its pid, exits
 RUN = """
+import contextlib
 import os
 from evidence.probes.loader import load_probes
 p = load_probes()
@@ -67,3 +69,51 @@ def test_a_detach_closes_nothing_while_a_start_attaches_and_everything_after() -
     while _alive(detach) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(detach), "the detach closed its perf events and exited once the start was done"
+
+
+def test_a_detach_holds_nothing_of_the_run_but_the_probes_attachments(tmp_path: Path) -> None:
+    """evidence-detach outlives `evidence run` by seconds: it must not hold what other processes
+    wait on (a launcher's or the watchdog's pipe: a run refused before launching waited forever for
+    its helper's exit) nor the run's files, only the perf events and its own pipe."""
+    mount_tracefs()
+    ensure_headers()
+    key = tmp_path / "k"
+    assert (
+        subprocess.run([sys.executable, "-m", "evidence", "keygen", "--out", str(key)], timeout=60).returncode
+        == 0
+    )
+    key.chmod(0o644)  # refused after the probes started loading, with the launcher started
+    with attaching(wait=30):  # holds the detach before its perf events close
+        run = subprocess.run(
+            [sys.executable, "-m", "evidence", "run", "--sign-key", str(key), "--bundle", str(tmp_path / "b.tar.gz"),
+             "--", "/bin/true"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode == 2 and "accessible by others" in run.stderr, run.stderr
+        # ours: a fork of that `evidence run`, its command line the same
+        detach = [p for p in _detaches() if str(tmp_path) in Path(f"/proc/{p}/cmdline").read_text()]
+        assert detach, "the refused run's probes were handed to an evidence-detach"
+        for pid in detach:
+            kinds = set()
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                if int(fd.name) <= 2:
+                    continue
+                with contextlib.suppress(OSError):
+                    kinds.add(
+                        os.readlink(fd).split(":")[0]
+                        if os.readlink(fd).startswith("anon_inode")
+                        else os.readlink(fd).split(":[")[0]
+                    )
+            assert kinds <= {"anon_inode", "pipe", str(ATTACH_LOCK)}, kinds
+            pipes = [fd for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("pipe:")]
+            assert len(pipes) == 1, "its own pipe to evidence run, nothing else's"
+
+
+def _detaches() -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            comm, _, rest = stat.read_text().partition("(")[2].rpartition(")")
+            if comm == "evidence-detach" and rest.split()[0] != "Z":
+                out.append(int(stat.parent.name))
+    return out

@@ -142,3 +142,54 @@ def test_pruned_to_the_newest(tmp_path: Path, compiler: FakeCompiler) -> None:
     assert len(list(root.glob("*.json"))) == objcache.KEEP
     assert (root / f"{objcache.cache_key(f'SRC{objcache.KEEP + 2}', None)}.json").exists()
     assert not (root / f"{objcache.cache_key('SRC0', None)}.json").exists()
+
+
+class _Loads:
+    """A LoadedObject's load_func, recorded: which thread loaded what, in which order; `refuse`
+    raises ObjectError for that program, as the kernel's refusal does."""
+
+    def __init__(self, refuse: bytes | None = None) -> None:
+        import threading
+
+        self.order: list[bytes] = []
+        self.threads: dict[bytes, str] = {}
+        self.refuse = refuse
+        self._lock = threading.Lock()
+
+    def load_func(self, name: bytes, prog_type: int, attach_type: int = 0) -> None:
+        import threading
+
+        if name == self.refuse:
+            raise objcache.ObjectError(f"cannot load {name.decode()}")
+        with self._lock:
+            self.order.append(name)
+            self.threads[name] = threading.current_thread().name
+
+
+def test_programs_load_side_by_side_largest_first_each_attached_by_its_loader() -> None:
+    """Every program loaded once, whichever thread is free taking the largest left (one thread:
+    exactly largest first), and `after` called on the thread that loaded it."""
+    loads = _Loads()
+    sizes = {b"a": 10, b"b": 300, b"c": 20, b"d": 200}
+    attached: dict[bytes, str] = {}
+
+    def after(name: bytes) -> None:
+        import threading
+
+        attached[name] = threading.current_thread().name
+
+    programs = [(n, 5, 0) for n in sizes]
+    objcache.load_side_by_side(loads, programs, 2, sizes, after=after)  # type: ignore[arg-type]
+    assert sorted(loads.order) == sorted(sizes)
+    assert attached == loads.threads  # each attached on the thread that loaded it
+    one = _Loads()
+    objcache.load_side_by_side(one, programs, 1, sizes)  # type: ignore[arg-type]
+    assert one.order == [b"b", b"d", b"c", b"a"] and set(one.threads.values()) == {"MainThread"}
+
+
+def test_a_refused_program_is_raised_once_every_thread_stopped() -> None:
+    loads = _Loads(refuse=b"d")
+    sizes = {b"a": 10, b"b": 300, b"c": 20, b"d": 200}
+    with pytest.raises(objcache.ObjectError, match="cannot load d"):
+        objcache.load_side_by_side(loads, [(n, 5, 0) for n in sizes], 2, sizes)  # type: ignore[arg-type]
+    assert b"d" not in loads.order

@@ -84,12 +84,15 @@ static __always_inline u64 sip_final(struct sip *s, u64 len) {
     return v0 ^ v1 ^ v2 ^ v3;
 }
 
-// The token of `base` and the first `len` bytes at buf (in the thread's call: a map value, read
-// directly, 8 bytes a load; buf + HASH_MAX_ + 8 stays inside the value), 0 when no key is set or
-// the name is longer than HASH_MAX_ bytes (then the call is a plain record: correct, only not
-// aggregated; the verifier walks this loop once per iteration and state, so it is kept short).
-static __always_inline u64 name_token(u64 base, const char *buf, u32 len) {
+// The token of `base` and the first *len_at bytes at buf (in the thread's call or the exec record:
+// a map value, read directly, 8 bytes a load; buf + HASH_MAX_ + 8 stays inside the value), 0 when
+// no key is set or the name is longer than HASH_MAX_ bytes (then the call is a plain record:
+// correct, only not aggregated; the verifier walks this loop once per iteration and state, so it
+// is kept short). The length is read from the map value before the loop and again after it: the
+// loop's ways out (one per number of words) then meet in one state for the last bytes.
+static __always_inline u64 name_token(u64 base, const char *buf, const u32 *len_at) {
     struct sip s;
+    u32 len = *(const volatile u32 *)len_at;
     if (len > HASH_MAX_)
         return 0;
     if (sip_init(&s, base) != 0)
@@ -102,6 +105,9 @@ static __always_inline u64 name_token(u64 base, const char *buf, u32 len) {
             break;
         sip_word(&s, *(const u64 *)(buf + i * 8));
     }
+    len = *(const volatile u32 *)len_at;
+    if (len > HASH_MAX_)
+        return 0;
     u32 rem = len & 7;
     m = 0;
     if (rem)  // the last bytes; past len is whatever an earlier read left: masked off
