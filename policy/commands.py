@@ -133,6 +133,74 @@ def decide(
     )
 
 
+class Decider:
+    """`decide` for one policy's rules, with what depends on the program alone worked out once per
+    program: the rules whose `program` matches it and their program ranks (what costs most: up to
+    one glob per pattern), and, when none of those has `args` patterns, the whole decision per
+    depth. The same answers as `decide` (tests/unit/test_policy_commands.py holds them equal);
+    each cache keeps its last `size` programs."""
+
+    def __init__(self, commands: CommandsPolicy, size: int = 1024) -> None:
+        self.commands = commands
+        self.size = size
+        # program -> (rule index, rule, its best program rank), in file order
+        self._rules: dict[str, tuple[tuple[int, CommandRule, int], ...]] = {}
+        self._decided: dict[tuple[str, int], CommandDecision] = {}  # argv-free programs
+
+    def _matching(self, exe: str) -> tuple[tuple[int, CommandRule, int], ...]:
+        got = self._rules.get(exe)
+        if got is None:
+            found = []
+            for index, rule in enumerate(self.commands.rules):
+                ranks = [PROGRAM_RANK[p.kind] for p in rule.program if p.matches(exe)]
+                if ranks:
+                    found.append((index, rule, max(ranks)))
+            if len(self._rules) >= self.size:
+                self._rules.clear()
+                self._decided.clear()
+            got = self._rules[exe] = tuple(found)
+        return got
+
+    def __call__(
+        self, exe: str, argv: Sequence[str], depth: int, *, truncated: bool = False
+    ) -> CommandDecision:
+        rules = self._matching(exe)
+        argv_free = not any(rule.args for _i, rule, _r in rules)
+        if argv_free:  # neither argv nor its truncation can change the answer
+            got = self._decided.get((exe, depth))
+            if got is not None:
+                return got
+        best: tuple[Specificity, int, int] | None = None
+        for index, rule, rank in rules:
+            if not rule.depth.contains(depth):
+                continue
+            if (
+                rule.args
+                and not args_match(rule.args, argv[1:])
+                and not (truncated and rule.decision != "allow")
+            ):
+                continue
+            key = (
+                Specificity(len(rule.args), rank, rule.depth.rank),
+                DECISION_PRIORITY[rule.decision],
+                -index,
+            )
+            if best is None or key > best:
+                best = key
+        if best is None:
+            decision = CommandDecision(decision=self.commands.default)
+        else:
+            rule = self.commands.rules[-best[2]]
+            decision = CommandDecision(
+                decision=rule.decision, rule_index=-best[2], rule_name=rule.name, message=rule.message
+            )
+        if argv_free:
+            if len(self._decided) >= self.size * 8:
+                self._decided.clear()
+            self._decided[(exe, depth)] = decision
+        return decision
+
+
 # ---------------------------------------------------------------------------------------------------
 # What the job is told
 

@@ -1,0 +1,392 @@
+"""What an exec would run, read from the caller and resolved as the kernel will (issue 24): the
+exec supervisor's (exec_supervisor.py) first step on each notification.
+
+`read_request` reads the path and argv from the caller's memory (process_vm_readv, a page at a
+time, each page read once per request; /proc/PID/mem when process_vm_readv is refused) and
+resolves what they name for the caller: relative to its cwd or to the execveat descriptor,
+`/proc/self/...` as the caller's own, symlinks resolved through the caller's root; a `#!` line's
+interpreter; the program the dynamic loader run as a program would load. It also says by whose
+identity the kernel's check (exec_check.py) will know the file: (st_dev, st_ino) of what the name
+leads to in the caller's own root and mount namespace (openat2 RESOLVE_IN_ROOT), and `foreign`
+when that is not the file the same name leads to here (a mount namespace or chroot of the job's
+own, a bind mount in it: the name says nothing of what runs).
+
+`proc_depth` is the caller's depth in the run's process tree (forks below the run's first
+process), from /proc's parent links.
+
+Everything here reads the caller while its notification is pending; the supervisor checks that it
+still is (SECCOMP_IOCTL_NOTIF_ID_VALID) before it acts on what was read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+from dataclasses import dataclass
+
+from evidence.agent.recorder.exec_check import shebang
+
+# The kernel ABI, x86_64
+NR_EXECVE = 59
+NR_EXECVEAT = 322
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+
+MAX_ARGC = 1000  # arguments read before the argv counts as truncated
+MAX_ARGV_BYTES = 65536
+PATH_MAX = 4096
+PAGE = 4096
+HEAD = 256  # bytes of a program read for its `#!` line (fs/binfmt_script.c: BINPRM_BUF_SIZE)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_libc.syscall.restype = ctypes.c_long
+_PTR = struct.Struct("=Q")
+
+
+def read_memory(pid: int, addr: int, size: int) -> bytes:
+    """Up to `size` bytes of the caller's memory at `addr` (fewer at the end of a mapping)."""
+    buf = ctypes.create_string_buffer(size)
+    local, remote = _IoVec(ctypes.cast(buf, ctypes.c_void_p), size), _IoVec(addr, size)
+    n = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if n > 0:
+        return buf.raw[:n]
+    # a range crossing into an unmapped page, or process_vm_readv refused: /proc/PID/mem reads
+    # what is there up to the first unreadable byte
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, size, addr)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+class CallerMemory:
+    """One request's view of the caller's memory, read a whole page at a time and each page once
+    (a path, the argv array and its strings usually share one or two pages)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pages: dict[int, bytes] = {}
+
+    def page(self, addr: int) -> bytes:
+        """The page holding `addr` (b"" when it cannot be read)."""
+        base = addr & ~(PAGE - 1)
+        got = self._pages.get(base)
+        if got is None:
+            got = self._pages[base] = read_memory(self.pid, base, PAGE)
+        return got
+
+    def string(self, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
+        """A NUL-terminated string, and whether it was cut at `limit`."""
+        parts: list[bytes] = []
+        got = 0
+        while got < limit:
+            at = addr + got
+            page = self.page(at)
+            off = at & (PAGE - 1)
+            if len(page) <= off:
+                raise OSError(errno.EFAULT, "bad address in the caller")
+            chunk = page[off : off + (limit - got)]
+            end = chunk.find(b"\0")
+            if end >= 0:
+                parts.append(chunk[:end])
+                return b"".join(parts), False
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts), True
+
+    def pointer(self, addr: int) -> int:
+        off = addr & (PAGE - 1)
+        page = self.page(addr)
+        if off + 8 <= len(page):
+            return int(_PTR.unpack_from(page, off)[0])
+        raw = page[off:] + self.page(addr + 8 - 1)[: off + 8 - PAGE]  # across two pages
+        if len(raw) != 8:
+            raise OSError(errno.EFAULT, "bad argv in the caller")
+        return int(_PTR.unpack(raw)[0])
+
+    def argv(self, addr: int) -> tuple[list[bytes], bool]:
+        """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC or
+        MAX_ARGV_BYTES."""
+        if addr == 0:
+            return [], False
+        argv: list[bytes] = []
+        total = 0
+        for i in range(MAX_ARGC + 1):
+            ptr = self.pointer(addr + 8 * i)
+            if ptr == 0:
+                return argv, False
+            if i == MAX_ARGC:
+                break
+            arg, cut = self.string(ptr, min(PATH_MAX * 32, MAX_ARGV_BYTES - total))
+            argv.append(arg)
+            total += len(arg) + 1
+            if cut or total >= MAX_ARGV_BYTES:
+                break
+        return argv, True
+
+
+def read_string(pid: int, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
+    """A NUL-terminated string of the caller's, and whether it was cut at `limit`."""
+    return CallerMemory(pid).string(addr, limit)
+
+
+def read_argv(pid: int, addr: int) -> tuple[list[bytes], bool]:
+    """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC/MAX_ARGV_BYTES."""
+    return CallerMemory(pid).argv(addr)
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """What an exec asks for, as the supervisor read and resolved it."""
+
+    pid: int
+    path: str  # as passed (decoded with surrogateescape)
+    program: str  # absolute, symlinks resolved in the caller's root
+    argv: tuple[str, ...]
+    truncated: bool
+    interpreter: str | None = None  # a `#!` script's interpreter, resolved likewise
+    # the caller's name leads to another file (or none) for it than `program` is here: a mount
+    # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
+    foreign: bool = False
+    loads: str | None = None  # the program the dynamic loader run as a program would load
+    # for the no-race check (exec_check.py): how the call named the file, the file it names for the
+    # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
+    # with the interpreter's identity
+    dirfd: int = AT_FDCWD
+    empty_path: bool = False
+    identity: tuple[int, int] | None = None
+    shebang: tuple[bytes, bytes | None] | None = None
+    interpreter_identity: tuple[int, int] | None = None
+
+
+_LDSO_WITH_ARG = frozenset(
+    (
+        "--library-path",
+        "--preload",
+        "--argv0",
+        "--audit",
+        "--inhibit-rpath",
+        "--glibc-hwcaps-prepend",
+        "--glibc-hwcaps-mask",
+    )
+)
+
+
+def is_dynamic_loader(program: str) -> bool:
+    name = program.rsplit("/", 1)[-1]
+    return name.startswith("ld-linux") or (name.startswith("ld-") and ".so" in name) or name == "ld.so"
+
+
+def loader_payload(argv: tuple[str, ...]) -> str | None:
+    """The program `ld.so [OPTIONS] PROGRAM [ARGS]` runs: the first argument after its options."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not arg.startswith("--"):
+            return arg
+        i += 2 if arg in _LDSO_WITH_ARG else 1
+    return None
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+def resolve(pid: int, path: str, dirfd: int, empty_path: bool, root: str | None = None) -> str:
+    """The absolute path, symlinks resolved, of what `path` names for the caller (`root`: its
+    /proc/PID/root, read when not given)."""
+    if empty_path and not path:
+        base = f"/proc/{pid}/fd/{dirfd}"
+        return os.readlink(base) if os.path.islink(base) else base
+    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
+        if path.startswith(own):
+            path = f"/proc/{pid}/" + path[len(own) :]
+    if not path.startswith("/"):
+        base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
+        path = os.path.join(os.readlink(base), path)
+    if root is None:
+        root = os.readlink(f"/proc/{pid}/root")
+    if root == "/":
+        return os.path.realpath(path)
+    return os.path.realpath(root + path)  # a caller in a chroot: its names, on this side
+
+
+_NR_OPENAT2 = 437
+_RESOLVE_IN_ROOT = 0x10
+_O_PATH = 0o10000000
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _openat2(dirfd: int, path: str, resolve: int) -> int:
+    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0, resolve)
+    fd = _libc.syscall(
+        _NR_OPENAT2,
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
+
+
+def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file `path` names for the caller, resolved in its own root and mount
+    namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor for a
+    relative name); None when it names nothing."""
+    try:
+        if empty_path and not path:
+            st = os.stat(f"/proc/{pid}/fd/{dirfd}")
+            return st.st_dev, st.st_ino
+        if path.startswith("/"):
+            base, how = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
+        else:
+            base, how = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
+        dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
+        try:
+            fd = _openat2(dfd, path, how)
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
+
+
+def identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of `path` here, None when it names nothing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _head(pid: int, program: str) -> bytes:
+    """The first HEAD bytes of the program, read in the caller's root (b"": unreadable). Opened
+    without blocking: the job can put a FIFO where a program is named."""
+    try:
+        fd = os.open(f"/proc/{pid}/root{program}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, HEAD)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _interpreter(pid: int, head: bytes, root: str) -> str | None:
+    """A `#!` line's interpreter, resolved for the caller (the name the rules judge)."""
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    if not words:
+        return None
+    return resolve(pid, _decode(words[0]), AT_FDCWD, False, root)
+
+
+def _loads(pid: int, program: str, argv: tuple[str, ...], root: str) -> str | None:
+    if not is_dynamic_loader(program):
+        return None
+    payload = loader_payload(argv)
+    if payload is None:
+        return None
+    try:
+        return resolve(pid, payload, AT_FDCWD, False, root)
+    except OSError:
+        return payload  # a name that cannot be resolved is judged as written
+
+
+def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
+    """Read and resolve what the exec system call `nr` with arguments `args` of thread `pid` asks
+    for (raises OSError when it cannot be read)."""
+    if nr == NR_EXECVE:
+        dirfd, path_addr, argv_addr, flags = AT_FDCWD, args[0], args[1], 0
+    elif nr == NR_EXECVEAT:
+        dirfd = ctypes.c_int32(args[0] & 0xFFFFFFFF).value
+        path_addr, argv_addr, flags = args[1], args[2], args[4]
+    else:
+        raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
+    memory = CallerMemory(pid)
+    raw_path, cut = memory.string(path_addr)
+    if cut:
+        raise OSError(errno.ENAMETOOLONG, "path too long")
+    raw_argv, truncated = memory.argv(argv_addr)
+    path = _decode(raw_path)
+    argv = tuple(_decode(a) for a in raw_argv)
+    empty = bool(flags & AT_EMPTY_PATH)
+    root = os.readlink(f"/proc/{pid}/root")
+    program = resolve(pid, path, dirfd, empty, root)
+    theirs = caller_identity(pid, path, dirfd, empty)
+    head = _head(pid, program)
+    bang = shebang(head)
+    return ExecRequest(
+        pid=pid,
+        path=path,
+        program=program,
+        argv=argv,
+        truncated=truncated,
+        interpreter=_interpreter(pid, head, root),
+        foreign=theirs is None or theirs != identity(program),
+        loads=_loads(pid, program, argv, root),
+        dirfd=dirfd,
+        empty_path=empty,
+        identity=theirs,
+        shebang=bang,
+        interpreter_identity=caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
+    )
+
+
+def proc_depth(pid: int, root: int) -> int:
+    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
+    depth = 0
+    while pid != root:
+        try:
+            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+        try:
+            stat = os.read(fd, 1024)
+        except OSError:
+            return -1
+        finally:
+            os.close(fd)
+        pid = int(stat[stat.rindex(b")") + 2 :].split(maxsplit=2)[1])
+        depth += 1
+        if pid <= 1:
+            return -1
+    return depth
