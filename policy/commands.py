@@ -33,12 +33,13 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
-from evidence.bundle.format import has_dotdot
-from evidence.bundle.read_types import EventJSON
 from evidence.bundle.text import printable
 from evidence.policy.governance import CommandRule, CommandsPolicy
+
+if TYPE_CHECKING:
+    from evidence.bundle.read_types import EventJSON
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +290,8 @@ class ExecsSeen:
             yield ev
 
     def add(self, data: Mapping[str, object]) -> None:
+        from evidence.bundle.format import has_dotdot  # (not at the top: the exec supervisor's process)
+
         if data.get("result", 0) != 0:  # refused, or nothing there (a PATH search's ENOENT): nothing ran
             return
         if data.get("mntns") == "other":

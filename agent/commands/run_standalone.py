@@ -300,6 +300,10 @@ class StandaloneRun:
                     "--allow-setuid cannot run with a policy's command rules: their filter needs no_new_privs",
                     "drop --allow-setuid, or use --dry-run",
                 )
+            if self.exec_rules:  # the supervisor's process starts while the probes load
+                from evidence.agent.recorder.exec_process import prespawn
+
+                prespawn()
             if not args.quiet_denials:  # the job is told of refusals on its own stderr
                 self._job_stderr = os.dup(2)
         elif args.net:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.exec_check import ExecCheck, ExecPins
-from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, denial_record
+from evidence.agent.recorder.exec_process import SupervisorProcess
+from evidence.agent.recorder.exec_supervisor import ExecDecision, denial_record
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.approvals import ApprovalBroker
@@ -105,7 +106,7 @@ class CommandRules:
         self.tell = tell  # a line to the job (the run's NoticeWriter.tell)
         self.dry_run = dry_run
         self.clock_ns = clock_ns
-        self.supervisor: ExecSupervisor | None = None
+        self.supervisor: SupervisorProcess | None = None
         # the exec check (None: no probes to pin through, e.g. fakes): built by `supervise`
         self.pins = pins
         self.slot = slot
@@ -117,21 +118,26 @@ class CommandRules:
         everything it starts, from the filter's `listener` (owned from now on)."""
         try:
             check = self._enforce()
-            self.supervisor = ExecSupervisor(
-                listener,
-                self.commands,
-                root_pid,
-                approver=self.broker.approver(self.session_id, self.owner_uid, self.policy.approvals),
-                on_decision=self._decided,
-                tell=self.tell,
-                dry_run=self.dry_run,
-                publish=check.publish if check is not None else None,
-                check_key=check.key if check is not None else b"",
-            )
-            self.supervisor.start()
         except BaseException:
             os.close(listener)  # the job's execs fail (ENOSYS): nothing runs undecided
             raise
+        pins_fd = check.probes.pins_fd() if check is not None else None
+        if check is not None and pins_fd is None:  # nothing to publish into: every exec would be killed
+            os.close(listener)
+            raise OSError("the exec check has no pin map to publish into")
+        self.supervisor = SupervisorProcess(  # takes the listener, whatever happens
+            listener,
+            self.commands,
+            root_pid,
+            approver=self.broker.approver(self.session_id, self.owner_uid, self.policy.approvals),
+            on_decision=self._decided,
+            tell=self.tell,
+            dry_run=self.dry_run,
+            pins_fd=pins_fd,
+            check_key=check.key if check is not None else b"",
+            on_death=self._died,
+        )
+        self.supervisor.start()
 
     def _enforce(self) -> ExecCheck | None:
         """The run's exec check, enforced (None: not in force, and the run says why; a dry run
@@ -184,6 +190,17 @@ class CommandRules:
         new.enforce()
         self.check = new
         old.release()
+
+    def _died(self, why: str) -> None:
+        from evidence.bundle.format import Degradation
+
+        self.degrade(
+            Degradation(
+                component="commands",
+                reason=f"the exec supervisor's process died ({why})",
+                impact="every exec of the job after that failed (ENOSYS): command rules fail closed",
+            )
+        )
 
     def _decided(self, result: ExecDecision) -> None:
         rec = denial_record(result, self.clock_ns())

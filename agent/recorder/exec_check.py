@@ -110,6 +110,7 @@ class ExecPins(Protocol):
     def release_execs(self, slot: int) -> None: ...
     def publish(self, tid: int, pin: abi.ExecPin) -> None: ...
     def forget(self, tid: int) -> None: ...
+    def pins_fd(self) -> int | None: ...
 
 
 @dataclass
@@ -176,6 +177,9 @@ class MemoryPublisher:
 
     def forget(self, tid: int) -> None:
         self.entries.pop(tid, None)
+
+    def pins_fd(self) -> int | None:
+        return None  # no kernel map: a supervisor in its own process has nothing to publish into
 
     def check(self, old_tid: int, st_dev: int, st_ino: int, arg_area: bytes) -> bool:
         """The BPF check at sched_process_exec: the pin of the thread that called exec (taken: one

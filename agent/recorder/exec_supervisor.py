@@ -225,8 +225,12 @@ class RoundTrips:
         }
 
     def line(self) -> str:
-        s = self.summary()
-        if not s["count"]:
+        return self.line_of(self.summary())
+
+    @staticmethod
+    def line_of(s: dict[str, float]) -> str:
+        """The line of a `summary()` (the one bench/bench.py reads)."""
+        if not s.get("count"):
             return "exec supervisor: no exec decided"
         return (
             f"exec supervisor: {int(s['count'])} execs decided, notification read to response sent: median "
@@ -270,19 +274,28 @@ class ExecSupervisor:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
         self._decider = Decider(self.commands)
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Ready to `serve` (on the caller's thread; `start` serves on a thread of its own)."""
         # the caller an answer wakes runs on this CPU at once, while this thread goes back to wait
         # for the next notification (Linux 6.6): a fork+exec loop runs ~30% faster (bench/bench.py)
         with contextlib.suppress(OSError):
             fcntl.ioctl(self.listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+
+    def start(self) -> None:
+        self.prepare()
         self._thread = threading.Thread(target=self.serve, name="exec-supervisor", daemon=True)
         self._thread.start()
 
+    def interrupt(self) -> None:
+        """Make `serve` return (thread-safe)."""
+        with contextlib.suppress(OSError):
+            if self._stop_w >= 0:
+                os.write(self._stop_w, b"x")
+
     def stop(self) -> None:
         """Stop answering and close the listener: the job's waiting and later execs fail (ENOSYS)."""
-        if self._stop_w >= 0:
-            os.write(self._stop_w, b"x")
+        self.interrupt()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.round_trips.count:
