@@ -415,6 +415,7 @@ class StandaloneRun:
             pins=self.recorder.probes,
             slot=session.slot,
             degrade=run.degrade,
+            past_cap=session.past_cap,  # audited execs past the cap: counted in the manifest's lost
         )
         rules = run.commands
         return lambda listener: rules.supervise(listener, root)

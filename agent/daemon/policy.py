@@ -162,6 +162,7 @@ def command_rules(
         pins=recorder.probes,
         slot=run.session.slot,
         degrade=run.degrade,
+        past_cap=run.session.past_cap,  # audited execs past the cap: counted in the manifest's lost
     )
     try:
         rules.supervise(listener, pid)

@@ -110,6 +110,7 @@ def result_of(msg: dict[str, Any]) -> ExecDecision:
         bool(msg["allowed"]),
         msg["error"],
         bool(msg["dry_run"]),
+        int(msg["mono_ns"]),
     )
 
 

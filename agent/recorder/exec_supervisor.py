@@ -56,7 +56,7 @@ from evidence.agent.recorder.exec_resolve import (
     proc_depth,
     read_request,
 )
-from evidence.bundle.record_types import DenialRecord
+from evidence.bundle.record_types import AuditRecord, DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, Decider, exec_notice, notice
 from evidence.policy.commands import decide as decide_exec
 from evidence.policy.governance import CommandsPolicy
@@ -167,6 +167,7 @@ class ExecDecision:
     error: str | None = None  # why the request could not be read (then refused)
     # --dry-run: refused by the rules (allowed False) but let run; an `approve` was not asked
     dry_run: bool = False
+    answered_ns: int = 0  # CLOCK_MONOTONIC when it was answered, when known (from its process)
 
 
 def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
@@ -187,6 +188,27 @@ def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
         "rule": result.decision.label if result.error is None else f"{result.decision.label}: {result.error}",
         "enforced": refused,
         "result": "EACCES" if refused else 0,
+    }
+
+
+def audit_record(result: ExecDecision, t: int) -> AuditRecord | None:
+    """The policy.audit record of an exec an `audit` rule matched and that ran (in a dry run, one
+    the rules let run), or None."""
+    req, d = result.request, result.decision
+    if d.decision != "audit" or req is None or d.rule_index is None or not (result.allowed or result.dry_run):
+        return None
+    return {
+        "k": "audit",
+        "t": t,
+        "pid": req.pid,
+        "program": req.program,
+        "argv": list(req.argv),
+        "argv_truncated": req.truncated,
+        "depth": result.depth,
+        "rule": d.label,
+        "rule_index": d.rule_index,
+        "rule_name": d.rule_name or "",
+        "message": d.message,
     }
 
 
