@@ -169,6 +169,9 @@ def command_rules(
     except BaseException:
         rules.close()
         raise
+    from evidence.agent.recorder.exec_process import prespawn
+
+    prespawn()  # the next run's supervisor process starts now, not while its first exec waits
     return rules
 
 

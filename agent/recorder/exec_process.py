@@ -29,11 +29,13 @@ passed over the socket (SCM_RIGHTS) like the listener.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -51,14 +53,16 @@ from evidence.probes import abi
 
 logger = logging.getLogger(__name__)
 
+_SYS_BPF = 321  # x86_64
+_BPF_MAP_UPDATE_ELEM = 2
 MESSAGE_MAX = 1 << 20  # bytes of one message (an argv is at most 64 KiB, JSON-escaped 6x)
 READY_S = 60.0  # how long the parent waits for the child to take the rules (a loaded machine)
 
 
 def recordable(result: ExecDecision) -> bool:
-    """Whether the parent needs to hear of an exec: it makes a record (refused, audited, a dry
-    run's), not one the rules simply allowed."""
-    return not result.allowed or result.dry_run or result.decision.decision == "audit"
+    """Whether the parent needs to hear of an exec: it makes a record (refused, or in a dry run one
+    the rules would refuse or ask about; audited), not one the rules simply allowed."""
+    return not result.allowed or result.decision.decision == "audit"
 
 
 def _decision_json(d: CommandDecision) -> dict[str, Any]:
@@ -395,17 +399,32 @@ class _Parent:
 
 def _publisher(pins_fd: int) -> Callable[[int, abi.ExecPin], bool]:
     """The exec check's publish (exec_check.ExecCheck.publish), straight into the kernel's pin map
-    by bpf(2) on its descriptor: False when the kernel cannot hold the pin (refuse the exec)."""
-    from evidence.probes.bpfsys import Map, MapDef, map_info
+    by bpf(2) on its descriptor: False when the kernel cannot hold the pin (refuse the exec). The
+    call's attributes are built once; each pin is copied into their key and value."""
+    import ctypes
 
-    kind, key_size, value_size, max_entries, flags = map_info(pins_fd)
-    pins = Map(pins_fd, MapDef("exec_pins", kind, key_size, value_size, max_entries, flags, "", ""))
+    from evidence.probes.bpfsys import map_info
+
+    _kind, key_size, value_size, _entries, _flags = map_info(pins_fd)
+    if key_size != 4 or value_size != abi.EXEC_PIN.struct.size:
+        raise OSError(errno.EINVAL, "the pin map is not exec_pins")
+    key = ctypes.create_string_buffer(4)
+    value = ctypes.create_string_buffer(value_size)
+    attr = ctypes.create_string_buffer(
+        struct.pack("<IIQQQ", pins_fd, 0, ctypes.addressof(key), ctypes.addressof(value), 0), 32
+    )
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    lock = threading.Lock()  # the supervisor's thread and an approval's may publish at once
 
     def publish(tid: int, pin: abi.ExecPin) -> bool:
-        try:
-            pins[tid.to_bytes(4, sys.byteorder)] = pin.pack()
-        except OSError as e:
-            logger.warning("exec check: the pin of thread %d is not held: %s", tid, e.strerror or e)
+        with lock:
+            ctypes.memmove(key, tid.to_bytes(4, sys.byteorder), 4)
+            ctypes.memmove(value, pin.pack(), value_size)
+            ret = libc.syscall(_SYS_BPF, _BPF_MAP_UPDATE_ELEM, attr, len(attr))
+            err = ctypes.get_errno() if ret < 0 else 0
+        if err:
+            logger.warning("exec check: the pin of thread %d is not held: %s", tid, os.strerror(err))
             return False
         return True
 

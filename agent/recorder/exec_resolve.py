@@ -24,7 +24,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import struct
+import threading
 from dataclasses import dataclass
 
 from evidence.agent.recorder.exec_check import shebang
@@ -81,6 +83,22 @@ def read_memory(pid: int, addr: int, size: int) -> bytes:
         os.close(fd)
 
 
+_PREFETCH = 2  # pages prefetched at once
+_local = threading.local()
+
+
+def _prefetch_buffers() -> tuple[ctypes.Array[ctypes.c_char], ctypes.Array[_IoVec], ctypes.Array[_IoVec]]:
+    """This thread's buffers for `CallerMemory.prefetch`, made once (a supervisor reads on one)."""
+    got = getattr(_local, "buffers", None)
+    if got is None:
+        buf = ctypes.create_string_buffer(PAGE * _PREFETCH)
+        local = (_IoVec * _PREFETCH)(
+            *(_IoVec(ctypes.addressof(buf) + i * PAGE, PAGE) for i in range(_PREFETCH))
+        )
+        got = _local.buffers = (buf, local, (_IoVec * _PREFETCH)())
+    return got
+
+
 class CallerMemory:
     """One request's view of the caller's memory, read a whole page at a time and each page once
     (a path, the argv array and its strings usually share one or two pages)."""
@@ -88,6 +106,23 @@ class CallerMemory:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._pages: dict[int, bytes] = {}
+
+    def prefetch(self, *addrs: int) -> None:
+        """Read the pages holding `addrs` in one process_vm_readv (what a request needs first: the
+        path's page and the argv array's); a page that cannot be read so is left to `page`."""
+        bases = sorted({a & ~(PAGE - 1) for a in addrs if a} - self._pages.keys())
+        if not bases or len(bases) > _PREFETCH:
+            return
+        n = len(bases)
+        buf, local, remote = _prefetch_buffers()
+        for i, b in enumerate(bases):
+            remote[i].base, remote[i].len = b, PAGE
+        got = _libc.process_vm_readv(self.pid, local, n, remote, n, 0)
+        if got <= 0:
+            return
+        raw = buf.raw
+        for i in range(got // PAGE):  # whole pages, in order, up to the first that failed
+            self._pages[bases[i]] = raw[i * PAGE : (i + 1) * PAGE]
 
     def page(self, addr: int) -> bytes:
         """The page holding `addr` (b"" when it cannot be read)."""
@@ -259,23 +294,39 @@ def _openat2(dirfd: int, path: str, resolve: int) -> int:
     return int(fd)
 
 
+def _caller_path(pid: int, path: str) -> str:
+    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
+    /proc/TID/ is that thread's), not the supervisor's."""
+    for own in ("/proc/self/", "/proc/thread-self/"):
+        if path.startswith(own):
+            return f"/proc/{pid}/" + path[len(own) :]
+    return path
+
+
+def _open_for_caller(pid: int, path: str, dirfd: int, scoped: bool = True) -> int:
+    """An O_PATH descriptor of the file `path` names for the caller, resolved in its own root and
+    mount namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor
+    for a relative name; `scoped` False: a plain walk from its root, magic links such as
+    /proc/PID/exe followed, for a caller whose root is "/"). Raises OSError when it names nothing."""
+    if path.startswith("/"):
+        base, how = f"/proc/{pid}/root", (_RESOLVE_IN_ROOT if scoped else 0)
+    else:
+        base, how = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
+    dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
+    try:
+        return _openat2(dfd, path, how)
+    finally:
+        os.close(dfd)
+
+
 def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[int, int] | None:
     """(st_dev, st_ino) of the file `path` names for the caller, resolved in its own root and mount
-    namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor for a
-    relative name); None when it names nothing."""
+    namespace; None when it names nothing."""
     try:
         if empty_path and not path:
             st = os.stat(f"/proc/{pid}/fd/{dirfd}")
             return st.st_dev, st.st_ino
-        if path.startswith("/"):
-            base, how = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
-        else:
-            base, how = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
-        dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
-        try:
-            fd = _openat2(dfd, path, how)
-        finally:
-            os.close(dfd)
+        fd = _open_for_caller(pid, path, dirfd)
         try:
             st = os.fstat(fd)
         finally:
@@ -283,6 +334,18 @@ def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[
         return st.st_dev, st.st_ino
     except OSError:
         return None
+
+
+_own_mntns: list[int] = []
+
+
+def _in_our_mount_namespace(pid: int) -> bool:
+    try:
+        if not _own_mntns:
+            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == _own_mntns[0]
+    except OSError:
+        return False
 
 
 def identity(path: str) -> tuple[int, int] | None:
@@ -295,18 +358,34 @@ def identity(path: str) -> tuple[int, int] | None:
 
 
 def _head(pid: int, program: str) -> bytes:
-    """The first HEAD bytes of the program, read in the caller's root (b"": unreadable). Opened
-    without blocking: the job can put a FIFO where a program is named."""
+    """The first HEAD bytes of the program, read in the caller's root (b"": unreadable, or not a
+    regular file)."""
     try:
-        fd = os.open(f"/proc/{pid}/root{program}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"/proc/{pid}/root{program}", _O_PATH | os.O_CLOEXEC)
     except OSError:
         return b""
     try:
-        return os.read(fd, HEAD)
+        return _head_of(fd)
+    finally:
+        os.close(fd)
+
+
+def _head_of(fd: int) -> bytes:
+    """The first HEAD bytes of the file an O_PATH descriptor names (b"": unreadable, or not a
+    regular file: the job names what it likes, and opening a device or a FIFO can act or block, so
+    only a regular file is opened for reading, through the descriptor that named it)."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        readable = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        return os.read(readable, HEAD)
     except OSError:
         return b""
     finally:
-        os.close(fd)
+        os.close(readable)
 
 
 def _interpreter(pid: int, head: bytes, root: str) -> str | None:
@@ -342,6 +421,7 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     else:
         raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
     memory = CallerMemory(pid)
+    memory.prefetch(path_addr, argv_addr)
     raw_path, cut = memory.string(path_addr)
     if cut:
         raise OSError(errno.ENAMETOOLONG, "path too long")
@@ -350,9 +430,15 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     argv = tuple(_decode(a) for a in raw_argv)
     empty = bool(flags & AT_EMPTY_PATH)
     root = os.readlink(f"/proc/{pid}/root")
-    program = resolve(pid, path, dirfd, empty, root)
-    theirs = caller_identity(pid, path, dirfd, empty)
-    head = _head(pid, program)
+    if root == "/" and not (empty and not path) and _in_our_mount_namespace(pid):
+        # the usual caller: its root and mount namespace are ours, so the file the kernel's own
+        # walk reaches for it (openat2) is named by that walk (d_path: what realpath computes with
+        # a stat per component) and its head is read through the same descriptor
+        program, theirs, head = _resolve_as_ours(pid, path, dirfd)
+    else:
+        program = resolve(pid, path, dirfd, empty, root)
+        theirs = caller_identity(pid, path, dirfd, empty)
+        head = _head(pid, program)
     bang = shebang(head)
     return ExecRequest(
         pid=pid,
@@ -369,6 +455,24 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         shebang=bang,
         interpreter_identity=caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
     )
+
+
+def _resolve_as_ours(pid: int, path: str, dirfd: int) -> tuple[str, tuple[int, int] | None, bytes]:
+    """(program, the caller's identity of it, its head) for a caller in this root and mount
+    namespace, from one openat2 of the name; a name that leads nowhere is resolved as `resolve`
+    does (it names no file: the supervisor fails it as the kernel would)."""
+    try:
+        fd = _open_for_caller(pid, _caller_path(pid, path), dirfd, scoped=False)
+    except OSError:
+        return resolve(pid, path, dirfd, False, "/"), None, b""
+    try:
+        st = os.fstat(fd)
+        named = os.readlink(f"/proc/self/fd/{fd}")
+        if not named.startswith("/") or named.endswith(" (deleted)"):
+            named = resolve(pid, path, dirfd, False, "/")  # no name of its own: as written
+        return named, (st.st_dev, st.st_ino), _head_of(fd)
+    finally:
+        os.close(fd)
 
 
 def proc_depth(pid: int, root: int) -> int:

@@ -6,7 +6,8 @@ libseccomp binding (python3-seccomp) loads a filter that sends `execve` and `exe
 listener, and the launcher hands the listener's descriptor to the supervisor over a Unix socket
 (`send_listener`, SCM_RIGHTS) and closes its own copy (a job holding it could answer for itself).
 Every exec of the job and of everything it starts then waits in the kernel until the supervisor
-answers. The supervisor (`ExecSupervisor`, a thread of the recorder or the agent) receives each
+answers. The supervisor (`ExecSupervisor`; in a run, the main thread of a process of its own:
+exec_process.py, the recorder or the agent keeping its records and approvals) receives each
 notification with the kernel's ioctls (the binding's receive_notify works only in the process that
 loaded the filter), reads the path and argv from the caller's memory (process_vm_readv, falling
 back to /proc/PID/mem), checks the notification is still pending (so the pid was not reused),

@@ -94,11 +94,12 @@ def test_only_what_makes_a_record_crosses_from_the_supervisors_process_and_comes
     crossing = [
         ExecDecision(odd, AUDIT, 2, True),
         ExecDecision(odd, CommandDecision("deny", 0, "no-curl", None), 2, False),
-        ExecDecision(odd, CommandDecision("deny"), 2, True, dry_run=True),
+        ExecDecision(odd, CommandDecision("deny"), 2, False, dry_run=True),  # would be refused
         ExecDecision(None, CommandDecision("deny"), 0, False, "bad address in the caller"),
     ]
     assert all(recordable(d) for d in crossing)
     assert not recordable(ExecDecision(odd, CommandDecision("allow"), 2, True))
+    assert not recordable(ExecDecision(odd, CommandDecision("allow"), 2, True, dry_run=True))
     import json
 
     for d in crossing:
