@@ -162,6 +162,11 @@ class Decider:
             got = self._rules[exe] = tuple(found)
         return got
 
+    def needs_depth(self, exe: str) -> bool:
+        """Whether an exec of `exe`'s decision can depend on its depth (from 0 on): some rule whose
+        program matches it has a depth range other than `any`."""
+        return any(rule.depth.min > 0 or rule.depth.max is not None for _i, rule, _r in self._matching(exe))
+
     def __call__(
         self, exe: str, argv: Sequence[str], depth: int, *, truncated: bool = False
     ) -> CommandDecision:

@@ -59,12 +59,6 @@ MESSAGE_MAX = 1 << 20  # bytes of one message (an argv is at most 64 KiB, JSON-e
 READY_S = 60.0  # how long the parent waits for the child to take the rules (a loaded machine)
 
 
-def recordable(result: ExecDecision) -> bool:
-    """Whether the parent needs to hear of an exec: it makes a record (refused, or in a dry run one
-    the rules would refuse or ask about; audited), not one the rules simply allowed."""
-    return not result.allowed or result.decision.decision == "audit"
-
-
 def _decision_json(d: CommandDecision) -> dict[str, Any]:
     return {
         "decision": d.decision,
@@ -335,9 +329,8 @@ class _Parent:
         except OSError:  # the parent is gone: stopping
             self.closed.set()
 
-    def decided(self, result: ExecDecision) -> None:
-        if recordable(result):
-            self.send(result_json(result, time.monotonic_ns()))
+    def decided(self, result: ExecDecision) -> None:  # the supervisor's are `record_only`
+        self.send(result_json(result, time.monotonic_ns()))
 
     def tell(self, line: str) -> None:
         self.send({"t": "tell", "line": line})
@@ -452,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         check_key=config["key"],
         dry_run=bool(config["dry_run"]),
         max_waiting=int(config["max_waiting"]),
+        record_only=True,
     )
     sup.prepare()
     reader = threading.Thread(target=parent.read, args=(sup.interrupt,), name="parent", daemon=True)

@@ -135,8 +135,19 @@ def decide_request(
     """The program's decision, or its interpreter's when more restrictive (a `#!` script); for a
     name that leads elsewhere for the caller than here (`foreign`), `commands.default` when more
     restrictive: the name says nothing of what runs. `decider`: commands' Decider (the same
-    answers as policy/commands.decide, what depends on the program alone kept)."""
+    answers as policy/commands.decide, what depends on the program alone kept).
+
+    A depth below 0 is a caller whose depth cannot be told (`proc_depth`: its parent links do not
+    lead to the run's first process: an ancestor exited and it was reparented, as a job does on
+    purpose with a double fork): it is of the run, below its first process, at a depth nobody can
+    say, so the most restrictive decision of any depth from 1 on decides (no rule's depth range
+    contains -1: judged at -1 an orphan would escape every rule)."""
     decide = decider or functools.partial(decide_exec, commands)
+    if depth < 0:
+        return max(
+            (decide_request(commands, req, d, decider) for d in _depths_that_differ(commands)),
+            key=lambda c: DECISION_PRIORITY[c.decision],
+        )
     decision = decide(req.program, req.argv, depth, truncated=req.truncated)
     if req.foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[decision.decision]:
         decision = CommandDecision(commands.default)
@@ -149,6 +160,17 @@ def decide_request(
         if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:
             decision = other
     return decision
+
+
+def _depths_that_differ(commands: CommandsPolicy) -> list[int]:
+    """Depths from 1 on at which some rule's depth range starts or ends: between two of them (and
+    past the last) every rule matches alike, so these stand for every depth from 1 on."""
+    edges = {1}
+    for rule in commands.rules:
+        for d in (rule.depth.min, rule.depth.max, None if rule.depth.max is None else rule.depth.max + 1):
+            if d is not None and d >= 1:
+                edges.add(d)
+    return sorted(edges)
 
 
 def _raw_payload(req: ExecRequest) -> str:
@@ -169,6 +191,12 @@ class ExecDecision:
     # --dry-run: refused by the rules (allowed False) but let run; an `approve` was not asked
     dry_run: bool = False
     answered_ns: int = 0  # CLOCK_MONOTONIC when it was answered, when known (from its process)
+
+
+def recordable(result: ExecDecision) -> bool:
+    """Whether an exec makes a record: refused (or in a dry run one the rules would refuse or ask
+    about), or audited; not one the rules simply allowed."""
+    return not result.allowed or result.decision.decision == "audit"
 
 
 def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
@@ -288,6 +316,9 @@ class ExecSupervisor:
     max_waiting: int = 64
     # --dry-run: every exec goes on; what the rules would refuse or ask is only recorded
     dry_run: bool = False
+    # `on_decision` is told only of execs that make a record (`recordable`: refused, audited, a
+    # dry run's would-be refusals); an exec the rules simply allow may then have no depth (0)
+    record_only: bool = False
     _waiting: threading.BoundedSemaphore = field(init=False)
     # read to response issued, per exec decided on the supervisor's thread (bench/bench.py reads
     # the line stop() logs at INFO)
@@ -355,10 +386,10 @@ class ExecSupervisor:
     def answer(self, note: Notification) -> ExecDecision | None:
         """Decide one notification. An `approve` decision waits for its approver on a thread of
         its own (the job's other execs are answered meanwhile): None is returned for it."""
-        depth = self.depth_of(note.pid, self.root_pid)
         try:
             req = read_request(note.pid, note.nr, note.args)
         except OSError as e:
+            depth = self.depth_of(note.pid, self.root_pid)
             return self._finish(
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
@@ -369,7 +400,16 @@ class ExecSupervisor:
                 if self.listener >= 0 and still_pending(self.listener, note.id):
                     respond(self.listener, note.id, error=0 if self.dry_run else errno.ENOENT)
             return None
+        # the caller's depth (a /proc walk) is read when the decision can depend on it, or when it
+        # goes into a record; told only of records (`record_only`), an exec the rules allow at
+        # every depth needs none
+        lazy = self.record_only and not any(
+            self._decider.needs_depth(p) for p in (req.program, req.interpreter, req.loads) if p is not None
+        )
+        depth = 0 if lazy else self.depth_of(note.pid, self.root_pid)
         decision = decide_request(self.commands, req, depth, self._decider)
+        if lazy and decision.decision != "allow":
+            depth = self.depth_of(note.pid, self.root_pid)  # for the record: the decision is the same
         if self.dry_run:  # decide, record, let it run; nobody is asked
             return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))
         if decision.runs is not None:
@@ -394,7 +434,8 @@ class ExecSupervisor:
                     if timed and note.received_ns:
                         self.round_trips.add(time.monotonic_ns() - note.received_ns)
                     respond(self.listener, note.id)
-            self.on_decision(result)
+            if not self.record_only or recordable(result):
+                self.on_decision(result)
             return result
         if result.allowed and self.publish is not None and req is not None:
             pin = self.decided(req)
@@ -414,7 +455,8 @@ class ExecSupervisor:
             if timed and note.received_ns:
                 self.round_trips.add(time.monotonic_ns() - note.received_ns)
             respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
-        self.on_decision(result)
+        if not self.record_only or recordable(result):
+            self.on_decision(result)
         return result
 
     def decided(self, req: ExecRequest) -> abi.ExecPin | None:

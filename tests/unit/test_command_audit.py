@@ -10,9 +10,9 @@ from typing import Any
 
 from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.command_rules import AUDIT_PAST_CAP, CommandRules
-from evidence.agent.recorder.exec_process import recordable, result_json, result_of
+from evidence.agent.recorder.exec_process import result_json, result_of
 from evidence.agent.recorder.exec_resolve import ExecRequest
-from evidence.agent.recorder.exec_supervisor import ExecDecision, audit_record
+from evidence.agent.recorder.exec_supervisor import ExecDecision, audit_record, recordable
 from evidence.bundle import format as fmt
 from evidence.bundle import records
 from evidence.policy.commands import CommandDecision
