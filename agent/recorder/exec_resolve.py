@@ -303,13 +303,12 @@ def _caller_path(pid: int, path: str) -> str:
     return path
 
 
-def _open_for_caller(pid: int, path: str, dirfd: int, scoped: bool = True) -> int:
+def _open_for_caller(pid: int, path: str, dirfd: int) -> int:
     """An O_PATH descriptor of the file `path` names for the caller, resolved in its own root and
     mount namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor
-    for a relative name; `scoped` False: a plain walk from its root, magic links such as
-    /proc/PID/exe followed, for a caller whose root is "/"). Raises OSError when it names nothing."""
+    for a relative name). Raises OSError when it names nothing."""
     if path.startswith("/"):
-        base, how = f"/proc/{pid}/root", (_RESOLVE_IN_ROOT if scoped else 0)
+        base, how = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
     else:
         base, how = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
     dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
@@ -336,16 +335,30 @@ def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[
         return None
 
 
+_own_root: list[tuple[int, int]] = []
+
+
 _own_mntns: list[int] = []
 
 
 def _in_our_mount_namespace(pid: int) -> bool:
+    """Whether the caller's mount namespace is this process's: only then does a name it passes
+    lead where the same name leads here (a job can make a namespace of its own and bind another
+    program over an allowed one's name)."""
     try:
         if not _own_mntns:
             _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
         return os.stat(f"/proc/{pid}/ns/mnt").st_ino == _own_mntns[0]
     except OSError:
         return False
+
+
+def _our_root() -> tuple[int, int]:
+    """(st_dev, st_ino) of this process's root directory."""
+    if not _own_root:
+        st = os.stat("/")
+        _own_root.append((st.st_dev, st.st_ino))
+    return _own_root[0]
 
 
 def identity(path: str) -> tuple[int, int] | None:
@@ -429,16 +442,26 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     path = _decode(raw_path)
     argv = tuple(_decode(a) for a in raw_argv)
     empty = bool(flags & AT_EMPTY_PATH)
-    root = os.readlink(f"/proc/{pid}/root")
-    if root == "/" and not (empty and not path) and _in_our_mount_namespace(pid):
-        # the usual caller: its root and mount namespace are ours, so the file the kernel's own
-        # walk reaches for it (openat2) is named by that walk (d_path: what realpath computes with
-        # a stat per component) and its head is read through the same descriptor
-        program, theirs, head = _resolve_as_ours(pid, path, dirfd)
-    else:
-        program = resolve(pid, path, dirfd, empty, root)
-        theirs = caller_identity(pid, path, dirfd, empty)
-        head = _head(pid, program)
+    root_fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(root_fd)
+        if (
+            (st.st_dev, st.st_ino) == _our_root()
+            and not (empty and not path)
+            and _in_our_mount_namespace(pid)
+        ):
+            # the usual caller: its root and mount namespace are ours, so the file the kernel's
+            # own walk reaches for it (openat2) is named by that walk (d_path: what realpath
+            # computes with a stat per component) and its head is read through the same descriptor
+            root = "/"
+            program, theirs, head = _resolve_as_ours(pid, path, dirfd, root_fd)
+        else:
+            root = os.readlink(f"/proc/{pid}/root")
+            program = resolve(pid, path, dirfd, empty, root)
+            theirs = caller_identity(pid, path, dirfd, empty)
+            head = _head(pid, program)
+    finally:
+        os.close(root_fd)
     bang = shebang(head)
     return ExecRequest(
         pid=pid,
@@ -457,12 +480,17 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     )
 
 
-def _resolve_as_ours(pid: int, path: str, dirfd: int) -> tuple[str, tuple[int, int] | None, bytes]:
-    """(program, the caller's identity of it, its head) for a caller in this root and mount
-    namespace, from one openat2 of the name; a name that leads nowhere is resolved as `resolve`
-    does (it names no file: the supervisor fails it as the kernel would)."""
+def _resolve_as_ours(
+    pid: int, path: str, dirfd: int, root_fd: int
+) -> tuple[str, tuple[int, int] | None, bytes]:
+    """(program, the caller's identity of it, its head) for a caller whose root and mount namespace
+    are ours (`root_fd`: its /proc/PID/root), from one openat2 of the name (a plain walk, as the
+    kernel's for the caller: magic links such as /proc/PID/exe followed); a name that leads
+    nowhere is resolved as `resolve` does (it names no file: the supervisor fails it as the kernel
+    would)."""
+    name = _caller_path(pid, path)
     try:
-        fd = _open_for_caller(pid, _caller_path(pid, path), dirfd, scoped=False)
+        fd = _openat2(root_fd, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
     except OSError:
         return resolve(pid, path, dirfd, False, "/"), None, b""
     try:
