@@ -383,22 +383,42 @@ def _head(pid: int, program: str) -> bytes:
         os.close(fd)
 
 
-def _head_of(fd: int) -> bytes:
-    """The first HEAD bytes of the file an O_PATH descriptor names (b"": unreadable, or not a
-    regular file: the job names what it likes, and opening a device or a FIFO can act or block, so
-    only a regular file is opened for reading, through the descriptor that named it)."""
+# (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> the file's head, for _head_of: a program
+# run again is not read again. A write changes the size or the times, but within one tick of the
+# kernel's coarse clock it may not: a head read before such a write could be stale, and then the
+# kernel's exec check (exec_check.py), which compares the file the kernel loads (a script's
+# interpreter, or the file itself) with the pin, kills the exec: stale is refused, never let run
+_HEADS: dict[tuple[int, int, int, int, int], bytes] = {}
+_HEADS_MAX = 4096
+
+
+def _head_of(fd: int, st: os.stat_result | None = None) -> bytes:
+    """The first HEAD bytes of the file an O_PATH descriptor names (`st`: its fstat, when taken;
+    b"": unreadable, or not a regular file: the job names what it likes, and opening a device or a
+    FIFO can act or block, so only a regular file is opened for reading, through the descriptor
+    that named it)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if st is None:
+            st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return b""
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        head = _HEADS.get(key)
+        if head is not None:
+            return head
         readable = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return b""
     try:
-        return os.read(readable, HEAD)
+        head = os.read(readable, HEAD)
     except OSError:
         return b""
     finally:
         os.close(readable)
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[key] = head
+    return head
 
 
 def _interpreter(pid: int, head: bytes, root: str) -> str | None:
@@ -498,7 +518,7 @@ def _resolve_as_ours(
         named = os.readlink(f"/proc/self/fd/{fd}")
         if not named.startswith("/") or named.endswith(" (deleted)"):
             named = resolve(pid, path, dirfd, False, "/")  # no name of its own: as written
-        return named, (st.st_dev, st.st_ino), _head_of(fd)
+        return named, (st.st_dev, st.st_ino), _head_of(fd, st)
     finally:
         os.close(fd)
 

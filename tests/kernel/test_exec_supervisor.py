@@ -434,3 +434,21 @@ def test_what_would_run_is_named_as_realpath_names_it_and_proc_self_is_the_calle
         assert req.identity == (st.st_dev, st.st_ino), req
     again = got["/proc/self/exe"]
     assert again.program == os.path.realpath("/bin/sh") and not again.foreign, again
+
+
+def test_a_script_rewritten_between_two_execs_is_judged_as_it_is_now(place: Path) -> None:
+    """The supervisor keeps a program's head by its identity, size and times: a script rewritten
+    at once (same tick, other interpreter) is read again, and refused by its new interpreter."""
+    script = place / "job"
+    commands = _commands([{"name": "no-id", "program": "id", "decision": "deny"}])
+    run = (
+        f"printf '#!/bin/sh\\necho ran\\n' > {script}; chmod +x {script}; {script}; echo first=$?; "
+        f"printf '#!/usr/bin/id\\n' > {script}; {script}; echo second=$?"
+    )
+    proc, decisions, _ = _run(commands, run, place)
+    lines = proc.stdout.splitlines()
+    assert "ran" in lines and "first=0" in lines and "second=126" in lines, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [(d.request.program, d.request.interpreter) for d in refused if d.request] == [
+        (str(script), "/usr/bin/id")
+    ]
