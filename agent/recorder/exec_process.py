@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 _SYS_BPF = 321  # x86_64
 _BPF_MAP_UPDATE_ELEM = 2
 MESSAGE_MAX = 1 << 20  # bytes of one message (an argv is at most 64 KiB, JSON-escaped 6x)
+_SO_SNDBUFFORCE = 32  # root may set a send buffer past net.core.wmem_max
 READY_S = 60.0  # how long the parent waits for the child to take the rules (a loaded machine)
 
 
@@ -118,6 +119,11 @@ _spare_lock = threading.Lock()
 
 def _spawn() -> tuple[subprocess.Popen[bytes], socket.socket]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for end in (ours, theirs):  # one message is one datagram: room for the largest (MESSAGE_MAX)
+        try:
+            end.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, 2 * MESSAGE_MAX)
+        except OSError:
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MESSAGE_MAX)
     try:
         process = subprocess.Popen(
             [sys.executable, "-I", "-m", "evidence.agent.recorder.exec_process", str(theirs.fileno())],

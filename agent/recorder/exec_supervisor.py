@@ -193,6 +193,14 @@ class ExecDecision:
     answered_ns: int = 0  # CLOCK_MONOTONIC when it was answered, when known (from its process)
 
 
+def record_text(name: str) -> str:
+    """A name or argument as the supervisor read it (bytes that are not UTF-8 kept as surrogates, to
+    match and pin them exactly) in the form records and people get, the kernel's names' form:
+    such bytes as \\xNN (decode.path_text). A surrogate in a record fails its JSON encoding, and
+    with it the run's bundle: a job picks its argv."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def recordable(result: ExecDecision) -> bool:
     """Whether an exec makes a record: refused (or in a dry run one the rules would refuse or ask
     about), or audited; not one the rules simply allowed."""
@@ -213,7 +221,7 @@ def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
         "pid": req.pid if req is not None else 0,
         "exe": None,
         "operation": "exec",
-        "target": req.program if req is not None else "<unreadable>",
+        "target": record_text(req.program) if req is not None else "<unreadable>",
         "rule": result.decision.label if result.error is None else f"{result.decision.label}: {result.error}",
         "enforced": refused,
         "result": "EACCES" if refused else 0,
@@ -230,8 +238,8 @@ def audit_record(result: ExecDecision, t: int) -> AuditRecord | None:
         "k": "audit",
         "t": t,
         "pid": req.pid,
-        "program": req.program,
-        "argv": list(req.argv),
+        "program": record_text(req.program),
+        "argv": [record_text(a) for a in req.argv],
         "argv_truncated": req.truncated,
         "depth": result.depth,
         "rule": d.label,
@@ -448,7 +456,9 @@ class ExecSupervisor:
             message = result.error or (
                 "not approved" if result.decision.runs is None else result.decision.message
             )
-            self.tell(notice("exec", result.request.program, result.decision.label, message=message))
+            self.tell(
+                notice("exec", record_text(result.request.program), result.decision.label, message=message)
+            )
         with self._lock:
             if self.listener < 0:
                 return result
@@ -479,13 +489,13 @@ class ExecSupervisor:
             return self.listener >= 0 and still_pending(self.listener, nid)
 
     def _ask(self, note: Notification, req: ExecRequest, decision: CommandDecision, depth: int) -> None:
-        line = exec_notice(req.program, decision)
+        line = exec_notice(record_text(req.program), decision)
         if line:
             self.tell(line)
         asked = Asked(
             pid=req.pid,
-            program=req.program,
-            argv=req.argv,
+            program=record_text(req.program),
+            argv=tuple(record_text(a) for a in req.argv),
             truncated=req.truncated,
             depth=depth,
             decision=decision,

@@ -106,3 +106,19 @@ def test_audited_execs_are_recorded_through_the_agent(agent: Agent, place: Path)
     assert manifest["lost"]["by_kind"].get("audit_past_cap") is None
     _, found = _show_and_lint(place / "agent.tar.gz")
     assert found["EV022"]["count"] == 2
+
+
+def test_an_audited_exec_with_the_largest_undecodable_argv_is_recorded_whole(place: Path) -> None:
+    """What crosses from the supervisor's process is one datagram: an argv the job makes as large as
+    the supervisor reads (64 KiB) of bytes that are not UTF-8 (each escaped to six in the message)
+    still crosses, and its record keeps every argument, such bytes as \\xNN as in the kernel's
+    names (kept as the supervisor read them, they failed the run's bundle: no JSON encoder takes
+    them)."""
+    code = "import os; os.execv('/usr/bin/id', [b'id'] + [bytes([0xff]) * 1000] * 60)"
+    proc, manifest, events = _run(place, AUDIT_ID, f'/usr/bin/python3 -c "{code}"')
+    audits = _audits(events)
+    assert len(audits) == 1, proc.stderr[-500:]  # (id takes the arguments for users: it fails, after it ran)
+    assert len(audits[0]["argv"]) == 61 and audits[0]["argv"][1] == "\\xff" * 1000
+    execs = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/id"]
+    assert execs[0]["argv"][1] == audits[0]["argv"][1]  # as the recorder's own exec event says it
+    assert audits[0]["argv_truncated"] is False

@@ -124,3 +124,24 @@ def test_only_what_makes_a_record_crosses_from_the_supervisors_process_and_comes
                 want.argv,
                 want.truncated,
             )
+
+
+def test_records_carry_undecodable_bytes_as_the_kernels_names_do() -> None:
+    """The supervisor reads names and arguments keeping bytes that are not UTF-8 as surrogates (to
+    match and pin them exactly); its records carry them as \\xNN, as the recorder's exec events do,
+    and encode as JSON (a surrogate failed the run's bundle)."""
+    import orjson
+
+    from evidence.agent.recorder.exec_supervisor import denial_record
+
+    odd = ExecRequest(9, "/tmp/\udcff", "/tmp/\udcff", ("x", "caf\udce9"), False)
+    audit = audit_record(ExecDecision(odd, AUDIT, 1, True), 5)
+    denial = denial_record(ExecDecision(odd, CommandDecision("deny", 0, "no-curl"), 1, False), 5)
+    assert audit is not None and denial is not None
+    assert (audit["program"], audit["argv"], denial["target"]) == (
+        "/tmp/\\xff",
+        ["x", "caf\\xe9"],
+        "/tmp/\\xff",
+    )
+    orjson.dumps(audit)
+    orjson.dumps(denial)
