@@ -122,3 +122,19 @@ def test_an_audited_exec_with_the_largest_undecodable_argv_is_recorded_whole(pla
     execs = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/id"]
     assert execs[0]["argv"][1] == audits[0]["argv"][1]  # as the recorder's own exec event says it
     assert audits[0]["argv_truncated"] is False
+
+
+def test_a_refused_program_with_an_undecodable_name_leaves_a_bundle(place: Path) -> None:
+    """Under `default: deny` a job execs a program whose name is not UTF-8: the refusal is recorded
+    with the name as \\\\xNN (its target kept as read failed the whole bundle)."""
+    code = (
+        f"import os, shutil; p = os.fsencode('{place}/') + bytes([0xff]); shutil.copy('/usr/bin/true', p); "
+        "os.chmod(p, 0o755); os.execv(p, [p])"
+    )
+    allow_python = (
+        "default: deny\nrules:\n  - {name: py, program: [setpriv, python3*, dash], decision: allow}\n"
+    )
+    proc, _, events = _run(place, allow_python, f'/usr/bin/python3 -c "{code}"; echo rc=$?')
+    assert "rc=1" in proc.stdout, proc.stdout + proc.stderr  # python's execv failed: EACCES
+    refused = [e["data"] for e in of_type(events, "policy.denial") if e["data"]["operation"] == "exec"]
+    assert [r["target"] for r in refused] == [f"{place}/\\xff"], refused
