@@ -14,7 +14,8 @@ the stdlib, each run under `workloads run` so that it has the same tail and in-l
 Command rules (case `exec-commands`): 5k fork+exec under `--policy` with a 20-rule `commands`
 section against the same run under the same policy without it, interleaved, whole process wall and
 peak RSS each; and the exec supervisor's own time per exec, from receiving the notification to
-responding, as it logs it (agent/recorder/exec_supervisor.py: RoundTrips).
+responding, as its process reports it (agent/recorder/exec_process.py, exec_supervisor.RoundTrips):
+median and p99 of each run.
 The floor (bench/floor.py, case `floor`): the 300k open/close loop in-loop untraced, with empty
 programs on openat's tracepoints, with a minimal recorder of a cgroup's opens, and under `evidence
 run`, interleaved: how much of an open's cost is the tracepoints', any recorder's, and ours.
@@ -35,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -755,13 +757,19 @@ def run_commands_case(
         f"  ({(w1 - w0) / n * 1e6:+.0f} us per exec, {w1 / w0:.2f}x)"
     )
     out.append(
-        "  supervisor, notification read to response sent (last run): "
+        f"  supervisor round trip per exec, notification read to response sent ({len(round_trip)} runs):"
         + (
-            round_trip[-1].split("response sent: ", 1)[-1]
+            "".join(f"\n    {line.split('response sent: ', 1)[-1]}" for line in round_trip)
             if enforced
-            else "no line: commands not enforced by this build"
+            else " no line: commands not enforced by this build"
         )
     )
+    medians, p99s = _round_trip_figures(round_trip)
+    if medians:
+        out.append(
+            f"  supervisor round trip, median of the runs' medians {statistics.median(medians):.0f} us, "
+            f"of their p99s {statistics.median(p99s):.0f} us"
+        )
     return Row(
         case="exec-commands",
         label=c.label,
@@ -775,6 +783,18 @@ def run_commands_case(
         events=manifest["events"],
         lost=lost,
     )
+
+
+def _round_trip_figures(lines: list[str]) -> tuple[list[float], list[float]]:
+    """Each run's median and p99 round trip (us) from the supervisor's lines (RoundTrips.line_of)."""
+    medians: list[float] = []
+    p99s: list[float] = []
+    for line in lines:
+        m = re.search(r"median ([0-9.]+) us, p99 ([0-9.]+) us", line)
+        if m:
+            medians.append(float(m.group(1)))
+            p99s.append(float(m.group(2)))
+    return medians, p99s
 
 
 def print_table(

@@ -55,6 +55,7 @@ POLICY_DENIAL = "dev.evidence.policy.denial"
 POLICY_APPROVAL = "dev.evidence.policy.approval"
 POLICY_LIMIT = "dev.evidence.policy.limit"
 POLICY_VIOLATION = "dev.evidence.policy.violation"
+POLICY_AUDIT = "dev.evidence.policy.audit"
 INVENTORY = "dev.evidence.inventory"
 NETWORK_DNS = "dev.evidence.network.dns"
 
@@ -379,6 +380,31 @@ class PolicyViolation(BaseModel):
     result: Result
 
 
+class PolicyAudit(BaseModel):
+    """An exec a `commands` rule with decision `audit` matched: it ran, and the policy asked for it
+    to be noted. `rule` names the rule as denials do (commands.rules[N] (name)), `rule_index` and
+    `rule_name` are its index and name; `program` what was really executed (symlinks resolved in
+    the caller's root), `argv` as the supervisor read it (`argv_truncated`: not whole), `depth` the
+    caller's depth in the run's process tree (0: the run's command), `message` the rule's. A run
+    keeps the first AUDIT_RECORDS_MAX of them; later matches are counted in the manifest's
+    lost.by_kind (`audit_past_cap`), not kept."""
+
+    model_config = _FROZEN
+    pid: int
+    program: str
+    argv: list[str]
+    argv_truncated: bool
+    depth: int
+    rule: str
+    rule_index: int
+    rule_name: str
+    message: str | None
+
+
+# audit records a run keeps (PolicyAudit): a job execing an audited program without end is counted
+AUDIT_RECORDS_MAX = 1000
+
+
 class Inventory(BaseModel):
     model_config = _FROZEN
     pid: int
@@ -404,6 +430,7 @@ DATA_MODELS: dict[str, type[BaseModel]] = {
     POLICY_APPROVAL: PolicyApproval,
     POLICY_LIMIT: PolicyLimit,
     POLICY_VIOLATION: PolicyViolation,
+    POLICY_AUDIT: PolicyAudit,
     INVENTORY: Inventory,
     NETWORK_DNS: NetworkDns,
 }

@@ -245,6 +245,7 @@ class _Part:
             fmt.POLICY_DENIAL: self._denial,
             fmt.POLICY_APPROVAL: self._approval,
             fmt.POLICY_VIOLATION: self._violation,
+            fmt.POLICY_AUDIT: self._audit,
             fmt.INVENTORY: self._inventory,
             fmt.PROCESS_NAMESPACE: self._namespace,
             fmt.NETWORK_DNS: self._dns,
@@ -528,6 +529,13 @@ class _Part:
                 f"{d['rule']}\0{d['program']}\0{state}",
                 ev,
             )
+
+    def _audit(self, ev: EventJSON) -> None:
+        d = ev["data"]
+        self._argv(d["argv"], "argv", ev)
+        self.add(
+            "EV022", f"exec of {d['program']} audited by {d['rule']}", f"{d['rule']}\0{d['program']}", ev
+        )
 
     def _violation(self, ev: EventJSON) -> None:
         d = ev["data"]

@@ -204,6 +204,12 @@ RULES: dict[str, Rule] = {
              "again. The kernel's check killed the new program before its first instruction "
              "(killed; if the kernel could not, the recorder killed it on reading the event, and "
              "it may have run a little). The finding names the process and what differed."),
+        Rule("EV022", "exec-audited", "note", "An exec matched a commands rule with decision audit",
+             "A dev.evidence.policy.audit event: the exec ran, and the policy's commands rule its "
+             "'rule' names asked for it to be noted (decision: audit). Counted by rule and program; "
+             "each event has the argv, the depth and the rule's message. A run keeps the first "
+             "1,000 audit events; matches past them are counted in the manifest's lost.by_kind as "
+             "audit_past_cap (EV001 says so)."),
     )
 }  # fmt: skip
 BY_NAME = {r.name: r for r in RULES.values()}

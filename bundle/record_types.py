@@ -242,6 +242,23 @@ class ViolationRecord(TypedDict):
     result: Result
 
 
+class AuditRecord(TypedDict):
+    """An exec an `audit` command rule matched (agent/recorder/exec_supervisor.py audit_record;
+    format.PolicyAudit)."""
+
+    k: Literal["audit"]
+    t: int
+    pid: int
+    program: str
+    argv: list[str]
+    argv_truncated: bool
+    depth: int
+    rule: str
+    rule_index: int
+    rule_name: str
+    message: str | None
+
+
 class InventoryRecord(TypedDict):
     """A process already in the cgroup when the recording started (agent/recorder/inventory.py)."""
 
@@ -277,6 +294,7 @@ SpoolRecord = (
     | ApprovalRecord
     | LimitRecord
     | ViolationRecord
+    | AuditRecord
     | InventoryRecord
     | DegradationRecord
 )
@@ -295,6 +313,7 @@ RECORD_TYPES: dict[str, type] = {
     "approval": ApprovalRecord,
     "limit": LimitRecord,
     "violation": ViolationRecord,
+    "audit": AuditRecord,
     "inventory": InventoryRecord,
     "degradation": DegradationRecord,
 }

@@ -25,6 +25,7 @@ KIND_TYPE = {
     "approval": fmt.POLICY_APPROVAL,
     "limit": fmt.POLICY_LIMIT,
     "violation": fmt.POLICY_VIOLATION,
+    "audit": fmt.POLICY_AUDIT,
     "inventory": fmt.INVENTORY,
     "degradation": fmt.DEGRADATION,
     "dns": fmt.NETWORK_DNS,
@@ -86,7 +87,7 @@ def subject(rec: SpoolRecord) -> str:
         return str(rec["target"])
     if rec["k"] == "degradation":
         return str(rec["component"])
-    if rec["k"] == "approval":
+    if rec["k"] in ("approval", "audit"):
         return str(rec["program"])
     if rec["k"] == "limit":
         return f"limits.{rec['limit']}"

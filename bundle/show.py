@@ -47,6 +47,8 @@ class Summary:
     # the last event of each (a resolution repeats its request's fields) and its time
     exec_denials: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     approvals: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
+    # execs an `audit` rule matched ("rule: ran PROGRAM" -> [count, events])
+    audits: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     degradations: list[str] = dataclasses.field(default_factory=list)
     namespaces: list[str] = dataclasses.field(default_factory=list)  # namespace, mount, ptrace calls
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -117,6 +119,10 @@ class Summary:
                 self.approvals[d["id"]] = (d, ev["time"])
             else:
                 self.untracked += 1
+        elif t == fmt.POLICY_AUDIT:
+            entry = self.audits.setdefault(f"{d['rule']}: ran {d['program']}", [0, 0])
+            entry[0] += 1
+            entry[1] += 1
         elif t == fmt.POLICY_VIOLATION:  # the exec check: listed with the denials
             how = "killed" if d["killed"] else "could not kill"
             key = f"{how} exec {d.get('exe') or '?'}: not as decided ({', '.join(d['reasons'])}; rule {d['rule']})"
@@ -157,6 +163,7 @@ class Summary:
         self.untracked += _add_counts(self.denials, part.denials)
         self.untracked += _add_counts(self.dns, part.dns)
         self.untracked += _add_counts(self.exec_denials, part.exec_denials)
+        self.untracked += _add_counts(self.audits, part.audits)
         for aid, last in part.approvals.items():
             if aid in self.approvals or len(self.approvals) < MAX_TRACKED:
                 self.approvals[aid] = last
@@ -452,11 +459,17 @@ def render(s: Summary, limit: int = 50) -> str:
     out += ["", f"Denials ({len(s.denials)}):"]
     lines = [f"  {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.denials.items())]
     out += _limited(lines, limit) or ["  none"]
-    if s.exec_denials or s.approvals:
-        out += ["", f"Commands ({len(s.exec_denials)} refused execs by rule, {len(s.approvals)} approvals):"]
+    if s.exec_denials or s.approvals or s.audits:
+        out += [
+            "",
+            f"Commands ({len(s.exec_denials)} refused execs by rule, {len(s.approvals)} approvals, "
+            f"{len(s.audits)} audited by rule):",
+        ]
         lines = [f"  {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.exec_denials.items())]
         out += _limited(lines, limit)
         out += _limited([f"  approval {line}" for line in approval_lines(s)], limit)
+        lines = [f"  audit {k}" + (f" (x{v[0]})" if v[0] > 1 else "") for k, v in sorted(s.audits.items())]
+        out += _limited(lines, limit)
     if s.untracked:
         out += [
             "",

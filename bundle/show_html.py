@@ -207,12 +207,17 @@ def render(s: show.Summary, linted: show.Linted, limit: int = 50, *, path: str =
     out.append(f"<h2>Denials ({len(s.denials)})</h2>")
     rows = [[_code(k), str(v[0])] for k, v in _cut(sorted(s.denials.items()), limit)]
     out += _table(["denial", "count"], rows) + _more(len(s.denials), limit)
-    if s.exec_denials or s.approvals:  # a section only when the policy governed commands
-        out.append(f"<h2>Commands ({len(s.exec_denials)} refused, {len(s.approvals)} approvals)</h2>")
+    if s.exec_denials or s.approvals or s.audits:  # a section only when the policy governed commands
+        out.append(
+            f"<h2>Commands ({len(s.exec_denials)} refused, {len(s.approvals)} approvals, "
+            f"{len(s.audits)} audited)</h2>"
+        )
         rows = [[_code(k), str(v[0])] for k, v in _cut(sorted(s.exec_denials.items()), limit)]
         out += _table(["refused exec (rule: program)", "count"], rows) + _more(len(s.exec_denials), limit)
         rows = [[_code(a)] for a in _cut(show.approval_lines(s), limit)]
         out += _table(["approval"], rows) + _more(len(s.approvals), limit)
+        rows = [[_code(k), str(v[0])] for k, v in _cut(sorted(s.audits.items()), limit)]
+        out += _table(["audited exec (rule: program)", "count"], rows) + _more(len(s.audits), limit)
 
     out.append("<h2>Loss</h2>")
     by_kind = {**m["lost"]["by_kind"], **{k: v for k, v in s.lost.items() if k not in m["lost"]["by_kind"]}}

@@ -154,16 +154,23 @@ def render(s: show.Summary, linted: show.Linted, limit: int = 50) -> str:
     table = ["| denial | count |", "| --- | --- |", *rows] if rows else ["none"]
     out += _details(f"Denials ({len(s.denials)})", table + _more(len(s.denials), limit), bool(rows))
 
-    if s.exec_denials or s.approvals:  # a section only when the policy governed commands
+    if s.exec_denials or s.approvals or s.audits:  # a section only when the policy governed commands
         rows = [
             f"| refused | {code(k, cell=True)} | {v[0]} |"
             for k, v in _cut(sorted(s.exec_denials.items()), limit)
         ]
         rows += [f"| approval | {code(a, cell=True)} | 1 |" for a in _cut(show.approval_lines(s), limit)]
+        rows += [
+            f"| audit | {code(k, cell=True)} | {v[0]} |" for k, v in _cut(sorted(s.audits.items()), limit)
+        ]
         table = ["| what | exec | count |", "| --- | --- | --- |", *rows]
-        more = _more(len(s.exec_denials), limit) + _more(len(s.approvals), limit)
+        more = (
+            _more(len(s.exec_denials), limit) + _more(len(s.approvals), limit) + _more(len(s.audits), limit)
+        )
         out += _details(
-            f"Commands ({len(s.exec_denials)} refused, {len(s.approvals)} approvals)", table + more, True
+            f"Commands ({len(s.exec_denials)} refused, {len(s.approvals)} approvals, {len(s.audits)} audited)",
+            table + more,
+            True,
         )
 
     rows = [

@@ -33,12 +33,13 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
-from evidence.bundle.format import has_dotdot
-from evidence.bundle.read_types import EventJSON
 from evidence.bundle.text import printable
 from evidence.policy.governance import CommandRule, CommandsPolicy
+
+if TYPE_CHECKING:
+    from evidence.bundle.read_types import EventJSON
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,79 @@ def decide(
     )
 
 
+class Decider:
+    """`decide` for one policy's rules, with what depends on the program alone worked out once per
+    program: the rules whose `program` matches it and their program ranks (what costs most: up to
+    one glob per pattern), and, when none of those has `args` patterns, the whole decision per
+    depth. The same answers as `decide` (tests/unit/test_policy_commands.py holds them equal);
+    each cache keeps its last `size` programs."""
+
+    def __init__(self, commands: CommandsPolicy, size: int = 1024) -> None:
+        self.commands = commands
+        self.size = size
+        # program -> (rule index, rule, its best program rank), in file order
+        self._rules: dict[str, tuple[tuple[int, CommandRule, int], ...]] = {}
+        self._decided: dict[tuple[str, int], CommandDecision] = {}  # argv-free programs
+
+    def _matching(self, exe: str) -> tuple[tuple[int, CommandRule, int], ...]:
+        got = self._rules.get(exe)
+        if got is None:
+            found = []
+            for index, rule in enumerate(self.commands.rules):
+                ranks = [PROGRAM_RANK[p.kind] for p in rule.program if p.matches(exe)]
+                if ranks:
+                    found.append((index, rule, max(ranks)))
+            if len(self._rules) >= self.size:
+                self._rules.clear()
+                self._decided.clear()
+            got = self._rules[exe] = tuple(found)
+        return got
+
+    def needs_depth(self, exe: str) -> bool:
+        """Whether an exec of `exe`'s decision can depend on its depth (from 0 on): some rule whose
+        program matches it has a depth range other than `any`."""
+        return any(rule.depth.min > 0 or rule.depth.max is not None for _i, rule, _r in self._matching(exe))
+
+    def __call__(
+        self, exe: str, argv: Sequence[str], depth: int, *, truncated: bool = False
+    ) -> CommandDecision:
+        rules = self._matching(exe)
+        argv_free = not any(rule.args for _i, rule, _r in rules)
+        if argv_free:  # neither argv nor its truncation can change the answer
+            got = self._decided.get((exe, depth))
+            if got is not None:
+                return got
+        best: tuple[Specificity, int, int] | None = None
+        for index, rule, rank in rules:
+            if not rule.depth.contains(depth):
+                continue
+            if (
+                rule.args
+                and not args_match(rule.args, argv[1:])
+                and not (truncated and rule.decision != "allow")
+            ):
+                continue
+            key = (
+                Specificity(len(rule.args), rank, rule.depth.rank),
+                DECISION_PRIORITY[rule.decision],
+                -index,
+            )
+            if best is None or key > best:
+                best = key
+        if best is None:
+            decision = CommandDecision(decision=self.commands.default)
+        else:
+            rule = self.commands.rules[-best[2]]
+            decision = CommandDecision(
+                decision=rule.decision, rule_index=-best[2], rule_name=rule.name, message=rule.message
+            )
+        if argv_free:
+            if len(self._decided) >= self.size * 8:
+                self._decided.clear()
+            self._decided[(exe, depth)] = decision
+        return decision
+
+
 # ---------------------------------------------------------------------------------------------------
 # What the job is told
 
@@ -221,6 +295,8 @@ class ExecsSeen:
             yield ev
 
     def add(self, data: Mapping[str, object]) -> None:
+        from evidence.bundle.format import has_dotdot  # (not at the top: the exec supervisor's process)
+
         if data.get("result", 0) != 0:  # refused, or nothing there (a PATH search's ENOENT): nothing ran
             return
         if data.get("mntns") == "other":

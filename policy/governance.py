@@ -25,7 +25,6 @@ from pydantic import (
     model_validator,
 )
 
-from evidence.bundle.format import has_dotdot
 from evidence.policy.paths import canonical_glob, canonical_path, expand_variables, glob_regex, is_glob
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
@@ -80,6 +79,8 @@ class ProgramPattern(BaseModel):
 
 
 def _program_pattern(value: Any, info: ValidationInfo) -> Any:
+    from evidence.bundle.format import has_dotdot  # (not at the top: the exec supervisor's process)
+
     if isinstance(value, ProgramPattern):
         return value
     if not isinstance(value, str) or not value.strip():

@@ -247,6 +247,10 @@ class RecorderProbes:
         OSError when the kernel cannot hold it (EXEC_PINS_MAX pins): then refuse the exec."""
         self.bpf[b"exec_pins"][_U32.pack(tid)] = pin.pack()
 
+    def pins_fd(self) -> int:
+        """The pin map's descriptor: the exec supervisor's process publishes through it (bpf(2))."""
+        return self.bpf[b"exec_pins"].map_fd
+
     def forget(self, tid: int) -> None:
         """Drop thread `tid`'s pin, if it has one (an exec refused after all)."""
         with contextlib.suppress(KeyError):

@@ -286,7 +286,7 @@ def user_notification() -> tuple[bool, str]:
         import seccomp  # noqa: F401 - Debian's python3-seccomp
     except ImportError:
         return False, "python3-seccomp is not installed"
-    from evidence.agent.recorder.exec_supervisor import install_exec_filter
+    from evidence.agent.recorder.exec_filter import install_exec_filter
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 from evidence.agent.commands.client import AgentClient
 from evidence.agent.commands.finish import check_target, fetch_bundle
 from evidence.agent.commands.summary import signal_name, subjects_written, summary_line
-from evidence.agent.recorder.exec_supervisor import install_exec_filter
+from evidence.agent.recorder.exec_filter import install_exec_filter
 from evidence.agent.recorder.launch import Landlock, inherited_fds, isolation
 from evidence.errors import (
     EXIT_ERROR,

@@ -326,6 +326,10 @@ class StandaloneRun:
                     "--allow-setuid cannot run with a policy's command rules: their filter needs no_new_privs",
                     "drop --allow-setuid, or use --dry-run",
                 )
+            if self.exec_rules:  # the supervisor's process starts while the probes load
+                from evidence.agent.recorder.exec_process import prespawn
+
+                prespawn()
             if not args.quiet_denials:  # the job is told of refusals on its own stderr
                 self._job_stderr = os.dup(2)
         elif args.net:
@@ -437,6 +441,7 @@ class StandaloneRun:
             pins=self.recorder.probes,
             slot=session.slot,
             degrade=run.degrade,
+            past_cap=session.past_cap,  # audited execs past the cap: counted in the manifest's lost
         )
         rules = run.commands
         return lambda listener: rules.supervise(listener, root)

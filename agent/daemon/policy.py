@@ -162,12 +162,16 @@ def command_rules(
         pins=recorder.probes,
         slot=run.session.slot,
         degrade=run.degrade,
+        past_cap=run.session.past_cap,  # audited execs past the cap: counted in the manifest's lost
     )
     try:
         rules.supervise(listener, pid)
     except BaseException:
         rules.close()
         raise
+    from evidence.agent.recorder.exec_process import prespawn
+
+    prespawn()  # the next run's supervisor process starts now, not while its first exec waits
     return rules
 
 

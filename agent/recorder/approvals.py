@@ -30,12 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from evidence.bundle.format import format_time
-from evidence.bundle.record_types import ApprovalRecord
 from evidence.policy.commands import CommandDecision
-from evidence.policy.governance import ApprovalsPolicy
+
+if TYPE_CHECKING:  # not imported by the exec supervisor's process, which needs `Asked` alone
+    from evidence.bundle.record_types import ApprovalRecord
+    from evidence.policy.governance import ApprovalsPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +264,8 @@ class ApprovalBroker:
 
 
 def _record(request: ApprovalRequest, answer: Answer | None, t: int) -> ApprovalRecord:
+    from evidence.bundle.format import format_time
+
     rec: ApprovalRecord = {
         "k": "approval",
         "t": t,

@@ -5,8 +5,10 @@ The command's launcher loads the exec filter last before it execs the command an
 listener over (agent/recorder/launch.py: `LaunchSpec.supervise`, agent/recorder/exec_helper.py);
 `CommandRules.supervise` starts an `ExecSupervisor` (exec_supervisor.py) on it, whose decisions
 become the run's records: a refused exec (or, in a dry run, one the rules would refuse or ask
-about) a `policy.denial`, each approval request and its answer a `policy.approval` (the broker's
-records). Refusals and waits are told to the job (`tell`: the run's `NoticeWriter`, notices.py, on
+about) a `policy.denial`, an exec an `audit` rule matched a `policy.audit` (the first
+format.AUDIT_RECORDS_MAX of the run; past them counted, `audit_past_cap` in the manifest's lost),
+each approval request and its answer a `policy.approval` (the broker's records). The supervisor
+runs in a process of its own (exec_process.py), the records, approvals and notices here. Refusals and waits are told to the job (`tell`: the run's `NoticeWriter`, notices.py, on
 a dup of its stderr, unless `--quiet-denials`). `close` (once the run's processes are gone) stops the
 supervisor and withdraws what still waits.
 
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from evidence.agent.recorder.exec_check import ExecCheck, ExecPins
-from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, denial_record
+from evidence.agent.recorder.exec_process import SupervisorProcess
+from evidence.agent.recorder.exec_supervisor import ExecDecision, audit_record, denial_record
 
 if TYPE_CHECKING:
     from evidence.agent.recorder.approvals import ApprovalBroker
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 USER_NOTIF = "/proc/sys/kernel/seccomp/actions_avail"
+AUDIT_PAST_CAP = "audit_past_cap"  # lost.by_kind: audited execs past the run's cap, counted
 
 
 def user_notification() -> str | None:
@@ -94,6 +99,8 @@ class CommandRules:
         pins: ExecPins | None = None,
         slot: int = 0,
         degrade: Callable[[Degradation], None] = lambda _said: None,
+        past_cap: dict[str, int] | None = None,
+        audit_max: int | None = None,
     ) -> None:
         assert policy.commands is not None
         self.session_id = session_id
@@ -105,33 +112,46 @@ class CommandRules:
         self.tell = tell  # a line to the job (the run's NoticeWriter.tell)
         self.dry_run = dry_run
         self.clock_ns = clock_ns
-        self.supervisor: ExecSupervisor | None = None
+        self.supervisor: SupervisorProcess | None = None
         # the exec check (None: no probes to pin through, e.g. fakes): built by `supervise`
         self.pins = pins
         self.slot = slot
         self.degrade = degrade
         self.check: ExecCheck | None = None
+        # audit records: the first `audit_max` kept, the rest counted into `past_cap` (the run's
+        # Session.past_cap: the manifest's lost.by_kind AUDIT_PAST_CAP) when the rules close
+        from evidence.bundle.format import AUDIT_RECORDS_MAX
+
+        self.past_cap = past_cap if past_cap is not None else {}
+        self.audit_max = AUDIT_RECORDS_MAX if audit_max is None else audit_max
+        self.audits = 0  # audit matches, kept or not
+        self._lock = threading.Lock()
 
     def supervise(self, listener: int, root_pid: int) -> None:
         """Decide the execs of the process `root_pid` (the command's, about to exec it) and of
         everything it starts, from the filter's `listener` (owned from now on)."""
         try:
             check = self._enforce()
-            self.supervisor = ExecSupervisor(
-                listener,
-                self.commands,
-                root_pid,
-                approver=self.broker.approver(self.session_id, self.owner_uid, self.policy.approvals),
-                on_decision=self._decided,
-                tell=self.tell,
-                dry_run=self.dry_run,
-                publish=check.publish if check is not None else None,
-                check_key=check.key if check is not None else b"",
-            )
-            self.supervisor.start()
         except BaseException:
             os.close(listener)  # the job's execs fail (ENOSYS): nothing runs undecided
             raise
+        pins_fd = check.probes.pins_fd() if check is not None else None
+        if check is not None and pins_fd is None:  # nothing to publish into: every exec would be killed
+            os.close(listener)
+            raise OSError("the exec check has no pin map to publish into")
+        self.supervisor = SupervisorProcess(  # takes the listener, whatever happens
+            listener,
+            self.commands,
+            root_pid,
+            approver=self.broker.approver(self.session_id, self.owner_uid, self.policy.approvals),
+            on_decision=self._decided,
+            tell=self.tell,
+            dry_run=self.dry_run,
+            pins_fd=pins_fd,
+            check_key=check.key if check is not None else b"",
+            on_death=self._died,
+        )
+        self.supervisor.start()
 
     def _enforce(self) -> ExecCheck | None:
         """The run's exec check, enforced (None: not in force, and the run says why; a dry run
@@ -185,16 +205,47 @@ class CommandRules:
         self.check = new
         old.release()
 
+    def _died(self, why: str) -> None:
+        from evidence.bundle.format import Degradation
+
+        self.degrade(
+            Degradation(
+                component="commands",
+                reason=f"the exec supervisor's process died ({why})",
+                impact="every exec of the job after that failed (ENOSYS): command rules fail closed",
+            )
+        )
+
     def _decided(self, result: ExecDecision) -> None:
-        rec = denial_record(result, self.clock_ns())
+        t = self.clock_ns()
+        if result.answered_ns:  # when it was answered, not when the news came
+            t -= max(0, time.monotonic_ns() - result.answered_ns)
+        rec = denial_record(result, t)
         if rec is not None:
             self.add_records([rec])
+        audit = audit_record(result, t)
+        if audit is not None:
+            with self._lock:
+                self.audits += 1
+                keep = self.audits <= self.audit_max
+            if keep:
+                self.add_records([audit])
 
     def close(self) -> None:
         """Stop deciding (what still waits fails) and withdraw the run's open approval requests."""
         sup, self.supervisor = self.supervisor, None
         if sup is not None:
             sup.stop()
+        with self._lock:
+            past, self.audits = max(0, self.audits - self.audit_max), min(self.audits, self.audit_max)
+        if past:
+            self.past_cap[AUDIT_PAST_CAP] = self.past_cap.get(AUDIT_PAST_CAP, 0) + past
+            logger.warning(
+                "run %s: past its cap of %d audit records, %d audited execs were counted, not kept",
+                self.session_id,
+                self.audit_max,
+                past,
+            )
         check, self.check = self.check, None
         if check is not None:
             try:

@@ -2,8 +2,8 @@
 loaded in the process about to exec the command, and its listener handed over.
 
 Standard library only, and Debian's python3-seccomp passed in: the launcher (exec_helper.py) imports
-the binding before it joins the run's cgroup and uses this module after, and the agent's client
-(run_agent.py) and `doctor` use it through exec_supervisor.install_exec_filter.
+the binding before it joins the run's cgroup and uses this module after; the agent's client
+(run_agent.py, in job containers: a plain install) and `doctor` call `install_exec_filter`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ def load_exec_filter(seccomp: ModuleType) -> int:
     if fd < 0:
         raise OSError(errno.ENOSYS, "seccomp gave no listener descriptor")
     return fd
+
+
+def install_exec_filter() -> int:
+    """Load a seccomp filter sending execve/execveat to a listener; return the listener's descriptor
+    (close-on-exec). Sets no_new_privs, as an unprivileged filter needs. Call it in the process that
+    is about to exec the command: it applies to that process and everything it starts."""
+    import seccomp  # Debian's python3-seccomp: in scripts/setup.sh's apt list
+
+    return load_exec_filter(seccomp)
 
 
 def send_listener(sock: socket.socket, fd: int) -> None:

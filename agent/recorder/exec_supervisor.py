@@ -6,12 +6,14 @@ libseccomp binding (python3-seccomp) loads a filter that sends `execve` and `exe
 listener, and the launcher hands the listener's descriptor to the supervisor over a Unix socket
 (`send_listener`, SCM_RIGHTS) and closes its own copy (a job holding it could answer for itself).
 Every exec of the job and of everything it starts then waits in the kernel until the supervisor
-answers. The supervisor (`ExecSupervisor`, a thread of the recorder or the agent) receives each
+answers. The supervisor (`ExecSupervisor`; in a run, the main thread of a process of its own:
+exec_process.py, the recorder or the agent keeping its records and approvals) receives each
 notification with the kernel's ioctls (the binding's receive_notify works only in the process that
 loaded the filter), reads the path and argv from the caller's memory (process_vm_readv, falling
 back to /proc/PID/mem), checks the notification is still pending (so the pid was not reused),
-resolves what would run (relative to the caller's cwd or the execveat descriptor, symlinks resolved
-through the caller's root, a `#!` line's interpreter) and decides with policy/commands.py:
+resolves what would run (exec_resolve.py: relative to the caller's cwd or the execveat descriptor,
+symlinks resolved through the caller's root, a `#!` line's interpreter) and decides with
+policy/commands.py (its `Decider`: what depends on the program alone worked out once):
 - deny: the exec fails with EACCES and the caller goes on;
 - allow, audit: the kernel goes on with the call (SECCOMP_USER_NOTIF_FLAG_CONTINUE);
 - approve: the approver (approvals.py's broker: a person, or the timeout) says yes or no, on a
@@ -26,20 +28,15 @@ loaded: before it answers CONTINUE the supervisor pins what it allowed for the c
 (agent/recorder/exec_check.py), and probes/bpf/exec_check.bpf.c kills, at sched_process_exec, an
 exec whose file or arguments differ, or that nothing pinned. If the supervisor goes away, the
 kernel fails every waiting and later exec of the job with ENOSYS: command rules fail closed.
-
-(Over 600 lines on purpose: resolving what an exec would run, through the caller's root, cwd,
-descriptors, `#!` lines and the dynamic loader, is one piece with the decision it feeds; a split
-would pass the caller's half-resolved state between modules.)
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fcntl
+import functools
 import logging
 import os
 import select
@@ -51,20 +48,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evidence.agent.recorder.approvals import Asked
-from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec, shebang
-from evidence.agent.recorder.exec_filter import load_exec_filter
-from evidence.bundle.record_types import DenialRecord
-from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, decide, exec_notice, notice
+from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec
+from evidence.agent.recorder.exec_filter import install_exec_filter as install_exec_filter
+from evidence.agent.recorder.exec_resolve import (
+    ExecRequest,
+    identity,
+    loader_payload,
+    proc_depth,
+    read_request,
+)
+from evidence.bundle.record_types import AuditRecord, DenialRecord
+from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, Decider, exec_notice, notice
+from evidence.policy.commands import decide as decide_exec
 from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
 
 logger = logging.getLogger(__name__)
 
 # The kernel ABI (include/uapi/linux/seccomp.h), x86_64
-NR_EXECVE = 59
-NR_EXECVEAT = 322
-AT_FDCWD = -100
-AT_EMPTY_PATH = 0x1000
 _NOTIF = struct.Struct("=QII iIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]}
 _RESP = struct.Struct("=QqiI")  # seccomp_notif_resp: id, val, error, flags
 SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
@@ -74,22 +75,9 @@ SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102  # _IOW('!', 2, __u64)
 SECCOMP_IOCTL_NOTIF_SET_FLAGS = 0x40082104  # _IOW('!', 4, __u64), Linux 6.6
 SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP = 1
 
-MAX_ARGC = 1000  # arguments read before the argv counts as truncated
-MAX_ARGV_BYTES = 65536
-PATH_MAX = 4096
-
 
 # ---------------------------------------------------------------------------------------------------
-# The launcher's side
-
-
-def install_exec_filter() -> int:
-    """Load a seccomp filter sending execve/execveat to a listener; return the listener's descriptor
-    (close-on-exec). Sets no_new_privs, as an unprivileged filter needs. Call it in the process that
-    is about to exec the command: it applies to that process and everything it starts."""
-    import seccomp  # Debian's python3-seccomp: in scripts/setup.sh's apt list
-
-    return load_exec_filter(seccomp)
+# The listener (the launcher's side is exec_filter.py)
 
 
 def receive_listener(sock: socket.socket) -> int:
@@ -98,10 +86,6 @@ def receive_listener(sock: socket.socket) -> int:
     if len(fds) != 1:
         raise OSError(errno.EPROTO, "no listener descriptor received")
     return fds[0]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading the caller
 
 
 @dataclass(frozen=True)
@@ -141,306 +125,30 @@ def respond(listener: int, nid: int, *, error: int = 0) -> None:
             raise
 
 
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
-_libc.process_vm_readv.argtypes = [
-    ctypes.c_int,
-    ctypes.POINTER(_IoVec),
-    ctypes.c_ulong,
-    ctypes.POINTER(_IoVec),
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-]
-
-
-def read_memory(pid: int, addr: int, size: int) -> bytes:
-    """Up to `size` bytes of the caller's memory at `addr` (fewer at the end of a mapping)."""
-    buf = ctypes.create_string_buffer(size)
-    local, remote = _IoVec(ctypes.cast(buf, ctypes.c_void_p), size), _IoVec(addr, size)
-    n = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-    if n > 0:
-        return buf.raw[:n]
-    # a range crossing into an unmapped page, or process_vm_readv refused: /proc/PID/mem reads
-    # what is there up to the first unreadable byte
-    try:
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
-            f.seek(addr)
-            return f.read(size)
-    except OSError:
-        return b""
-
-
-def read_string(pid: int, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
-    """A NUL-terminated string of the caller's, and whether it was cut at `limit`."""
-    out = b""
-    while len(out) < limit:
-        page_left = 4096 - ((addr + len(out)) % 4096)  # never cross a page in one read
-        chunk = read_memory(pid, addr + len(out), min(page_left, limit - len(out)))
-        if not chunk:
-            raise OSError(errno.EFAULT, "bad address in the caller")
-        end = chunk.find(b"\0")
-        if end >= 0:
-            return out + chunk[:end], False
-        out += chunk
-    return out, True
-
-
-def read_argv(pid: int, addr: int) -> tuple[list[bytes], bool]:
-    """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC/MAX_ARGV_BYTES."""
-    if addr == 0:
-        return [], False
-    argv: list[bytes] = []
-    total = 0
-    for i in range(MAX_ARGC + 1):
-        raw = read_memory(pid, addr + 8 * i, 8)
-        if len(raw) != 8:
-            raise OSError(errno.EFAULT, "bad argv in the caller")
-        (ptr,) = struct.unpack("=Q", raw)
-        if ptr == 0:
-            return argv, False
-        if i == MAX_ARGC:
-            break
-        arg, cut = read_string(pid, ptr, min(PATH_MAX * 32, MAX_ARGV_BYTES - total))
-        argv.append(arg)
-        total += len(arg) + 1
-        if cut or total >= MAX_ARGV_BYTES:
-            break
-    return argv, True
-
-
-@dataclass(frozen=True)
-class ExecRequest:
-    """What an exec asks for, as the supervisor read and resolved it."""
-
-    pid: int
-    path: str  # as passed (decoded with surrogateescape)
-    program: str  # absolute, symlinks resolved in the caller's root
-    argv: tuple[str, ...]
-    truncated: bool
-    interpreter: str | None = None  # a `#!` script's interpreter, resolved likewise
-    # the caller's name leads to another file (or none) for it than `program` is here: a mount
-    # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
-    foreign: bool = False
-    loads: str | None = None  # the program the dynamic loader run as a program would load
-    # for the no-race check (exec_check.py): how the call named the file, the file it names for the
-    # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
-    # with the interpreter's identity
-    dirfd: int = AT_FDCWD
-    empty_path: bool = False
-    identity: tuple[int, int] | None = None
-    shebang: tuple[bytes, bytes | None] | None = None
-    interpreter_identity: tuple[int, int] | None = None
-
-
-_LDSO_WITH_ARG = frozenset(
-    (
-        "--library-path",
-        "--preload",
-        "--argv0",
-        "--audit",
-        "--inhibit-rpath",
-        "--glibc-hwcaps-prepend",
-        "--glibc-hwcaps-mask",
-    )
-)
-
-
-def is_dynamic_loader(program: str) -> bool:
-    name = program.rsplit("/", 1)[-1]
-    return name.startswith("ld-linux") or (name.startswith("ld-") and ".so" in name) or name == "ld.so"
-
-
-def loader_payload(argv: tuple[str, ...]) -> str | None:
-    """The program `ld.so [OPTIONS] PROGRAM [ARGS]` runs: the first argument after its options."""
-    i = 1
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if not arg.startswith("--"):
-            return arg
-        i += 2 if arg in _LDSO_WITH_ARG else 1
-    return None
-
-
-def _decode(b: bytes) -> str:
-    return b.decode("utf-8", "surrogateescape")
-
-
-def _resolve(pid: int, path: str, dirfd: int, empty_path: bool) -> str:
-    """The absolute path, symlinks resolved, of what `path` names for the caller."""
-    if empty_path and not path:
-        base = f"/proc/{pid}/fd/{dirfd}"
-        return os.readlink(base) if os.path.islink(base) else base
-    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
-        if path.startswith(own):
-            path = f"/proc/{pid}/" + path[len(own) :]
-    if not path.startswith("/"):
-        base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
-        path = os.path.join(os.readlink(base), path)
-    root = os.readlink(f"/proc/{pid}/root")
-    if root == "/":
-        return os.path.realpath(path)
-    return os.path.realpath(root + path)  # a caller in a chroot: its names, on this side
-
-
-_NR_OPENAT2 = 437
-_RESOLVE_IN_ROOT = 0x10
-_O_PATH = 0o10000000
-_libc.syscall.restype = ctypes.c_long
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def _openat2(dirfd: int, path: str, resolve: int) -> int:
-    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0, resolve)
-    fd = _libc.syscall(
-        _NR_OPENAT2,
-        ctypes.c_int(dirfd),
-        ctypes.c_char_p(os.fsencode(path)),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(fd)
-
-
-def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the file `path` names for the caller, resolved in its own root and mount
-    namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor for a
-    relative name); None when it names nothing."""
-    try:
-        if empty_path and not path:
-            st = os.stat(f"/proc/{pid}/fd/{dirfd}")
-            return st.st_dev, st.st_ino
-        if path.startswith("/"):
-            base, resolve = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
-        else:
-            base, resolve = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
-        dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
-        try:
-            fd = _openat2(dfd, path, resolve)
-        finally:
-            os.close(dfd)
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        return st.st_dev, st.st_ino
-    except OSError:
-        return None
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _interpreter(pid: int, program: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/root{program}", "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return None
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    if not words:
-        return None
-    return _resolve(pid, _decode(words[0]), AT_FDCWD, False)
-
-
-def read_request(note: Notification) -> ExecRequest:
-    """Read and resolve what the notified exec asks for (raises OSError when it cannot be read)."""
-    if note.nr == NR_EXECVE:
-        dirfd, path_addr, argv_addr, flags = AT_FDCWD, note.args[0], note.args[1], 0
-    elif note.nr == NR_EXECVEAT:
-        dirfd = ctypes.c_int32(note.args[0] & 0xFFFFFFFF).value
-        path_addr, argv_addr, flags = note.args[1], note.args[2], note.args[4]
-    else:
-        raise OSError(errno.ENOSYS, f"system call {note.nr} is not an exec")
-    raw_path, cut = read_string(note.pid, path_addr)
-    if cut:
-        raise OSError(errno.ENAMETOOLONG, "path too long")
-    argv, truncated = read_argv(note.pid, argv_addr)
-    path = _decode(raw_path)
-    empty = bool(flags & AT_EMPTY_PATH)
-    program = _resolve(note.pid, path, dirfd, empty)
-    theirs = caller_identity(note.pid, path, dirfd, empty)
-    bang = _shebang(note.pid, program)
-    return ExecRequest(
-        pid=note.pid,
-        path=path,
-        program=program,
-        argv=tuple(_decode(a) for a in argv),
-        truncated=truncated,
-        interpreter=_interpreter(note.pid, program),
-        foreign=theirs is None or theirs != _identity(program),
-        loads=_loads(note.pid, program, tuple(_decode(a) for a in argv)),
-        dirfd=dirfd,
-        empty_path=empty,
-        identity=theirs,
-        shebang=bang,
-        interpreter_identity=caller_identity(note.pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
-    )
-
-
-def _shebang(pid: int, program: str) -> tuple[bytes, bytes | None] | None:
-    try:
-        with open(f"/proc/{pid}/root{program}", "rb") as f:
-            return shebang(f.read(256))
-    except OSError:
-        return None
-
-
-def _loads(pid: int, program: str, argv: tuple[str, ...]) -> str | None:
-    if not is_dynamic_loader(program):
-        return None
-    payload = loader_payload(argv)
-    if payload is None:
-        return None
-    try:
-        return _resolve(pid, payload, AT_FDCWD, False)
-    except OSError:
-        return payload  # a name that cannot be resolved is judged as written
-
-
-def proc_depth(pid: int, root: int) -> int:
-    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
-    depth = 0
-    while pid != root:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return -1
-        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        depth += 1
-        if pid <= 1:
-            return -1
-    return depth
-
-
 # ---------------------------------------------------------------------------------------------------
 # The supervisor
 
 
-def decide_request(commands: CommandsPolicy, req: ExecRequest, depth: int) -> CommandDecision:
+def decide_request(
+    commands: CommandsPolicy, req: ExecRequest, depth: int, decider: Decider | None = None
+) -> CommandDecision:
     """The program's decision, or its interpreter's when more restrictive (a `#!` script); for a
     name that leads elsewhere for the caller than here (`foreign`), `commands.default` when more
-    restrictive: the name says nothing of what runs."""
-    decision = decide(commands, req.program, req.argv, depth, truncated=req.truncated)
+    restrictive: the name says nothing of what runs. `decider`: commands' Decider (the same
+    answers as policy/commands.decide, what depends on the program alone kept).
+
+    A depth below 0 is a caller whose depth cannot be told (`proc_depth`: its parent links do not
+    lead to the run's first process: an ancestor exited and it was reparented, as a job does on
+    purpose with a double fork): it is of the run, below its first process, at a depth nobody can
+    say, so the most restrictive decision of any depth from 1 on decides (no rule's depth range
+    contains -1: judged at -1 an orphan would escape every rule)."""
+    decide = decider or functools.partial(decide_exec, commands)
+    if depth < 0:
+        return max(
+            (decide_request(commands, req, d, decider) for d in _depths_that_differ(commands)),
+            key=lambda c: DECISION_PRIORITY[c.decision],
+        )
+    decision = decide(req.program, req.argv, depth, truncated=req.truncated)
     if req.foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[decision.decision]:
         decision = CommandDecision(commands.default)
     for payload in (req.interpreter, req.loads):
@@ -448,10 +156,21 @@ def decide_request(commands: CommandsPolicy, req: ExecRequest, depth: int) -> Co
             continue
         # the loader's payload is judged with its own arguments (what follows it in argv)
         argv = req.argv if payload is req.interpreter else req.argv[req.argv.index(_raw_payload(req)) :]
-        other = decide(commands, payload, argv, depth, truncated=req.truncated)
+        other = decide(payload, argv, depth, truncated=req.truncated)
         if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:
             decision = other
     return decision
+
+
+def _depths_that_differ(commands: CommandsPolicy) -> list[int]:
+    """Depths from 1 on at which some rule's depth range starts or ends: between two of them (and
+    past the last) every rule matches alike, so these stand for every depth from 1 on."""
+    edges = {1}
+    for rule in commands.rules:
+        for d in (rule.depth.min, rule.depth.max, None if rule.depth.max is None else rule.depth.max + 1):
+            if d is not None and d >= 1:
+                edges.add(d)
+    return sorted(edges)
 
 
 def _raw_payload(req: ExecRequest) -> str:
@@ -471,6 +190,21 @@ class ExecDecision:
     error: str | None = None  # why the request could not be read (then refused)
     # --dry-run: refused by the rules (allowed False) but let run; an `approve` was not asked
     dry_run: bool = False
+    answered_ns: int = 0  # CLOCK_MONOTONIC when it was answered, when known (from its process)
+
+
+def record_text(name: str) -> str:
+    """A name or argument as the supervisor read it (bytes that are not UTF-8 kept as surrogates, to
+    match and pin them exactly) in the form records and people get, the kernel's names' form:
+    such bytes as \\xNN (decode.path_text). A surrogate in a record fails its JSON encoding, and
+    with it the run's bundle: a job picks its argv."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def recordable(result: ExecDecision) -> bool:
+    """Whether an exec makes a record: refused (or in a dry run one the rules would refuse or ask
+    about), or audited; not one the rules simply allowed."""
+    return not result.allowed or result.decision.decision == "audit"
 
 
 def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
@@ -487,10 +221,31 @@ def denial_record(result: ExecDecision, t: int) -> DenialRecord | None:
         "pid": req.pid if req is not None else 0,
         "exe": None,
         "operation": "exec",
-        "target": req.program if req is not None else "<unreadable>",
+        "target": record_text(req.program) if req is not None else "<unreadable>",
         "rule": result.decision.label if result.error is None else f"{result.decision.label}: {result.error}",
         "enforced": refused,
         "result": "EACCES" if refused else 0,
+    }
+
+
+def audit_record(result: ExecDecision, t: int) -> AuditRecord | None:
+    """The policy.audit record of an exec an `audit` rule matched and that ran (in a dry run, one
+    the rules let run), or None."""
+    req, d = result.request, result.decision
+    if d.decision != "audit" or req is None or d.rule_index is None or not (result.allowed or result.dry_run):
+        return None
+    return {
+        "k": "audit",
+        "t": t,
+        "pid": req.pid,
+        "program": record_text(req.program),
+        "argv": [record_text(a) for a in req.argv],
+        "argv_truncated": req.truncated,
+        "depth": result.depth,
+        "rule": d.label,
+        "rule_index": d.rule_index,
+        "rule_name": d.rule_name or "",
+        "message": d.message,
     }
 
 
@@ -529,8 +284,12 @@ class RoundTrips:
         }
 
     def line(self) -> str:
-        s = self.summary()
-        if not s["count"]:
+        return self.line_of(self.summary())
+
+    @staticmethod
+    def line_of(s: dict[str, float]) -> str:
+        """The line of a `summary()` (the one bench/bench.py reads)."""
+        if not s.get("count"):
             return "exec supervisor: no exec decided"
         return (
             f"exec supervisor: {int(s['count'])} execs decided, notification read to response sent: median "
@@ -565,6 +324,9 @@ class ExecSupervisor:
     max_waiting: int = 64
     # --dry-run: every exec goes on; what the rules would refuse or ask is only recorded
     dry_run: bool = False
+    # `on_decision` is told only of execs that make a record (`recordable`: refused, audited, a
+    # dry run's would-be refusals); an exec the rules simply allow may then have no depth (0)
+    record_only: bool = False
     _waiting: threading.BoundedSemaphore = field(init=False)
     # read to response issued, per exec decided on the supervisor's thread (bench/bench.py reads
     # the line stop() logs at INFO)
@@ -572,20 +334,30 @@ class ExecSupervisor:
 
     def __post_init__(self) -> None:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
+        self._decider = Decider(self.commands)
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Ready to `serve` (on the caller's thread; `start` serves on a thread of its own)."""
         # the caller an answer wakes runs on this CPU at once, while this thread goes back to wait
         # for the next notification (Linux 6.6): a fork+exec loop runs ~30% faster (bench/bench.py)
         with contextlib.suppress(OSError):
             fcntl.ioctl(self.listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+
+    def start(self) -> None:
+        self.prepare()
         self._thread = threading.Thread(target=self.serve, name="exec-supervisor", daemon=True)
         self._thread.start()
 
+    def interrupt(self) -> None:
+        """Make `serve` return (thread-safe)."""
+        with contextlib.suppress(OSError):
+            if self._stop_w >= 0:
+                os.write(self._stop_w, b"x")
+
     def stop(self) -> None:
         """Stop answering and close the listener: the job's waiting and later execs fail (ENOSYS)."""
-        if self._stop_w >= 0:
-            os.write(self._stop_w, b"x")
+        self.interrupt()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.round_trips.count:
@@ -622,21 +394,30 @@ class ExecSupervisor:
     def answer(self, note: Notification) -> ExecDecision | None:
         """Decide one notification. An `approve` decision waits for its approver on a thread of
         its own (the job's other execs are answered meanwhile): None is returned for it."""
-        depth = self.depth_of(note.pid, self.root_pid)
         try:
-            req = read_request(note)
+            req = read_request(note.pid, note.nr, note.args)
         except OSError as e:
+            depth = self.depth_of(note.pid, self.root_pid)
             return self._finish(
                 note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
             )
-        if req.identity is None and _identity(req.program) is None:
+        if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
             # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
             with self._lock:
                 if self.listener >= 0 and still_pending(self.listener, note.id):
                     respond(self.listener, note.id, error=0 if self.dry_run else errno.ENOENT)
             return None
-        decision = decide_request(self.commands, req, depth)
+        # the caller's depth (a /proc walk) is read when the decision can depend on it, or when it
+        # goes into a record; told only of records (`record_only`), an exec the rules allow at
+        # every depth needs none
+        lazy = self.record_only and not any(
+            self._decider.needs_depth(p) for p in (req.program, req.interpreter, req.loads) if p is not None
+        )
+        depth = 0 if lazy else self.depth_of(note.pid, self.root_pid)
+        decision = decide_request(self.commands, req, depth, self._decider)
+        if lazy and decision.decision != "allow":
+            depth = self.depth_of(note.pid, self.root_pid)  # for the record: the decision is the same
         if self.dry_run:  # decide, record, let it run; nobody is asked
             return self._finish(note, ExecDecision(req, decision, depth, bool(decision.runs), dry_run=True))
         if decision.runs is not None:
@@ -661,7 +442,8 @@ class ExecSupervisor:
                     if timed and note.received_ns:
                         self.round_trips.add(time.monotonic_ns() - note.received_ns)
                     respond(self.listener, note.id)
-            self.on_decision(result)
+            if not self.record_only or recordable(result):
+                self.on_decision(result)
             return result
         if result.allowed and self.publish is not None and req is not None:
             pin = self.decided(req)
@@ -674,14 +456,17 @@ class ExecSupervisor:
             message = result.error or (
                 "not approved" if result.decision.runs is None else result.decision.message
             )
-            self.tell(notice("exec", result.request.program, result.decision.label, message=message))
+            self.tell(
+                notice("exec", record_text(result.request.program), result.decision.label, message=message)
+            )
         with self._lock:
             if self.listener < 0:
                 return result
             if timed and note.received_ns:
                 self.round_trips.add(time.monotonic_ns() - note.received_ns)
             respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
-        self.on_decision(result)
+        if not self.record_only or recordable(result):
+            self.on_decision(result)
         return result
 
     def decided(self, req: ExecRequest) -> abi.ExecPin | None:
@@ -689,14 +474,14 @@ class ExecSupervisor:
         said: the file named nothing for the caller, or argv was not read whole."""
         raw = [a.encode("utf-8", "surrogateescape") for a in req.argv]
         script = None
-        identity = req.identity
+        file_id = req.identity
         if req.shebang is not None:
-            identity = req.interpreter_identity
+            file_id = req.interpreter_identity
             filename = bprm_filename(req.path.encode("utf-8", "surrogateescape"), req.dirfd, req.empty_path)
             script = (req.shebang[0], req.shebang[1], filename)
-        if identity is None:
+        if file_id is None:
             return None
-        return pin_exec(self.check_key, identity, raw, script=script, truncated=req.truncated)
+        return pin_exec(self.check_key, file_id, raw, script=script, truncated=req.truncated)
 
     def pending(self, nid: int) -> bool:
         """Whether the notification still waits for an answer from this supervisor."""
@@ -704,13 +489,13 @@ class ExecSupervisor:
             return self.listener >= 0 and still_pending(self.listener, nid)
 
     def _ask(self, note: Notification, req: ExecRequest, decision: CommandDecision, depth: int) -> None:
-        line = exec_notice(req.program, decision)
+        line = exec_notice(record_text(req.program), decision)
         if line:
             self.tell(line)
         asked = Asked(
             pid=req.pid,
-            program=req.program,
-            argv=req.argv,
+            program=record_text(req.program),
+            argv=tuple(record_text(a) for a in req.argv),
             truncated=req.truncated,
             depth=depth,
             decision=decision,

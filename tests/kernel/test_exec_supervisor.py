@@ -386,3 +386,69 @@ def test_the_supervisor_times_each_exec_from_receive_to_respond(
     s = sup.round_trips.summary()
     assert s["count"] == 201 and 0 < s["median_us"] <= s["p99_us"] <= s["max_us"]
     assert sup.round_trips.line() in caplog.text and "201 execs decided" in caplog.text
+
+
+def test_a_fifo_or_device_named_as_the_program_is_never_opened(place: Path) -> None:
+    """The job names what it likes as the program: the supervisor reads a `#!` line only from a
+    regular file. A FIFO opened for reading would block it (every exec of the job waiting behind
+    it), a device could act on being opened; the kernel refuses to exec either (EACCES) anyway."""
+    fifo = place / "fifo"
+    os.mkfifo(fifo)
+    fifo.chmod(0o777)
+    proc, decisions, _ = _run(
+        _commands([]), f"{fifo}; echo fifo=$?; /dev/null; echo dev=$?; /bin/echo after", place
+    )
+    lines = proc.stdout.splitlines()
+    assert "fifo=126" in lines and "dev=126" in lines and "after" in lines, proc
+    assert {d.request.program for d in decisions if d.request} >= {str(fifo), "/dev/null", "/usr/bin/echo"}
+
+
+def test_what_would_run_is_named_as_realpath_names_it_and_proc_self_is_the_callers(place: Path) -> None:
+    """For a caller in the supervisor's root and mount namespace the program is named by the
+    kernel's own walk of the caller's name (exec_resolve._resolve_as_ours): the same name
+    os.path.realpath gives, through symlinks, chains, `..`, a relative name and the caller's
+    /proc/self (its own executable: a program that re-executes itself is judged as itself)."""
+    (place / "one").symlink_to("/usr/bin/id")
+    (place / "two").symlink_to(place / "one")
+    (place / "sub").mkdir()
+    (place / "rel").symlink_to("sub/../one")
+    names = [
+        "/bin/true",
+        str(place / "two"),
+        str(place / "rel"),
+        "/proc/self/root/usr/bin/id",
+        "/usr/bin/../bin/id",
+    ]
+    script = "; ".join(f"{n} >/dev/null" for n in names)
+    script += "; cd /usr && ./bin/id >/dev/null; /bin/sh -c 'exec /proc/self/exe -c \"echo again\"'"
+    proc, decisions, _ = _run(_commands([]), script, place)
+    assert "again" in proc.stdout, proc
+    got = {d.request.path: d.request for d in decisions if d.request}
+    for name in [*names, "./bin/id"]:
+        req = got[name]
+        want = os.path.realpath(name if name != "./bin/id" else "/usr/bin/id")
+        if name.startswith("/proc/self/"):
+            want = "/usr/bin/id"
+        assert req.program == want and not req.foreign, req
+        st = os.stat(want)
+        assert req.identity == (st.st_dev, st.st_ino), req
+    again = got["/proc/self/exe"]
+    assert again.program == os.path.realpath("/bin/sh") and not again.foreign, again
+
+
+def test_a_script_rewritten_between_two_execs_is_judged_as_it_is_now(place: Path) -> None:
+    """The supervisor keeps a program's head by its identity, size and times: a script rewritten
+    at once (same tick, other interpreter) is read again, and refused by its new interpreter."""
+    script = place / "job"
+    commands = _commands([{"name": "no-id", "program": "id", "decision": "deny"}])
+    run = (
+        f"printf '#!/bin/sh\\necho ran\\n' > {script}; chmod +x {script}; {script}; echo first=$?; "
+        f"printf '#!/usr/bin/id\\n' > {script}; {script}; echo second=$?"
+    )
+    proc, decisions, _ = _run(commands, run, place)
+    lines = proc.stdout.splitlines()
+    assert "ran" in lines and "first=0" in lines and "second=126" in lines, proc
+    refused = [d for d in decisions if not d.allowed and d.request]
+    assert [(d.request.program, d.request.interpreter) for d in refused if d.request] == [
+        (str(script), "/usr/bin/id")
+    ]

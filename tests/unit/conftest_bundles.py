@@ -227,6 +227,23 @@ def violation(t: int, *reasons: str, killed: bool = True) -> dict[str, Any]:
     )
 
 
+def audit(t: int, program: str = "/usr/bin/git", argv: list[str] | None = None) -> dict[str, Any]:
+    """An exec an `audit` command rule matched (format.PolicyAudit)."""
+    return dict(
+        k="audit",
+        t=T0 + t,
+        pid=105,
+        program=program,
+        argv=argv or ["git", "push", "origin", "main"],
+        argv_truncated=False,
+        depth=2,
+        rule="commands.rules[1] (note-pushes)",
+        rule_index=1,
+        rule_name="note-pushes",
+        message="pushes are looked at",
+    )
+
+
 def records() -> list[dict[str, Any]]:
     """A small, realistic run: make -> sh -> cc, some files, one connect."""
     return [

@@ -39,6 +39,28 @@ def test_siphash_agrees_with_openssl(key: bytes, data: bytes) -> None:
     assert abi.siphash24(key, data).to_bytes(8, "little").hex().upper() == out.decode().strip()
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.binary(min_size=16, max_size=16),
+    st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\0", b"")), max_size=12),
+    st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)),
+    st.one_of(st.none(), st.tuples(st.binary(min_size=1, max_size=20), st.none() | st.binary(max_size=9))),
+)
+def test_the_supervisors_fast_pin_is_abis_reference(
+    key: bytes, argv: list[bytes], ident: tuple[int, int], script: tuple[bytes, bytes | None] | None
+) -> None:
+    """pin_exec hashes with siphashc (C); what it pins is what abi.exec_pin, the reference the BPF
+    program is tested against, pins for the same exec, hash and all."""
+    dev = os.makedev(ident[0] >> 20 & 0xFFF, ident[0] & 0xFFFFF)
+    if script is None:
+        want = abi.exec_pin(key, (dev, ident[1]), argv)
+        assert pin_exec(key, (dev, ident[1]), argv) == want
+    else:
+        kernel_argv = abi.script_argv(script[0], script[1], b"/s", argv)
+        want = abi.exec_pin(key, (dev, ident[1]), kernel_argv, script=True)
+        assert pin_exec(key, (dev, ident[1]), argv, script=(script[0], script[1], b"/s")) == want
+
+
 def test_a_shebang_splits_as_the_kernel_splits_it() -> None:
     assert shebang(b"#!/bin/sh\nexit 0\n") == (b"/bin/sh", None)
     assert shebang(b"#!  /usr/bin/env   -S python3 -u \t\nx") == (b"/usr/bin/env", b"-S python3 -u")

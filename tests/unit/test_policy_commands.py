@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from evidence.errors import PolicyError
 from evidence.policy.commands import (
     DECISION_PRIORITY,
+    Decider,
     ExecsSeen,
     NoticeLimiter,
     Specificity,
@@ -404,6 +405,29 @@ def test_decision_is_the_maximum_whatever_the_order(
     assert decide(_commands(extra, default), exe, argv, depth) == got
 
 
+@given(
+    st.lists(_RULE, max_size=6),
+    st.lists(st.tuples(_EXE, _ARGV, st.integers(0, 6), st.booleans()), min_size=1, max_size=12),
+    st.sampled_from(["allow", "deny"]),
+    st.integers(1, 3),
+)
+@settings(max_examples=300)
+def test_the_supervisors_cached_decider_answers_as_decide(
+    raw: list[dict[str, Any]],
+    execs: list[tuple[str, list[str], int, bool]],
+    default: str,
+    size: int,
+) -> None:
+    """Decider (what the exec supervisor calls: per program, the matching rules and argv-free
+    decisions kept) answers every exec of a sequence as decide does, repeats and evictions too."""
+    c = _commands([{**r, "name": f"r{i}"} for i, r in enumerate(raw)], default)
+    decider = Decider(c, size=size)
+    for exe, argv, depth, truncated in execs * 2:
+        assert decider(exe, argv, depth, truncated=truncated) == decide(
+            c, exe, argv, depth, truncated=truncated
+        )
+
+
 # ---------------------------------------------------------------------------------------------------
 # What the job is told
 
@@ -537,7 +561,8 @@ def test_profile_of_a_run_with_no_execs_denies_every_program(tmp_path: Any) -> N
 
 
 def test_a_script_is_decided_by_the_more_restrictive_of_itself_and_its_interpreter() -> None:
-    from evidence.agent.recorder.exec_supervisor import ExecRequest, decide_request
+    from evidence.agent.recorder.exec_resolve import ExecRequest
+    from evidence.agent.recorder.exec_supervisor import decide_request
 
     c = _commands(
         [
@@ -561,7 +586,7 @@ def test_a_script_is_decided_by_the_more_restrictive_of_itself_and_its_interpret
 
 
 def test_loader_payload_skips_the_loaders_options() -> None:
-    from evidence.agent.recorder.exec_supervisor import is_dynamic_loader, loader_payload
+    from evidence.agent.recorder.exec_resolve import is_dynamic_loader, loader_payload
 
     assert loader_payload(("ld.so", "/usr/bin/curl", "-s")) == "/usr/bin/curl"
     assert loader_payload(("ld.so", "--library-path", "/x", "--inhibit-cache", "curl")) == "curl"

@@ -20,6 +20,7 @@ from evidence.bundle import schemas
 from evidence.bundle.writer import write_bundle
 from tests.unit.conftest_bundles import (
     approval,
+    audit,
     change,
     connect,
     denial,
@@ -60,6 +61,7 @@ def test_writer_output_validates_and_parses_with_the_sdk(tmp_path: Path, detail:
         approval(8650, "denied", via="timeout", by_uid=None, reason="no answer in 60s"),
         limit(8660),
         violation(8670, "file", "args"),
+        audit(8680),
         change(8700, "rename", "/ws/a", "/ws/b"),
         change(8800, "chmod", "/ws/b", mode=0o600),
         dns(8900, "example.org", ["192.0.2.7"]),

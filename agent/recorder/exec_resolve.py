@@ -1,0 +1,544 @@
+"""What an exec would run, read from the caller and resolved as the kernel will (issue 24): the
+exec supervisor's (exec_supervisor.py) first step on each notification.
+
+`read_request` reads the path and argv from the caller's memory (process_vm_readv, a page at a
+time, each page read once per request; /proc/PID/mem when process_vm_readv is refused) and
+resolves what they name for the caller: relative to its cwd or to the execveat descriptor,
+`/proc/self/...` as the caller's own, symlinks resolved through the caller's root; a `#!` line's
+interpreter; the program the dynamic loader run as a program would load. It also says by whose
+identity the kernel's check (exec_check.py) will know the file: (st_dev, st_ino) of what the name
+leads to in the caller's own root and mount namespace (openat2 RESOLVE_IN_ROOT), and `foreign`
+when that is not the file the same name leads to here (a mount namespace or chroot of the job's
+own, a bind mount in it: the name says nothing of what runs).
+
+`proc_depth` is the caller's depth in the run's process tree (forks below the run's first
+process), from /proc's parent links.
+
+Everything here reads the caller while its notification is pending; the supervisor checks that it
+still is (SECCOMP_IOCTL_NOTIF_ID_VALID) before it acts on what was read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat
+import struct
+import threading
+from dataclasses import dataclass
+
+from evidence.agent.recorder.exec_check import shebang
+
+# The kernel ABI, x86_64
+NR_EXECVE = 59
+NR_EXECVEAT = 322
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+
+MAX_ARGC = 1000  # arguments read before the argv counts as truncated
+MAX_ARGV_BYTES = 65536
+PATH_MAX = 4096
+PAGE = 4096
+HEAD = 256  # bytes of a program read for its `#!` line (fs/binfmt_script.c: BINPRM_BUF_SIZE)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_libc.syscall.restype = ctypes.c_long
+_PTR = struct.Struct("=Q")
+
+
+def read_memory(pid: int, addr: int, size: int) -> bytes:
+    """Up to `size` bytes of the caller's memory at `addr` (fewer at the end of a mapping)."""
+    buf = ctypes.create_string_buffer(size)
+    local, remote = _IoVec(ctypes.cast(buf, ctypes.c_void_p), size), _IoVec(addr, size)
+    n = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if n > 0:
+        return buf.raw[:n]
+    # a range crossing into an unmapped page, or process_vm_readv refused: /proc/PID/mem reads
+    # what is there up to the first unreadable byte
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, size, addr)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+_PREFETCH = 2  # pages prefetched at once
+_local = threading.local()
+
+
+def _prefetch_buffers() -> tuple[ctypes.Array[ctypes.c_char], ctypes.Array[_IoVec], ctypes.Array[_IoVec]]:
+    """This thread's buffers for `CallerMemory.prefetch`, made once (a supervisor reads on one)."""
+    got = getattr(_local, "buffers", None)
+    if got is None:
+        buf = ctypes.create_string_buffer(PAGE * _PREFETCH)
+        local = (_IoVec * _PREFETCH)(
+            *(_IoVec(ctypes.addressof(buf) + i * PAGE, PAGE) for i in range(_PREFETCH))
+        )
+        got = _local.buffers = (buf, local, (_IoVec * _PREFETCH)())
+    return got
+
+
+class CallerMemory:
+    """One request's view of the caller's memory, read a whole page at a time and each page once
+    (a path, the argv array and its strings usually share one or two pages)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pages: dict[int, bytes] = {}
+
+    def prefetch(self, *addrs: int) -> None:
+        """Read the pages holding `addrs` in one process_vm_readv (what a request needs first: the
+        path's page and the argv array's); a page that cannot be read so is left to `page`."""
+        bases = sorted({a & ~(PAGE - 1) for a in addrs if a} - self._pages.keys())
+        if not bases or len(bases) > _PREFETCH:
+            return
+        n = len(bases)
+        buf, local, remote = _prefetch_buffers()
+        for i, b in enumerate(bases):
+            remote[i].base, remote[i].len = b, PAGE
+        got = _libc.process_vm_readv(self.pid, local, n, remote, n, 0)
+        if got <= 0:
+            return
+        raw = buf.raw
+        for i in range(got // PAGE):  # whole pages, in order, up to the first that failed
+            self._pages[bases[i]] = raw[i * PAGE : (i + 1) * PAGE]
+
+    def page(self, addr: int) -> bytes:
+        """The page holding `addr` (b"" when it cannot be read)."""
+        base = addr & ~(PAGE - 1)
+        got = self._pages.get(base)
+        if got is None:
+            got = self._pages[base] = read_memory(self.pid, base, PAGE)
+        return got
+
+    def string(self, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
+        """A NUL-terminated string, and whether it was cut at `limit`."""
+        parts: list[bytes] = []
+        got = 0
+        while got < limit:
+            at = addr + got
+            page = self.page(at)
+            off = at & (PAGE - 1)
+            if len(page) <= off:
+                raise OSError(errno.EFAULT, "bad address in the caller")
+            chunk = page[off : off + (limit - got)]
+            end = chunk.find(b"\0")
+            if end >= 0:
+                parts.append(chunk[:end])
+                return b"".join(parts), False
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts), True
+
+    def pointer(self, addr: int) -> int:
+        off = addr & (PAGE - 1)
+        page = self.page(addr)
+        if off + 8 <= len(page):
+            return int(_PTR.unpack_from(page, off)[0])
+        raw = page[off:] + self.page(addr + 8 - 1)[: off + 8 - PAGE]  # across two pages
+        if len(raw) != 8:
+            raise OSError(errno.EFAULT, "bad argv in the caller")
+        return int(_PTR.unpack(raw)[0])
+
+    def argv(self, addr: int) -> tuple[list[bytes], bool]:
+        """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC or
+        MAX_ARGV_BYTES."""
+        if addr == 0:
+            return [], False
+        argv: list[bytes] = []
+        total = 0
+        for i in range(MAX_ARGC + 1):
+            ptr = self.pointer(addr + 8 * i)
+            if ptr == 0:
+                return argv, False
+            if i == MAX_ARGC:
+                break
+            arg, cut = self.string(ptr, min(PATH_MAX * 32, MAX_ARGV_BYTES - total))
+            argv.append(arg)
+            total += len(arg) + 1
+            if cut or total >= MAX_ARGV_BYTES:
+                break
+        return argv, True
+
+
+def read_string(pid: int, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
+    """A NUL-terminated string of the caller's, and whether it was cut at `limit`."""
+    return CallerMemory(pid).string(addr, limit)
+
+
+def read_argv(pid: int, addr: int) -> tuple[list[bytes], bool]:
+    """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC/MAX_ARGV_BYTES."""
+    return CallerMemory(pid).argv(addr)
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """What an exec asks for, as the supervisor read and resolved it."""
+
+    pid: int
+    path: str  # as passed (decoded with surrogateescape)
+    program: str  # absolute, symlinks resolved in the caller's root
+    argv: tuple[str, ...]
+    truncated: bool
+    interpreter: str | None = None  # a `#!` script's interpreter, resolved likewise
+    # the caller's name leads to another file (or none) for it than `program` is here: a mount
+    # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
+    foreign: bool = False
+    loads: str | None = None  # the program the dynamic loader run as a program would load
+    # for the no-race check (exec_check.py): how the call named the file, the file it names for the
+    # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
+    # with the interpreter's identity
+    dirfd: int = AT_FDCWD
+    empty_path: bool = False
+    identity: tuple[int, int] | None = None
+    shebang: tuple[bytes, bytes | None] | None = None
+    interpreter_identity: tuple[int, int] | None = None
+
+
+_LDSO_WITH_ARG = frozenset(
+    (
+        "--library-path",
+        "--preload",
+        "--argv0",
+        "--audit",
+        "--inhibit-rpath",
+        "--glibc-hwcaps-prepend",
+        "--glibc-hwcaps-mask",
+    )
+)
+
+
+def is_dynamic_loader(program: str) -> bool:
+    name = program.rsplit("/", 1)[-1]
+    return name.startswith("ld-linux") or (name.startswith("ld-") and ".so" in name) or name == "ld.so"
+
+
+def loader_payload(argv: tuple[str, ...]) -> str | None:
+    """The program `ld.so [OPTIONS] PROGRAM [ARGS]` runs: the first argument after its options."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not arg.startswith("--"):
+            return arg
+        i += 2 if arg in _LDSO_WITH_ARG else 1
+    return None
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+def resolve(pid: int, path: str, dirfd: int, empty_path: bool, root: str | None = None) -> str:
+    """The absolute path, symlinks resolved, of what `path` names for the caller (`root`: its
+    /proc/PID/root, read when not given)."""
+    if empty_path and not path:
+        base = f"/proc/{pid}/fd/{dirfd}"
+        return os.readlink(base) if os.path.islink(base) else base
+    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
+        if path.startswith(own):
+            path = f"/proc/{pid}/" + path[len(own) :]
+    if not path.startswith("/"):
+        base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
+        path = os.path.join(os.readlink(base), path)
+    if root is None:
+        root = os.readlink(f"/proc/{pid}/root")
+    if root == "/":
+        return os.path.realpath(path)
+    return os.path.realpath(root + path)  # a caller in a chroot: its names, on this side
+
+
+_NR_OPENAT2 = 437
+_RESOLVE_IN_ROOT = 0x10
+_O_PATH = 0o10000000
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _openat2(dirfd: int, path: str, resolve: int) -> int:
+    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0, resolve)
+    fd = _libc.syscall(
+        _NR_OPENAT2,
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
+
+
+def _caller_path(pid: int, path: str) -> str:
+    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
+    /proc/TID/ is that thread's), not the supervisor's."""
+    for own in ("/proc/self/", "/proc/thread-self/"):
+        if path.startswith(own):
+            return f"/proc/{pid}/" + path[len(own) :]
+    return path
+
+
+def _open_for_caller(pid: int, path: str, dirfd: int) -> int:
+    """An O_PATH descriptor of the file `path` names for the caller, resolved in its own root and
+    mount namespace (openat2 RESOLVE_IN_ROOT from /proc/PID/root, or from its cwd or descriptor
+    for a relative name). Raises OSError when it names nothing."""
+    if path.startswith("/"):
+        base, how = f"/proc/{pid}/root", _RESOLVE_IN_ROOT
+    else:
+        base, how = (f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"), 0
+    dfd = os.open(base, _O_PATH | os.O_CLOEXEC)
+    try:
+        return _openat2(dfd, path, how)
+    finally:
+        os.close(dfd)
+
+
+def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file `path` names for the caller, resolved in its own root and mount
+    namespace; None when it names nothing."""
+    try:
+        if empty_path and not path:
+            st = os.stat(f"/proc/{pid}/fd/{dirfd}")
+            return st.st_dev, st.st_ino
+        fd = _open_for_caller(pid, path, dirfd)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
+
+
+_own_root: list[tuple[int, int]] = []
+
+
+_own_mntns: list[int] = []
+
+
+def _in_our_mount_namespace(pid: int) -> bool:
+    """Whether the caller's mount namespace is this process's: only then does a name it passes
+    lead where the same name leads here (a job can make a namespace of its own and bind another
+    program over an allowed one's name)."""
+    try:
+        if not _own_mntns:
+            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == _own_mntns[0]
+    except OSError:
+        return False
+
+
+def _our_root() -> tuple[int, int]:
+    """(st_dev, st_ino) of this process's root directory."""
+    if not _own_root:
+        st = os.stat("/")
+        _own_root.append((st.st_dev, st.st_ino))
+    return _own_root[0]
+
+
+def identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of `path` here, None when it names nothing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _head(pid: int, program: str) -> bytes:
+    """The first HEAD bytes of the program, read in the caller's root (b"": unreadable, or not a
+    regular file)."""
+    try:
+        fd = os.open(f"/proc/{pid}/root{program}", _O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return _head_of(fd)
+    finally:
+        os.close(fd)
+
+
+# (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> the file's head, for _head_of: a program
+# run again is not read again. A write changes the size or the times, but within one tick of the
+# kernel's coarse clock it may not: a head read before such a write could be stale, and then the
+# kernel's exec check (exec_check.py), which compares the file the kernel loads (a script's
+# interpreter, or the file itself) with the pin, kills the exec: stale is refused, never let run
+_HEADS: dict[tuple[int, int, int, int, int], bytes] = {}
+_HEADS_MAX = 4096
+
+
+def _head_of(fd: int, st: os.stat_result | None = None) -> bytes:
+    """The first HEAD bytes of the file an O_PATH descriptor names (`st`: its fstat, when taken;
+    b"": unreadable, or not a regular file: the job names what it likes, and opening a device or a
+    FIFO can act or block, so only a regular file is opened for reading, through the descriptor
+    that named it)."""
+    try:
+        if st is None:
+            st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return b""
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        head = _HEADS.get(key)
+        if head is not None:
+            return head
+        readable = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        head = os.read(readable, HEAD)
+    except OSError:
+        return b""
+    finally:
+        os.close(readable)
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[key] = head
+    return head
+
+
+def _interpreter(pid: int, head: bytes, root: str) -> str | None:
+    """A `#!` line's interpreter, resolved for the caller (the name the rules judge)."""
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    if not words:
+        return None
+    return resolve(pid, _decode(words[0]), AT_FDCWD, False, root)
+
+
+def _loads(pid: int, program: str, argv: tuple[str, ...], root: str) -> str | None:
+    if not is_dynamic_loader(program):
+        return None
+    payload = loader_payload(argv)
+    if payload is None:
+        return None
+    try:
+        return resolve(pid, payload, AT_FDCWD, False, root)
+    except OSError:
+        return payload  # a name that cannot be resolved is judged as written
+
+
+def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
+    """Read and resolve what the exec system call `nr` with arguments `args` of thread `pid` asks
+    for (raises OSError when it cannot be read)."""
+    if nr == NR_EXECVE:
+        dirfd, path_addr, argv_addr, flags = AT_FDCWD, args[0], args[1], 0
+    elif nr == NR_EXECVEAT:
+        dirfd = ctypes.c_int32(args[0] & 0xFFFFFFFF).value
+        path_addr, argv_addr, flags = args[1], args[2], args[4]
+    else:
+        raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
+    memory = CallerMemory(pid)
+    memory.prefetch(path_addr, argv_addr)
+    raw_path, cut = memory.string(path_addr)
+    if cut:
+        raise OSError(errno.ENAMETOOLONG, "path too long")
+    raw_argv, truncated = memory.argv(argv_addr)
+    path = _decode(raw_path)
+    argv = tuple(_decode(a) for a in raw_argv)
+    empty = bool(flags & AT_EMPTY_PATH)
+    root_fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(root_fd)
+        if (
+            (st.st_dev, st.st_ino) == _our_root()
+            and not (empty and not path)
+            and _in_our_mount_namespace(pid)
+        ):
+            # the usual caller: its root and mount namespace are ours, so the file the kernel's
+            # own walk reaches for it (openat2) is named by that walk (d_path: what realpath
+            # computes with a stat per component) and its head is read through the same descriptor
+            root = "/"
+            program, theirs, head = _resolve_as_ours(pid, path, dirfd, root_fd)
+        else:
+            root = os.readlink(f"/proc/{pid}/root")
+            program = resolve(pid, path, dirfd, empty, root)
+            theirs = caller_identity(pid, path, dirfd, empty)
+            head = _head(pid, program)
+    finally:
+        os.close(root_fd)
+    bang = shebang(head)
+    return ExecRequest(
+        pid=pid,
+        path=path,
+        program=program,
+        argv=argv,
+        truncated=truncated,
+        interpreter=_interpreter(pid, head, root),
+        foreign=theirs is None or theirs != identity(program),
+        loads=_loads(pid, program, argv, root),
+        dirfd=dirfd,
+        empty_path=empty,
+        identity=theirs,
+        shebang=bang,
+        interpreter_identity=caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
+    )
+
+
+def _resolve_as_ours(
+    pid: int, path: str, dirfd: int, root_fd: int
+) -> tuple[str, tuple[int, int] | None, bytes]:
+    """(program, the caller's identity of it, its head) for a caller whose root and mount namespace
+    are ours (`root_fd`: its /proc/PID/root), from one openat2 of the name (a plain walk, as the
+    kernel's for the caller: magic links such as /proc/PID/exe followed); a name that leads
+    nowhere is resolved as `resolve` does (it names no file: the supervisor fails it as the kernel
+    would)."""
+    name = _caller_path(pid, path)
+    try:
+        fd = _openat2(root_fd, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
+    except OSError:
+        return resolve(pid, path, dirfd, False, "/"), None, b""
+    try:
+        st = os.fstat(fd)
+        named = os.readlink(f"/proc/self/fd/{fd}")
+        if not named.startswith("/") or named.endswith(" (deleted)"):
+            named = resolve(pid, path, dirfd, False, "/")  # no name of its own: as written
+        return named, (st.st_dev, st.st_ino), _head_of(fd, st)
+    finally:
+        os.close(fd)
+
+
+def proc_depth(pid: int, root: int) -> int:
+    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
+    depth = 0
+    while pid != root:
+        try:
+            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+        try:
+            stat = os.read(fd, 1024)
+        except OSError:
+            return -1
+        finally:
+            os.close(fd)
+        pid = int(stat[stat.rindex(b")") + 2 :].split(maxsplit=2)[1])
+        depth += 1
+        if pid <= 1:
+            return -1
+    return depth
