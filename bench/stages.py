@@ -234,7 +234,9 @@ def main() -> int:
             print(f"  {label:<28}{cells}{sum(med.values()):10.2f}s  {sha}")
         first = runs[None][0]
         walls = statistics.median(r.get("compress_wall", 0.0) for r in runs[None])
-        print(f"  events.ndjson {first['events_mb']:.0f} MB, bundle {first['bundle_mb']:.1f} MB, compress wall {walls:.2f} s")
+        print(
+            f"  events.ndjson {first['events_mb']:.0f} MB, bundle {first['bundle_mb']:.1f} MB, compress wall {walls:.2f} s"
+        )
         if len({r["sha256"] for rs in runs.values() for r in rs}) != 1:
             print("  BUNDLES DIFFER between trees or runs")
             return 1

@@ -335,7 +335,7 @@ def test_a_bounded_writer_writes_the_same_bundle(tmp_path: Path, memory: int) ->
     """Past its memory budget, the writer puts the run id's sets on disk and streams a summary's
     events in a second pass: the run id and the bundle are byte for byte what an unbounded writer
     makes, for summary and full detail."""
-    from evidence.bundle import sink, writer
+    from evidence.bundle import writer
 
     recs = _flood(400)
     for detail in ("summary", "full"):
@@ -448,7 +448,7 @@ def test_full_detail_read_from_the_spools_lines_is_the_same_bundle(tmp_path: Pat
     """The recorder hands the writer the spool's lines too: a line that is the one before it but for
     the digits of its time is taken as a repeat unparsed (writer._marked_lines); any other line is
     parsed. The bundle is byte for byte the one written from the parsed records."""
-    from evidence.bundle import sink, writer
+    from evidence.bundle import writer
     from evidence.bundle.spool import read_spool_lines
 
     own = cb.T0 + 2000
