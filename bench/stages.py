@@ -7,8 +7,10 @@ workloads would send them:
 - decode: the one unpack per open that Recorder._process makes (OPEN_REC), over every record;
 - correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing);
 - spool: SpoolWriter.write_many (orjson lines, zstandard) and the run id's Behaviour it feeds;
-- write: write_bundle from that spool, its own thread (read the spool, make each event's line,
-  content hashes), the deflate thread's time left out;
+- make: the events' lines and content hashes made as the records are spooled (bundle/premade.py,
+  as Recorder.start sets it up for a full-detail run), while the job runs;
+- write: write_bundle at the run's end, its own thread (the premade lines with the run id put in,
+  the root hash), the deflate threads' time left out;
 - compress: what the writer's Deflater does to the events (sha256, CRC-32, deflate in chunks on
   its threads), timed on its own over the bundle's events.ndjson: the CPU of all its threads (its
   wall, on two cores, is printed beside).
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-STAGES = ("decode", "correlate", "spool", "write", "compress")
+STAGES = ("decode", "correlate", "spool", "make", "write", "compress")
 BATCH = 65536  # records per Recorder._process call (pipeline.COALESCE)
 CGID = 7
 
@@ -86,6 +88,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     from evidence.agent.recorder.correlate import Correlator
     from evidence.bundle import writer as _w
     from evidence.bundle.deflate import Deflater
+    from evidence.bundle.premade import Premade
     from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
     from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta
 
@@ -123,6 +126,16 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         started_ns=0,
         behaviour=behaviour,
     )
+    session.premade = Premade(work, session.labels, 1)
+    made = [0.0]
+    make = session.premade.add
+
+    def timed_make(records: Any) -> None:
+        t = time.thread_time()
+        make(records)
+        made[0] += time.thread_time() - t
+
+    spool.events = timed_make
     rec._sessions[1] = session
     spooled = [0.0]
     write_many = spool.write_many
@@ -139,7 +152,8 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     spool.close()
     total = time.thread_time() - t0
     del raws
-    out["spool"] = spooled[0]
+    out["make"] = made[0]
+    out["spool"] = spooled[0] - made[0]
     out["correlate"] = total - spooled[0] - out["decode"]
     assert session.records == n, (session.records, n)
 
@@ -165,6 +179,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         lambda: read_spool(spool.path),
         behaviour=behaviour,
         lines=lambda: read_spool_lines(spool.path),
+        premade=session.premade,
     )
     out["write"] = time.thread_time() - t0  # this thread's: the deflate thread's is compress's
     assert manifest["events"] == n + 2, manifest["events"]

@@ -84,7 +84,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 _CHUNK_ZEROS = _zeros_operator(CHUNK)  # a whole chunk's: one matrix product per chunk combined
 
 
-def _deflate(chunk: bytes, zdict: bytes | None, level: int) -> tuple[bytes, int]:
+def _deflate(chunk: bytes | memoryview, zdict: bytes | None, level: int) -> tuple[bytes, int]:
     """A chunk deflated (its preset dictionary `zdict`) and sync-flushed, and its CRC-32."""
     z = (
         zlib.compressobj(level, zlib.DEFLATED, _RAW)
@@ -112,21 +112,31 @@ class Deflater:
         self._zdict: bytes | None = None  # the end of the last chunk handed over
         self._flight: deque[tuple[int, Future[tuple[bytes, int]]]] = deque()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="evidence-deflate")
-        self._hashing: queue.Queue[bytes | None] = queue.Queue(maxsize=IN_FLIGHT)
+        self._hashing: queue.Queue[bytes | memoryview | None] = queue.Queue(maxsize=IN_FLIGHT)
         self._error: BaseException | None = None
         self._hasher = threading.Thread(target=self._hash, name="evidence-sha256", daemon=True)
         self._hasher.start()
         self._done = False
 
     def feed(self, data: bytes) -> None:
+        self._pending += len(data)
+        if not self._buf and len(data) >= CHUNK:  # whole chunks of it handed over as they are
+            view = memoryview(data)
+            whole = len(data) - len(data) % CHUNK
+            for i in range(0, whole, CHUNK):
+                self._hand_over(view[i : i + CHUNK])
+            if whole < len(data):
+                self._buf.append(data[whole:])
+                self._buffered = len(data) - whole
+            return
         self._buf.append(data)
         self._buffered += len(data)
-        self._pending += len(data)
         if self._buffered >= CHUNK:
             joined = b"".join(self._buf)
             whole = len(joined) - len(joined) % CHUNK
+            view = memoryview(joined)
             for i in range(0, whole, CHUNK):
-                self._hand_over(joined[i : i + CHUNK])
+                self._hand_over(view[i : i + CHUNK])
             self._buf = [joined[whole:]] if whole < len(joined) else []
             self._buffered = len(joined) - whole
 
@@ -167,13 +177,13 @@ class Deflater:
                 self._put_hash(None)
             self._hasher.join(timeout=5)
 
-    def _hand_over(self, chunk: bytes) -> None:
+    def _hand_over(self, chunk: bytes | memoryview) -> None:
         if self._error is not None:
             raise self._error
         while len(self._flight) >= IN_FLIGHT:
             self._write_oldest()
         self._flight.append((len(chunk), self._pool.submit(_deflate, chunk, self._zdict, self.level)))
-        self._zdict = chunk[-WINDOW:]
+        self._zdict = bytes(chunk[-WINDOW:])
         self._put_hash(chunk)
 
     def _write_oldest(self) -> None:
@@ -188,7 +198,7 @@ class Deflater:
         self.compressed += len(packed)
         self._pending -= n
 
-    def _put_hash(self, item: bytes | None) -> None:
+    def _put_hash(self, item: bytes | memoryview | None) -> None:
         while True:
             if self._error is not None:
                 raise self._error

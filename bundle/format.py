@@ -588,6 +588,11 @@ class RootHasher:
         if len(self._pending) >= self._BATCH:
             self._flush()
 
+    def add_lines(self, lines: bytes) -> None:
+        """add() of each hash of `lines`, given as they are hashed: each followed by a newline."""
+        self._flush()
+        self._h.update(lines)
+
     def _flush(self) -> None:
         if self._pending:
             self._pending.append("")

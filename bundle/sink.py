@@ -387,6 +387,7 @@ class FullWriter:
         self.state = _Repeats()
         self.batch: list[SpoolRecord | int] = []
         self.near_cap = False
+        self.largest = 0  # the most bytes of lines one batch took in
 
     def add(self, marked: Iterable[SpoolRecord | int]) -> None:
         sink = self.sink
@@ -401,9 +402,11 @@ class FullWriter:
                 self._take()
 
     def _take(self) -> None:
+        before = self.sink.size
         if self.near_cap or not self.sink._full_batch(self.batch, self.state):
             self.near_cap = True
             self.sink._full_each(self.batch, self.state, self.capped)
+        self.largest = max(self.largest, self.sink.size - before)
         self.batch.clear()
 
     def end(self) -> None:

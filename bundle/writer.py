@@ -33,7 +33,8 @@ from pydantic import Field
 
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
-from evidence.bundle.deflate import Deflater, write_tar_gz
+from evidence.bundle.deflate import CHUNK, IN_FLIGHT, Deflater, write_tar_gz
+from evidence.bundle.premade import PLACEHOLDER, Premade
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 
@@ -265,6 +266,7 @@ def write_bundle(
     signer: attestation.Signer | None = None,
     behaviour: Behaviour | None = None,
     lines: Lines | None = None,
+    premade: Premade | None = None,
 ) -> dict[str, Any]:
     """Write the bundle atomically (temp file + rename) and return its manifest. Records past the
     caps are counted by kind (`over_cap:<type>` in the manifest's lost), never silently dropped.
@@ -272,12 +274,21 @@ def write_bundle(
     attestation. `behaviour`: the run id's Behaviour, fed with every one of `records` as they were
     spooled (used only when made with the run's roots and not used before; else it is rebuilt).
     `lines`: the same records as the spool's lines (spool.read_spool_lines), which full detail
-    reads instead: a repeat of the line before it but for its time is not parsed."""
+    reads instead: a repeat of the line before it but for its time is not parsed. `premade`: full
+    detail's lines made as the run was recorded (bundle/premade.py), used when they hold (the same
+    bytes as made from the spool)."""
     out_path = Path(out_path)
     if behaviour is not None and (behaviour.closed or behaviour.roots != dict(meta.roots)):
         behaviour.close()
         behaviour = None
     with no_cycle_collection():
+        if premade is not None:
+            try:
+                return _write_bundle(out_path, meta, records, caps, signer, behaviour, lines, premade)
+            except _FromSpool:
+                logger.info("full detail's events near the compressed cap: made again from the spool")
+                premade.close()
+                behaviour = None  # made into the run id already: the spool's pass makes it again
         return _write_bundle(out_path, meta, records, caps, signer, behaviour, lines)
 
 
@@ -295,6 +306,32 @@ def no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+class _FromSpool(Exception):
+    """The premade lines cannot be used after all (near the compressed cap): made from the spool."""
+
+
+# what Deflater.compressed_bound adds at most to the bytes deflated: the chunks in flight and the
+# one being gathered, as they are, and its margins
+_IN_FLIGHT_BOUND = (IN_FLIGHT + 1) * CHUNK * 65 // 64 + 64 * (IN_FLIGHT + 1)
+_PREMADE_READ = 4 * CHUNK
+
+
+def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Premade, run_id: str) -> None:
+    """The premade lines, the run id in place of their placeholder, after the head events."""
+    rid = run_id.encode("ascii")
+    if len(rid) != len(PLACEHOLDER) or sink.seq != premade.head:  # pragma: no cover - usable() said so
+        raise _FromSpool
+    for piece in premade.lines.read(_PREMADE_READ):
+        sink.out.feed(piece.replace(PLACEHOLDER, rid))
+    for piece in premade.hashes.read(_PREMADE_READ):
+        root.add_lines(piece)
+    made = premade.sink
+    sink.size += made.size
+    sink.seq = made.seq
+    for etype, n in made.counts.items():
+        sink.counts[etype] = sink.counts.get(etype, 0) + n
+
+
 def _write_bundle(
     out_path: Path,
     meta: RunMeta,
@@ -303,9 +340,15 @@ def _write_bundle(
     signer: attestation.Signer | None,
     behaviour: Behaviour | None,
     lines: Lines | None,
+    premade: Premade | None = None,
 ) -> dict[str, Any]:
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
     run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour, lines=lines)
+    heads = list(_head(meta))
+    if premade is not None and not (
+        isinstance(body, _FullDetail) and premade.usable(meta.labels, len(heads), caps, signer is not None)
+    ):
+        premade = None
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
         deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
         try:
@@ -315,10 +358,12 @@ def _write_bundle(
                 from evidence.bundle import runtime_trace
 
                 sink.trace = runtime_trace.Trace()
-            for head in _head(meta):
+            for head in heads:
                 sink.emit(*head)
             capped: dict[str, int] = {}
-            if isinstance(body, _FullDetail):
+            if premade is not None:
+                _take_premade(sink, root, premade, run_id)
+            elif isinstance(body, _FullDetail):
                 sink.write_full(body.marked(), capped)
             else:
                 for event in body:
@@ -328,6 +373,14 @@ def _write_bundle(
             for end in _tail(meta, capped):
                 sink.emit(*end)
             events_sha = deflater.finish()
+            # the premade lines were made without the compressed cap: used if, made from the spool,
+            # they would not have reached it either (its estimate is at most the bytes deflated,
+            # the chunks in flight and a batch over them)
+            if premade is not None and (
+                deflater.compressed + _IN_FLIGHT_BOUND + premade.largest_batch() * 65 // 64 + 4096
+                > sink.caps.compressed
+            ):
+                raise _FromSpool
         except BaseException:
             deflater.abort()
             raise

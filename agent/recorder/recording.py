@@ -35,6 +35,7 @@ from evidence.agent.recorder.recovery import JOURNAL_SUFFIX
 from evidence.agent.recorder.session import Session, Spool
 from evidence.bundle.command import judge
 from evidence.bundle.format import Artifacts, Degradation
+from evidence.bundle.premade import Premade
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
 from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
@@ -172,6 +173,9 @@ class Recorder(Pipeline):
                     )
                 )
             session.degrade(*degradations)
+            if detail == "full":  # its events' lines made as its records come (a plain spool sees them all)
+                session.premade = Premade(self.spool_dir, session.labels, 1 + len(session.degradations))
+                raw.events = session.premade.add
             self.probes.track(session.cgroup_id, slot)
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
@@ -320,6 +324,7 @@ class Recorder(Pipeline):
         )
         spool_path = session.spool.path
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
+        premade, session.premade = session.premade, None  # the same: used once
         try:
             manifest = write_bundle(
                 bundle_path,
@@ -328,11 +333,15 @@ class Recorder(Pipeline):
                 signer=signer,
                 behaviour=behaviour,
                 lines=lambda: read_spool_lines(spool_path),
+                premade=premade,
             )
         except BaseException:
             # never lose what was recorded: the spool stays for a retry or for recovery
             logger.info("run %s: bundle not written; its records stay in %s", session.session_id, spool_path)
             raise
+        finally:
+            if premade is not None:
+                premade.close()
         spool_path.unlink(missing_ok=True)
         return manifest
 

@@ -1,4 +1,4 @@
-"""Full detail's writer makes events a batch at a time (bundle/writer.py: _EventSink.write_full): a job
+"""Full detail's writer makes events a batch at a time (bundle/sink.py: FullWriter, as the run goes: bundle/premade.py): a job
 running as nobody tries to make a batch come out unlike its events one by one, with names that look
 like the pieces the writer puts lines together from (an RFC 3339 time as a name, so that a repeat's
 data holds its own time twice; the spool's `","t":` marker; quotes, backslashes, control characters),
@@ -29,7 +29,7 @@ _JOB = textwrap.dedent(
     stamp = time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(secs))
     hostile = [
         f'{stamp}.{frac:09d}Z', f'"{stamp}.000000000Z"', '","t":1,', 'q"b\\s', 'ctl\x01\x1f\x7f',
-        '\u2028line', '{"data":', 'x' * 200,
+        '\u2028line', '{"data":', 'x' * 200, 'R' * 36, 'run-' + '0' * 32,
     ]
     opened = {}
     for i in range(3000):

@@ -1,0 +1,186 @@
+"""Full detail's event lines made while the run records, so that its end has little left to do.
+
+A full-detail bundle has one event per spooled record, in the spool's order, and an event's line
+depends on the record, its sequence number and the run's constants: its labels and its run id. The
+run id is known only when the run ends (it is made of everything the run did, bundle/run_id.py), and
+so is the number of events before the records' (run.started and the run's degradations). `Premade`
+is fed the records as the recorder spools them (SpoolWriter's `events`) and makes their lines as
+the writer would (bundle/sink.py's FullWriter: the same batches, the same caps), numbered from the
+count of head events known when the run started, with PLACEHOLDER where the run id goes. Their
+content hashes, which depend on neither, go to a second file. Both are temporary files beside the
+spool (bounded by the caps: at most Caps.decompressed bytes of lines).
+
+When the bundle is written (bundle/writer.py), the premade lines are used if what they assumed
+holds: the same labels, the same number of head events, no cap reached, not signed (a signed
+bundle's trace reads every event's data). The run id replaces PLACEHOLDER (36 NUL bytes, which no
+canonical JSON line holds: orjson escapes every control character) and the lines go to the Deflater
+as they are; else the writer makes the events from the spool, as it always did. Both give the same
+bytes (tests/unit/test_premade.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from evidence.bundle.record_types import SpoolRecord
+from evidence.bundle.sink import Caps, EventSink, FullWriter
+
+logger = logging.getLogger(__name__)
+
+RUN_ID_LENGTH = 36  # "run-" and 32 hex digits (run_id.Behaviour.run_id)
+PLACEHOLDER = b"\0" * RUN_ID_LENGTH
+_STANDIN = "R" * RUN_ID_LENGTH  # the run id the sink is made with, then replaced by PLACEHOLDER
+_OPEN_HEAD = b'{"k":"open","t":'  # a repeated open's spool line (agent/recorder/pipeline.py)
+_WRITE_AT = 1 << 20  # bytes of lines gathered before a write to the file
+
+
+class _File:
+    """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
+    content hashes, one hex digest and a newline each, as format.RootHasher takes them)."""
+
+    def __init__(self, tmp_dir: Path | None) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
+        self._buf: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size >= _WRITE_AT:
+            self.flush()
+
+    def compressed_bound(self) -> int:
+        """0: the compressed cap is checked on the real bytes when the bundle is written."""
+        return 0
+
+    def add(self, chash: str) -> None:
+        self.feed(chash.encode("ascii") + b"\n")
+
+    def add_many(self, chashes: list[str]) -> None:
+        chashes.append("")
+        self.feed("\n".join(chashes).encode("ascii"))
+        chashes.pop()
+
+    def flush(self) -> None:
+        if self._buf:
+            self.file.write(b"".join(self._buf))
+            self._buf.clear()
+            self._size = 0
+
+    def read(self, size: int) -> Iterator[bytes]:
+        """The file from its start, in pieces of about `size` bytes that end at a newline."""
+        self.flush()
+        self.file.seek(0)
+        rest = b""
+        while chunk := self.file.read(size):
+            if rest:
+                chunk = rest + chunk
+            end = chunk.rfind(b"\n") + 1
+            if end == len(chunk):  # (most pieces: no copy)
+                rest = b""
+                yield chunk
+                continue
+            rest = chunk[end:]
+            if end:
+                yield chunk[:end]
+        if rest:
+            yield rest
+
+    def close(self) -> None:
+        self._buf.clear()
+        self.file.close()
+
+
+class Premade:
+    """A full-detail run's event lines, made as its records are spooled (`add`)."""
+
+    def __init__(
+        self,
+        tmp_dir: Path | None,
+        labels: Mapping[str, str],
+        head: int,
+        caps: Caps | None = None,
+    ) -> None:
+        self.labels = dict(labels)
+        self.head = head  # events before the records' (run.started, degradations): their seq start
+        self.caps = caps or Caps()
+        self.lines = _File(tmp_dir)
+        self.hashes = _File(tmp_dir)
+        self.sink = EventSink(self.lines, _STANDIN, self.labels, self.caps, self.hashes)
+        standin = _STANDIN.encode()
+        self.sink._id = self.sink._id.replace(standin, PLACEHOLDER)
+        self.sink._runid = self.sink._runid.replace(standin, PLACEHOLDER)
+        self.sink._source = self.sink._source.replace(standin, PLACEHOLDER)
+        self.sink.seq = head
+        self.capped: dict[str, int] = {}
+        self._full = FullWriter(self.sink, self.capped)
+        self.failed = False
+        self.ended = False
+
+    def add(self, recs: Sequence[SpoolRecord | bytes]) -> None:
+        """Records as they are spooled, in order; an item that is bytes is a spool line that repeats
+        the record before it but for its time (agent/recorder/pipeline.py: a repeated open)."""
+        if self.failed or self.ended:
+            return
+        try:
+            self._full.add(_marked(recs))
+        except Exception:  # never in the way of the recording: the writer reads the spool instead
+            logger.exception("full detail's lines could not be made as the run went: made at its end")
+            self.fail()
+
+    def fail(self) -> None:
+        self.close()
+
+    def end(self) -> bool:
+        """No record comes after: write the last batch. Whether the lines can be used (no cap
+        reached, nothing failed)."""
+        if not self.failed and not self.ended:
+            self.ended = True
+            try:
+                self._full.end()
+                self.lines.flush()
+                self.hashes.flush()
+            except Exception:
+                logger.exception("full detail's last lines could not be made: made at the run's end")
+                self.fail()
+        return not self.failed and not self.capped
+
+    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
+        """Whether the lines are the bundle's: what they assumed holds (and end() said so)."""
+        return (
+            self.end()
+            and not signed
+            and dict(labels) == self.labels
+            and head == self.head
+            and (caps or Caps()) == self.caps
+        )
+
+    def largest_batch(self) -> int:
+        """The most bytes of lines one batch took in (the writer's margin on the compressed cap)."""
+        return self._full.largest
+
+    def close(self) -> None:
+        self.failed = True  # its files are gone: never used after
+        self.lines.close()
+        self.hashes.close()
+
+
+def _marked(recs: Sequence[SpoolRecord | bytes]) -> Iterator[SpoolRecord | int]:
+    """The records as FullWriter takes them: a repeated open's line as its time alone."""
+    head = len(_OPEN_HEAD)
+    for rec in recs:
+        if isinstance(rec, bytes):
+            comma = rec.find(b",", head)
+            digits = rec[head:comma]
+            if rec.startswith(_OPEN_HEAD) and comma > 0 and digits.isdigit():
+                yield int(digits)
+            else:  # pragma: no cover - the recorder spools no other line
+                yield orjson.loads(rec)
+        else:
+            yield rec
