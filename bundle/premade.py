@@ -153,13 +153,24 @@ class Premade:
 
     def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
         """Whether the lines are the bundle's: what they assumed holds (and end() said so)."""
-        return (
-            self.end()
-            and not signed
-            and dict(labels) == self.labels
-            and head == self.head
-            and (caps or Caps()) == self.caps
+        why = (
+            "it failed or reached a cap"
+            if not self.end()
+            else "signed"
+            if signed
+            else "its labels changed"
+            if dict(labels) != self.labels
+            else f"{head} events before its records, not {self.head}"
+            if head != self.head
+            else "other caps"
+            if (caps or Caps()) != self.caps
+            else None
         )
+        if why is not None:
+            logger.info(
+                "full detail's lines made as the run went are not used (%s): made from the spool", why
+            )
+        return why is None
 
     def largest_batch(self) -> int:
         """The most bytes of lines one batch took in (the writer's margin on the compressed cap)."""

@@ -11,8 +11,9 @@ no user names), gzip header mtime 0 and no file name, canonical JSON everywhere.
 (`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too. The
 bundle file itself is 0600 whatever the umask: it holds the run's argv, file names and peers.
 
-(Over 600 lines on purpose: one pass over the spool makes the events, their hashes, the manifest
-and the tar.gz together, in the order the bytes come out; the run id's sets are bundle/run_id.py's.)
+An event's line, its content hash and the caps are bundle/sink.py's; a full-detail run's lines
+may be made while it records (bundle/premade.py), and then this puts its run id in them; the run
+id's sets are bundle/run_id.py's; the tar.gz is bundle/deflate.py's.
 """
 
 from __future__ import annotations

@@ -222,8 +222,16 @@ class Recorder(Pipeline):
         # everything the kernel wrote for this run before untrack is now spooled, unless the consumer
         # is stuck: those records were written to the ring (no reservation failed, no loss counted)
         # and are not in the spool, so the bundle must say so
+        began = time.monotonic()
+        behind = self.queue_depth()
         drained = self.drain()
         finished_ns = time.time_ns()
+        logger.info(
+            "run %s: its records spooled %.2f s after its end (%d batches were waiting)",
+            session.session_id,
+            time.monotonic() - began,
+            behind,
+        )
         if not drained:
             session.degrade(
                 Degradation(
@@ -343,6 +351,9 @@ class Recorder(Pipeline):
             if premade is not None:
                 premade.close()
         spool_path.unlink(missing_ok=True)
+        logger.info(
+            "run %s: bundle written %.2f s after its end", session.session_id, time.monotonic() - began
+        )
         return manifest
 
     def _counted(
