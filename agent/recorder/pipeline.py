@@ -65,7 +65,7 @@ _CAPPED = ("open", "connect", "change", "dns")  # dns: plain records too (dns_pa
 _FIRST_FIELDS = {k: (*SUMMARY_KEYS[k], "k", "pid") for k in _CAPPED}
 _FIRST_FIELDS["connect"] += ("names", "other_names")  # ---- dns: what the run's DNS answers named the address
 
-DRAIN_SECONDS = 30  # how long finish waits for the consumer to spool what the kernel wrote
+DRAIN_SECONDS = 30  # how long finish waits for a consumer that finishes no batch (stuck) to spool the rest
 
 
 class _Spilled:
@@ -158,9 +158,17 @@ class Pipeline:
         ev = threading.Event()
         self._barriers.put(ev)
         self._ring.wake()
-        if not ev.wait(timeout=timeout):
-            logger.warning("drain timed out: the consumer is stuck")
-            return False
+        # a consumer that is behind but correlating (a flood) is waited for: `timeout` is how long
+        # it may go without finishing a batch
+        done = self.stats["batches"]
+        deadline = time.monotonic() + timeout
+        while not ev.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            if self.stats["batches"] != done:
+                done = self.stats["batches"]
+                deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                logger.warning("drain timed out: the consumer is stuck")
+                return False
         return True
 
     def _stop_pipeline(self) -> None:

@@ -236,7 +236,7 @@ class Recorder(Pipeline):
             session.degrade(
                 Degradation(
                     component="recorder",
-                    reason=f"the ring buffer's consumer did not drain the run's records within {DRAIN_SECONDS} s of its end",
+                    reason=f"the ring buffer's consumer finished no batch of records for {DRAIN_SECONDS} s after the run's end",
                     impact="records the kernel wrote for this run may be missing, and are not counted as lost",
                 )
             )

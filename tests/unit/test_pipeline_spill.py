@@ -75,3 +75,29 @@ def test_batches_past_the_memory_bound_go_to_disk_and_come_back_in_order(
     assert seen == want
     assert rec._spill.waiting == 0 and rec._held == 0
     assert max(spilled) > 0
+
+
+def test_a_consumer_behind_but_correlating_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drain's timeout is how long the consumer may go without finishing a batch: one behind on a
+    flood, finishing a batch every 0.2 s, is waited for past it (its records are the run's)."""
+    monkeypatch.setattr(pipeline, "COALESCE", 1)  # one batch at a time
+    seen: list[bytes] = []
+
+    def process(self: recording.Recorder, batch: list[bytes]) -> None:
+        self.stats["batches"] += 1
+        time.sleep(0.2)
+        seen.extend(batch)
+
+    monkeypatch.setattr(recording.Recorder, "_process", process)
+    batches = [[b"%d" % i] for i in range(15)]
+    ring = _Ring(list(batches))
+    rec = recording.Recorder(tmp_path / "spool", probes=_Probes(ring))  # type: ignore[arg-type]
+    try:
+        while ring.batches:
+            time.sleep(0.01)
+        assert rec.drain(timeout=1)  # about 3 s of batches, none longer than 1 s
+    finally:
+        rec.close()
+    assert seen == [r for b in batches for r in b]
