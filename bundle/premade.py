@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
@@ -107,32 +108,47 @@ class Premade:
         head: int,
         caps: Caps | None = None,
     ) -> None:
-        self.labels = dict(labels)
-        self.head = head  # events before the records' (run.started, degradations): their seq start
         self.caps = caps or Caps()
         self.lines = _File(tmp_dir)
         self.hashes = _File(tmp_dir)
+        self.capped: dict[str, int] = {}
+        self.failed = False
+        self.ended = False
+        self._lock = threading.Lock()  # add() on the correlator's thread, restart() on others
+        self._start(labels, head)
+
+    def _start(self, labels: Mapping[str, str], head: int) -> None:
+        self.labels = dict(labels)
+        self.head = head  # events before the records' (run.started, degradations): their seq start
         self.sink = EventSink(self.lines, _STANDIN, self.labels, self.caps, self.hashes)
         standin = _STANDIN.encode()
         self.sink._id = self.sink._id.replace(standin, PLACEHOLDER)
         self.sink._runid = self.sink._runid.replace(standin, PLACEHOLDER)
         self.sink._source = self.sink._source.replace(standin, PLACEHOLDER)
         self.sink.seq = head
-        self.capped: dict[str, int] = {}
         self._full = FullWriter(self.sink, self.capped)
-        self.failed = False
-        self.ended = False
+        self._made = False  # whether any record came
+
+    def restart(self, labels: Mapping[str, str], head: int) -> None:
+        """The run's labels or its head events changed (a degradation said, labels set): the
+        lines are made with them if no record came yet (the usual case: a run's set-up degrades
+        before its command runs); else the lines stay as they are, and the writer will not use them."""
+        with self._lock:
+            if not self._made and not self.failed and (dict(labels) != self.labels or head != self.head):
+                self._start(labels, head)
 
     def add(self, recs: Sequence[SpoolRecord | bytes]) -> None:
         """Records as they are spooled, in order; an item that is bytes is a spool line that repeats
         the record before it but for its time (agent/recorder/pipeline.py: a repeated open)."""
-        if self.failed or self.ended:
+        if self.failed or self.ended or not recs:
             return
-        try:
-            self._full.add(_marked(recs))
-        except Exception:  # never in the way of the recording: the writer reads the spool instead
-            logger.exception("full detail's lines could not be made as the run went: made at its end")
-            self.fail()
+        with self._lock:
+            self._made = True
+            try:
+                self._full.add(_marked(recs))
+            except Exception:  # never in the way of the recording: the writer reads the spool instead
+                logger.exception("full detail's lines could not be made as the run went: made at its end")
+                self.fail()
 
     def fail(self) -> None:
         self.close()

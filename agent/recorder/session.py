@@ -144,6 +144,8 @@ class Session:
     def degrade(self, *said: Degradation) -> None:
         """What the run could not record or enforce, in the order it was found."""
         self.degradations += said
+        if self.premade is not None:  # an event each before the records': their numbers move
+            self.premade.restart(self.labels, 1 + len(self.degradations))
 
     def enforce(
         self,
@@ -211,3 +213,5 @@ class Session:
 
     def update_labels(self, labels: Mapping[str, str]) -> None:
         self.labels.update(labels)
+        if self.premade is not None:  # every event carries them
+            self.premade.restart(self.labels, 1 + len(self.degradations))

@@ -154,3 +154,42 @@ def test_a_premade_never_stops_the_spool(tmp_path: Path) -> None:
     fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade)
     assert manifest["events"] == len(items) + 2
     assert fmt.FILE_OPEN in manifest["counts"]
+
+
+@pytest.mark.parametrize("when", ["before its records", "after its first records"])
+def test_a_degradation_or_labels_said_during_the_run(tmp_path: Path, when: str) -> None:
+    """Said before any record came (a run's set-up), the lines are made with them and used; said
+    after, the writer makes them from the spool. The same bytes either way."""
+    items = _items(2000, 5)
+    degradations = [{"component": "policy", "reason": "r", "impact": "i"}]
+    meta = cb.meta(detail="full", labels={"team": "a"}, degradations=degradations)
+    premade = Premade(tmp_path, {}, 1)
+    cut = 0 if when == "before its records" else 700
+    path = tmp_path / "s.spool.zst"
+    with SpoolWriter(path) as w:
+        w.events = premade.add
+        w.write_many(items[:cut])  # type: ignore[arg-type]
+        premade.restart({"team": "a"}, 2)  # what Session.degrade and update_labels call
+        w.write_many(items[cut:])  # type: ignore[arg-type]
+    assert premade.usable(meta.labels, 2, None, False) == (cut == 0)
+    fast, _ = _write(tmp_path, "fast.tar.gz", path, premade, meta=meta, reads=cut != 0)
+    slow, _ = _write(tmp_path, "slow.tar.gz", path, None, meta=meta)
+    assert fast == slow
+
+
+def test_a_session_restarts_its_premade_when_it_degrades(tmp_path: Path) -> None:
+    from evidence.agent.recorder.correlate import Correlator
+    from evidence.agent.recorder.session import Session
+    from evidence.bundle.format import Degradation
+
+    premade = Premade(tmp_path, {}, 1)
+    spool = SpoolWriter(tmp_path / "x.spool.zst")
+    session = Session(
+        slot=1, session_id="s", cgroup_path=tmp_path, cgroup_id=1, command=["x"], cwd="/",
+        detail="full", labels={}, spool=spool, correlator=Correlator(0), started_ns=0, premade=premade,
+    )  # fmt: skip
+    session.degrade(Degradation(component="dns", reason="r", impact="i"))
+    session.update_labels({"k": "v"})
+    assert (premade.head, premade.labels, premade.sink.seq) == (2, {"k": "v"}, 2)
+    spool.close()
+    premade.close()
