@@ -12,9 +12,9 @@ spool (bounded by the caps: at most Caps.decompressed bytes of lines).
 
 When the bundle is written (bundle/writer.py), the premade lines are used if what they assumed
 holds: the same labels, the same number of head events, no cap reached, not signed (a signed
-bundle's trace reads every event's data). The run id replaces PLACEHOLDER (36 NUL bytes, which no
-canonical JSON line holds: orjson escapes every control character) and the lines go to the Deflater
-as they are; else the writer makes the events from the spool, as it always did. Both give the same
+bundle's trace reads every event's data). The run id replaces PLACEHOLDER (bytes no canonical JSON
+line holds: orjson escapes every control character, and UTF-8 has no 0xff), by one translation of
+each piece, and the lines go to the Deflater as they are; else the writer makes the events from the spool, as it always did. Both give the same
 bytes (tests/unit/test_premade.py).
 """
 
@@ -34,8 +34,31 @@ from evidence.bundle.sink import Caps, EventSink, FullWriter
 
 logger = logging.getLogger(__name__)
 
-RUN_ID_LENGTH = 36  # "run-" and 32 hex digits (run_id.Behaviour.run_id)
-PLACEHOLDER = b"\0" * RUN_ID_LENGTH
+# Where a line's run id goes ("run-" and 32 hex digits: run_id.Behaviour.run_id): "run-" and 32
+# distinct bytes that no canonical JSON line holds (the control characters but the newline, which
+# orjson escapes, and 0xff, never in UTF-8), so that one bytes.translate puts the run's digits in:
+# byte k of the placeholder becomes digit k, every other byte stays (translation_for).
+_DIGITS = bytes(b for b in range(32) if b != 0x0A) + b"\xff"
+PLACEHOLDER = b"run-" + _DIGITS
+RUN_ID_LENGTH = len(PLACEHOLDER)
+
+
+def translation_for(run_id: str) -> bytes | None:
+    """The bytes.translate table that puts `run_id` in the placeholders; None for a run id of
+    another form."""
+    digits = run_id.removeprefix("run-").encode("ascii", "replace")
+    if (
+        not run_id.startswith("run-")
+        or len(digits) != len(_DIGITS)
+        or not all(c in b"0123456789abcdef" for c in digits)
+    ):
+        return None
+    table = bytearray(range(256))
+    for k, b in enumerate(_DIGITS):
+        table[b] = digits[k]
+    return bytes(table)
+
+
 _STANDIN = "R" * RUN_ID_LENGTH  # the run id the sink is made with, then replaced by PLACEHOLDER
 _OPEN_HEAD = b'{"k":"open","t":'  # a repeated open's spool line (agent/recorder/pipeline.py)
 _WRITE_AT = 1 << 20  # bytes of lines gathered before a write to the file
@@ -75,23 +98,11 @@ class _File:
             self._size = 0
 
     def read(self, size: int) -> Iterator[bytes]:
-        """The file from its start, in pieces of about `size` bytes that end at a newline."""
+        """The file from its start, in pieces of `size` bytes (the last: what is left)."""
         self.flush()
         self.file.seek(0)
-        rest = b""
         while chunk := self.file.read(size):
-            if rest:
-                chunk = rest + chunk
-            end = chunk.rfind(b"\n") + 1
-            if end == len(chunk):  # (most pieces: no copy)
-                rest = b""
-                yield chunk
-                continue
-            rest = chunk[end:]
-            if end:
-                yield chunk[:end]
-        if rest:
-            yield rest
+            yield chunk
 
     def close(self) -> None:
         self._buf.clear()

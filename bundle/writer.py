@@ -35,7 +35,7 @@ from pydantic import Field
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.deflate import CHUNK, IN_FLIGHT, Deflater, write_tar_gz
-from evidence.bundle.premade import PLACEHOLDER, Premade
+from evidence.bundle.premade import Premade, translation_for
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 
@@ -319,11 +319,11 @@ _PREMADE_READ = 4 * CHUNK
 
 def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Premade, run_id: str) -> None:
     """The premade lines, the run id in place of their placeholder, after the head events."""
-    rid = run_id.encode("ascii")
-    if len(rid) != len(PLACEHOLDER) or sink.seq != premade.head:  # pragma: no cover - usable() said so
+    table = translation_for(run_id)
+    if table is None or sink.seq != premade.head:  # pragma: no cover - run ids have one form
         raise _FromSpool
-    for piece in premade.lines.read(_PREMADE_READ):
-        sink.out.feed(piece.replace(PLACEHOLDER, rid))
+    for piece in premade.lines.read(_PREMADE_READ):  # whole chunks: handed to the deflater as they are
+        sink.out.feed(piece.translate(table))
     for piece in premade.hashes.read(_PREMADE_READ):
         root.add_lines(piece)
     made = premade.sink
