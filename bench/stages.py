@@ -179,7 +179,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         lambda: read_spool(spool.path),
         behaviour=behaviour,
         lines=lambda: read_spool_lines(spool.path),
-        premade=session.premade,
+        premade=session.premade.made(),
     )
     out["write"] = time.thread_time() - t0  # this thread's: the deflate thread's is compress's
     assert manifest["events"] == n + 2, manifest["events"]

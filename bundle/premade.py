@@ -20,12 +20,13 @@ bytes (tests/unit/test_premade.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 
@@ -68,8 +69,9 @@ class _File:
     """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
     content hashes, one hex digest and a newline each, as format.RootHasher takes them)."""
 
-    def __init__(self, tmp_dir: Path | None) -> None:
-        self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
+    def __init__(self, tmp_dir: Path | None, file: IO[bytes] | None = None) -> None:
+        # a new temporary file, or one given (the helper process's, by its descriptor: helper.py)
+        self.file: IO[bytes] = file or tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._buf: list[bytes] = []
         self._size = 0
 
@@ -109,6 +111,64 @@ class _File:
         self.file.close()
 
 
+@dataclasses.dataclass
+class Made:
+    """What a Premade made, for the writer: its lines and content hashes (files), the events'
+    size, next seq and counts, and what they assumed (`usable` checks it)."""
+
+    labels: dict[str, str]
+    head: int
+    caps: Caps
+    size: int
+    seq: int
+    counts: dict[str, int]
+    largest: int  # the most bytes of lines one batch took in (the writer's margin on the compressed cap)
+    ok: bool  # nothing failed, no cap reached
+    lines: _File
+    hashes: _File
+
+    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
+        """Whether the lines are the bundle's: what they assumed holds."""
+        why = (
+            "it failed or reached a cap"
+            if not self.ok
+            else "signed"
+            if signed
+            else "its labels changed"
+            if dict(labels) != self.labels
+            else f"{head} events before its records, not {self.head}"
+            if head != self.head
+            else "other caps"
+            if (caps or Caps()) != self.caps
+            else None
+        )
+        if why is not None:
+            logger.info(
+                "full detail's lines made as the run went are not used (%s): made from the spool", why
+            )
+        return why is None
+
+    def summary(self) -> dict[str, Any]:
+        """All but the files, as JSON values (the helper process's answer: helper.py)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("lines", "hashes")
+        }
+        out["caps"] = dataclasses.asdict(self.caps)
+        return out
+
+    @classmethod
+    def from_summary(cls, summary: Mapping[str, Any], lines: _File, hashes: _File) -> Made:
+        fields = dict(summary)
+        fields["caps"] = Caps(**fields["caps"])
+        return cls(**fields, lines=lines, hashes=hashes)
+
+    def close(self) -> None:
+        self.lines.close()
+        self.hashes.close()
+
+
 class Premade:
     """A full-detail run's event lines, made as its records are spooled (`add`)."""
 
@@ -118,10 +178,11 @@ class Premade:
         labels: Mapping[str, str],
         head: int,
         caps: Caps | None = None,
+        files: tuple[IO[bytes], IO[bytes]] | None = None,
     ) -> None:
         self.caps = caps or Caps()
-        self.lines = _File(tmp_dir)
-        self.hashes = _File(tmp_dir)
+        self.lines = _File(tmp_dir, files[0] if files else None)
+        self.hashes = _File(tmp_dir, files[1] if files else None)
         self.capped: dict[str, int] = {}
         self.failed = False
         self.ended = False
@@ -161,6 +222,18 @@ class Premade:
                 logger.exception("full detail's lines could not be made as the run went: made at its end")
                 self.fail()
 
+    def add_marked(self, items: list[SpoolRecord | int]) -> None:
+        """add() of records as FullWriter takes them (a repeat as its time alone: helper.py)."""
+        if self.failed or self.ended or not items:
+            return
+        with self._lock:
+            self._made = True
+            try:
+                self._full.add(items)
+            except Exception:
+                logger.exception("full detail's lines could not be made as the run went: made at its end")
+                self.fail()
+
     def fail(self) -> None:
         self.close()
 
@@ -178,30 +251,21 @@ class Premade:
                 self.fail()
         return not self.failed and not self.capped
 
-    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
-        """Whether the lines are the bundle's: what they assumed holds (and end() said so)."""
-        why = (
-            "it failed or reached a cap"
-            if not self.end()
-            else "signed"
-            if signed
-            else "its labels changed"
-            if dict(labels) != self.labels
-            else f"{head} events before its records, not {self.head}"
-            if head != self.head
-            else "other caps"
-            if (caps or Caps()) != self.caps
-            else None
+    def made(self) -> Made:
+        """What it made, for the writer (after end())."""
+        ok = self.end()
+        return Made(
+            self.labels,
+            self.head,
+            self.caps,
+            self.sink.size,
+            self.sink.seq,
+            dict(self.sink.counts),
+            self._full.largest,
+            ok,
+            self.lines,
+            self.hashes,
         )
-        if why is not None:
-            logger.info(
-                "full detail's lines made as the run went are not used (%s): made from the spool", why
-            )
-        return why is None
-
-    def largest_batch(self) -> int:
-        """The most bytes of lines one batch took in (the writer's margin on the compressed cap)."""
-        return self._full.largest
 
     def close(self) -> None:
         self.failed = True  # its files are gone: never used after

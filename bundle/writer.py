@@ -35,7 +35,7 @@ from pydantic import Field
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.deflate import CHUNK, IN_FLIGHT, Deflater, write_tar_gz
-from evidence.bundle.premade import Premade, translation_for
+from evidence.bundle.premade import Made, translation_for
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 
@@ -267,7 +267,7 @@ def write_bundle(
     signer: attestation.Signer | None = None,
     behaviour: Behaviour | None = None,
     lines: Lines | None = None,
-    premade: Premade | None = None,
+    premade: Made | None = None,
 ) -> dict[str, Any]:
     """Write the bundle atomically (temp file + rename) and return its manifest. Records past the
     caps are counted by kind (`over_cap:<type>` in the manifest's lost), never silently dropped.
@@ -317,7 +317,7 @@ _IN_FLIGHT_BOUND = (IN_FLIGHT + 1) * CHUNK * 65 // 64 + 64 * (IN_FLIGHT + 1)
 _PREMADE_READ = 4 * CHUNK
 
 
-def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Premade, run_id: str) -> None:
+def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Made, run_id: str) -> None:
     """The premade lines, the run id in place of their placeholder, after the head events."""
     table = translation_for(run_id)
     if table is None or sink.seq != premade.head:  # pragma: no cover - run ids have one form
@@ -326,10 +326,9 @@ def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Premade, run_
         sink.out.feed(piece.translate(table))
     for piece in premade.hashes.read(_PREMADE_READ):
         root.add_lines(piece)
-    made = premade.sink
-    sink.size += made.size
-    sink.seq = made.seq
-    for etype, n in made.counts.items():
+    sink.size += premade.size
+    sink.seq = premade.seq
+    for etype, n in premade.counts.items():
         sink.counts[etype] = sink.counts.get(etype, 0) + n
 
 
@@ -341,7 +340,7 @@ def _write_bundle(
     signer: attestation.Signer | None,
     behaviour: Behaviour | None,
     lines: Lines | None,
-    premade: Premade | None = None,
+    premade: Made | None = None,
 ) -> dict[str, Any]:
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
     run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour, lines=lines)
@@ -378,7 +377,7 @@ def _write_bundle(
             # they would not have reached it either (its estimate is at most the bytes deflated,
             # the chunks in flight and a batch over them)
             if premade is not None and (
-                deflater.compressed + _IN_FLIGHT_BOUND + premade.largest_batch() * 65 // 64 + 4096
+                deflater.compressed + _IN_FLIGHT_BOUND + premade.largest * 65 // 64 + 4096
                 > sink.caps.compressed
             ):
                 raise _FromSpool

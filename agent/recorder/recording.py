@@ -332,7 +332,8 @@ class Recorder(Pipeline):
         )
         spool_path = session.spool.path
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
-        premade, session.premade = session.premade, None  # the same: used once
+        premade = session.premade.made() if session.premade is not None else None  # used once
+        session.premade = None
         try:
             manifest = write_bundle(
                 bundle_path,

@@ -76,7 +76,7 @@ def _write(tmp: Path, name: str, spool: Path, premade: Premade | None, **over: A
         (lambda: read_spool(spool)) if reads else _never,
         behaviour=behaviour,
         lines=(lambda: read_spool_lines(spool)) if reads else _never,
-        premade=premade,
+        premade=premade.made() if premade is not None else None,
         **over,
     )
     return out.read_bytes(), manifest
@@ -177,7 +177,7 @@ def test_a_degradation_or_labels_said_during_the_run(tmp_path: Path, when: str) 
         w.write_many(items[:cut])  # type: ignore[arg-type]
         premade.restart({"team": "a"}, 2)  # what Session.degrade and update_labels call
         w.write_many(items[cut:])  # type: ignore[arg-type]
-    assert premade.usable(meta.labels, 2, None, False) == (cut == 0)
+    assert premade.made().usable(meta.labels, 2, None, False) == (cut == 0)
     fast, _ = _write(tmp_path, "fast.tar.gz", path, premade, meta=meta, reads=cut != 0)
     slow, _ = _write(tmp_path, "slow.tar.gz", path, None, meta=meta)
     assert fast == slow
