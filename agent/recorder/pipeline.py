@@ -376,7 +376,9 @@ class Pipeline:
                         nlink=nlink,
                     )
                     if len(recs) == 1 and not flags & dec.F_STATE:
-                        last_tail, last_rec, last_line = tail, recs[0].copy(), None
+                        # (not copied: nothing changes a record before this batch is spooled, and a
+                        # repeat copies it or reads it)
+                        last_tail, last_rec, last_line = tail, recs[0], None
                     else:
                         last_tail = b""
                 if flags & dec.F_FIRST:
