@@ -6,6 +6,7 @@ spool or as the recorder spools them (`Premade`, bundle/premade.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 from collections.abc import Iterable
@@ -237,10 +238,8 @@ class EventSink:
         before = (state.prev, state.split, state.tried)
         seq = self.seq
         lines: list[bytes] = []
-        hashes: list[str] = []
-        counts: dict[str, int] = {}
-        size = longest = 0
-        base = self._sha
+        cores: list[bytes] = []  # what each content hash is taken over
+        etypes: list[str] = []
         format_time = fmt.format_time
         join = b"".join
         id_, runid = self._id, self._runid
@@ -250,6 +249,8 @@ class EventSink:
         core_mid = self._core_mid
         open_type = self._type(fmt.FILE_OPEN)
         open_end = b'"' + open_type + b"\n"
+        second = -1  # the last time's second, and its text (format_time's, without a call each)
+        text = ""
         for item in items:
             if item.__class__ is int:
                 t = item
@@ -258,16 +259,21 @@ class EventSink:
                     split, tried = self._prepare(prev), True
                 if split is not None:
                     etype, parts, after_seq, end, core_end = split
-                    time = format_time(t).encode()
+                    if t // 1_000_000_000 != second:
+                        second = t // 1_000_000_000
+                        text = format_time(second * 1_000_000_000)[:-11]
+                    time = ("%s.%09dZ" % (text, t % 1_000_000_000)).encode()
                     d = (b'"' + time + b'"').join(parts)
                     digits = b"%d" % seq
-                    line = join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end))
-                    core = join((b'{"data":', d, core_end))
+                    lines.append(join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end)))
+                    cores.append(join((b'{"data":', d, core_end)))
                 else:
                     rec = prev.copy()
                     rec["t"] = t
                     etype, subject, t_ns, data = to_event(rec)
                     line, core = self._line(etype, subject, t_ns, data, seq)
+                    lines.append(line)
+                    cores.append(core)
             else:
                 rec = prev = cast(SpoolRecord, item)
                 split, tried = None, False
@@ -277,35 +283,43 @@ class EventSink:
                     # the event's time too: formatted once)
                     data = cast("dict[str, Any]", rec.copy())
                     del data["k"], data["t"]
-                    when = format_time(rec["t"])
+                    t = rec["t"]
+                    if t // 1_000_000_000 != second:
+                        second = t // 1_000_000_000
+                        text = format_time(second * 1_000_000_000)[:-11]
+                    when = "%s.%09dZ" % (text, t % 1_000_000_000)
                     data["count"] = 1
                     data["first_time"] = data["last_time"] = when
                     d = dumps(data)
                     path = rec["path"]
                     if path is not self._subject:
-                        self._subject_json = dumps(path)
+                        # the path's JSON is in the data's already, between its key and the next
+                        # (",\"path\":" and ",\"pid\":" are never inside a JSON string: a quote there
+                        # follows a backslash)
+                        at = d.find(b',"path":')
+                        to = d.find(b',"pid":', at)
+                        self._subject_json = d[at + 8 : to] if at > 0 and to > 0 else dumps(path)
                         self._subject = path
                     s = self._subject_json
                     digits = b"%d" % seq
                     etype = fmt.FILE_OPEN
-                    line = join(
-                        (b'{"data":', d, id_, digits, runid, digits, after_source, s,
-                         b',"time":"', when.encode(), open_end)
+                    lines.append(
+                        join(
+                            (b'{"data":', d, id_, digits, runid, digits, after_source, s,
+                             b',"time":"', when.encode(), open_end)
+                        )
                     )  # fmt: skip
-                    core = join((b'{"data":', d, core_mid, s, open_type))
+                    cores.append(join((b'{"data":', d, core_mid, s, open_type)))
                 else:
                     etype, subject, t_ns, data = to_event(rec)
                     line, core = self._line(etype, subject, t_ns, data, seq)
-            n = len(line)
-            if n > longest:
-                longest = n
-            size += n
-            h = base.copy()
-            h.update(core)
-            hashes.append(h.hexdigest())
-            lines.append(line)
-            counts[etype] = counts.get(etype, 0) + 1
+                    lines.append(line)
+                    cores.append(core)
+            etypes.append(etype)
             seq += 1
+        sizes = list(map(len, lines))
+        size = sum(sizes)
+        longest = max(sizes, default=0)
         caps = self.caps
         if (
             longest > caps.line
@@ -317,11 +331,12 @@ class EventSink:
             state.prev, state.split, state.tried = before
             return False
         state.prev, state.split, state.tried = prev, split, tried
-        self.root.add_many(hashes)
+        sha256 = hashlib.sha256
+        self.root.add_many([sha256(core).hexdigest() for core in cores])
         self.out.feed(join(lines))
         self.size += size
         self.seq = seq
-        for etype, n in counts.items():
+        for etype, n in collections.Counter(etypes).items():
             self.counts[etype] = self.counts.get(etype, 0) + n
         return True
 
