@@ -262,7 +262,7 @@ class EventSink:
                     if t // 1_000_000_000 != second:
                         second = t // 1_000_000_000
                         text = format_time(second * 1_000_000_000)[:-11]
-                    time = ("%s.%09dZ" % (text, t % 1_000_000_000)).encode()
+                    time = f"{text}.{t % 1_000_000_000:09d}Z".encode()
                     d = (b'"' + time + b'"').join(parts)
                     digits = b"%d" % seq
                     lines.append(join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end)))
@@ -287,7 +287,7 @@ class EventSink:
                     if t // 1_000_000_000 != second:
                         second = t // 1_000_000_000
                         text = format_time(second * 1_000_000_000)[:-11]
-                    when = "%s.%09dZ" % (text, t % 1_000_000_000)
+                    when = f"{text}.{t % 1_000_000_000:09d}Z"
                     data["count"] = 1
                     data["first_time"] = data["last_time"] = when
                     d = dumps(data)
