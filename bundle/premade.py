@@ -14,8 +14,8 @@ When the bundle is written (bundle/writer.py), the premade lines are used if wha
 holds: the same labels, the same number of head events, no cap reached, not signed (a signed
 bundle's trace reads every event's data). The run id replaces PLACEHOLDER (bytes no canonical JSON
 line holds: orjson escapes every control character, and UTF-8 has no 0xff), by one translation of
-each piece, and the lines go to the Deflater as they are; else the writer makes the events from the spool, as it always did. Both give the same
-bytes (tests/unit/test_premade.py).
+each piece, and the lines go to the Deflater as they are; else the writer makes the events from the
+spool, as it always did. Both give the same bytes (tests/unit/test_premade.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import orjson
 
@@ -69,9 +69,8 @@ class _File:
     """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
     content hashes, one hex digest and a newline each, as format.RootHasher takes them)."""
 
-    def __init__(self, tmp_dir: Path | None, file: IO[bytes] | None = None) -> None:
-        # a new temporary file, or one given (the helper process's, by its descriptor: helper.py)
-        self.file: IO[bytes] = file or tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
+    def __init__(self, tmp_dir: Path | None) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._buf: list[bytes] = []
         self._size = 0
 
@@ -148,22 +147,6 @@ class Made:
             )
         return why is None
 
-    def summary(self) -> dict[str, Any]:
-        """All but the files, as JSON values (the helper process's answer: helper.py)."""
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("lines", "hashes")
-        }
-        out["caps"] = dataclasses.asdict(self.caps)
-        return out
-
-    @classmethod
-    def from_summary(cls, summary: Mapping[str, Any], lines: _File, hashes: _File) -> Made:
-        fields = dict(summary)
-        fields["caps"] = Caps(**fields["caps"])
-        return cls(**fields, lines=lines, hashes=hashes)
-
     def close(self) -> None:
         self.lines.close()
         self.hashes.close()
@@ -178,11 +161,10 @@ class Premade:
         labels: Mapping[str, str],
         head: int,
         caps: Caps | None = None,
-        files: tuple[IO[bytes], IO[bytes]] | None = None,
     ) -> None:
         self.caps = caps or Caps()
-        self.lines = _File(tmp_dir, files[0] if files else None)
-        self.hashes = _File(tmp_dir, files[1] if files else None)
+        self.lines = _File(tmp_dir)
+        self.hashes = _File(tmp_dir)
         self.capped: dict[str, int] = {}
         self.failed = False
         self.ended = False
@@ -219,18 +201,6 @@ class Premade:
             try:
                 self._full.add(_marked(recs))
             except Exception:  # never in the way of the recording: the writer reads the spool instead
-                logger.exception("full detail's lines could not be made as the run went: made at its end")
-                self.fail()
-
-    def add_marked(self, items: list[SpoolRecord | int]) -> None:
-        """add() of records as FullWriter takes them (a repeat as its time alone: helper.py)."""
-        if self.failed or self.ended or not items:
-            return
-        with self._lock:
-            self._made = True
-            try:
-                self._full.add(items)
-            except Exception:
                 logger.exception("full detail's lines could not be made as the run went: made at its end")
                 self.fail()
 
