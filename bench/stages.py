@@ -45,7 +45,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STAGES = ("decode", "correlate", "spool", "make", "write", "compress")
-BATCH = 65536  # records per Recorder._process call (pipeline.COALESCE)
+BATCH = 16384  # records per Recorder._process call (pipeline.COALESCE)
 CGID = 7
 
 
