@@ -89,6 +89,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     from evidence.agent.recorder.correlate import Correlator
     from evidence.bundle import writer as _w
     from evidence.bundle.deflate import Deflater
+
     try:  # (a tree from before premade lines: its writer makes them at the end, no make stage)
         from evidence.bundle.premade import Premade
     except ImportError:
