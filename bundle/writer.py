@@ -350,7 +350,7 @@ def _write_bundle(
     ):
         premade = None
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
-        deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
+        deflater = Deflater(deflated)  # the events, deflated on threads of their own as they come
         try:
             root = fmt.RootHasher()
             sink = _EventSink(deflater, run_id, meta.labels, caps, root)
