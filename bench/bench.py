@@ -171,6 +171,10 @@ class Row:
         return (self.wall - self.start) / self.base
 
     @property
+    def tail_per_m(self) -> float:  # the tail per million events in the bundle
+        return self.tail / max(self.events, 1) * 1e6
+
+    @property
     def rss_mb(self) -> float:
         return self.rss / 1024
 
@@ -899,6 +903,10 @@ def print_targets(
             detail = f"untraced {r.base_rss / 1024:.0f} MB"
         elif value == "tail":
             detail = f"run {r.wall:.2f} s, untraced {r.base:.2f} s"
+        elif value == "tail_per_m":
+            detail = (
+                f"tail {r.tail:.2f} s for {r.events:,} events; run {r.wall:.2f} s, untraced {r.base:.2f} s"
+            )
         else:
             detail = f"{r.events} events"
         targets.append((what, float(getattr(r, value)), limit, unit, detail))
@@ -914,6 +922,13 @@ def print_targets(
     add("2 x 1M distinct, summary: whole / untraced", "distinct", "whole", 2.0, "x")
     add("2 x 1M distinct, summary: peak RSS of `evidence run`", "distinct", "rss_mb", 400, " MB")
     add("1M opens of 10 paths, summary: tail", "open10", "tail", 0.3, " s")
+    # issue 27: full detail at the kernel's pace (the tail per million events, whatever their names)
+    add("1M one path, --detail full: tail per 1M events", "open1m-full", "tail_per_m", 1.0, " s")
+    add("1M one path, --detail full: peak RSS of `evidence run`", "open1m-full", "rss_mb", 300, " MB")
+    add("2 x 1M distinct, full: tail per 1M events", "distinct-full", "tail_per_m", 1.0, " s")
+    add("2 x 1M distinct, full: peak RSS of `evidence run`", "distinct-full", "rss_mb", 300, " MB")
+    add("2 x 1M distinct, full: whole / untraced", "distinct-full", "whole", 5.0, "x")
+    add("2 x 1M distinct, full: events lost (every operation kept)", "distinct-full", "lost", 0, "")
     targets.append(
         (
             "standalone `evidence run -- true`, median",
@@ -924,7 +939,7 @@ def print_targets(
         )
     )
     targets.append(("`evidence run --agent SOCK -- true`, median", true_agent, 0.2, " s", "the client alone"))
-    print(f"\ntargets (issue 9; {'--quick: small N, not the targets' if quick else 'this run'}):")
+    print(f"\ntargets (issues 9 and 27; {'--quick: small N, not the targets' if quick else 'this run'}):")
     for what, got, limit, unit, detail in targets:
         if got is None:
             print(f"  ---- {what}: not measured ({detail})")

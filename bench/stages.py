@@ -7,10 +7,13 @@ workloads would send them:
 - decode: the one unpack per open that Recorder._process makes (OPEN_REC), over every record;
 - correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing);
 - spool: SpoolWriter.write_many (orjson lines, zstandard) and the run id's Behaviour it feeds;
-- write: write_bundle from that spool, its own thread (read the spool, make each event's line,
-  content hashes), the deflate thread's time left out;
-- compress: what the deflate thread does to the events (sha256, CRC-32, deflate at level 6),
-  timed on its own over the bundle's events.ndjson.
+- make: the events' lines and content hashes made as the records are spooled (bundle/premade.py,
+  as Recorder.start sets it up for a full-detail run), while the job runs;
+- write: write_bundle at the run's end, its own thread (the premade lines with the run id put in,
+  the root hash), the deflate threads' time left out;
+- compress: what the writer's Deflater does to the events (sha256, CRC-32, deflate in chunks on
+  its threads), timed on its own over the bundle's events.ndjson: the CPU of all its threads (its
+  wall, on two cores, is printed beside).
 Cases: `one`, N opens of one path (bench.py's open1m-full); `distinct`, N opens of distinct paths
 that do not exist, from two processes interleaved (bench.py's distinct-full makes 2 x N). Times are CPU times (time.thread_time for the thread doing the stage), not walls, so that the
 figures hold on a shared machine; each stage is also given as a share of the whole.
@@ -18,7 +21,8 @@ figures hold on a shared machine; each stage is also given as a share of the who
 Side by side: `--tree DIR` (repeatable) runs the same stages over another checkout's code (a
 `git worktree` of another commit: its `evidence` package, imported from DIR), interleaved with this
 one's in one run, `--repeat` times each, and prints the medians. The bundles of the same case must
-be byte-identical across trees (their sha256 is compared and printed).
+be byte-identical across runs of a tree, and their events.ndjson across trees (a tree from before
+the level-1 chunked deflate compresses the same events to other bytes).
 
     .venv/bin/python bench/stages.py [--n 1000000] [--cases one,distinct] [--repeat 3] [--tree DIR]
 """
@@ -34,15 +38,15 @@ import struct
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-STAGES = ("decode", "correlate", "spool", "write", "compress")
-BATCH = 65536  # records per Recorder._process call (pipeline.COALESCE)
+STAGES = ("decode", "correlate", "spool", "make", "write", "compress")
+BATCH = 16384  # records per Recorder._process call (pipeline.COALESCE)
 CGID = 7
 
 
@@ -84,6 +88,12 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     from evidence.agent.recorder import recording
     from evidence.agent.recorder.correlate import Correlator
     from evidence.bundle import writer as _w
+    from evidence.bundle.deflate import Deflater
+
+    try:  # (a tree from before premade lines: its writer makes them at the end, no make stage)
+        from evidence.bundle.premade import Premade
+    except ImportError:
+        Premade = None
     from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
     from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta
 
@@ -121,6 +131,17 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         started_ns=0,
         behaviour=behaviour,
     )
+    premade = None if Premade is None else Premade(work, session.labels, 1)
+    made = [0.0]
+    if premade is not None:
+        make = premade.add
+
+        def timed_make(records: Any) -> None:
+            t = time.thread_time()
+            make(records)
+            made[0] += time.thread_time() - t
+
+        spool.events = timed_make
     rec._sessions[1] = session
     spooled = [0.0]
     write_many = spool.write_many
@@ -137,7 +158,8 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     spool.close()
     total = time.thread_time() - t0
     del raws
-    out["spool"] = spooled[0]
+    out["make"] = made[0]
+    out["spool"] = spooled[0] - made[0]
     out["correlate"] = total - spooled[0] - out["decode"]
     assert session.records == n, (session.records, n)
 
@@ -163,6 +185,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         lambda: read_spool(spool.path),
         behaviour=behaviour,
         lines=lambda: read_spool_lines(spool.path),
+        **({} if premade is None else {"premade": premade.made()}),
     )
     out["write"] = time.thread_time() - t0  # this thread's: the deflate thread's is compress's
     assert manifest["events"] == n + 2, manifest["events"]
@@ -172,17 +195,17 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         member = tar.extractfile("events.ndjson")
         assert member is not None
         events = member.read()
-    t0 = time.thread_time()
-    z = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
-    sha = hashlib.sha256()
-    crc = 0
-    for i in range(0, len(events), 1 << 20):
-        chunk = events[i : i + (1 << 20)]
-        sha.update(chunk)
-        crc = zlib.crc32(chunk, crc)
-        z.compress(chunk)
-    z.flush(zlib.Z_SYNC_FLUSH)
-    out["compress"] = time.thread_time() - t0
+    # the writer's Deflater over the same bytes, fed as the writer feeds it: CPU of every thread
+    # (the deflating pool and the sha256 thread: time.process_time), and its wall beside it
+    t0, w0 = time.process_time(), time.monotonic()
+    with tempfile.TemporaryFile(dir=work) as deflated:
+        deflater = Deflater(deflated)
+        for i in range(0, len(events), 1 << 16):
+            deflater.feed(events[i : i + (1 << 16)])
+        deflater.finish()
+    out["compress"] = time.process_time() - t0
+    out["compress_wall"] = time.monotonic() - w0
+    out["events_sha256"] = hashlib.sha256(events).hexdigest()  # what trees must agree on
     out["events_mb"] = len(events) / 1e6
     out["bundle_mb"] = bundle.stat().st_size / 1e6
     bundle.unlink()
@@ -227,14 +250,23 @@ def main() -> int:
         for tree in trees:
             med = {s: statistics.median(r[s] for r in runs[tree]) for s in STAGES}
             label = (runs[tree][0]["tree"] if tree else "this tree")[-28:]
-            cells = "".join(f"{med[s]:7.2f} {args.n / max(med[s], 1e-9) / 1e3:7.0f}k " for s in STAGES)
+            cells = "".join(
+                f"{med[s]:7.2f} {args.n / med[s] / 1e3:7.0f}k " if med[s] else f"{'-':>7} {'-':>8} "
+                for s in STAGES
+            )
             shas = {r["sha256"] for r in runs[tree]}
             sha = next(iter(shas))[:16] if len(shas) == 1 else "DIFFERS BETWEEN RUNS"
             print(f"  {label:<28}{cells}{sum(med.values()):10.2f}s  {sha}")
         first = runs[None][0]
-        print(f"  events.ndjson {first['events_mb']:.0f} MB, bundle {first['bundle_mb']:.1f} MB")
-        if len({r["sha256"] for rs in runs.values() for r in rs}) != 1:
-            print("  BUNDLES DIFFER between trees or runs")
+        walls = statistics.median(r.get("compress_wall", 0.0) for r in runs[None])
+        print(
+            f"  events.ndjson {first['events_mb']:.0f} MB, bundle {first['bundle_mb']:.1f} MB, compress wall {walls:.2f} s"
+        )
+        if any(len({r["sha256"] for r in rs}) != 1 for rs in runs.values()):
+            print("  BUNDLES DIFFER between runs of one tree")
+            return 1
+        if len({r["events_sha256"] for rs in runs.values() for r in rs}) != 1:
+            print("  EVENTS DIFFER between trees (bundles may: a tree of another compression)")
             return 1
     return 0
 

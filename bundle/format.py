@@ -32,8 +32,9 @@ TYPE_PREFIX = "dev.evidence."
 
 # Verification limits (a bundle is untrusted input).
 MAX_COMPRESSED = 100 * 1024 * 1024
-MAX_DECOMPRESSED = 1024 * 1024 * 1024
-MAX_EVENTS = 2_000_000
+# (4 GiB and 4M events: a full-detail run of 2 x 1M distinct paths, ~1.3 GB of events, fits)
+MAX_DECOMPRESSED = 4 * 1024 * 1024 * 1024
+MAX_EVENTS = 4_000_000
 MAX_LINE = 1024 * 1024
 MAX_DEPTH = 64
 # its payload: a statement about a manifest of at most MAX_LINE (twice: the run predicate and the
@@ -614,6 +615,11 @@ class RootHasher:
         self._pending += chashes
         if len(self._pending) >= self._BATCH:
             self._flush()
+
+    def add_lines(self, lines: bytes) -> None:
+        """add() of each hash of `lines`, given as they are hashed: each followed by a newline."""
+        self._flush()
+        self._h.update(lines)
 
     def _flush(self) -> None:
         if self._pending:

@@ -32,6 +32,8 @@ class SpoolWriter:
     ) -> None:
         self.path = Path(path)
         self.feed = feed
+        # full detail's lines made as records are spooled (bundle/premade.py: Premade.add), if set
+        self.events: Callable[[Sequence[SpoolRecord | bytes]], None] | None = None
         # a new file, never through a symlink or over one already there
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._raw: IO[bytes] = os.fdopen(fd, "wb")
@@ -49,6 +51,8 @@ class SpoolWriter:
             self.records += len(records)
             if self.feed is not None:
                 self.feed(records)
+            if self.events is not None:
+                self.events(records)
 
     def flush(self) -> None:
         self._z.flush(zstandard.FLUSH_BLOCK)

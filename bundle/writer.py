@@ -11,8 +11,9 @@ no user names), gzip header mtime 0 and no file name, canonical JSON everywhere.
 (`signer`) adds its attestation as a third member; ed25519 signatures are deterministic too. The
 bundle file itself is 0600 whatever the umask: it holds the run's argv, file names and peers.
 
-(Over 600 lines on purpose: one pass over the spool makes the events, their hashes, the manifest
-and the tar.gz together, in the order the bytes come out; the run id's sets are bundle/run_id.py's.)
+An event's line, its content hash and the caps are bundle/sink.py's; a full-detail run's lines
+may be made while it records (bundle/premade.py), and then this puts its run id in them; the run
+id's sets are bundle/run_id.py's; the tar.gz is bundle/deflate.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import hashlib
 import logging
 import tarfile
 import tempfile
@@ -34,7 +34,8 @@ from pydantic import Field
 
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
-from evidence.bundle.deflate import Deflater, write_tar_gz
+from evidence.bundle.deflate import CHUNK, IN_FLIGHT, Deflater, write_tar_gz
+from evidence.bundle.premade import Made, translation_for
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 
@@ -43,10 +44,13 @@ from evidence.bundle.records import Key, occurrences, summary_key, to_event
 from evidence.bundle.run_id import MEMORY_ITEMS as MEMORY_ITEMS
 from evidence.bundle.run_id import RECORDING_ITEMS as RECORDING_ITEMS
 from evidence.bundle.run_id import Behaviour as Behaviour
+from evidence.bundle.sink import Caps as Caps
+from evidence.bundle.sink import Event
+from evidence.bundle.sink import EventSink as _EventSink
 from evidence.files import atomic_write
 
 if TYPE_CHECKING:
-    from evidence.bundle import attestation, runtime_trace
+    from evidence.bundle import attestation
     from evidence.bundle.read_types import ManifestJSON
 
 logger = logging.getLogger(__name__)
@@ -71,17 +75,6 @@ class RunMeta(fmt.RunInfo):
     lost: dict[str, int] = Field(default_factory=dict)
     degradations: list[dict[str, str]] = Field(default_factory=list)
     roots: dict[str, str] = Field(default_factory=dict)  # placeholder -> path, for the run id
-
-
-@dataclasses.dataclass(frozen=True)
-class _Split:
-    """An event's canonical data cut where its record's time stands (the quoted RFC 3339 time, as
-    data's first_time and last_time hold it): for a record that repeats the one before it but for
-    its time, the event's data is these parts joined by its own quoted time (_split_at_time)."""
-
-    etype: str
-    subject: str
-    parts: tuple[bytes, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +132,7 @@ def _marked_lines(lines: Iterable[bytes]) -> Iterator[SpoolRecord | int]:
         yield rec
 
 
-Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data
 Body = Iterable[Event]  # a _FullDetail for full detail
-# two times a record's event is made at, to find (and check) where its time stands in its data
-_SAMPLE_NS = (0, 999_999_999_999)
 
 
 def _read(
@@ -199,30 +189,6 @@ def _read(
     return behaviour.run_id(meta.command), _second_pass(records, totals)
 
 
-def _split_at_time(rec: SpoolRecord) -> _Split | None:
-    """`rec`'s event's canonical data cut where its time stands, if that is the only place where
-    the event depends on the record's time: made at one sample time, cut at its quoted RFC 3339
-    form, then checked by putting together the data at the record's own time and at the other
-    sample, against to_event's. None when anything differs (a field that holds the sample's text,
-    a time in another form), and the records are written as they are."""
-    etype, subj, _, data = to_event(rec)
-    cut: list[bytes] | None = None
-    for at in (rec["t"], *_SAMPLE_NS):
-        sample = rec.copy()
-        sample["t"] = at
-        e = to_event(sample)
-        if e[0] != etype or e[1] != subj or e[2] != at:
-            return None
-        canon = canonical.dumps(e[3], check=False)
-        quoted = b'"' + fmt.format_time(at).encode() + b'"'
-        if cut is None:
-            cut = canon.split(quoted)
-        elif quoted.join(cut) != canon:
-            return None
-    assert cut is not None
-    return _Split(etype, subj, tuple(cut))
-
-
 def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Iterator[Event]:
     """The summary's events from a second read of the records: each key's first record with its
     totals (taken out as it is written: memory shrinks as the events go)."""
@@ -234,316 +200,6 @@ def _second_pass(records: Records, totals: dict[Key, list[int]]) -> Iterator[Eve
         t = totals.pop(key, None)
         if t is not None:
             yield to_event(rec, t)
-
-
-# full detail's events made at a time before they are checked against the caps together (_EventSink.write_full)
-_FULL_BATCH = 1024
-# a repeat's record's data cut at its time, with its line's and content hash's constant parts (_prepare)
-_Prepared = tuple[str, tuple[bytes, ...], bytes, bytes, bytes]
-
-
-@dataclasses.dataclass
-class _Repeats:
-    """Where write_full is in its records: the last record (which the repeats that follow it repeat),
-    its _Prepared once made (None: it cannot be cut at its time), and whether that was tried."""
-
-    prev: SpoolRecord | None = None
-    split: _Prepared | None = None
-    tried: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Caps:
-    """What one bundle may hold, below the reader's limits (bundle/format.py MAX_*) with room kept
-    for the events that close a run (loss, run.finished), so that every bundle the writer makes is
-    one that lint, show and diff accept. Past a cap, records are counted by kind, not written: the
-    manifest's `lost` and a `dev.evidence.loss` event (where: writer) say how many."""
-
-    events: int = fmt.MAX_EVENTS - 10_000
-    decompressed: int = fmt.MAX_DECOMPRESSED - 64 * 1024 * 1024
-    compressed: int = fmt.MAX_COMPRESSED - 8 * 1024 * 1024  # estimated with a fast deflate: an upper bound
-    line: int = fmt.MAX_LINE - 1  # one event (a path under a deep working directory can be huge)
-
-
-class _EventSink:
-    """Writes events as canonical JSON lines, keeping counts, file hash and root hash.
-
-    An event's line is its canonical JSON (sorted keys, bundle/canonical.py), put together from the
-    canonical bytes of its data and subject and the run's constant parts: one orjson call per event
-    instead of a dict of ten keys sorted per event (tests/unit/test_writer.py checks that the bytes
-    are the same as canonical.dumps of the event). Its content hash is made the same way."""
-
-    def __init__(
-        self,
-        out: Deflater,
-        run_id: str,
-        labels: dict[str, str] | None = None,
-        caps: Caps | None = None,
-    ) -> None:
-        self.caps = caps or Caps()
-        self.out = out
-        self.run_id = run_id
-        self.labels = fmt.labels_attribute(labels)
-        self.source = fmt.source_for(run_id)
-        self.seq = 0
-        self.size = 0
-        self.counts: dict[str, int] = {}
-        dumps = canonical.dumps
-        labels_part = b"" if self.labels is None else b'"labels":' + dumps(self.labels) + b","
-        self._id = b',"datacontenttype":' + dumps(fmt.DATACONTENTTYPE) + b',"id":' + dumps(run_id + ":")[:-1]
-        self._runid = b'",' + labels_part + b'"runid":' + dumps(run_id) + b',"seq":'
-        self._source = b',"source":' + dumps(self.source) + b',"specversion":' + dumps(fmt.SPECVERSION)
-        self._core_mid = b',"datacontenttype":' + dumps(fmt.DATACONTENTTYPE) + b',"specversion":'
-        self._core_mid += dumps(fmt.SPECVERSION) + b',"subject":'
-        self._types: dict[str, bytes] = {}
-        self._subject: str | None = None  # the last subject, and its canonical JSON
-        self._subject_json = b""
-        self._sha = hashlib.sha256()  # copied for each content hash: cheaper than a new one
-        self.root = fmt.RootHasher()
-        self.trace: runtime_trace.Trace | None = None  # a signed bundle's: fed every event written
-
-    def _line(
-        self, etype: str, subject: str, t_ns: int, data: dict[str, Any], seq_no: int | None = None
-    ) -> tuple[bytes, bytes]:
-        """(the event's canonical JSON line as event `seq_no` (default: the next), the canonical
-        JSON its content hash is taken over)."""
-        d = _dumps(data)
-        if subject is self._subject:  # the same string object: runs of one path
-            s = self._subject_json
-        else:
-            s = self._subject_json = _dumps(subject)
-            self._subject = subject
-        ty = self._type(etype)
-        seq = b"%d" % (self.seq if seq_no is None else seq_no)
-        line = b"".join(
-            (
-                b'{"data":',
-                d,
-                self._id,
-                seq,
-                self._runid,
-                seq,
-                self._source,
-                b',"subject":',
-                s,
-                b',"time":"',
-                fmt.format_time(t_ns).encode(),
-                b'"',
-                ty,
-                b"\n",
-            )
-        )
-        return line, b"".join((b'{"data":', d, self._core_mid, s, ty))
-
-    def _type(self, etype: str) -> bytes:
-        """The end of an event of type `etype` (and of its content hash's core): its type and '}'."""
-        ty = self._types.get(etype)
-        if ty is None:
-            ty = self._types[etype] = b',"type":' + _dumps(etype) + b"}"
-        return ty
-
-    def emit(self, etype: str, subject: str, t_ns: int, data: dict[str, Any], capped: bool = False) -> bool:
-        """Write one event; with `capped`, only if the bundle's caps leave room (False: not written)."""
-        line, core = self._line(etype, subject, t_ns, data)
-        if not self._put(etype, line, core, capped):
-            return False
-        if self.trace is not None:
-            self.trace.feed_at(etype, t_ns, data)
-        return True
-
-    def _put(self, etype: str, line: bytes, core: bytes, capped: bool) -> bool:
-        n = len(line)
-        if capped and (
-            n > self.caps.line
-            or self.seq >= self.caps.events
-            or self.size + n > self.caps.decompressed
-            or self.out.compressed_bound() + n + n // 64 > self.caps.compressed
-        ):
-            return False
-        h = self._sha.copy()
-        h.update(core)
-        self.root.add(h.hexdigest())
-        self.out.feed(line)
-        self.size += n
-        self.counts[etype] = self.counts.get(etype, 0) + 1
-        self.seq += 1
-        return True
-
-    def write_full(self, marked: Iterable[SpoolRecord | int], capped: dict[str, int]) -> None:
-        """Full detail: an event per record, under the caps (what they leave out counted by type
-        in `capped`). `marked` (_FullDetail.marked): the records, a record that repeats the one
-        before it but for its time (a loop opening one file: the recorder spools each repeat as the
-        same line with its own time) as its time alone. Such a repeat makes the same event but for
-        its times, so its data is put together from the canonical bytes of the first one's, cut at
-        its time (_split_at_time), instead of made and serialised again: a flood of one open is
-        written about three times as fast. The bytes are the same.
-
-        The events are made _FULL_BATCH at a time and, when the whole batch fits under the caps
-        (which is then true of each of its events: the checks of _put pass for every one), taken in
-        at once: one hand-over to the deflater, one to the root hash, the counts once. A batch that
-        does not fit is made again event by event, each checked as _put checks it, and so is all
-        that follows (past a cap, every event is counted, none written). A signed bundle's trace
-        sees every event's data: its events are made one by one. Either way the bytes are the same."""
-        state = _Repeats()
-        if self.trace is not None:
-            self._full_each(marked, state, capped)
-            return
-        batch: list[SpoolRecord | int] = []
-        add = batch.append
-        near_cap = False
-        for item in marked:
-            add(item)
-            if len(batch) >= _FULL_BATCH:
-                if near_cap or not self._full_batch(batch, state):
-                    near_cap = True
-                    self._full_each(batch, state, capped)
-                batch.clear()
-        if batch and (near_cap or not self._full_batch(batch, state)):
-            self._full_each(batch, state, capped)
-
-    def _full_batch(self, items: list[SpoolRecord | int], state: _Repeats) -> bool:
-        """Make the events of `items` and take them in if all fit under the caps (True); else take
-        in none and leave `state` as it was (False), for _full_each to make them one by one."""
-        before = (state.prev, state.split, state.tried)
-        seq = self.seq
-        lines: list[bytes] = []
-        hashes: list[str] = []
-        counts: dict[str, int] = {}
-        size = longest = 0
-        base = self._sha
-        format_time = fmt.format_time
-        join = b"".join
-        id_, runid = self._id, self._runid
-        prev, split, tried = before
-        dumps = _dumps
-        after_source = self._source + b',"subject":'
-        core_mid = self._core_mid
-        open_type = self._type(fmt.FILE_OPEN)
-        open_end = b'"' + open_type + b"\n"
-        for item in items:
-            if item.__class__ is int:
-                t = item
-                assert prev is not None  # a repeat follows a record
-                if not tried:
-                    split, tried = self._prepare(prev), True
-                if split is not None:
-                    etype, parts, after_seq, end, core_end = split
-                    time = format_time(t).encode()
-                    d = (b'"' + time + b'"').join(parts)
-                    digits = b"%d" % seq
-                    line = join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end))
-                    core = join((b'{"data":', d, core_end))
-                else:
-                    rec = prev.copy()
-                    rec["t"] = t
-                    etype, subject, t_ns, data = to_event(rec)
-                    line, core = self._line(etype, subject, t_ns, data, seq)
-            else:
-                rec = prev = cast(SpoolRecord, item)
-                split, tried = None, False
-                if rec["k"] == "open" and "n" not in rec and "tl" not in rec and rec["path"].__class__ is str:
-                    # to_event and _line in one for the most frequent record (records.data: an open
-                    # that stands for itself has count 1 and its own time as first and last time,
-                    # the event's time too: formatted once)
-                    data = cast("dict[str, Any]", rec.copy())
-                    del data["k"], data["t"]
-                    when = format_time(rec["t"])
-                    data["count"] = 1
-                    data["first_time"] = data["last_time"] = when
-                    d = dumps(data)
-                    path = rec["path"]
-                    if path is not self._subject:
-                        self._subject_json = dumps(path)
-                        self._subject = path
-                    s = self._subject_json
-                    digits = b"%d" % seq
-                    etype = fmt.FILE_OPEN
-                    line = join(
-                        (b'{"data":', d, id_, digits, runid, digits, after_source, s,
-                         b',"time":"', when.encode(), open_end)
-                    )  # fmt: skip
-                    core = join((b'{"data":', d, core_mid, s, open_type))
-                else:
-                    etype, subject, t_ns, data = to_event(rec)
-                    line, core = self._line(etype, subject, t_ns, data, seq)
-            n = len(line)
-            if n > longest:
-                longest = n
-            size += n
-            h = base.copy()
-            h.update(core)
-            hashes.append(h.hexdigest())
-            lines.append(line)
-            counts[etype] = counts.get(etype, 0) + 1
-            seq += 1
-        caps = self.caps
-        if (
-            longest > caps.line
-            or seq > caps.events
-            or self.size + size > caps.decompressed
-            # each event's own check adds its line to the bound after those before it: at most this
-            or self.out.compressed_bound() + size + size // 64 + 1 > caps.compressed
-        ):
-            state.prev, state.split, state.tried = before
-            return False
-        state.prev, state.split, state.tried = prev, split, tried
-        self.root.add_many(hashes)
-        self.out.feed(join(lines))
-        self.size += size
-        self.seq = seq
-        for etype, n in counts.items():
-            self.counts[etype] = self.counts.get(etype, 0) + n
-        return True
-
-    def _full_each(
-        self, marked: Iterable[SpoolRecord | int], state: _Repeats, capped: dict[str, int]
-    ) -> None:
-        """write_full's events one by one, each under the caps (_put)."""
-        prev, split, tried = state.prev, state.split, state.tried
-        for item in marked:
-            if item.__class__ is int:
-                t = item
-                assert prev is not None  # a repeat follows a record
-                if not tried:
-                    split, tried = self._prepare(prev), True
-                if split is not None:
-                    etype, parts, after_seq, end, core_end = split
-                    time = fmt.format_time(t).encode()
-                    d = b'"' + time + b'"'
-                    d = d.join(parts)
-                    seq = b"%d" % self.seq
-                    line = b"".join((b'{"data":', d, self._id, seq, self._runid, seq, after_seq, time, end))
-                    if not self._put(etype, line, b"".join((b'{"data":', d, core_end)), True):
-                        kind = "over_cap:" + etype.removeprefix("dev.evidence.")
-                        capped[kind] = capped.get(kind, 0) + 1
-                    elif self.trace is not None:  # a signed bundle: the trace sees the repeat too
-                        again = prev.copy()
-                        again["t"] = t
-                        etype_, _, t_ns, data = to_event(again)
-                        self.trace.feed_at(etype_, t_ns, data)
-                    continue
-                rec = prev.copy()
-                rec["t"] = t
-            else:
-                rec = prev = cast(SpoolRecord, item)
-                split, tried = None, False
-            event = to_event(rec)
-            if not self.emit(*event, capped=True):
-                kind = "over_cap:" + event[0].removeprefix("dev.evidence.")
-                capped[kind] = capped.get(kind, 0) + 1
-        state.prev, state.split, state.tried = prev, split, tried
-
-    def _prepare(self, rec: SpoolRecord) -> _Prepared | None:
-        """For write_full: `rec`'s event type, its data cut at its time, and its line's and
-        content hash's constant parts (after the seq up to the time, after the time, after the
-        data); None when its data cannot be cut so."""
-        split = _split_at_time(rec)
-        if split is None:
-            return None
-        s = _dumps(split.subject)
-        ty = b',"type":' + _dumps(split.etype) + b"}"
-        after_seq = self._source + b',"subject":' + s + b',"time":"'
-        return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
 
 
 def _head(meta: RunMeta) -> Iterator[Event]:
@@ -611,6 +267,7 @@ def write_bundle(
     signer: attestation.Signer | None = None,
     behaviour: Behaviour | None = None,
     lines: Lines | None = None,
+    premade: Made | None = None,
 ) -> dict[str, Any]:
     """Write the bundle atomically (temp file + rename) and return its manifest. Records past the
     caps are counted by kind (`over_cap:<type>` in the manifest's lost), never silently dropped.
@@ -618,12 +275,21 @@ def write_bundle(
     attestation. `behaviour`: the run id's Behaviour, fed with every one of `records` as they were
     spooled (used only when made with the run's roots and not used before; else it is rebuilt).
     `lines`: the same records as the spool's lines (spool.read_spool_lines), which full detail
-    reads instead: a repeat of the line before it but for its time is not parsed."""
+    reads instead: a repeat of the line before it but for its time is not parsed. `premade`: full
+    detail's lines made as the run was recorded (bundle/premade.py), used when they hold (the same
+    bytes as made from the spool)."""
     out_path = Path(out_path)
     if behaviour is not None and (behaviour.closed or behaviour.roots != dict(meta.roots)):
         behaviour.close()
         behaviour = None
     with no_cycle_collection():
+        if premade is not None:
+            try:
+                return _write_bundle(out_path, meta, records, caps, signer, behaviour, lines, premade)
+            except _FromSpool:
+                logger.info("full detail's events near the compressed cap: made again from the spool")
+                premade.close()
+                behaviour = None  # made into the run id already: the spool's pass makes it again
         return _write_bundle(out_path, meta, records, caps, signer, behaviour, lines)
 
 
@@ -641,6 +307,31 @@ def no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+class _FromSpool(Exception):
+    """The premade lines cannot be used after all (near the compressed cap): made from the spool."""
+
+
+# what Deflater.compressed_bound adds at most to the bytes deflated: the chunks in flight and the
+# one being gathered, as they are, and its margins
+_IN_FLIGHT_BOUND = (IN_FLIGHT + 1) * CHUNK * 65 // 64 + 64 * (IN_FLIGHT + 1)
+_PREMADE_READ = 4 * CHUNK
+
+
+def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Made, run_id: str) -> None:
+    """The premade lines, the run id in place of their placeholder, after the head events."""
+    table = translation_for(run_id)
+    if table is None or sink.seq != premade.head:  # pragma: no cover - run ids have one form
+        raise _FromSpool
+    for piece in premade.lines.read(_PREMADE_READ):  # whole chunks: handed to the deflater as they are
+        sink.out.feed(piece.translate(table))
+    for piece in premade.hashes.read(_PREMADE_READ):
+        root.add_lines(piece)
+    sink.size += premade.size
+    sink.seq = premade.seq
+    for etype, n in premade.counts.items():
+        sink.counts[etype] = sink.counts.get(etype, 0) + n
+
+
 def _write_bundle(
     out_path: Path,
     meta: RunMeta,
@@ -649,21 +340,30 @@ def _write_bundle(
     signer: attestation.Signer | None,
     behaviour: Behaviour | None,
     lines: Lines | None,
+    premade: Made | None = None,
 ) -> dict[str, Any]:
     out_dir = out_path.parent if str(out_path.parent) else Path(".")
     run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour, lines=lines)
+    heads = list(_head(meta))
+    if premade is not None and not (
+        isinstance(body, _FullDetail) and premade.usable(meta.labels, len(heads), caps, signer is not None)
+    ):
+        premade = None
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
-        deflater = Deflater(deflated)  # the events, deflated on a thread of their own as they come
+        deflater = Deflater(deflated)  # the events, deflated on threads of their own as they come
         try:
-            sink = _EventSink(deflater, run_id, meta.labels, caps)
+            root = fmt.RootHasher()
+            sink = _EventSink(deflater, run_id, meta.labels, caps, root)
             if signer is not None:  # only a signed bundle needs the trace (and its imports)
                 from evidence.bundle import runtime_trace
 
                 sink.trace = runtime_trace.Trace()
-            for head in _head(meta):
+            for head in heads:
                 sink.emit(*head)
             capped: dict[str, int] = {}
-            if isinstance(body, _FullDetail):
+            if premade is not None:
+                _take_premade(sink, root, premade, run_id)
+            elif isinstance(body, _FullDetail):
                 sink.write_full(body.marked(), capped)
             else:
                 for event in body:
@@ -673,6 +373,14 @@ def _write_bundle(
             for end in _tail(meta, capped):
                 sink.emit(*end)
             events_sha = deflater.finish()
+            # the premade lines were made without the compressed cap: used if, made from the spool,
+            # they would not have reached it either (its estimate is at most the bytes deflated,
+            # the chunks in flight and a batch over them)
+            if premade is not None and (
+                deflater.compressed + _IN_FLIGHT_BOUND + premade.largest * 65 // 64 + 4096
+                > sink.caps.compressed
+            ):
+                raise _FromSpool
         except BaseException:
             deflater.abort()
             raise
@@ -699,7 +407,7 @@ def _write_bundle(
             "events": sink.seq,
             "lost": {"total": lost_total, "by_kind": {k: v for k, v in sorted(lost.items())}},
             "files": {fmt.EVENTS_NAME: {"sha256": events_sha, "size": sink.size}},
-            "root_hash": sink.root.hexdigest(),
+            "root_hash": root.hexdigest(),
         }
         manifest_bytes = canonical.dumps(manifest)
         tail = []

@@ -33,7 +33,7 @@ from evidence.agent.recorder.calls import (
     split_status,
 )
 from evidence.agent.recorder.dns import Resolutions
-from evidence.agent.recorder.names import AT_FDCWD, MAGIC, UNREADABLE, Names
+from evidence.agent.recorder.names import AT_FDCWD, MAGIC, UNREADABLE, Names, normal
 from evidence.bundle.format import COMPAT_RULE, EXEC_CHECK_RULE
 from evidence.bundle.record_types import (
     ChangeRecord,
@@ -137,6 +137,8 @@ class Correlator:
         # (cgroup name, container id)
         self._paths: dict[Any, tuple[str, str]] = {}
         self._cgroups: dict[int, tuple[str | None, str | None]] = {}
+        # a directory's bytes -> (its name as given, resolved), each with a '/' after (_in_dir)
+        self._dirs: dict[bytes, tuple[str, str]] = {}
         # (pid, path) of the writes to another cgroup's procs said already (of opens counted in the
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
@@ -200,10 +202,11 @@ class Correlator:
             in_root = bool(flags & d.F_IN_ROOT)
             if raw[:1] == b"/" and not in_root:
                 key: Any = raw
+                hit = self._paths.get(key) or self._in_dir(raw)
             else:
                 base, real = self.names.base(p, dfd, dino)
                 key = (raw, base, real, dfd if base is None else AT_FDCWD, in_root)
-            hit = self._paths.get(key)
+                hit = self._paths.get(key)
             if hit is None:
                 raw_path = d.cstr(raw)
                 path = self.names.resolve(p, raw_path, dfd, dino, in_root)
@@ -232,6 +235,31 @@ class Correlator:
         if flags & d.F_OTHER_NS and rec["k"] == "open":  # the last record is the open's
             rec["mntns"] = "other"
         return out
+
+    def _in_dir(self, raw: bytes) -> tuple[str, str] | None:
+        """(raw path, resolved path) of the absolute name `raw` (with its NUL) from its directory's,
+        cached (a run that names many files in few directories: their names never repeat, their
+        directories do): its last component joined to the directory's names, when that component
+        is a plain name (not empty, '.' or '..') and the whole is no magic link (names.MAGIC); else
+        None, for Names.resolve. The same names as resolve's: `normal` of a directory and a plain
+        name is `normal` of the directory joined to it."""
+        slash = raw.rfind(b"/")
+        leaf = raw[slash + 1 :]
+        if leaf.find(b"\0") != len(leaf) - 1 or leaf in (b"\0", b".\0", b"..\0"):
+            return None
+        where = raw[:slash]
+        known = self._dirs.get(where)
+        if known is None:
+            if len(self._dirs) >= _PATH_CACHE:
+                self._dirs.clear()
+            as_given = where.decode("utf-8", "backslashreplace")
+            resolved = normal(as_given) if as_given else "/"
+            known = self._dirs[where] = (as_given + "/", resolved if resolved == "/" else resolved + "/")
+        name = leaf[:-1].decode("utf-8", "backslashreplace")
+        path = known[1] + name
+        if path.startswith(MAGIC):
+            return None
+        return known[0] + name, path
 
     def _open(
         self,

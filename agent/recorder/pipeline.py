@@ -17,12 +17,16 @@ each run's spool.
 
 from __future__ import annotations
 
+import array
 import logging
+import os
 import queue
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import orjson
@@ -41,9 +45,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50
-QUEUE_BATCHES = 256
+QUEUE_BATCHES = 256  # batches (or spilled batches) read from the ring and not yet correlated, at most
+# Raw records held in memory between the poller and the correlator, at most: past it, batches go to
+# a file beside the spools (a _Spilled stands for each in the queue, in order) and come back when
+# the correlator reaches them, so a flood the correlator is behind on costs disk, not memory. Past
+# SPILL_BYTES on disk the poller waits (back-pressure goes to the ring buffer, which counts loss).
+HELD_RECORDS = int(os.environ.get("EVIDENCE_HELD_RECORDS", "131072"))
+SPILL_BYTES = 4 * 1024 * 1024 * 1024
 GATHER_SECONDS = 0.005  # after a wakeup, the poller waits this long before it reads (see _poll_loop)
-COALESCE = 65536  # records: the correlator processes the batches waiting in the queue together, up to this
+COALESCE = 16384  # records: the correlator processes the batches waiting in the queue together, up to this
+# (a batch's records, their spool lines and event lines are in memory together: 16,384 distinct opens
+# are about 25 MB; 65,536 made a flood's peak RSS 80 MB higher, for no less CPU)
 # Each run's spool is flushed to disk at least this often while records arrive (and within this
 # long after the last ones): a recorder killed with SIGKILL leaves at most about this much unwritten.
 FLUSH_SECONDS = 1.0
@@ -55,18 +67,84 @@ _CAPPED = ("open", "connect", "change", "dns")  # dns: plain records too (dns_pa
 _FIRST_FIELDS = {k: (*SUMMARY_KEYS[k], "k", "pid") for k in _CAPPED}
 _FIRST_FIELDS["connect"] += ("names", "other_names")  # ---- dns: what the run's DNS answers named the address
 
-DRAIN_SECONDS = 30  # how long finish waits for the consumer to spool what the kernel wrote
+DRAIN_SECONDS = 30  # how long finish waits for a consumer that finishes no batch (stuck) to spool the rest
+
+
+class _Spilled:
+    """A batch of raw records written to the spill file (`count` of them, at `offset`: their
+    lengths, 4 bytes each, then their bytes), in its place in the queue."""
+
+    __slots__ = ("count", "offset", "size")
+
+    def __init__(self, offset: int, count: int, size: int) -> None:
+        self.offset, self.count, self.size = offset, count, size
+
+
+class _Spill:
+    """The poller's overflow: batches of raw records in a file, read back in order by the
+    correlator. The file is emptied whenever every batch in it has been read back."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.file: int | None = None
+        self.end = 0  # where the next batch goes
+        self.waiting = 0  # batches written and not read back
+        self.lock = threading.Lock()
+
+    def write(self, batch: list[bytes]) -> _Spilled:
+        lengths = array.array("I", map(len, batch))
+        data = lengths.tobytes() + b"".join(batch)
+        with self.lock:
+            if self.file is None:
+                if self.directory is not None:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                fd, name = tempfile.mkstemp(prefix=".evidence-spill-", dir=self.directory)
+                os.unlink(name)  # (the recorder's alone, gone with it)
+                self.file = fd
+            offset = self.end
+            self.end += len(data)
+            self.waiting += 1
+            fd = self.file
+        os.pwrite(fd, data, offset)
+        return _Spilled(offset, len(batch), len(data))
+
+    def read(self, item: _Spilled) -> list[bytes]:
+        assert self.file is not None
+        data = os.pread(self.file, item.size, item.offset)
+        lengths = array.array("I")
+        lengths.frombytes(data[: 4 * item.count])
+        out: list[bytes] = []
+        at = 4 * item.count
+        for n in lengths:
+            out.append(data[at : at + n])
+            at += n
+        with self.lock:
+            self.waiting -= 1
+            if not self.waiting:  # every batch read back: the file starts again
+                self.end = 0
+                os.ftruncate(self.file, 0)
+        return out
+
+    def close(self) -> None:
+        with self.lock:
+            if self.file is not None:
+                os.close(self.file)
+                self.file = None
 
 
 class Pipeline:
     """The consumer's threads and the table of runs they route records to (by slot)."""
 
     probes: RecorderProbes
+    spool_dir: Path
 
     def _start_pipeline(self) -> None:
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[list[bytes] | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
+        self._queue: queue.Queue[list[bytes] | _Spilled | threading.Event | None] = queue.Queue(QUEUE_BATCHES)
+        self._held = 0  # raw records in the queue's batches (not spilled)
+        self._held_lock = threading.Lock()
+        self._spill = _Spill(getattr(self, "spool_dir", None))
         self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0, "failed_batches": 0}
@@ -82,9 +160,17 @@ class Pipeline:
         ev = threading.Event()
         self._barriers.put(ev)
         self._ring.wake()
-        if not ev.wait(timeout=timeout):
-            logger.warning("drain timed out: the consumer is stuck")
-            return False
+        # a consumer that is behind but correlating (a flood) is waited for: `timeout` is how long
+        # it may go without finishing a batch
+        done = self.stats["batches"]
+        deadline = time.monotonic() + timeout
+        while not ev.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            if self.stats["batches"] != done:
+                done = self.stats["batches"]
+                deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                logger.warning("drain timed out: the consumer is stuck")
+                return False
         return True
 
     def _stop_pipeline(self) -> None:
@@ -96,6 +182,8 @@ class Pipeline:
         except queue.Full:
             logger.warning("the correlator does not take its queue: not waiting for it")
         self._worker.join(timeout=5)
+        if not self._worker.is_alive():
+            self._spill.close()
 
     def queue_depth(self) -> int:
         """Batches read from the ring buffer and not yet correlated (consumer lag)."""
@@ -106,7 +194,24 @@ class Pipeline:
             batch = self._ring.read()
             if not batch:
                 return
-            self._queue.put(batch)  # blocks when full: back-pressure goes to the ring buffer
+            item: list[bytes] | _Spilled = batch
+            if self._held + len(batch) > HELD_RECORDS and self._spill.end < SPILL_BYTES:
+                try:
+                    item = self._spill.write(batch)
+                except OSError as e:  # (a full disk: held in memory, as before)
+                    logger.warning("cannot spill raw records to disk: %s", e)
+            if item is batch:
+                with self._held_lock:
+                    self._held += len(batch)
+            self._queue.put(item)  # blocks when full: back-pressure goes to the ring buffer
+
+    def _taken(self, item: list[bytes] | _Spilled) -> list[bytes]:
+        """A batch the correlator took from the queue, read back if it was spilled."""
+        if isinstance(item, _Spilled):
+            return self._spill.read(item)
+        with self._held_lock:
+            self._held -= len(item)
+        return item
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
@@ -136,7 +241,10 @@ class Pipeline:
             except queue.Empty:
                 pass
             else:
-                for after in self._process_waiting(item) if isinstance(item, list) else [item]:
+                waiting = (
+                    self._process_waiting(self._taken(item)) if isinstance(item, list | _Spilled) else [item]
+                )
+                for after in waiting:
                     if after is None:
                         return
                     after.set()
@@ -157,10 +265,10 @@ class Pipeline:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if not isinstance(item, list):
+            if not isinstance(item, list | _Spilled):
                 after.append(item)
                 break
-            batch += item
+            batch += self._taken(item)
         try:
             self._process(batch)
         except Exception:  # a bug must not stop the recording, nor hang the run at its end
@@ -270,7 +378,9 @@ class Pipeline:
                         nlink=nlink,
                     )
                     if len(recs) == 1 and not flags & dec.F_STATE:
-                        last_tail, last_rec, last_line = tail, recs[0].copy(), None
+                        # (not copied: nothing changes a record before this batch is spooled, and a
+                        # repeat copies it or reads it)
+                        last_tail, last_rec, last_line = tail, recs[0], None
                     else:
                         last_tail = b""
                 if flags & dec.F_FIRST:

@@ -35,6 +35,7 @@ from evidence.agent.recorder.recovery import JOURNAL_SUFFIX
 from evidence.agent.recorder.session import Session, Spool
 from evidence.bundle.command import judge
 from evidence.bundle.format import Artifacts, Degradation
+from evidence.bundle.premade import Premade
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
 from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, RunMeta, no_cycle_collection, write_bundle
@@ -172,6 +173,9 @@ class Recorder(Pipeline):
                     )
                 )
             session.degrade(*degradations)
+            if detail == "full":  # its events' lines made as its records come (a plain spool sees them all)
+                session.premade = Premade(self.spool_dir, session.labels, 1 + len(session.degradations))
+                raw.events = session.premade.add
             self.probes.track(session.cgroup_id, slot)
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)
         return session
@@ -218,13 +222,21 @@ class Recorder(Pipeline):
         # everything the kernel wrote for this run before untrack is now spooled, unless the consumer
         # is stuck: those records were written to the ring (no reservation failed, no loss counted)
         # and are not in the spool, so the bundle must say so
+        began = time.monotonic()
+        behind = self.queue_depth()
         drained = self.drain()
         finished_ns = time.time_ns()
+        logger.info(
+            "run %s: its records spooled %.2f s after its end (%d batches were waiting)",
+            session.session_id,
+            time.monotonic() - began,
+            behind,
+        )
         if not drained:
             session.degrade(
                 Degradation(
                     component="recorder",
-                    reason=f"the ring buffer's consumer did not drain the run's records within {DRAIN_SECONDS} s of its end",
+                    reason=f"the ring buffer's consumer finished no batch of records for {DRAIN_SECONDS} s after the run's end",
                     impact="records the kernel wrote for this run may be missing, and are not counted as lost",
                 )
             )
@@ -320,6 +332,8 @@ class Recorder(Pipeline):
         )
         spool_path = session.spool.path
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
+        premade = session.premade.made() if session.premade is not None else None  # used once
+        session.premade = None
         try:
             manifest = write_bundle(
                 bundle_path,
@@ -328,12 +342,19 @@ class Recorder(Pipeline):
                 signer=signer,
                 behaviour=behaviour,
                 lines=lambda: read_spool_lines(spool_path),
+                premade=premade,
             )
         except BaseException:
             # never lose what was recorded: the spool stays for a retry or for recovery
             logger.info("run %s: bundle not written; its records stay in %s", session.session_id, spool_path)
             raise
+        finally:
+            if premade is not None:
+                premade.close()
         spool_path.unlink(missing_ok=True)
+        logger.info(
+            "run %s: bundle written %.2f s after its end", session.session_id, time.monotonic() - began
+        )
         return manifest
 
     def _counted(

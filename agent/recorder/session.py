@@ -29,6 +29,7 @@ from evidence.agent.recorder.description import (
     RunDescription,
 )
 from evidence.bundle.format import Degradation
+from evidence.bundle.premade import Premade
 from evidence.bundle.record_types import DenialRecord, SpoolRecord
 from evidence.bundle.writer import Behaviour
 
@@ -84,6 +85,8 @@ class Session:
     roots: dict[str, str] = dataclasses.field(default_factory=dict)
     # what the run id is made of, fed by the spool as records are written (the writer's Behaviour)
     behaviour: Behaviour | None = None
+    # full detail: its events' lines made as its records are spooled (bundle/premade.py)
+    premade: Premade | None = None
     finished: bool = False
     cgroup_names: CgroupNames | None = None  # names of the cgroups below the run's
     # Called with each batch of correlated records; returns records to add (policy denials).
@@ -141,6 +144,8 @@ class Session:
     def degrade(self, *said: Degradation) -> None:
         """What the run could not record or enforce, in the order it was found."""
         self.degradations += said
+        if self.premade is not None:  # an event each before the records': their numbers move
+            self.premade.restart(self.labels, 1 + len(self.degradations))
 
     def enforce(
         self,
@@ -208,3 +213,5 @@ class Session:
 
     def update_labels(self, labels: Mapping[str, str]) -> None:
         self.labels.update(labels)
+        if self.premade is not None:  # every event carries them
+            self.premade.restart(self.labels, 1 + len(self.degradations))

@@ -1,4 +1,4 @@
-"""Full detail's writer makes events a batch at a time (bundle/writer.py: _EventSink.write_full): a job
+"""Full detail's writer makes events a batch at a time (bundle/sink.py: FullWriter, as the run goes: bundle/premade.py): a job
 running as nobody tries to make a batch come out unlike its events one by one, with names that look
 like the pieces the writer puts lines together from (an RFC 3339 time as a name, so that a repeat's
 data holds its own time twice; the spool's `","t":` marker; quotes, backslashes, control characters),
@@ -10,13 +10,17 @@ same."""
 from __future__ import annotations
 
 import collections
+import shutil
 import tarfile
+import tempfile
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from evidence.bundle import canonical
 from evidence.bundle.reader import open_bundle
-from tests.kernel.util import PY, as_user, evidence, of_type, record
+from tests.kernel.util import PY, as_user, evidence, of_type, read_bundle, record
 
 NOBODY = 65534
 
@@ -29,7 +33,7 @@ _JOB = textwrap.dedent(
     stamp = time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(secs))
     hostile = [
         f'{stamp}.{frac:09d}Z', f'"{stamp}.000000000Z"', '","t":1,', 'q"b\\s', 'ctl\x01\x1f\x7f',
-        '\u2028line', '{"data":', 'x' * 200,
+        '\u2028line', '{"data":', 'x' * 200, 'R' * 36, 'run-' + '0' * 32,
     ]
     opened = {}
     for i in range(3000):
@@ -84,3 +88,55 @@ def test_a_signed_full_run_is_written_whole_too(tmp_path: Path) -> None:
     opened = eval(proc.stdout.splitlines()[-1])  # noqa: S307 - the test's own job printed it
     events = list(open_bundle(bundle).events())
     assert _opens(events, str(work)) == collections.Counter(opened)
+
+
+_BYTES_JOB = textwrap.dedent(
+    r"""
+    import os, sys
+    base = os.fsencode(sys.argv[1])
+    # every byte a name may hold: the control bytes (the premade placeholder's among them), DEL,
+    # bytes that are never UTF-8 (0xc0, 0xc1, 0xf5-0xff) and cut sequences; one byte a name, and
+    # all in one name
+    names = [bytes([b]) for b in range(1, 256) if b not in (0x2E, 0x2F)]  # ("." is the directory)
+    names += [bytes(b for b in range(1, 256) if b != 0x2F), b"\xe4\xb8", b"run-" + bytes(range(1, 33))]
+    for name in names:
+        for _ in range(3):  # repeats too: their lines are put together from the first's
+            try:
+                os.close(os.open(os.path.join(base, name), os.O_RDONLY | os.O_CREAT, 0o600))
+            except OSError:
+                pass
+    print(" ".join(n.hex() for n in names))
+    """
+)
+
+
+def test_names_with_every_byte_are_escaped_in_a_full_runs_lines(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A job as nobody names files with every byte a name may hold, the bytes of the placeholder
+    where the premade lines' run id goes among them (bundle/premade.py: control bytes and 0xff):
+    each name is recorded escaped, three times, the run id is the manifest's in every line, the
+    lines were made as the run went (not from the spool), and the bundle verifies and lints."""
+    work = Path(tempfile.mkdtemp(prefix="evidence-bytes-"))  # (in /tmp: nobody reaches it)
+    work.chmod(0o777)
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
+    job = as_user(NOBODY, PY, "-c", _BYTES_JOB, str(work))
+    bundle = tmp_path / "bytes.tar.gz"
+    proc = evidence("-v", "run", "--bundle", str(bundle), "--detail", "full", "--", *job)
+    assert proc.returncode == 0, proc.stderr
+    assert "are not used" not in proc.stderr  # the premade lines were the bundle's
+    names = [bytes.fromhex(h) for h in proc.stdout.split()]
+    manifest, events = read_bundle(bundle)
+    got = _opens(events, str(work))
+    want = {str(work) + "/" + n.decode("utf-8", "backslashreplace"): 3 for n in names}
+    assert got == collections.Counter(want)
+    assert all(
+        e["runid"] == manifest["run_id"] and e["id"].startswith(manifest["run_id"] + ":") for e in events
+    )
+    list(open_bundle(bundle).events())  # verifies: hashes, root hash, canonical lines
+    lint = evidence("lint", str(bundle))
+    assert lint.returncode in (0, 1), lint.stdout + lint.stderr  # (findings about such names: fine)
+    with tarfile.open(bundle, "r:gz") as tar:
+        raw = tar.extractfile("events.ndjson").read()  # type: ignore[union-attr]
+    assert raw.splitlines() == [canonical.dumps(e) for e in events]
+    assert not set(raw) & (set(range(32)) - {0x0A} | {0xFF})  # no placeholder byte left

@@ -457,3 +457,31 @@ def test_an_open_is_named_by_the_kernel_when_it_says_and_a_cwd_by_its_kernel_nam
     (b,) = c2.open_record(2, 0, 10, kn, 3, -100, 0, 0, b"/tmp/l/../passwd\0", 0, 0, kname=b"/srv/passwd\0")
     (e,) = c2.open_record(3, 0, 10, 0, -2, -100, 0, 0, b"/tmp/l/../nope\0", 0, 0)
     assert [a["path"], b["path"], e["path"]] == ["/etc/passwd", "/srv/passwd", "/tmp/l/../nope"]
+
+
+def test_names_from_their_directory_are_resolves_names() -> None:
+    """Correlator._in_dir (absolute names through their directory's cached names) gives what
+    Names.resolve gives the whole name, for any bytes: '.', '..', '//', magic links, bad UTF-8."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from evidence.agent.recorder import decode as dec
+    from evidence.agent.recorder.correlate import Correlator, Proc
+
+    parts = st.sampled_from(
+        [b"", b".", b"..", b"a", b"proc", b"self", b"fd", b"3", b"dev", b"\xe4\xb8", b"\xad", b"x y", b"\\"]
+    )
+    proc = Proc(pid=1, ppid=0, depth=0, exe=None, cwd="/")
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(parts, min_size=1, max_size=6))
+    def check(comps: list[bytes]) -> None:
+        corr = Correlator(0)
+        raw = b"/" + b"/".join(comps) + b"\0"
+        for _ in range(2):  # the directory's names made, then taken from the cache
+            got = corr._in_dir(raw)
+            if got is not None:
+                as_given = dec.cstr(raw)
+                assert got == (as_given, corr.names.resolve(proc, as_given))
+
+    check()

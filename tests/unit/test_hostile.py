@@ -69,7 +69,7 @@ def _bomb_padding(p: Path, m: dict[str, Any], lines: list[bytes]) -> Path:
 
 def _huge_member(p: Path, m: dict[str, Any], lines: list[bytes]) -> Path:
     mb = _m(m)
-    ti = tarinfo(fmt.EVENTS_NAME, 4 * 1024**3)
+    ti = tarinfo(fmt.EVENTS_NAME, fmt.MAX_DECOMPRESSED + 512)
     head = tar_bytes([(tarinfo(fmt.MANIFEST_NAME, len(mb)), mb)])[: -1024 * 0 or None]
     data = head[: 512 + ((len(mb) + 511) // 512) * 512] + ti.tobuf(format=tarfile.GNU_FORMAT)
     p.write_bytes(gzip.compress(data + bytes(1024 * 1024), mtime=0))

@@ -491,7 +491,7 @@ def test_full_detail_in_batches_is_the_bundle_made_event_by_event(
     fits under the caps: the bundle is byte for byte the one made event by event (each under _put's
     checks), whatever the batch size, with repeats (split at their time or not) across batch
     boundaries, and with a cap reached in the middle of a batch."""
-    from evidence.bundle import writer
+    from evidence.bundle import sink, writer
     from evidence.bundle.spool import read_spool_lines
     from evidence.bundle.writer import Caps
 
@@ -512,7 +512,7 @@ def test_full_detail_in_batches_is_the_bundle_made_event_by_event(
         write_bundle(out, meta, lambda: read_spool(spool), caps=caps, lines=lambda: read_spool_lines(spool))
         return out.read_bytes()
 
-    monkeypatch.setattr(writer, "_FULL_BATCH", batch)
+    monkeypatch.setattr(sink, "_FULL_BATCH", batch)
     batched = bundle("batched.tar.gz")
     monkeypatch.setattr(writer._EventSink, "_full_batch", lambda self, items, state: False)
     assert batched == bundle("each.tar.gz")

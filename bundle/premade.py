@@ -1,0 +1,258 @@
+"""Full detail's event lines made while the run records, so that its end has little left to do.
+
+A full-detail bundle has one event per spooled record, in the spool's order, and an event's line
+depends on the record, its sequence number and the run's constants: its labels and its run id. The
+run id is known only when the run ends (it is made of everything the run did, bundle/run_id.py), and
+so is the number of events before the records' (run.started and the run's degradations). `Premade`
+is fed the records as the recorder spools them (SpoolWriter's `events`) and makes their lines as
+the writer would (bundle/sink.py's FullWriter: the same batches, the same caps), numbered from the
+count of head events known when the run started, with PLACEHOLDER where the run id goes. Their
+content hashes, which depend on neither, go to a second file. Both are temporary files beside the
+spool (bounded by the caps: at most Caps.decompressed bytes of lines).
+
+When the bundle is written (bundle/writer.py), the premade lines are used if what they assumed
+holds: the same labels, the same number of head events, no cap reached, not signed (a signed
+bundle's trace reads every event's data). The run id replaces PLACEHOLDER (bytes no canonical JSON
+line holds: orjson escapes every control character, and UTF-8 has no 0xff), by one translation of
+each piece, and the lines go to the Deflater as they are; else the writer makes the events from the
+spool, as it always did. Both give the same bytes (tests/unit/test_premade.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from evidence.bundle.record_types import SpoolRecord
+from evidence.bundle.sink import Caps, EventSink, FullWriter
+
+logger = logging.getLogger(__name__)
+
+# Where a line's run id goes ("run-" and 32 hex digits: run_id.Behaviour.run_id): "run-" and 32
+# distinct bytes that no canonical JSON line holds (the control characters but the newline, which
+# orjson escapes, and 0xff, never in UTF-8), so that one bytes.translate puts the run's digits in:
+# byte k of the placeholder becomes digit k, every other byte stays (translation_for).
+_DIGITS = bytes(b for b in range(32) if b != 0x0A) + b"\xff"
+PLACEHOLDER = b"run-" + _DIGITS
+RUN_ID_LENGTH = len(PLACEHOLDER)
+
+
+def translation_for(run_id: str) -> bytes | None:
+    """The bytes.translate table that puts `run_id` in the placeholders; None for a run id of
+    another form."""
+    digits = run_id.removeprefix("run-").encode("ascii", "replace")
+    if (
+        not run_id.startswith("run-")
+        or len(digits) != len(_DIGITS)
+        or not all(c in b"0123456789abcdef" for c in digits)
+    ):
+        return None
+    table = bytearray(range(256))
+    for k, b in enumerate(_DIGITS):
+        table[b] = digits[k]
+    return bytes(table)
+
+
+_STANDIN = "R" * RUN_ID_LENGTH  # the run id the sink is made with, then replaced by PLACEHOLDER
+_OPEN_HEAD = b'{"k":"open","t":'  # a repeated open's spool line (agent/recorder/pipeline.py)
+_WRITE_AT = 1 << 20  # bytes of lines gathered before a write to the file
+
+
+class _File:
+    """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
+    content hashes, one hex digest and a newline each, as format.RootHasher takes them)."""
+
+    def __init__(self, tmp_dir: Path | None) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
+        self._buf: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size >= _WRITE_AT:
+            self.flush()
+
+    def compressed_bound(self) -> int:
+        """0: the compressed cap is checked on the real bytes when the bundle is written."""
+        return 0
+
+    def add(self, chash: str) -> None:
+        self.feed(chash.encode("ascii") + b"\n")
+
+    def add_many(self, chashes: list[str]) -> None:
+        chashes.append("")
+        self.feed("\n".join(chashes).encode("ascii"))
+        chashes.pop()
+
+    def flush(self) -> None:
+        if self._buf:
+            self.file.write(b"".join(self._buf))
+            self._buf.clear()
+            self._size = 0
+
+    def read(self, size: int) -> Iterator[bytes]:
+        """The file from its start, in pieces of `size` bytes (the last: what is left)."""
+        self.flush()
+        self.file.seek(0)
+        while chunk := self.file.read(size):
+            yield chunk
+
+    def close(self) -> None:
+        self._buf.clear()
+        self.file.close()
+
+
+@dataclasses.dataclass
+class Made:
+    """What a Premade made, for the writer: its lines and content hashes (files), the events'
+    size, next seq and counts, and what they assumed (`usable` checks it)."""
+
+    labels: dict[str, str]
+    head: int
+    caps: Caps
+    size: int
+    seq: int
+    counts: dict[str, int]
+    largest: int  # the most bytes of lines one batch took in (the writer's margin on the compressed cap)
+    ok: bool  # nothing failed, no cap reached
+    lines: _File
+    hashes: _File
+
+    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
+        """Whether the lines are the bundle's: what they assumed holds."""
+        why = (
+            "it failed or reached a cap"
+            if not self.ok
+            else "signed"
+            if signed
+            else "its labels changed"
+            if dict(labels) != self.labels
+            else f"{head} events before its records, not {self.head}"
+            if head != self.head
+            else "other caps"
+            if (caps or Caps()) != self.caps
+            else None
+        )
+        if why is not None:
+            logger.info(
+                "full detail's lines made as the run went are not used (%s): made from the spool", why
+            )
+        return why is None
+
+    def close(self) -> None:
+        self.lines.close()
+        self.hashes.close()
+
+
+class Premade:
+    """A full-detail run's event lines, made as its records are spooled (`add`)."""
+
+    def __init__(
+        self,
+        tmp_dir: Path | None,
+        labels: Mapping[str, str],
+        head: int,
+        caps: Caps | None = None,
+    ) -> None:
+        self.caps = caps or Caps()
+        self.lines = _File(tmp_dir)
+        self.hashes = _File(tmp_dir)
+        self.capped: dict[str, int] = {}
+        self.failed = False
+        self.ended = False
+        self._lock = threading.Lock()  # add() on the correlator's thread, restart() on others
+        self._start(labels, head)
+
+    def _start(self, labels: Mapping[str, str], head: int) -> None:
+        self.labels = dict(labels)
+        self.head = head  # events before the records' (run.started, degradations): their seq start
+        self.sink = EventSink(self.lines, _STANDIN, self.labels, self.caps, self.hashes)
+        standin = _STANDIN.encode()
+        self.sink._id = self.sink._id.replace(standin, PLACEHOLDER)
+        self.sink._runid = self.sink._runid.replace(standin, PLACEHOLDER)
+        self.sink._source = self.sink._source.replace(standin, PLACEHOLDER)
+        self.sink.seq = head
+        self._full = FullWriter(self.sink, self.capped)
+        self._made = False  # whether any record came
+
+    def restart(self, labels: Mapping[str, str], head: int) -> None:
+        """The run's labels or its head events changed (a degradation said, labels set): the
+        lines are made with them if no record came yet (the usual case: a run's set-up degrades
+        before its command runs); else the lines stay as they are, and the writer will not use them."""
+        with self._lock:
+            if not self._made and not self.failed and (dict(labels) != self.labels or head != self.head):
+                self._start(labels, head)
+
+    def add(self, recs: Sequence[SpoolRecord | bytes]) -> None:
+        """Records as they are spooled, in order; an item that is bytes is a spool line that repeats
+        the record before it but for its time (agent/recorder/pipeline.py: a repeated open)."""
+        if self.failed or self.ended or not recs:
+            return
+        with self._lock:
+            self._made = True
+            try:
+                self._full.add(_marked(recs))
+            except Exception:  # never in the way of the recording: the writer reads the spool instead
+                logger.exception("full detail's lines could not be made as the run went: made at its end")
+                self.fail()
+
+    def fail(self) -> None:
+        self.close()
+
+    def end(self) -> bool:
+        """No record comes after: write the last batch. Whether the lines can be used (no cap
+        reached, nothing failed)."""
+        if not self.failed and not self.ended:
+            self.ended = True
+            try:
+                self._full.end()
+                self.lines.flush()
+                self.hashes.flush()
+            except Exception:
+                logger.exception("full detail's last lines could not be made: made at the run's end")
+                self.fail()
+        return not self.failed and not self.capped
+
+    def made(self) -> Made:
+        """What it made, for the writer (after end())."""
+        ok = self.end()
+        return Made(
+            self.labels,
+            self.head,
+            self.caps,
+            self.sink.size,
+            self.sink.seq,
+            dict(self.sink.counts),
+            self._full.largest,
+            ok,
+            self.lines,
+            self.hashes,
+        )
+
+    def close(self) -> None:
+        self.failed = True  # its files are gone: never used after
+        self.lines.close()
+        self.hashes.close()
+
+
+def _marked(recs: Sequence[SpoolRecord | bytes]) -> Iterator[SpoolRecord | int]:
+    """The records as FullWriter takes them: a repeated open's line as its time alone."""
+    head = len(_OPEN_HEAD)
+    for rec in recs:
+        if isinstance(rec, bytes):
+            comma = rec.find(b",", head)
+            digits = rec[head:comma]
+            if rec.startswith(_OPEN_HEAD) and comma > 0 and digits.isdigit():
+                yield int(digits)
+            else:  # pragma: no cover - the recorder spools no other line
+                yield orjson.loads(rec)
+        else:
+            yield rec
