@@ -19,6 +19,7 @@ LEVEL is 1: zlib's fastest, 3 to 4 times level 6's speed on event lines for 20 t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import queue
 import struct
@@ -26,8 +27,10 @@ import tarfile
 import threading
 import zlib
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 LEVEL = 1
 CHUNK = 1 << 20  # the events are deflated in chunks of exactly this many bytes (the last: what is left)
@@ -81,7 +84,11 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
 
 
-_CHUNK_ZEROS = _zeros_operator(CHUNK)  # a whole chunk's: one matrix product per chunk combined
+@functools.cache
+def _chunk_zeros() -> list[int]:
+    """A whole chunk's zeros operator: one matrix product per chunk combined (made once, when the
+    first bundle is written: not at import, which every `evidence run` pays)."""
+    return _zeros_operator(CHUNK)
 
 
 def _deflate(chunk: bytes | memoryview, zdict: bytes | None, level: int) -> tuple[bytes, int]:
@@ -111,6 +118,8 @@ class Deflater:
         self._buffered = 0
         self._zdict: bytes | None = None  # the end of the last chunk handed over
         self._flight: deque[tuple[int, Future[tuple[bytes, int]]]] = deque()
+        from concurrent.futures import ThreadPoolExecutor  # (imported when a bundle is written)
+
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="evidence-deflate")
         self._hashing: queue.Queue[bytes | memoryview | None] = queue.Queue(maxsize=IN_FLIGHT)
         self._error: BaseException | None = None
@@ -192,7 +201,7 @@ class Deflater:
         self.out.write(packed)
         # a whole chunk's CRC is combined by one precomputed matrix (the last may be shorter)
         self.crc = (
-            (_gf2_times(_CHUNK_ZEROS, self.crc) ^ crc) if n == CHUNK else crc32_combine(self.crc, crc, n)
+            (_gf2_times(_chunk_zeros(), self.crc) ^ crc) if n == CHUNK else crc32_combine(self.crc, crc, n)
         )
         self.size += n
         self.compressed += len(packed)

@@ -243,16 +243,13 @@ class Premade:
         self.hashes.close()
 
 
-def _marked(recs: Sequence[SpoolRecord | bytes]) -> Iterator[SpoolRecord | int]:
-    """The records as FullWriter takes them: a repeated open's line as its time alone."""
+def _marked(recs: Sequence[SpoolRecord | bytes]) -> list[SpoolRecord | int]:
+    """The records as FullWriter takes them: a repeated open's line as its time alone (the digits
+    after its kind; int() refuses anything else, and any other line is parsed)."""
     head = len(_OPEN_HEAD)
-    for rec in recs:
-        if isinstance(rec, bytes):
-            comma = rec.find(b",", head)
-            digits = rec[head:comma]
-            if rec.startswith(_OPEN_HEAD) and comma > 0 and digits.isdigit():
-                yield int(digits)
-            else:  # pragma: no cover - the recorder spools no other line
-                yield orjson.loads(rec)
-        else:
-            yield rec
+    return [
+        (int(r[head : r.find(b",", head)]) if r.startswith(_OPEN_HEAD) else orjson.loads(r))
+        if isinstance(r, bytes)
+        else r
+        for r in recs
+    ]

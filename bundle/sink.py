@@ -251,22 +251,37 @@ class EventSink:
         open_end = b'"' + open_type + b"\n"
         second = -1  # the last time's second, and its text (format_time's, without a call each)
         text = ""
-        for item in items:
+        i, count = 0, len(items)
+        while i < count:
+            item = items[i]
+            i += 1
             if item.__class__ is int:
                 t = item
                 assert prev is not None  # a repeat follows a record
                 if not tried:
                     split, tried = self._prepare(prev), True
                 if split is not None:
+                    # this repeat and those right after it (a loop opening one file), a step at a time
+                    start = i - 1
+                    while i < count and items[i].__class__ is int:
+                        i += 1
                     etype, parts, after_seq, end, core_end = split
-                    if t // 1_000_000_000 != second:
-                        second = t // 1_000_000_000
-                        text = format_time(second * 1_000_000_000)[:-11]
-                    time = f"{text}.{t % 1_000_000_000:09d}Z".encode()
-                    d = (b'"' + time + b'"').join(parts)
-                    digits = b"%d" % seq
-                    lines.append(join((b'{"data":', d, id_, digits, runid, digits, after_seq, time, end)))
-                    cores.append(join((b'{"data":', d, core_end)))
+                    times: list[bytes] = []
+                    for t in cast("list[int]", items[start:i]):
+                        if t // 1_000_000_000 != second:
+                            second = t // 1_000_000_000
+                            text = format_time(second * 1_000_000_000)[:-11]
+                        times.append(f"{text}.{t % 1_000_000_000:09d}Z".encode())
+                    datas = [(b'"' + time + b'"').join(parts) for time in times]
+                    numbers = [b"%d" % n for n in range(seq, seq + len(times))]
+                    lines += [
+                        join((b'{"data":', d, id_, q, runid, q, after_seq, time, end))
+                        for d, q, time in zip(datas, numbers, times, strict=True)
+                    ]
+                    cores += [join((b'{"data":', d, core_end)) for d in datas]
+                    etypes += [etype] * len(times)
+                    seq += len(times)
+                    continue
                 else:
                     rec = prev.copy()
                     rec["t"] = t
