@@ -136,7 +136,9 @@ def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
         got = tmp_path / "got.tar.gz"
         sid = manifests[bundle]["session_id"]
         # the object store's stream elects its own leader after a kill: a get may time out meanwhile (exit 70)
-        until(lambda: evidence(*reader, "get", f"{node}.{sid}", "-o", str(got)).returncode == 0, 60, "fleet get")
+        until(
+            lambda: evidence(*reader, "get", f"{node}.{sid}", "-o", str(got)).returncode == 0, 60, "fleet get"
+        )
         assert got.read_bytes() == bundle.read_bytes()
     finally:
         for _node, _bundle, proc in runs:
