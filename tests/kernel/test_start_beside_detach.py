@@ -94,19 +94,34 @@ def test_a_detach_holds_nothing_of_the_run_but_the_probes_attachments(tmp_path: 
         detach = [p for p in _detaches() if str(tmp_path) in Path(f"/proc/{p}/cmdline").read_text()]
         assert detach, "the refused run's probes were handed to an evidence-detach"
         for pid in detach:
-            kinds = set()
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                if int(fd.name) <= 2:
-                    continue
-                with contextlib.suppress(OSError):
-                    kinds.add(
-                        os.readlink(fd).split(":")[0]
-                        if os.readlink(fd).startswith("anon_inode")
-                        else os.readlink(fd).split(":[")[0]
-                    )
+            # it closes what it inherited as it starts: read its descriptors until they settle
+            deadline = time.monotonic() + 10
+            while True:
+                kinds, pipes = _held(pid)
+                if (
+                    kinds <= {"anon_inode", "pipe", str(ATTACH_LOCK)} and pipes == 1
+                ) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             assert kinds <= {"anon_inode", "pipe", str(ATTACH_LOCK)}, kinds
-            pipes = [fd for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("pipe:")]
-            assert len(pipes) == 1, "its own pipe to evidence run, nothing else's"
+            assert pipes == 1, "its own pipe to evidence run, nothing else's"
+
+
+def _held(pid: int) -> tuple[set[str], int]:
+    """The kinds of what `pid` holds past stdio, and how many pipes (a descriptor closed while it is
+    read is skipped)."""
+    kinds: set[str] = set()
+    pipes = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        if int(fd.name) <= 2:
+            continue
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        kinds.add(target.split(":")[0] if target.startswith("anon_inode") else target.split(":[")[0])
+        pipes += target.startswith("pipe:")
+    return kinds, pipes
 
 
 def _detaches() -> list[int]:
