@@ -416,20 +416,28 @@ class LimitWatcher:
 
 
 def name_victims(
-    event: LimitEvent, exits: Iterable[Mapping[str, Any]], since: int, killed_by_us: Iterable[int] = ()
+    event: LimitEvent,
+    exits: Iterable[Mapping[str, Any]],
+    since: int,
+    killed_by_us: Iterable[int] = (),
+    until: int | None = None,
 ) -> LimitEvent:
     """The OOM kill event with the processes it killed named from the run's exit records: those
-    that died of SIGKILL at `since` (the previous poll's t) or later and by `event.t`, less the
-    ones evidence killed itself (the wall limit, the end of the run). As many as counted: certain."""
+    that died of SIGKILL at `since` (the previous poll's t) or later and by `until` (default
+    `event.t`, this poll's), less the ones evidence killed itself (the wall limit, the end of the
+    run). As many as counted: certain. A victim is counted when the kernel sends its SIGKILL and
+    exits when it next runs: on a busy machine after the poll that saw the count, so a caller that
+    has the later exits passes the next poll's `since` (or no bound) as `until`."""
     if event.kind != "oom_kill":
         return event
+    end = event.t if until is None else until
     ours = set(killed_by_us)
     pids = tuple(
         sorted(
             int(e["pid"])
             for e in exits
             if e.get("signal") == "SIGKILL"
-            and since <= int(e.get("t", -1)) <= event.t
+            and since <= int(e.get("t", -1)) <= end
             and e.get("pid") not in ours
         )
     )

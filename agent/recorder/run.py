@@ -230,8 +230,11 @@ class Run:
         from evidence.agent.recorder.limits import name_victims
 
         out: list[LimitRecord] = []
+        ooms = [since for event, since in events if event.kind == "oom_kill"]
         for event, since in events:
-            e = name_victims(event, self._killed, since)
+            # a victim may exit after the poll that counted its kill: named up to the next such poll
+            later = [s for s in ooms if s > since]
+            e = name_victims(event, self._killed, since, until=min(later) if later else 2**63 - 1)
             detail = e.describe()
             if e.kind == "wall" and self.limits is not None:
                 detail = f"the run reached limits.wall ({self.limits.limits.wall_ms} ms) and was killed"

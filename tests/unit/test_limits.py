@@ -168,3 +168,8 @@ def test_oom_victims_are_joined_from_exit_records() -> None:
     assert one.pids == (10, 11) and not one.certain  # two candidates for one kill
     fork = LimitEvent("pids", "fork_refused", 3, t=5)
     assert name_victims(fork, exits, since=0) is fork
+    # a victim scheduled only after the poll that counted its kill (a busy machine): named up to `until`
+    late = name_victims(
+        LimitEvent("memory", "oom_kill", 3, t=200), exits, since=100, killed_by_us=[15], until=300
+    )
+    assert late.pids == (10, 11, 14) and late.certain
