@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,9 +197,7 @@ class Run:
         return said
 
     def _watch_exits(self, records: Sequence[SpoolRecord]) -> None:
-        for rec in records:
-            if rec["k"] == "exit" and rec["signal"] == "SIGKILL":
-                self._killed.append(rec)
+        self._killed.extend(_sigkilled(records))
 
     def enter_limits(self, pid: int) -> None:
         """Put process `pid` (the command's, before it execs) into the run's v1 cgroups."""
@@ -231,10 +229,13 @@ class Run:
 
         out: list[LimitRecord] = []
         ooms = [since for event, since in events if event.kind == "oom_kill"]
+        # exits held back behind an exec's hash are not observed yet (the recorder's finish does
+        # that): a victim's exit may be one of them, so they are looked at here too
+        killed = [*self._killed, *_sigkilled(self.session.held if ooms else ())]
         for event, since in events:
             # a victim may exit after the poll that counted its kill: named up to the next such poll
             later = [s for s in ooms if s > since]
-            e = name_victims(event, self._killed, since, until=min(later) if later else 2**63 - 1)
+            e = name_victims(event, killed, since, until=min(later) if later else 2**63 - 1)
             detail = e.describe()
             if e.kind == "wall" and self.limits is not None:
                 detail = f"the run reached limits.wall ({self.limits.limits.wall_ms} ms) and was killed"
@@ -392,6 +393,11 @@ class Run:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _sigkilled(records: Iterable[SpoolRecord]) -> list[ExitRecord]:
+    """The exits of `records` by SIGKILL (an OOM kill's victims are among them)."""
+    return [r for r in list(records) if r["k"] == "exit" and r["signal"] == "SIGKILL"]
 
 
 def _limits_text(applied: AppliedLimits) -> str:
