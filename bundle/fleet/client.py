@@ -234,29 +234,68 @@ def object_digest(sha256_hex: str) -> str:
 
 
 async def index_entries(js: JetStreamContext, node: str | None = None) -> list[IndexEntry]:
-    """Every entry of the index (one node's: filtered by the server), read through a watcher (no
-    bundle is read). An entry that is not one is logged and left out."""
+    """Every entry of the index (one node's: filtered by the server), read through a pull consumer
+    of the bucket's last entry per key (no bundle is read). An entry that is not one is logged and
+    left out.
+
+    Not nats-py's `KeyValue.watch`: its end-of-initial-values marker may come before values the
+    server has already sent (nats.py #842, still open in 2.16), and a listing that drops a run
+    without a word is what a user must never get. The end here is the server's own count: the
+    consumer has nothing pending."""
+    stream = f"KV_{names.INDEX_BUCKET}"
+    prefix = f"$KV.{names.INDEX_BUCKET}."
     try:
-        kv = await js.key_value(names.INDEX_BUCKET)
-    except BucketNotFoundError:
+        psub = await js.pull_subscribe(
+            prefix + (f"{names.check_node(node)}.*" if node else ">"),
+            stream=stream,
+            config=api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                ack_policy=api.AckPolicy.NONE,
+                inactive_threshold=60.0,  # the server drops it if we die before deleting it
+                mem_storage=True,
+                num_replicas=1,
+            ),
+        )
+    except NotFoundError:
         return []
-    watcher = await kv.watch(f"{names.check_node(node)}.*" if node else ">", ignore_deletes=True)
     out: list[IndexEntry] = []
     try:
         while True:
-            entry = await watcher.updates(timeout=10)  # type: ignore[no-untyped-call]
-            if entry is None:
-                break
-            if entry.value is None:
-                continue
             try:
-                written_by, _ = names.split_key(entry.key)
-                out.append(IndexEntry.from_json(entry.value, key=entry.key, written_by=written_by))
-            except (BundleError, UsageError) as e:
-                logger.warning("%s", e.message)
+                msgs = await psub.fetch(INDEX_BATCH, timeout=INDEX_WAIT)
+            except nats.errors.TimeoutError:
+                msgs = []
+            for msg in msgs:
+                entry = _index_entry(msg.subject[len(prefix) :], msg.headers, msg.data)
+                if entry is not None:
+                    out.append(entry)
+            if msgs and msgs[-1].metadata.num_pending:
+                continue
+            info = await psub.consumer_info()
+            if info.num_pending == 0:
+                break
     finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+        with contextlib.suppress(Exception):  # best effort: the inactive threshold removes it anyway
+            await js.delete_consumer(stream, (await psub.consumer_info()).name)
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
     return out
+
+
+INDEX_BATCH = 512  # index entries fetched at a time
+INDEX_WAIT = 2.0  # seconds one fetch waits for its first entry before the consumer's count is asked
+
+
+def _index_entry(key: str, headers: dict[str, str] | None, value: bytes) -> IndexEntry | None:
+    """An index entry from its key and message; None for a deleted key or one that is no entry."""
+    if headers and headers.get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    try:
+        written_by, _ = names.split_key(key)
+        return IndexEntry.from_json(value, key=key, written_by=written_by)
+    except (BundleError, UsageError) as e:
+        logger.warning("%s", e.message)
+        return None
 
 
 async def fetch_bundle(js: JetStreamContext, entry: IndexEntry, out: BinaryIO) -> None:

@@ -49,6 +49,7 @@ def reader() -> dict[str, Any]:
                 "$JS.API.CONSUMER.CREATE.>",
                 "$JS.API.CONSUMER.INFO.>",
                 "$JS.API.CONSUMER.DELETE.>",
+                "$JS.API.CONSUMER.MSG.NEXT.>",  # `fleet ls` reads the index with a pull consumer
                 "$JS.FC.>",
             ]
         },
