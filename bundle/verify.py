@@ -369,15 +369,20 @@ class Verifier:
         self._finish()
 
     def _checked(self, lines: list[bytes], ctx: Context) -> Iterator[EventJSON]:
-        """The events of `lines` that pass, in order: the fast path while it can, then the careful."""
+        """The events of `lines` that pass, in order: the fast path while it can, then the careful.
+        The run's first event is the careful path's (it checks run.started against the manifest);
+        the fast path takes the events after it, not the careful path the whole first piece."""
         done = 0
-        if self._fast():
+        if self.seq == 0 and lines and self._fast():
+            yield from self._careful(lines[:1])
+            done = 1
+        if done < len(lines) and self._fast():
             passed = Passed()
-            yield from fast(lines, self.seq, ctx, passed)
+            yield from fast(lines[done:] if done else lines, self.seq, ctx, passed)
             self.root.update(passed.root_bytes())
             self._count(passed.counts)
             self.seq += passed.n
-            done = passed.n
+            done += passed.n
         if done < len(lines):
             yield from self._careful(lines[done:] if done else lines)
 
