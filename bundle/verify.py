@@ -134,7 +134,13 @@ class Verifier:
     """One pass over a bundle. `run()` yields each event once it has been checked."""
 
     def __init__(
-        self, path: str, limits: Limits, *, parallel: bool = False, start: Start | None = None
+        self,
+        path: str,
+        limits: Limits,
+        *,
+        parallel: bool = False,
+        start: Start | None = None,
+        ahead: bool = True,
     ) -> None:
         self.path = path
         self.limits = limits
@@ -142,6 +148,7 @@ class Verifier:
         # set once the manifest passed its checks (format.Manifest), before anything reads it
         self.manifest: ManifestJSON = cast("ManifestJSON", {})
         self.parallel = parallel
+        self.ahead = ahead  # inflating in a thread of its own, ahead of the checks
         self.helper: Helper | None = None
         self.start = start  # the pass folds each piece's events into start(seq), and yields the folds
         self._start_pickled = b""
@@ -196,7 +203,10 @@ class Verifier:
             and Helper.usable()
         ):
             self.helper = Helper()  # forked before the inflating thread starts
-        chunks = Ahead(inflate(f, self.limits)) if not manifest_only else inflate(f, self.limits)
+        if manifest_only:  # inflated a little at a time, not a CHUNK of the events it never reads
+            chunks: Generator[bytes, None, None] | Ahead = inflate(f, self.limits, 1 << 16)
+        else:
+            chunks = Ahead(inflate(f, self.limits)) if self.ahead else inflate(f, self.limits)
         try:
             yield from self._walk(Stream(chunks), manifest_only)
         except _Stop:

@@ -37,10 +37,10 @@ from tests.unit.test_hostile import HOSTILE
 Outcome = tuple[list[dict[str, Any]], int, list[str], tuple[str, ...]]
 
 
-def _outcome(path: Path) -> Outcome:
+def _outcome(path: Path, parallel: bool = True) -> Outcome:
     """(findings, findings not listed, verification problems, keyids) of lint_signed."""
     try:
-        _, findings, dropped, signature = lint.lint_signed(str(path))
+        _, findings, dropped, signature = lint.lint_signed(str(path), parallel=parallel)
     except reader.VerificationError as e:
         return [], 0, e.problems, ()
     return [f.as_dict() for f in findings], dropped, [], signature.keyids
@@ -51,9 +51,11 @@ def _careful_only(lines: list[bytes], seq: int, ctx: Any, passed: Any) -> Iterat
 
 
 def _both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Outcome, Outcome]:
-    """(as lint does it now, the careful path alone), in this process."""
+    """(as lint does it now, the careful path alone), in this process; in the caller's thread alone
+    (the agent's way: no inflating thread) as with one."""
     monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: False))
     now = _outcome(path)
+    assert _outcome(path, parallel=False) == now
     with monkeypatch.context() as m:
         m.setattr(verify, "fast", _careful_only)
         careful = _outcome(path)
@@ -161,3 +163,42 @@ def test_the_first_piece_is_checked_the_fast_way_after_its_first_event(
     assert manifest["events"] > 500
     assert careful == [1, 1]  # run.started, run.finished
     assert manifest["counts"][fmt.FILE_OPEN] >= 500 and findings == []
+
+
+def test_the_manifest_is_read_without_inflating_the_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """open_bundle reads the manifest alone: a little of the stream, not a CHUNK of events it never
+    reads (lint opens a bundle, then makes its pass)."""
+    recs = [*records(), *(open_(10_000 + i, f"{WS}/src/f{i}.c", ["read"]) for i in range(3000))]
+    path = write(tmp_path / "a.tar.gz", recs)
+    produced: list[int] = []
+    real = verify.inflate
+
+    def counting(*args: Any) -> Iterator[bytes]:
+        for chunk in real(*args):
+            produced.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(verify, "inflate", counting)
+    bundle = reader.open_bundle(path)
+    assert bundle.manifest["events"] > 3000
+    assert sum(produced) <= 1 << 16 < bundle.manifest["files"][fmt.EVENTS_NAME]["size"]
+
+
+def test_one_thread_lints_without_an_inflating_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path / "a.tar.gz")
+    started: list[bool] = []
+    real = verify.Ahead
+
+    def ahead(*args: Any) -> verify.Ahead:
+        started.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(verify, "Ahead", ahead)
+    lint.lint_signed(str(path), parallel=False)
+    assert started == []
+    lint.lint_signed(str(path))
+    assert started == [True]  # `evidence lint`'s way: inflating ahead, in a thread of its own
