@@ -49,6 +49,7 @@ from evidence.agent.daemon.settings import NatsSink  # noqa: E402
 from evidence.bundle.fleet import client, names  # noqa: E402
 from evidence.bundle.reader import read_manifest  # noqa: E402
 from tests.fleet.servers import Server, cluster  # noqa: E402
+from tests.fleet.wait import until  # noqa: E402
 from tests.unit import conftest_bundles as cb  # noqa: E402
 
 
@@ -100,12 +101,15 @@ def publishers(urls: list[str], n: int, tmp: Path, replicas: int) -> list[tuple[
 
 
 def wait(regs: list[m.Registry], metric: str, want: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(r.value(metric) >= w for r, w in zip(regs, want, strict=True)):
-            return True
-        time.sleep(0.02)
-    return False
+    try:
+        return until(
+            lambda: all(r.value(metric) >= w for r, w in zip(regs, want, strict=True)),
+            timeout,
+            metric,
+            pace=0.02,
+        )
+    except AssertionError:
+        return False
 
 
 class IndexWatcher:

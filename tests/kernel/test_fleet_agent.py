@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 
 from evidence.bundle.reader import read_manifest
 from tests.fleet.servers import Server
+from tests.fleet.wait import until
 from tests.kernel.test_daemon import Agent
 from tests.kernel.util import PY, evidence
 from tests.unit.test_fleet_publish import stream_events
@@ -47,13 +47,11 @@ def record(agent: Agent, bundle: Path, *labels: str) -> dict[str, Any]:
 
 
 def wait_metric(agent: Agent, name: str, want: float, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> dict[str, float] | None:
         got = agent.metrics()
-        if got.get(name, 0.0) >= want:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"{name} < {want}: {agent.metrics()}\n{agent.output()}")
+        return got if got.get(name, 0.0) >= want else None
+
+    return until(reached, timeout, lambda: f"{name} >= {want}: {agent.metrics()}\n{agent.output()}", pace=0.2)
 
 
 def recorded_events(metrics: dict[str, float]) -> int:
