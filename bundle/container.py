@@ -58,8 +58,10 @@ class Fatal(Exception):
 # --- gzip and tar ------------------------------------------------------------------------------
 
 
-def inflate(f: IO[bytes], limits: Limits) -> Generator[bytes, None, None]:
-    """Decompressed chunks of one gzip member, counting both sides against the limits."""
+def inflate(f: IO[bytes], limits: Limits, chunk_size: int | None = None) -> Generator[bytes, None, None]:
+    """Decompressed chunks of one gzip member (of at most `chunk_size` bytes, default CHUNK),
+    counting both sides against the limits."""
+    most = CHUNK if chunk_size is None else chunk_size
     d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     read = 0
     produced = 0
@@ -72,7 +74,7 @@ def inflate(f: IO[bytes], limits: Limits) -> Generator[bytes, None, None]:
             raise Fatal(f"compressed size exceeds the limit of {limits.compressed} bytes")
         while chunk and not d.eof:
             try:
-                out = d.decompress(chunk, CHUNK)
+                out = d.decompress(chunk, most)
             except zlib.error as e:
                 raise Fatal(f"corrupt gzip stream: {e}") from None
             chunk = d.unconsumed_tail

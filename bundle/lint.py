@@ -635,12 +635,18 @@ def lint(path: str) -> tuple[ManifestJSON, list[Finding], int]:
 
 
 def lint_signed(
-    path: str, key: Ed25519PublicKey | None = None, *, require_signature: bool = False
+    path: str,
+    key: Ed25519PublicKey | None = None,
+    *,
+    require_signature: bool = False,
+    parallel: bool = True,
 ) -> tuple[ManifestJSON, list[Finding], int, Signature]:
     """Verify and lint a bundle: (manifest, findings, findings dropped over MAX_FINDINGS, signature).
     Raises reader.VerificationError (exit 2) if the bundle fails verification, and, with a `key`,
-    if it is not signed by that key; with `require_signature`, if it is not signed."""
-    bundle = reader.open_bundle(path)
+    if it is not signed by that key; with `require_signature`, if it is not signed.
+    `parallel=False`: all of it in the caller's thread (no helper process, no inflating thread),
+    the least CPU, for a caller that keeps the CPUs busy itself (the agent's fleet publisher)."""
+    bundle = reader.open_bundle(path, parallel=parallel, ahead=parallel)
     linter = Linter(bundle.manifest)
     take = linter.take
     for part in bundle.fold(linter.start):

@@ -134,7 +134,13 @@ class Verifier:
     """One pass over a bundle. `run()` yields each event once it has been checked."""
 
     def __init__(
-        self, path: str, limits: Limits, *, parallel: bool = False, start: Start | None = None
+        self,
+        path: str,
+        limits: Limits,
+        *,
+        parallel: bool = False,
+        start: Start | None = None,
+        ahead: bool = True,
     ) -> None:
         self.path = path
         self.limits = limits
@@ -142,6 +148,7 @@ class Verifier:
         # set once the manifest passed its checks (format.Manifest), before anything reads it
         self.manifest: ManifestJSON = cast("ManifestJSON", {})
         self.parallel = parallel
+        self.ahead = ahead  # inflating in a thread of its own, ahead of the checks
         self.helper: Helper | None = None
         self.start = start  # the pass folds each piece's events into start(seq), and yields the folds
         self._start_pickled = b""
@@ -196,7 +203,10 @@ class Verifier:
             and Helper.usable()
         ):
             self.helper = Helper()  # forked before the inflating thread starts
-        chunks = Ahead(inflate(f, self.limits)) if not manifest_only else inflate(f, self.limits)
+        if manifest_only:  # inflated a little at a time, not a CHUNK of the events it never reads
+            chunks: Generator[bytes, None, None] | Ahead = inflate(f, self.limits, 1 << 16)
+        else:
+            chunks = Ahead(inflate(f, self.limits)) if self.ahead else inflate(f, self.limits)
         try:
             yield from self._walk(Stream(chunks), manifest_only)
         except _Stop:
@@ -369,15 +379,20 @@ class Verifier:
         self._finish()
 
     def _checked(self, lines: list[bytes], ctx: Context) -> Iterator[EventJSON]:
-        """The events of `lines` that pass, in order: the fast path while it can, then the careful."""
+        """The events of `lines` that pass, in order: the fast path while it can, then the careful.
+        The run's first event is the careful path's (it checks run.started against the manifest);
+        the fast path takes the events after it, not the careful path the whole first piece."""
         done = 0
-        if self._fast():
+        if self.seq == 0 and lines and self._fast():
+            yield from self._careful(lines[:1])
+            done = 1
+        if done < len(lines) and self._fast():
             passed = Passed()
-            yield from fast(lines, self.seq, ctx, passed)
+            yield from fast(lines[done:] if done else lines, self.seq, ctx, passed)
             self.root.update(passed.root_bytes())
             self._count(passed.counts)
             self.seq += passed.n
-            done = passed.n
+            done += passed.n
         if done < len(lines):
             yield from self._careful(lines[done:] if done else lines)
 

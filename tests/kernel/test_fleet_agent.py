@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 
 from evidence.bundle.reader import read_manifest
 from tests.fleet.servers import Server
+from tests.fleet.wait import until
 from tests.kernel.test_daemon import Agent
 from tests.kernel.util import PY, evidence
 from tests.unit.test_fleet_publish import stream_events
@@ -47,13 +47,11 @@ def record(agent: Agent, bundle: Path, *labels: str) -> dict[str, Any]:
 
 
 def wait_metric(agent: Agent, name: str, want: float, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> dict[str, float] | None:
         got = agent.metrics()
-        if got.get(name, 0.0) >= want:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"{name} < {want}: {agent.metrics()}\n{agent.output()}")
+        return got if got.get(name, 0.0) >= want else None
+
+    return until(reached, timeout, lambda: f"{name} >= {want}: {agent.metrics()}\n{agent.output()}", pace=0.2)
 
 
 def recorded_events(metrics: dict[str, float]) -> int:
@@ -71,13 +69,22 @@ def check_arrived(server: Server, manifest: dict[str, Any], bundle: Path, tmp: P
     proc = evidence("fleet", "--server", server.url, "get", sid, "-o", str(got))
     assert proc.returncode == 0, proc.stderr
     assert got.read_bytes() == bundle.read_bytes()
-    lint = evidence("lint", str(got), "--fail-on", "none")
+    row = index_row(server, sid, got)
+    assert row["node"] == row["written_by"] == "k1" and row["run_id"] == manifest["run_id"]
+    assert row["exit_code"] == 0 and row["events"] == manifest["events"]
+
+
+def index_row(server: Server, sid: str, bundle: Path) -> dict[str, Any]:
+    """The run's index entry (`fleet ls`), its lint counts checked against `evidence lint`'s own of
+    the bundle: the agent's lint (in its one thread) finds what the command finds."""
+    lint = evidence("lint", str(bundle), "--fail-on", "none", "--format", "json")
     assert lint.returncode == 0, lint.stdout + lint.stderr
-    ls = evidence("fleet", "--server", server.url, "ls", "--format", "json", "--label", "job=fleet")
+    findings = json.loads(lint.stdout)["findings"]
+    ls = evidence("fleet", "--server", server.url, "ls", "--format", "json")
     assert ls.returncode == 0, ls.stderr
     (row,) = [r for r in json.loads(ls.stdout) if r["session_id"] == sid]
-    assert row["node"] == row["written_by"] == "k1" and row["run_id"] == manifest["run_id"]
-    assert row["exit_code"] == 0 and row["lint"] is not None and row["events"] == manifest["events"]
+    assert row["lint"] == {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "note")}
+    return dict(row)
 
 
 def test_run_arrives_exactly_once(tmp_path: Path) -> None:
@@ -147,7 +154,8 @@ def test_outbox_survives_kill_9(tmp_path: Path) -> None:
 HOSTILE = (
     "import os\n"
     "d = os.environ['D']\n"
-    "names = ['x\\r\\nNats-Msg-Id: forged', 'y\\nce-id: forged', 'z\\r\\n\\r\\nbody', 'p%0D%0Aq', 'q\"r']\n"
+    "names = ['x\\r\\nNats-Msg-Id: forged', 'y\\nce-id: forged', 'z\\r\\n\\r\\nbody', 'p%0D%0Aq', 'q\"r',\n"
+    "         'token=s3cr3tvalue']\n"
     "for n in names:\n"
     "    try: open(os.path.join(d, n), 'w').close()\n"
     "    except OSError: pass\n"
@@ -157,7 +165,8 @@ HOSTILE = (
 def test_unprivileged_job_cannot_forge_headers(tmp_path: Path, place: Path) -> None:
     """A job run as nobody names its files with CR/LF and header lines: in the stream each is one
     event under its own id (`Nats-Msg-Id` = the event's id: a forged one would make JetStream drop
-    other events as duplicates), its subject header percent-encoded and decoded back exactly."""
+    other events as duplicates), its subject header percent-encoded and decoded back exactly; the
+    index's lint counts are `evidence lint`'s of the bundle (a secret in a file's name among them)."""
     import shutil
     import subprocess
     import tempfile
@@ -187,6 +196,8 @@ def test_unprivileged_job_cannot_forge_headers(tmp_path: Path, place: Path) -> N
         subjects = {e.get("subject") for e in events}
         for name in ("x\r\nNats-Msg-Id: forged", "y\nce-id: forged", "z\r\n\r\nbody", "p%0D%0Aq", 'q"r'):
             assert str(place / name) in subjects, name
+        row = index_row(server, manifest["session_id"], bundle)  # and the index's lint is lint's
+        assert row["lint"]["error"] >= 1  # a secret in a path (EV003)
     finally:
         assert agent.stop() == 0, agent.output()
         server.kill()

@@ -18,6 +18,7 @@ import pytest
 
 from evidence.bundle.fleet import binding, client, names
 from evidence.bundle.reader import read_manifest
+from tests.fleet.wait import until
 from tests.kernel.test_daemon import Agent
 from tests.kernel.test_fleet_agent import recorded_events, wait_metric
 from tests.kernel.util import PY, evidence
@@ -58,16 +59,6 @@ def stream_events(urls: list[str], seed: Path) -> list[dict[str, Any]]:
     return asyncio.run(read())
 
 
-def until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out: {what}")
-
-
 def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
     servers, seeds = deploy_cluster(tmp_path)
     urls = [s.url for s in servers]
@@ -75,7 +66,9 @@ def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
     runs: list[tuple[str, Path, subprocess.Popen[str]]] = []
     try:
         op = ["fleet", *[a for u in urls for a in ("--server", u)], "--nkey", str(seeds["operator"])]
-        until(lambda: evidence(*op, "init", "--replicas", "3").returncode == 0, 60, "the layout at R3")
+        until(
+            lambda: evidence(*op, "init", "--replicas", "3").returncode == 0, 60, "the layout at R3", pace=0.5
+        )
         for node in ("node-a", "node-b"):
             home = tmp_path / node
             home.mkdir()
@@ -104,7 +97,7 @@ def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
             recorded[node] = n
             assert agent.proc.poll() is None
         live = [u for s, u in zip(servers, urls, strict=True) if s is not killed]
-        events = until(lambda: stream_events(live, seeds["reader"]), 60, "the stream readable")
+        events = until(lambda: stream_events(live, seeds["reader"]), 60, "the stream readable", pace=0.5)
         sessions = {
             m["session_id"]: node for (node, bundle, _p), m in zip(runs, manifests.values(), strict=True)
         }
@@ -128,7 +121,7 @@ def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
             ls = evidence(*reader, "ls", "--label", "job=cluster2", "--format", "json")
             return json.loads(ls.stdout) if ls.returncode == 0 else None
 
-        rows = until(listed, 60, "fleet ls")
+        rows = until(listed, 60, "fleet ls", pace=0.5)
         assert sorted(r["session_id"] for r in rows) == sorted(sessions)
         for r in rows:
             assert r["node"] == r["written_by"] == sessions[r["session_id"]]
@@ -137,7 +130,10 @@ def test_two_agents_one_server_killed_mid_way(tmp_path: Path) -> None:
         sid = manifests[bundle]["session_id"]
         # the object store's stream elects its own leader after a kill: a get may time out meanwhile (exit 70)
         until(
-            lambda: evidence(*reader, "get", f"{node}.{sid}", "-o", str(got)).returncode == 0, 60, "fleet get"
+            lambda: evidence(*reader, "get", f"{node}.{sid}", "-o", str(got)).returncode == 0,
+            60,
+            "fleet get",
+            pace=0.5,
         )
         assert got.read_bytes() == bundle.read_bytes()
     finally:

@@ -14,8 +14,9 @@ from evidence.bundle.fleet import client, names
 from evidence.bundle.signing import generate
 from evidence.cli import main
 from tests.fleet.servers import Server, free_port
+from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
-from tests.unit.test_fleet_publish import event, publisher, wait_for
+from tests.unit.test_fleet_publish import event, publisher
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, di
     try:
         for pub, reg in pubs:
             want = sum(k.startswith(pub.node + ".") for k in bundles)
-            wait_for(lambda reg=reg, want=want: reg.value("evidence_fleet_bundles_stored_total") == want)
-        wait_for(lambda: pubs[1][1].value("evidence_fleet_events_published_total") == 5)
+            until(lambda reg=reg, want=want: reg.value("evidence_fleet_bundles_stored_total") == want)
+        until(lambda: pubs[1][1].value("evidence_fleet_events_published_total") == 5)
     finally:
         for pub, _ in pubs:
             pub.close()
@@ -162,7 +163,7 @@ def test_tampered_object_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
         pub.start()
         bundle = cb.write(tmp_path / "t.tar.gz", session_id="t1")
         pub.bundle_written(bundle)
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1)
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1)
         pub.close()
         other = cb.write(tmp_path / "o.tar.gz", session_id="t1", exit_code=1)
 

@@ -19,8 +19,9 @@ from evidence.agent.daemon.settings import AgentSettings
 from evidence.bundle.fleet import client, names
 from evidence.cli import main
 from tests.fleet.servers import Server, free_port
+from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
-from tests.unit.test_fleet_publish import event, publisher, wait_for
+from tests.unit.test_fleet_publish import event, publisher
 
 REPO = Path(__file__).resolve().parents[2]
 NATS = REPO / "deploy" / "nats"
@@ -62,7 +63,7 @@ def test_r3_cluster_one_server_killed_mid_way(
     urls = [s.url for s in servers]
     try:
         op = ["fleet", *[a for u in urls for a in ("--server", u)], "--nkey", str(seeds["operator"])]
-        wait_for(lambda: main([*op, "init", "--replicas", "3"]) == 0, timeout=60, what="init at R3")
+        until(lambda: main([*op, "init", "--replicas", "3"]) == 0, timeout=60, what="init at R3")
         capsys.readouterr()
         pubs = []
         for node in ("node-a", "node-b"):
@@ -82,12 +83,12 @@ def test_r3_cluster_one_server_killed_mid_way(
             if k == 3:
                 next(s for s in servers if s.name == kill).kill()
         for _pub, reg in pubs:
-            wait_for(
+            until(
                 lambda reg=reg: reg.value("evidence_fleet_bundles_stored_total") == 4,
                 timeout=120,
                 what="bundles",
             )
-            wait_for(
+            until(
                 lambda reg=reg: reg.value("evidence_fleet_events_published_total") >= 800,
                 timeout=120,
                 what="events",
@@ -97,13 +98,13 @@ def test_r3_cluster_one_server_killed_mid_way(
         live = [u for s, u in zip(servers, urls, strict=True) if s.name != kill]
         reader = ["fleet", *[a for u in live for a in ("--server", u)], "--nkey", str(seeds["reader"])]
         # right after the kill the cluster elects new leaders: JetStream answers 503 meanwhile (exit 70)
-        wait_for(lambda: main([*reader, "ls", "--label", "job=cluster", "--format", "json"]) == 0, timeout=60)
+        until(lambda: main([*reader, "ls", "--label", "job=cluster", "--format", "json"]) == 0, timeout=60)
         rows = json.loads(capsys.readouterr().out.splitlines()[-1])
         assert sorted(r["session_id"] for r in rows) == [f"c{k}" for k in range(8)]
         assert bucket_replicas(live, seeds["reader"], "node-a") == 3
         got = tmp_path / "got.tar.gz"
         # the object store's stream elects its own leader, after the index's: a get may time out meanwhile
-        wait_for(lambda: main([*reader, "get", "node-b.c7", "-o", str(got)]) == 0, timeout=60, what="get")
+        until(lambda: main([*reader, "get", "node-b.c7", "-o", str(got)]) == 0, timeout=60, what="get")
         assert got.read_bytes() == (tmp_path / "c7.tar.gz").read_bytes()
         capsys.readouterr()
 
@@ -111,7 +112,7 @@ def test_r3_cluster_one_server_killed_mid_way(
             capsys.readouterr()
             return main([*reader, "follow", "--since", "1h", "--count", "1600", "--format", "json"]) == 0
 
-        wait_for(follow, timeout=60, what="follow")
+        until(follow, timeout=60, what="follow")
         ids = [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()]
         assert len(ids) == len(set(ids)) == 1600
     finally:

@@ -19,8 +19,9 @@ from evidence.agent.daemon.settings import NatsSink
 from evidence.bundle.fleet import client, names, permissions
 from evidence.cli import main
 from tests.fleet.servers import Server
+from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
-from tests.unit.test_fleet_publish import event, publisher, stream_events, wait_for
+from tests.unit.test_fleet_publish import event, publisher, stream_events
 
 
 def user(tmp: Path, name: str) -> tuple[Path, str]:
@@ -60,8 +61,8 @@ def test_a_node_writes_only_its_own(
         for i in range(10):
             pub_b.submit(event("b1", i))
         pub_b.bundle_written(b_bundle)
-        wait_for(lambda: reg_b.value("evidence_fleet_bundles_stored_total") == 1, what="b1 stored")
-        wait_for(lambda: reg_b.value("evidence_fleet_events_published_total") == 10, what="b1 events")
+        until(lambda: reg_b.value("evidence_fleet_bundles_stored_total") == 1, what="b1 stored")
+        until(lambda: reg_b.value("evidence_fleet_events_published_total") == 10, what="b1 events")
     finally:
         pub_b.close()
     # node-a's credentials, claiming to be node-b: events, a bundle and an index entry for b1
@@ -84,7 +85,7 @@ def test_a_node_writes_only_its_own(
             liar.submit(event("b1", 100 + i))
         liar.bundle_written(fake)
         # it gets no reply on node-b's inbox, nor may publish there: refusals, in the log and metrics
-        wait_for(
+        until(
             lambda: (
                 any('violation for publish to "evidence.events.node-b.b1"' in m for m in said)
                 and any(
@@ -117,7 +118,7 @@ def test_a_node_writes_only_its_own(
     pub_a.start()
     try:
         pub_a.bundle_written(cb.write(tmp_path / "a1.tar.gz", session_id="a1"))
-        wait_for(lambda: reg_a.value("evidence_fleet_bundles_stored_total") == 1, what="a1 stored")
+        until(lambda: reg_a.value("evidence_fleet_bundles_stored_total") == 1, what="a1 stored")
     finally:
         pub_a.close()
 

@@ -8,8 +8,7 @@ import hashlib
 import io
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from evidence.agent.daemon.fleet import FleetPublisher
 from evidence.agent.daemon.settings import NatsSink
 from evidence.bundle.fleet import binding, client, names
 from tests.fleet.servers import Server
+from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
 
 
@@ -56,16 +56,6 @@ def event(session: str, seq: int) -> dict[str, Any]:
         "seq": seq,
         "data": {"path": f"/w/file-{seq}", "n": seq},
     }
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
 
 
 async def _stream_events(url: str) -> list[dict[str, Any]]:
@@ -112,8 +102,8 @@ def test_events_exactly_once_bundle_stored_and_indexed(tmp_path: Path, server: S
             pub.submit(event("s1", i))
         bundle = cb.write(tmp_path / "b.tar.gz", session_id="s2", labels={"job": "build"})
         pub.bundle_written(bundle)
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 1200, what="events acked")
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 1200, what="events acked")
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
     finally:
         pub.close()
     got = stream_events(server.url)
@@ -141,14 +131,14 @@ def test_server_away_then_back_nothing_lost_nothing_duplicated(tmp_path: Path, s
             pub.submit(event("s3", i))
         bundle = cb.write(tmp_path / "b.tar.gz", session_id="s4")
         pub.bundle_written(bundle)
-        wait_for(lambda: pub.outbox.backlog().events == 300, what="events in the outbox")
+        until(lambda: pub.outbox.backlog().events == 300, what="events in the outbox")
         pub.update_backlog()
         assert reg.value("evidence_fleet_backlog_items", kind="bundle") == 1
         assert reg.value("evidence_fleet_backlog_items", kind="event") == 300
         assert reg.value("evidence_fleet_backlog_bytes", kind="bundle") == bundle.stat().st_size
         server.start()
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 300, what="events acked")
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 300, what="events acked")
     finally:
         pub.close()
     got = stream_events(server.url)
@@ -171,8 +161,8 @@ def test_restarted_publisher_sends_its_backlog(tmp_path: Path, server: Server) -
     again, reg = publisher(tmp_path, server.url)
     again.start()
     try:
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 50, what="events acked")
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle stored")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 50, what="events acked")
     finally:
         again.close()
     ids = [e["id"] for e in stream_events(server.url)]
@@ -185,7 +175,7 @@ def test_a_window_smaller_than_a_batch_still_sends_each_event_once(tmp_path: Pat
     try:
         for i in range(1000):
             pub.submit(event("w1", i))
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 1000, what="events acked")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 1000, what="events acked")
     finally:
         pub.close()
     assert [e["id"] for e in stream_events(server.url)] == [f"w1:{i}" for i in range(1000)]
@@ -205,12 +195,12 @@ def test_events_whose_acks_came_too_late_are_sent_again_and_stored_once(
     try:
         for i in range(10):
             pub.submit(event("l1", i))
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="first events")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="first events")
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             for i in range(10, 400):
                 pub.submit(event("l1", i))
-            wait_for(lambda: reg.value("evidence_fleet_errors_total", what="publish") >= 1, what="a timeout")
+            until(lambda: reg.value("evidence_fleet_errors_total", what="publish") >= 1, what="a timeout")
             assert pub.outbox.backlog().events > 0  # kept, not lost
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
@@ -222,8 +212,8 @@ def test_events_whose_acks_came_too_late_are_sent_again_and_stored_once(
                 >= 400
             )
 
-        wait_for(all_answered, what="every event answered")
-        wait_for(lambda: not pub.outbox.segments(), what="the outbox emptied")
+        until(all_answered, what="every event answered")
+        until(lambda: not pub.outbox.segments(), what="the outbox emptied")
     finally:
         pub.close()
     ids = [e["id"] for e in stream_events(server.url)]

@@ -17,8 +17,9 @@ import pytest
 from evidence.cli import main
 from tests.fleet.auth import Operator, make_ca, server_cert, tls_config
 from tests.fleet.servers import Server
+from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
-from tests.unit.test_fleet_publish import event, publisher, wait_for
+from tests.unit.test_fleet_publish import event, publisher
 
 
 @pytest.fixture
@@ -52,8 +53,8 @@ def test_tls_with_the_ca_events_bundles_and_the_cli(
         for i in range(300):
             pub.submit(event("t1", i))
         pub.bundle_written(cb.write(tmp_path / "t2.tar.gz", session_id="t2", labels={"job": "tls"}))
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 300, what="events")
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 300, what="events")
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle")
     finally:
         pub.close()
     assert reg.value("evidence_fleet_errors_total", what="connect") == 0
@@ -83,8 +84,8 @@ def test_tls_with_another_ca_is_refused_not_a_crash(
         for i in range(20):
             pub.submit(event("t3", i))
         pub.bundle_written(cb.write(tmp_path / "t4.tar.gz", session_id="t4"))
-        wait_for(lambda: reg.value("evidence_fleet_errors_total", what="connect") >= 1, what="the refusal")
-        wait_for(lambda: pub.outbox.backlog().events == 20, what="events kept in the outbox")
+        until(lambda: reg.value("evidence_fleet_errors_total", what="connect") >= 1, what="the refusal")
+        until(lambda: pub.outbox.backlog().events == 20, what="events kept in the outbox")
         assert pub._thread is not None and pub._thread.is_alive()
         assert reg.value("evidence_fleet_connected") == 0
         assert reg.value("evidence_fleet_events_published_total") == 0
@@ -98,8 +99,8 @@ def test_tls_with_another_ca_is_refused_not_a_crash(
         server.config.write_text(server.config.read_text().split("tls {")[0] + tls_config(cert, key))
         server.proc = None
         server.start()
-        wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 20, timeout=60, what="events")
-        wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, timeout=60, what="bundle")
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 20, timeout=60, what="events")
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, timeout=60, what="bundle")
     finally:
         pub.close()
 
@@ -117,8 +118,8 @@ def test_a_creds_file_authenticates_both_connections(
             for i in range(100):
                 pub.submit(event("c1", i))
             pub.bundle_written(cb.write(tmp_path / "c2.tar.gz", session_id="c2"))
-            wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 100, what="events")
-            wait_for(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle")
+            until(lambda: reg.value("evidence_fleet_events_published_total") >= 100, what="events")
+            until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="bundle")
         finally:
             pub.close()
         assert reg.value("evidence_fleet_errors_total", what="connect") == 0
@@ -134,9 +135,7 @@ def test_a_creds_file_authenticates_both_connections(
         liar.start()
         try:
             liar.submit(event("c3", 0))
-            wait_for(
-                lambda: reg_l.value("evidence_fleet_errors_total", what="connect") >= 1, what="the refusal"
-            )
+            until(lambda: reg_l.value("evidence_fleet_errors_total", what="connect") >= 1, what="the refusal")
             assert liar._thread is not None and liar._thread.is_alive()
             assert reg_l.value("evidence_fleet_events_published_total") == 0
         finally:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from evidence.agent.daemon import fleet_wire as w
 from evidence.bundle.fleet import binding
 from tests.fleet.servers import Server
-from tests.unit.test_fleet_publish import event, publisher, stream_events, wait_for
+from tests.fleet.wait import until
+from tests.unit.test_fleet_publish import event, publisher, stream_events
 
 _text = st.text(max_size=30)
 
@@ -74,7 +75,7 @@ def test_an_older_agents_segment_is_sent(tmp_path: Path) -> None:
         try:
             for i in range(30, 40):
                 pub.submit(event("old1", i))
-            wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 40, what="events")
+            until(lambda: reg.value("evidence_fleet_events_published_total") >= 40, what="events")
         finally:
             pub.close()
         assert sorted(e["id"] for e in stream_events(server.url)) == sorted(f"old1:{i}" for i in range(40))
@@ -96,8 +97,8 @@ def test_a_message_too_large_is_dropped_not_the_connection(tmp_path: Path) -> No
                 if i == 7:
                     e["data"] = {"blob": "x" * 10_000}
                 pub.submit(e)
-            wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 19, what="events")
-            wait_for(lambda: reg.value("evidence_fleet_events_dropped_total") == 1, what="dropped")
+            until(lambda: reg.value("evidence_fleet_events_published_total") >= 19, what="events")
+            until(lambda: reg.value("evidence_fleet_events_dropped_total") == 1, what="dropped")
             time.sleep(0.5)
         finally:
             pub.close()
@@ -123,14 +124,14 @@ def test_an_outbox_that_cannot_be_written_is_said_and_the_publisher_goes_on(tmp_
             pub.outbox.event_dir.write_text("not a directory")
             for i in range(10):
                 pub.submit(event("d1", i))
-            wait_for(lambda: reg.value("evidence_fleet_errors_total", what="outbox") >= 1, what="the error")
+            until(lambda: reg.value("evidence_fleet_errors_total", what="outbox") >= 1, what="the error")
             assert reg.value("evidence_fleet_events_dropped_total") == 10
             assert pub._thread is not None and pub._thread.is_alive()
             pub.outbox.event_dir.unlink()
             pub.outbox.event_dir.mkdir(mode=0o700)
             for i in range(10, 20):
                 pub.submit(event("d1", i))
-            wait_for(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="events again")
+            until(lambda: reg.value("evidence_fleet_events_published_total") >= 10, what="events again")
         finally:
             pub.close()
         assert sorted(e["id"] for e in stream_events(server.url)) == sorted(f"d1:{i}" for i in range(10, 20))

@@ -1,8 +1,8 @@
 """The reader's fast path and its helper process check exactly what the careful path checks.
 
 The fast path (fastpath.fast) computes content hashes from slices of the canonical line and checks
-pieces of events on a second CPU (fastpath.Helper). Small bundles never take it (their one piece
-holds the first event), so these tests shrink the pieces to a line or so and force the helper.
+pieces of events on a second CPU (fastpath.Helper). A small bundle is one piece, checked in this
+process, so these tests shrink the pieces to a line or so and force the helper.
 """
 
 from __future__ import annotations
