@@ -29,7 +29,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from evidence.agent.recorder.exec_check import shebang
+from evidence.agent.recorder.exec_check import bprm_filename, shebang
+from evidence.probes.abi import script_argv
 
 # The kernel ABI, x86_64
 NR_EXECVE = 59
@@ -206,6 +207,16 @@ class ExecRequest:
     # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
     foreign: bool = False
     loads: str | None = None  # the program the dynamic loader run as a program would load
+    # the `#!` interpreter's name leads to another file (or none) for the caller than
+    # `interpreter` is here (a bind mount in a namespace of the job's own): as `foreign`
+    interpreter_foreign: bool = False
+    # the loader opens `loads` by name after the exec, where nothing checks what it opened: the
+    # name is trusted only when the job cannot change where it leads (`stable_name`); otherwise
+    # it counts as `foreign`
+    loads_foreign: bool = False
+    # the arguments the loader's program gets (what follows it in the loader's argv: for a `#!`
+    # script whose interpreter is the loader, in the argv the kernel makes)
+    loads_argv: tuple[str, ...] = ()
     # for the no-race check (exec_check.py): how the call named the file, the file it names for the
     # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
     # with the interpreter's identity
@@ -421,14 +432,46 @@ def _head_of(fd: int, st: os.stat_result | None = None) -> bytes:
     return head
 
 
-def _interpreter(pid: int, head: bytes, root: str) -> str | None:
-    """A `#!` line's interpreter, resolved for the caller (the name the rules judge)."""
-    if not head.startswith(b"#!"):
+def _interpreter(pid: int, bang: tuple[bytes, bytes | None] | None, root: str) -> str | None:
+    """A `#!` line's interpreter (`bang`: the line as the kernel splits it, exec_check.shebang),
+    resolved for the caller (the name the rules judge). Split as the kernel splits it, and only so:
+    `#!/w/ok\r` runs `/w/ok\r`, which the job may have made a link to another program than
+    `/w/ok` (and a NUL ends the name, as it does for the kernel)."""
+    if bang is None:
         return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    if not words:
-        return None
-    return resolve(pid, _decode(words[0]), AT_FDCWD, False, root)
+    return resolve(pid, _decode(bang[0]), AT_FDCWD, False, root)
+
+
+def _root_owned_dirs(path: str) -> bool:
+    """Whether every directory from / down to `path`'s own (followed: what a name's walk enters)
+    belongs to root and is writable by nobody else (no group or other write, sticky or not)."""
+    d = path
+    while True:
+        d = os.path.dirname(d)
+        try:
+            st = os.stat(d)
+        except OSError:
+            return False
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+        if d == "/":
+            return True
+
+
+def stable_name(written: str, resolved: str) -> bool:
+    """Whether the job cannot change, after its exec was decided, which file the absolute name
+    `written` (resolved here to `resolved`) leads to: every directory on both paths is root's and
+    writable by nobody else, and neither is under /proc or /dev (a descriptor's magic link, which
+    another thread can point elsewhere). A relative name is not stable (a process sharing the
+    caller's cwd can move it). The caller must be in our root and mount namespace (one of the
+    job's own can mount over any name at any time)."""
+    if not written.startswith("/"):
+        return False
+    for name in (written, resolved):
+        norm = os.path.normpath(name)
+        if norm.startswith(("/proc/", "/dev/")) or not _root_owned_dirs(norm):
+            return False
+    return True
 
 
 def _loads(pid: int, program: str, argv: tuple[str, ...], root: str) -> str | None:
@@ -483,20 +526,40 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     finally:
         os.close(root_fd)
     bang = shebang(head)
+    interpreter = _interpreter(pid, bang, root)
+    interpreter_identity = caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None
+    # what the loader is given: the caller's argv, or, when the loader is a script's interpreter,
+    # the kernel's rewrite (`#!/lib64/ld-linux-x86-64.so.2 /usr/bin/id` runs id)
+    runs, loader_argv = program, argv
+    if bang is not None and interpreter is not None:
+        filename = bprm_filename(raw_path, dirfd, empty)
+        runs = interpreter
+        loader_argv = tuple(_decode(a) for a in script_argv(bang[0], bang[1], filename, raw_argv or [b""]))
+    loads = _loads(pid, runs, loader_argv, root)
+    payload = loader_payload(loader_argv) if loads is not None else None
     return ExecRequest(
         pid=pid,
         path=path,
         program=program,
         argv=argv,
         truncated=truncated,
-        interpreter=_interpreter(pid, head, root),
+        interpreter=interpreter,
         foreign=theirs is None or theirs != identity(program),
-        loads=_loads(pid, program, argv, root),
+        loads=loads,
         dirfd=dirfd,
         empty_path=empty,
         identity=theirs,
         shebang=bang,
-        interpreter_identity=caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
+        interpreter_identity=interpreter_identity,
+        interpreter_foreign=interpreter is not None
+        and (interpreter_identity is None or interpreter_identity != identity(interpreter)),
+        loads_foreign=loads is not None
+        and not (
+            root == "/"
+            and _in_our_mount_namespace(pid)
+            and stable_name(_caller_path(pid, payload or ""), loads)
+        ),
+        loads_argv=loader_argv[loader_argv.index(payload) :] if payload is not None else (),
     )
 
 
