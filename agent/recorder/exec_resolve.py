@@ -587,7 +587,28 @@ def _resolve_as_ours(
 
 
 def proc_depth(pid: int, root: int) -> int:
-    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
+    """Forks between `root` (depth 0) and `pid` (a thread id), from /proc's parent links; -1 when not
+    below it. A thread of `root` other than its first is `root` (depth 0): its parent link is its
+    process's, which leads past `root`."""
+    depth = _walk(pid, root)
+    if depth < 0 and _tgid(pid) == root:
+        return 0
+    return depth
+
+
+def _tgid(tid: int) -> int | None:
+    """The process thread `tid` is of (None: gone)."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _walk(pid: int, root: int) -> int:
     depth = 0
     while pid != root:
         try:

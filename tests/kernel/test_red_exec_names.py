@@ -177,3 +177,20 @@ def test_a_seccomp_listener_of_the_jobs_own_is_refused_by_the_kernel(place: Path
     proc, _, events = _run(place, DENY_ID, f"{PY} {place}/own.py")
     assert proc.stdout.splitlines() == ["own filter refused", "exec 13"], proc
     assert _refused(events) == {"/usr/bin/id": "commands.rules[0] (no-id)"}
+
+
+def test_an_exec_from_another_thread_of_the_first_process_is_at_depth_0(place: Path) -> None:
+    """The run's first process execs from a thread other than its first (a Go program's exec may):
+    that is the first process, depth 0 (`direct`), not a process of unknown depth judged as nested
+    (its thread's parent link leads past the first process)."""
+    commands = """\
+    default: allow
+    rules:
+      - {name: nested-id, program: [id], depth: nested, decision: deny}
+    """
+    code = "import os, threading; t = threading.Thread(target=os.execv, args=('/usr/bin/id', ['id'])); t.start(); t.join()"
+    proc, _, events = _run(place, commands, f'exec {PY} -c "{code}"')
+    assert "uid=65534" in proc.stdout, proc
+    assert _refused(events) == {}
+    (ran,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/id"]
+    assert ran["depth"] == 0, ran
