@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.kernel.test_command_rules_run import _refused, _run
+from tests.kernel.test_command_rules_via_agent import _run as _run_via_agent
+from tests.kernel.test_daemon import Agent
+from tests.kernel.test_policy_via_agent import agent  # noqa: F401 - the module's agent fixture
 from tests.kernel.util import PY, of_type
 
 pytestmark = pytest.mark.kernel
@@ -194,3 +197,23 @@ def test_an_exec_from_another_thread_of_the_first_process_is_at_depth_0(place: P
     assert _refused(events) == {}
     (ran,) = [e["data"] for e in of_type(events, "process.exec") if e["data"]["filename"] == "/usr/bin/id"]
     assert ran["depth"] == 0, ran
+
+
+def test_the_same_names_through_the_agent(agent: Agent, place: Path) -> None:  # noqa: F811
+    """`run --agent` as nobody: the agent's supervisor is the same, and so are its answers."""
+    w = place / "w"
+    script = (
+        f"mkdir {w} && ln -s /usr/bin/true {w}/ok && ln -s /usr/bin/id \"{w}/ok$(printf '\\r')\" && "
+        f"printf '#!{w}/ok\\r\\n' > {w}/crlf && chmod +x {w}/crlf && {w}/crlf; echo crlf=$?; "
+        f"printf '#!{LDSO} /usr/bin/id\\n' > {w}/s && chmod +x {w}/s && {w}/s; echo s=$?; "
+        f"printf '#!/usr/bin/true\\0/x\\n' > {w}/nul && chmod +x {w}/nul && {w}/nul; echo nul=$?"
+    )
+    proc, _, events = _run_via_agent(agent, place, DENY_ID, script)
+    lines = proc.stdout.splitlines()
+    assert "no such user" not in proc.stdout + proc.stderr, proc
+    assert "crlf=126" in lines and "s=126" in lines and "nul=0" in lines, proc
+    assert _refused(events) == {
+        f"{w}/crlf": "commands.rules[0] (no-id)",
+        f"{w}/s": "commands.rules[0] (no-id)",
+    }
+    _no_violations_nor_degradations(events)
