@@ -207,6 +207,9 @@ class ExecRequest:
     # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
     foreign: bool = False
     loads: str | None = None  # the program the dynamic loader run as a program would load
+    # the argv the kernel gives a `#!` script's interpreter (its arguments are judged in it: the
+    # line's optional argument, the script's name, then argv[1:])
+    interpreter_argv: tuple[str, ...] = ()
     # the `#!` interpreter's name leads to another file (or none) for the caller than
     # `interpreter` is here (a bind mount in a namespace of the job's own): as `foreign`
     interpreter_foreign: bool = False
@@ -531,10 +534,14 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     # what the loader is given: the caller's argv, or, when the loader is a script's interpreter,
     # the kernel's rewrite (`#!/lib64/ld-linux-x86-64.so.2 /usr/bin/id` runs id)
     runs, loader_argv = program, argv
+    interpreter_argv: tuple[str, ...] = ()
     if bang is not None and interpreter is not None:
         filename = bprm_filename(raw_path, dirfd, empty)
         runs = interpreter
-        loader_argv = tuple(_decode(a) for a in script_argv(bang[0], bang[1], filename, raw_argv or [b""]))
+        interpreter_argv = tuple(
+            _decode(a) for a in script_argv(bang[0], bang[1], filename, raw_argv or [b""])
+        )
+        loader_argv = interpreter_argv
     loads = _loads(pid, runs, loader_argv, root)
     payload = loader_payload(loader_argv) if loads is not None else None
     return ExecRequest(
@@ -551,6 +558,7 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         identity=theirs,
         shebang=bang,
         interpreter_identity=interpreter_identity,
+        interpreter_argv=interpreter_argv,
         interpreter_foreign=interpreter is not None
         and (interpreter_identity is None or interpreter_identity != identity(interpreter)),
         loads_foreign=loads is not None

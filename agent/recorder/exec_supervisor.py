@@ -154,8 +154,12 @@ def decide_request(
     for payload, foreign in ((req.interpreter, req.interpreter_foreign), (req.loads, req.loads_foreign)):
         if payload is None:
             continue
-        # the loader's payload is judged with its own arguments (what follows it in argv)
-        argv = req.argv if payload is req.interpreter else (req.loads_argv or _loader_args(req))
+        # an interpreter is judged with the argv the kernel gives it (the `#!` line's argument
+        # first), the loader's payload with its own arguments (what follows it in argv)
+        if payload is req.interpreter:
+            argv = req.interpreter_argv or req.argv
+        else:
+            argv = req.loads_argv or _loader_args(req)
         other = decide(payload, argv, depth, truncated=req.truncated)
         if foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[other.decision]:
             other = CommandDecision(commands.default)  # its name says nothing of what runs

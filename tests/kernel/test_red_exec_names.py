@@ -217,3 +217,23 @@ def test_the_same_names_through_the_agent(agent: Agent, place: Path) -> None:  #
         f"{w}/s": "commands.rules[0] (no-id)",
     }
     _no_violations_nor_degradations(events)
+
+
+def test_a_scripts_interpreter_is_judged_with_the_arguments_the_kernel_gives_it(place: Path) -> None:
+    """`#!/usr/bin/id -u` runs `id -u SCRIPT`: a rule on id's arguments sees `-u` (it saw the
+    script's own argv, without the line's argument, and let id run)."""
+    commands = """\
+    default: allow
+    rules:
+      - {name: no-id-u, program: [id], args: ["-u"], decision: deny}
+    """
+    w = place / "w"
+    script = (
+        f"mkdir {w} && printf '#!/usr/bin/id -u\\n' > {w}/s && chmod +x {w}/s && {w}/s; echo s=$?; "
+        f"printf '#!/usr/bin/id\\n' > {w}/t && chmod +x {w}/t && {w}/t -g; echo t=$?"
+    )
+    proc, _, events = _run(place, commands, script)
+    lines = proc.stdout.splitlines()
+    assert "s=126" in lines, proc
+    assert "t=1" in lines, proc  # id -g SCRIPT ran (and said the script is no user)
+    assert _refused(events) == {f"{w}/s": "commands.rules[0] (no-id-u)"}
