@@ -1,0 +1,63 @@
+"""Issue 24's red team: a job that shares the recorder's terminal takes its foreground process group
+(tcsetpgrp, SIGTTOU ignored) and gives it back, over and over, with TOSTOP set, while an exec waits
+for approval there. A read (or, with TOSTOP, a write) of the terminal approver that falls in the
+background after its foreground check made the kernel stop the whole recorder (SIGTTIN, SIGTTOU):
+its records unread, every approval stuck. The approver now waits the moment out and the answer
+typed gets through."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pexpect
+
+from tests.kernel.test_exec_supervisor import LAUNCHER
+from tests.kernel.test_tty_approver import RECORDER, TERMINAL_OWNER
+
+TOGGLER = """\
+import os, signal, termios, time
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+fd = os.open("/dev/tty", os.O_RDWR)
+theirs = os.tcgetpgrp(fd)
+os.setpgid(0, 0)
+mine = os.getpgrp()
+attrs = termios.tcgetattr(fd)
+saved = list(attrs)
+attrs[3] |= termios.TOSTOP  # a background write stops its writer too
+termios.tcsetattr(fd, termios.TCSANOW, attrs)
+flips = 0
+end = time.monotonic() + 8
+while time.monotonic() < end:
+    os.tcsetpgrp(fd, mine)
+    os.tcsetpgrp(fd, theirs)
+    flips += 1
+termios.tcsetattr(fd, termios.TCSANOW, saved)
+print("flips", flips, flush=True)
+"""
+
+
+def test_a_job_flipping_the_terminals_foreground_never_stops_the_recorder(place: Path) -> None:
+    toggler = place / "toggler.py"
+    toggler.write_text(TOGGLER)
+    toggler.chmod(0o644)
+    job = f"/usr/bin/python3 {toggler} & sleep 0.5; /usr/bin/id -u; echo rc=$?; wait"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        encoding="utf-8",
+        timeout=60,
+        cwd=str(place),
+    )
+    try:
+        child.expect(r"allow\? \[y/N")
+        child.sendline("y")
+        child.expect("JOB-OUTPUT-END")
+        job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
+        child.expect(pexpect.EOF)
+        records = child.before
+    finally:
+        child.close(force=True)
+    assert "rc=0" in job_out.split(), job_out
+    assert "flips" in job_out, job_out  # the job flipped the foreground all along
+    assert "RECORD allowed terminal" in records, records
