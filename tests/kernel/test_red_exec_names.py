@@ -237,3 +237,25 @@ def test_a_scripts_interpreter_is_judged_with_the_arguments_the_kernel_gives_it(
     assert "s=126" in lines, proc
     assert "t=1" in lines, proc  # id -g SCRIPT ran (and said the script is no user)
     assert _refused(events) == {f"{w}/s": "commands.rules[0] (no-id-u)"}
+
+
+def test_an_argv_past_what_the_supervisor_reads_never_runs(place: Path) -> None:
+    """A denied argument hidden past the supervisor's reading (after 1,000 arguments, or past 64 KiB
+    of them) is not let through: a deny rule's patterns count as matching what was not read, and an
+    argv not read whole cannot be pinned, so even an allowed program is refused."""
+    commands = """\
+    default: allow
+    rules:
+      - {name: no-secret-id, program: [id], args: ["*secret*"], decision: deny}
+    """
+    script = (
+        "id $(seq 1000) secret; echo many=$?; "
+        'id "$(head -c 70000 /dev/zero | tr "\\\\0" x)" secret; echo long=$?; '
+        "/usr/bin/true $(seq 1001); echo allowed=$?; id -u; echo plain=$?"
+    )
+    proc, _, events = _run(place, commands, script)
+    lines = proc.stdout.splitlines()
+    assert "many=126" in lines and "long=126" in lines and "allowed=126" in lines, proc
+    assert "65534" in lines and "plain=0" in lines, proc  # id -u itself runs
+    den = [e["data"] for e in of_type(events, "policy.denial") if e["data"]["operation"] == "exec"]
+    assert {d["target"] for d in den} == {"/usr/bin/id", "/usr/bin/true"}, den
