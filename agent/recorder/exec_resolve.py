@@ -271,9 +271,7 @@ def resolve(pid: int, path: str, dirfd: int, empty_path: bool, root: str | None 
     if empty_path and not path:
         base = f"/proc/{pid}/fd/{dirfd}"
         return os.readlink(base) if os.path.islink(base) else base
-    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
-        if path.startswith(own):
-            path = f"/proc/{pid}/" + path[len(own) :]
+    path = _caller_path(pid, path)
     if not path.startswith("/"):
         base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
         path = os.path.join(os.readlink(base), path)
@@ -311,6 +309,8 @@ def _openat2(dirfd: int, path: str, resolve: int) -> int:
 def _caller_path(pid: int, path: str) -> str:
     """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
     /proc/TID/ is that thread's), not the supervisor's."""
+    if path.startswith("//"):  # the same name for the kernel
+        path = "/" + path.lstrip("/")
     for own in ("/proc/self/", "/proc/thread-self/"):
         if path.startswith(own):
             return f"/proc/{pid}/" + path[len(own) :]
@@ -471,7 +471,7 @@ def stable_name(written: str, resolved: str) -> bool:
     if not written.startswith("/"):
         return False
     for name in (written, resolved):
-        norm = os.path.normpath(name)
+        norm = "/" + os.path.normpath(name).lstrip("/")  # `//proc` is /proc (normpath keeps it)
         if norm.startswith(("/proc/", "/dev/")) or not _root_owned_dirs(norm):
             return False
     return True

@@ -26,6 +26,8 @@ def test_a_name_in_roots_own_directories_is_stable(name: str) -> None:
         "true",  # relative: the cwd can move
         "./true",
         "/proc/self/fd/3",  # a descriptor another thread can point elsewhere
+        "//proc/self/fd/3",  # the same for the kernel (normpath keeps two leading slashes)
+        "/proc/./self/fd/3",
         "/proc/1/root/usr/bin/true",
         "/dev/fd/3",
         "/dev/stdin",
