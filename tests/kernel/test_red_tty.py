@@ -61,3 +61,50 @@ def test_a_job_flipping_the_terminals_foreground_never_stops_the_recorder(place:
     assert "rc=0" in job_out.split(), job_out
     assert "flips" in job_out, job_out  # the job flipped the foreground all along
     assert "RECORD allowed terminal" in records, records
+
+
+KEEPER = """\
+import os, signal, termios
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+attrs = termios.tcgetattr(2)
+attrs[3] |= termios.TOSTOP
+termios.tcsetattr(2, termios.TCSANOW, attrs)
+os.setpgid(0, 0)
+os.tcsetpgrp(2, os.getpgrp())  # the terminal's foreground is the job's, and stays so
+try:
+    open("/etc/shadow").read()  # refused: evidence tells the job on this terminal
+except OSError:
+    pass
+print("job done", flush=True)
+raise SystemExit(3)
+"""
+
+
+def test_a_job_that_keeps_the_terminals_foreground_neither_stops_evidence_nor_changes_its_exit(
+    place: Path,
+) -> None:
+    """`evidence run` on a terminal, the job takes its foreground for good (TOSTOP set): evidence's
+    own writes there (the job's notice, its closing line) stopped it (SIGTTOU) under a job-control
+    shell, or failed (EIO) where its process group is orphaned, as here: it exited 1, not the
+    job's 3, and said nothing. SIGTTOU and SIGTTIN are blocked in evidence (not in the job)."""
+    keeper = place / "keeper.py"
+    keeper.write_text(KEEPER)
+    keeper.chmod(0o644)
+    policy = place / "policy.yaml"
+    policy.write_text('version: 1\nfs:\n  read: ["/"]\n  exec: ["/usr", "/bin"]\n  deny: ["/etc/shadow"]\n')
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "evidence", "run", "--bundle", str(place / "b.tar.gz"), "--policy", str(policy), "--",
+         "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "/usr/bin/python3", str(keeper)],
+        encoding="utf-8",
+        timeout=60,
+        cwd=str(place),
+    )  # fmt: skip
+    try:
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close()
+    assert child.exitstatus == 3, (child.exitstatus, out)
+    assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
+    assert "evidence: " in out and " events (" in out, out  # the closing line
