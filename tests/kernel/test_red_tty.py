@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pexpect
 
+from tests.kernel.test_daemon import Agent
 from tests.kernel.test_exec_supervisor import LAUNCHER
+from tests.kernel.test_policy_via_agent import agent  # noqa: F401 - the module's agent fixture
 from tests.kernel.test_tty_approver import RECORDER, TERMINAL_OWNER
 
 TOGGLER = """\
@@ -108,3 +110,29 @@ def test_a_job_that_keeps_the_terminals_foreground_neither_stops_evidence_nor_ch
     assert child.exitstatus == 3, (child.exitstatus, out)
     assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
     assert "evidence: " in out and " events (" in out, out  # the closing line
+
+
+def test_the_same_through_the_agent(agent: Agent, place: Path) -> None:  # noqa: F811
+    """`evidence run --agent` as nobody on a terminal: the client's closing line and exit code."""
+    keeper = place / "keeper.py"
+    keeper.write_text(KEEPER)
+    keeper.chmod(0o644)
+    policy = place / "policy.yaml"
+    policy.write_text('version: 1\nfs:\n  read: ["/"]\n  exec: ["/usr", "/bin"]\n  deny: ["/etc/shadow"]\n')
+    policy.chmod(0o644)
+    child = pexpect.spawn(
+        "setpriv",
+        ["--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-m", "evidence", "run",
+         "--agent", str(agent.socket), "--bundle", str(place / "a.tar.gz"), "--policy", str(policy),
+         "--workspace", str(place), "--", "/usr/bin/python3", str(keeper)],
+        encoding="utf-8",
+        timeout=60,
+        cwd=str(place),
+    )  # fmt: skip
+    try:
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close()
+    assert child.exitstatus == 3, (child.exitstatus, out)
+    assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
