@@ -21,6 +21,9 @@ What the job can and cannot do to it (the job shares the terminal when it was st
   and writes only in the foreground, and SIGTTIN and SIGTTOU are blocked in its thread, so one that
   falls in the background after the check fails (EIO: read again a moment later) or goes
   through, rather than stopping the whole recorder (tests/kernel/test_red_tty.py);
+- it can change the terminal's settings: raw mode (a line ends at CR or NL all the same), or its
+  end-of-file character made a key the person types (`n`): an end of file on a terminal that is
+  still there is an empty line, a no (tests/kernel/test_red_tty.py);
 - it can write to the terminal, escape sequences included, and so draw a misleading screen around
   the prompt. The bundle's policy.approval events say exactly what was approved; where the screen
   cannot be trusted, answer through the agent's API instead.
@@ -226,7 +229,14 @@ class TtyApprover:
                 select.select([], [], [], self.poll_s)
                 continue
             if not chunk:
-                raise OSError(5, "the terminal hung up")
+                try:
+                    termios.tcgetattr(self.fd)  # a terminal that hung up fails it (EIO)
+                except termios.error:
+                    raise OSError(5, "the terminal hung up") from None
+                # not hung up: its end-of-file character, which the job can make any key (`n`: read
+                # as a hang-up, the person's no left the request to its timeout, which may allow
+                # it): an answer that is no yes, so a no
+                typed, chunk = b"", b"\n"
             typed += chunk
             if b"\n" not in typed and b"\r" not in typed:
                 continue  # not canonical mode (the job set it raw): wait for the end of the line

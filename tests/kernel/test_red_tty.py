@@ -136,3 +136,32 @@ def test_the_same_through_the_agent(agent: Agent, place: Path) -> None:  # noqa:
         child.close()
     assert child.exitstatus == 3, (child.exitstatus, out)
     assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
+
+
+def test_a_no_the_job_turns_into_an_end_of_file_is_still_a_no(place: Path) -> None:
+    """The job makes `n` the terminal's end-of-file character: the person's `n` read as end of file
+    was taken for a hang-up, the approver gave up and the request waited for its timeout (which
+    `on_timeout: allow` lets run). It is an answer that is no yes: denied at once."""
+    veof = (
+        "import os, termios; fd = os.open('/dev/tty', os.O_RDWR); a = termios.tcgetattr(fd); "
+        "a[6][termios.VEOF] = b'n'; termios.tcsetattr(fd, termios.TCSANOW, a)"
+    )
+    job = f'/usr/bin/python3 -c "{veof}"; /usr/bin/id -u; echo rc=$?'
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        encoding="utf-8",
+        timeout=30,  # below the request's 60 s: a timeout's answer would come too late
+        cwd=str(place),
+    )
+    try:
+        child.expect(r"allow\? \[y/N")
+        child.sendline("n")
+        child.expect("JOB-OUTPUT-END")
+        job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
+        child.expect(pexpect.EOF)
+        records = child.before
+    finally:
+        child.close(force=True)
+    assert "rc=126" in job_out.split() and "65534" not in job_out.split(), job_out
+    assert f"RECORD denied terminal {TERMINAL_OWNER} None" in records, records
