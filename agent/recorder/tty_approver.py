@@ -16,7 +16,8 @@ What the job can and cannot do to it (the job shares the terminal when it was st
   and this kernel's dev.tty.legacy_tiocsti does not matter then. Type-ahead (keys typed before
   the prompt, meant for the job) is discarded (tcflush) before each prompt;
 - it can read the terminal too, when its stdin is the terminal: a line it reads is not an answer,
-  so the request goes on waiting, to the timeout at worst (fails closed);
+  so the request goes on waiting, to the timeout at worst (closed under `on_timeout: deny`; under
+  `allow` the job can so turn a person's no into a run: docs/policy-format.md);
 - it can take the terminal's foreground (tcsetpgrp) at any moment, TOSTOP set: the approver reads
   and writes only in the foreground, and SIGTTIN and SIGTTOU are blocked in its thread, so one that
   falls in the background after the check fails (EIO: read again a moment later) or goes
