@@ -259,3 +259,24 @@ def test_an_argv_past_what_the_supervisor_reads_never_runs(place: Path) -> None:
     assert "65534" in lines and "plain=0" in lines, proc  # id -u itself runs
     den = [e["data"] for e in of_type(events, "policy.denial") if e["data"]["operation"] == "exec"]
     assert {d["target"] for d in den} == {"/usr/bin/id", "/usr/bin/true"}, den
+
+
+def test_a_shebang_line_past_the_kernels_256_bytes_is_cut_where_the_kernel_cuts_it(place: Path) -> None:
+    """`#!/usr/bin/id -u`, spaces, and byte 255 of the file not a space: the kernel reads 256 bytes,
+    finds no newline, ends the line at byte 255 (which it drops) and the spaces before it: id runs
+    as `id -u SCRIPT`. Split over all 256 bytes the argument was `-u   ...Z`, not `-u`: the rule on
+    `id -u` did not match, and the exec check killed what it pinned wrong (a violation, not a denial)."""
+    commands = """\
+    default: allow
+    rules:
+      - {name: no-id-u, program: [id], args: ["-u"], decision: deny}
+    """
+    w = place / "w"
+    w.mkdir()
+    line = b"#!/usr/bin/id -u"
+    (w / "s").write_bytes(line + b" " * (255 - len(line)) + b"Z\nrest\n")
+    (w / "s").chmod(0o755)
+    proc, _, events = _run(place, commands, f"{w}/s; echo s=$?")
+    assert "s=126" in proc.stdout.splitlines(), proc
+    assert _refused(events) == {f"{w}/s": "commands.rules[0] (no-id-u)"}
+    assert of_type(events, "policy.violation") == []

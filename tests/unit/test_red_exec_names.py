@@ -65,3 +65,24 @@ def test_a_shebang_is_split_only_at_spaces_tabs_and_nul(line: bytes, interpreter
     bang = shebang(line)
     assert bang is not None and bang[0] == interpreter
     assert exec_resolve._interpreter(os.getpid(), bang, "/") == os.path.realpath(os.fsdecode(interpreter))
+
+
+@pytest.mark.parametrize(
+    ("head", "want"),
+    [
+        # no newline in 256 bytes: the line ends at byte 255, which the kernel drops, then spaces
+        (b"#!/usr/bin/id -u" + b" " * 239 + b"Z\n", (b"/usr/bin/id", b"-u")),
+        (b"#!/usr/bin/id -u" + b" " * 238 + b"YZ\n", (b"/usr/bin/id", b"-u" + b" " * 238 + b"Y")),
+        (b"#!" + b"x" * 300, None),  # the name may be cut: the kernel refuses it (ENOEXEC)
+        (b"#!/bin/sh \t\n", (b"/bin/sh", None)),
+        (b"#!/usr/bin/id -u\x00 -g\n", (b"/usr/bin/id", b"-u")),  # a NUL ends the argument
+        (b"#!/usr/bin/id\x00 -g\n", (b"/usr/bin/id", None)),  # a NUL before the newline ends the line
+        (b"#!", None),
+        (b"#!\n", None),
+        (b"#!/bin/sh", (b"/bin/sh", None)),  # a short file: NULs after it
+    ],
+)
+def test_a_shebang_is_cut_where_the_kernel_cuts_it(
+    head: bytes, want: tuple[bytes, bytes | None] | None
+) -> None:
+    assert shebang(head) == want
