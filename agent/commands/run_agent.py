@@ -379,7 +379,9 @@ def _isolated_run(
     ready_r, ready_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # inherited by the child until it execs
+    # inherited by the child until it execs; SIGTTOU/SIGTTIN: a job keeping our terminal's
+    # foreground (TOSTOP set) would stop this client at its next write there (or fail it, EIO)
+    signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGTTOU, signal.SIGTTIN))
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)

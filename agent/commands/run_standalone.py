@@ -92,7 +92,11 @@ class _SignalForwarder:
     def __init__(self) -> None:
         self.child: subprocess.Popen[bytes] | None = None
         self.received: list[int] = []
-        signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        # SIGTTOU/SIGTTIN blocked too: a job on evidence's terminal can take its foreground (TOSTOP
+        # set), and a write or read of ours would then stop evidence (or fail, EIO) instead of going
+        # through (a read fails with EIO: the terminal approver reads again). The launcher clears
+        # the mask before the command's exec.
+        signal.pthread_sigmask(signal.SIG_BLOCK, (*self.SIGNALS, signal.SIGTTOU, signal.SIGTTIN))
         self._t = threading.Thread(target=self._loop, name="evidence-signals", daemon=True)
         self._t.start()
 

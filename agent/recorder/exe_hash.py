@@ -174,12 +174,12 @@ def _ident(st: os.stat_result) -> Ident:
 
 
 def shebang_interpreter(head: bytes) -> str | None:
-    """The interpreter a `#!` line names (its first word), or None when `head` is not a script."""
-    if not head.startswith(b"#!"):
-        return None
-    line = head[2:SHEBANG_MAX].split(b"\n", 1)[0].strip(b" \t\r")
-    word = line.split(None, 1)[0] if line.split() else b""
-    return os.fsdecode(word) if word else None
+    """The interpreter a `#!` line names (its first word, as the kernel splits it: `#!/w/ok\r` runs
+    `/w/ok\r`, which may be another file than `/w/ok`), or None when `head` is not a script."""
+    from evidence.agent.recorder.exec_check import shebang
+
+    bang = shebang(head)
+    return os.fsdecode(bang[0]) if bang else None
 
 
 class ExeHasher:

@@ -50,18 +50,55 @@ def new_key() -> bytes:
     return secrets.token_bytes(16)
 
 
+BINPRM_BUF_SIZE = 256  # the bytes of a program the kernel reads for its `#!` line
+
+
 def shebang(head: bytes) -> tuple[bytes, bytes | None] | None:
-    """(interpreter, optional argument) of a `#!` line as fs/binfmt_script.c splits it: the line ends
-    at the first newline in the first 256 bytes; the interpreter is the first word (spaces and tabs
-    separate, NUL ends); the rest, less spaces and tabs around it, is one argument. None: no `#!`."""
+    """(interpreter, optional argument) of a `#!` line as fs/binfmt_script.c splits it (a port, step
+    by step: the line ends at the first newline in the first 256 bytes, unless a NUL comes first;
+    without one, at byte 255, and only when a space, tab or NUL ends the interpreter before it;
+    spaces and tabs before the end are dropped; the interpreter is the first word (spaces and tabs
+    separate, NUL ends); the rest, from its first byte that is no space or tab, is one argument, up
+    to a NUL). None: no `#!`, or a line the kernel refuses (ENOEXEC)."""
     if not head.startswith(b"#!"):
         return None
-    line = head[2:256].split(b"\n", 1)[0].split(b"\0", 1)[0].strip(b" \t")
-    if not line:
+    buf = bytearray(head[:BINPRM_BUF_SIZE].ljust(BINPRM_BUF_SIZE, b"\0"))  # a short file: NULs
+    last = BINPRM_BUF_SIZE - 1
+
+    def spacetab(c: int) -> bool:
+        return c in (0x20, 0x09)
+
+    def non_spacetab(first: int, end: int) -> int | None:  # [first, end], as the kernel's
+        return next((i for i in range(first, end + 1) if not spacetab(buf[i])), None)
+
+    def terminator(first: int, end: int) -> int | None:
+        return next((i for i in range(first, end + 1) if spacetab(buf[i]) or buf[i] == 0), None)
+
+    nl = next((i for i in range(BINPRM_BUF_SIZE) if buf[i] in (0x0A, 0)), None)  # strnchr
+    i_end = nl if nl is not None and buf[nl] == 0x0A else None
+    if i_end is None:
+        start = non_spacetab(2, last)
+        if start is None or terminator(start, last) is None:
+            return None  # the interpreter's name may be cut: the kernel refuses it
+        i_end = last
+    while spacetab(buf[i_end - 1]):
+        i_end -= 1
+    i_name = non_spacetab(2, i_end)
+    if i_name is None or i_name == i_end:
         return None
-    cut = min((i for i in (line.find(b" "), line.find(b"\t")) if i >= 0), default=len(line))
-    rest = line[cut:].strip(b" \t")
-    return line[:cut], (rest or None)
+    i_sep = terminator(i_name, i_end)
+    i_arg = non_spacetab(i_sep, i_end) if i_sep is not None and buf[i_sep] != 0 else None
+    buf[i_end] = 0
+    if i_sep is not None:
+        buf[i_sep] = 0
+
+    def c_string(at: int) -> bytes:
+        return bytes(buf[at : buf.index(0, at)])
+
+    name = c_string(i_name)
+    if not name:  # `#!` and a NUL: the kernel looks for a program named "" (ENOENT)
+        return None
+    return name, (c_string(i_arg) if i_arg is not None else None)
 
 
 def bprm_filename(path: bytes, dirfd: int, empty_path: bool) -> bytes:

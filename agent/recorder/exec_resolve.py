@@ -29,7 +29,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from evidence.agent.recorder.exec_check import shebang
+from evidence.agent.recorder.exec_check import bprm_filename, shebang
+from evidence.probes.abi import script_argv
 
 # The kernel ABI, x86_64
 NR_EXECVE = 59
@@ -206,6 +207,19 @@ class ExecRequest:
     # namespace or chroot of the job's own, a bind mount in it; the name cannot be trusted
     foreign: bool = False
     loads: str | None = None  # the program the dynamic loader run as a program would load
+    # the argv the kernel gives a `#!` script's interpreter (its arguments are judged in it: the
+    # line's optional argument, the script's name, then argv[1:])
+    interpreter_argv: tuple[str, ...] = ()
+    # the `#!` interpreter's name leads to another file (or none) for the caller than
+    # `interpreter` is here (a bind mount in a namespace of the job's own): as `foreign`
+    interpreter_foreign: bool = False
+    # the loader opens `loads` by name after the exec, where nothing checks what it opened: the
+    # name is trusted only when the job cannot change where it leads (`stable_name`); otherwise
+    # it counts as `foreign`
+    loads_foreign: bool = False
+    # the arguments the loader's program gets (what follows it in the loader's argv: for a `#!`
+    # script whose interpreter is the loader, in the argv the kernel makes)
+    loads_argv: tuple[str, ...] = ()
     # for the no-race check (exec_check.py): how the call named the file, the file it names for the
     # caller (st_dev, st_ino), and a `#!` line's (interpreter, argument) as the kernel splits them,
     # with the interpreter's identity
@@ -257,9 +271,7 @@ def resolve(pid: int, path: str, dirfd: int, empty_path: bool, root: str | None 
     if empty_path and not path:
         base = f"/proc/{pid}/fd/{dirfd}"
         return os.readlink(base) if os.path.islink(base) else base
-    for own in ("/proc/self/", "/proc/thread-self/"):  # the caller's, not the supervisor's
-        if path.startswith(own):
-            path = f"/proc/{pid}/" + path[len(own) :]
+    path = _caller_path(pid, path)
     if not path.startswith("/"):
         base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
         path = os.path.join(os.readlink(base), path)
@@ -297,6 +309,8 @@ def _openat2(dirfd: int, path: str, resolve: int) -> int:
 def _caller_path(pid: int, path: str) -> str:
     """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
     /proc/TID/ is that thread's), not the supervisor's."""
+    if path.startswith("//"):  # the same name for the kernel
+        path = "/" + path.lstrip("/")
     for own in ("/proc/self/", "/proc/thread-self/"):
         if path.startswith(own):
             return f"/proc/{pid}/" + path[len(own) :]
@@ -421,14 +435,46 @@ def _head_of(fd: int, st: os.stat_result | None = None) -> bytes:
     return head
 
 
-def _interpreter(pid: int, head: bytes, root: str) -> str | None:
-    """A `#!` line's interpreter, resolved for the caller (the name the rules judge)."""
-    if not head.startswith(b"#!"):
+def _interpreter(pid: int, bang: tuple[bytes, bytes | None] | None, root: str) -> str | None:
+    """A `#!` line's interpreter (`bang`: the line as the kernel splits it, exec_check.shebang),
+    resolved for the caller (the name the rules judge). Split as the kernel splits it, and only so:
+    `#!/w/ok\r` runs `/w/ok\r`, which the job may have made a link to another program than
+    `/w/ok` (and a NUL ends the name, as it does for the kernel)."""
+    if bang is None:
         return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    if not words:
-        return None
-    return resolve(pid, _decode(words[0]), AT_FDCWD, False, root)
+    return resolve(pid, _decode(bang[0]), AT_FDCWD, False, root)
+
+
+def _root_owned_dirs(path: str) -> bool:
+    """Whether every directory from / down to `path`'s own (followed: what a name's walk enters)
+    belongs to root and is writable by nobody else (no group or other write, sticky or not)."""
+    d = path
+    while True:
+        d = os.path.dirname(d)
+        try:
+            st = os.stat(d)
+        except OSError:
+            return False
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+        if d == "/":
+            return True
+
+
+def stable_name(written: str, resolved: str) -> bool:
+    """Whether the job cannot change, after its exec was decided, which file the absolute name
+    `written` (resolved here to `resolved`) leads to: every directory on both paths is root's and
+    writable by nobody else, and neither is under /proc or /dev (a descriptor's magic link, which
+    another thread can point elsewhere). A relative name is not stable (a process sharing the
+    caller's cwd can move it). The caller must be in our root and mount namespace (one of the
+    job's own can mount over any name at any time)."""
+    if not written.startswith("/"):
+        return False
+    for name in (written, resolved):
+        norm = "/" + os.path.normpath(name).lstrip("/")  # `//proc` is /proc (normpath keeps it)
+        if norm.startswith(("/proc/", "/dev/")) or not _root_owned_dirs(norm):
+            return False
+    return True
 
 
 def _loads(pid: int, program: str, argv: tuple[str, ...], root: str) -> str | None:
@@ -483,20 +529,45 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     finally:
         os.close(root_fd)
     bang = shebang(head)
+    interpreter = _interpreter(pid, bang, root)
+    interpreter_identity = caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None
+    # what the loader is given: the caller's argv, or, when the loader is a script's interpreter,
+    # the kernel's rewrite (`#!/lib64/ld-linux-x86-64.so.2 /usr/bin/id` runs id)
+    runs, loader_argv = program, argv
+    interpreter_argv: tuple[str, ...] = ()
+    if bang is not None and interpreter is not None:
+        filename = bprm_filename(raw_path, dirfd, empty)
+        runs = interpreter
+        interpreter_argv = tuple(
+            _decode(a) for a in script_argv(bang[0], bang[1], filename, raw_argv or [b""])
+        )
+        loader_argv = interpreter_argv
+    loads = _loads(pid, runs, loader_argv, root)
+    payload = loader_payload(loader_argv) if loads is not None else None
     return ExecRequest(
         pid=pid,
         path=path,
         program=program,
         argv=argv,
         truncated=truncated,
-        interpreter=_interpreter(pid, head, root),
+        interpreter=interpreter,
         foreign=theirs is None or theirs != identity(program),
-        loads=_loads(pid, program, argv, root),
+        loads=loads,
         dirfd=dirfd,
         empty_path=empty,
         identity=theirs,
         shebang=bang,
-        interpreter_identity=caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None,
+        interpreter_identity=interpreter_identity,
+        interpreter_argv=interpreter_argv,
+        interpreter_foreign=interpreter is not None
+        and (interpreter_identity is None or interpreter_identity != identity(interpreter)),
+        loads_foreign=loads is not None
+        and not (
+            root == "/"
+            and _in_our_mount_namespace(pid)
+            and stable_name(_caller_path(pid, payload or ""), loads)
+        ),
+        loads_argv=loader_argv[loader_argv.index(payload) :] if payload is not None else (),
     )
 
 
@@ -524,7 +595,28 @@ def _resolve_as_ours(
 
 
 def proc_depth(pid: int, root: int) -> int:
-    """Forks between `root` (depth 0) and `pid`, from /proc's parent links; -1 when not below it."""
+    """Forks between `root` (depth 0) and `pid` (a thread id), from /proc's parent links; -1 when not
+    below it. A thread of `root` other than its first is `root` (depth 0): its parent link is its
+    process's, which leads past `root`."""
+    depth = _walk(pid, root)
+    if depth < 0 and _tgid(pid) == root:
+        return 0
+    return depth
+
+
+def _tgid(tid: int) -> int | None:
+    """The process thread `tid` is of (None: gone)."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _walk(pid: int, root: int) -> int:
     depth = 0
     while pid != root:
         try:

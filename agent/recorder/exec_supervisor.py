@@ -151,12 +151,18 @@ def decide_request(
     decision = decide(req.program, req.argv, depth, truncated=req.truncated)
     if req.foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[decision.decision]:
         decision = CommandDecision(commands.default)
-    for payload in (req.interpreter, req.loads):
+    for payload, foreign in ((req.interpreter, req.interpreter_foreign), (req.loads, req.loads_foreign)):
         if payload is None:
             continue
-        # the loader's payload is judged with its own arguments (what follows it in argv)
-        argv = req.argv if payload is req.interpreter else req.argv[req.argv.index(_raw_payload(req)) :]
+        # an interpreter is judged with the argv the kernel gives it (the `#!` line's argument
+        # first), the loader's payload with its own arguments (what follows it in argv)
+        if payload is req.interpreter:
+            argv = req.interpreter_argv or req.argv
+        else:
+            argv = req.loads_argv or _loader_args(req)
         other = decide(payload, argv, depth, truncated=req.truncated)
+        if foreign and DECISION_PRIORITY[commands.default] > DECISION_PRIORITY[other.decision]:
+            other = CommandDecision(commands.default)  # its name says nothing of what runs
         if DECISION_PRIORITY[other.decision] > DECISION_PRIORITY[decision.decision]:
             decision = other
     return decision
@@ -173,10 +179,11 @@ def _depths_that_differ(commands: CommandsPolicy) -> list[int]:
     return sorted(edges)
 
 
-def _raw_payload(req: ExecRequest) -> str:
+def _loader_args(req: ExecRequest) -> tuple[str, ...]:
+    """The loader's program's arguments in a request made without them: from its own argv."""
     payload = loader_payload(req.argv)
     assert payload is not None
-    return payload
+    return req.argv[req.argv.index(payload) :]
 
 
 @dataclass(frozen=True)
@@ -396,11 +403,10 @@ class ExecSupervisor:
         its own (the job's other execs are answered meanwhile): None is returned for it."""
         try:
             req = read_request(note.pid, note.nr, note.args)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a name no system call takes (a NUL in it)
             depth = self.depth_of(note.pid, self.root_pid)
-            return self._finish(
-                note, ExecDecision(None, CommandDecision("deny"), depth, False, e.strerror or str(e))
-            )
+            why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+            return self._finish(note, ExecDecision(None, CommandDecision("deny"), depth, False, why))
         if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
             # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded

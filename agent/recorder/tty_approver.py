@@ -16,7 +16,15 @@ What the job can and cannot do to it (the job shares the terminal when it was st
   and this kernel's dev.tty.legacy_tiocsti does not matter then. Type-ahead (keys typed before
   the prompt, meant for the job) is discarded (tcflush) before each prompt;
 - it can read the terminal too, when its stdin is the terminal: a line it reads is not an answer,
-  so the request goes on waiting, to the timeout at worst (fails closed);
+  so the request goes on waiting, to the timeout at worst (closed under `on_timeout: deny`; under
+  `allow` the job can so turn a person's no into a run: docs/policy-format.md);
+- it can take the terminal's foreground (tcsetpgrp) at any moment, TOSTOP set: the approver reads
+  and writes only in the foreground, and SIGTTIN and SIGTTOU are blocked in its thread, so one that
+  falls in the background after the check fails (EIO: read again a moment later) or goes
+  through, rather than stopping the whole recorder (tests/kernel/test_red_tty.py);
+- it can change the terminal's settings: raw mode (a line ends at CR or NL all the same), or its
+  end-of-file character made a key the person types (`n`): an end of file on a terminal that is
+  still there is an empty line, a no (tests/kernel/test_red_tty.py);
 - it can write to the terminal, escape sequences included, and so draw a misleading screen around
   the prompt. The bundle's policy.approval events say exactly what was approved; where the screen
   cannot be trusted, answer through the agent's API instead.
@@ -26,11 +34,13 @@ A request answered elsewhere (the API) or timed out while shown is abandoned wit
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
 import select
 import shlex
+import signal
 import termios
 import threading
 from dataclasses import dataclass, field
@@ -155,6 +165,11 @@ class TtyApprover:
             self._queue.put(request)
 
     def _serve(self) -> None:
+        # the job shares the terminal and can take its foreground (tcsetpgrp) between our check
+        # and a read or a write: with SIGTTIN and SIGTTOU blocked in this thread (and only here:
+        # a mask is inherited by what a thread starts), the kernel fails such a read with EIO and
+        # lets such a write through, rather than stopping the whole recorder
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTIN, signal.SIGTTOU})
         while True:
             request = self._queue.get()
             if request is None:
@@ -204,9 +219,25 @@ class TtyApprover:
             ready, _, _ = select.select([self.fd], [], [], self.poll_s)
             if not ready:
                 continue
-            chunk = os.read(self.fd, 1024)
+            try:
+                chunk = os.read(self.fd, 1024)
+            except OSError as e:
+                if e.errno != errno.EIO:
+                    raise
+                # the job took the foreground after our check (and may have given it back since:
+                # asking again races too): wait, and read again; a terminal that hung up for good
+                # fails every read, until the request is resolved elsewhere or times out
+                select.select([], [], [], self.poll_s)
+                continue
             if not chunk:
-                raise OSError(5, "the terminal hung up")
+                try:
+                    termios.tcgetattr(self.fd)  # a terminal that hung up fails it (EIO)
+                except termios.error:
+                    raise OSError(5, "the terminal hung up") from None
+                # not hung up: its end-of-file character, which the job can make any key (`n`: read
+                # as a hang-up, the person's no left the request to its timeout, which may allow
+                # it): an answer that is no yes, so a no
+                typed, chunk = b"", b"\n"
             typed += chunk
             if b"\n" not in typed and b"\r" not in typed:
                 continue  # not canonical mode (the job set it raw): wait for the end of the line
