@@ -260,20 +260,27 @@ async def index_entries(js: JetStreamContext, node: str | None = None) -> list[I
         return []
     out: list[IndexEntry] = []
     try:
-        while True:
+        pending = (await psub.consumer_info()).num_pending  # (a pull consumer: none in flight)
+        empty = 0
+        while pending:
             try:
-                msgs = await psub.fetch(INDEX_BATCH, timeout=INDEX_WAIT)
+                msgs = await psub.fetch(min(pending, INDEX_BATCH), timeout=INDEX_WAIT)
+                empty = 0
             except nats.errors.TimeoutError:
                 msgs = []
+                empty += 1
+                if empty > 1:
+                    raise Unreachable(
+                        f"the fleet's index counts {pending} entries more but does not send them",
+                        "try again; if it persists, check the servers' health (nats server report jetstream)",
+                    ) from None
             for msg in msgs:
                 entry = _index_entry(msg.subject[len(prefix) :], msg.headers, msg.data)
                 if entry is not None:
                     out.append(entry)
-            if msgs and msgs[-1].metadata.num_pending:
-                continue
-            info = await psub.consumer_info()
-            if info.num_pending == 0:
-                break
+            pending = msgs[-1].metadata.num_pending if msgs else 0
+            if not pending:  # what the last message said may be stale: the server's count decides
+                pending = (await psub.consumer_info()).num_pending
     finally:
         with contextlib.suppress(Exception):  # best effort: the inactive threshold removes it anyway
             await js.delete_consumer(stream, (await psub.consumer_info()).name)
@@ -283,7 +290,7 @@ async def index_entries(js: JetStreamContext, node: str | None = None) -> list[I
 
 
 INDEX_BATCH = 512  # index entries fetched at a time
-INDEX_WAIT = 2.0  # seconds one fetch waits for its first entry before the consumer's count is asked
+INDEX_WAIT = 5.0  # seconds one fetch may wait for entries the server counts as pending
 
 
 def _index_entry(key: str, headers: dict[str, str] | None, value: bytes) -> IndexEntry | None:
