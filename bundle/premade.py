@@ -92,6 +92,9 @@ class _File:
         self.feed("\n".join(chashes).encode("ascii"))
         chashes.pop()
 
+    def add_lines(self, lines: bytes) -> None:
+        self.feed(lines)
+
     def flush(self) -> None:
         if self._buf:
             self.file.write(b"".join(self._buf))
