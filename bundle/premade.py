@@ -26,12 +26,17 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import orjson
 
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.sink import Caps, EventSink, FullWriter
+
+try:  # the C hot path (src/fast/_fast.c): _marked
+    from evidence.bundle import _fast  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
+    _fast = None
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +253,10 @@ class Premade:
 
 def _marked(recs: Sequence[SpoolRecord | bytes]) -> list[SpoolRecord | int]:
     """The records as FullWriter takes them: a repeated open's line as its time alone (the digits
-    after its kind; int() refuses anything else, and any other line is parsed)."""
+    after its kind; int() refuses anything else, and any other line is parsed). In C when built
+    (src/fast/_fast.c: marked, digits alone; any other line goes to _line_marked)."""
+    if _fast is not None and recs.__class__ is list:
+        return cast("list[SpoolRecord | int]", _fast.marked(recs, _OPEN_HEAD, _line_marked))
     head = len(_OPEN_HEAD)
     return [
         (int(r[head : r.find(b",", head)]) if r.startswith(_OPEN_HEAD) else orjson.loads(r))
@@ -256,3 +264,11 @@ def _marked(recs: Sequence[SpoolRecord | bytes]) -> list[SpoolRecord | int]:
         else r
         for r in recs
     ]
+
+
+def _line_marked(line: bytes) -> SpoolRecord | int:
+    """_marked of one line."""
+    head = len(_OPEN_HEAD)
+    if line.startswith(_OPEN_HEAD):
+        return int(line[head : line.find(b",", head)])
+    return cast(SpoolRecord, orjson.loads(line))

@@ -10,6 +10,7 @@ run id is made, so a job that floods execs or distinct paths cannot grow the rec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import logging
@@ -22,6 +23,11 @@ from typing import IO, Any
 from evidence.bundle import canonical
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.record_types import SpoolRecord
+
+try:  # the C hot path (src/fast/_fast.c): plain opens' file items, and a spill's sorted lines
+    from evidence.bundle import _fast  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
+    _fast = None
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,10 @@ class _SpillSet:
     def spill(self) -> None:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
         dumps = canonical.dumps_unchecked
-        run.writelines([key + b"\t" + dumps(item) + b"\n" for key, item in self._sorted()])
+        if _fast is not None:  # the same lines (tests/unit/test_fast.py)
+            run.write(_fast.spill_lines(list(self.items), dumps))
+        else:
+            run.writelines([key + b"\t" + dumps(item) + b"\n" for key, item in self._sorted()])
         run.seek(0)
         self.runs.append(run)
         self.owner.held -= len(self.items)
@@ -114,6 +123,12 @@ class Behaviour:
         self.changes = _SpillSet(self)
         self.namespaces = _SpillSet(self)
         self.sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
+        # the roots as UTF-8, for the C path's file items (None: not taken there)
+        self.fast_roots: tuple[bytes, ...] | None = None
+        plain = self.norm.roots()
+        if _fast is not None and plain is not None:
+            with contextlib.suppress(UnicodeEncodeError):
+                self.fast_roots = tuple(root.encode() for root in plain)
 
     def spill(self) -> None:
         """Past the budget: the set holding the most items goes to disk."""
@@ -123,6 +138,12 @@ class Behaviour:
         """Add records as they are spooled; an item that is bytes is a spool line the recorder made
         from the record before it (a repeated open, the same but for its time): nothing new here."""
         add = self.add
+        if self.fast_roots is not None and recs.__class__ is list:
+            # plain opens' file items in C (their paths their own normal form), the rest below
+            added, recs = _fast.file_items(recs, self.files.items, self.fast_roots)
+            self.held += added
+            if self.held > self.budget:
+                self.spill()
         for rec in recs:
             if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
                 add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__

@@ -484,9 +484,12 @@ class FullWriter:
             sink._full_each(marked, self.state, self.capped)
             return
         batch = self.batch
-        add = batch.append
-        for item in marked:
-            add(item)
+        items = marked if marked.__class__ is list else list(marked)
+        at, count = 0, len(items)
+        while at < count:  # cut where an item at a time would be: every _FULL_BATCH items
+            room = _FULL_BATCH - len(batch)
+            batch += items[at : at + room]
+            at += room
             if len(batch) >= _FULL_BATCH:
                 self._take()
 

@@ -409,7 +409,241 @@ fail:
     return NULL;
 }
 
+/* needs_normal(path, roots): whether Normalizer.text may change `path` (bundle/normalize.py): it
+ * is one of the roots or below one, or it holds what a builtin rule starts from ("/proc/", "tmp",
+ * 32 hex digits). 0: it is its own normal form. */
+static int needs_normal(const char *s, Py_ssize_t n, PyObject *roots) {
+    Py_ssize_t nr = PyTuple_GET_SIZE(roots);
+    for (Py_ssize_t k = 0; k < nr; k++) {
+        PyObject *r = PyTuple_GET_ITEM(roots, k);
+        Py_ssize_t rn = PyBytes_GET_SIZE(r);
+        if (n >= rn && !memcmp(s, PyBytes_AS_STRING(r), (size_t)rn) && (n == rn || s[rn] == '/')) return 1;
+    }
+    int hex = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        char c = s[k];
+        if (c == 't' && k + 2 < n && s[k + 1] == 'm' && s[k + 2] == 'p') return 1;
+        if (c == '/' && k + 5 < n && !memcmp(s + k, "/proc/", 6)) return 1;
+        hex = ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) ? hex + 1 : 0;
+        if (hex >= 32) return 1;
+    }
+    return 0;
+}
+
+static PyObject *ACCESS, *RESULT;
+
+/* file_items(records, items, roots): what Behaviour.add adds to its files for each open of
+ * `records` whose path is its own normal form (needs_normal), added to the set `items` here.
+ * Returns (how many were new, the records it did not take: every other kind, and opens whose
+ * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
+static PyObject *fast_file_items(PyObject *self, PyObject *args) {
+    PyObject *recs, *items, *roots;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots))
+        return NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); k++)
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(roots, k))) {
+            PyErr_SetString(PyExc_TypeError, "roots are bytes");
+            return NULL;
+        }
+    PyObject *rest = PyList_New(0);
+    if (!rest) return NULL;
+    Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(recs, i);
+        if (PyBytes_CheckExact(rec)) continue;
+        int took = 0;
+        if (PyDict_CheckExact(rec)) {
+            PyObject *k = PyDict_GetItemWithError(rec, K);
+            PyObject *path = k ? PyDict_GetItemWithError(rec, PATH) : NULL;
+            PyObject *access = path ? PyDict_GetItemWithError(rec, ACCESS) : NULL;
+            PyObject *res = access ? PyDict_GetItemWithError(rec, RESULT) : NULL;
+            if (PyErr_Occurred()) goto fail;
+            if (res && PyUnicode_CheckExact(k) && PyUnicode_CheckExact(path) && PyList_CheckExact(access) &&
+                PyUnicode_CompareWithASCIIString(k, "open") == 0) {
+                Py_ssize_t pn;
+                const char *ps = PyUnicode_AsUTF8AndSize(path, &pn);
+                if (!ps) PyErr_Clear();
+                if (ps && !needs_normal(ps, pn, roots)) {
+                    PyObject *acc = PyList_AsTuple(access);
+                    PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
+                    Py_XDECREF(acc);
+                    if (!item) goto fail;
+                    int had = PySet_Contains(items, item);
+                    if (had < 0 || (!had && PySet_Add(items, item) < 0)) {
+                        Py_DECREF(item);
+                        goto fail;
+                    }
+                    added += !had;
+                    Py_DECREF(item);
+                    took = 1;
+                }
+            }
+        }
+        if (!took && PyList_Append(rest, rec) < 0) goto fail;
+    }
+    return Py_BuildValue("(nN)", added, rest);
+fail:
+    Py_DECREF(rest);
+    return NULL;
+}
+
+/* repr(v) onto `b` for what behaviour items hold, as Python writes it: a printable ASCII string
+ * without quote or backslash as itself in single quotes, an int in decimal, None, True, False, a
+ * tuple of such; anything else through PyObject_Repr. 0, or -1 with an error set. */
+static int put_repr(Buf *b, PyObject *v, int depth) {
+    if (PyUnicode_CheckExact(v) && PyUnicode_IS_ASCII(v)) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(v);
+        const char *s = (const char *)PyUnicode_DATA(v);
+        Py_ssize_t k = 0;
+        while (k < n && s[k] >= 0x20 && s[k] < 0x7f && s[k] != '\'' && s[k] != '\\') k++;
+        if (k == n) return put(b, "'", 1) || put(b, s, (size_t)n) || put(b, "'", 1) ? -1 : 0;
+    } else if (v == Py_None) {
+        return put(b, "None", 4);
+    } else if (v == Py_True) {
+        return put(b, "True", 4);
+    } else if (v == Py_False) {
+        return put(b, "False", 5);
+    } else if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (!overflow) {
+            if (x == -1 && PyErr_Occurred()) return -1;
+            return put_i64(b, x);
+        }
+    } else if (PyTuple_CheckExact(v) && depth < 8) {
+        Py_ssize_t n = PyTuple_GET_SIZE(v);
+        if (put(b, "(", 1)) return -1;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (k && put(b, ", ", 2)) return -1;
+            if (put_repr(b, PyTuple_GET_ITEM(v, k), depth + 1)) return -1;
+        }
+        return put(b, n == 1 ? ",)" : ")", n == 1 ? 2 : 1);
+    }
+    PyObject *r = PyObject_Repr(v);
+    if (!r) return -1;
+    PyObject *u = PyUnicode_AsEncodedString(r, "utf-8", "surrogatepass");
+    Py_DECREF(r);
+    if (!u) return -1;
+    int out = put_bytes(b, u);
+    Py_DECREF(u);
+    return out;
+}
+
+typedef struct {
+    uint64_t pre; /* the key's 8 bytes after the prefix every key shares, big-endian, zero-padded */
+    const char *key;
+    Py_ssize_t n;
+    PyObject *item; /* borrowed */
+    PyObject *keyobj;
+} Keyed;
+
+static int keyed_cmp(const void *a, const void *b) {
+    const Keyed *x = a, *y = b;
+    if (x->pre != y->pre) return x->pre < y->pre ? -1 : 1;
+    Py_ssize_t n = x->n < y->n ? x->n : y->n;
+    int c = memcmp(x->key, y->key, (size_t)n);
+    if (c) return c;
+    return (x->n > y->n) - (x->n < y->n);
+}
+
+/* spill_lines(items, dumps): the lines of a sorted run of behaviour items (bundle/run_id.py
+ * _SpillSet.spill): each item's repr as UTF-8 (surrogatepass), a tab, its canonical JSON (`dumps`
+ * for a value this does not write), a newline; sorted by the repr's bytes. */
+static PyObject *fast_spill_lines(PyObject *self, PyObject *args) {
+    PyObject *items, *dumps;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &items, &dumps)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    Keyed *keyed = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Keyed));
+    if (!keyed) return PyErr_NoMemory();
+    Buf out = {0}, reprs = {0};
+    PyObject *result_obj = NULL;
+    Py_ssize_t made = 0;
+    for (; made < n; made++) {
+        PyObject *item = PyList_GET_ITEM(items, made);
+        reprs.n = 0;
+        if (put_repr(&reprs, item, 0)) goto done;
+        PyObject *key = PyBytes_FromStringAndSize(reprs.p, (Py_ssize_t)reprs.n);
+        if (!key) goto done;
+        keyed[made] = (Keyed){0, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), item, key};
+    }
+    /* most keys share a long beginning (a directory): sorted by the 8 bytes after it first */
+    Py_ssize_t common = n ? keyed[0].n : 0;
+    for (Py_ssize_t k = 1; k < n && common; k++) {
+        Py_ssize_t c = 0, m = keyed[k].n < common ? keyed[k].n : common;
+        while (c < m && keyed[k].key[c] == keyed[0].key[c]) c++;
+        common = c;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t pre = 0;
+        for (Py_ssize_t c = common; c < common + 8; c++)
+            pre = (pre << 8) | (c < keyed[k].n ? (unsigned char)keyed[k].key[c] : 0);
+        keyed[k].pre = pre;
+    }
+    qsort(keyed, (size_t)n, sizeof(Keyed), keyed_cmp);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (put(&out, keyed[k].key, (size_t)keyed[k].n) || put(&out, "\t", 1)) goto done;
+        size_t at = out.n;
+        int r = put_value(&out, keyed[k].item, 0);
+        if (r < 0) goto done;
+        if (r == 0) {
+            out.n = at;
+            PyObject *c = PyObject_CallOneArg(dumps, keyed[k].item);
+            if (!c) goto done;
+            if (!PyBytes_Check(c) || put_bytes(&out, c)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "dumps gives bytes");
+                Py_DECREF(c);
+                goto done;
+            }
+            Py_DECREF(c);
+        }
+        if (put(&out, "\n", 1)) goto done;
+    }
+    result_obj = PyBytes_FromStringAndSize(out.p ? out.p : "", (Py_ssize_t)out.n);
+done:
+    for (Py_ssize_t k = 0; k < made; k++) Py_XDECREF(keyed[k].keyobj);
+    PyMem_Free(keyed);
+    free(out.p);
+    free(reprs.p);
+    return result_obj;
+}
+
+/* marked(records, head, other): the records as FullWriter takes them (bundle/premade.py _marked):
+ * a spool line (bytes) that starts with `head` and whose digits after it end at a comma is its time
+ * (an int); every other line is other(line) (which parses it); a record is itself. */
+static PyObject *fast_marked(PyObject *self, PyObject *args) {
+    PyObject *recs, *head, *other;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &recs, &PyBytes_Type, &head, &other)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(recs), hn = PyBytes_GET_SIZE(head);
+    const char *hs = PyBytes_AS_STRING(head);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(recs, i), *v = NULL;
+        if (PyBytes_Check(r)) {
+            const char *s = PyBytes_AS_STRING(r);
+            Py_ssize_t len = PyBytes_GET_SIZE(r), k = hn;
+            unsigned long long t = 0;
+            if (len > hn && !memcmp(s, hs, (size_t)hn)) {
+                while (k < len && k - hn < 19 && s[k] >= '0' && s[k] <= '9') t = t * 10 + (unsigned)(s[k++] - '0');
+                if (k > hn && k < len && s[k] == ',') v = PyLong_FromUnsignedLongLong(t);
+            }
+            if (!v) v = PyObject_CallOneArg(other, r);
+        } else {
+            v = Py_NewRef(r);
+        }
+        if (!v) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
+    {"file_items", fast_file_items, METH_VARARGS, "Behaviour's file items of plain opens (see above)."},
+    {"spill_lines", fast_spill_lines, METH_VARARGS, "A sorted run of behaviour items' lines (see above)."},
     {"opens", fast_opens, METH_VARARGS, "The events of plain open records from items[i] (see the module's head)."},
     {"repeats", fast_repeats, METH_VARARGS, "The events of repeats (times) from items[i] (see the module's head)."},
     {NULL, NULL, 0, NULL},
@@ -429,6 +663,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     TL = PyUnicode_InternFromString("tl");
     PATH = PyUnicode_InternFromString("path");
     OPEN = PyUnicode_InternFromString("open");
-    if (!K || !T || !N || !TL || !PATH || !OPEN) return NULL;
+    ACCESS = PyUnicode_InternFromString("access");
+    RESULT = PyUnicode_InternFromString("result");
+    if (!K || !T || !N || !TL || !PATH || !OPEN || !ACCESS || !RESULT) return NULL;
     return PyModule_Create(&module);
 }

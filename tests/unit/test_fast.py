@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evidence.bundle import canonical, premade, run_id, sink
 from evidence.bundle import format as fmt
-from evidence.bundle import sink
 from evidence.bundle.sink import Caps, EventSink
 
 needs_fast = pytest.mark.skipif(sink._fast is None, reason="the compiled module is not built (make setup)")
@@ -162,3 +162,95 @@ def test_c_path_makes_what_the_writer_always_made() -> None:
     first = data.split(b"\n")[0]
     assert b'"path":"/a/\\"b\\u0001"' in first
     assert b'"time":"2023-11-14T22:13:20.123456789Z"' in first
+
+
+# ---- the run id's behaviour (bundle/run_id.py): plain opens' file items, and a spill's lines
+
+
+def _behaviour(recs: list[Any], fast: bool, roots: dict[str, str], tmp: Any) -> tuple[object, ...]:
+    try:
+        return _made_run_id(recs, fast, roots, tmp)
+    except TypeError as e:  # the same failure either way (a string that is not UTF-8)
+        return (type(e).__name__,)
+
+
+def _made_run_id(recs: list[Any], fast: bool, roots: dict[str, str], tmp: Any) -> tuple[object, ...]:
+    b = run_id.Behaviour(roots, budget=7, tmp_dir=tmp)  # spilled to disk every few items
+    if not fast:
+        b.fast_roots = None
+    saved, run_id._fast = run_id._fast, (run_id._fast if fast else None)
+    try:
+        for k in range(0, len(recs), 5):
+            b.add_many(recs[k : k + 5])
+        return (b.run_id(["cmd"]),)
+    finally:
+        run_id._fast = saved
+
+
+_item_value = st.one_of(st.none(), st.booleans(), _ints, _text)
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.tuples(_text, st.lists(_item_value, max_size=3).map(tuple), _item_value), max_size=30))
+def test_c_and_python_spill_the_same_lines(items: set[tuple[Any, ...]]) -> None:
+    """A sorted run's lines: each item's repr (its sort key) and canonical JSON."""
+    spill = run_id._SpillSet(run_id.Behaviour())
+    spill.items = items
+    try:
+        python = b"".join(k + b"\t" + canonical.dumps(i, check=False) + b"\n" for k, i in spill._sorted())
+    except TypeError:  # a string that is not UTF-8: no canonical JSON either way
+        with pytest.raises(TypeError):
+            sink._fast.spill_lines(list(items), canonical.dumps_unchecked)
+        return
+    assert sink._fast.spill_lines(list(items), canonical.dumps_unchecked) == python
+
+
+_path = st.one_of(
+    _text,
+    st.sampled_from(["/home/u", "/home/u/x", "/home/ux", "/tmp/r/a", "/proc/12/fd/3", "/w/tmp1234abcd"]),
+    st.text(alphabet="0123456789abcdef/", min_size=30, max_size=40),
+)
+_opened = st.fixed_dictionaries(
+    {
+        "k": st.just("open"),
+        "path": _path,
+        "access": st.lists(st.sampled_from(["read", "write", "create"]), max_size=2),
+        "result": st.one_of(st.integers(-(2**65), 2**65), st.sampled_from(["ENOENT", "EACCES"])),
+    }
+)
+_other = st.fixed_dictionaries(
+    {
+        "k": st.just("exec"),
+        "filename": _path,
+        "argv": st.lists(_text, max_size=3),
+        "result": st.integers(0, 3),
+    }
+)
+
+
+@needs_fast
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(_opened, _opened, _other, st.just(b"line")), max_size=60))
+def test_c_and_python_make_the_same_run_id(tmp_path: Any, recs: list[Any]) -> None:
+    for roots in ({}, {"${WORKSPACE}": "/home/u", "${TMPDIR}": "/tmp/r"}):
+        fast = _behaviour(recs, True, roots, tmp_path)
+        assert fast == _behaviour(recs, False, roots, tmp_path)
+
+
+_line = st.one_of(
+    st.integers(0, 2**70).map(lambda t: b'{"k":"open","t":%d,"pid":1}\n' % t),
+    st.sampled_from(
+        [b'{"k":"open","t": 5,"pid":1}\n', b'{"k":"open","t":1_0,"x":2}\n', b'{"k":"exit","t":3}\n']
+    ),
+)
+
+
+@needs_fast
+@given(st.lists(st.one_of(_line, _exit), max_size=20))
+def test_c_and_python_mark_repeats_alike(recs: list[Any]) -> None:
+    """A repeated open's spool line as its time (bundle/premade.py _marked), the same either way."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(premade, "_fast", None)
+        python = premade._marked(recs)
+    assert premade._marked(recs) == python
