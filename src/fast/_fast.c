@@ -458,13 +458,14 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
             PyObject *access = path ? PyDict_GetItemWithError(rec, ACCESS) : NULL;
             PyObject *res = access ? PyDict_GetItemWithError(rec, RESULT) : NULL;
             if (PyErr_Occurred()) goto fail;
-            if (res && PyUnicode_CheckExact(k) && PyUnicode_CheckExact(path) && PyList_CheckExact(access) &&
+            if (res && PyUnicode_CheckExact(k) && PyUnicode_CheckExact(path) &&
+                (PyList_CheckExact(access) || PyTuple_CheckExact(access)) &&
                 PyUnicode_CompareWithASCIIString(k, "open") == 0) {
                 Py_ssize_t pn;
                 const char *ps = PyUnicode_AsUTF8AndSize(path, &pn);
                 if (!ps) PyErr_Clear();
                 if (ps && !needs_normal(ps, pn, roots)) {
-                    PyObject *acc = PyList_AsTuple(access);
+                    PyObject *acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
                     PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
                     Py_XDECREF(acc);
                     if (!item) goto fail;

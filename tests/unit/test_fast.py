@@ -215,7 +215,9 @@ _opened = st.fixed_dictionaries(
     {
         "k": st.just("open"),
         "path": _path,
-        "access": st.lists(st.sampled_from(["read", "write", "create"]), max_size=2),
+        "access": st.lists(st.sampled_from(["read", "write", "create"]), max_size=2).flatmap(
+            lambda a: st.sampled_from([a, tuple(a)])  # the correlator's are tuples (calls.py)
+        ),
         "result": st.one_of(st.integers(-(2**65), 2**65), st.sampled_from(["ENOENT", "EACCES"])),
     }
 )
