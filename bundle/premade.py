@@ -31,12 +31,9 @@ from typing import IO, cast
 import orjson
 
 from evidence.bundle.record_types import SpoolRecord
-from evidence.bundle.sink import Caps, EventSink, FullWriter
+from evidence.bundle.sink import Caps, EventSink, FullWriter, compiled
 
-try:  # the C hot path (src/fast/_fast.c): _marked
-    from evidence.bundle import _fast  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
-    _fast = None
+_fast = compiled()  # the C hot path: _marked
 
 logger = logging.getLogger(__name__)
 

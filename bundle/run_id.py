@@ -23,11 +23,9 @@ from typing import IO, Any
 from evidence.bundle import canonical
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.record_types import SpoolRecord
+from evidence.bundle.sink import compiled
 
-try:  # the C hot path (src/fast/_fast.c): plain opens' file items, and a spill's sorted lines
-    from evidence.bundle import _fast  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
-    _fast = None
+_fast = compiled()  # the C hot path: plain opens' file items, and a spill's sorted lines
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -20,10 +21,20 @@ from evidence.bundle.records import to_event
 if TYPE_CHECKING:
     from evidence.bundle import runtime_trace
 
-try:  # full detail's hot path in C (src/fast/_fast.c, built by `make setup`); else all in Python
-    from evidence.bundle import _fast  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
-    _fast = None
+
+def compiled() -> Any:
+    """Full detail's hot path in C (src/fast/_fast.c, built by `make setup`), or None: not built, or
+    EVIDENCE_PURE_PYTHON set (the Python path, which it matches byte for byte, does it all)."""
+    if os.environ.get("EVIDENCE_PURE_PYTHON"):
+        return None
+    try:
+        from evidence.bundle import _fast  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
+        return None
+    return _fast
+
+
+_fast = compiled()
 
 _dumps = canonical.dumps_unchecked
 Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data

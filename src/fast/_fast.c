@@ -641,7 +641,289 @@ static PyObject *fast_marked(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- correlation (agent/recorder/correlate.py Correlator.open_record) ---- */
+
+static PyObject *MAGIC, *S_PID, *S_PPID, *S_EXE, *S_FDS, *S_RAW_PATH, *S_DIRFD, *S_FLAGS, *S_MODE, *S_NLINK, *S_WRITE,
+    *S_CREATE, *ZERO;
+
+/* a dict's value for `key`, made by `make(key)` and kept when missing (new reference) */
+static PyObject *cached(PyObject *cache, PyObject *key, PyObject *make) {
+    PyObject *v = PyDict_GetItemWithError(cache, key);
+    if (v) return Py_NewRef(v);
+    if (PyErr_Occurred()) return NULL;
+    v = PyObject_CallOneArg(make, key);
+    if (v && PyDict_SetItem(cache, key, v) < 0) Py_CLEAR(v);
+    return v;
+}
+
+/* open_plain(p, t, raw, dfd, oflags, mode, ret, rino, nlink, paths, dirs, dir_names, limit,
+ *            open_flags, flag_cache, result_of, result_cache)
+ * The record of an open whose name `raw` (its bytes up to and with the NUL) is absolute and named
+ * by no flag of its own (the caller checked: no F_KNAME, F_FNAME_FAULT, F_STATE, F_IN_ROOT,
+ * F_OTHER_NS, and the run's own cgroup), as Correlator.open_record makes it: its names from the
+ * cache `paths` (raw -> (raw_path, path)) or from its directory's (Correlator._in_dir: `dirs`,
+ * `dir_names` for one not in it, emptied past `limit`), the descriptor it returns entered in
+ * p.fds. None, with nothing changed but `dirs`, for anything else: a name _in_dir does not take,
+ * an open for writing that returned a descriptor (Correlator._leaving looks at it). */
+typedef struct {
+    PyObject *paths, *dirs, *dir_names, *open_flags, *flag_cache, *result_of, *result_cache;
+    Py_ssize_t limit;
+} Caches;
+
+/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL */
+static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, long long dfd, long long oflags,
+                           long long mode, long long ret, PyObject *rino, long long nlink) {
+    PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
+             *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
+    Py_ssize_t limit = c->limit;
+    PyObject *raw_path = NULL, *path = NULL, *rec = NULL, *fl = NULL, *res = NULL, *tmp = NULL;
+    PyObject *hit = PyDict_GetItemWithError(paths, raw);
+    if (hit) {
+        if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2) Py_RETURN_NONE;
+        raw_path = Py_NewRef(PyTuple_GET_ITEM(hit, 0));
+        path = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    } else {
+        if (PyErr_Occurred()) return NULL;
+        /* Correlator._in_dir */
+        const char *s = PyBytes_AS_STRING(raw);
+        Py_ssize_t n = PyBytes_GET_SIZE(raw), slash = n - 1;
+        while (slash >= 0 && s[slash] != '/') slash--;
+        if (slash < 0) Py_RETURN_NONE;
+        const char *leaf = s + slash + 1;
+        Py_ssize_t ln = n - slash - 1;
+        const char *nul = memchr(leaf, 0, (size_t)ln);
+        if (!nul || nul != leaf + ln - 1 || ln == 1 || (ln == 2 && leaf[0] == '.') ||
+            (ln == 3 && leaf[0] == '.' && leaf[1] == '.'))
+            Py_RETURN_NONE;
+        PyObject *where = PyBytes_FromStringAndSize(s, slash);
+        if (!where) return NULL;
+        PyObject *known = PyDict_GetItemWithError(dirs, where);
+        if (known) {
+            Py_INCREF(known);
+        } else if (!PyErr_Occurred()) {
+            if (PyDict_GET_SIZE(dirs) >= limit) PyDict_Clear(dirs);
+            known = PyObject_CallOneArg(dir_names, where);
+            if (known && PyDict_SetItem(dirs, where, known) < 0) Py_CLEAR(known);
+        }
+        Py_DECREF(where);
+        if (!known) return NULL;
+        if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) {
+            Py_DECREF(known);
+            Py_RETURN_NONE;
+        }
+        PyObject *name = PyUnicode_DecodeUTF8(leaf, ln - 1, "backslashreplace");
+        if (!name) {
+            Py_DECREF(known);
+            return NULL;
+        }
+        path = PyUnicode_Concat(PyTuple_GET_ITEM(known, 1), name);
+        raw_path = path ? PyUnicode_Concat(PyTuple_GET_ITEM(known, 0), name) : NULL;
+        Py_DECREF(name);
+        Py_DECREF(known);
+        if (!raw_path) goto fail;
+        /* names.MAGIC: another file each time, named by the Python path */
+        if (PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 0), 0,
+                                PY_SSIZE_T_MAX, -1) ||
+            PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 1), 0, PY_SSIZE_T_MAX, -1)) {
+            Py_DECREF(path);
+            Py_DECREF(raw_path);
+            Py_RETURN_NONE;
+        }
+    }
+    tmp = PyLong_FromLongLong(oflags);
+    fl = tmp ? cached(flag_cache, tmp, open_flags) : NULL;
+    Py_CLEAR(tmp);
+    if (!fl) goto fail;
+    if (!PyTuple_CheckExact(fl) || PyTuple_GET_SIZE(fl) != 2) goto none;
+    PyObject *names = PyTuple_GET_ITEM(fl, 0), *access = PyTuple_GET_ITEM(fl, 1);
+    int writes = PySequence_Contains(access, S_WRITE), creates = PySequence_Contains(access, S_CREATE);
+    if (writes < 0 || creates < 0) goto fail;
+    if (writes && ret >= 0) goto none; /* _leaving's to look at */
+    if (ret >= 0) {
+        res = Py_NewRef(ZERO);
+    } else {
+        tmp = PyLong_FromLongLong(ret);
+        res = tmp ? cached(result_cache, tmp, result_of) : NULL;
+        Py_CLEAR(tmp);
+        if (!res) goto fail;
+    }
+    PyObject *pid = PyObject_GetAttr(p, S_PID), *ppid = pid ? PyObject_GetAttr(p, S_PPID) : NULL,
+             *exe = ppid ? PyObject_GetAttr(p, S_EXE) : NULL;
+    if (!exe) {
+        Py_XDECREF(pid);
+        Py_XDECREF(ppid);
+        goto fail;
+    }
+    rec = PyDict_New();
+    int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
+              PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
+    Py_DECREF(pid);
+    Py_DECREF(ppid);
+    Py_DECREF(exe);
+    if (bad || PyDict_SetItem(rec, PATH, path) || PyDict_SetItem(rec, S_RAW_PATH, raw_path)) goto fail;
+    tmp = dfd == -100 ? Py_NewRef(Py_None) : PyLong_FromLongLong(dfd);
+    if (!tmp || PyDict_SetItem(rec, S_DIRFD, tmp)) goto fail;
+    Py_CLEAR(tmp);
+    if (PyDict_SetItem(rec, S_FLAGS, names) || PyDict_SetItem(rec, ACCESS, access)) goto fail;
+    tmp = creates ? PyLong_FromLongLong(mode) : Py_NewRef(Py_None);
+    if (!tmp || PyDict_SetItem(rec, S_MODE, tmp)) goto fail;
+    Py_CLEAR(tmp);
+    if (PyDict_SetItem(rec, RESULT, res)) goto fail;
+    if (nlink > 1) {
+        tmp = PyLong_FromLongLong(nlink);
+        if (!tmp || PyDict_SetItem(rec, S_NLINK, tmp)) goto fail;
+        Py_CLEAR(tmp);
+    }
+    if (ret >= 0) { /* the descriptor now names `path` (while it names inode `rino`) */
+        PyObject *fds = PyObject_GetAttr(p, S_FDS);
+        if (!fds) goto fail;
+        PyObject *fd = PyLong_FromLongLong(ret), *entry = PyTuple_Pack(2, path, rino);
+        int r = fd && entry ? PyObject_SetItem(fds, fd, entry) : -1;
+        Py_XDECREF(fd);
+        Py_XDECREF(entry);
+        Py_DECREF(fds);
+        if (r < 0) goto fail;
+    }
+    Py_DECREF(path);
+    Py_DECREF(raw_path);
+    Py_DECREF(fl);
+    Py_DECREF(res);
+    return rec;
+none:
+    Py_XDECREF(path);
+    Py_XDECREF(raw_path);
+    Py_XDECREF(fl);
+    Py_XDECREF(res);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(path);
+    Py_XDECREF(raw_path);
+    Py_XDECREF(fl);
+    Py_XDECREF(res);
+    Py_XDECREF(rec);
+    Py_XDECREF(tmp);
+    return NULL;
+}
+
+static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
+    PyObject *p, *t, *raw, *rino;
+    long long dfd, oflags, mode, ret, nlink;
+    Caches c;
+    if (!PyArg_ParseTuple(args, "OOO!LLLLOLO!O!OnOO!OO!", &p, &t, &PyBytes_Type, &raw, &dfd, &oflags, &mode,
+                          &ret, &rino, &nlink, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
+                          &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
+                          &c.result_cache))
+        return NULL;
+    return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink);
+}
+
+/* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
+ *               wall_offset, cgroups, <open_plain's caches>)
+ * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
+ * opens of run `run` (not a repeat of the record before: its bytes after the time differ from
+ * `last_tail`, none of `stop_flags`, an absolute name, a process in `procs`, the run's own cgroup:
+ * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s, in
+ * the order _process names them. Returns (the index it stopped at, their records, the last one's
+ * bytes after its time or None, its record or None). */
+static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
+    PyObject *batch, *last_tail, *unpack, *open_kind, *procs, *wall_offset, *cgroups;
+    Py_ssize_t i, kind_off, path_off;
+    long long run, stop_flags;
+    Caches c;
+    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
+                          &kind_off, &PyBytes_Type, &open_kind, &path_off, &stop_flags, &PyDict_Type, &procs,
+                          &wall_offset, &cgroups, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
+                          &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
+                          &c.result_cache))
+        return NULL;
+    if (!PyBytes_CheckExact(last_tail) || PyBytes_GET_SIZE(open_kind) != 2) {
+        PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0), *last_rec = NULL;
+    if (!out) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(batch), last = -1;
+    const char *tail = PyBytes_AS_STRING(last_tail);
+    Py_ssize_t tail_n = PyBytes_GET_SIZE(last_tail);
+    for (; i < n; i++) {
+        PyObject *raw = PyList_GET_ITEM(batch, i);
+        if (!PyBytes_CheckExact(raw)) break;
+        const char *rs = PyBytes_AS_STRING(raw);
+        Py_ssize_t rn = PyBytes_GET_SIZE(raw);
+        if (rn < path_off || rn < kind_off + 2 || memcmp(rs + kind_off, PyBytes_AS_STRING(open_kind), 2)) break;
+        if (rn - 8 == tail_n && !memcmp(rs + 8, tail, (size_t)tail_n)) break; /* a repeat: _process's */
+        PyObject *f = PyObject_CallOneArg(unpack, raw);
+        if (!f) goto fail;
+        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) < 18) {
+            Py_DECREF(f);
+            break;
+        }
+        /* ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, _, plen, dino, rino */
+        long long frun = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 2)), flags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 6));
+        long long plen = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 15));
+        if (PyErr_Occurred()) {
+            Py_DECREF(f);
+            goto fail;
+        }
+        if (frun != run || (flags & stop_flags) || plen < 1 || path_off + plen > rn || rs[path_off] != '/') {
+            Py_DECREF(f);
+            break;
+        }
+        if (cgroups != Py_None) {
+            PyObject *named = PyDict_GetItemWithError(cgroups, PyTuple_GET_ITEM(f, 1));
+            if (!named || !PyTuple_Check(named) || PyTuple_GET_SIZE(named) < 1 ||
+                PyTuple_GET_ITEM(named, 0) != Py_None) {
+                Py_DECREF(f);
+                if (PyErr_Occurred()) goto fail;
+                break;
+            }
+        }
+        PyObject *p = PyDict_GetItemWithError(procs, PyTuple_GET_ITEM(f, 3));
+        if (!p) {
+            Py_DECREF(f);
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        Py_INCREF(p);
+        PyObject *t = PyNumber_Add(PyTuple_GET_ITEM(f, 0), wall_offset);
+        PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)plen) : NULL;
+        long long dfd = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 10)), oflags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 11)),
+                  mode = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 12)), ret = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 7)),
+                  nlink = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 13));
+        PyObject *rec = path && !PyErr_Occurred()
+                            ? open_core(&c, p, t, path, dfd, oflags, mode, ret, PyTuple_GET_ITEM(f, 17), nlink)
+                            : NULL;
+        Py_XDECREF(t);
+        Py_XDECREF(path);
+        Py_DECREF(p);
+        Py_DECREF(f);
+        if (!rec) goto fail;
+        if (rec == Py_None) {
+            Py_DECREF(rec);
+            break;
+        }
+        if (PyList_Append(out, rec) < 0) {
+            Py_DECREF(rec);
+            goto fail;
+        }
+        Py_XSETREF(last_rec, rec);
+        last = i;
+        tail = rs + 8;
+        tail_n = rn - 8;
+    }
+    PyObject *lt = last < 0 ? Py_NewRef(Py_None)
+                            : PyBytes_FromStringAndSize(tail, tail_n);
+    if (!lt) goto fail;
+    return Py_BuildValue("(nNNN)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None));
+fail:
+    Py_DECREF(out);
+    Py_XDECREF(last_rec);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
+    {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
     {"file_items", fast_file_items, METH_VARARGS, "Behaviour's file items of plain opens (see above)."},
     {"spill_lines", fast_spill_lines, METH_VARARGS, "A sorted run of behaviour items' lines (see above)."},
@@ -667,5 +949,21 @@ PyMODINIT_FUNC PyInit__fast(void) {
     ACCESS = PyUnicode_InternFromString("access");
     RESULT = PyUnicode_InternFromString("result");
     if (!K || !T || !N || !TL || !PATH || !OPEN || !ACCESS || !RESULT) return NULL;
+    S_PID = PyUnicode_InternFromString("pid");
+    S_PPID = PyUnicode_InternFromString("ppid");
+    S_EXE = PyUnicode_InternFromString("exe");
+    S_FDS = PyUnicode_InternFromString("fds");
+    S_RAW_PATH = PyUnicode_InternFromString("raw_path");
+    S_DIRFD = PyUnicode_InternFromString("dirfd");
+    S_FLAGS = PyUnicode_InternFromString("flags");
+    S_MODE = PyUnicode_InternFromString("mode");
+    S_NLINK = PyUnicode_InternFromString("nlink");
+    S_WRITE = PyUnicode_InternFromString("write");
+    S_CREATE = PyUnicode_InternFromString("create");
+    ZERO = PyLong_FromLong(0);
+    MAGIC = Py_BuildValue("(ss)", "/proc/", "/dev/fd/");
+    if (!S_PID || !S_PPID || !S_EXE || !S_FDS || !S_RAW_PATH || !S_DIRFD || !S_FLAGS || !S_MODE || !S_NLINK ||
+        !S_WRITE || !S_CREATE || !ZERO || !MAGIC)
+        return NULL;
     return PyModule_Create(&module);
 }

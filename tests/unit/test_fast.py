@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from evidence.bundle import canonical, premade, run_id, sink
 from evidence.bundle import format as fmt
 from evidence.bundle.sink import Caps, EventSink
+from evidence.probes import abi
 
 needs_fast = pytest.mark.skipif(sink._fast is None, reason="the compiled module is not built (make setup)")
 
@@ -256,3 +257,103 @@ def test_c_and_python_mark_repeats_alike(recs: list[Any]) -> None:
         m.setattr(premade, "_fast", None)
         python = premade._marked(recs)
     assert premade._marked(recs) == python
+
+
+# ---- correlation: Recorder._process's plain opens (agent/recorder/pipeline.py, correlate.py)
+
+
+_raw_path = st.one_of(
+    st.sampled_from(
+        [
+            b"/etc/hostname",
+            b"/etc/passwd",
+            b"/a/b/../c",
+            b"/a/./d",
+            b"//x//y",
+            b"/proc/self/fd/3",
+            b"/dev/fd/4",
+            b"/sys/fs/cgroup/other/cgroup.procs",
+            b"/",
+            b"/t/",
+            b"/t/.",
+            b"/t/..",
+            b"rel",
+            b"../up",
+            b"/a\xffb/c",
+            b"/a/\x01\n",
+        ]
+    ),
+    st.binary(max_size=6).map(lambda b: b"/d%d/" % (len(b) % 3) + b.replace(b"\0", b"")),
+)
+
+
+@st.composite
+def _raws(draw: st.DrawFn) -> list[bytes]:
+    from tests.unit.test_fast_path import chdir_raw, dup_raw, open_raw
+
+    out: list[bytes] = []
+    for k in range(draw(st.integers(0, 40))):
+        what = draw(st.integers(0, 9))
+        if what == 0:
+            out.append(chdir_raw(draw(st.sampled_from([b"/srv", b"/", b"x"])), ts=k, tgid=10))
+        elif what == 1:
+            out.append(dup_raw(draw(st.integers(3, 6)), draw(st.integers(3, 6)), ts=k))
+        elif what == 2 and out:
+            out.append(out[-1])  # a repeat, byte for byte
+        else:
+            out.append(
+                open_raw(
+                    draw(_raw_path),
+                    ts=1_700_000_000_000_000_000 + k,
+                    ret=draw(st.sampled_from([3, 4, 5, -2, -13, -4096])),
+                    dfd=draw(st.sampled_from([-100, -100, 3])),
+                    oflags=draw(st.sampled_from([0, 0, 1, 2, 0o100, 0o1101, 0o2000000, 0o10000000])),
+                    mode=draw(st.sampled_from([0, 0o644])),
+                    flags=draw(
+                        st.sampled_from(
+                            [
+                                0,
+                                0,
+                                0,
+                                abi.F_FIRST,
+                                abi.F_STATE,
+                                abi.F_OTHER_NS,
+                                abi.F_IN_ROOT,
+                                abi.F_FNAME_FAULT,
+                            ]
+                        )
+                    ),
+                    tgid=draw(st.sampled_from([10, 10, 11, 12])),
+                    cgid=draw(st.sampled_from([7, 7, 8])),
+                    run=draw(st.sampled_from([1, 1, 1, 2])),
+                    rino=draw(st.sampled_from([0, 5])),
+                    nlink=draw(st.sampled_from([0, 1, 2])),
+                )
+            )
+    return out
+
+
+def _spooled_by(raws: list[bytes], cut: int, fast: bool, tmp: Any) -> tuple[object, ...]:
+    from evidence.agent.recorder import correlate, pipeline
+    from tests.unit.test_fast_path import spooled, stopped_recorder
+
+    with pytest.MonkeyPatch.context() as m:
+        if not fast:
+            m.setattr(pipeline, "_fast", None)
+            m.setattr(correlate, "_fast", None)
+        (tmp / "s.spool.zst").unlink(missing_ok=True)
+        rec, session, spool = stopped_recorder(tmp)
+        session.correlator.fast = fast
+        rec._process(raws[:cut])
+        rec._process(raws[cut:])
+        spool.close()
+        procs = {pid: (p.fds, p.cwd) for pid, p in session.correlator.procs.items()}
+        return spooled(spool.path), procs, rec.stats, session.correlator._dirs
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_raws(), st.integers(0, 40))
+def test_c_and_python_correlate_the_same_records(tmp_path: Any, raws: list[bytes], cut: int) -> None:
+    """The spool, the descriptor tables and the caches after the same raw records, either way."""
+    assert _spooled_by(raws, cut, True, tmp_path) == _spooled_by(raws, cut, False, tmp_path)
