@@ -144,6 +144,7 @@ typedef struct {
     Py_ssize_t n;
     PyObject *v; /* borrowed; NULL: one of the three fields made here */
     int made;    /* 1: count, 2: first_time, 3: last_time */
+    int at;      /* its place in the record's own order */
 } Field;
 
 static int field_cmp(const void *a, const void *b) {
@@ -258,7 +259,12 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
     PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
     if (!all_bytes(consts, 5)) return NULL;
     Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0};
-    Field fields[64];
+    Field fields[64], given[64];
+    /* the last record's keys in its order (borrowed: the records are alive in `items` until this
+     * returns), and where each went in the sorted order: a record with the same keys in the same
+     * order (every open the correlator makes) is sorted as the one before it */
+    PyObject *keys_before[64];
+    int order[64], n_before = -1;
     size_t longest = 0;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (!ctx) return PyErr_NoMemory();
@@ -278,8 +284,8 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
         if (r == 0) break;
         /* the data: the record without k and t, with count 1 and its time as first and last */
         Py_ssize_t pos = 0, nf = 0;
-        PyObject *key, *value;
-        int ok = 1;
+        PyObject *key, *value, *keys[64];
+        int ok = 1, same = 1;
         while (PyDict_Next(rec, &pos, &key, &value)) {
             if (!PyUnicode_CheckExact(key) || nf >= 60) {
                 ok = 0;
@@ -295,13 +301,27 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
             if ((n == 1 && (s[0] == 'k' || s[0] == 't')) || (n == 5 && !memcmp(s, "count", 5)) ||
                 (n == 10 && (!memcmp(s, "first_time", 10))) || (n == 9 && !memcmp(s, "last_time", 9)))
                 continue;
-            fields[nf++] = (Field){s, n, value, 0};
+            if (same && (nf >= n_before || keys_before[nf] != key)) same = 0;
+            keys[nf] = key;
+            given[nf] = (Field){s, n, value, 0, (int)nf};
+            nf++;
         }
         if (!ok) break;
-        fields[nf++] = (Field){"count", 5, NULL, 1};
-        fields[nf++] = (Field){"first_time", 10, NULL, 2};
-        fields[nf++] = (Field){"last_time", 9, NULL, 3};
-        qsort(fields, (size_t)nf, sizeof(Field), field_cmp);
+        if (nf != n_before) same = 0;
+        given[nf] = (Field){"count", 5, NULL, 1, (int)nf};
+        given[nf + 1] = (Field){"first_time", 10, NULL, 2, (int)nf + 1};
+        given[nf + 2] = (Field){"last_time", 9, NULL, 3, (int)nf + 2};
+        Py_ssize_t nkeys = nf;
+        nf += 3;
+        if (same) {
+            for (Py_ssize_t f = 0; f < nf; f++) fields[f] = given[order[f]];
+        } else {
+            memcpy(fields, given, sizeof(Field) * (size_t)nf);
+            qsort(fields, (size_t)nf, sizeof(Field), field_cmp);
+            for (Py_ssize_t f = 0; f < nf; f++) order[f] = fields[f].at;
+            memcpy(keys_before, keys, sizeof(PyObject *) * (size_t)nkeys);
+            n_before = (int)nkeys;
+        }
         data.n = 0;
         if (put(&data, "{", 1)) goto fail;
         for (Py_ssize_t f = 0; f < nf && ok; f++) {
