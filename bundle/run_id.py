@@ -47,10 +47,15 @@ class _SpillSet:
         self.owner = owner
         self.items: set[tuple[Any, ...]] = set()
         self.runs: list[IO[bytes]] = []
+        # the items' lines in a sorted run (repr, a tab, canonical JSON, a newline): made by the C
+        # path as it adds an item (Behaviour.add_many), else when the run is sorted (`added`)
+        self.lines: list[bytes] = []
+        self.added: list[tuple[Any, ...]] = []
 
     def add(self, item: tuple[Any, ...]) -> None:
         if item not in self.items:
             self.items.add(item)
+            self.added.append(item)
             self.owner.held += 1
             if self.owner.held > self.owner.budget:
                 self.owner.spill()
@@ -60,27 +65,27 @@ class _SpillSet:
 
     def spill(self) -> None:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
-        dumps = canonical.dumps_unchecked
-        if _fast is not None:  # the same lines (tests/unit/test_fast.py)
-            run.write(_fast.spill_lines(list(self.items), dumps))
-        else:
-            run.writelines([key + b"\t" + dumps(item) + b"\n" for key, item in self._sorted()])
+        run.writelines(self._sorted())
         run.seek(0)
         self.runs.append(run)
         self.owner.held -= len(self.items)
         self.items = set()
+        self.lines, self.added = [], []
 
-    def _sorted(self) -> list[tuple[bytes, tuple[Any, ...]]]:
-        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr) (sorted by
-        # key alone, each key made once: no tuple compared, items never compared)
-        items = list(self.items)
-        keys = [repr(i).encode("utf-8", "surrogatepass") for i in items]
-        return [(keys[j], items[j]) for j in sorted(range(len(items)), key=keys.__getitem__)]
+    def _sorted(self) -> list[bytes]:
+        """The items' lines, sorted: by their repr's UTF-8 bytes, as code points sort, the order of
+        sorted(items, key=repr) (no repr holds a tab or a newline, and one item has one repr)."""
+        dumps = canonical.dumps_unchecked
+        lines = self.lines + [
+            repr(i).encode("utf-8", "surrogatepass") + b"\t" + dumps(i) + b"\n" for i in self.added
+        ]
+        lines.sort()
+        return lines
 
     def canonical_items(self) -> Iterator[bytes]:
         """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""
         streams: list[Iterator[tuple[bytes, bytes]]] = [
-            ((key, canonical.dumps(item, check=False)) for key, item in self._sorted())
+            (tuple(line[:-1].split(b"\t", 1)) for line in self._sorted())  # type: ignore[misc]
         ]
         if not self.runs:  # all in memory: each item once already
             for _, value in streams[0]:
@@ -138,7 +143,7 @@ class Behaviour:
         add = self.add
         if self.fast_roots is not None and recs.__class__ is list:
             # plain opens' file items in C (their paths their own normal form), the rest below
-            added, recs = _fast.file_items(recs, self.files.items, self.fast_roots)
+            added, recs = _fast.file_items(recs, self.files.items, self.fast_roots, self.files.lines)
             self.held += added
             if self.held > self.budget:
                 self.spill()

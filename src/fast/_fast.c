@@ -452,14 +452,19 @@ static int needs_normal(const char *s, Py_ssize_t n, PyObject *roots) {
 
 static PyObject *ACCESS, *RESULT;
 
-/* file_items(records, items, roots): what Behaviour.add adds to its files for each open of
- * `records` whose path is its own normal form (needs_normal), added to the set `items` here.
+/* file_items(records, items, roots, lines): what Behaviour.add adds to its files for each open of
+ * `records` whose path is its own normal form (needs_normal), added to the set `items` here, and
+ * the line of each new one in a sorted run to `lines` (bundle/run_id.py _SpillSet).
  * Returns (how many were new, the records it did not take: every other kind, and opens whose
  * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
+static int put_repr(Buf *b, PyObject *v, int depth);
+
 static PyObject *fast_file_items(PyObject *self, PyObject *args) {
-    PyObject *recs, *items, *roots;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots))
+    PyObject *recs, *items, *roots, *lines;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots,
+                          &PyList_Type, &lines))
         return NULL;
+    Buf line = {0};
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); k++)
         if (!PyBytes_CheckExact(PyTuple_GET_ITEM(roots, k))) {
             PyErr_SetString(PyExc_TypeError, "roots are bytes");
@@ -489,21 +494,30 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
                     PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
                     Py_XDECREF(acc);
                     if (!item) goto fail;
-                    int had = PySet_Contains(items, item);
-                    if (had < 0 || (!had && PySet_Add(items, item) < 0)) {
-                        Py_DECREF(item);
-                        goto fail;
+                    int had = PySet_Contains(items, item), r = 1;
+                    if (!had) { /* its line in a sorted run: repr, a tab, canonical JSON (_SpillSet) */
+                        line.n = 0;
+                        r = put_repr(&line, item, 0) || put(&line, "\t", 1) ? -1 : put_value(&line, item, 0);
+                        PyObject *made = r == 1 && !put(&line, "\n", 1)
+                                             ? PyBytes_FromStringAndSize(line.p, (Py_ssize_t)line.n)
+                                             : NULL;
+                        if (r == 1 && (!made || PySet_Add(items, item) < 0 || PyList_Append(lines, made) < 0))
+                            r = -1;
+                        Py_XDECREF(made);
                     }
-                    added += !had;
                     Py_DECREF(item);
-                    took = 1;
+                    if (had < 0 || r < 0) goto fail;
+                    added += !had && r == 1;
+                    took = had || r == 1; /* (r 0: a value not written here, for Behaviour.add) */
                 }
             }
         }
         if (!took && PyList_Append(rest, rec) < 0) goto fail;
     }
+    free(line.p);
     return Py_BuildValue("(nN)", added, rest);
 fail:
+    free(line.p);
     Py_DECREF(rest);
     return NULL;
 }
@@ -548,84 +562,6 @@ static int put_repr(Buf *b, PyObject *v, int depth) {
     int out = put_bytes(b, u);
     Py_DECREF(u);
     return out;
-}
-
-typedef struct {
-    uint64_t pre; /* the key's 8 bytes after the prefix every key shares, big-endian, zero-padded */
-    const char *key;
-    Py_ssize_t n;
-    PyObject *item; /* borrowed */
-    PyObject *keyobj;
-} Keyed;
-
-static int keyed_cmp(const void *a, const void *b) {
-    const Keyed *x = a, *y = b;
-    if (x->pre != y->pre) return x->pre < y->pre ? -1 : 1;
-    Py_ssize_t n = x->n < y->n ? x->n : y->n;
-    int c = memcmp(x->key, y->key, (size_t)n);
-    if (c) return c;
-    return (x->n > y->n) - (x->n < y->n);
-}
-
-/* spill_lines(items, dumps): the lines of a sorted run of behaviour items (bundle/run_id.py
- * _SpillSet.spill): each item's repr as UTF-8 (surrogatepass), a tab, its canonical JSON (`dumps`
- * for a value this does not write), a newline; sorted by the repr's bytes. */
-static PyObject *fast_spill_lines(PyObject *self, PyObject *args) {
-    PyObject *items, *dumps;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &items, &dumps)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(items);
-    Keyed *keyed = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Keyed));
-    if (!keyed) return PyErr_NoMemory();
-    Buf out = {0}, reprs = {0};
-    PyObject *result_obj = NULL;
-    Py_ssize_t made = 0;
-    for (; made < n; made++) {
-        PyObject *item = PyList_GET_ITEM(items, made);
-        reprs.n = 0;
-        if (put_repr(&reprs, item, 0)) goto done;
-        PyObject *key = PyBytes_FromStringAndSize(reprs.p, (Py_ssize_t)reprs.n);
-        if (!key) goto done;
-        keyed[made] = (Keyed){0, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), item, key};
-    }
-    /* most keys share a long beginning (a directory): sorted by the 8 bytes after it first */
-    Py_ssize_t common = n ? keyed[0].n : 0;
-    for (Py_ssize_t k = 1; k < n && common; k++) {
-        Py_ssize_t c = 0, m = keyed[k].n < common ? keyed[k].n : common;
-        while (c < m && keyed[k].key[c] == keyed[0].key[c]) c++;
-        common = c;
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t pre = 0;
-        for (Py_ssize_t c = common; c < common + 8; c++)
-            pre = (pre << 8) | (c < keyed[k].n ? (unsigned char)keyed[k].key[c] : 0);
-        keyed[k].pre = pre;
-    }
-    qsort(keyed, (size_t)n, sizeof(Keyed), keyed_cmp);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (put(&out, keyed[k].key, (size_t)keyed[k].n) || put(&out, "\t", 1)) goto done;
-        size_t at = out.n;
-        int r = put_value(&out, keyed[k].item, 0);
-        if (r < 0) goto done;
-        if (r == 0) {
-            out.n = at;
-            PyObject *c = PyObject_CallOneArg(dumps, keyed[k].item);
-            if (!c) goto done;
-            if (!PyBytes_Check(c) || put_bytes(&out, c)) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "dumps gives bytes");
-                Py_DECREF(c);
-                goto done;
-            }
-            Py_DECREF(c);
-        }
-        if (put(&out, "\n", 1)) goto done;
-    }
-    result_obj = PyBytes_FromStringAndSize(out.p ? out.p : "", (Py_ssize_t)out.n);
-done:
-    for (Py_ssize_t k = 0; k < made; k++) Py_XDECREF(keyed[k].keyobj);
-    PyMem_Free(keyed);
-    free(out.p);
-    free(reprs.p);
-    return result_obj;
 }
 
 /* marked(records, head, other): the records as FullWriter takes them (bundle/premade.py _marked):
@@ -946,7 +882,6 @@ static PyMethodDef methods[] = {
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
     {"file_items", fast_file_items, METH_VARARGS, "Behaviour's file items of plain opens (see above)."},
-    {"spill_lines", fast_spill_lines, METH_VARARGS, "A sorted run of behaviour items' lines (see above)."},
     {"opens", fast_opens, METH_VARARGS, "The events of plain open records from items[i] (see the module's head)."},
     {"repeats", fast_repeats, METH_VARARGS, "The events of repeats (times) from items[i] (see the module's head)."},
     {NULL, NULL, 0, NULL},
