@@ -150,6 +150,8 @@ class Pipeline:
         self._stop = threading.Event()
         self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0, "failed_batches": 0}
         self._ring = self.probes.ring()
+        if _fast is not None and hasattr(self._ring, "fast_read"):  # (a test's ring may be another)
+            self._ring.fast_read = _fast.ring_read
         self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
         self._poller.start()

@@ -1,15 +1,26 @@
-/* Full detail's hot path in C: the event lines and content hashes of opens, the most frequent
- * records by far (bundle/sink.py: EventSink._full_batch calls these; its Python code is the
- * reference, and tests/unit/test_fast.py holds both byte-identical on generated records).
+/* Full detail's hot path in C (issue 27). Each function does what a piece of the Python path does,
+ * for the cases that make up a flood, and hands everything else back to it; the Python path is the
+ * reference, and tests/unit/test_fast.py holds both byte-identical on generated records (hypothesis).
+ * Built by `make setup` (setup.py) as evidence.bundle._fast; EVIDENCE_PURE_PYTHON=1 leaves it unused.
  *
+ * From the ring buffer to the spool (probes/ringbuf.py, agent/recorder/pipeline.py, correlate.py):
+ * - ring_read: RingBuffer.read's loop (given to the ring by the pipeline: probes/ imports nothing);
+ * - process_opens: Pipeline._process's loop over the plain opens that follow one of the same run;
+ * - open_plain: Correlator.open_record's plain case (an absolute name, through its directory's
+ *   cached names, the descriptor entered in the process's table).
+ * The run id's behaviour (bundle/run_id.py):
+ * - file_items: Behaviour.add of plain opens whose path no normalisation rule can change, with each
+ *   new item's line in a sorted run.
+ * Full detail's events (bundle/premade.py, bundle/sink.py EventSink._full_batch):
+ * - marked: a repeated open's spool line as its time;
  * - opens(items, i, seq, consts): the events of the plain open records items[i], items[i+1], ...
  *   (dicts: an open that stands for itself), up to the first item it does not take (a repeat's time,
  *   another kind, a value canonical JSON here does not write: a float, a nested object, an integer
  *   past 64 bits, a string that is not UTF-8), which the Python path makes;
  * - repeats(items, i, seq, parts, consts): the events of the repeats items[i], ... (ints: a record's
  *   time, the record before repeated at it), its data cut at its time (`parts`).
- * Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
- * and a newline each, the longest line's length).
+ *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
+ *   and a newline each, the longest line's length).
  *
  * Canonical JSON as orjson writes it with sorted keys (bundle/canonical.py): '"' and '\\' escaped,
  * control characters as \b \t \n \f \r or \u00xx (lowercase), everything else as its UTF-8; keys
@@ -877,7 +888,67 @@ fail:
     return NULL;
 }
 
+/* ---- the ring buffer (probes/ringbuf.py RingBuffer.read) ---- */
+
+/* ring_read(data, prod_pos, cons, max_records): RingBuffer.read's loop: every committed record
+ * from consumer position `cons` up to the producer's (the first 8 bytes of `prod_pos`, read again
+ * when reached), at most max_records, oldest first; a record that wraps past the end of `data` (the
+ * data area once, its size a power of two) put together. Returns (the records, the new consumer
+ * position, how many wrapped); the caller stores the position (one aligned 8-byte store). */
+static PyObject *fast_ring_read(PyObject *self, PyObject *args) {
+    Py_buffer data, prod;
+    unsigned long long cons;
+    Py_ssize_t max_records;
+    if (!PyArg_ParseTuple(args, "y*y*Kn", &data, &prod, &cons, &max_records)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t stitched = 0;
+    uint64_t size = (uint64_t)data.len, mask = size - 1;
+    if (prod.len < 8 || size < 8 || (size & mask)) {
+        PyErr_SetString(PyExc_ValueError, "a ring's data area is a power of two, its position 8 bytes");
+        goto done;
+    }
+    const unsigned char *d = data.buf;
+    const uint64_t *prod_pos = prod.buf;
+    out = PyList_New(0);
+    if (!out) goto done;
+    uint64_t pos = __atomic_load_n(prod_pos, __ATOMIC_ACQUIRE);
+    while (cons < pos && PyList_GET_SIZE(out) < max_records) {
+        uint64_t off = cons & mask;
+        uint32_t hdr = __atomic_load_n((const uint32_t *)(d + off), __ATOMIC_ACQUIRE);
+        if (hdr & (1u << 31)) break; /* reserved, not yet committed: read it next time */
+        uint64_t len = hdr & ~((1u << 31) | (1u << 30));
+        if (!(hdr & (1u << 30))) {
+            uint64_t start = (off + 8) & mask, end = start + len;
+            PyObject *rec;
+            if (end <= size) {
+                rec = PyBytes_FromStringAndSize((const char *)d + start, (Py_ssize_t)len);
+            } else {
+                rec = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+                if (rec) {
+                    memcpy(PyBytes_AS_STRING(rec), d + start, size - start);
+                    memcpy(PyBytes_AS_STRING(rec) + (size - start), d, end - size);
+                }
+                stitched++;
+            }
+            if (!rec || PyList_Append(out, rec) < 0) {
+                Py_XDECREF(rec);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(rec);
+        }
+        cons += (len + 8 + 7) & ~7ULL;
+        if (cons >= pos) pos = __atomic_load_n(prod_pos, __ATOMIC_ACQUIRE);
+    }
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&prod);
+    if (!out) return NULL;
+    return Py_BuildValue("(NKn)", out, cons, stitched);
+}
+
 static PyMethodDef methods[] = {
+    {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},

@@ -338,3 +338,54 @@ def _spooled_by(raws: list[bytes], cut: int, fast: bool, tmp: Any) -> tuple[obje
 def test_c_and_python_correlate_the_same_records(tmp_path: Any, raws: list[bytes], cut: int) -> None:
     """The spool, the descriptor tables and the caches after the same raw records, either way."""
     assert _spooled_by(raws, cut, True, tmp_path) == _spooled_by(raws, cut, False, tmp_path)
+
+
+# ---- the ring buffer's reader (probes/ringbuf.py RingBuffer.read)
+
+
+def _ring(size: int, start: int, records: list[tuple[bytes, int]]) -> tuple[Any, bytearray]:
+    """A RingBuffer over plain memory (no map): `records` (payload, header flags) written from
+    consumer position `start`, wrapping past the end of the data area as the kernel's do."""
+    from evidence.probes.ringbuf import RingBuffer
+
+    data = bytearray(size)
+    pos = start
+    for payload, flags in records:
+        off = pos & (size - 1)
+        data[off : off + 4] = (len(payload) | flags).to_bytes(4, "little")
+        for k, b in enumerate(payload):
+            data[(off + 8 + k) & (size - 1)] = b
+        pos += (len(payload) + 8 + 7) & ~7
+    ring = RingBuffer.__new__(RingBuffer)
+    ring.size, ring.mask, ring.stitched = size, size - 1, 0
+    ring._data = memoryview(data)
+    ring._cons_pos = memoryview(bytearray(start.to_bytes(8, "little"))).cast("Q")
+    ring._prod_pos = memoryview(bytearray(pos.to_bytes(8, "little"))).cast("Q")
+    return ring, data
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**40),
+    st.lists(
+        st.tuples(st.binary(min_size=0, max_size=200), st.sampled_from([0, 0, 0, 1 << 30, 1 << 31])),
+        max_size=12,
+    ),
+    st.integers(1, 20),
+)
+def test_c_and_python_read_the_ring_alike(start: int, records: list[tuple[bytes, int]], most: int) -> None:
+    """Records in order, a discarded one skipped, a reserved one where reading stops, a record that
+    wraps put together, at most `most` at a time; the consumer position after them."""
+    start -= start % 8
+    total = sum((len(p) + 15) & ~7 for p, _ in records)
+    size = 256
+    while size < total + 8:
+        size *= 2
+    got = []
+    for fast in (False, True):
+        ring, _ = _ring(size, start, records)
+        ring.fast_read = sink._fast.ring_read if fast else None
+        reads = [ring.read(most) for _ in range(3)]
+        got.append((reads, ring._cons_pos[0], ring.stitched))
+    assert got[0] == got[1]
