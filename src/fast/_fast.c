@@ -923,10 +923,13 @@ static PyObject *fast_ring_read(PyObject *self, PyObject *args) {
             if (end <= size) {
                 rec = PyBytes_FromStringAndSize((const char *)d + start, (Py_ssize_t)len);
             } else {
-                rec = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+                /* (as the Python loop slices: a length past the area, which the kernel never
+                 * writes, takes what there is) */
+                uint64_t first = size - start, second = end - size < size ? end - size : size;
+                rec = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(first + second));
                 if (rec) {
-                    memcpy(PyBytes_AS_STRING(rec), d + start, size - start);
-                    memcpy(PyBytes_AS_STRING(rec) + (size - start), d, end - size);
+                    memcpy(PyBytes_AS_STRING(rec), d + start, first);
+                    memcpy(PyBytes_AS_STRING(rec) + first, d, second);
                 }
                 stitched++;
             }
