@@ -83,21 +83,18 @@ class _SpillSet:
         return lines
 
     def canonical_items(self) -> Iterator[bytes]:
-        """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""
-        streams: list[Iterator[tuple[bytes, bytes]]] = [
-            (tuple(line[:-1].split(b"\t", 1)) for line in self._sorted())  # type: ignore[misc]
-        ]
-        if not self.runs:  # all in memory: each item once already
-            for _, value in streams[0]:
-                yield value
-            return
-        streams += [(tuple(line.rstrip(b"\n").split(b"\t", 1)) for line in run) for run in self.runs]  # type: ignore[misc]
+        """The canonical JSON of every item once, in the order of sorted(items, key=repr): the runs'
+        lines merged as bytes (in key order: a key's tab sorts before any character of a longer
+        key, whose repr holds none below a space), an item spilled in one run and added again after
+        it (the same line) taken once."""
+        lines: Iterator[bytes] = iter(self._sorted())
+        if self.runs:
+            lines = heapq.merge(lines, *self.runs)
         last = None
-        # (key, value) pairs compare by key first, and one key has one value: no key function needed
-        for key, value in heapq.merge(*streams):
-            if key != last:  # an item spilled in one run and added again after it
-                last = key
-                yield value
+        for line in lines:
+            if line != last:
+                last = line
+                yield line[line.index(b"\t") + 1 : -1]
 
     def close(self) -> None:
         for run in self.runs:
@@ -199,8 +196,16 @@ class Behaviour:
                 h.update(canonical.dumps(self.norm.argv(command), check=False))
                 continue
             h.update(b"[")
-            for j, item in enumerate(part.canonical_items()):
-                h.update(b"," * (j > 0) + item)
+            batch: list[bytes] = []
+            sep = b""  # (before each batch but the first)
+            for item in part.canonical_items():  # into the hash a few thousand at a time
+                batch.append(item)
+                if len(batch) >= 4096:
+                    h.update(sep + b",".join(batch))
+                    sep = b","
+                    batch.clear()
+            if batch:
+                h.update(sep + b",".join(batch))
             h.update(b"]")
         h.update(b"}")
         self.close()

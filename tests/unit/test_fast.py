@@ -391,3 +391,18 @@ def test_c_and_python_read_the_ring_alike(start: int, records: list[tuple[bytes,
         reads = [ring.read(most) for _ in range(3)]
         got.append((reads, ring._cons_pos[0], ring.stitched))
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("budget", [997, 10**9])
+def test_a_run_id_of_many_items_is_the_reference_one(tmp_path: Any, budget: int) -> None:
+    """Past the hash's batches of items (4,096) and through sorted runs on disk, fed in the
+    recorder's batches: the run id of one canonical document of every set sorted by repr."""
+    from tests.unit.test_writer import META, _flood, _open, _reference_run_id
+
+    meta = META.model_copy(update={"roots": {"${WORKSPACE}": "/w"}})
+    # plain opens the C path takes (outside the roots), and the flood's (under them: Python's)
+    recs = _flood(3000) + [_open(5000 + i, f"/d/{i % 7000}", i % 2) for i in range(9000)]
+    b = run_id.Behaviour(meta.roots, budget=budget, tmp_dir=tmp_path)
+    for k in range(0, len(recs), 1000):
+        b.add_many(recs[k : k + 1000])
+    assert b.run_id(meta.command) == _reference_run_id(meta, recs)
