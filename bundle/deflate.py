@@ -10,8 +10,11 @@ sha256 of the events is taken on a thread of its own, in order, and their CRC-32
 the chunks' (`crc32_combine`, zlib's own method). `write_tar_gz` then puts one gzip stream together
 around them: the manifest's part deflated and sync-flushed (which ends it on a byte boundary), the
 events' chunks, and the closing part deflated to the end. The bytes depend on the content only, so
-a bundle stays deterministic (for one zlib: its level-1 output is what the bytes are).
+a bundle stays deterministic (for one deflate: its level-1 output is what the bytes are).
 
+The events' chunks are deflated by ISA-L (python-isal, the agent extra's) when it is installed: its
+level 1 deflates event lines about 4 times as fast as zlib's level 1 into as many bytes (a full
+detail run's 600 MB of events in about 0.4 s of CPU instead of 1.4, at the run's end); else by zlib.
 LEVEL is 1: zlib's fastest, 3 to 4 times level 6's speed on event lines for 20 to 30 % more bytes
 (event lines repeat their keys and the run's constants: level 6 finds little more).
 """
@@ -25,12 +28,19 @@ import queue
 import struct
 import tarfile
 import threading
+import types
 import zlib
 from collections import deque
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
+
+_zlib: types.ModuleType
+try:  # ISA-L's deflate (the agent extra's `isal`): level 1 at about 4 times zlib's level 1, as small
+    from isal import isal_zlib as _zlib
+except ImportError:  # pragma: no cover - a plain install writes no bundle of a recording
+    _zlib = zlib
 
 LEVEL = 1
 CHUNK = 1 << 20  # the events are deflated in chunks of exactly this many bytes (the last: what is left)
@@ -94,11 +104,11 @@ def _chunk_zeros() -> list[int]:
 def _deflate(chunk: bytes | memoryview, zdict: bytes | None, level: int) -> tuple[bytes, int]:
     """A chunk deflated (its preset dictionary `zdict`) and sync-flushed, and its CRC-32."""
     z = (
-        zlib.compressobj(level, zlib.DEFLATED, _RAW)
+        _zlib.compressobj(level, zlib.DEFLATED, _RAW)
         if zdict is None
-        else zlib.compressobj(level, zlib.DEFLATED, _RAW, zdict=zdict)
+        else _zlib.compressobj(level, zlib.DEFLATED, _RAW, zdict=zdict)
     )
-    return z.compress(chunk) + z.flush(zlib.Z_SYNC_FLUSH), zlib.crc32(chunk)
+    return z.compress(chunk) + z.flush(zlib.Z_SYNC_FLUSH), _zlib.crc32(chunk)
 
 
 class Deflater:

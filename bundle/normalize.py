@@ -38,6 +38,10 @@ class Normalizer:
         self._roots = sorted(items, key=lambda pr: len(pr[1]), reverse=True)
         self._ignore = [re.compile(p) for p in ignore]
 
+    def roots(self) -> list[str] | None:
+        """The roots text() replaces (longest first); None when it also applies user patterns."""
+        return None if self._ignore else [root for _, root in self._roots]
+
     def text(self, value: str) -> str:
         for placeholder, root in self._roots:
             if value == root or value.startswith(root + "/"):

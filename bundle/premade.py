@@ -26,12 +26,14 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import orjson
 
 from evidence.bundle.record_types import SpoolRecord
-from evidence.bundle.sink import Caps, EventSink, FullWriter
+from evidence.bundle.sink import Caps, EventSink, FullWriter, compiled
+
+_fast = compiled()  # the C hot path: _marked
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class _File:
         chashes.append("")
         self.feed("\n".join(chashes).encode("ascii"))
         chashes.pop()
+
+    def add_lines(self, lines: bytes) -> None:
+        self.feed(lines)
 
     def flush(self) -> None:
         if self._buf:
@@ -245,7 +250,10 @@ class Premade:
 
 def _marked(recs: Sequence[SpoolRecord | bytes]) -> list[SpoolRecord | int]:
     """The records as FullWriter takes them: a repeated open's line as its time alone (the digits
-    after its kind; int() refuses anything else, and any other line is parsed)."""
+    after its kind; int() refuses anything else, and any other line is parsed). In C when built
+    (src/fast/_fast.c: marked, digits alone; any other line goes to _line_marked)."""
+    if _fast is not None and recs.__class__ is list:
+        return cast("list[SpoolRecord | int]", _fast.marked(recs, _OPEN_HEAD, _line_marked))
     head = len(_OPEN_HEAD)
     return [
         (int(r[head : r.find(b",", head)]) if r.startswith(_OPEN_HEAD) else orjson.loads(r))
@@ -253,3 +261,11 @@ def _marked(recs: Sequence[SpoolRecord | bytes]) -> list[SpoolRecord | int]:
         else r
         for r in recs
     ]
+
+
+def _line_marked(line: bytes) -> SpoolRecord | int:
+    """_marked of one line."""
+    head = len(_OPEN_HEAD)
+    if line.startswith(_OPEN_HEAD):
+        return int(line[head : line.find(b",", head)])
+    return cast(SpoolRecord, orjson.loads(line))

@@ -10,6 +10,7 @@ run id is made, so a job that floods execs or distinct paths cannot grow the rec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import logging
@@ -22,6 +23,9 @@ from typing import IO, Any
 from evidence.bundle import canonical
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.record_types import SpoolRecord
+from evidence.bundle.sink import compiled
+
+_fast = compiled()  # the C hot path: plain opens' file items, and a spill's sorted lines
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +47,15 @@ class _SpillSet:
         self.owner = owner
         self.items: set[tuple[Any, ...]] = set()
         self.runs: list[IO[bytes]] = []
+        # the items' lines in a sorted run (repr, a tab, canonical JSON, a newline): made by the C
+        # path as it adds an item (Behaviour.add_many), else when the run is sorted (`added`)
+        self.lines: list[bytes] = []
+        self.added: list[tuple[Any, ...]] = []
 
     def add(self, item: tuple[Any, ...]) -> None:
         if item not in self.items:
             self.items.add(item)
+            self.added.append(item)
             self.owner.held += 1
             if self.owner.held > self.owner.budget:
                 self.owner.spill()
@@ -56,36 +65,36 @@ class _SpillSet:
 
     def spill(self) -> None:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
-        dumps = canonical.dumps_unchecked
-        run.writelines([key + b"\t" + dumps(item) + b"\n" for key, item in self._sorted()])
+        run.writelines(self._sorted())
         run.seek(0)
         self.runs.append(run)
         self.owner.held -= len(self.items)
         self.items = set()
+        self.lines, self.added = [], []
 
-    def _sorted(self) -> list[tuple[bytes, tuple[Any, ...]]]:
-        # UTF-8 bytes sort as their code points do: the order of sorted(items, key=repr) (sorted by
-        # key alone, each key made once: no tuple compared, items never compared)
-        items = list(self.items)
-        keys = [repr(i).encode("utf-8", "surrogatepass") for i in items]
-        return [(keys[j], items[j]) for j in sorted(range(len(items)), key=keys.__getitem__)]
+    def _sorted(self) -> list[bytes]:
+        """The items' lines, sorted: by their repr's UTF-8 bytes, as code points sort, the order of
+        sorted(items, key=repr) (no repr holds a tab or a newline, and one item has one repr)."""
+        dumps = canonical.dumps_unchecked
+        lines = self.lines + [
+            repr(i).encode("utf-8", "surrogatepass") + b"\t" + dumps(i) + b"\n" for i in self.added
+        ]
+        lines.sort()
+        return lines
 
     def canonical_items(self) -> Iterator[bytes]:
-        """The canonical JSON of every item once, in the order of sorted(items, key=repr)."""
-        streams: list[Iterator[tuple[bytes, bytes]]] = [
-            ((key, canonical.dumps(item, check=False)) for key, item in self._sorted())
-        ]
-        if not self.runs:  # all in memory: each item once already
-            for _, value in streams[0]:
-                yield value
-            return
-        streams += [(tuple(line.rstrip(b"\n").split(b"\t", 1)) for line in run) for run in self.runs]  # type: ignore[misc]
+        """The canonical JSON of every item once, in the order of sorted(items, key=repr): the runs'
+        lines merged as bytes (in key order: a key's tab sorts before any character of a longer
+        key, whose repr holds none below a space), an item spilled in one run and added again after
+        it (the same line) taken once."""
+        lines: Iterator[bytes] = iter(self._sorted())
+        if self.runs:
+            lines = heapq.merge(lines, *self.runs)
         last = None
-        # (key, value) pairs compare by key first, and one key has one value: no key function needed
-        for key, value in heapq.merge(*streams):
-            if key != last:  # an item spilled in one run and added again after it
-                last = key
-                yield value
+        for line in lines:
+            if line != last:
+                last = line
+                yield line[line.index(b"\t") + 1 : -1]
 
     def close(self) -> None:
         for run in self.runs:
@@ -114,6 +123,12 @@ class Behaviour:
         self.changes = _SpillSet(self)
         self.namespaces = _SpillSet(self)
         self.sets = (self.execs, self.files, self.nets, self.denials, self.changes, self.namespaces)
+        # the roots as UTF-8, for the C path's file items (None: not taken there)
+        self.fast_roots: tuple[bytes, ...] | None = None
+        plain = self.norm.roots()
+        if _fast is not None and plain is not None:
+            with contextlib.suppress(UnicodeEncodeError):
+                self.fast_roots = tuple(root.encode() for root in plain)
 
     def spill(self) -> None:
         """Past the budget: the set holding the most items goes to disk."""
@@ -123,6 +138,12 @@ class Behaviour:
         """Add records as they are spooled; an item that is bytes is a spool line the recorder made
         from the record before it (a repeated open, the same but for its time): nothing new here."""
         add = self.add
+        if self.fast_roots is not None and recs.__class__ is list:
+            # plain opens' file items in C (their paths their own normal form), the rest below
+            added, recs = _fast.file_items(recs, self.files.items, self.fast_roots, self.files.lines)
+            self.held += added
+            if self.held > self.budget:
+                self.spill()
         for rec in recs:
             if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
                 add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__
@@ -175,8 +196,16 @@ class Behaviour:
                 h.update(canonical.dumps(self.norm.argv(command), check=False))
                 continue
             h.update(b"[")
-            for j, item in enumerate(part.canonical_items()):
-                h.update(b"," * (j > 0) + item)
+            batch: list[bytes] = []
+            sep = b""  # (before each batch but the first)
+            for item in part.canonical_items():  # into the hash a few thousand at a time
+                batch.append(item)
+                if len(batch) >= 4096:
+                    h.update(sep + b",".join(batch))
+                    sep = b","
+                    batch.clear()
+            if batch:
+                h.update(sep + b",".join(batch))
             h.update(b"]")
         h.update(b"}")
         self.close()

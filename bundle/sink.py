@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -19,6 +20,21 @@ from evidence.bundle.records import to_event
 
 if TYPE_CHECKING:
     from evidence.bundle import runtime_trace
+
+
+def compiled() -> Any:
+    """Full detail's hot path in C (src/fast/_fast.c, built by `make setup`), or None: not built, or
+    EVIDENCE_PURE_PYTHON set (the Python path, which it matches byte for byte, does it all)."""
+    if os.environ.get("EVIDENCE_PURE_PYTHON"):
+        return None
+    try:
+        from evidence.bundle import _fast  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
+        return None
+    return _fast
+
+
+_fast = compiled()
 
 _dumps = canonical.dumps_unchecked
 Event = tuple[str, str, int, dict[str, Any]]  # type, subject, time (ns), data
@@ -38,6 +54,8 @@ class Roots(Protocol):
     def add(self, chash: str) -> None: ...
 
     def add_many(self, chashes: list[str]) -> None: ...
+
+    def add_lines(self, lines: bytes) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +95,12 @@ def _split_at_time(rec: SpoolRecord) -> _Split | None:
             return None
     assert cut is not None
     return _Split(etype, subj, tuple(cut))
+
+
+def _hashes(cores: list[bytes]) -> bytes:
+    """The content hashes of `cores`, each as 64 hex digits and a newline (RootHasher.add_lines)."""
+    sha256 = hashlib.sha256
+    return "".join([sha256(core).hexdigest() + "\n" for core in cores]).encode("ascii")
 
 
 # full detail's events made at a time before they are checked against the caps together (FullWriter)
@@ -145,6 +169,9 @@ class EventSink:
         self._sha = hashlib.sha256()  # copied for each content hash: cheaper than a new one
         self.root: Roots = fmt.RootHasher() if root is None else root
         self.trace: runtime_trace.Trace | None = None  # a signed bundle's: fed every event written
+        # full detail's plain opens and repeats made in C (_full_batch): the same bytes (the Python
+        # path stays the reference: tests/unit/test_fast.py)
+        self.use_fast = _fast is not None
 
     def _line(
         self, etype: str, subject: str, t_ns: int, data: dict[str, Any], seq_no: int | None = None
@@ -245,15 +272,55 @@ class EventSink:
         id_, runid = self._id, self._runid
         prev, split, tried = before
         dumps = _dumps
+        fast = _fast if self.use_fast else None
+        pieces: list[bytes] = []  # lines made in C, and the Python path's joined, in order
+        hashed: list[bytes] = []  # their content hashes (64 hex digits and a newline each), in order
+        longest = 0
+        made: dict[str, int] = {}  # events made in C, by type
+        second_text = fmt._second  # noqa: SLF001 - format_time's own, cached
         after_source = self._source + b',"subject":'
         core_mid = self._core_mid
         open_type = self._type(fmt.FILE_OPEN)
         open_end = b'"' + open_type + b"\n"
-        second = -1  # the last time's second, and its text (format_time's, without a call each)
+        second: int | None = None  # the last time's second, and its text (format_time's, without a call each)
         text = ""
         i, count = 0, len(items)
         while i < count:
             item = items[i]
+            if fast is not None:
+                # the C path (src/fast/_fast.c) from here, as far as it goes: plain opens, or repeats
+                # with their data cut at their time; what it does not take is made below
+                if item.__class__ is not int:
+                    done = fast.opens(
+                        items, i, seq, id_, runid, after_source, core_mid, open_type, second_text
+                    )
+                elif tried and split is not None:
+                    etype, parts, after_seq, end, core_end = split
+                    done = fast.repeats(
+                        items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text
+                    )
+                else:
+                    done = (i, b"", b"", 0)
+                if done[0] > i:
+                    if lines:  # the Python path's, before these
+                        longest = max(longest, *map(len, lines))
+                        pieces.append(join(lines))
+                        hashed.append(_hashes(cores))
+                        lines.clear()
+                        cores.clear()
+                    n = done[0] - i
+                    if item.__class__ is int:
+                        made[etype] = made.get(etype, 0) + n
+                    else:
+                        prev = cast(SpoolRecord, items[done[0] - 1])
+                        split, tried = None, False
+                        made[fmt.FILE_OPEN] = made.get(fmt.FILE_OPEN, 0) + n
+                    pieces.append(done[1])
+                    hashed.append(done[2])
+                    longest = max(longest, done[3])
+                    seq += n
+                    i = done[0]
+                    continue
             i += 1
             if item.__class__ is int:
                 t = item
@@ -332,9 +399,11 @@ class EventSink:
                     cores.append(core)
             etypes.append(etype)
             seq += 1
-        sizes = list(map(len, lines))
-        size = sum(sizes)
-        longest = max(sizes, default=0)
+        if lines:
+            longest = max(longest, *map(len, lines))
+            pieces.append(join(lines))
+            hashed.append(_hashes(cores))
+        size = sum(map(len, pieces))
         caps = self.caps
         if (
             longest > caps.line
@@ -346,12 +415,13 @@ class EventSink:
             state.prev, state.split, state.tried = before
             return False
         state.prev, state.split, state.tried = prev, split, tried
-        sha256 = hashlib.sha256
-        self.root.add_many([sha256(core).hexdigest() for core in cores])
-        self.out.feed(join(lines))
+        self.root.add_lines(join(hashed))
+        self.out.feed(join(pieces))
         self.size += size
         self.seq = seq
         for etype, n in collections.Counter(etypes).items():
+            self.counts[etype] = self.counts.get(etype, 0) + n
+        for etype, n in made.items():
             self.counts[etype] = self.counts.get(etype, 0) + n
         return True
 
@@ -425,9 +495,12 @@ class FullWriter:
             sink._full_each(marked, self.state, self.capped)
             return
         batch = self.batch
-        add = batch.append
-        for item in marked:
-            add(item)
+        items = marked if marked.__class__ is list else list(marked)
+        at, count = 0, len(items)
+        while at < count:  # cut where an item at a time would be: every _FULL_BATCH items
+            room = _FULL_BATCH - len(batch)
+            batch += items[at : at + room]
+            at += room
             if len(batch) >= _FULL_BATCH:
                 self._take()
 

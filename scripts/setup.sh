@@ -13,6 +13,11 @@ command -v chromium >/dev/null || need_apt+=(chromium)  # renders show --format 
 [ -x /bin/busybox ] || need_apt+=(busybox-static)
 command -v ip >/dev/null || need_apt+=(iproute2)
 /usr/bin/python3 -c 'import seccomp' 2>/dev/null || need_apt+=(python3-seccomp)  # the exec supervisor's filter
+# full detail's hot path is a C extension (src/fast/), built by the install below
+command -v cc >/dev/null || need_apt+=(gcc)
+/usr/bin/python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_path("include") + "/Python.h"))' \
+  || need_apt+=(python3-dev)
+[ -e /usr/include/openssl/evp.h ] || need_apt+=(libssl-dev)
 need_headers=
 ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] || need_headers=1
 if [ ${#need_apt[@]} -gt 0 ] || [ -n "$need_headers" ]; then
@@ -33,7 +38,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+stamp=.venv/.installed-$(cat pyproject.toml setup.py src/fast/*.c | sha256sum | cut -c1-16)  # rebuilt when either changes
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[agent,dev]'
   rm -f .venv/.installed-* && touch "$stamp"

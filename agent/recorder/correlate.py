@@ -48,6 +48,7 @@ from evidence.bundle.record_types import (
     Result,
     ViolationRecord,
 )
+from evidence.bundle.sink import compiled
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ Correlated = (
 
 _MNTNS_KINDS: Final = ("open", "change", "exec", "connect", "namespace")  # a tuple, as _PAIRED
 _PATH_CACHE = 4096  # entries in each of open_record's caches (emptied when full)
+# an open named by any of these is not a plain one (open_record's C path does not take it)
+_NOT_PLAIN: Final = d.F_FNAME_FAULT | d.F_KNAME | d.F_STATE | d.F_IN_ROOT | d.F_OTHER_NS
+
+_fast = compiled()  # the C hot path: open_plain
 
 
 @dataclasses.dataclass
@@ -143,6 +148,12 @@ class Correlator:
         # kernel: the first of each key says it with its record)
         self._left: set[tuple[int, str]] = set()
         self.names = Names()  # how names are resolved (its table of directories chdirs entered)
+        # open_record's plain opens in C when built (src/fast/_fast.c open_plain; the Python path
+        # is the reference: tests/unit/test_fast.py), with its caches: oflags -> decode_open_flags,
+        # a negative result -> result_of
+        self.fast = _fast is not None
+        self._flag_names: dict[int, object] = {}
+        self._results: dict[int, object] = {}
         # the process that starts the run's command (`run`, `run --agent`), and the record of its
         # first successful exec: what the kernel executed, the manifest's command (bundle/command.py)
         self.root_pid: int | None = None
@@ -194,6 +205,18 @@ class Correlator:
         it (F_KNAME: the bytes after the path; see _open_path), `nlink`: a write open's file's link
         count (decode.py)."""
         p = self.procs.get(tgid) or self._proc(tgid)
+        if (
+            self.fast
+            and not flags & _NOT_PLAIN
+            and raw[:1] == b"/"
+            and (self.cgroup_name is None or (self._cgroups.get(cgid) or self._cgroup_named(cgid))[0] is None)
+        ):
+            # the most frequent open in C (src/fast/_fast.c open_plain): the same record, or None
+            rec = _fast.open_plain(
+                p, ts + self.wall_offset_ns, raw, dfd, oflags, mode, ret, rino, nlink, *self.fast_caches()
+            )
+            if rec is not None:
+                return [rec]
         if flags & (d.F_FNAME_FAULT | d.F_KNAME):
             raw_path = UNREADABLE if flags & d.F_FNAME_FAULT else d.cstr(raw)
             kn = d.cstr(kname) if flags & d.F_KNAME else None
@@ -236,6 +259,20 @@ class Correlator:
             rec["mntns"] = "other"
         return out
 
+    def fast_caches(self) -> tuple[object, ...]:
+        """What the C path's open_plain and process_opens take after an open's fields: the caches
+        of names (as open_record's), and of flags and results (src/fast/_fast.c)."""
+        return (
+            self._paths,
+            self._dirs,
+            _dir_names,
+            _PATH_CACHE,
+            decode_open_flags,
+            self._flag_names,
+            result_of,
+            self._results,
+        )
+
     def _in_dir(self, raw: bytes) -> tuple[str, str] | None:
         """(raw path, resolved path) of the absolute name `raw` (with its NUL) from its directory's,
         cached (a run that names many files in few directories: their names never repeat, their
@@ -252,9 +289,7 @@ class Correlator:
         if known is None:
             if len(self._dirs) >= _PATH_CACHE:
                 self._dirs.clear()
-            as_given = where.decode("utf-8", "backslashreplace")
-            resolved = normal(as_given) if as_given else "/"
-            known = self._dirs[where] = (as_given + "/", resolved if resolved == "/" else resolved + "/")
+            known = self._dirs[where] = _dir_names(where)
         name = leaf[:-1].decode("utf-8", "backslashreplace")
         path = known[1] + name
         if path.startswith(MAGIC):
@@ -677,6 +712,13 @@ class Correlator:
             rec.pop("_cgid", None)
             out.append(rec)
         return out
+
+
+def _dir_names(where: bytes) -> tuple[str, str]:
+    """A directory's bytes -> (its name as given, resolved), each with a '/' after (_in_dir)."""
+    as_given = where.decode("utf-8", "backslashreplace")
+    resolved = normal(as_given) if as_given else "/"
+    return as_given + "/", resolved if resolved == "/" else resolved + "/"
 
 
 def _file_id(dev: int, ino: int) -> str:

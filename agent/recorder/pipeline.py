@@ -37,6 +37,7 @@ from evidence.agent.recorder.correlate import Correlated
 from evidence.agent.recorder.session import Session
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import SUMMARY_KEYS, summary_key
+from evidence.bundle.sink import compiled
 from evidence.bundle.spool import SpoolWriter
 
 if TYPE_CHECKING:
@@ -149,6 +150,8 @@ class Pipeline:
         self._stop = threading.Event()
         self.stats = {"records": 0, "batches": 0, "stray": 0, "decode_errors": 0, "failed_batches": 0}
         self._ring = self.probes.ring()
+        if _fast is not None and hasattr(self._ring, "fast_read"):  # (a test's ring may be another)
+            self._ring.fast_read = _fast.ring_read
         self._poller = threading.Thread(target=self._poll_loop, name="evidence-poller", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="evidence-correlator", daemon=True)
         self._poller.start()
@@ -321,7 +324,11 @@ class Pipeline:
         session = None
         run = flags = 0
         first: tuple[int, ...] = ()  # the kernel's aggregation key of a record marked F_FIRST
-        for raw in batch:
+        at, count = 0, len(batch)
+        while at < count:
+            raw = batch[at]
+            at += 1
+            plain = False  # an open that made one record, neither a repeat nor marked
             recs: Sequence[Correlated | bytes]
             if raw[kind_off : kind_off + 2] == open_kind and len(raw) >= path_off:
                 tail = raw[8:]
@@ -381,6 +388,7 @@ class Pipeline:
                         # (not copied: nothing changes a record before this batch is spooled, and a
                         # repeat copies it or reads it)
                         last_tail, last_rec, last_line = tail, recs[0], None
+                        plain = not flags & dec.F_FIRST
                     else:
                         last_tail = b""
                 if flags & dec.F_FIRST:
@@ -425,6 +433,29 @@ class Pipeline:
             if got is None:
                 out[run] = got = []
             got += recs
+            if plain and at < count and _fast is not None and not session.max_distinct:
+                # the plain opens of this run that follow, in C as far as they go (the same records
+                # as this loop's: tests/unit/test_fast.py), the rest here
+                corr = session.correlator
+                if corr.fast:
+                    at, made, tail_after, rec_after = _fast.process_opens(
+                        batch,
+                        at,
+                        last_tail,
+                        run,
+                        unpack,
+                        kind_off,
+                        open_kind,
+                        path_off,
+                        _NOT_PLAIN,
+                        corr.procs,
+                        corr.wall_offset_ns,
+                        None if corr.cgroup_name is None else corr._cgroups,
+                        *corr.fast_caches(),
+                    )
+                    if made:
+                        got += made
+                        last_tail, last_rec, last_line = tail_after, rec_after, None
         self.stats["decode_errors"] += errors
         self.stats["stray"] += stray
         for slot, spooled in out.items():
@@ -482,6 +513,10 @@ class Pipeline:
 
 
 _TS = struct.Struct("<Q")  # struct hdr: ts
+# what makes an open other than plain for the C path (correlate.py's, and the kernel's aggregation)
+_NOT_PLAIN = dec.F_FNAME_FAULT | dec.F_KNAME | dec.F_STATE | dec.F_IN_ROOT | dec.F_OTHER_NS | dec.F_FIRST
+
+_fast = compiled()  # the C hot path: process_opens
 _OPEN_LINE_HEAD = b'{"k":"open","t":'
 
 

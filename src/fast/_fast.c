@@ -1,0 +1,998 @@
+/* Full detail's hot path in C (issue 27). Each function does what a piece of the Python path does,
+ * for the cases that make up a flood, and hands everything else back to it; the Python path is the
+ * reference, and tests/unit/test_fast.py holds both byte-identical on generated records (hypothesis).
+ * Built by `make setup` (setup.py) as evidence.bundle._fast; EVIDENCE_PURE_PYTHON=1 leaves it unused.
+ *
+ * From the ring buffer to the spool (probes/ringbuf.py, agent/recorder/pipeline.py, correlate.py):
+ * - ring_read: RingBuffer.read's loop (given to the ring by the pipeline: probes/ imports nothing);
+ * - process_opens: Pipeline._process's loop over the plain opens that follow one of the same run;
+ * - open_plain: Correlator.open_record's plain case (an absolute name, through its directory's
+ *   cached names, the descriptor entered in the process's table).
+ * The run id's behaviour (bundle/run_id.py):
+ * - file_items: Behaviour.add of plain opens whose path no normalisation rule can change, with each
+ *   new item's line in a sorted run.
+ * Full detail's events (bundle/premade.py, bundle/sink.py EventSink._full_batch):
+ * - marked: a repeated open's spool line as its time;
+ * - opens(items, i, seq, consts): the events of the plain open records items[i], items[i+1], ...
+ *   (dicts: an open that stands for itself), up to the first item it does not take (a repeat's time,
+ *   another kind, a value canonical JSON here does not write: a float, a nested object, an integer
+ *   past 64 bits, a string that is not UTF-8), which the Python path makes;
+ * - repeats(items, i, seq, parts, consts): the events of the repeats items[i], ... (ints: a record's
+ *   time, the record before repeated at it), its data cut at its time (`parts`).
+ *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
+ *   and a newline each, the longest line's length).
+ *
+ * Canonical JSON as orjson writes it with sorted keys (bundle/canonical.py): '"' and '\\' escaped,
+ * control characters as \b \t \n \f \r or \u00xx (lowercase), everything else as its UTF-8; keys
+ * sorted by their UTF-8 bytes (code point order). The content hash is OpenSSL's SHA-256.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <openssl/evp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} Buf;
+
+static int buf_grow(Buf *b, size_t more) {
+    if (b->n + more <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 1 << 16;
+    while (cap < b->n + more) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int put(Buf *b, const char *s, size_t n) {
+    if (buf_grow(b, n)) return -1;
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    return 0;
+}
+
+static inline int put_bytes(Buf *b, PyObject *o) { /* o: exact bytes (checked by the caller) */
+    return put(b, PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o));
+}
+
+static int put_u64(Buf *b, unsigned long long v) {
+    char tmp[24];
+    int k = 24;
+    do {
+        tmp[--k] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    return put(b, tmp + k, (size_t)(24 - k));
+}
+
+static int put_i64(Buf *b, long long v) {
+    if (v < 0) {
+        if (put(b, "-", 1)) return -1;
+        return put_u64(b, (unsigned long long)(-(v + 1)) + 1);
+    }
+    return put_u64(b, (unsigned long long)v);
+}
+
+static const char HEX[] = "0123456789abcdef";
+
+/* a JSON string of UTF-8 bytes s[0..n), escaped as orjson escapes */
+static int put_json_str(Buf *b, const char *s, size_t n) {
+    if (buf_grow(b, n * 6 + 2)) return -1;
+    char *o = b->p + b->n;
+    *o++ = '"';
+    for (size_t k = 0; k < n; k++) {
+        unsigned char c = (unsigned char)s[k];
+        if (c >= 0x20 && c != '"' && c != '\\') {
+            *o++ = (char)c;
+            continue;
+        }
+        *o++ = '\\';
+        switch (c) {
+            case '"': *o++ = '"'; break;
+            case '\\': *o++ = '\\'; break;
+            case '\b': *o++ = 'b'; break;
+            case '\t': *o++ = 't'; break;
+            case '\n': *o++ = 'n'; break;
+            case '\f': *o++ = 'f'; break;
+            case '\r': *o++ = 'r'; break;
+            default:
+                *o++ = 'u';
+                *o++ = '0';
+                *o++ = '0';
+                *o++ = HEX[c >> 4];
+                *o++ = HEX[c & 15];
+        }
+    }
+    *o++ = '"';
+    b->n = (size_t)(o - b->p);
+    return 0;
+}
+
+/* 1: written; 0: a value this does not write (the Python path does); -1: an error set */
+static int put_value(Buf *b, PyObject *v, int depth) {
+    if (v == Py_None) return put(b, "null", 4) ? -1 : 1;
+    if (v == Py_True) return put(b, "true", 4) ? -1 : 1;
+    if (v == Py_False) return put(b, "false", 5) ? -1 : 1;
+    if (PyUnicode_CheckExact(v)) {
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(v, &n);
+        if (!s) { /* a lone surrogate: not UTF-8 */
+            PyErr_Clear();
+            return 0;
+        }
+        return put_json_str(b, s, (size_t)n) ? -1 : 1;
+    }
+    if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow) return 0;
+        if (x == -1 && PyErr_Occurred()) return -1;
+        return put_i64(b, x) ? -1 : 1;
+    }
+    if ((PyList_CheckExact(v) || PyTuple_CheckExact(v)) && depth < 8) {
+        PyObject *seq = v;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (put(b, "[", 1)) return -1;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (k && put(b, ",", 1)) return -1;
+            int r = put_value(b, PySequence_Fast_GET_ITEM(seq, k), depth + 1);
+            if (r <= 0) return r;
+        }
+        return put(b, "]", 1) ? -1 : 1;
+    }
+    return 0;
+}
+
+typedef struct {
+    const char *s;
+    Py_ssize_t n;
+    PyObject *v; /* borrowed; NULL: one of the three fields made here */
+    int made;    /* 1: count, 2: first_time, 3: last_time */
+    int at;      /* its place in the record's own order */
+} Field;
+
+static int field_cmp(const void *a, const void *b) {
+    const Field *x = a, *y = b;
+    Py_ssize_t n = x->n < y->n ? x->n : y->n;
+    int c = memcmp(x->s, y->s, (size_t)n);
+    if (c) return c;
+    return (x->n > y->n) - (x->n < y->n);
+}
+
+static EVP_MD *SHA256_MD;
+
+/* the content hash of core[0..n) as 64 hex digits and a newline, onto `out` */
+static int put_hash(Buf *out, EVP_MD_CTX *ctx, const char *core, size_t n) {
+    unsigned char md[32];
+    unsigned int len = 0;
+    if (!EVP_DigestInit_ex(ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(ctx, core, n) ||
+        !EVP_DigestFinal_ex(ctx, md, &len)) {
+        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+        return -1;
+    }
+    if (buf_grow(out, 65)) return -1;
+    char *o = out->p + out->n;
+    for (int k = 0; k < 32; k++) {
+        o[2 * k] = HEX[md[k] >> 4];
+        o[2 * k + 1] = HEX[md[k] & 15];
+    }
+    o[64] = '\n';
+    out->n += 65;
+    return 0;
+}
+
+/* The text of a time's second, "YYYY-MM-DDTHH:MM:SS", from format.py's _second (called once a
+ * second of the records' times), and the time as format_time writes it: that, '.', nine digits, 'Z'. */
+typedef struct {
+    PyObject *second_text; /* callable: seconds -> str */
+    long long second;
+    char text[64];
+    Py_ssize_t text_n;
+    char when[96];
+    Py_ssize_t when_n;
+} Clock;
+
+/* 1: clock->when is t's; 0: a time this does not format; -1: an error */
+static int clock_at(Clock *c, PyObject *tv) {
+    if (!PyLong_CheckExact(tv)) return 0;
+    int overflow = 0;
+    long long t = PyLong_AsLongLongAndOverflow(tv, &overflow);
+    if (overflow || t < 0) {
+        if (t == -1 && PyErr_Occurred()) return -1;
+        return 0;
+    }
+    long long sec = t / 1000000000LL, frac = t % 1000000000LL;
+    if (sec != c->second) {
+        PyObject *s = PyObject_CallFunction(c->second_text, "L", sec);
+        if (!s) return -1;
+        Py_ssize_t n;
+        const char *u = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
+        if (!u || n > 60) {
+            Py_DECREF(s);
+            PyErr_Clear();
+            return 0;
+        }
+        memcpy(c->text, u, (size_t)n);
+        c->text_n = n;
+        c->second = sec;
+        Py_DECREF(s);
+    }
+    memcpy(c->when, c->text, (size_t)c->text_n);
+    char *o = c->when + c->text_n;
+    *o++ = '.';
+    for (int k = 8; k >= 0; k--) {
+        o[k] = (char)('0' + frac % 10);
+        frac /= 10;
+    }
+    o[9] = 'Z';
+    c->when_n = c->text_n + 11;
+    return 1;
+}
+
+static int all_bytes(PyObject *const *xs, int n) {
+    for (int k = 0; k < n; k++)
+        if (!PyBytes_CheckExact(xs[k])) {
+            PyErr_SetString(PyExc_TypeError, "the line's constant parts are bytes");
+            return 0;
+        }
+    return 1;
+}
+
+static PyObject *result(Py_ssize_t i, Buf *lines, Buf *hashes, size_t longest) {
+    PyObject *l = PyBytes_FromStringAndSize(lines->p ? lines->p : "", (Py_ssize_t)lines->n);
+    PyObject *h = l ? PyBytes_FromStringAndSize(hashes->p ? hashes->p : "", (Py_ssize_t)hashes->n) : NULL;
+    PyObject *out = h ? Py_BuildValue("(nNNn)", i, l, h, (Py_ssize_t)longest) : NULL;
+    if (!out) {
+        Py_XDECREF(l);
+        Py_XDECREF(h);
+    }
+    return out;
+}
+
+static PyObject *K, *T, *N, *TL, *PATH, *OPEN;
+
+/* opens(items, i, seq, id_, runid, after_source, core_mid, open_type, second_text) */
+static PyObject *fast_opens(PyObject *self, PyObject *args) {
+    PyObject *items, *id_, *runid, *after_source, *core_mid, *open_type;
+    Py_ssize_t i;
+    unsigned long long seq;
+    Clock clock = {.second = -1};
+    if (!PyArg_ParseTuple(args, "O!nKOOOOOO", &PyList_Type, &items, &i, &seq, &id_, &runid, &after_source,
+                          &core_mid, &open_type, &clock.second_text))
+        return NULL;
+    PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
+    if (!all_bytes(consts, 5)) return NULL;
+    Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0};
+    Field fields[64], given[64];
+    /* the last record's keys in its order (borrowed: the records are alive in `items` until this
+     * returns), and where each went in the sorted order: a record with the same keys in the same
+     * order (every open the correlator makes) is sorted as the one before it */
+    PyObject *keys_before[64];
+    int order[64], n_before = -1;
+    size_t longest = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (!ctx) return PyErr_NoMemory();
+    Py_ssize_t count = PyList_GET_SIZE(items);
+    for (; i < count; i++) {
+        PyObject *rec = PyList_GET_ITEM(items, i);
+        if (!PyDict_CheckExact(rec)) break;
+        PyObject *k = PyDict_GetItemWithError(rec, K);
+        if (!k || PyObject_RichCompareBool(k, OPEN, Py_EQ) != 1) break;
+        if (PyDict_GetItemWithError(rec, N) || PyDict_GetItemWithError(rec, TL)) break;
+        PyObject *path = PyDict_GetItemWithError(rec, PATH);
+        if (!path || !PyUnicode_CheckExact(path)) break;
+        PyObject *tv = PyDict_GetItemWithError(rec, T);
+        if (!tv) break;
+        int r = clock_at(&clock, tv);
+        if (r < 0) goto fail;
+        if (r == 0) break;
+        /* the data: the record without k and t, with count 1 and its time as first and last */
+        Py_ssize_t pos = 0, nf = 0;
+        PyObject *key, *value, *keys[64];
+        int ok = 1, same = 1;
+        while (PyDict_Next(rec, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key) || nf >= 60) {
+                ok = 0;
+                break;
+            }
+            Py_ssize_t n;
+            const char *s = PyUnicode_AsUTF8AndSize(key, &n);
+            if (!s) {
+                PyErr_Clear();
+                ok = 0;
+                break;
+            }
+            if ((n == 1 && (s[0] == 'k' || s[0] == 't')) || (n == 5 && !memcmp(s, "count", 5)) ||
+                (n == 10 && (!memcmp(s, "first_time", 10))) || (n == 9 && !memcmp(s, "last_time", 9)))
+                continue;
+            if (same && (nf >= n_before || keys_before[nf] != key)) same = 0;
+            keys[nf] = key;
+            given[nf] = (Field){s, n, value, 0, (int)nf};
+            nf++;
+        }
+        if (!ok) break;
+        if (nf != n_before) same = 0;
+        given[nf] = (Field){"count", 5, NULL, 1, (int)nf};
+        given[nf + 1] = (Field){"first_time", 10, NULL, 2, (int)nf + 1};
+        given[nf + 2] = (Field){"last_time", 9, NULL, 3, (int)nf + 2};
+        Py_ssize_t nkeys = nf;
+        nf += 3;
+        if (same) {
+            for (Py_ssize_t f = 0; f < nf; f++) fields[f] = given[order[f]];
+        } else {
+            memcpy(fields, given, sizeof(Field) * (size_t)nf);
+            qsort(fields, (size_t)nf, sizeof(Field), field_cmp);
+            for (Py_ssize_t f = 0; f < nf; f++) order[f] = fields[f].at;
+            memcpy(keys_before, keys, sizeof(PyObject *) * (size_t)nkeys);
+            n_before = (int)nkeys;
+        }
+        data.n = 0;
+        if (put(&data, "{", 1)) goto fail;
+        for (Py_ssize_t f = 0; f < nf && ok; f++) {
+            if (f && put(&data, ",", 1)) goto fail;
+            if (put_json_str(&data, fields[f].s, (size_t)fields[f].n) || put(&data, ":", 1)) goto fail;
+            if (fields[f].made == 1) {
+                if (put(&data, "1", 1)) goto fail;
+            } else if (fields[f].made) {
+                if (put(&data, "\"", 1) || put(&data, clock.when, (size_t)clock.when_n) || put(&data, "\"", 1))
+                    goto fail;
+            } else {
+                r = put_value(&data, fields[f].v, 0);
+                if (r < 0) goto fail;
+                ok = r;
+            }
+        }
+        if (!ok || put(&data, "}", 1)) {
+            if (ok) goto fail;
+            break;
+        }
+        subj.n = 0;
+        if (put_value(&subj, path, 0) != 1) {
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        /* the line, and the content hash's core */
+        size_t start = lines.n;
+        if (put(&lines, "{\"data\":", 8) || put(&lines, data.p, data.n) || put_bytes(&lines, id_) ||
+            put_u64(&lines, seq) || put_bytes(&lines, runid) || put_u64(&lines, seq) ||
+            put_bytes(&lines, after_source) || put(&lines, subj.p, subj.n) || put(&lines, ",\"time\":\"", 9) ||
+            put(&lines, clock.when, (size_t)clock.when_n) || put(&lines, "\"", 1) || put_bytes(&lines, open_type) ||
+            put(&lines, "\n", 1))
+            goto fail;
+        if (lines.n - start > longest) longest = lines.n - start;
+        core.n = 0;
+        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_mid) ||
+            put(&core, subj.p, subj.n) || put_bytes(&core, open_type))
+            goto fail;
+        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
+        seq++;
+    }
+    if (PyErr_Occurred()) goto fail;
+    PyObject *out = result(i, &lines, &hashes, longest);
+    EVP_MD_CTX_free(ctx);
+    free(lines.p), free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    return out;
+fail:
+    EVP_MD_CTX_free(ctx);
+    free(lines.p), free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    return NULL;
+}
+
+/* repeats(items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text) */
+static PyObject *fast_repeats(PyObject *self, PyObject *args) {
+    PyObject *items, *parts, *id_, *runid, *after_seq, *end, *core_end;
+    Py_ssize_t i;
+    unsigned long long seq;
+    Clock clock = {.second = -1};
+    if (!PyArg_ParseTuple(args, "O!nKO!OOOOOO", &PyList_Type, &items, &i, &seq, &PyTuple_Type, &parts, &id_,
+                          &runid, &after_seq, &end, &core_end, &clock.second_text))
+        return NULL;
+    PyObject *consts[] = {id_, runid, after_seq, end, core_end};
+    if (!all_bytes(consts, 5)) return NULL;
+    Py_ssize_t nparts = PyTuple_GET_SIZE(parts);
+    for (Py_ssize_t k = 0; k < nparts; k++)
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(parts, k))) {
+            PyErr_SetString(PyExc_TypeError, "the data's parts are bytes");
+            return NULL;
+        }
+    Buf lines = {0}, hashes = {0}, data = {0}, core = {0};
+    size_t longest = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (!ctx) return PyErr_NoMemory();
+    Py_ssize_t count = PyList_GET_SIZE(items);
+    for (; i < count; i++) {
+        PyObject *tv = PyList_GET_ITEM(items, i);
+        if (!PyLong_CheckExact(tv)) break;
+        int r = clock_at(&clock, tv);
+        if (r < 0) goto fail;
+        if (r == 0) break;
+        data.n = 0;
+        for (Py_ssize_t k = 0; k < nparts; k++) {
+            if (k && (put(&data, "\"", 1) || put(&data, clock.when, (size_t)clock.when_n) || put(&data, "\"", 1)))
+                goto fail;
+            if (put_bytes(&data, PyTuple_GET_ITEM(parts, k))) goto fail;
+        }
+        size_t start = lines.n;
+        if (put(&lines, "{\"data\":", 8) || put(&lines, data.p, data.n) || put_bytes(&lines, id_) ||
+            put_u64(&lines, seq) || put_bytes(&lines, runid) || put_u64(&lines, seq) ||
+            put_bytes(&lines, after_seq) || put(&lines, clock.when, (size_t)clock.when_n) || put_bytes(&lines, end))
+            goto fail;
+        if (lines.n - start > longest) longest = lines.n - start;
+        core.n = 0;
+        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end)) goto fail;
+        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
+        seq++;
+    }
+    PyObject *out = result(i, &lines, &hashes, longest);
+    EVP_MD_CTX_free(ctx);
+    free(lines.p), free(hashes.p), free(data.p), free(core.p);
+    return out;
+fail:
+    EVP_MD_CTX_free(ctx);
+    free(lines.p), free(hashes.p), free(data.p), free(core.p);
+    return NULL;
+}
+
+/* needs_normal(path, roots): whether Normalizer.text may change `path` (bundle/normalize.py): it
+ * is one of the roots or below one, or it holds what a builtin rule starts from ("/proc/", "tmp",
+ * 32 hex digits). 0: it is its own normal form. */
+static int needs_normal(const char *s, Py_ssize_t n, PyObject *roots) {
+    Py_ssize_t nr = PyTuple_GET_SIZE(roots);
+    for (Py_ssize_t k = 0; k < nr; k++) {
+        PyObject *r = PyTuple_GET_ITEM(roots, k);
+        Py_ssize_t rn = PyBytes_GET_SIZE(r);
+        if (n >= rn && !memcmp(s, PyBytes_AS_STRING(r), (size_t)rn) && (n == rn || s[rn] == '/')) return 1;
+    }
+    int hex = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        char c = s[k];
+        if (c == 't' && k + 2 < n && s[k + 1] == 'm' && s[k + 2] == 'p') return 1;
+        if (c == '/' && k + 5 < n && !memcmp(s + k, "/proc/", 6)) return 1;
+        hex = ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) ? hex + 1 : 0;
+        if (hex >= 32) return 1;
+    }
+    return 0;
+}
+
+static PyObject *ACCESS, *RESULT;
+
+/* file_items(records, items, roots, lines): what Behaviour.add adds to its files for each open of
+ * `records` whose path is its own normal form (needs_normal), added to the set `items` here, and
+ * the line of each new one in a sorted run to `lines` (bundle/run_id.py _SpillSet).
+ * Returns (how many were new, the records it did not take: every other kind, and opens whose
+ * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
+static int put_repr(Buf *b, PyObject *v, int depth);
+
+static PyObject *fast_file_items(PyObject *self, PyObject *args) {
+    PyObject *recs, *items, *roots, *lines;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots,
+                          &PyList_Type, &lines))
+        return NULL;
+    Buf line = {0};
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); k++)
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(roots, k))) {
+            PyErr_SetString(PyExc_TypeError, "roots are bytes");
+            return NULL;
+        }
+    PyObject *rest = PyList_New(0);
+    if (!rest) return NULL;
+    Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(recs, i);
+        if (PyBytes_CheckExact(rec)) continue;
+        int took = 0;
+        if (PyDict_CheckExact(rec)) {
+            PyObject *k = PyDict_GetItemWithError(rec, K);
+            PyObject *path = k ? PyDict_GetItemWithError(rec, PATH) : NULL;
+            PyObject *access = path ? PyDict_GetItemWithError(rec, ACCESS) : NULL;
+            PyObject *res = access ? PyDict_GetItemWithError(rec, RESULT) : NULL;
+            if (PyErr_Occurred()) goto fail;
+            if (res && PyUnicode_CheckExact(k) && PyUnicode_CheckExact(path) &&
+                (PyList_CheckExact(access) || PyTuple_CheckExact(access)) &&
+                PyUnicode_CompareWithASCIIString(k, "open") == 0) {
+                Py_ssize_t pn;
+                const char *ps = PyUnicode_AsUTF8AndSize(path, &pn);
+                if (!ps) PyErr_Clear();
+                if (ps && !needs_normal(ps, pn, roots)) {
+                    PyObject *acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+                    PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
+                    Py_XDECREF(acc);
+                    if (!item) goto fail;
+                    int had = PySet_Contains(items, item), r = 1;
+                    if (!had) { /* its line in a sorted run: repr, a tab, canonical JSON (_SpillSet) */
+                        line.n = 0;
+                        r = put_repr(&line, item, 0) || put(&line, "\t", 1) ? -1 : put_value(&line, item, 0);
+                        PyObject *made = r == 1 && !put(&line, "\n", 1)
+                                             ? PyBytes_FromStringAndSize(line.p, (Py_ssize_t)line.n)
+                                             : NULL;
+                        if (r == 1 && (!made || PySet_Add(items, item) < 0 || PyList_Append(lines, made) < 0))
+                            r = -1;
+                        Py_XDECREF(made);
+                    }
+                    Py_DECREF(item);
+                    if (had < 0 || r < 0) goto fail;
+                    added += !had && r == 1;
+                    took = had || r == 1; /* (r 0: a value not written here, for Behaviour.add) */
+                }
+            }
+        }
+        if (!took && PyList_Append(rest, rec) < 0) goto fail;
+    }
+    free(line.p);
+    return Py_BuildValue("(nN)", added, rest);
+fail:
+    free(line.p);
+    Py_DECREF(rest);
+    return NULL;
+}
+
+/* repr(v) onto `b` for what behaviour items hold, as Python writes it: a printable ASCII string
+ * without quote or backslash as itself in single quotes, an int in decimal, None, True, False, a
+ * tuple of such; anything else through PyObject_Repr. 0, or -1 with an error set. */
+static int put_repr(Buf *b, PyObject *v, int depth) {
+    if (PyUnicode_CheckExact(v) && PyUnicode_IS_ASCII(v)) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(v);
+        const char *s = (const char *)PyUnicode_DATA(v);
+        Py_ssize_t k = 0;
+        while (k < n && s[k] >= 0x20 && s[k] < 0x7f && s[k] != '\'' && s[k] != '\\') k++;
+        if (k == n) return put(b, "'", 1) || put(b, s, (size_t)n) || put(b, "'", 1) ? -1 : 0;
+    } else if (v == Py_None) {
+        return put(b, "None", 4);
+    } else if (v == Py_True) {
+        return put(b, "True", 4);
+    } else if (v == Py_False) {
+        return put(b, "False", 5);
+    } else if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (!overflow) {
+            if (x == -1 && PyErr_Occurred()) return -1;
+            return put_i64(b, x);
+        }
+    } else if (PyTuple_CheckExact(v) && depth < 8) {
+        Py_ssize_t n = PyTuple_GET_SIZE(v);
+        if (put(b, "(", 1)) return -1;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (k && put(b, ", ", 2)) return -1;
+            if (put_repr(b, PyTuple_GET_ITEM(v, k), depth + 1)) return -1;
+        }
+        return put(b, n == 1 ? ",)" : ")", n == 1 ? 2 : 1);
+    }
+    PyObject *r = PyObject_Repr(v);
+    if (!r) return -1;
+    PyObject *u = PyUnicode_AsEncodedString(r, "utf-8", "surrogatepass");
+    Py_DECREF(r);
+    if (!u) return -1;
+    int out = put_bytes(b, u);
+    Py_DECREF(u);
+    return out;
+}
+
+/* marked(records, head, other): the records as FullWriter takes them (bundle/premade.py _marked):
+ * a spool line (bytes) that starts with `head` and whose digits after it end at a comma is its time
+ * (an int); every other line is other(line) (which parses it); a record is itself. */
+static PyObject *fast_marked(PyObject *self, PyObject *args) {
+    PyObject *recs, *head, *other;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &recs, &PyBytes_Type, &head, &other)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(recs), hn = PyBytes_GET_SIZE(head);
+    const char *hs = PyBytes_AS_STRING(head);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(recs, i), *v = NULL;
+        if (PyBytes_Check(r)) {
+            const char *s = PyBytes_AS_STRING(r);
+            Py_ssize_t len = PyBytes_GET_SIZE(r), k = hn;
+            unsigned long long t = 0;
+            if (len > hn && !memcmp(s, hs, (size_t)hn)) {
+                while (k < len && k - hn < 19 && s[k] >= '0' && s[k] <= '9') t = t * 10 + (unsigned)(s[k++] - '0');
+                if (k > hn && k < len && s[k] == ',') v = PyLong_FromUnsignedLongLong(t);
+            }
+            if (!v) v = PyObject_CallOneArg(other, r);
+        } else {
+            v = Py_NewRef(r);
+        }
+        if (!v) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* ---- correlation (agent/recorder/correlate.py Correlator.open_record) ---- */
+
+static PyObject *MAGIC, *S_PID, *S_PPID, *S_EXE, *S_FDS, *S_RAW_PATH, *S_DIRFD, *S_FLAGS, *S_MODE, *S_NLINK, *S_WRITE,
+    *S_CREATE, *ZERO;
+
+/* a dict's value for `key`, made by `make(key)` and kept when missing (new reference) */
+static PyObject *cached(PyObject *cache, PyObject *key, PyObject *make) {
+    PyObject *v = PyDict_GetItemWithError(cache, key);
+    if (v) return Py_NewRef(v);
+    if (PyErr_Occurred()) return NULL;
+    v = PyObject_CallOneArg(make, key);
+    if (v && PyDict_SetItem(cache, key, v) < 0) Py_CLEAR(v);
+    return v;
+}
+
+/* open_plain(p, t, raw, dfd, oflags, mode, ret, rino, nlink, paths, dirs, dir_names, limit,
+ *            open_flags, flag_cache, result_of, result_cache)
+ * The record of an open whose name `raw` (its bytes up to and with the NUL) is absolute and named
+ * by no flag of its own (the caller checked: no F_KNAME, F_FNAME_FAULT, F_STATE, F_IN_ROOT,
+ * F_OTHER_NS, and the run's own cgroup), as Correlator.open_record makes it: its names from the
+ * cache `paths` (raw -> (raw_path, path)) or from its directory's (Correlator._in_dir: `dirs`,
+ * `dir_names` for one not in it, emptied past `limit`), the descriptor it returns entered in
+ * p.fds. None, with nothing changed but `dirs`, for anything else: a name _in_dir does not take,
+ * an open for writing that returned a descriptor (Correlator._leaving looks at it). */
+typedef struct {
+    PyObject *paths, *dirs, *dir_names, *open_flags, *flag_cache, *result_of, *result_cache;
+    Py_ssize_t limit;
+} Caches;
+
+/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL */
+static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, long long dfd, long long oflags,
+                           long long mode, long long ret, PyObject *rino, long long nlink) {
+    PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
+             *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
+    Py_ssize_t limit = c->limit;
+    PyObject *raw_path = NULL, *path = NULL, *rec = NULL, *fl = NULL, *res = NULL, *tmp = NULL;
+    PyObject *hit = PyDict_GetItemWithError(paths, raw);
+    if (hit) {
+        if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2) Py_RETURN_NONE;
+        raw_path = Py_NewRef(PyTuple_GET_ITEM(hit, 0));
+        path = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    } else {
+        if (PyErr_Occurred()) return NULL;
+        /* Correlator._in_dir */
+        const char *s = PyBytes_AS_STRING(raw);
+        Py_ssize_t n = PyBytes_GET_SIZE(raw), slash = n - 1;
+        while (slash >= 0 && s[slash] != '/') slash--;
+        if (slash < 0) Py_RETURN_NONE;
+        const char *leaf = s + slash + 1;
+        Py_ssize_t ln = n - slash - 1;
+        const char *nul = memchr(leaf, 0, (size_t)ln);
+        if (!nul || nul != leaf + ln - 1 || ln == 1 || (ln == 2 && leaf[0] == '.') ||
+            (ln == 3 && leaf[0] == '.' && leaf[1] == '.'))
+            Py_RETURN_NONE;
+        PyObject *where = PyBytes_FromStringAndSize(s, slash);
+        if (!where) return NULL;
+        PyObject *known = PyDict_GetItemWithError(dirs, where);
+        if (known) {
+            Py_INCREF(known);
+        } else if (!PyErr_Occurred()) {
+            if (PyDict_GET_SIZE(dirs) >= limit) PyDict_Clear(dirs);
+            known = PyObject_CallOneArg(dir_names, where);
+            if (known && PyDict_SetItem(dirs, where, known) < 0) Py_CLEAR(known);
+        }
+        Py_DECREF(where);
+        if (!known) return NULL;
+        if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) {
+            Py_DECREF(known);
+            Py_RETURN_NONE;
+        }
+        PyObject *name = PyUnicode_DecodeUTF8(leaf, ln - 1, "backslashreplace");
+        if (!name) {
+            Py_DECREF(known);
+            return NULL;
+        }
+        path = PyUnicode_Concat(PyTuple_GET_ITEM(known, 1), name);
+        raw_path = path ? PyUnicode_Concat(PyTuple_GET_ITEM(known, 0), name) : NULL;
+        Py_DECREF(name);
+        Py_DECREF(known);
+        if (!raw_path) goto fail;
+        /* names.MAGIC: another file each time, named by the Python path */
+        if (PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 0), 0,
+                                PY_SSIZE_T_MAX, -1) ||
+            PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 1), 0, PY_SSIZE_T_MAX, -1)) {
+            Py_DECREF(path);
+            Py_DECREF(raw_path);
+            Py_RETURN_NONE;
+        }
+    }
+    tmp = PyLong_FromLongLong(oflags);
+    fl = tmp ? cached(flag_cache, tmp, open_flags) : NULL;
+    Py_CLEAR(tmp);
+    if (!fl) goto fail;
+    if (!PyTuple_CheckExact(fl) || PyTuple_GET_SIZE(fl) != 2) goto none;
+    PyObject *names = PyTuple_GET_ITEM(fl, 0), *access = PyTuple_GET_ITEM(fl, 1);
+    int writes = PySequence_Contains(access, S_WRITE), creates = PySequence_Contains(access, S_CREATE);
+    if (writes < 0 || creates < 0) goto fail;
+    if (writes && ret >= 0) goto none; /* _leaving's to look at */
+    if (ret >= 0) {
+        res = Py_NewRef(ZERO);
+    } else {
+        tmp = PyLong_FromLongLong(ret);
+        res = tmp ? cached(result_cache, tmp, result_of) : NULL;
+        Py_CLEAR(tmp);
+        if (!res) goto fail;
+    }
+    PyObject *pid = PyObject_GetAttr(p, S_PID), *ppid = pid ? PyObject_GetAttr(p, S_PPID) : NULL,
+             *exe = ppid ? PyObject_GetAttr(p, S_EXE) : NULL;
+    if (!exe) {
+        Py_XDECREF(pid);
+        Py_XDECREF(ppid);
+        goto fail;
+    }
+    rec = PyDict_New();
+    int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
+              PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
+    Py_DECREF(pid);
+    Py_DECREF(ppid);
+    Py_DECREF(exe);
+    if (bad || PyDict_SetItem(rec, PATH, path) || PyDict_SetItem(rec, S_RAW_PATH, raw_path)) goto fail;
+    tmp = dfd == -100 ? Py_NewRef(Py_None) : PyLong_FromLongLong(dfd);
+    if (!tmp || PyDict_SetItem(rec, S_DIRFD, tmp)) goto fail;
+    Py_CLEAR(tmp);
+    if (PyDict_SetItem(rec, S_FLAGS, names) || PyDict_SetItem(rec, ACCESS, access)) goto fail;
+    tmp = creates ? PyLong_FromLongLong(mode) : Py_NewRef(Py_None);
+    if (!tmp || PyDict_SetItem(rec, S_MODE, tmp)) goto fail;
+    Py_CLEAR(tmp);
+    if (PyDict_SetItem(rec, RESULT, res)) goto fail;
+    if (nlink > 1) {
+        tmp = PyLong_FromLongLong(nlink);
+        if (!tmp || PyDict_SetItem(rec, S_NLINK, tmp)) goto fail;
+        Py_CLEAR(tmp);
+    }
+    if (ret >= 0) { /* the descriptor now names `path` (while it names inode `rino`) */
+        PyObject *fds = PyObject_GetAttr(p, S_FDS);
+        if (!fds) goto fail;
+        PyObject *fd = PyLong_FromLongLong(ret), *entry = PyTuple_Pack(2, path, rino);
+        int r = fd && entry ? PyObject_SetItem(fds, fd, entry) : -1;
+        Py_XDECREF(fd);
+        Py_XDECREF(entry);
+        Py_DECREF(fds);
+        if (r < 0) goto fail;
+    }
+    Py_DECREF(path);
+    Py_DECREF(raw_path);
+    Py_DECREF(fl);
+    Py_DECREF(res);
+    return rec;
+none:
+    Py_XDECREF(path);
+    Py_XDECREF(raw_path);
+    Py_XDECREF(fl);
+    Py_XDECREF(res);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(path);
+    Py_XDECREF(raw_path);
+    Py_XDECREF(fl);
+    Py_XDECREF(res);
+    Py_XDECREF(rec);
+    Py_XDECREF(tmp);
+    return NULL;
+}
+
+static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
+    PyObject *p, *t, *raw, *rino;
+    long long dfd, oflags, mode, ret, nlink;
+    Caches c;
+    if (!PyArg_ParseTuple(args, "OOO!LLLLOLO!O!OnOO!OO!", &p, &t, &PyBytes_Type, &raw, &dfd, &oflags, &mode,
+                          &ret, &rino, &nlink, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
+                          &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
+                          &c.result_cache))
+        return NULL;
+    return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink);
+}
+
+/* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
+ *               wall_offset, cgroups, <open_plain's caches>)
+ * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
+ * opens of run `run` (not a repeat of the record before: its bytes after the time differ from
+ * `last_tail`, none of `stop_flags`, an absolute name, a process in `procs`, the run's own cgroup:
+ * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s, in
+ * the order _process names them. Returns (the index it stopped at, their records, the last one's
+ * bytes after its time or None, its record or None). */
+static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
+    PyObject *batch, *last_tail, *unpack, *open_kind, *procs, *wall_offset, *cgroups;
+    Py_ssize_t i, kind_off, path_off;
+    long long run, stop_flags;
+    Caches c;
+    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
+                          &kind_off, &PyBytes_Type, &open_kind, &path_off, &stop_flags, &PyDict_Type, &procs,
+                          &wall_offset, &cgroups, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
+                          &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
+                          &c.result_cache))
+        return NULL;
+    if (!PyBytes_CheckExact(last_tail) || PyBytes_GET_SIZE(open_kind) != 2) {
+        PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0), *last_rec = NULL;
+    if (!out) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(batch), last = -1;
+    const char *tail = PyBytes_AS_STRING(last_tail);
+    Py_ssize_t tail_n = PyBytes_GET_SIZE(last_tail);
+    for (; i < n; i++) {
+        PyObject *raw = PyList_GET_ITEM(batch, i);
+        if (!PyBytes_CheckExact(raw)) break;
+        const char *rs = PyBytes_AS_STRING(raw);
+        Py_ssize_t rn = PyBytes_GET_SIZE(raw);
+        if (rn < path_off || rn < kind_off + 2 || memcmp(rs + kind_off, PyBytes_AS_STRING(open_kind), 2)) break;
+        if (rn - 8 == tail_n && !memcmp(rs + 8, tail, (size_t)tail_n)) break; /* a repeat: _process's */
+        PyObject *f = PyObject_CallOneArg(unpack, raw);
+        if (!f) goto fail;
+        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) < 18) {
+            Py_DECREF(f);
+            break;
+        }
+        /* ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, _, plen, dino, rino */
+        long long frun = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 2)), flags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 6));
+        long long plen = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 15));
+        if (PyErr_Occurred()) {
+            Py_DECREF(f);
+            goto fail;
+        }
+        if (frun != run || (flags & stop_flags) || plen < 1 || path_off + plen > rn || rs[path_off] != '/') {
+            Py_DECREF(f);
+            break;
+        }
+        if (cgroups != Py_None) {
+            PyObject *named = PyDict_GetItemWithError(cgroups, PyTuple_GET_ITEM(f, 1));
+            if (!named || !PyTuple_Check(named) || PyTuple_GET_SIZE(named) < 1 ||
+                PyTuple_GET_ITEM(named, 0) != Py_None) {
+                Py_DECREF(f);
+                if (PyErr_Occurred()) goto fail;
+                break;
+            }
+        }
+        PyObject *p = PyDict_GetItemWithError(procs, PyTuple_GET_ITEM(f, 3));
+        if (!p) {
+            Py_DECREF(f);
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        Py_INCREF(p);
+        PyObject *t = PyNumber_Add(PyTuple_GET_ITEM(f, 0), wall_offset);
+        PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)plen) : NULL;
+        long long dfd = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 10)), oflags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 11)),
+                  mode = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 12)), ret = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 7)),
+                  nlink = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 13));
+        PyObject *rec = path && !PyErr_Occurred()
+                            ? open_core(&c, p, t, path, dfd, oflags, mode, ret, PyTuple_GET_ITEM(f, 17), nlink)
+                            : NULL;
+        Py_XDECREF(t);
+        Py_XDECREF(path);
+        Py_DECREF(p);
+        Py_DECREF(f);
+        if (!rec) goto fail;
+        if (rec == Py_None) {
+            Py_DECREF(rec);
+            break;
+        }
+        if (PyList_Append(out, rec) < 0) {
+            Py_DECREF(rec);
+            goto fail;
+        }
+        Py_XSETREF(last_rec, rec);
+        last = i;
+        tail = rs + 8;
+        tail_n = rn - 8;
+    }
+    PyObject *lt = last < 0 ? Py_NewRef(Py_None)
+                            : PyBytes_FromStringAndSize(tail, tail_n);
+    if (!lt) goto fail;
+    return Py_BuildValue("(nNNN)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None));
+fail:
+    Py_DECREF(out);
+    Py_XDECREF(last_rec);
+    return NULL;
+}
+
+/* ---- the ring buffer (probes/ringbuf.py RingBuffer.read) ---- */
+
+/* ring_read(data, prod_pos, cons, max_records): RingBuffer.read's loop: every committed record
+ * from consumer position `cons` up to the producer's (the first 8 bytes of `prod_pos`, read again
+ * when reached), at most max_records, oldest first; a record that wraps past the end of `data` (the
+ * data area once, its size a power of two) put together. Returns (the records, the new consumer
+ * position, how many wrapped); the caller stores the position (one aligned 8-byte store). */
+static PyObject *fast_ring_read(PyObject *self, PyObject *args) {
+    Py_buffer data, prod;
+    unsigned long long cons;
+    Py_ssize_t max_records;
+    if (!PyArg_ParseTuple(args, "y*y*Kn", &data, &prod, &cons, &max_records)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t stitched = 0;
+    uint64_t size = (uint64_t)data.len, mask = size - 1;
+    if (prod.len < 8 || size < 8 || (size & mask)) {
+        PyErr_SetString(PyExc_ValueError, "a ring's data area is a power of two, its position 8 bytes");
+        goto done;
+    }
+    const unsigned char *d = data.buf;
+    const uint64_t *prod_pos = prod.buf;
+    out = PyList_New(0);
+    if (!out) goto done;
+    uint64_t pos = __atomic_load_n(prod_pos, __ATOMIC_ACQUIRE);
+    while (cons < pos && PyList_GET_SIZE(out) < max_records) {
+        uint64_t off = cons & mask;
+        uint32_t hdr = __atomic_load_n((const uint32_t *)(d + off), __ATOMIC_ACQUIRE);
+        if (hdr & (1u << 31)) break; /* reserved, not yet committed: read it next time */
+        uint64_t len = hdr & ~((1u << 31) | (1u << 30));
+        if (!(hdr & (1u << 30))) {
+            uint64_t start = (off + 8) & mask, end = start + len;
+            PyObject *rec;
+            if (end <= size) {
+                rec = PyBytes_FromStringAndSize((const char *)d + start, (Py_ssize_t)len);
+            } else {
+                /* (as the Python loop slices: a length past the area, which the kernel never
+                 * writes, takes what there is) */
+                uint64_t first = size - start, second = end - size < size ? end - size : size;
+                rec = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(first + second));
+                if (rec) {
+                    memcpy(PyBytes_AS_STRING(rec), d + start, first);
+                    memcpy(PyBytes_AS_STRING(rec) + first, d, second);
+                }
+                stitched++;
+            }
+            if (!rec || PyList_Append(out, rec) < 0) {
+                Py_XDECREF(rec);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(rec);
+        }
+        cons += (len + 8 + 7) & ~7ULL;
+        if (cons >= pos) pos = __atomic_load_n(prod_pos, __ATOMIC_ACQUIRE);
+    }
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&prod);
+    if (!out) return NULL;
+    return Py_BuildValue("(NKn)", out, cons, stitched);
+}
+
+static PyMethodDef methods[] = {
+    {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
+    {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
+    {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
+    {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
+    {"file_items", fast_file_items, METH_VARARGS, "Behaviour's file items of plain opens (see above)."},
+    {"opens", fast_opens, METH_VARARGS, "The events of plain open records from items[i] (see the module's head)."},
+    {"repeats", fast_repeats, METH_VARARGS, "The events of repeats (times) from items[i] (see the module's head)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fast", "Full detail's hot path in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__fast(void) {
+    SHA256_MD = EVP_MD_fetch(NULL, "SHA256", NULL);
+    if (!SHA256_MD) {
+        PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA256");
+        return NULL;
+    }
+    K = PyUnicode_InternFromString("k");
+    T = PyUnicode_InternFromString("t");
+    N = PyUnicode_InternFromString("n");
+    TL = PyUnicode_InternFromString("tl");
+    PATH = PyUnicode_InternFromString("path");
+    OPEN = PyUnicode_InternFromString("open");
+    ACCESS = PyUnicode_InternFromString("access");
+    RESULT = PyUnicode_InternFromString("result");
+    if (!K || !T || !N || !TL || !PATH || !OPEN || !ACCESS || !RESULT) return NULL;
+    S_PID = PyUnicode_InternFromString("pid");
+    S_PPID = PyUnicode_InternFromString("ppid");
+    S_EXE = PyUnicode_InternFromString("exe");
+    S_FDS = PyUnicode_InternFromString("fds");
+    S_RAW_PATH = PyUnicode_InternFromString("raw_path");
+    S_DIRFD = PyUnicode_InternFromString("dirfd");
+    S_FLAGS = PyUnicode_InternFromString("flags");
+    S_MODE = PyUnicode_InternFromString("mode");
+    S_NLINK = PyUnicode_InternFromString("nlink");
+    S_WRITE = PyUnicode_InternFromString("write");
+    S_CREATE = PyUnicode_InternFromString("create");
+    ZERO = PyLong_FromLong(0);
+    MAGIC = Py_BuildValue("(ss)", "/proc/", "/dev/fd/");
+    if (!S_PID || !S_PPID || !S_EXE || !S_FDS || !S_RAW_PATH || !S_DIRFD || !S_FLAGS || !S_MODE || !S_NLINK ||
+        !S_WRITE || !S_CREATE || !ZERO || !MAGIC)
+        return NULL;
+    return PyModule_Create(&module);
+}

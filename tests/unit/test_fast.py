@@ -1,0 +1,408 @@
+"""The C hot path of full detail (src/fast/_fast.c) against the Python path it stands in for: the
+same lines, content hashes, counts and caps decisions on generated record streams."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evidence.bundle import format as fmt
+from evidence.bundle import premade, run_id, sink
+from evidence.bundle.sink import Caps, EventSink
+from evidence.probes import abi
+
+needs_fast = pytest.mark.skipif(sink._fast is None, reason="the compiled module is not built (make setup)")
+
+
+def test_the_compiled_module_is_built_under_ci() -> None:
+    """`make setup` builds it: tests under CI=true run against it, never silently without it."""
+    if sink._fast is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "evidence.bundle._fast is not importable (`make setup` did not build it) or EVIDENCE_PURE_PYTHON is set"
+            )
+        pytest.skip("the compiled module is not built (make setup)")
+    assert EventSink(_Out(), "run-" + "0" * 32).use_fast
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self.data.append(data)
+
+    def compressed_bound(self) -> int:
+        return sum(map(len, self.data)) // 20
+
+
+class _Root:
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def add(self, chash: str) -> None:
+        self.lines.append(chash.encode() + b"\n")
+
+    def add_many(self, chashes: list[str]) -> None:
+        for c in chashes:
+            self.add(c)
+
+    def add_lines(self, lines: bytes) -> None:
+        self.lines.append(lines)
+
+
+def _written(items: list[Any], fast: bool, caps: Caps | None = None) -> tuple[object, ...]:
+    out, root = _Out(), _Root()
+    s = EventSink(out, "run-" + "5" * 32, {"team": "a\u00e9"}, caps, root)
+    s.use_fast = fast
+    capped: dict[str, int] = {}
+    try:
+        s.write_full(items, capped)
+    except Exception as e:  # the same failure either way (a string that is not UTF-8)
+        return (type(e).__name__,)
+    return b"".join(out.data), b"".join(root.lines), s.counts, s.seq, s.size, capped
+
+
+_text = st.text(
+    alphabet=st.one_of(
+        st.characters(max_codepoint=0x7F),
+        st.sampled_from(["\u00e9", "\u2028", "\U0001f600", "\x00", "\x1f", "\x7f", '"', "\\", "/", "\ud800"]),
+    ),
+    max_size=12,
+)
+_ints = st.one_of(st.integers(-(2**31), 2**31), st.integers(-(2**70), 2**70))
+_value = st.one_of(
+    st.none(), st.booleans(), _ints, _text, st.lists(st.one_of(_text, _ints), max_size=3), st.floats(0, 1)
+)
+# a time: mostly a run's (nanoseconds this century, a few seconds apart), now and then an odd one
+_time = st.one_of(
+    st.integers(1_700_000_000_000_000_000, 1_700_000_005_000_000_000),
+    st.integers(-(2**65), 2**65),
+)
+_open = st.fixed_dictionaries(
+    {
+        "k": st.just("open"),
+        "t": _time,
+        "pid": st.integers(1, 2**22),
+        "ppid": st.integers(0, 2**22),
+        "exe": st.one_of(st.none(), _text),
+        "path": st.one_of(_text, _text.map(lambda s: "/etc/" + s)),
+        "raw_path": _text,
+        "dirfd": st.one_of(st.none(), st.integers(0, 1000)),
+        "flags": st.lists(st.sampled_from(["O_RDONLY", "O_WRONLY", "O_CREAT", "O_CLOEXEC"]), max_size=3),
+        "access": st.lists(st.sampled_from(["read", "write", "create"]), max_size=2),
+        "mode": st.one_of(st.none(), st.integers(0, 0o7777)),
+        "result": st.one_of(st.integers(0, 100), st.sampled_from(["ENOENT", "EACCES"])),
+    },
+    optional={
+        "nlink": st.integers(2, 9),
+        "cgroup": _text,
+        "container": _text,
+        "mntns": st.just("other"),
+        "n": st.integers(2, 5),
+        "tl": _time,
+        "extra": st.one_of(_value, st.dictionaries(_text, _value, max_size=2)),
+    },
+)
+_exit = st.fixed_dictionaries(
+    {
+        "k": st.just("exit"),
+        "t": _time,
+        "pid": st.integers(1, 99),
+        "ppid": st.integers(0, 99),
+        "exe": st.one_of(st.none(), _text),
+        "exit_code": st.integers(0, 255),
+        "signal": st.none(),
+    }
+)
+_item = st.one_of(_open, _open, _exit, _time, _time, _time)
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_item, max_size=40))
+def test_c_and_python_write_the_same_bytes(items: list[Any]) -> None:
+    while items and isinstance(items[0], int):  # a repeat follows a record
+        items.pop(0)
+    assert _written(items, True) == _written(items, False)
+
+
+@needs_fast
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_open, st.lists(st.one_of(_time, st.just(None)), min_size=1, max_size=3000))
+def test_c_and_python_agree_across_batches_and_caps(rec: dict[str, Any], times: list[int | None]) -> None:
+    """Runs longer than a batch (_FULL_BATCH), plain opens among repeats, and caps reached midway."""
+    items: list[Any] = [rec]
+    for k, t in enumerate(times):
+        items.append(t if t is not None else dict(rec, t=1_700_000_000_000_000_000 + k, path=f"/p/{k}"))
+    for caps in (None, Caps(events=1500), Caps(decompressed=200_000), Caps(line=300)):
+        assert _written(items, True, caps) == _written(items, False, caps)
+
+
+@needs_fast
+def test_c_path_makes_what_the_writer_always_made() -> None:
+    """A plain open and its repeats: the C path's line is canonical JSON of the whole event."""
+    rec = {
+        "k": "open",
+        "t": 1_700_000_000_123_456_789,
+        "pid": 3,
+        "ppid": 1,
+        "exe": "/bin/x",
+        "path": '/a/"b\x01',
+        "raw_path": "a",
+        "dirfd": None,
+        "flags": ["O_RDONLY"],
+        "access": ["read"],
+        "mode": None,
+        "result": "ENOENT",
+    }
+    data, _, counts, seq, _, _ = _written([rec, 1_700_000_001_000_000_000], True)
+    assert counts == {fmt.FILE_OPEN: 2} and seq == 2
+    first = data.split(b"\n")[0]
+    assert b'"path":"/a/\\"b\\u0001"' in first
+    assert b'"time":"2023-11-14T22:13:20.123456789Z"' in first
+
+
+# ---- the run id's behaviour (bundle/run_id.py): plain opens' file items, and a spill's lines
+
+
+def _behaviour(recs: list[Any], fast: bool, roots: dict[str, str], tmp: Any) -> tuple[object, ...]:
+    try:
+        return _made_run_id(recs, fast, roots, tmp)
+    except TypeError as e:  # the same failure either way (a string that is not UTF-8)
+        return (type(e).__name__,)
+
+
+def _made_run_id(recs: list[Any], fast: bool, roots: dict[str, str], tmp: Any) -> tuple[object, ...]:
+    b = run_id.Behaviour(roots, budget=7, tmp_dir=tmp)  # spilled to disk every few items
+    if not fast:
+        b.fast_roots = None
+    saved, run_id._fast = run_id._fast, (run_id._fast if fast else None)
+    try:
+        for k in range(0, len(recs), 5):
+            b.add_many(recs[k : k + 5])
+        return (b.run_id(["cmd"]),)
+    finally:
+        run_id._fast = saved
+
+
+_path = st.one_of(
+    _text,
+    st.sampled_from(["/home/u", "/home/u/x", "/home/ux", "/tmp/r/a", "/proc/12/fd/3", "/w/tmp1234abcd"]),
+    st.text(alphabet="0123456789abcdef/", min_size=30, max_size=40),
+)
+_opened = st.fixed_dictionaries(
+    {
+        "k": st.just("open"),
+        "path": _path,
+        "access": st.lists(st.sampled_from(["read", "write", "create"]), max_size=2).flatmap(
+            lambda a: st.sampled_from([a, tuple(a)])  # the correlator's are tuples (calls.py)
+        ),
+        "result": st.one_of(st.integers(-(2**65), 2**65), st.sampled_from(["ENOENT", "EACCES"])),
+    }
+)
+_other = st.fixed_dictionaries(
+    {
+        "k": st.just("exec"),
+        "filename": _path,
+        "argv": st.lists(_text, max_size=3),
+        "result": st.integers(0, 3),
+    }
+)
+
+
+@needs_fast
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(_opened, _opened, _other, st.just(b"line")), max_size=60))
+def test_c_and_python_make_the_same_run_id(tmp_path: Any, recs: list[Any]) -> None:
+    for roots in ({}, {"${WORKSPACE}": "/home/u", "${TMPDIR}": "/tmp/r"}):
+        fast = _behaviour(recs, True, roots, tmp_path)
+        assert fast == _behaviour(recs, False, roots, tmp_path)
+
+
+_line = st.one_of(
+    st.integers(0, 2**70).map(lambda t: b'{"k":"open","t":%d,"pid":1}\n' % t),
+    st.sampled_from(
+        [b'{"k":"open","t": 5,"pid":1}\n', b'{"k":"open","t":1_0,"x":2}\n', b'{"k":"exit","t":3}\n']
+    ),
+)
+
+
+@needs_fast
+@given(st.lists(st.one_of(_line, _exit), max_size=20))
+def test_c_and_python_mark_repeats_alike(recs: list[Any]) -> None:
+    """A repeated open's spool line as its time (bundle/premade.py _marked), the same either way."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(premade, "_fast", None)
+        python = premade._marked(recs)
+    assert premade._marked(recs) == python
+
+
+# ---- correlation: Recorder._process's plain opens (agent/recorder/pipeline.py, correlate.py)
+
+
+_raw_path = st.one_of(
+    st.sampled_from(
+        [
+            b"/etc/hostname",
+            b"/etc/passwd",
+            b"/a/b/../c",
+            b"/a/./d",
+            b"//x//y",
+            b"/proc/self/fd/3",
+            b"/dev/fd/4",
+            b"/sys/fs/cgroup/other/cgroup.procs",
+            b"/",
+            b"/t/",
+            b"/t/.",
+            b"/t/..",
+            b"rel",
+            b"../up",
+            b"/a\xffb/c",
+            b"/a/\x01\n",
+        ]
+    ),
+    st.binary(max_size=6).map(lambda b: b"/d%d/" % (len(b) % 3) + b.replace(b"\0", b"")),
+)
+
+
+@st.composite
+def _raws(draw: st.DrawFn) -> list[bytes]:
+    from tests.unit.test_fast_path import chdir_raw, dup_raw, open_raw
+
+    out: list[bytes] = []
+    for k in range(draw(st.integers(0, 40))):
+        what = draw(st.integers(0, 9))
+        if what == 0:
+            out.append(chdir_raw(draw(st.sampled_from([b"/srv", b"/", b"x"])), ts=k, tgid=10))
+        elif what == 1:
+            out.append(dup_raw(draw(st.integers(3, 6)), draw(st.integers(3, 6)), ts=k))
+        elif what == 2 and out:
+            out.append(out[-1])  # a repeat, byte for byte
+        else:
+            out.append(
+                open_raw(
+                    draw(_raw_path),
+                    ts=1_700_000_000_000_000_000 + k,
+                    ret=draw(st.sampled_from([3, 4, 5, -2, -13, -4096])),
+                    dfd=draw(st.sampled_from([-100, -100, 3])),
+                    oflags=draw(st.sampled_from([0, 0, 1, 2, 0o100, 0o1101, 0o2000000, 0o10000000])),
+                    mode=draw(st.sampled_from([0, 0o644])),
+                    flags=draw(
+                        st.sampled_from(
+                            [
+                                0,
+                                0,
+                                0,
+                                abi.F_FIRST,
+                                abi.F_STATE,
+                                abi.F_OTHER_NS,
+                                abi.F_IN_ROOT,
+                                abi.F_FNAME_FAULT,
+                            ]
+                        )
+                    ),
+                    tgid=draw(st.sampled_from([10, 10, 11, 12])),
+                    cgid=draw(st.sampled_from([7, 7, 8])),
+                    run=draw(st.sampled_from([1, 1, 1, 2])),
+                    rino=draw(st.sampled_from([0, 5])),
+                    nlink=draw(st.sampled_from([0, 1, 2])),
+                )
+            )
+    return out
+
+
+def _spooled_by(raws: list[bytes], cut: int, fast: bool, tmp: Any) -> tuple[object, ...]:
+    from evidence.agent.recorder import correlate, pipeline
+    from tests.unit.test_fast_path import spooled, stopped_recorder
+
+    with pytest.MonkeyPatch.context() as m:
+        if not fast:
+            m.setattr(pipeline, "_fast", None)
+            m.setattr(correlate, "_fast", None)
+        (tmp / "s.spool.zst").unlink(missing_ok=True)
+        rec, session, spool = stopped_recorder(tmp)
+        session.correlator.fast = fast
+        rec._process(raws[:cut])
+        rec._process(raws[cut:])
+        spool.close()
+        procs = {pid: (p.fds, p.cwd) for pid, p in session.correlator.procs.items()}
+        return spooled(spool.path), procs, rec.stats, session.correlator._dirs
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_raws(), st.integers(0, 40))
+def test_c_and_python_correlate_the_same_records(tmp_path: Any, raws: list[bytes], cut: int) -> None:
+    """The spool, the descriptor tables and the caches after the same raw records, either way."""
+    assert _spooled_by(raws, cut, True, tmp_path) == _spooled_by(raws, cut, False, tmp_path)
+
+
+# ---- the ring buffer's reader (probes/ringbuf.py RingBuffer.read)
+
+
+def _ring(size: int, start: int, records: list[tuple[bytes, int]]) -> tuple[Any, bytearray]:
+    """A RingBuffer over plain memory (no map): `records` (payload, header flags) written from
+    consumer position `start`, wrapping past the end of the data area as the kernel's do."""
+    from evidence.probes.ringbuf import RingBuffer
+
+    data = bytearray(size)
+    pos = start
+    for payload, flags in records:
+        off = pos & (size - 1)
+        data[off : off + 4] = (len(payload) | flags).to_bytes(4, "little")
+        for k, b in enumerate(payload):
+            data[(off + 8 + k) & (size - 1)] = b
+        pos += (len(payload) + 8 + 7) & ~7
+    ring = RingBuffer.__new__(RingBuffer)
+    ring.size, ring.mask, ring.stitched = size, size - 1, 0
+    ring._data = memoryview(data)
+    ring._cons_pos = memoryview(bytearray(start.to_bytes(8, "little"))).cast("Q")
+    ring._prod_pos = memoryview(bytearray(pos.to_bytes(8, "little"))).cast("Q")
+    return ring, data
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**40),
+    st.lists(
+        st.tuples(st.binary(min_size=0, max_size=200), st.sampled_from([0, 0, 0, 1 << 30, 1 << 31])),
+        max_size=12,
+    ),
+    st.integers(1, 20),
+)
+def test_c_and_python_read_the_ring_alike(start: int, records: list[tuple[bytes, int]], most: int) -> None:
+    """Records in order, a discarded one skipped, a reserved one where reading stops, a record that
+    wraps put together, at most `most` at a time; the consumer position after them."""
+    start -= start % 8
+    total = sum((len(p) + 15) & ~7 for p, _ in records)
+    size = 256
+    while size < total + 8:
+        size *= 2
+    got = []
+    for fast in (False, True):
+        ring, _ = _ring(size, start, records)
+        ring.fast_read = sink._fast.ring_read if fast else None
+        reads = [ring.read(most) for _ in range(3)]
+        got.append((reads, ring._cons_pos[0], ring.stitched))
+    assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("budget", [997, 10**9])
+def test_a_run_id_of_many_items_is_the_reference_one(tmp_path: Any, budget: int) -> None:
+    """Past the hash's batches of items (4,096) and through sorted runs on disk, fed in the
+    recorder's batches: the run id of one canonical document of every set sorted by repr."""
+    from tests.unit.test_writer import META, _flood, _open, _reference_run_id
+
+    meta = META.model_copy(update={"roots": {"${WORKSPACE}": "/w"}})
+    # plain opens the C path takes (outside the roots), and the flood's (under them: Python's)
+    recs = _flood(3000) + [_open(5000 + i, f"/d/{i % 7000}", i % 2) for i in range(9000)]
+    b = run_id.Behaviour(meta.roots, budget=budget, tmp_dir=tmp_path)
+    for k in range(0, len(recs), 1000):
+        b.add_many(recs[k : k + 1000])
+    assert b.run_id(meta.command) == _reference_run_id(meta, recs)
