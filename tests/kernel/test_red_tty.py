@@ -44,22 +44,7 @@ def test_a_job_flipping_the_terminals_foreground_never_stops_the_recorder(place:
     toggler.write_text(TOGGLER)
     toggler.chmod(0o644)
     job = f"/usr/bin/python3 {toggler} & sleep 0.5; /usr/bin/id -u; echo rc=$?; wait"
-    child = pexpect.spawn(
-        sys.executable,
-        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
-        encoding="utf-8",
-        timeout=60,
-        cwd=str(place),
-    )
-    try:
-        child.expect(r"allow\? \[y/N")
-        child.sendline("y")
-        child.expect("JOB-OUTPUT-END")
-        job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
-        child.expect(pexpect.EOF)
-        records = child.before
-    finally:
-        child.close(force=True)
+    job_out, records = _answered(place, job, "y", timeout=60)
     assert "rc=0" in job_out.split(), job_out
     assert "flips" in job_out, job_out  # the job flipped the foreground all along
     assert "RECORD allowed terminal" in records, records
@@ -147,21 +132,28 @@ def test_a_no_the_job_turns_into_an_end_of_file_is_still_a_no(place: Path) -> No
         "a[6][termios.VEOF] = b'n'; termios.tcsetattr(fd, termios.TCSANOW, a)"
     )
     job = f'/usr/bin/python3 -c "{veof}"; /usr/bin/id -u; echo rc=$?'
+    job_out, records = _answered(place, job, "n", timeout=30)  # below the request's 60 s: a
+    # timeout's answer would come too late
+    assert "rc=126" in job_out.split() and "65534" not in job_out.split(), job_out
+    assert f"RECORD denied terminal {TERMINAL_OWNER} None" in records, records
+
+
+def _answered(place: Path, job: str, answer: str, timeout: int) -> tuple[str, str]:
+    """(the job's output, the recorder's records) of `job` run under the tty approver, whose
+    request is answered `answer` on the recorder's terminal."""
     child = pexpect.spawn(
         sys.executable,
         ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
         encoding="utf-8",
-        timeout=30,  # below the request's 60 s: a timeout's answer would come too late
+        timeout=timeout,
         cwd=str(place),
     )
     try:
         child.expect(r"allow\? \[y/N")
-        child.sendline("n")
+        child.sendline(answer)
         child.expect("JOB-OUTPUT-END")
         job_out = child.before.split("JOB-OUTPUT-BEGIN", 1)[1]
         child.expect(pexpect.EOF)
-        records = child.before
+        return job_out, child.before
     finally:
         child.close(force=True)
-    assert "rc=126" in job_out.split() and "65534" not in job_out.split(), job_out
-    assert f"RECORD denied terminal {TERMINAL_OWNER} None" in records, records
