@@ -259,8 +259,10 @@ async def index_entries(js: JetStreamContext, node: str | None = None) -> list[I
     except NotFoundError:
         return []
     out: list[IndexEntry] = []
+    consumer: str | None = None
     try:
-        pending = (await psub.consumer_info()).num_pending  # (a pull consumer: none in flight)
+        info = await psub.consumer_info()
+        consumer, pending = info.name, info.num_pending  # (a pull consumer: none in flight)
         empty = 0
         while pending:
             try:
@@ -282,8 +284,9 @@ async def index_entries(js: JetStreamContext, node: str | None = None) -> list[I
             if not pending:  # what the last message said may be stale: the server's count decides
                 pending = (await psub.consumer_info()).num_pending
     finally:
-        with contextlib.suppress(Exception):  # best effort: the inactive threshold removes it anyway
-            await js.delete_consumer(stream, (await psub.consumer_info()).name)
+        if consumer is not None:
+            with contextlib.suppress(Exception):  # best effort: the inactive threshold removes it anyway
+                await js.delete_consumer(stream, consumer)
         with contextlib.suppress(Exception):
             await psub.unsubscribe()
     return out

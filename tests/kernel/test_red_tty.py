@@ -79,20 +79,13 @@ def test_a_job_that_keeps_the_terminals_foreground_neither_stops_evidence_nor_ch
     keeper.chmod(0o644)
     policy = place / "policy.yaml"
     policy.write_text('version: 1\nfs:\n  read: ["/"]\n  exec: ["/usr", "/bin"]\n  deny: ["/etc/shadow"]\n')
-    child = pexpect.spawn(
+    status, out = _to_the_end(
+        place,
         sys.executable,
         ["-m", "evidence", "run", "--bundle", str(place / "b.tar.gz"), "--policy", str(policy), "--",
          "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "/usr/bin/python3", str(keeper)],
-        encoding="utf-8",
-        timeout=60,
-        cwd=str(place),
     )  # fmt: skip
-    try:
-        child.expect(pexpect.EOF)
-        out = child.before
-    finally:
-        child.close()
-    assert child.exitstatus == 3, (child.exitstatus, out)
+    assert status == 3, (status, out)
     assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
     assert "evidence: " in out and " events (" in out, out  # the closing line
 
@@ -105,21 +98,14 @@ def test_the_same_through_the_agent(agent: Agent, place: Path) -> None:  # noqa:
     policy = place / "policy.yaml"
     policy.write_text('version: 1\nfs:\n  read: ["/"]\n  exec: ["/usr", "/bin"]\n  deny: ["/etc/shadow"]\n')
     policy.chmod(0o644)
-    child = pexpect.spawn(
+    status, out = _to_the_end(
+        place,
         "setpriv",
         ["--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-m", "evidence", "run",
          "--agent", str(agent.socket), "--bundle", str(place / "a.tar.gz"), "--policy", str(policy),
          "--workspace", str(place), "--", "/usr/bin/python3", str(keeper)],
-        encoding="utf-8",
-        timeout=60,
-        cwd=str(place),
     )  # fmt: skip
-    try:
-        child.expect(pexpect.EOF)
-        out = child.before
-    finally:
-        child.close()
-    assert child.exitstatus == 3, (child.exitstatus, out)
+    assert status == 3, (status, out)
     assert "job done" in out and "read of /etc/shadow refused by fs.deny[0]" in out, out
 
 
@@ -157,3 +143,14 @@ def _answered(place: Path, job: str, answer: str, timeout: int) -> tuple[str, st
         return job_out, child.before
     finally:
         child.close(force=True)
+
+
+def _to_the_end(place: Path, program: str, args: list[str]) -> tuple[int | None, str]:
+    """(exit status, all it wrote) of `program` run on a terminal of its own to its end."""
+    child = pexpect.spawn(program, args, encoding="utf-8", timeout=60, cwd=str(place))
+    try:
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close()
+    return child.exitstatus, out
