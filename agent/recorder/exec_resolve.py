@@ -28,6 +28,7 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from evidence.agent.recorder.exec_check import bprm_filename, shebang
 from evidence.probes.abi import script_argv
@@ -83,6 +84,21 @@ def read_memory(pid: int, addr: int, size: int) -> bytes:
     finally:
         os.close(fd)
 
+
+def compiled() -> Any:
+    """The exec supervisor's C (src/fast/_exec.c, built by `make setup`: the usual request, the pin
+    map's update), or None: not built, or EVIDENCE_PURE_PYTHON set (the Python path, which it
+    matches, does it all)."""
+    if os.environ.get("EVIDENCE_PURE_PYTHON"):
+        return None
+    try:
+        from evidence.agent.recorder import _exec  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - tests/unit/test_exec_fast.py fails under CI=true without it
+        return None
+    return _exec
+
+
+_fast = compiled()
 
 _PREFETCH = 2  # pages prefetched at once
 _local = threading.local()
@@ -355,14 +371,23 @@ _own_root: list[tuple[int, int]] = []
 _own_mntns: list[int] = []
 
 
+def _our_mount_namespace() -> int:
+    """The inode of this process's mount namespace (0 when it cannot be read: no caller's is)."""
+    if not _own_mntns:
+        try:
+            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
+        except OSError:
+            return 0
+    return _own_mntns[0]
+
+
 def _in_our_mount_namespace(pid: int) -> bool:
     """Whether the caller's mount namespace is this process's: only then does a name it passes
     lead where the same name leads here (a job can make a namespace of its own and bind another
     program over an allowed one's name)."""
     try:
-        if not _own_mntns:
-            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
-        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == _own_mntns[0]
+        ours = _our_mount_namespace()
+        return ours != 0 and os.stat(f"/proc/{pid}/ns/mnt").st_ino == ours
     except OSError:
         return False
 
@@ -499,6 +524,15 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         path_addr, argv_addr, flags = args[1], args[2], args[4]
     else:
         raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
+    if nr == NR_EXECVE and _fast is not None:
+        got = _fast.read_usual(
+            pid, path_addr, argv_addr, *_our_root(), _our_mount_namespace(), _HEADS, _HEADS_MAX
+        )
+        if got is not None:  # the usual request, read and resolved in C as below
+            raw_path, raw_argv, named, dev, ino, head = got
+            return _request(
+                pid, raw_path, raw_argv, False, dirfd, False, "/", _decode(named), (dev, ino), head
+            )
     memory = CallerMemory(pid)
     memory.prefetch(path_addr, argv_addr)
     raw_path, cut = memory.string(path_addr)
@@ -506,7 +540,6 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         raise OSError(errno.ENAMETOOLONG, "path too long")
     raw_argv, truncated = memory.argv(argv_addr)
     path = _decode(raw_path)
-    argv = tuple(_decode(a) for a in raw_argv)
     empty = bool(flags & AT_EMPTY_PATH)
     root_fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_CLOEXEC)
     try:
@@ -528,6 +561,25 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
             head = _head(pid, program)
     finally:
         os.close(root_fd)
+    return _request(pid, raw_path, raw_argv, truncated, dirfd, empty, root, program, theirs, head)
+
+
+def _request(
+    pid: int,
+    raw_path: bytes,
+    raw_argv: list[bytes],
+    truncated: bool,
+    dirfd: int,
+    empty: bool,
+    root: str,
+    program: str,
+    theirs: tuple[int, int] | None,
+    head: bytes,
+) -> ExecRequest:
+    """The request of what was read (`raw_path`, `raw_argv`) and resolved (`program` in the
+    caller's `root`, `theirs` its identity for the caller, `head` its first bytes)."""
+    path = _decode(raw_path)
+    argv = tuple(_decode(a) for a in raw_argv)
     bang = shebang(head)
     interpreter = _interpreter(pid, bang, root)
     interpreter_identity = caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def _commands(rules: list[dict[str, object]], default: str = "allow") -> Command
 
 
 def _run(
-    commands: CommandsPolicy, script: str, cwd: Path
+    commands: CommandsPolicy, script: str, cwd: Path, **supervisor: Any
 ) -> tuple[subprocess.CompletedProcess[str], list[ExecDecision], list[str]]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     decisions: list[ExecDecision] = []
@@ -55,7 +56,9 @@ def _run(
     try:
         ours.settimeout(30)
         listener = receive_listener(ours)
-        sup = ExecSupervisor(listener, commands, proc.pid, on_decision=decisions.append, tell=told.append)
+        sup = ExecSupervisor(
+            listener, commands, proc.pid, on_decision=decisions.append, tell=told.append, **supervisor
+        )
         sup.start()
         out, err = proc.communicate(timeout=60)
         sup.stop()
@@ -288,6 +291,35 @@ def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
         proc.wait(10)
         sup.stop()
         ours.close()
+
+
+def test_an_allowed_exec_whose_pin_the_map_does_not_take_is_refused(place: Path) -> None:
+    """Fail closed in the one-call answer (src/fast/_exec.c allow): a pin the kernel's map refuses
+    (here the "map" is a pipe: bpf(2) fails) refuses the exec with EACCES and says why; nothing
+    is let run unpinned (the launcher's own exec of the shell is the first refused)."""
+    from evidence.agent.recorder import exec_supervisor
+    from evidence.agent.recorder.exec_check import new_key
+
+    if exec_supervisor._fast is None:
+        pytest.skip("the compiled module is not built (tests/unit/test_exec_fast.py fails under CI=true)")
+    r, w = os.pipe()
+    try:
+        done, decisions, told = _run(
+            _commands([]),
+            "echo ran",
+            place,
+            publish=lambda _tid, _pin: True,  # never reached: the compiled path answers
+            pins_fd=r,
+            check_key=new_key(),
+        )
+    finally:
+        os.close(r)
+        os.close(w)
+    assert done.returncode != 0 and "ran" not in done.stdout
+    assert "Permission denied" in done.stderr, done.stderr
+    assert decisions and not decisions[0].allowed
+    assert decisions[0].error == "what would run cannot be pinned"
+    assert any("cannot be pinned" in line for line in told)
 
 
 def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(place: Path) -> None:
