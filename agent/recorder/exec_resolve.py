@@ -365,9 +365,6 @@ def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[
         return None
 
 
-_own_root: list[tuple[int, int]] = []
-
-
 _own_mntns: list[int] = []
 
 
@@ -392,12 +389,31 @@ def _in_our_mount_namespace(pid: int) -> bool:
         return False
 
 
-def _our_root() -> tuple[int, int]:
-    """(st_dev, st_ino) of this process's root directory."""
-    if not _own_root:
-        st = os.stat("/")
-        _own_root.append((st.st_dev, st.st_ino))
-    return _own_root[0]
+_STATX_INO = 0x100
+_STATX_MNT_ID = 0x1000
+_STATX = struct.Struct("=I28xQ96xIIQ")  # struct statx: mask, ino, dev major/minor, mnt_id
+_own_root_mount: list[tuple[int, int, int]] = []
+_libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+
+
+def root_mount(path: str) -> tuple[int, int, int]:
+    """(st_dev, st_ino, mount id) of the directory `path` leads to (statx STATX_MNT_ID): a process's
+    root and the mount it is on, through /proc/PID/root. Raises OSError."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statx(AT_FDCWD, os.fsencode(path), 0, _STATX_INO | _STATX_MNT_ID, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    mask, ino, major, minor, mnt = _STATX.unpack_from(buf.raw)
+    if not mask & _STATX_MNT_ID:  # before Linux 5.8: no mount id, never taken for ours
+        mnt = -1
+    return os.makedev(major, minor), ino, mnt
+
+
+def _our_root_mount() -> tuple[int, int, int]:
+    """root_mount of this process's root."""
+    if not _own_root_mount:
+        _own_root_mount.append(root_mount("/"))
+    return _own_root_mount[0]
 
 
 def identity(path: str) -> tuple[int, int] | None:
@@ -525,9 +541,7 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     else:
         raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
     if nr == NR_EXECVE and _fast is not None:
-        got = _fast.read_usual(
-            pid, path_addr, argv_addr, *_our_root(), _our_mount_namespace(), _HEADS, _HEADS_MAX
-        )
+        got = _fast.read_usual(pid, path_addr, argv_addr, *_our_root_mount(), _HEADS, _HEADS_MAX)
         if got is not None:  # the usual request, read and resolved in C as below
             raw_path, raw_argv, named, dev, ino, head = got
             return _request(
@@ -541,26 +555,18 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     raw_argv, truncated = memory.argv(argv_addr)
     path = _decode(raw_path)
     empty = bool(flags & AT_EMPTY_PATH)
-    root_fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_CLOEXEC)
-    try:
-        st = os.fstat(root_fd)
-        if (
-            (st.st_dev, st.st_ino) == _our_root()
-            and not (empty and not path)
-            and _in_our_mount_namespace(pid)
-        ):
-            # the usual caller: its root and mount namespace are ours, so the file the kernel's
-            # own walk reaches for it (openat2) is named by that walk (d_path: what realpath
-            # computes with a stat per component) and its head is read through the same descriptor
-            root = "/"
-            program, theirs, head = _resolve_as_ours(pid, path, dirfd, root_fd)
-        else:
-            root = os.readlink(f"/proc/{pid}/root")
-            program = resolve(pid, path, dirfd, empty, root)
-            theirs = caller_identity(pid, path, dirfd, empty)
-            head = _head(pid, program)
-    finally:
-        os.close(root_fd)
+    if root_mount(f"/proc/{pid}/root") == _our_root_mount() and not (empty and not path):
+        # the usual caller: its root is ours, the same directory on the same mount (so the same
+        # mounts below it: a mount namespace of its own has its own root mount), so the file the
+        # kernel's own walk reaches for it (openat2) is named by that walk (d_path: what realpath
+        # computes with a stat per component) and its head is read through the same descriptor
+        root = "/"
+        program, theirs, head = _resolve_as_ours(pid, path, dirfd)
+    else:
+        root = os.readlink(f"/proc/{pid}/root")
+        program = resolve(pid, path, dirfd, empty, root)
+        theirs = caller_identity(pid, path, dirfd, empty)
+        head = _head(pid, program)
     return _request(pid, raw_path, raw_argv, truncated, dirfd, empty, root, program, theirs, head)
 
 
@@ -623,17 +629,15 @@ def _request(
     )
 
 
-def _resolve_as_ours(
-    pid: int, path: str, dirfd: int, root_fd: int
-) -> tuple[str, tuple[int, int] | None, bytes]:
-    """(program, the caller's identity of it, its head) for a caller whose root and mount namespace
-    are ours (`root_fd`: its /proc/PID/root), from one openat2 of the name (a plain walk, as the
+def _resolve_as_ours(pid: int, path: str, dirfd: int) -> tuple[str, tuple[int, int] | None, bytes]:
+    """(program, the caller's identity of it, its head) for a caller whose root is ours (an
+    absolute name walks from it as from ours), from one openat2 of the name (a plain walk, as the
     kernel's for the caller: magic links such as /proc/PID/exe followed); a name that leads
     nowhere is resolved as `resolve` does (it names no file: the supervisor fails it as the kernel
     would)."""
     name = _caller_path(pid, path)
     try:
-        fd = _openat2(root_fd, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
+        fd = _openat2(AT_FDCWD, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
     except OSError:
         return resolve(pid, path, dirfd, False, "/"), None, b""
     try:

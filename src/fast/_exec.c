@@ -1,9 +1,9 @@
 /* The exec supervisor's usual request in C (issue 24's cost): agent/recorder/exec_resolve.py's
- * read_request for an execve by a caller in the supervisor's own root and mount namespace, naming
- * its program by an absolute name, with an argv read whole. Every exec of a job with command rules
+ * read_request for an execve by a caller whose root is the supervisor's (the same directory on the
+ * same mount), naming its program by an absolute name, with an argv read whole. Every exec of a job with command rules
  * waits in the kernel while this runs, so its time is the job's.
  *
- * read_usual(pid, path_addr, argv_addr, root_dev, root_ino, mntns_ino, heads, heads_max) returns
+ * read_usual(pid, path_addr, argv_addr, root_dev, root_ino, root_mnt, heads, heads_max) returns
  * (path, argv, named, st_dev, st_ino, head): the path and argv as read from the caller's memory
  * (bytes), the name of the file the path leads to for the caller (readlink of the descriptor
  * openat2 gave: bytes), its identity and its first HEAD bytes (through the `heads` cache, a dict
@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -234,10 +235,11 @@ static PyObject *head_of(int fd, const struct stat *st, PyObject *heads, Py_ssiz
 
 static PyObject *read_usual(PyObject *self, PyObject *args) {
     int pid;
-    unsigned long long path_addr, argv_addr, root_dev, root_ino, mntns_ino;
+    unsigned long long path_addr, argv_addr, root_dev, root_ino;
+    long long root_mnt;
     PyObject *heads;
     Py_ssize_t heads_max;
-    if (!PyArg_ParseTuple(args, "iKKKKKO!n", &pid, &path_addr, &argv_addr, &root_dev, &root_ino, &mntns_ino,
+    if (!PyArg_ParseTuple(args, "iKKKKLO!n", &pid, &path_addr, &argv_addr, &root_dev, &root_ino, &root_mnt,
                           &PyDict_Type, &heads, &heads_max))
         return NULL;
     Memory *m = PyMem_Calloc(1, sizeof(Memory));
@@ -257,11 +259,13 @@ static PyObject *read_usual(PyObject *self, PyObject *args) {
 
     char proc[64];
     struct stat st;
+    /* the caller's root: ours, the same directory on the same mount (exec_resolve.root_mount) */
+    struct statx sx;
     snprintf(proc, sizeof proc, "/proc/%d/root", pid);
-    if (stat(proc, &st) < 0) goto done; /* the caller's root directory: one call, not three */
-    if ((unsigned long long)st.st_dev != root_dev || (unsigned long long)st.st_ino != root_ino) goto done;
-    snprintf(proc, sizeof proc, "/proc/%d/ns/mnt", pid);
-    if (stat(proc, &st) < 0 || (unsigned long long)st.st_ino != mntns_ino) goto done;
+    if (statx(AT_FDCWD, proc, 0, STATX_INO | STATX_MNT_ID, &sx) < 0 || !(sx.stx_mask & STATX_MNT_ID)) goto done;
+    if ((unsigned long long)makedev(sx.stx_dev_major, sx.stx_dev_minor) != root_dev ||
+        (unsigned long long)sx.stx_ino != root_ino || (long long)sx.stx_mnt_id != root_mnt)
+        goto done;
 
     char name[PATH_MAX_ + 64];
     if (caller_path(p, pn, pid, name, sizeof name) < 0) goto done;

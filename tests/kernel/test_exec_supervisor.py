@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -484,3 +485,30 @@ def test_a_script_rewritten_between_two_execs_is_judged_as_it_is_now(place: Path
     assert [(d.request.program, d.request.interpreter) for d in refused if d.request] == [
         (str(script), "/usr/bin/id")
     ]
+
+
+def test_a_caller_in_a_mount_namespace_of_its_own_is_not_taken_for_ours() -> None:
+    """The usual request (its names walked as ours) is taken only for a caller whose root is
+    ours on the same mount (exec_resolve.root_mount): a mount namespace of its own, where a job
+    can bind anything over any name, has a root mount of its own, even unchanged; a chroot to
+    another directory, another root."""
+    from evidence.agent.recorder import exec_resolve
+
+    ours = exec_resolve.root_mount("/")
+    same = subprocess.Popen(["sleep", "30"])
+    own = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
+    chrooted = subprocess.Popen(["chroot", "/usr", "/bin/sleep", "30"])
+    try:
+        for proc in (same, own, chrooted):
+            for _ in range(500):  # until it runs its own program (unshare and chroot exec sleep)
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{proc.pid}/exe").endswith("/sleep"):
+                        break
+                time.sleep(0.01)
+        assert exec_resolve.root_mount(f"/proc/{same.pid}/root") == ours
+        assert exec_resolve.root_mount(f"/proc/{own.pid}/root")[2] != ours[2]
+        assert exec_resolve.root_mount(f"/proc/{chrooted.pid}/root")[:2] != ours[:2]
+    finally:
+        for proc in (same, own, chrooted):
+            proc.kill()
+            proc.wait()

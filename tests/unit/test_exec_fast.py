@@ -104,8 +104,7 @@ def usual(path_addr: int, argv_addr: int) -> tuple[object, ...] | None:
         os.getpid(),
         path_addr,
         argv_addr,
-        *exec_resolve._our_root(),
-        exec_resolve._our_mount_namespace(),
+        *exec_resolve._our_root_mount(),
         exec_resolve._HEADS,
         exec_resolve._HEADS_MAX,
     )
