@@ -64,6 +64,7 @@ from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, Decider
 from evidence.policy.commands import decide as decide_exec
 from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
+from evidence.probes.bpfsys import map_info
 
 logger = logging.getLogger(__name__)
 _fast = compiled()  # src/fast/_exec.c: receive, and `allow` (an allowed exec's answer in one call)
@@ -351,6 +352,13 @@ class ExecSupervisor:
     def __post_init__(self) -> None:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
         self._decider = Decider(self.commands)
+        if self.pins_fd >= 0 and _fast is not None:
+            # `_fast.allow` writes a key and a value of these sizes: a map of others would read
+            # past them (a map that is no map only fails each exec: refused)
+            with contextlib.suppress(OSError):
+                _kind, key_size, value_size, _entries, _flags = map_info(self.pins_fd)
+                if (key_size, value_size) != (4, abi.EXEC_PIN.struct.size):
+                    raise ValueError("the pin map is not exec_pins")
 
     def prepare(self) -> None:
         """Ready to `serve` (on the caller's thread; `start` serves on a thread of its own)."""

@@ -86,6 +86,14 @@ static void prefetch(Memory *m, uint64_t a, uint64_t b) {
 /* A NUL-terminated string of at most `limit` bytes before its NUL, appended to `out` (a bytes
  * object made from it); 0 when done, -1 when a page cannot be read or the string is longer. */
 static PyObject *string_at(Memory *m, uint64_t addr, size_t limit) {
+    {   /* most strings end in their first page: made from it at once */
+        const char *page = page_of(m, addr);
+        if (!page) Py_RETURN_NONE;
+        size_t off = addr & (PAGE - 1), take = PAGE - off;
+        if (take > limit) take = limit;
+        const char *end = memchr(page + off, 0, take);
+        if (end) return PyBytes_FromStringAndSize(page + off, (Py_ssize_t)(end - (page + off)));
+    }
     char *buf = PyMem_Malloc(limit + 1);
     if (!buf) return PyErr_NoMemory();
     size_t got = 0;
@@ -233,6 +241,9 @@ static PyObject *head_of(int fd, const struct stat *st, PyObject *heads, Py_ssiz
     return head;
 }
 
+static Memory memory; /* one request's pages, reused (the GIL is held throughout) */
+static int memory_busy;
+
 static PyObject *read_usual(PyObject *self, PyObject *args) {
     int pid;
     unsigned long long path_addr, argv_addr, root_dev, root_ino;
@@ -242,10 +253,12 @@ static PyObject *read_usual(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iKKKKLO!n", &pid, &path_addr, &argv_addr, &root_dev, &root_ino, &root_mnt,
                           &PyDict_Type, &heads, &heads_max))
         return NULL;
-    Memory *m = PyMem_Calloc(1, sizeof(Memory));
+    /* a call made while one runs (by code a Python object's finalizer runs, say) gets its own */
+    Memory *m = memory_busy ? PyMem_Malloc(sizeof(Memory)) : &memory;
     if (!m) return PyErr_NoMemory();
+    if (m == &memory) memory_busy = 1;
     m->pid = pid;
-    for (int i = 0; i < PAGES_KEPT; i++) m->base[i] = UINT64_MAX;
+    m->n = m->next = 0;
     PyObject *path = NULL, *argv = NULL, *named = NULL, *head = NULL, *result = NULL;
     int fd = -1;
     prefetch(m, path_addr, argv_addr);
@@ -293,7 +306,10 @@ done:
     Py_XDECREF(argv);
     Py_XDECREF(named);
     Py_XDECREF(head);
-    PyMem_Free(m);
+    if (m == &memory)
+        memory_busy = 0;
+    else
+        PyMem_Free(m);
     if (!result && !PyErr_Occurred()) Py_RETURN_NONE;
     return result;
 }
