@@ -314,20 +314,24 @@ done:
     return result;
 }
 
-/* bpf(BPF_MAP_UPDATE_ELEM) of one element (the exec check's pin of a thread: exec_process.py's
- * publisher): 0, or the errno the kernel gave. */
+/* bpf(BPF_MAP_UPDATE_ELEM, BPF_ANY) of one element: 0, or the errno the kernel gave. */
+static int update_elem(int fd, const void *key, const void *value) {
+    union bpf_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.map_fd = (uint32_t)fd;
+    attr.key = (uint64_t)(uintptr_t)key;
+    attr.value = (uint64_t)(uintptr_t)value;
+    attr.flags = BPF_ANY;
+    return syscall(SYS_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof attr) < 0 ? errno : 0;
+}
+
+/* One element updated (the exec check's pin of a thread: exec_process.py's publisher): 0, or the
+ * errno the kernel gave. */
 static PyObject *map_update(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer key, value;
     if (!PyArg_ParseTuple(args, "iy*y*", &fd, &key, &value)) return NULL;
-    union bpf_attr attr;
-    memset(&attr, 0, sizeof attr);
-    attr.map_fd = (uint32_t)fd;
-    attr.key = (uint64_t)(uintptr_t)key.buf;
-    attr.value = (uint64_t)(uintptr_t)value.buf;
-    attr.flags = BPF_ANY;
-    long ret = syscall(SYS_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof attr);
-    int err = ret < 0 ? errno : 0;
+    int err = update_elem(fd, key.buf, value.buf);
     PyBuffer_Release(&key);
     PyBuffer_Release(&value);
     return PyLong_FromLong(err);
@@ -362,14 +366,9 @@ static PyObject *allow(PyObject *self, PyObject *args) {
         status = 1;
         goto done;
     }
-    union bpf_attr attr;
-    memset(&attr, 0, sizeof attr);
-    attr.map_fd = (uint32_t)fd;
-    attr.key = (uint64_t)(uintptr_t)key.buf;
-    attr.value = (uint64_t)(uintptr_t)value.buf;
-    attr.flags = BPF_ANY;
-    if (syscall(SYS_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof attr) < 0) {
-        status = -errno;
+    int err = update_elem(fd, key.buf, value.buf);
+    if (err) {
+        status = -err;
         goto done;
     }
     struct seccomp_notif_resp resp = {.id = id, .val = 0, .error = 0, .flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE};
