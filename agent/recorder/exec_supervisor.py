@@ -393,6 +393,16 @@ class ExecSupervisor:
             self._stop_r = self._stop_w = self.listener = -1
 
     def serve(self) -> None:
+        if _fast is not None:  # the wait and the read in C: no Python runs while a caller waits
+            while True:
+                try:
+                    got = _fast.next_notification(self.listener, self._stop_r)
+                except OSError as e:
+                    logger.error("exec supervisor: %s", e.strerror)
+                    return
+                if got is None:  # stopped, or every process of the filter is gone
+                    return
+                self.answer(Notification(*got))
         poller = select.poll()
         poller.register(self.listener, select.POLLIN)
         if self._stop_r >= 0:
@@ -512,7 +522,7 @@ class ExecSupervisor:
         with self._lock:
             if self.listener < 0:
                 return result
-            # read to answer: the answer may let the caller run on this CPU before the call returns
+            # read to answer, counted first: the answer lets the caller run on this CPU
             took = time.monotonic_ns() - note.received_ns
             status = _fast.allow(
                 self.listener, note.id, self.pins_fd, req.pid.to_bytes(4, sys.byteorder), pin.pack()

@@ -14,9 +14,11 @@
  * two equal on generated names and arguments.
  *
  * map_update(fd, key, value): the pin published for the calling thread (exec_process.py), without
- * ctypes' cost on each exec; receive(listener) and allow(...): exec_supervisor.py's notification
- * read, and its answer to an exec the rules allow (still pending? pinned, then let go on) in one
- * call. Their Python counterparts (receive, still_pending, publish, respond) stay for the rest.
+ * ctypes' cost on each exec; receive(listener), next_notification(listener, stop) and
+ * allow(...): exec_supervisor.py's notification read (after its wait), and its answer to an exec
+ * the rules allow (still pending? pinned, then let go on) in one call: no Python runs while the
+ * caller waits for either. Their Python counterparts (serve's loop, receive, still_pending,
+ * publish, respond) stay for the rest.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,7 +27,9 @@
 #include <linux/bpf.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
+#include <poll.h>
 #include <sys/ioctl.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -350,6 +354,48 @@ static PyObject *receive(PyObject *self, PyObject *args) {
                          (unsigned long long)n.data.args[4], (unsigned long long)n.data.args[5]);
 }
 
+/* exec_supervisor.ExecSupervisor.serve's wait: the next notification, (id, pid, nr, args,
+ * CLOCK_MONOTONIC ns when read), once the listener has one (poll with the GIL let go, then RECV at
+ * once: the caller waits in the kernel meanwhile); None when `stop` is readable or every process
+ * of the filter is gone (POLLHUP without POLLIN); OSError when RECV fails but for a caller gone
+ * before it was read (ENOENT) or a signal (EINTR), which wait for the next. */
+static PyObject *next_notification(PyObject *self, PyObject *args) {
+    int listener, stop;
+    if (!PyArg_ParseTuple(args, "ii", &listener, &stop)) return NULL;
+    for (;;) {
+        struct pollfd fds[2] = {{listener, POLLIN, 0}, {stop, POLLIN, 0}};
+        int ready, err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        ready = poll(fds, stop >= 0 ? 2 : 1, -1);
+        if (ready < 0) err = errno;
+        Py_END_ALLOW_THREADS
+        if (ready < 0) {
+            if (err != EINTR) {
+                errno = err;
+                return PyErr_SetFromErrno(PyExc_OSError);
+            }
+            if (PyErr_CheckSignals() < 0) return NULL;
+            continue;
+        }
+        if (stop >= 0 && fds[1].revents) Py_RETURN_NONE;
+        if ((fds[0].revents & (POLLHUP | POLLERR)) && !(fds[0].revents & POLLIN)) Py_RETURN_NONE;
+        if (!(fds[0].revents & POLLIN)) continue;
+        struct seccomp_notif n;
+        memset(&n, 0, sizeof n);
+        if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &n) < 0) {
+            if (errno == ENOENT || errno == EINTR) continue; /* the caller went away before it was read */
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return Py_BuildValue("(KIi(KKKKKK)L)", (unsigned long long)n.id, n.pid, n.data.nr,
+                             (unsigned long long)n.data.args[0], (unsigned long long)n.data.args[1],
+                             (unsigned long long)n.data.args[2], (unsigned long long)n.data.args[3],
+                             (unsigned long long)n.data.args[4], (unsigned long long)n.data.args[5],
+                             (long long)now.tv_sec * 1000000000LL + now.tv_nsec);
+    }
+}
+
 /* An allowed exec answered at once (exec_supervisor.ExecSupervisor._finish's usual case): while the
  * notification `id` is still pending (NOTIF_ID_VALID), its pin goes into the map (`key`, `value`,
  * as map_update), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). 0: answered; 1: not
@@ -393,6 +439,8 @@ static PyMethodDef methods[] = {
     {"map_update", map_update, METH_VARARGS,
      "bpf(BPF_MAP_UPDATE_ELEM, BPF_ANY) of (fd, key, value): 0 or the errno (the caller sizes key and value)."},
     {"receive", receive, METH_VARARGS, "SECCOMP_IOCTL_NOTIF_RECV: (id, pid, nr, args)."},
+    {"next_notification", next_notification, METH_VARARGS,
+     "(listener, stop): the next notification (id, pid, nr, args, monotonic ns), or None: stopped or gone."},
     {"allow", allow, METH_VARARGS,
      "(listener, id, pins_fd, key, value): pin and go on while pending: 0, 1 (gone) or -errno (not pinned)."},
     {NULL, NULL, 0, NULL},
