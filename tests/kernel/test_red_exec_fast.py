@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -319,3 +320,39 @@ def test_a_program_with_an_mtime_past_int64_nanoseconds_is_judged_by_its_head(pl
     proc, _, _ = _job(place, DENY_ID, body)
     assert _uid_lines(proc.stdout) == [], proc.stdout
     assert _ended(proc.stdout) == {"script": ("exit", 113), "true": ("exit", 0)}, proc.stdout + proc.stderr
+
+
+def test_an_argv_on_pages_a_userfaultfd_of_the_jobs_own_holds_does_not_hang_the_supervisor(
+    place: Path,
+) -> None:
+    """The argv array, then an argument, on pages registered with a userfaultfd of the job's (user
+    mode only: all nobody may make) that nobody ever serves: the C path holds the interpreter lock
+    through process_vm_readv, so a fault it waited on would stop the whole supervisor. The fault
+    is not the job's to serve (a kernel access): the read fails, the exec is refused, and the
+    supervisor goes on (id after it is refused by its rule, true runs)."""
+    body = """\
+    import fcntl, struct
+    m, base = region(1)
+    true = put(m, base, 0, b"/usr/bin/true\\0")
+    held = mmap.mmap(-1, 2 * PAGE)
+    at = ctypes.addressof(ctypes.c_char.from_buffer(held))
+
+    def register():  # in the child: a fork does not keep a registration (no EVENT_FORK)
+        uffd = libc.syscall(323, os.O_CLOEXEC | 1)  # userfaultfd(UFFD_USER_MODE_ONLY)
+        assert uffd >= 0, ctypes.get_errno()
+        fcntl.ioctl(uffd, 0xC018AA3F, bytearray(struct.pack("QQQ", 0xAA, 0, 0)))  # UFFDIO_API
+        fcntl.ioctl(uffd, 0xC020AA00, bytearray(struct.pack("QQQQ", at, 2 * PAGE, 1, 0)))  # REGISTER
+
+    show("array", run(true, at, before=register))
+    show("arg", run(true, array(m, base, 64, [true, at + PAGE]), before=register))
+    """
+    proc = _run(place, DENY_ID, "true")[0]  # a warm start: the job below is timed alone
+    assert proc.returncode == 0
+    start = time.monotonic()
+    proc, _, events = _job(place, DENY_ID, body, "id; echo id=$?; /usr/bin/true; echo true=$?")
+    assert time.monotonic() - start < 60
+    ended = _ended(proc.stdout)
+    for what in ("array", "arg"):
+        assert ended[what] in (("exit", 113), ("exit", 114)), (what, proc.stdout + proc.stderr)
+    assert "id=126" in proc.stdout and "true=0" in proc.stdout, proc.stdout + proc.stderr
+    assert [e["data"] for e in of_type(events, "degradation")] == []
