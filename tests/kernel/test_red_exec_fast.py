@@ -7,6 +7,8 @@ OverflowError), so that every later exec of the job failed with ENOSYS."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import tempfile
 import textwrap
@@ -355,4 +357,61 @@ def test_an_argv_on_pages_a_userfaultfd_of_the_jobs_own_holds_does_not_hang_the_
     for what in ("array", "arg"):
         assert ended[what] in (("exit", 113), ("exit", 114)), (what, proc.stdout + proc.stderr)
     assert "id=126" in proc.stdout and "true=0" in proc.stdout, proc.stdout + proc.stderr
+    assert [e["data"] for e in of_type(events, "degradation")] == []
+
+
+def _id_in_a_root_of_its_own(place: Path) -> Path:
+    """place/root: a root where /usr/bin/true is a copy of id (with the loader and libraries it
+    needs, so it runs there)."""
+    root = place / "root"
+    libs = subprocess.run(["ldd", "/usr/bin/id"], capture_output=True, text=True, check=True).stdout
+    for lib in [w for w in libs.split() if w.startswith("/")]:
+        (root / lib.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(lib, root / lib.lstrip("/"))
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+    shutil.copy("/usr/bin/id", root / "usr/bin/true")
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+    return root
+
+
+def test_a_chroot_of_the_jobs_own_flipped_while_the_supervisor_reads_never_runs_what_is_denied(
+    place: Path,
+) -> None:
+    """A job in a user namespace of its own (no mount namespace: the same mounts, the supervisor's
+    root mount) flips its root between / and a directory where /usr/bin/true is id, from another
+    thread, while it execs /usr/bin/true: the usual-caller test (statx of /proc/PID/root) and the
+    walk (openat2 from the supervisor's root) happen one after the other, and the kernel walks again
+    after the answer. Under default deny (true allowed by its path), the copy of id never runs."""
+    root = _id_in_a_root_of_its_own(place)
+    tools = ", ".join(
+        f"'{os.path.realpath(p)}'" for p in ("/bin/sh", "/usr/bin/true", "/usr/bin/setpriv", PY)
+    )
+    commands = f"default: deny\nrules:\n  - {{name: tools, program: [{tools}], decision: allow}}\n"
+    body = f"""\
+    m, base = region(1)
+    path = put(m, base, 0, b"/usr/bin/true\\0")
+    argv = array(m, base, 64, [path])
+    libc.chroot.argtypes = [ctypes.c_char_p]
+
+    def flip():
+        assert libc.unshare(0x10000000) == 0, ctypes.get_errno()  # CLONE_NEWUSER: chroot is ours
+        top = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+
+        def go():
+            while True:
+                libc.chroot(b"{root}")
+                os.fchdir(top)
+                libc.chroot(b".")
+
+        threading.Thread(target=go, daemon=True).start()
+
+    seen = {{}}
+    for _ in range(150):
+        how = run(path, argv, before=flip)
+        seen[how] = seen.get(how, 0) + 1
+    print("seen", sorted(seen.items()), flush=True)
+    """
+    proc, _, events = _job(place, commands, body)
+    assert "job=0" in proc.stdout, proc.stdout + proc.stderr
+    assert _uid_lines(proc.stdout) == [], proc.stdout
     assert [e["data"] for e in of_type(events, "degradation")] == []
