@@ -79,7 +79,7 @@ def read_memory(pid: int, addr: int, size: int) -> bytes:
         return b""
     try:
         return os.pread(fd, size, addr)
-    except OSError:
+    except (OSError, OverflowError):  # OverflowError: an address past a signed offset (the job's)
         return b""
     finally:
         os.close(fd)
@@ -323,13 +323,18 @@ def _openat2(dirfd: int, path: str, resolve: int) -> int:
 
 
 def _caller_path(pid: int, path: str) -> str:
-    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
-    /proc/TID/ is that thread's), not the supervisor's."""
+    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id), not
+    the supervisor's, as the kernel reads them for it: its process's (/proc/TGID/: a thread with
+    descriptors or a cwd of its own, after unshare, still names its process's) and its thread's
+    (/proc/TGID/task/TID/). Other spellings of them (`/proc/./self`, a link to /proc/self) are read
+    as the supervisor's own: the file the kernel loads is not the one decided on, and the exec
+    check kills it."""
     if path.startswith("//"):  # the same name for the kernel
         path = "/" + path.lstrip("/")
-    for own in ("/proc/self/", "/proc/thread-self/"):
-        if path.startswith(own):
-            return f"/proc/{pid}/" + path[len(own) :]
+    if path.startswith("/proc/self/"):
+        return f"/proc/{_tgid(pid) or pid}/" + path[len("/proc/self/") :]
+    if path.startswith("/proc/thread-self/"):
+        return f"/proc/{_tgid(pid) or pid}/task/{pid}/" + path[len("/proc/thread-self/") :]
     return path
 
 

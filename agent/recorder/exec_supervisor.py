@@ -434,6 +434,13 @@ class ExecSupervisor:
             depth = self.depth_of(note.pid, self.root_pid)
             why = (e.strerror if isinstance(e, OSError) else None) or str(e)
             return self._finish(note, ExecDecision(None, CommandDecision("deny"), depth, False, why))
+        except Exception:  # a fault of ours on what the job passed: this exec refused, not the run's
+            logger.exception("exec supervisor: the request of thread %d could not be read", note.pid)
+            depth = self.depth_of(note.pid, self.root_pid)
+            refused = ExecDecision(
+                None, CommandDecision("deny"), depth, False, "the request could not be read"
+            )
+            return self._finish(note, refused)
         if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
             # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
@@ -532,7 +539,8 @@ class ExecSupervisor:
         if status < 0:  # fail closed: it could not be checked
             logger.warning("exec check: the pin of thread %d is not held: %s", req.pid, os.strerror(-status))
             return ExecDecision(req, result.decision, result.depth, False, "what would run cannot be pinned")
-        if status == 0 and (not self.record_only or recordable(result)):
+        # 2: answered as its caller went away, which `_finish` records too (1: not pending: nothing)
+        if status != 1 and (not self.record_only or recordable(result)):
             self.on_decision(result)
         return result
 

@@ -174,38 +174,39 @@ static PyObject *argv_at(Memory *m, uint64_t addr) {
     Py_RETURN_NONE;
 }
 
-/* exec_resolve._caller_path on bytes: `//x` is `/x`; /proc/self/ and /proc/thread-self/ are the
- * caller's (/proc/PID/, PID a thread id). */
-static int caller_path(const char *path, size_t n, pid_t pid, char *out, size_t cap) {
+/* exec_resolve._caller_path on bytes, for the names it leaves as they are: `//x` is `/x`; a name
+ * under /proc/ (/proc/self/, /proc/thread-self/: the caller's process and thread) is Python's. */
+static int caller_path(const char *path, size_t n, char *out, size_t cap) {
     if (n >= 2 && path[0] == '/' && path[1] == '/') {
         while (n && *path == '/') path++, n--;
         path--, n++; /* keep one */
     }
-    static const char *own[] = {"/proc/self/", "/proc/thread-self/"};
-    for (int i = 0; i < 2; i++) {
-        size_t k = strlen(own[i]);
-        if (n >= k && !memcmp(path, own[i], k)) {
-            int w = snprintf(out, cap, "/proc/%d/", (int)pid);
-            if (w < 0 || (size_t)w + (n - k) + 1 > cap) return -1;
-            memcpy(out + w, path + k, n - k);
-            out[w + (n - k)] = 0;
-            return 0;
-        }
-    }
+    if (n >= 6 && !memcmp(path, "/proc/", 6)) return -1;
     if (n + 1 > cap) return -1;
     memcpy(out, path, n);
     out[n] = 0;
     return 0;
 }
 
+/* A time in nanoseconds as Python's st_mtime_ns: 0 when it does not fit in 64 bits (a job can
+ * set any mtime; Python's integers have no bound). */
+static int ns_of(const struct timespec *t, long long *out) {
+    long long ns;
+    if (__builtin_mul_overflow((long long)t->tv_sec, 1000000000LL, &ns) ||
+        __builtin_add_overflow(ns, (long long)t->tv_nsec, out))
+        return 0;
+    return 1;
+}
+
 /* exec_resolve._head_of: the file's first HEAD bytes through the `heads` cache (b"" for a file
- * that is not regular or cannot be read, not kept). A new reference, or NULL with an exception. */
+ * that is not regular or cannot be read, not kept). A new reference; NULL with an exception, or
+ * NULL without one for a time past 64 bits of nanoseconds (the Python path then reads it). */
 static PyObject *head_of(int fd, const struct stat *st, PyObject *heads, Py_ssize_t heads_max) {
     if (!S_ISREG(st->st_mode)) return PyBytes_FromStringAndSize("", 0);
-    PyObject *key = Py_BuildValue(
-        "(KKLLL)", (unsigned long long)st->st_dev, (unsigned long long)st->st_ino, (long long)st->st_size,
-        (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec,
-        (long long)st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec);
+    long long mtime, ctime;
+    if (!ns_of(&st->st_mtim, &mtime) || !ns_of(&st->st_ctim, &ctime)) return NULL; /* Python's */
+    PyObject *key = Py_BuildValue("(KKLLL)", (unsigned long long)st->st_dev, (unsigned long long)st->st_ino,
+                                  (long long)st->st_size, mtime, ctime);
     if (!key) return NULL;
     PyObject *got = PyDict_GetItemWithError(heads, key);
     if (got) {
@@ -285,8 +286,9 @@ static PyObject *read_usual(PyObject *self, PyObject *args) {
         goto done;
 
     char name[PATH_MAX_ + 64];
-    if (caller_path(p, pn, pid, name, sizeof name) < 0) goto done;
-    struct open_how how = {.flags = O_PATH | O_CLOEXEC, .mode = 0, .resolve = 0};
+    if (caller_path(p, pn, name, sizeof name) < 0) goto done;
+    /* no magic link (/proc/PID/exe, /proc/PID/fd/N, /dev/fd/N): read for the caller, by Python */
+    struct open_how how = {.flags = O_PATH | O_CLOEXEC, .mode = 0, .resolve = RESOLVE_NO_MAGICLINKS};
     /* an absolute name walks from this process's root, which is the caller's (checked above) */
     fd = (int)syscall(SYS_openat2, AT_FDCWD, name, &how, sizeof how);
     if (fd < 0 || fstat(fd, &st) < 0) goto done;
@@ -399,8 +401,8 @@ static PyObject *next_notification(PyObject *self, PyObject *args) {
 /* An allowed exec answered at once (exec_supervisor.ExecSupervisor._finish's usual case): while the
  * notification `id` is still pending (NOTIF_ID_VALID), its pin goes into the map (`key`, `value`,
  * as map_update), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). 0: answered; 1: not
- * pending any more (nothing done); -errno: the pin was not held (nothing answered: the caller refuses
- * it); OSError: the answer failed otherwise. */
+ * pending any more (nothing done); 2: answered, but its caller went away meanwhile; -errno: the pin
+ * was not held (nothing answered: the caller refuses it); OSError: the answer failed otherwise. */
 static PyObject *allow(PyObject *self, PyObject *args) {
     int listener, fd;
     unsigned long long id;
@@ -420,7 +422,7 @@ static PyObject *allow(PyObject *self, PyObject *args) {
     struct seccomp_notif_resp resp = {.id = id, .val = 0, .error = 0, .flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE};
     if (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0) {
         if (errno == ENOENT) {
-            status = 1; /* the caller went away meanwhile */
+            status = 2; /* the caller went away meanwhile */
         } else {
             PyBuffer_Release(&key);
             PyBuffer_Release(&value);

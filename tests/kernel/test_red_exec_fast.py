@@ -101,11 +101,6 @@ def _uid_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("uid=") or line == "65534"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_memory: os.pread(fd, PAGE, addr >= 2**63) raises OverflowError, which answer() does "
-    "not catch: the supervisor's process exits and every later exec of the job fails with ENOSYS",
-)
 def test_an_address_past_the_user_half_is_refused_and_the_supervisor_goes_on(place: Path) -> None:
     """execve with a path, an argv array or an argument at 2**63 (or the last page of the address
     space): the C path gives it to the Python path, whose /proc/PID/mem fallback cannot seek there.

@@ -215,24 +215,19 @@ def test_argvs_at_the_limits_read_alike(count: int, size: int) -> None:
 
 @needs_fast
 def test_the_usual_request_is_read_in_c(names: list[bytes]) -> None:
-    """An absolute name of a file, of a script, through links or /proc/self: the C path's (it
-    returns None for what it leaves to Python: a relative name, no file, a deleted one, a name cut)."""
+    """An absolute name of a file, of a script, through links: the C path's (it returns None for
+    what it leaves to Python: a relative name, no file, a deleted one, a name cut, /proc/...)."""
     taken = {}
     with layout() as mem:
         for name in names:
             argv = mem.elsewhere(struct.pack("=2Q", mem.elsewhere(b"arg0"), 0))
             taken[name] = usual(mem.put(64, name + b"\0"), argv) is not None
     d = next(n for n in names if n.endswith(b"/prog")).rsplit(b"/", 1)[0]
-    for name in (
-        b"/usr/bin/true",
-        b"//usr/bin/true",
-        b"/proc/self/exe",
-        d + b"/script",
-        d + b"/chain",
-        d + b"/fifo",
-    ):
+    for name in (b"/usr/bin/true", b"//usr/bin/true", d + b"/script", d + b"/chain", d + b"/fifo"):
         assert taken[name], name
-    for name in (b"true", b"", b"/nowhere/at/all", b"/" + b"a" * 5000, d + b"/dangling"):
+    # Python's: a relative name, none, no file, a name too long, a name through a magic link or
+    # under /proc/ (the caller's process and thread, which need its thread group)
+    for name in (b"true", b"", b"/nowhere/at/all", b"/" + b"a" * 5000, d + b"/dangling", b"/proc/self/exe"):
         assert not taken[name], name
     assert not taken[next(n for n in names if n.startswith(b"/proc/self/fd/"))]  # " (deleted)"
 
@@ -263,3 +258,24 @@ def test_a_pin_map_update_reports_the_kernels_error() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_proc_self_is_the_callers_process_and_thread_self_its_thread() -> None:
+    """As the kernel reads them for the caller (a thread id): /proc/self/ its thread group's,
+    /proc/thread-self/ its own task's (exec_resolve._caller_path; the C path leaves /proc/ to it)."""
+    import threading
+
+    got: dict[str, str] = {}
+
+    def in_a_thread() -> None:
+        tid = threading.get_native_id()
+        got["self"] = exec_resolve._caller_path(tid, "/proc/self/exe")
+        got["thread"] = exec_resolve._caller_path(tid, "//proc/thread-self/cwd")
+        got["tid"] = str(tid)
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert got["tid"] != str(os.getpid())
+    assert got["self"] == f"/proc/{os.getpid()}/exe"
+    assert got["thread"] == f"/proc/{os.getpid()}/task/{got['tid']}/cwd"
