@@ -529,13 +529,11 @@ class ExecSupervisor:
         with self._lock:
             if self.listener < 0:
                 return result
-            # read to answer, counted first: the answer lets the caller run on this CPU
-            took = time.monotonic_ns() - note.received_ns
-            status = _fast.allow(
+            status, sent = _fast.allow(
                 self.listener, note.id, self.pins_fd, req.pid.to_bytes(4, sys.byteorder), pin.pack()
             )
             if status == 0 and timed and note.received_ns:
-                self.round_trips.add(took)
+                self.round_trips.add(sent - note.received_ns)  # read to response sent
         if status < 0:  # fail closed: it could not be checked
             logger.warning("exec check: the pin of thread %d is not held: %s", req.pid, os.strerror(-status))
             return ExecDecision(req, result.decision, result.depth, False, "what would run cannot be pinned")

@@ -400,15 +400,17 @@ static PyObject *next_notification(PyObject *self, PyObject *args) {
 
 /* An allowed exec answered at once (exec_supervisor.ExecSupervisor._finish's usual case): while the
  * notification `id` is still pending (NOTIF_ID_VALID), its pin goes into the map (`key`, `value`,
- * as map_update), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). 0: answered; 1: not
- * pending any more (nothing done); 2: answered, but its caller went away meanwhile; -errno: the pin
- * was not held (nothing answered: the caller refuses it); OSError: the answer failed otherwise. */
+ * as map_update), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). (status, when the
+ * answer was sent, CLOCK_MONOTONIC ns, 0 if it was not); status 0: answered; 1: not pending any more
+ * (nothing done); 2: answered, but its caller went away meanwhile; -errno: the pin was not held
+ * (nothing answered: the caller refuses it); OSError: the answer failed otherwise. */
 static PyObject *allow(PyObject *self, PyObject *args) {
     int listener, fd;
     unsigned long long id;
     Py_buffer key, value;
     if (!PyArg_ParseTuple(args, "iKiy*y*", &listener, &id, &fd, &key, &value)) return NULL;
     long status = 0;
+    long long sent = 0;
     __u64 nid = id;
     if (ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &nid) < 0) {
         status = 1;
@@ -420,6 +422,9 @@ static PyObject *allow(PyObject *self, PyObject *args) {
         goto done;
     }
     struct seccomp_notif_resp resp = {.id = id, .val = 0, .error = 0, .flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE};
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now); /* the answer lets the caller run on this CPU: timed before */
+    sent = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
     if (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0) {
         if (errno == ENOENT) {
             status = 2; /* the caller went away meanwhile */
@@ -432,7 +437,7 @@ static PyObject *allow(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&key);
     PyBuffer_Release(&value);
-    return PyLong_FromLong(status);
+    return Py_BuildValue("(lL)", status, sent);
 }
 
 static PyMethodDef methods[] = {
@@ -444,7 +449,7 @@ static PyMethodDef methods[] = {
     {"next_notification", next_notification, METH_VARARGS,
      "(listener, stop): the next notification (id, pid, nr, args, monotonic ns), or None: stopped or gone."},
     {"allow", allow, METH_VARARGS,
-     "(listener, id, pins_fd, key, value): pin and go on while pending: 0, 1 (gone) or -errno (not pinned)."},
+     "(listener, id, pins_fd, key, value): pin and go on while pending: (status, sent ns)."},
     {NULL, NULL, 0, NULL},
 };
 
