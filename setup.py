@@ -17,7 +17,14 @@ setup(
             libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        # the exec supervisor's usual request (src/fast/_exec.c; exec_resolve.py is the reference)
+        Extension(
+            "evidence.agent.recorder._exec",
+            sources=["src/fast/_exec.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
     if _SOURCE.exists()
     else []

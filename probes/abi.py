@@ -18,6 +18,7 @@ disagree; split, it would be two definitions again.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 from collections.abc import Sequence
@@ -307,10 +308,10 @@ class Layout:
         if self.fields and off % max(f.align for f in self.fields):
             raise ValueError(f"struct {self.name}: {off} bytes, not a multiple of its alignment: pad it")
 
-    @property
+    @functools.cached_property
     def struct(self) -> struct.Struct:
         """The fixed part after the header (the whole struct when it has none), little-endian;
-        padding skipped: a tuple of the named fields."""
+        padding skipped: a tuple of the named fields (made once: packed on every allowed exec)."""
         return struct.Struct("<" + "".join(f.code for f in self.fields))
 
     @property

@@ -28,6 +28,7 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from evidence.agent.recorder.exec_check import bprm_filename, shebang
 from evidence.probes.abi import script_argv
@@ -78,11 +79,26 @@ def read_memory(pid: int, addr: int, size: int) -> bytes:
         return b""
     try:
         return os.pread(fd, size, addr)
-    except OSError:
+    except (OSError, OverflowError):  # OverflowError: an address past a signed offset (the job's)
         return b""
     finally:
         os.close(fd)
 
+
+def compiled() -> Any:
+    """The exec supervisor's C (src/fast/_exec.c, built by `make setup`: the usual request, the pin
+    map's update), or None: not built, or EVIDENCE_PURE_PYTHON set (the Python path, which it
+    matches, does it all)."""
+    if os.environ.get("EVIDENCE_PURE_PYTHON"):
+        return None
+    try:
+        from evidence.agent.recorder import _exec  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - tests/unit/test_exec_fast.py fails under CI=true without it
+        return None
+    return _exec
+
+
+_fast = compiled()
 
 _PREFETCH = 2  # pages prefetched at once
 _local = threading.local()
@@ -307,13 +323,18 @@ def _openat2(dirfd: int, path: str, resolve: int) -> int:
 
 
 def _caller_path(pid: int, path: str) -> str:
-    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id:
-    /proc/TID/ is that thread's), not the supervisor's."""
+    """`path` with `/proc/self/` and `/proc/thread-self/` made the caller's (`pid`, a thread id), not
+    the supervisor's, as the kernel reads them for it: its process's (/proc/TGID/: a thread with
+    descriptors or a cwd of its own, after unshare, still names its process's) and its thread's
+    (/proc/TGID/task/TID/). Other spellings of them (`/proc/./self`, a link to /proc/self) are read
+    as the supervisor's own: the file the kernel loads is not the one decided on, and the exec
+    check kills it."""
     if path.startswith("//"):  # the same name for the kernel
         path = "/" + path.lstrip("/")
-    for own in ("/proc/self/", "/proc/thread-self/"):
-        if path.startswith(own):
-            return f"/proc/{pid}/" + path[len(own) :]
+    if path.startswith("/proc/self/"):
+        return f"/proc/{_tgid(pid) or pid}/" + path[len("/proc/self/") :]
+    if path.startswith("/proc/thread-self/"):
+        return f"/proc/{_tgid(pid) or pid}/task/{pid}/" + path[len("/proc/thread-self/") :]
     return path
 
 
@@ -349,10 +370,17 @@ def caller_identity(pid: int, path: str, dirfd: int, empty_path: bool) -> tuple[
         return None
 
 
-_own_root: list[tuple[int, int]] = []
-
-
 _own_mntns: list[int] = []
+
+
+def _our_mount_namespace() -> int:
+    """The inode of this process's mount namespace (0 when it cannot be read: no caller's is)."""
+    if not _own_mntns:
+        try:
+            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
+        except OSError:
+            return 0
+    return _own_mntns[0]
 
 
 def _in_our_mount_namespace(pid: int) -> bool:
@@ -360,19 +388,37 @@ def _in_our_mount_namespace(pid: int) -> bool:
     lead where the same name leads here (a job can make a namespace of its own and bind another
     program over an allowed one's name)."""
     try:
-        if not _own_mntns:
-            _own_mntns.append(os.stat("/proc/self/ns/mnt").st_ino)
-        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == _own_mntns[0]
+        ours = _our_mount_namespace()
+        return ours != 0 and os.stat(f"/proc/{pid}/ns/mnt").st_ino == ours
     except OSError:
         return False
 
 
-def _our_root() -> tuple[int, int]:
-    """(st_dev, st_ino) of this process's root directory."""
-    if not _own_root:
-        st = os.stat("/")
-        _own_root.append((st.st_dev, st.st_ino))
-    return _own_root[0]
+_STATX_INO = 0x100
+_STATX_MNT_ID = 0x1000
+_STATX = struct.Struct("=I28xQ96xIIQ")  # struct statx: mask, ino, dev major/minor, mnt_id
+_own_root_mount: list[tuple[int, int, int]] = []
+_libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+
+
+def root_mount(path: str) -> tuple[int, int, int]:
+    """(st_dev, st_ino, mount id) of the directory `path` leads to (statx STATX_MNT_ID): a process's
+    root and the mount it is on, through /proc/PID/root. Raises OSError."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statx(AT_FDCWD, os.fsencode(path), 0, _STATX_INO | _STATX_MNT_ID, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    mask, ino, major, minor, mnt = _STATX.unpack_from(buf.raw)
+    if not mask & _STATX_MNT_ID:  # before Linux 5.8: no mount id, never taken for ours
+        mnt = -1
+    return os.makedev(major, minor), ino, mnt
+
+
+def _our_root_mount() -> tuple[int, int, int]:
+    """root_mount of this process's root."""
+    if not _own_root_mount:
+        _own_root_mount.append(root_mount("/"))
+    return _own_root_mount[0]
 
 
 def identity(path: str) -> tuple[int, int] | None:
@@ -499,6 +545,13 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         path_addr, argv_addr, flags = args[1], args[2], args[4]
     else:
         raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
+    if nr == NR_EXECVE and _fast is not None:
+        got = _fast.read_usual(pid, path_addr, argv_addr, *_our_root_mount(), _HEADS, _HEADS_MAX)
+        if got is not None:  # the usual request, read and resolved in C as below
+            raw_path, raw_argv, named, dev, ino, head = got
+            return _request(
+                pid, raw_path, raw_argv, False, dirfd, False, "/", _decode(named), (dev, ino), head
+            )
     memory = CallerMemory(pid)
     memory.prefetch(path_addr, argv_addr)
     raw_path, cut = memory.string(path_addr)
@@ -506,28 +559,38 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         raise OSError(errno.ENAMETOOLONG, "path too long")
     raw_argv, truncated = memory.argv(argv_addr)
     path = _decode(raw_path)
-    argv = tuple(_decode(a) for a in raw_argv)
     empty = bool(flags & AT_EMPTY_PATH)
-    root_fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_CLOEXEC)
-    try:
-        st = os.fstat(root_fd)
-        if (
-            (st.st_dev, st.st_ino) == _our_root()
-            and not (empty and not path)
-            and _in_our_mount_namespace(pid)
-        ):
-            # the usual caller: its root and mount namespace are ours, so the file the kernel's
-            # own walk reaches for it (openat2) is named by that walk (d_path: what realpath
-            # computes with a stat per component) and its head is read through the same descriptor
-            root = "/"
-            program, theirs, head = _resolve_as_ours(pid, path, dirfd, root_fd)
-        else:
-            root = os.readlink(f"/proc/{pid}/root")
-            program = resolve(pid, path, dirfd, empty, root)
-            theirs = caller_identity(pid, path, dirfd, empty)
-            head = _head(pid, program)
-    finally:
-        os.close(root_fd)
+    if root_mount(f"/proc/{pid}/root") == _our_root_mount() and not (empty and not path):
+        # the usual caller: its root is ours, the same directory on the same mount (so the same
+        # mounts below it: a mount namespace of its own has its own root mount), so the file the
+        # kernel's own walk reaches for it (openat2) is named by that walk (d_path: what realpath
+        # computes with a stat per component) and its head is read through the same descriptor
+        root = "/"
+        program, theirs, head = _resolve_as_ours(pid, path, dirfd)
+    else:
+        root = os.readlink(f"/proc/{pid}/root")
+        program = resolve(pid, path, dirfd, empty, root)
+        theirs = caller_identity(pid, path, dirfd, empty)
+        head = _head(pid, program)
+    return _request(pid, raw_path, raw_argv, truncated, dirfd, empty, root, program, theirs, head)
+
+
+def _request(
+    pid: int,
+    raw_path: bytes,
+    raw_argv: list[bytes],
+    truncated: bool,
+    dirfd: int,
+    empty: bool,
+    root: str,
+    program: str,
+    theirs: tuple[int, int] | None,
+    head: bytes,
+) -> ExecRequest:
+    """The request of what was read (`raw_path`, `raw_argv`) and resolved (`program` in the
+    caller's `root`, `theirs` its identity for the caller, `head` its first bytes)."""
+    path = _decode(raw_path)
+    argv = tuple(_decode(a) for a in raw_argv)
     bang = shebang(head)
     interpreter = _interpreter(pid, bang, root)
     interpreter_identity = caller_identity(pid, _decode(bang[0]), AT_FDCWD, False) if bang else None
@@ -571,17 +634,15 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     )
 
 
-def _resolve_as_ours(
-    pid: int, path: str, dirfd: int, root_fd: int
-) -> tuple[str, tuple[int, int] | None, bytes]:
-    """(program, the caller's identity of it, its head) for a caller whose root and mount namespace
-    are ours (`root_fd`: its /proc/PID/root), from one openat2 of the name (a plain walk, as the
+def _resolve_as_ours(pid: int, path: str, dirfd: int) -> tuple[str, tuple[int, int] | None, bytes]:
+    """(program, the caller's identity of it, its head) for a caller whose root is ours (an
+    absolute name walks from it as from ours), from one openat2 of the name (a plain walk, as the
     kernel's for the caller: magic links such as /proc/PID/exe followed); a name that leads
     nowhere is resolved as `resolve` does (it names no file: the supervisor fails it as the kernel
     would)."""
     name = _caller_path(pid, path)
     try:
-        fd = _openat2(root_fd, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
+        fd = _openat2(AT_FDCWD, name, 0) if name.startswith("/") else _open_for_caller(pid, name, dirfd)
     except OSError:
         return resolve(pid, path, dirfd, False, "/"), None, b""
     try:

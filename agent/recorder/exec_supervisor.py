@@ -42,6 +42,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec
 from evidence.agent.recorder.exec_filter import install_exec_filter as install_exec_filter
 from evidence.agent.recorder.exec_resolve import (
     ExecRequest,
+    compiled,
     identity,
     loader_payload,
     proc_depth,
@@ -62,8 +64,10 @@ from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, Decider
 from evidence.policy.commands import decide as decide_exec
 from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
+from evidence.probes.bpfsys import map_info
 
 logger = logging.getLogger(__name__)
+_fast = compiled()  # src/fast/_exec.c: receive, and `allow` (an allowed exec's answer in one call)
 
 # The kernel ABI (include/uapi/linux/seccomp.h), x86_64
 _NOTIF = struct.Struct("=QII iIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]}
@@ -99,6 +103,9 @@ class Notification:
 
 def receive(listener: int) -> Notification:
     """Wait for the next notification (ioctl NOTIF_RECV)."""
+    if _fast is not None:
+        nid, pid, nr, args = _fast.receive(listener)
+        return Notification(nid, pid, nr, args, time.monotonic_ns())
     buf = bytearray(_NOTIF.size)
     fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
     nid, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
@@ -322,6 +329,9 @@ class ExecSupervisor:
     # published for the calling thread; an exec whose entry cannot be made is refused
     publish: Publish | None = None
     check_key: bytes = b""
+    # the kernel's pin map that `publish` writes into, when known: an allowed exec is then pinned and
+    # answered in one call of the compiled module (`_fast.allow`), `publish` kept for the rest
+    pins_fd: int = -1
     _stop_r: int = field(init=False, default=-1)
     _stop_w: int = field(init=False, default=-1)
     _thread: threading.Thread | None = field(init=False, default=None)
@@ -342,6 +352,13 @@ class ExecSupervisor:
     def __post_init__(self) -> None:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
         self._decider = Decider(self.commands)
+        if self.pins_fd >= 0 and _fast is not None:
+            # `_fast.allow` writes a key and a value of these sizes: a map of others would read
+            # past them (a map that is no map only fails each exec: refused)
+            with contextlib.suppress(OSError):
+                _kind, key_size, value_size, _entries, _flags = map_info(self.pins_fd)
+                if (key_size, value_size) != (4, abi.EXEC_PIN.struct.size):
+                    raise ValueError("the pin map is not exec_pins")
 
     def prepare(self) -> None:
         """Ready to `serve` (on the caller's thread; `start` serves on a thread of its own)."""
@@ -376,6 +393,16 @@ class ExecSupervisor:
             self._stop_r = self._stop_w = self.listener = -1
 
     def serve(self) -> None:
+        if _fast is not None:  # the wait and the read in C: no Python runs while a caller waits
+            while True:
+                try:
+                    got = _fast.next_notification(self.listener, self._stop_r)
+                except OSError as e:
+                    logger.error("exec supervisor: %s", e.strerror)
+                    return
+                if got is None:  # stopped, or every process of the filter is gone
+                    return
+                self.answer(Notification(*got))
         poller = select.poll()
         poller.register(self.listener, select.POLLIN)
         if self._stop_r >= 0:
@@ -407,6 +434,13 @@ class ExecSupervisor:
             depth = self.depth_of(note.pid, self.root_pid)
             why = (e.strerror if isinstance(e, OSError) else None) or str(e)
             return self._finish(note, ExecDecision(None, CommandDecision("deny"), depth, False, why))
+        except Exception:  # a fault of ours on what the job passed: this exec refused, not the run's
+            logger.exception("exec supervisor: the request of thread %d could not be read", note.pid)
+            depth = self.depth_of(note.pid, self.root_pid)
+            refused = ExecDecision(
+                None, CommandDecision("deny"), depth, False, "the request could not be read"
+            )
+            return self._finish(note, refused)
         if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
             # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
@@ -438,6 +472,11 @@ class ExecSupervisor:
         return None
 
     def _finish(self, note: Notification, result: ExecDecision, timed: bool = True) -> ExecDecision:
+        at_once = self._allow_at_once(note, result, timed)
+        if at_once is not None:
+            if at_once.allowed:
+                return at_once  # answered, or not pending any more
+            result = at_once  # refused below: its pin was not held
         # what was read is the caller's only while its notification is pending: answer nothing else
         if not self.pending(note.id):
             return result
@@ -472,6 +511,34 @@ class ExecSupervisor:
                 self.round_trips.add(time.monotonic_ns() - note.received_ns)
             respond(self.listener, note.id, error=0 if result.allowed else errno.EACCES)
         if not self.record_only or recordable(result):
+            self.on_decision(result)
+        return result
+
+    def _allow_at_once(self, note: Notification, result: ExecDecision, timed: bool) -> ExecDecision | None:
+        """An allowed exec, pinned and let go on in one call (src/fast/_exec.c allow: still
+        pending? the pin into the map, then CONTINUE), as the rest of `_finish` would do it in
+        four: `result` when that is done (answered, or not pending any more: nothing to answer);
+        the refusal `_finish` then answers when the map did not take the pin; None leaves it all
+        to `_finish` (no compiled module or map, a dry run, a refusal, nothing to pin)."""
+        req = result.request
+        if _fast is None or self.pins_fd < 0 or result.dry_run or not result.allowed or req is None:
+            return None
+        pin = self.decided(req)
+        if pin is None:
+            return None
+        with self._lock:
+            if self.listener < 0:
+                return result
+            status, sent = _fast.allow(
+                self.listener, note.id, self.pins_fd, req.pid.to_bytes(4, sys.byteorder), pin.pack()
+            )
+            if status == 0 and timed and note.received_ns:
+                self.round_trips.add(sent - note.received_ns)  # read to response sent
+        if status < 0:  # fail closed: it could not be checked
+            logger.warning("exec check: the pin of thread %d is not held: %s", req.pid, os.strerror(-status))
+            return ExecDecision(req, result.decision, result.depth, False, "what would run cannot be pinned")
+        # 2: answered as its caller went away, which `_finish` records too (1: not pending: nothing)
+        if status != 1 and (not self.record_only or recordable(result)):
             self.on_decision(result)
         return result
 

@@ -12,7 +12,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +40,7 @@ def _commands(rules: list[dict[str, object]], default: str = "allow") -> Command
 
 
 def _run(
-    commands: CommandsPolicy, script: str, cwd: Path
+    commands: CommandsPolicy, script: str, cwd: Path, **supervisor: Any
 ) -> tuple[subprocess.CompletedProcess[str], list[ExecDecision], list[str]]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     decisions: list[ExecDecision] = []
@@ -55,7 +57,9 @@ def _run(
     try:
         ours.settimeout(30)
         listener = receive_listener(ours)
-        sup = ExecSupervisor(listener, commands, proc.pid, on_decision=decisions.append, tell=told.append)
+        sup = ExecSupervisor(
+            listener, commands, proc.pid, on_decision=decisions.append, tell=told.append, **supervisor
+        )
         sup.start()
         out, err = proc.communicate(timeout=60)
         sup.stop()
@@ -290,6 +294,35 @@ def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
         ours.close()
 
 
+def test_an_allowed_exec_whose_pin_the_map_does_not_take_is_refused(place: Path) -> None:
+    """Fail closed in the one-call answer (src/fast/_exec.c allow): a pin the kernel's map refuses
+    (here the "map" is a pipe: bpf(2) fails) refuses the exec with EACCES and says why; nothing
+    is let run unpinned (the launcher's own exec of the shell is the first refused)."""
+    from evidence.agent.recorder import exec_supervisor
+    from evidence.agent.recorder.exec_check import new_key
+
+    if exec_supervisor._fast is None:
+        pytest.skip("the compiled module is not built (tests/unit/test_exec_fast.py fails under CI=true)")
+    r, w = os.pipe()
+    try:
+        done, decisions, told = _run(
+            _commands([]),
+            "echo ran",
+            place,
+            publish=lambda _tid, _pin: True,  # never reached: the compiled path answers
+            pins_fd=r,
+            check_key=new_key(),
+        )
+    finally:
+        os.close(r)
+        os.close(w)
+    assert done.returncode != 0 and "ran" not in done.stdout
+    assert "Permission denied" in done.stderr, done.stderr
+    assert decisions and not decisions[0].allowed
+    assert decisions[0].error == "what would run cannot be pinned"
+    assert any("cannot be pinned" in line for line in told)
+
+
 def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(place: Path) -> None:
     from evidence.agent.recorder.exec_supervisor import denial_record
 
@@ -452,3 +485,30 @@ def test_a_script_rewritten_between_two_execs_is_judged_as_it_is_now(place: Path
     assert [(d.request.program, d.request.interpreter) for d in refused if d.request] == [
         (str(script), "/usr/bin/id")
     ]
+
+
+def test_a_caller_in_a_mount_namespace_of_its_own_is_not_taken_for_ours() -> None:
+    """The usual request (its names walked as ours) is taken only for a caller whose root is
+    ours on the same mount (exec_resolve.root_mount): a mount namespace of its own, where a job
+    can bind anything over any name, has a root mount of its own, even unchanged; a chroot to
+    another directory, another root."""
+    from evidence.agent.recorder import exec_resolve
+
+    ours = exec_resolve.root_mount("/")
+    same = subprocess.Popen(["sleep", "30"])
+    own = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
+    chrooted = subprocess.Popen(["chroot", "/usr", "/bin/sleep", "30"])
+    try:
+        for proc in (same, own, chrooted):
+            for _ in range(500):  # until it runs its own program (unshare and chroot exec sleep)
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{proc.pid}/exe").endswith("/sleep"):
+                        break
+                time.sleep(0.01)
+        assert exec_resolve.root_mount(f"/proc/{same.pid}/root") == ours
+        assert exec_resolve.root_mount(f"/proc/{own.pid}/root")[2] != ours[2]
+        assert exec_resolve.root_mount(f"/proc/{chrooted.pid}/root")[:2] != ours[:2]
+    finally:
+        for proc in (same, own, chrooted):
+            proc.kill()
+            proc.wait()
