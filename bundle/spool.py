@@ -22,13 +22,16 @@ from evidence.bundle.record_types import SpoolRecord
 
 class SpoolWriter:
     """`feed`, when given, is called with every batch of records as it is written (bytes items are
-    spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here."""
+    spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here.
+    `threads`: zstandard's own compressing threads (0: on the writing thread; a full-detail run's
+    1 takes the compression off the correlator's thread, without the GIL)."""
 
     def __init__(
         self,
         path: str | Path,
         level: int = 3,
         feed: Callable[[Sequence[SpoolRecord | bytes]], None] | None = None,
+        threads: int = 0,
     ) -> None:
         self.path = Path(path)
         self.feed = feed
@@ -37,7 +40,9 @@ class SpoolWriter:
         # a new file, never through a symlink or over one already there
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._raw: IO[bytes] = os.fdopen(fd, "wb")
-        self._z = zstandard.ZstdCompressor(level=level).stream_writer(self._raw, closefd=False)
+        self._z = zstandard.ZstdCompressor(level=level, threads=threads).stream_writer(
+            self._raw, closefd=False
+        )
         self.records = 0
 
     def write(self, record: SpoolRecord) -> None:

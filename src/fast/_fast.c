@@ -21,6 +21,8 @@
  *   time, the record before repeated at it), its data cut at its time (`parts`).
  *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
  *   and a newline each, the longest line's length).
+ * - translate(data, table): bytes.translate, without the GIL: the run id put in the premade lines
+ *   at the run's end (bundle/writer.py _take_premade).
  *
  * Canonical JSON as orjson writes it with sorted keys (bundle/canonical.py): '"' and '\\' escaped,
  * control characters as \b \t \n \f \r or \u00xx (lowercase), everything else as its UTF-8; keys
@@ -950,8 +952,54 @@ done:
     return Py_BuildValue("(NKn)", out, cons, stitched);
 }
 
+/* ---- the run id put in (bundle/writer.py _take_premade) ---- */
+
+/* translate(data, table): data.translate(table) (a 256-byte table), without the GIL. A table that
+ * changes only bytes below 0x20 and 0xff (the placeholder's: bundle/premade.py), which canonical
+ * JSON lines hold nowhere else, is applied a word at a time: a word holding none of them is copied
+ * as it is; any other table, byte by byte. */
+static PyObject *fast_translate(PyObject *self, PyObject *args) {
+    Py_buffer data, table;
+    if (!PyArg_ParseTuple(args, "y*y*", &data, &table)) return NULL;
+    PyObject *out = NULL;
+    if (table.len != 256) {
+        PyErr_SetString(PyExc_ValueError, "a translation table is 256 bytes");
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, data.len);
+    if (!out) goto done;
+    const unsigned char *t = table.buf, *s = data.buf;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    size_t n = (size_t)data.len, i = 0;
+    int low = 1;
+    for (int c = 0x20; c < 0xff; c++)
+        if (t[c] != c) low = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (low) {
+        const uint64_t ones = 0x0101010101010101ULL, highs = 0x8080808080808080ULL;
+        for (; i + 8 <= n; i += 8) {
+            uint64_t x, nx;
+            memcpy(&x, s + i, 8);
+            nx = ~x;
+            /* a byte below 0x20, or a 0xff (a zero byte of ~x): then byte by byte */
+            if (((x - 0x20 * ones) & nx & highs) | ((nx - ones) & x & highs)) {
+                for (int k = 0; k < 8; k++) o[i + k] = t[s[i + k]];
+            } else {
+                memcpy(o + i, &x, 8);
+            }
+        }
+    }
+    for (; i < n; i++) o[i] = t[s[i]];
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&table);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
+    {"translate", fast_translate, METH_VARARGS, "data.translate(table), without the GIL (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},

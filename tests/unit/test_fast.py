@@ -406,3 +406,25 @@ def test_a_run_id_of_many_items_is_the_reference_one(tmp_path: Any, budget: int)
     for k in range(0, len(recs), 1000):
         b.add_many(recs[k : k + 1000])
     assert b.run_id(meta.command) == _reference_run_id(meta, recs)
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.binary(max_size=40), st.just(premade.PLACEHOLDER), st.just(b"\n")), max_size=30),
+    st.integers(0, 80),
+    st.one_of(
+        st.text("0123456789abcdef", min_size=32, max_size=32).map(
+            lambda d: premade.translation_for("run-" + d)
+        ),
+        st.binary(min_size=256, max_size=256),
+    ),
+)
+def test_c_and_python_put_the_run_id_alike(pieces: list[bytes], cut: int, table: bytes | None) -> None:
+    """_fast.translate is bytes.translate: lines with placeholders cut anywhere (a piece of the
+    premade file ends where it ends), bytes below 0x20 and 0xff outside them, any other table."""
+    assert table is not None
+    data = b"".join(pieces)
+    for part in (data, data[cut:], data[:cut]):
+        assert sink._fast.translate(part, table) == part.translate(table)
+        assert premade.put_run_id(part, table) == part.translate(table)
