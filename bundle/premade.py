@@ -33,6 +33,7 @@ import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.sink import Caps, EventSink, FullWriter, compiled
+from evidence.bundle.spool import params as spool_params
 
 _fast = compiled()  # the C hot path: _marked, put_run_id
 
@@ -88,7 +89,7 @@ class _File:
     def __init__(self, tmp_dir: Path | None) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._z: zstandard.ZstdCompressionWriter | None = zstandard.ZstdCompressor(
-            level=1, threads=1
+            compression_params=spool_params(1, 1)
         ).stream_writer(self.file, closefd=False)
         self._buf: list[bytes] = []
         self._size = 0
