@@ -65,7 +65,7 @@ class _SpillSet:
 
     def spill(self) -> None:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
-        run.writelines(self._sorted())
+        run.write(b"".join(self._sorted()))  # (one write: writelines' calls were 2/3 of a spill)
         run.seek(0)
         self.runs.append(run)
         self.owner.held -= len(self.items)
