@@ -700,8 +700,12 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
             Py_DECREF(known);
             return NULL;
         }
-        path = PyUnicode_Concat(PyTuple_GET_ITEM(known, 1), name);
-        raw_path = path ? PyUnicode_Concat(PyTuple_GET_ITEM(known, 0), name) : NULL;
+        PyObject *given = PyTuple_GET_ITEM(known, 0), *resolved = PyTuple_GET_ITEM(known, 1);
+        int same = PyUnicode_CheckExact(given) && PyUnicode_CheckExact(resolved) &&
+                   (given == resolved || PyUnicode_Compare(given, resolved) == 0);
+        path = PyUnicode_Concat(resolved, name);
+        /* (a directory named as it resolves, the usual case: one string for both names) */
+        raw_path = path ? (same ? Py_NewRef(path) : PyUnicode_Concat(given, name)) : NULL;
         Py_DECREF(name);
         Py_DECREF(known);
         if (!raw_path) goto fail;
