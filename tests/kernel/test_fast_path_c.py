@@ -122,7 +122,7 @@ _SPILLING_JOB = textwrap.dedent(
     r"""
     import os, sys
     base = sys.argv[1]
-    odd = ['\t', '\n', '\t\n', "'\t", '")\t[', 'run-\x00\x01', '\x1f\xff', '\\', 'é', '\u2028', '']
+    odd = ['\t', '\n', '\t\n', "'\t", '")\t[', 'run-\x01\x02', '\x1f\xff', os.fsdecode(b'\xff\xfe'), '\\', 'é', '']
     for i in range(1500):
         for k, s in enumerate(odd):
             try:
@@ -153,7 +153,9 @@ def test_a_hostile_jobs_run_id_through_spills_is_the_python_paths(tmp_path: Path
         try:
             bundle = tmp_path / name
             job = as_user(NOBODY, PY, "-c", _SPILLING_JOB, str(work))
-            proc = evidence("run", "--bundle", str(bundle), "--detail", "full", "--", *job, env={**env, **extra})
+            proc = evidence(
+                "run", "--bundle", str(bundle), "--detail", "full", "--", *job, env={**env, **extra}
+            )
             assert proc.returncode == 0, proc.stderr
             assert proc.stdout.strip().endswith("done")
             manifest, events = read_bundle(bundle)
