@@ -82,14 +82,6 @@ class _Probes:
         pass
 
 
-def _threads(spool_writer: Any) -> dict[str, int]:
-    """The spool's zstandard thread, as a full-detail run's recorder makes it (a tree from before
-    that parameter: none)."""
-    import inspect
-
-    return {"threads": 1} if "threads" in inspect.signature(spool_writer).parameters else {}
-
-
 def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     """Every stage over `n` records of `case`: {stage: cpu seconds, ..., "sha256": the bundle's}."""
     from evidence.agent.recorder import decode as d
@@ -120,7 +112,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     rec = recording.Recorder(work, probes=_Probes())  # type: ignore[arg-type]
     rec.close()
     behaviour = Behaviour({}, RECORDING_ITEMS, work)
-    spool = SpoolWriter(work / f"{case}.spool.zst", feed=behaviour.add_many, **_threads(SpoolWriter))
+    spool = SpoolWriter(work / f"{case}.spool.zst", feed=behaviour.add_many)
     corr = Correlator(0)
     corr.add_root(10, 1, "/home/u", exe="/usr/bin/workloads")
     corr.add_root(11, 1, "/home/u", exe="/usr/bin/workloads")

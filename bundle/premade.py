@@ -33,7 +33,6 @@ import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.sink import Caps, EventSink, FullWriter, compiled
-from evidence.bundle.spool import params as spool_params
 
 _fast = compiled()  # the C hot path: _marked, put_run_id
 
@@ -76,20 +75,22 @@ def put_run_id(lines: bytes, table: bytes) -> bytes:
 _STANDIN = "R" * RUN_ID_LENGTH  # the run id the sink is made with, then replaced by PLACEHOLDER
 _OPEN_HEAD = b'{"k":"open","t":'  # a repeated open's spool line (agent/recorder/pipeline.py)
 _WRITE_AT = 1 << 20  # bytes of lines gathered before a write to the file
+_LEVEL = 1  # the files' zstandard level
 
 
 class _File:
     """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
     content hashes, one hex digest and a newline each, as format.RootHasher takes them). Stored as
-    zstandard at level 1, compressed on zstandard's own thread (`threads=1`, without the GIL): a
-    flood's lines are most of a full run's bytes (650 bytes an event, the run's constants in each),
-    and copying them raw into the page cache cost the correlator's thread 1.1 us an event, compressed
-    (22x, 2 GB/s) a tenth of it; read back at 4 GB/s."""
+    zstandard at level 1: a flood's lines are most of a full run's bytes (650 bytes an event, the
+    run's constants in each, 1.3 GB for 2 x 1M opens), and written raw into the page cache they
+    cost the correlator's thread 1.5 s of 600 MB where the pages had to be found (2 s of the 10 s
+    it spent on a 2 x 1M flood), compressed (about 25x) 0.35 s; read back at 3 GB/s. (On zstandard's
+    own thread, `threads=1`, the writing thread spent about as long, and waited for it.)"""
 
     def __init__(self, tmp_dir: Path | None) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._z: zstandard.ZstdCompressionWriter | None = zstandard.ZstdCompressor(
-            compression_params=spool_params(1, 1)
+            level=_LEVEL
         ).stream_writer(self.file, closefd=False)
         self._buf: list[bytes] = []
         self._size = 0

@@ -123,11 +123,7 @@ class Recorder(Pipeline):
             names = CgroupNames(cgroup_path, cgid)
             self.spool_dir.mkdir(parents=True, exist_ok=True)
             behaviour = Behaviour(roots, RECORDING_ITEMS, self.spool_dir)
-            raw = SpoolWriter(
-                self.spool_dir / f"{sid}.spool.zst",
-                feed=behaviour.add_many,
-                threads=1 if detail == "full" else 0,  # a flood's compression off the correlator
-            )
+            raw = SpoolWriter(self.spool_dir / f"{sid}.spool.zst", feed=behaviour.add_many)
             spool: Spool = raw if wrap_spool is None else wrap_spool(raw)
             hashes = self.hasher.run(sid)
             session = Session(

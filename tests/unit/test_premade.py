@@ -151,8 +151,7 @@ def test_what_the_lines_assumed_does_not_hold_the_spool_makes_them(tmp_path: Pat
 
 def test_a_premade_never_stops_the_spool(tmp_path: Path) -> None:
     """A premade whose file fails (closed under it) gives up, at the latest when its lines end (they
-    are compressed on a thread of zstandard's, which writes when it has a block); the spool keeps
-    every record."""
+    are compressed, and zstandard writes when it has made a block); the spool keeps every record."""
     premade = Premade(tmp_path, {}, 1)
     premade.lines.file.close()
     items = _items(3000, 4)
