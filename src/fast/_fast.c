@@ -487,6 +487,14 @@ static PyObject *ACCESS, *RESULT;
  * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
 static int put_repr(Buf *b, PyObject *v, int depth);
 
+/* whether list `l` holds the very items of tuple `t` (a tuple made of it before, unchanged) */
+static int same_items(PyObject *l, PyObject *t) {
+    if (!t || PyList_GET_SIZE(l) != PyTuple_GET_SIZE(t)) return 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(l); k++)
+        if (PyList_GET_ITEM(l, k) != PyTuple_GET_ITEM(t, k)) return 0;
+    return 1;
+}
+
 static PyObject *fast_file_items(PyObject *self, PyObject *args) {
     PyObject *recs, *items, *roots, *lines;
     if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots,
@@ -500,6 +508,7 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
         }
     PyObject *rest = PyList_New(0);
     if (!rest) return NULL;
+    PyObject *last_list = NULL, *last_acc = NULL; /* the last access list and its tuple */
     Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i);
@@ -518,7 +527,16 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
                 const char *ps = PyUnicode_AsUTF8AndSize(path, &pn);
                 if (!ps) PyErr_Clear();
                 if (ps && !needs_normal(ps, pn, roots)) {
-                    PyObject *acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+                    PyObject *acc;
+                    if (access == last_list && same_items(access, last_acc)) {
+                        acc = Py_NewRef(last_acc); /* (the correlator's opens share their access lists) */
+                    } else {
+                        acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+                        if (acc && PyList_CheckExact(access)) {
+                            Py_XSETREF(last_acc, Py_NewRef(acc));
+                            last_list = access; /* (compared by identity, its items checked each time) */
+                        }
+                    }
                     PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
                     Py_XDECREF(acc);
                     if (!item) goto fail;
@@ -543,9 +561,11 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
         if (!took && PyList_Append(rest, rec) < 0) goto fail;
     }
     free(line.p);
+    Py_XDECREF(last_acc);
     return Py_BuildValue("(nN)", added, rest);
 fail:
     free(line.p);
+    Py_XDECREF(last_acc);
     Py_DECREF(rest);
     return NULL;
 }
