@@ -470,6 +470,7 @@ def test_c_and_python_merge_the_run_ids_runs_alike(
     assert c == python
 
 
+@needs_fast
 def test_merged_runs_past_the_read_and_the_hash_pieces(tmp_path: Any) -> None:
     """Lines longer than a read (256 KiB) and more than a MiB of items (handed over in pieces)."""
     lines = [b"'%07d'\t[\"%s\"]\n" % (i, b"x" * (i % 90)) for i in range(40_000)]
