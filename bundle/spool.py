@@ -22,7 +22,10 @@ from evidence.bundle.record_types import SpoolRecord
 
 class SpoolWriter:
     """`feed`, when given, is called with every batch of records as it is written (bytes items are
-    spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here."""
+    spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here.
+    Compressed on the writing thread: zstandard's own thread (`threads=1`) took 0.1 s of 0.75 off
+    the correlator's for 1M distinct records (orjson's is the rest) and its wall grew by a third,
+    the correlator waiting for it."""
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ from pydantic import Field
 from evidence.bundle import canonical
 from evidence.bundle import format as fmt
 from evidence.bundle.deflate import CHUNK, IN_FLIGHT, Deflater, write_tar_gz
-from evidence.bundle.premade import Made, translation_for
+from evidence.bundle.premade import Made, put_run_id, translation_for
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import Key, occurrences, summary_key, to_event
 
@@ -323,7 +323,7 @@ def _take_premade(sink: _EventSink, root: fmt.RootHasher, premade: Made, run_id:
     if table is None or sink.seq != premade.head:  # pragma: no cover - run ids have one form
         raise _FromSpool
     for piece in premade.lines.read(_PREMADE_READ):  # whole chunks: handed to the deflater as they are
-        sink.out.feed(piece.translate(table))
+        sink.out.feed(put_run_id(piece, table))
     for piece in premade.hashes.read(_PREMADE_READ):
         root.add_lines(piece)
     sink.size += premade.size

@@ -21,6 +21,10 @@
  *   time, the record before repeated at it), its data cut at its time (`parts`).
  *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
  *   and a newline each, the longest line's length).
+ * - merge_items(fds, lines, update): the run id's sorted runs (bundle/run_id.py _SpillSet) merged
+ *   and their items handed to the hash, reading and merging without the GIL;
+ * - translate(data, table): bytes.translate, without the GIL: the run id put in the premade lines
+ *   at the run's end (bundle/writer.py _take_premade).
  *
  * Canonical JSON as orjson writes it with sorted keys (bundle/canonical.py): '"' and '\\' escaped,
  * control characters as \b \t \n \f \r or \u00xx (lowercase), everything else as its UTF-8; keys
@@ -29,8 +33,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <openssl/evp.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef struct {
     char *p;
@@ -46,6 +52,17 @@ static int buf_grow(Buf *b, size_t more) {
         PyErr_NoMemory();
         return -1;
     }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static int buf_grow_nogil(Buf *b, size_t more) { /* buf_grow without the GIL: -1, no error set */
+    size_t cap = b->cap ? b->cap : 1 << 16;
+    while (cap < b->n + more) cap *= 2;
+    if (cap == b->cap) return 0;
+    char *p = realloc(b->p, cap);
+    if (!p) return -1;
     b->p = p;
     b->cap = cap;
     return 0;
@@ -470,6 +487,14 @@ static PyObject *ACCESS, *RESULT;
  * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
 static int put_repr(Buf *b, PyObject *v, int depth);
 
+/* whether list `l` holds the very items of tuple `t` (a tuple made of it before, unchanged) */
+static int same_items(PyObject *l, PyObject *t) {
+    if (!t || PyList_GET_SIZE(l) != PyTuple_GET_SIZE(t)) return 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(l); k++)
+        if (PyList_GET_ITEM(l, k) != PyTuple_GET_ITEM(t, k)) return 0;
+    return 1;
+}
+
 static PyObject *fast_file_items(PyObject *self, PyObject *args) {
     PyObject *recs, *items, *roots, *lines;
     if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots,
@@ -483,6 +508,7 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
         }
     PyObject *rest = PyList_New(0);
     if (!rest) return NULL;
+    PyObject *last_list = NULL, *last_acc = NULL; /* the last access list and its tuple */
     Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i);
@@ -501,7 +527,16 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
                 const char *ps = PyUnicode_AsUTF8AndSize(path, &pn);
                 if (!ps) PyErr_Clear();
                 if (ps && !needs_normal(ps, pn, roots)) {
-                    PyObject *acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+                    PyObject *acc;
+                    if (access == last_list && same_items(access, last_acc)) {
+                        acc = Py_NewRef(last_acc); /* (the correlator's opens share their access lists) */
+                    } else {
+                        acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+                        if (acc && PyList_CheckExact(access)) {
+                            Py_XSETREF(last_acc, Py_NewRef(acc));
+                            last_list = access; /* (compared by identity, its items checked each time) */
+                        }
+                    }
                     PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
                     Py_XDECREF(acc);
                     if (!item) goto fail;
@@ -526,9 +561,11 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
         if (!took && PyList_Append(rest, rec) < 0) goto fail;
     }
     free(line.p);
+    Py_XDECREF(last_acc);
     return Py_BuildValue("(nN)", added, rest);
 fail:
     free(line.p);
+    Py_XDECREF(last_acc);
     Py_DECREF(rest);
     return NULL;
 }
@@ -683,8 +720,12 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
             Py_DECREF(known);
             return NULL;
         }
-        path = PyUnicode_Concat(PyTuple_GET_ITEM(known, 1), name);
-        raw_path = path ? PyUnicode_Concat(PyTuple_GET_ITEM(known, 0), name) : NULL;
+        PyObject *given = PyTuple_GET_ITEM(known, 0), *resolved = PyTuple_GET_ITEM(known, 1);
+        int same = PyUnicode_CheckExact(given) && PyUnicode_CheckExact(resolved) &&
+                   (given == resolved || PyUnicode_Compare(given, resolved) == 0);
+        path = PyUnicode_Concat(resolved, name);
+        /* (a directory named as it resolves, the usual case: one string for both names) */
+        raw_path = path ? (same ? Py_NewRef(path) : PyUnicode_Concat(given, name)) : NULL;
         Py_DECREF(name);
         Py_DECREF(known);
         if (!raw_path) goto fail;
@@ -950,8 +991,253 @@ done:
     return Py_BuildValue("(NKn)", out, cons, stitched);
 }
 
+/* ---- the run id's sorted runs merged (bundle/run_id.py _SpillSet.canonical_items) ---- */
+
+/* One source of sorted lines: a run on disk (read from offset 0 of its descriptor, with pread, in
+ * pieces of 256 KiB or a line's length) or the lines held in memory (a tuple of bytes). */
+typedef struct {
+    int fd; /* -1: the tuple's lines */
+    off_t off;
+    char *buf;
+    size_t start, end, cap;
+    int eof;
+    PyObject *lines; /* (a borrowed tuple, held by the caller) */
+    Py_ssize_t next;
+    const char *line; /* the current line (its newline included), NULL at its end */
+    size_t len;
+} MergeSrc;
+
+/* The source's next line; 0, or -1 with errno set (a read failed). Without the GIL. */
+static int merge_next(MergeSrc *src) {
+    if (src->fd < 0) {
+        if (src->next < PyTuple_GET_SIZE(src->lines)) {
+            PyObject *o = PyTuple_GET_ITEM(src->lines, src->next++);
+            src->line = PyBytes_AS_STRING(o);
+            src->len = (size_t)PyBytes_GET_SIZE(o);
+        } else {
+            src->line = NULL;
+        }
+        return 0;
+    }
+    for (;;) {
+        char *nl = src->end > src->start ? memchr(src->buf + src->start, '\n', src->end - src->start) : NULL;
+        if (nl) {
+            src->line = src->buf + src->start;
+            src->len = (size_t)(nl + 1 - src->line);
+            src->start += src->len;
+            return 0;
+        }
+        if (src->eof) { /* (a last line without its newline, as a file's iterator yields it) */
+            src->line = src->end > src->start ? src->buf + src->start : NULL;
+            src->len = src->end - src->start;
+            src->start = src->end;
+            return 0;
+        }
+        if (src->start) {
+            memmove(src->buf, src->buf + src->start, src->end - src->start);
+            src->end -= src->start;
+            src->start = 0;
+        }
+        if (src->end == src->cap) {
+            size_t cap = src->cap ? src->cap * 2 : 1 << 18;
+            char *p = realloc(src->buf, cap);
+            if (!p) {
+                errno = ENOMEM;
+                return -1;
+            }
+            src->buf = p;
+            src->cap = cap;
+        }
+        ssize_t got = pread(src->fd, src->buf + src->end, src->cap - src->end, src->off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (got == 0) src->eof = 1;
+        src->end += (size_t)got;
+        src->off += got;
+    }
+}
+
+/* bytes' order, equal lines in the order of their sources (as heapq.merge takes them) */
+static inline int merge_less(const MergeSrc *a, const MergeSrc *b) {
+    size_t n = a->len < b->len ? a->len : b->len;
+    int c = memcmp(a->line, b->line, n);
+    return c < 0 || (c == 0 && (a->len < b->len || (a->len == b->len && a < b)));
+}
+
+static void merge_down(MergeSrc **heap, size_t n, size_t i) {
+    for (;;) {
+        size_t l = 2 * i + 1, m = i;
+        if (l < n && merge_less(heap[l], heap[m])) m = l;
+        if (l + 1 < n && merge_less(heap[l + 1], heap[m])) m = l + 1;
+        if (m == i) return;
+        MergeSrc *t = heap[i];
+        heap[i] = heap[m];
+        heap[m] = t;
+        i = m;
+    }
+}
+
+/* merge_items(fds, lines, update): _SpillSet.canonical_items joined by commas, handed to
+ * update() (a hash's) about a MiB at a time: the sorted runs on disk (their descriptors, read
+ * from offset 0) and the sorted `lines` (a tuple of bytes), merged in bytes' order, a line equal to
+ * the one before it taken once, each line's part after its first tab, its last byte (the
+ * newline) left out. Reads and merges without the GIL. Returns None. */
+static PyObject *fast_merge_items(PyObject *self, PyObject *args) {
+    PyObject *fds, *lines, *update;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &fds, &PyTuple_Type, &lines, &update)) return NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(lines); k++)
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(lines, k))) {
+            PyErr_SetString(PyExc_TypeError, "lines are bytes");
+            return NULL;
+        }
+    size_t nsrc = (size_t)PyList_GET_SIZE(fds) + 1;
+    MergeSrc *srcs = calloc(nsrc, sizeof(MergeSrc));
+    MergeSrc **heap = calloc(nsrc, sizeof(MergeSrc *));
+    Buf out = {0}, last = {0};
+    PyObject *result = NULL;
+    int err = 0, notab = 0, have_last = 0, first = 1;
+    if (!srcs || !heap) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    srcs[0].fd = -1;
+    srcs[0].lines = lines;
+    for (size_t k = 1; k < nsrc; k++) {
+        long fd = PyLong_AsLong(PyList_GET_ITEM(fds, (Py_ssize_t)k - 1));
+        if (fd == -1 && PyErr_Occurred()) goto done;
+        srcs[k].fd = (int)fd;
+    }
+    if (buf_grow(&out, (1 << 20) + 4096)) goto done;
+    size_t n = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t k = 0; k < nsrc && !err; k++) {
+        if (merge_next(&srcs[k]) < 0) err = errno;
+        else if (srcs[k].line) heap[n++] = &srcs[k];
+    }
+    for (size_t k = n / 2; k-- > 0;) merge_down(heap, n, k);
+    while (n && !err && !notab) {
+        MergeSrc *top = heap[0];
+        if (!have_last || last.n != top->len || memcmp(last.p, top->line, top->len)) {
+            const char *tab = memchr(top->line, '\t', top->len);
+            if (!tab) {
+                notab = 1;
+                break;
+            }
+            size_t from = (size_t)(tab + 1 - top->line), to = top->len - 1;
+            size_t part = to > from ? to - from : 0;
+            last.n = 0;
+            if ((last.cap < top->len && buf_grow_nogil(&last, top->len)) ||
+                (out.cap - out.n < part + 1 && buf_grow_nogil(&out, part + 1))) {
+                err = ENOMEM;
+                break;
+            }
+            memcpy(last.p, top->line, top->len);
+            last.n = top->len;
+            have_last = 1;
+            if (!first) out.p[out.n++] = ',';
+            first = 0;
+            memcpy(out.p + out.n, top->line + from, part);
+            out.n += part;
+            if (out.n >= 1 << 20) {
+                Py_BLOCK_THREADS
+                PyObject *r = PyObject_CallFunction(update, "y#", out.p, (Py_ssize_t)out.n);
+                Py_XDECREF(r);
+                Py_UNBLOCK_THREADS
+                if (!r) {
+                    err = -1; /* (the error set) */
+                    break;
+                }
+                out.n = 0;
+            }
+        }
+        if (merge_next(top) < 0) {
+            err = errno;
+            break;
+        }
+        if (top->line) merge_down(heap, n, 0);
+        else {
+            heap[0] = heap[--n];
+            merge_down(heap, n, 0);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err == -1) goto done;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(err == ENOMEM ? PyExc_MemoryError : PyExc_OSError);
+        goto done;
+    }
+    if (notab) {
+        PyErr_SetString(PyExc_ValueError, "a sorted run's line without a tab");
+        goto done;
+    }
+    if (out.n) {
+        PyObject *r = PyObject_CallFunction(update, "y#", out.p, (Py_ssize_t)out.n);
+        if (!r) goto done;
+        Py_DECREF(r);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (srcs)
+        for (size_t k = 0; k < nsrc; k++) free(srcs[k].buf);
+    free(srcs);
+    free(heap);
+    free(out.p);
+    free(last.p);
+    return result;
+}
+
+/* ---- the run id put in (bundle/writer.py _take_premade) ---- */
+
+/* translate(data, table): data.translate(table) (a 256-byte table), without the GIL. A table that
+ * changes only bytes below 0x20 and 0xff (the placeholder's: bundle/premade.py), which canonical
+ * JSON lines hold nowhere else, is applied a word at a time: a word holding none of them is copied
+ * as it is; any other table, byte by byte. */
+static PyObject *fast_translate(PyObject *self, PyObject *args) {
+    Py_buffer data, table;
+    if (!PyArg_ParseTuple(args, "y*y*", &data, &table)) return NULL;
+    PyObject *out = NULL;
+    if (table.len != 256) {
+        PyErr_SetString(PyExc_ValueError, "a translation table is 256 bytes");
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, data.len);
+    if (!out) goto done;
+    const unsigned char *t = table.buf, *s = data.buf;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    size_t n = (size_t)data.len, i = 0;
+    int low = 1;
+    for (int c = 0x20; c < 0xff; c++)
+        if (t[c] != c) low = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (low) {
+        const uint64_t ones = 0x0101010101010101ULL, highs = 0x8080808080808080ULL;
+        for (; i + 8 <= n; i += 8) {
+            uint64_t x, nx;
+            memcpy(&x, s + i, 8);
+            nx = ~x;
+            /* a byte below 0x20, or a 0xff (a zero byte of ~x): then byte by byte */
+            if (((x - 0x20 * ones) & nx & highs) | ((nx - ones) & x & highs)) {
+                for (int k = 0; k < 8; k++) o[i + k] = t[s[i + k]];
+            } else {
+                memcpy(o + i, &x, 8);
+            }
+        }
+    }
+    for (; i < n; i++) o[i] = t[s[i]];
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&table);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
+    {"merge_items", fast_merge_items, METH_VARARGS, "The run id's sorted runs merged into a hash (see above)."},
+    {"translate", fast_translate, METH_VARARGS, "data.translate(table), without the GIL (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},

@@ -113,3 +113,58 @@ def test_a_hostile_job_is_recorded_alike_by_the_c_and_python_paths(tmp_path: Pat
     mine = [o for o in fast if o[0].startswith("/W")]
     assert len(mine) > 6000  # the job's own opens are there, distinct ones past several batches
     assert fast == python
+
+
+# names the job controls, made to split a run id's sorted runs where the C merge reads them (a tab,
+# newlines, a line's pieces, the premade lines' placeholder bytes), each distinct many times over:
+# past the run id's in-memory budget (EVIDENCE_WRITER_MEMORY), so they go through its runs on disk
+_SPILLING_JOB = textwrap.dedent(
+    r"""
+    import os, sys
+    base = sys.argv[1]
+    odd = ['\t', '\n', '\t\n', "'\t", '")\t[', 'run-\x01\x02', '\x1f\xff', os.fsdecode(b'\xff\xfe'), '\\', 'é', '']
+    for i in range(1500):
+        for k, s in enumerate(odd):
+            try:
+                os.close(os.open(f'{base}/{i % 7}{s}{i}/{k}', os.O_RDONLY))
+            except OSError:
+                pass
+    print('done')
+    """
+)
+
+
+def test_a_hostile_jobs_run_id_through_spills_is_the_python_paths(tmp_path: Path) -> None:
+    """The run id's items spilled to sorted runs and merged by C (merge_items) and the premade
+    lines' run id put in by C (translate), against the Python path: a job as nobody opening 16,500
+    distinct names holding tabs, newlines and the placeholder's bytes, recorded with a writer
+    budget of 4,000 items (runs of 1,000 on disk) both ways, in the same directory: the same run id
+    and the same events but for times and process ids, both bundles verify."""
+    if sink._fast is None:
+        pytest.fail("evidence.bundle._fast is not importable: `make setup` did not build it")
+    env = {k: v for k, v in os.environ.items() if k != "EVIDENCE_PURE_PYTHON"}
+    env["EVIDENCE_WRITER_MEMORY"] = "4000"
+    work = Path("/tmp/evidence-c-spill")  # (the same name both times: the run id holds it)
+    runs: list[tuple[str, list[tuple[Any, ...]]]] = []
+    for name, extra in (("c.tar.gz", {}), ("py.tar.gz", {"EVIDENCE_PURE_PYTHON": "1"})):
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o777)
+        work.chmod(0o777)
+        try:
+            bundle = tmp_path / name
+            job = as_user(NOBODY, PY, "-c", _SPILLING_JOB, str(work))
+            proc = evidence(
+                "run", "--bundle", str(bundle), "--detail", "full", "--", *job, env={**env, **extra}
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.strip().endswith("done")
+            manifest, events = read_bundle(bundle)
+            assert manifest["lost"]["total"] == 0
+            list(open_bundle(bundle).events())  # verifies
+            runs.append((manifest["run_id"], [o for o in _opens(events) if o[0].startswith(str(work))]))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    (fast_id, fast), (python_id, python) = runs
+    assert len(fast) == 16_500
+    assert fast == python
+    assert fast_id == python_id

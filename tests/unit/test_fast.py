@@ -406,3 +406,76 @@ def test_a_run_id_of_many_items_is_the_reference_one(tmp_path: Any, budget: int)
     for k in range(0, len(recs), 1000):
         b.add_many(recs[k : k + 1000])
     assert b.run_id(meta.command) == _reference_run_id(meta, recs)
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.binary(max_size=40), st.just(premade.PLACEHOLDER), st.just(b"\n")), max_size=30),
+    st.integers(0, 80),
+    st.one_of(
+        st.text("0123456789abcdef", min_size=32, max_size=32).map(
+            lambda d: premade.translation_for("run-" + d)
+        ),
+        st.binary(min_size=256, max_size=256),
+    ),
+)
+def test_c_and_python_put_the_run_id_alike(pieces: list[bytes], cut: int, table: bytes | None) -> None:
+    """_fast.translate is bytes.translate: lines with placeholders cut anywhere (a piece of the
+    premade file ends where it ends), bytes below 0x20 and 0xff outside them, any other table."""
+    assert table is not None
+    data = b"".join(pieces)
+    for part in (data, data[cut:], data[:cut]):
+        assert sink._fast.translate(part, table) == part.translate(table)
+        assert premade.put_run_id(part, table) == part.translate(table)
+
+
+def _merged(tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool) -> tuple[bytes, bytes]:
+    """(the Python path's items joined by commas, the C path's) of sorted runs on disk and held."""
+    import tempfile
+
+    part = run_id._SpillSet(run_id.Behaviour())
+    for lines in runs:
+        data = b"".join(sorted(lines))
+        f = tempfile.TemporaryFile(dir=tmp_path)  # noqa: SIM115 - closed below
+        f.write(data[:-1] if cut and data else data)  # (a last line without its newline)
+        f.seek(0)
+        part.runs.append(f)
+    part.lines = sorted(held)
+    python = b",".join(part.canonical_items())
+    got: list[bytes] = []
+    sink._fast.merge_items([f.fileno() for f in part.runs], tuple(part._sorted()), got.append)
+    part.close()
+    return python, b"".join(got)
+
+
+_run_line = st.builds(
+    lambda k, v: k.encode("utf-8", "surrogatepass") + b"\t" + v + b"\n",
+    st.text(st.characters(blacklist_characters="\t\n"), max_size=6),
+    st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")),
+)
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(st.lists(_run_line, max_size=25), max_size=6), st.lists(_run_line, max_size=25), st.booleans()
+)
+def test_c_and_python_merge_the_run_ids_runs_alike(
+    tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool
+) -> None:
+    """_fast.merge_items is canonical_items joined: the same lines in several runs and held (taken
+    once), keys that are prefixes of others, empty runs, a run's last line without its newline."""
+    python, c = _merged(tmp_path, runs, held, cut)
+    assert c == python
+
+
+@needs_fast
+def test_merged_runs_past_the_read_and_the_hash_pieces(tmp_path: Any) -> None:
+    """Lines longer than a read (256 KiB) and more than a MiB of items (handed over in pieces)."""
+    lines = [b"'%07d'\t[\"%s\"]\n" % (i, b"x" * (i % 90)) for i in range(40_000)]
+    lines += [b"'long%d'\t" % k + b"y" * (300_000 + k) + b"\n" for k in range(3)]
+    runs = [lines[k::3] for k in range(3)] + [lines[::7]]
+    python, c = _merged(tmp_path, runs, lines[::11], False)
+    assert len(python) > 2 << 20
+    assert c == python

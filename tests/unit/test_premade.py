@@ -150,11 +150,13 @@ def test_what_the_lines_assumed_does_not_hold_the_spool_makes_them(tmp_path: Pat
 
 
 def test_a_premade_never_stops_the_spool(tmp_path: Path) -> None:
-    """A premade whose file fails (closed under it) gives up; the spool keeps every record."""
+    """A premade whose file fails (closed under it) gives up, at the latest when its lines end (they
+    are compressed, and zstandard writes when it has made a block); the spool keeps every record."""
     premade = Premade(tmp_path, {}, 1)
     premade.lines.file.close()
     items = _items(3000, 4)
     spool = _spool(tmp_path, items, premade, 4)
+    assert not premade.end()
     assert premade.failed
     assert sum(1 for _ in read_spool_lines(spool)) == len(items)
     fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade)
