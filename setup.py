@@ -1,31 +1,30 @@
-"""Full detail's hot path in C (src/fast/_fast.c: what it does, and the Python path in
-bundle/sink.py it matches byte for byte), built by `make setup`. Everything else is pyproject.toml's.
-A tree without src/ (a copy of the packages alone) builds a pure-Python package: the Python path, as
-does a machine without a C compiler or OpenSSL's headers (the extension is optional: a reviewer's
-`pip install` of the verifier needs neither; tests/unit/test_fast.py fails under CI=true without it)."""
+"""The compiled hot paths (src/fast/*.c; bundle/native.py says what each is for and the Python path
+it matches), built by `make setup`. Everything else is pyproject.toml's. Each is optional: a tree
+without src/ (a copy of the packages alone) builds a pure-Python package, as does a machine without
+a C compiler or OpenSSL's headers (a reviewer's `pip install` of the verifier needs neither); under
+CI=true the test of each (tests/unit/test_fast.py, test_exec_fast.py) fails when it is not built."""
 
 from pathlib import Path
 
 from setuptools import Extension, setup
 
-_SOURCE = Path(__file__).parent / "src" / "fast" / "_fast.c"
-setup(
-    ext_modules=[
-        Extension(
-            "evidence.bundle._fast",
-            sources=["src/fast/_fast.c"],
-            libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        # the exec supervisor's usual request (src/fast/_exec.c; exec_resolve.py is the reference)
-        Extension(
-            "evidence.agent.recorder._exec",
-            sources=["src/fast/_exec.c"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-    ]
-    if _SOURCE.exists()
-    else []
-)
+_HERE = Path(__file__).parent
+_EXTENSIONS = [
+    # full detail (bundle/sink.py, agent/recorder/{pipeline,correlate}.py, bundle/{premade,run_id}.py)
+    Extension(
+        "evidence.bundle._fast",
+        sources=["src/fast/_fast.c"],
+        libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
+    # the exec supervisor's usual request, its wait and an allowed exec's answer (exec_resolve.py,
+    # exec_supervisor.py)
+    Extension(
+        "evidence.agent.recorder._exec",
+        sources=["src/fast/_exec.c"],
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
+]
+setup(ext_modules=[e for e in _EXTENSIONS if all((_HERE / s).exists() for s in e.sources)])

@@ -9,11 +9,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from evidence.bundle import canonical
+from evidence.bundle import canonical, native
 from evidence.bundle import format as fmt
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.records import to_event
@@ -23,15 +22,9 @@ if TYPE_CHECKING:
 
 
 def compiled() -> Any:
-    """Full detail's hot path in C (src/fast/_fast.c, built by `make setup`), or None: not built, or
-    EVIDENCE_PURE_PYTHON set (the Python path, which it matches byte for byte, does it all)."""
-    if os.environ.get("EVIDENCE_PURE_PYTHON"):
-        return None
-    try:
-        from evidence.bundle import _fast  # type: ignore[attr-defined]
-    except ImportError:  # pragma: no cover - tests/unit/test_fast.py fails under CI=true without it
-        return None
-    return _fast
+    """Full detail's hot path in C (src/fast/_fast.c), or None (bundle/native.py): the Python path,
+    which it matches byte for byte, then does it all."""
+    return native.compiled("evidence.bundle._fast")
 
 
 _fast = compiled()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evidence.agent.recorder.exec_check import bprm_filename, shebang
+from evidence.bundle import native
 from evidence.probes.abi import script_argv
 
 # The kernel ABI, x86_64
@@ -86,16 +87,9 @@ def read_memory(pid: int, addr: int, size: int) -> bytes:
 
 
 def compiled() -> Any:
-    """The exec supervisor's C (src/fast/_exec.c, built by `make setup`: the usual request, the pin
-    map's update), or None: not built, or EVIDENCE_PURE_PYTHON set (the Python path, which it
-    matches, does it all)."""
-    if os.environ.get("EVIDENCE_PURE_PYTHON"):
-        return None
-    try:
-        from evidence.agent.recorder import _exec  # type: ignore[attr-defined]
-    except ImportError:  # pragma: no cover - tests/unit/test_exec_fast.py fails under CI=true without it
-        return None
-    return _exec
+    """The exec supervisor's C (src/fast/_exec.c: the usual request, its wait, an allowed exec's
+    answer), or None (bundle/native.py): the Python path, which it matches, then does it all."""
+    return native.compiled("evidence.agent.recorder._exec")
 
 
 _fast = compiled()
