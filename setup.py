@@ -9,16 +9,24 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 _SOURCE = Path(__file__).parent / "src" / "fast" / "_fast.c"
+# the fleet publisher's framing (src/fast/_wire.c; the Python path: agent/daemon/fleet_wire.py)
+_WIRE = Path(__file__).parent / "src" / "fast" / "_wire.c"
+_WIRE_EXT = Extension(
+    "evidence.agent.daemon._wire", ["src/fast/_wire.c"], extra_compile_args=["-O2"], optional=True
+)
 setup(
-    ext_modules=[
-        Extension(
-            "evidence.bundle._fast",
-            sources=["src/fast/_fast.c"],
-            libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
-            extra_compile_args=["-O2"],
-            optional=True,
-        )
-    ]
-    if _SOURCE.exists()
-    else []
+    ext_modules=([_WIRE_EXT] if _WIRE.exists() else [])
+    + (
+        [
+            Extension(
+                "evidence.bundle._fast",
+                sources=["src/fast/_fast.c"],
+                libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
+                extra_compile_args=["-O2"],
+                optional=True,
+            )
+        ]
+        if _SOURCE.exists()
+        else []
+    )
 )

@@ -382,6 +382,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--agent-runs", type=int, default=3, help="times the agent's CPU is measured")
+    ap.add_argument("--agent-only", action="store_true", help="the agent's CPU alone (no fleet figures)")
     ap.add_argument("--agent-child", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--agent-tag", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -394,10 +395,14 @@ def main() -> int:
         tmp = Path(t)
         one = Server(tmp / "r1", "r1")
         try:
-            results.append(measure("R1, 1 server", [one.url], [one.dir], args, 1))
+            if not args.agent_only:
+                results.append(measure("R1, 1 server", [one.url], [one.dir], args, 1))
             agents = [agent_cpu(one.url, args, k) for k in range(args.agent_runs)]
         finally:
             one.kill()
+        if args.agent_only:
+            print_agent(agents, args)
+            return 0 if all(bool(a.get("ok")) for a in agents) else 1
         three = cluster(tmp / "r3", 3)
         try:
             time.sleep(2.0)  # a meta leader

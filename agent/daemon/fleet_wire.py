@@ -22,6 +22,12 @@ bytes>\\r\\n<headers><payload>\\r\\n`, each with a reply subject of its own that
 and its place in it. The outbox keeps those bytes as they are, so sending a segment, now or after a
 restart, is writing slices of it; JetStream's answers that are plain PubAcks are recognised a whole
 read at a time by one regular expression. Nothing here touches the outbox's files or the metrics.
+
+`frame` makes a segment of live events: bundle/fleet/binding.py `encode_many`, then `build`. Its
+common case (every header value a plain printable string or integer) is done in C when built
+(src/fast/_wire.c, evidence.agent.daemon._wire: ~4x less CPU an event), byte for byte what the
+Python path makes (tests/unit/test_wire_fast.py); the Python path is the reference and does the
+rest. EVIDENCE_PURE_PYTHON=1 leaves the C path unused.
 """
 
 from __future__ import annotations
@@ -31,13 +37,34 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import orjson
+
+from evidence.bundle.fleet import binding
+
 logger = logging.getLogger(__name__)
+
+
+def compiled() -> Any:
+    """The framing in C (src/fast/_wire.c, built by `make setup`), or None: not built, or
+    EVIDENCE_PURE_PYTHON set (the Python path, which it matches byte for byte, does it all)."""
+    if os.environ.get("EVIDENCE_PURE_PYTHON"):
+        return None
+    try:
+        from evidence.agent.daemon import _wire  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - tests/unit/test_wire_fast.py fails under CI=true without it
+        return None
+    return _wire
+
+
+_wire = compiled()
 
 # an answer: JetStream stored it, had it already (its id within the duplicate window), the message
 # is larger than the server takes (never sent), or the server's words (a refusal); None: no answer
@@ -101,6 +128,20 @@ def build(no: int, inbox: str, messages: Iterable[tuple[bytes, bytes, bytes]]) -
     for f in frames:
         offsets.append(offsets[-1] + len(f))
     return Segment(no, b"".join(frames), offsets, sizes)
+
+
+def frame(
+    no: int, inbox: str, subjects: list[bytes], events: list[Mapping[str, Any]], *, fast: bool = True
+) -> Segment:
+    """The segment `no` of live events, each published to its subject, replies under `inbox`:
+    `build` of binding.encode_many's messages (in C when built and `fast`, the same bytes)."""
+    if fast and _wire is not None:
+        made = _wire.frames(subjects, events, reply_prefix(inbox, no), orjson.dumps, orjson.OPT_SORT_KEYS)
+        if made is not None:
+            data, offsets, sizes = made
+            return Segment(no, data, offsets, sizes)
+    encoded = binding.encode_many(events)
+    return build(no, inbox, ((s, h, p) for s, (h, p) in zip(subjects, encoded, strict=True)))
 
 
 def parse(data: bytes, no: int, inbox: str) -> tuple[Segment, str]:
