@@ -242,7 +242,12 @@ class _Conn(asyncio.Protocol):
             # the common case: nothing but PubAcks of the segment in flight, checked and read by two
             # passes of a regular expression over the whole read, not one message at a time
             end = buf.rfind(b"}\r\n") + 3
-            if end > 3 and fast[0].fullmatch(buf, 0, end):
+            if end > 3 and _wire is not None and wire.c_acks:
+                got = _wire.stored(buf, end, wire.inbox_bytes, wire._seg, wire._answers, wire._place, STORED)
+                if got >= 0:
+                    wire.marked(got)
+                    pos = end
+            elif end > 3 and fast[0].fullmatch(buf, 0, end):
                 wire.stored(fast[1].findall(buf, 0, end))
                 pos = end
         n = len(buf)
@@ -322,6 +327,8 @@ class EventWire:
         self.on_state = on_state
         self.connect_timeout = connect_timeout
         self.inbox = inbox  # the segments' replies are under it (fixed: they are framed with them)
+        self.inbox_bytes = inbox.encode()
+        self.c_acks = True  # plain PubAcks read in C when built (False: the regular expressions)
         self.max_payload = 1024 * 1024
         self.conn: _Conn | None = None
         self._up = asyncio.Event()
@@ -381,6 +388,10 @@ class EventWire:
             if 0 <= k < size and answers[k] is None:
                 answers[k] = STORED
                 got += 1
+        self.marked(got)
+
+    def marked(self, got: int) -> None:
+        """`got` more answers of the segment in flight (by `stored`, or the C path's)."""
         self._answered += got
         if self._answered >= self._wake_at >= 0:
             self._changed.set()

@@ -18,6 +18,16 @@
  *   every value but data's an exact str or int, all printable ASCII without `%` or `"`; every name
  *   printable ASCII; an `id`; and a payload dumps makes. The caller then takes the Python path,
  *   which encodes such a batch event by event (or raises as it raises).
+ *
+ * stored(buf, end, inbox, seg, answers, place, mark) -> int
+ *   What fleet_wire.py's _Conn._parse and EventWire.stored do with a read that is nothing but plain
+ *   PubAcks: if buf[:end] is a run of
+ *     MSG <inbox>.<digits>.<digits> <digits> <digits>\r\n{"stream":"<s>",["domain":"<d>",]"seq":<digits>}\r\n
+ *   (<s>, <d>: no '"', CR or LF; the regular expression of fleet_wire._acks, exactly), each one whose
+ *   segment is `seg` (the same digits) marks answers[k] = mark where k is its token (through `place`,
+ *   a dict of token to place, when not None) if 0 <= k < len(answers) and answers[k] is None; returns
+ *   how many it marked. -1 (nothing marked) when buf[:end] is not such a run: the caller reads it
+ *   message by message.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -216,7 +226,113 @@ done:
     return result;
 }
 
+/* the length of a run of digits at p (at most up to e) */
+static inline Py_ssize_t digits(const char *p, const char *e) {
+    const char *q = p;
+    while (q < e && *q >= '0' && *q <= '9') q++;
+    return q - p;
+}
+
+/* p past `lit` if it is there, else NULL */
+static inline const char *lit(const char *p, const char *e, const char *s, size_t n) {
+    return (size_t)(e - p) >= n && memcmp(p, s, n) == 0 ? p + n : NULL;
+}
+
+/* p past "[^"\r\n]*" and the quote that ends it, else NULL */
+static inline const char *quoted(const char *p, const char *e) {
+    while (p < e && *p != '"') {
+        if (*p == '\r' || *p == '\n') return NULL;
+        p++;
+    }
+    return p < e ? p + 1 : NULL;
+}
+
+/* one plain PubAck at p: its end, its segment's and token's digits; NULL if it is not one */
+static const char *pub_ack(const char *p, const char *e, const Py_buffer *inbox, const char **s,
+                           Py_ssize_t *sn, const char **t, Py_ssize_t *tn) {
+    const char *q;
+    Py_ssize_t n;
+    if (!(q = lit(p, e, "MSG ", 4)) || !(q = lit(q, e, inbox->buf, (size_t)inbox->len)) || !(q = lit(q, e, ".", 1)))
+        return NULL;
+    *s = q;
+    if (!(*sn = digits(q, e)) || !(q = lit(q + *sn, e, ".", 1))) return NULL;
+    *t = q;
+    if (!(*tn = digits(q, e)) || !(q = lit(q + *tn, e, " ", 1))) return NULL;
+    if (!(n = digits(q, e)) || !(q = lit(q + n, e, " ", 1))) return NULL;
+    if (!(n = digits(q, e)) || !(q = lit(q + n, e, "\r\n{\"stream\":\"", 13))) return NULL;
+    if (!(q = quoted(q, e)) || !(q = lit(q, e, ",", 1))) return NULL;
+    const char *d = lit(q, e, "\"domain\":\"", 10);
+    if (d) { /* optional: taken when "seq" follows it, as the regular expression backtracks */
+        const char *after = quoted(d, e);
+        if (after && (after = lit(after, e, ",", 1)) && lit(after, e, "\"seq\":", 6)) q = after;
+    }
+    if (!(q = lit(q, e, "\"seq\":", 6))) return NULL;
+    if (!(n = digits(q, e))) return NULL;
+    return lit(q + n, e, "}\r\n", 3);
+}
+
+static PyObject *stored(PyObject *self, PyObject *args) {
+    Py_buffer buf, inbox, seg;
+    Py_ssize_t end;
+    PyObject *answers, *place, *mark;
+    if (!PyArg_ParseTuple(args, "y*ny*y*O!OO", &buf, &end, &inbox, &seg, &PyList_Type, &answers, &place, &mark))
+        return NULL;
+    PyObject *result = NULL;
+    const char *s, *t;
+    Py_ssize_t sn, tn;
+    if (end < 0 || end > buf.len || (place != Py_None && !PyDict_Check(place))) {
+        PyErr_SetString(PyExc_ValueError, "an end past the buffer, or a place that is not a dict");
+        goto out;
+    }
+    const char *e = (const char *)buf.buf + end;
+    /* the whole run first: nothing is marked unless all of it is plain PubAcks */
+    for (const char *p = buf.buf; p < e;) {
+        if (!(p = pub_ack(p, e, &inbox, &s, &sn, &t, &tn))) {
+            result = PyLong_FromLong(-1);
+            goto out;
+        }
+    }
+    Py_ssize_t size = PyList_GET_SIZE(answers), got = 0;
+    for (const char *p = buf.buf; p < e;) {
+        p = pub_ack(p, e, &inbox, &s, &sn, &t, &tn);
+        if (sn != seg.len || memcmp(s, seg.buf, (size_t)sn) != 0) continue;
+        Py_ssize_t k = -1;
+        if (place == Py_None) {
+            if (tn <= 18) { /* a longer token is past any place */
+                k = 0;
+                for (Py_ssize_t j = 0; j < tn; j++) k = k * 10 + (t[j] - '0');
+            }
+        } else { /* place.get(int(token), -1) */
+            PyObject *digits_str = PyUnicode_FromStringAndSize(t, tn);
+            PyObject *key = digits_str ? PyLong_FromUnicodeObject(digits_str, 10) : NULL;
+            Py_XDECREF(digits_str);
+            if (!key) goto out;
+            PyObject *v = PyDict_GetItemWithError(place, key);
+            Py_DECREF(key);
+            if (!v && PyErr_Occurred()) goto out;
+            k = v ? PyLong_AsSsize_t(v) : -1;
+            if (k == -1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* a place past Py_ssize_t: past the answers */
+                k = -1;
+            }
+        }
+        if (k >= 0 && k < size && PyList_GET_ITEM(answers, k) == Py_None) {
+            Py_INCREF(mark);
+            PyList_SET_ITEM(answers, k, mark);
+            Py_DECREF(Py_None);
+            got++;
+        }
+    }
+    result = PyLong_FromSsize_t(got);
+out:
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&inbox);
+    PyBuffer_Release(&seg);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"stored", stored, METH_VARARGS, "Plain PubAcks of a read, marked in the answers; -1 if not all plain."},
     {"frames", frames, METH_VARARGS, "A batch of live events as HPUB frames, or None (the Python path)."},
     {NULL, NULL, 0, NULL},
 };

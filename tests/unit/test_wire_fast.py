@@ -150,3 +150,79 @@ def test_anything_but_the_plain_case_is_handed_back() -> None:
     assert frames([ok, {k: v for k, v in ok.items() if k != "id"}]) is None
     with pytest.raises(ValueError):
         w._wire.frames([b"s"], [ok, ok], b"p.", orjson.dumps, orjson.OPT_SORT_KEYS)
+
+
+# --- JetStream's answers: a read of plain PubAcks marked in C, as the regular expressions do ---------
+
+_INBOX_ACKS = "_INBOX_node.0123abcd"
+
+
+def _ack(
+    seg: bytes, token: bytes, *, domain: bytes | None = None, stream: bytes = b"EVIDENCE_EVENTS"
+) -> bytes:
+    body = b'{"stream":"' + stream + b'",' + (b'"domain":"' + domain + b'",' if domain is not None else b"")
+    body += b'"seq":42}'
+    return b"MSG %s.%s.%s 1 %d\r\n%s\r\n" % (_INBOX_ACKS.encode(), seg, token, len(body), body)
+
+
+def _read(data: bytes, c: bool, n: int, tokens: list[int] | None) -> tuple[object, ...]:
+    """What a wire in flight with segment 7 (n events) makes of `data`: its answers, how many it
+    counted, the bytes it left unread."""
+    wire = w.EventWire(["nats://127.0.0.1:1"], inbox=_INBOX_ACKS, name="t")
+    wire.c_acks = c
+    wire._seg, wire._prefix, wire.fast = b"7", w.reply_prefix(_INBOX_ACKS, 7), wire._fast
+    wire._place = None if tokens is None else {t: k for k, t in enumerate(tokens)}
+    wire._answers = [None] * n
+    conn = w._Conn(wire)
+    wire.conn = conn
+    errors: list[str] = []
+    wire.on_error = lambda what, message: errors.append(message)
+    try:
+        conn._parse(data)
+    except (ValueError, IndexError) as e:
+        return ("raised", type(e))
+    return wire._answers, wire._answered, bytes(conn.buf), errors
+
+
+_seg = st.sampled_from([b"7", b"07", b"8", b"77"])
+_token = st.integers(min_value=0, max_value=12).map(lambda k: b"%d" % k) | st.sampled_from(
+    [b"0003", b"99999999999999999999", b"x", b""]
+)
+_one = st.builds(
+    _ack,
+    _seg,
+    _token,
+    domain=st.none() | st.sampled_from([b"hub", b"", b'a"b']),
+    stream=st.sampled_from([b"EVIDENCE_EVENTS", b"", b"a}b", b"a\r\nb"]),
+)
+
+
+@needs_c
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    acks=st.lists(_one, min_size=1, max_size=12),
+    cut=st.integers(min_value=0, max_value=40),
+    junk=st.sampled_from([b"", b"PING\r\n", b"+OK\r\n", b"MSG x 1 2\r\n{}\r\n"]),
+    at=st.integers(min_value=0, max_value=12),
+    n=st.integers(min_value=0, max_value=12),
+    tokens=st.none() | st.lists(st.integers(min_value=0, max_value=20), max_size=12, unique=True),
+)
+def test_c_and_python_read_the_same_acks(
+    acks: list[bytes], cut: int, junk: bytes, at: int, n: int, tokens: list[int] | None
+) -> None:
+    """Runs of PubAcks (to this segment or another, tokens in and out of range, with a domain, a
+    stream name with a brace or a line break, a message cut short, something else among them): the
+    same answers marked, the same count, the same bytes left for the next read."""
+    parts = acks[:at] + [junk] + acks[at:]
+    data = b"".join(parts)
+    data = data[: len(data) - cut] if cut < len(data) else data
+    assert _read(data, True, n, tokens) == _read(data, False, n, tokens)
+
+
+@needs_c
+def test_a_read_of_plain_acks_is_marked_in_c() -> None:
+    data = b"".join(_ack(b"7", b"%d" % k) for k in range(5)) + _ack(b"6", b"1")
+    answers, answered, rest, errors = _read(data, True, 5, None)  # type: ignore[misc]
+    assert answers == [w.STORED] * 5 and answered == 5 and rest == b"" and errors == []
+    assert w._wire.stored(data, len(data), _INBOX_ACKS.encode(), b"7", [None] * 5, None, w.STORED) == 5
+    assert w._wire.stored(data + b"PING\r\n", len(data) + 6, _INBOX_ACKS.encode(), b"7", [], None, 1) == -1
