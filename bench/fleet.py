@@ -1,6 +1,7 @@
 """A fleet on this machine (issue 25): publishers replaying runs into NATS JetStream, figures side by side.
 
     .venv/bin/python bench/fleet.py [--publishers 50] [--runs 1000] [--events 200000] [--agent-runs 3] [--quick]
+    .venv/bin/python bench/fleet.py --agent-only [--agent-runs 3]    # the agent's CPU alone
 
 For an R1 server and a 3-node R3 cluster (all on this machine, loopback), each with the agent's own
 publisher (agent/daemon/fleet.py: outbox on disk, the events' own connection, object store + index):
@@ -20,6 +21,7 @@ of each bundle for its index entry (measured around it, in the one thread it run
 included), the rest (events, bundles, index). The bundles are made before the clock starts; the
 events as the recorder makes them, just before each hand-over (what making them costs is the
 recorder's, not counted, and so is the feeding thread's own CPU but its hand-over calls).
+EVIDENCE_PURE_PYTHON=1 measures the agent without its compiled parts (src/fast: framing, acknowledgements).
 Targets (issue 25): 1,000 runs/min and 20,000 events/s into R1; run to listed p99 <= 2 s; <= 5% of a
 core at 100 runs/min. A missed target is printed, not failed; the exit code is about correctness
 (every event and bundle acknowledged, the index complete).
