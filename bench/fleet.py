@@ -152,11 +152,22 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="evidence-bench-fleet-") as t:
         tmp = Path(t)
 
-        # the layout first, with the right replicas
+        # the layout first, with the right replicas (a cluster just started, on a busy machine, may
+        # take a while to elect its meta leader: tried again for up to two minutes)
         async def init() -> None:
             nc = await client.connect(urls)
-            await client.ensure_layout(nc.jetstream(timeout=30), replicas)
-            await nc.close()
+            try:
+                deadline = time.monotonic() + 120
+                while True:
+                    try:
+                        await client.ensure_layout(nc.jetstream(timeout=10), replicas)
+                        return
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(1.0)
+            finally:
+                await nc.close()
 
         asyncio.run(init())
         per = args.events // args.publishers
