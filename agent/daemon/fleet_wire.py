@@ -21,7 +21,8 @@ they are written to the socket: `HPUB <subject> <inbox>.<segment>.<token> <heade
 bytes>\\r\\n<headers><payload>\\r\\n`, each with a reply subject of its own that names its segment
 and its place in it. The outbox keeps those bytes as they are, so sending a segment, now or after a
 restart, is writing slices of it; JetStream's answers that are plain PubAcks are recognised a whole
-read at a time by one regular expression. Nothing here touches the outbox's files or the metrics.
+read at a time by one regular expression (in C when built: `_wire.stored`, the same checks and
+marks). Nothing here touches the outbox's files or the metrics.
 
 `frame` makes a segment of live events: bundle/fleet/binding.py `encode_many`, then `build`. Its
 common case (every header value a plain printable string or integer) is done in C when built
