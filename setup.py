@@ -2,7 +2,7 @@
 it matches), built by `make setup`. Everything else is pyproject.toml's. Each is optional: a tree
 without src/ (a copy of the packages alone) builds a pure-Python package, as does a machine without
 a C compiler or OpenSSL's headers (a reviewer's `pip install` of the verifier needs neither); under
-CI=true the test of each (tests/unit/test_fast.py, test_exec_fast.py) fails when it is not built."""
+CI=true the test of each (tests/unit/test_fast.py, test_exec_fast.py, test_wire_fast.py) fails when it is not built."""
 
 from pathlib import Path
 
@@ -23,6 +23,13 @@ _EXTENSIONS = [
     Extension(
         "evidence.agent.recorder._exec",
         sources=["src/fast/_exec.c"],
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
+    # the fleet publisher's framing of live events and its acknowledgements' read (fleet_wire.py)
+    Extension(
+        "evidence.agent.daemon._wire",
+        sources=["src/fast/_wire.c"],
         extra_compile_args=["-O2"],
         optional=True,
     ),

@@ -14,7 +14,8 @@ asyncio loop with two NATS connections that reconnect for good, nats-py's for bu
 the layout, and the events' own:
 
 - events: every batch is framed once (bundle/fleet/binding.py `encode`: ce-* headers, `Nats-Msg-Id`
-  = the event's id; subject `evidence.events.<node>.<session>`), written to the outbox as a segment of
+  = the event's id; subject `evidence.events.<node>.<session>`; fleet_wire.py `frame`, in C when
+  built), written to the outbox as a segment of
   those frames, then sent on a connection of the events' own (agent/daemon/fleet_wire.py: a write a
   few hundred messages, JetStream's answers read in bulk, at most `ack_window` unanswered); the
   segment goes when JetStream acknowledged every event in it. What was not acknowledged is sent
@@ -47,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.delivery import Backoff
 from evidence.agent.daemon.fleet_outbox import BundleJob, Outbox
-from evidence.agent.daemon.fleet_wire import DUPLICATE, STORED, TOO_LARGE, EventWire, Segment, build
-from evidence.bundle.fleet import binding, names
+from evidence.agent.daemon.fleet_wire import DUPLICATE, STORED, TOO_LARGE, EventWire, Segment, frame
+from evidence.bundle.fleet import names
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -153,18 +154,18 @@ class FleetPublisher:
 
     def _segment(self, batch: Sequence[Mapping[str, Any]], no: int) -> Segment:
         """Events framed as segment `no` (an event without a usable session is left out)."""
-        subjects = self._subjects
-        sendable = []
+        known = self._subjects
+        subjects: list[bytes] = []
+        events: list[Mapping[str, Any]] = []
         for event in batch:
-            subject = subjects.get(event.get("sessionid"))  # type: ignore[arg-type]
+            subject = known.get(event.get("sessionid"))  # type: ignore[arg-type]
             if subject is None:
                 subject = self._subject(str(event.get("sessionid") or ""))
                 if subject is None:
                     continue
-            sendable.append((subject, event))
-        encoded = binding.encode_many([e for _, e in sendable])
-        messages = [(subject, h, p) for (subject, _), (h, p) in zip(sendable, encoded, strict=True)]
-        return build(no, self.inbox, messages)
+            subjects.append(subject)
+            events.append(event)
+        return frame(no, self.inbox, subjects, events)
 
     def _to_outbox(self, batch: list[Mapping[str, Any]]) -> bool:
         try:

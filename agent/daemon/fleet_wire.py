@@ -21,7 +21,14 @@ they are written to the socket: `HPUB <subject> <inbox>.<segment>.<token> <heade
 bytes>\\r\\n<headers><payload>\\r\\n`, each with a reply subject of its own that names its segment
 and its place in it. The outbox keeps those bytes as they are, so sending a segment, now or after a
 restart, is writing slices of it; JetStream's answers that are plain PubAcks are recognised a whole
-read at a time by one regular expression. Nothing here touches the outbox's files or the metrics.
+read at a time by one regular expression (in C when built: `_wire.stored`, the same checks and
+marks). Nothing here touches the outbox's files or the metrics.
+
+`frame` makes a segment of live events: bundle/fleet/binding.py `encode_many`, then `build`. Its
+common case (every header value a plain printable string or integer) is done in C when built
+(src/fast/_wire.c, evidence.agent.daemon._wire: ~4x less CPU an event), byte for byte what the
+Python path makes (tests/unit/test_wire_fast.py); the Python path is the reference and does the
+rest. EVIDENCE_PURE_PYTHON=1 leaves the C path unused.
 """
 
 from __future__ import annotations
@@ -33,11 +40,26 @@ import json
 import logging
 import re
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import orjson
+
+from evidence.bundle import native
+from evidence.bundle.fleet import binding
+
 logger = logging.getLogger(__name__)
+
+
+def compiled() -> Any:
+    """The framing in C (src/fast/_wire.c), or None (bundle/native.py): the Python path, which it
+    matches byte for byte, then does it all."""
+    return native.compiled("evidence.agent.daemon._wire")
+
+
+_wire = compiled()
 
 # an answer: JetStream stored it, had it already (its id within the duplicate window), the message
 # is larger than the server takes (never sent), or the server's words (a refusal); None: no answer
@@ -101,6 +123,20 @@ def build(no: int, inbox: str, messages: Iterable[tuple[bytes, bytes, bytes]]) -
     for f in frames:
         offsets.append(offsets[-1] + len(f))
     return Segment(no, b"".join(frames), offsets, sizes)
+
+
+def frame(
+    no: int, inbox: str, subjects: list[bytes], events: list[Mapping[str, Any]], *, fast: bool = True
+) -> Segment:
+    """The segment `no` of live events, each published to its subject, replies under `inbox`:
+    `build` of binding.encode_many's messages (in C when built and `fast`, the same bytes)."""
+    if fast and _wire is not None:
+        made = _wire.frames(subjects, events, reply_prefix(inbox, no), orjson.dumps, orjson.OPT_SORT_KEYS)
+        if made is not None:
+            data, offsets, sizes = made
+            return Segment(no, data, offsets, sizes)
+    encoded = binding.encode_many(events)
+    return build(no, inbox, ((s, h, p) for s, (h, p) in zip(subjects, encoded, strict=True)))
 
 
 def parse(data: bytes, no: int, inbox: str) -> tuple[Segment, str]:
@@ -201,7 +237,12 @@ class _Conn(asyncio.Protocol):
             # the common case: nothing but PubAcks of the segment in flight, checked and read by two
             # passes of a regular expression over the whole read, not one message at a time
             end = buf.rfind(b"}\r\n") + 3
-            if end > 3 and fast[0].fullmatch(buf, 0, end):
+            if end > 3 and _wire is not None and wire.c_acks:
+                got = _wire.stored(buf, end, wire.inbox_bytes, wire._seg, wire._answers, wire._place, STORED)
+                if got >= 0:
+                    wire.marked(got)
+                    pos = end
+            elif end > 3 and fast[0].fullmatch(buf, 0, end):
                 wire.stored(fast[1].findall(buf, 0, end))
                 pos = end
         n = len(buf)
@@ -281,6 +322,8 @@ class EventWire:
         self.on_state = on_state
         self.connect_timeout = connect_timeout
         self.inbox = inbox  # the segments' replies are under it (fixed: they are framed with them)
+        self.inbox_bytes = inbox.encode()
+        self.c_acks = True  # plain PubAcks read in C when built (False: the regular expressions)
         self.max_payload = 1024 * 1024
         self.conn: _Conn | None = None
         self._up = asyncio.Event()
@@ -340,6 +383,10 @@ class EventWire:
             if 0 <= k < size and answers[k] is None:
                 answers[k] = STORED
                 got += 1
+        self.marked(got)
+
+    def marked(self, got: int) -> None:
+        """`got` more answers of the segment in flight (by `stored`, or the C path's)."""
         self._answered += got
         if self._answered >= self._wake_at >= 0:
             self._changed.set()

@@ -202,3 +202,67 @@ def test_unprivileged_job_cannot_forge_headers(tmp_path: Path, place: Path) -> N
         assert agent.stop() == 0, agent.output()
         server.kill()
         shutil.rmtree(home, ignore_errors=True)
+
+
+PLAIN_TRICKS = (
+    "import os\n"
+    "d = os.environ['D']\n"
+    "names = ['HPUB evidence.events.k1.x _INBOX.1.2 0 0', 'Nats-Msg-Id: forged', 'ce-id: forged', ' lead',\n"
+    "         'trail ', '-ERR x', 'MSG _INBOX.k1.0.0 1 9', \"it's\", 'a' * 250]\n"
+    "for n in names:\n"
+    "    open(os.path.join(d, n), 'w').close()\n"
+)
+TRICK_NAMES = (
+    "HPUB evidence.events.k1.x _INBOX.1.2 0 0", "Nats-Msg-Id: forged", "ce-id: forged", " lead", "trail ",
+    "-ERR x", "MSG _INBOX.k1.0.0 1 9", "it's", "a" * 250,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "python"])
+def test_unprivileged_plain_names_framed_in_c_as_in_python(tmp_path: Path, place: Path, pure: bool) -> None:
+    """A job run as nobody names its files with printable text that looks like the protocol (an
+    `HPUB` line, header lines without a line break, an `-ERR`, long names): such values are framed
+    by the compiled path (src/fast/_wire.c: every header value of the run is plain, so it takes every
+    batch), and each event arrives once under its own id with its subject exactly the file's name;
+    the same with the compiled parts off (EVIDENCE_PURE_PYTHON=1)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.kernel.util import as_user
+
+    server = Server(tmp_path)
+    home = Path(tempfile.mkdtemp(prefix="evidence-fleet-"))  # nobody must reach the socket
+    home.chmod(0o755)
+    env = {**agent_env(server), "EVIDENCE_ALLOWED_UIDS": "65534", "EVIDENCE_SOCKET_GID": "65534"}
+    if pure:
+        env["EVIDENCE_PURE_PYTHON"] = "1"
+    agent = Agent(home, env=env)
+    try:
+        bundle = place / "run.tar.gz"
+        proc = subprocess.run(
+            as_user(65534, sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle",
+                    str(bundle), "--", PY, "-c", PLAIN_TRICKS),
+            env={**os.environ, "D": str(place)}, cwd=place, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr + agent.output()
+        manifest = read_manifest(bundle)
+        metrics = wait_metric(agent, "evidence_fleet_events_published_total", 1)
+        n = recorded_events(metrics)
+        wait_metric(agent, "evidence_fleet_events_published_total", n)
+        events = [e for e in stream_events(server.url) if e["sessionid"] == manifest["session_id"]]
+        assert len(events) == n and len({e["id"] for e in events}) == n
+        assert sorted(e["seq"] for e in events) == list(range(n))
+        subjects = {e.get("subject") for e in events}
+        for name in TRICK_NAMES:
+            assert str(place / name) in subjects, name
+        assert not any("forged" in str(e["id"]) for e in events)
+        # every header value plain (printable ASCII, no % or "): what the compiled path frames
+        values = [v for e in events for k, v in e.items() if k != "data" and v is not None]
+        assert all(
+            type(v) is int or (v.isascii() and v.isprintable() and not set(v) & set('%"')) for v in values
+        )
+    finally:
+        assert agent.stop() == 0, agent.output()
+        server.kill()
+        shutil.rmtree(home, ignore_errors=True)
