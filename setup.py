@@ -14,6 +14,7 @@ _EXTENSIONS = [
     Extension(
         "evidence.bundle._fast",
         sources=["src/fast/_fast.c"],
+        depends=["src/fast/buf.h"],
         libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
         extra_compile_args=["-O2"],
         optional=True,
@@ -30,6 +31,7 @@ _EXTENSIONS = [
     Extension(
         "evidence.agent.daemon._wire",
         sources=["src/fast/_wire.c"],
+        depends=["src/fast/buf.h"],
         extra_compile_args=["-O2"],
         optional=True,
     ),

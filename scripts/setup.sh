@@ -38,7 +38,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-stamp=.venv/.installed-$(cat pyproject.toml setup.py src/fast/*.c | sha256sum | cut -c1-16)  # rebuilt when either changes
+stamp=.venv/.installed-$(cat pyproject.toml setup.py src/fast/*.c src/fast/*.h | sha256sum | cut -c1-16)  # rebuilt when either changes
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[agent,dev]'
   rm -f .venv/.installed-* && touch "$stamp"

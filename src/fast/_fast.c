@@ -38,24 +38,8 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} Buf;
+#include "buf.h"
 
-static int buf_grow(Buf *b, size_t more) {
-    if (b->n + more <= b->cap) return 0;
-    size_t cap = b->cap ? b->cap : 1 << 16;
-    while (cap < b->n + more) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
 
 static int buf_grow_nogil(Buf *b, size_t more) { /* buf_grow without the GIL: -1, no error set */
     size_t cap = b->cap ? b->cap : 1 << 16;
@@ -68,12 +52,6 @@ static int buf_grow_nogil(Buf *b, size_t more) { /* buf_grow without the GIL: -1
     return 0;
 }
 
-static inline int put(Buf *b, const char *s, size_t n) {
-    if (buf_grow(b, n)) return -1;
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    return 0;
-}
 
 static inline int put_bytes(Buf *b, PyObject *o) { /* o: exact bytes (checked by the caller) */
     return put(b, PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o));

@@ -34,31 +34,9 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} Buf;
+#include "buf.h"
 
-static int grow(Buf *b, size_t more) {
-    if (b->n + more <= b->cap) return 0;
-    size_t cap = b->cap ? b->cap : 1 << 16;
-    while (cap < b->n + more) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
 
-static inline int put(Buf *b, const char *s, size_t n) {
-    if (grow(b, n)) return -1;
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    return 0;
-}
 
 #define PUT_LIT(b, s) put((b), (s), sizeof(s) - 1)
 

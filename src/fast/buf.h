@@ -1,0 +1,33 @@
+/* A growing byte buffer, shared by the compiled modules (_fast.c, _wire.c). Requires Python.h,
+ * string.h and stdlib.h before it. */
+#ifndef EVIDENCE_FAST_BUF_H
+#define EVIDENCE_FAST_BUF_H
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} Buf;
+
+/* Room for `more` bytes: 0, or -1 with MemoryError set. */
+static int buf_grow(Buf *b, size_t more) {
+    if (b->n + more <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 1 << 16;
+    while (cap < b->n + more) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int put(Buf *b, const char *s, size_t n) {
+    if (buf_grow(b, n)) return -1;
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    return 0;
+}
+
+#endif
