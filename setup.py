@@ -2,7 +2,7 @@
 it matches), built by `make setup`. Everything else is pyproject.toml's. Each is optional: a tree
 without src/ (a copy of the packages alone) builds a pure-Python package, as does a machine without
 a C compiler or OpenSSL's headers (a reviewer's `pip install` of the verifier needs neither); under
-CI=true the test of each (tests/unit/test_fast.py, test_exec_fast.py, test_wire_fast.py) fails when it is not built."""
+CI=true tests/unit/test_native.py fails when it is not built."""
 
 from pathlib import Path
 

@@ -2,8 +2,8 @@
 path that stays the reference and that a property test holds it equal to: full detail's
 (`evidence.bundle._fast`), the exec supervisor's (`evidence.agent.recorder._exec`), the fleet
 publisher's framing (`evidence.agent.daemon._wire`). Each is optional: a machine without a C
-compiler, or a copy of the packages alone, runs the Python path; under CI=true a test of each fails
-when it is not built."""
+compiler, or a copy of the packages alone, runs the Python path; under CI=true
+tests/unit/test_native.py fails when one is not built."""
 
 from __future__ import annotations
 
@@ -19,5 +19,5 @@ def compiled(module: str) -> Any:
         return None
     try:
         return importlib.import_module(module)
-    except ImportError:  # pragma: no cover - the module's test fails under CI=true without it
+    except ImportError:  # pragma: no cover - tests/unit/test_native.py fails under CI=true without it
         return None

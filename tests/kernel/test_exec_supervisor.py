@@ -302,7 +302,7 @@ def test_an_allowed_exec_whose_pin_the_map_does_not_take_is_refused(place: Path)
     from evidence.agent.recorder.exec_check import new_key
 
     if exec_supervisor._fast is None:
-        pytest.skip("the compiled module is not built (tests/unit/test_exec_fast.py fails under CI=true)")
+        pytest.skip("the compiled module is not built (tests/unit/test_native.py fails under CI=true)")
     r, w = os.pipe()
     try:
         done, decisions, told = _run(

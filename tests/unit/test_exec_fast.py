@@ -28,17 +28,6 @@ needs_fast = pytest.mark.skipif(
 PAGE = exec_resolve.PAGE
 
 
-def test_the_compiled_module_is_built_under_ci() -> None:
-    """`make setup` builds it: tests under CI=true run against it, never silently without it."""
-    if exec_resolve._fast is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(
-                "evidence.agent.recorder._exec is not importable (`make setup` did not build it) "
-                "or EVIDENCE_PURE_PYTHON is set"
-            )
-        pytest.skip("the compiled module is not built (make setup)")
-
-
 class Layout:
     """Three pages of this process's memory, the last one unreadable (PROT_NONE): a name and an
     argv placed at given offsets, as a job's exec passes them."""
