@@ -363,7 +363,8 @@ class ExecSupervisor:
     def prepare(self) -> None:
         """Ready to `serve` (on the caller's thread; `start` serves on a thread of its own)."""
         # the caller an answer wakes runs on this CPU at once, while this thread goes back to wait
-        # for the next notification (Linux 6.6): a fork+exec loop runs ~30% faster (bench/bench.py)
+        # for the next notification (Linux 6.6): a fork+exec loop ran ~30% faster with the Python
+        # supervisor (bench/bench.py); with its C path (src/fast/_exec.c) no difference was measurable
         with contextlib.suppress(OSError):
             fcntl.ioctl(self.listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
