@@ -46,14 +46,12 @@ from typing import Any
 
 from evidence.agent.recorder.approvals import Asked
 from evidence.agent.recorder.exec_resolve import ExecRequest
-from evidence.agent.recorder.exec_resolve import compiled as _compiled
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, RoundTrips
 from evidence.policy.commands import CommandDecision
 from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
 
 logger = logging.getLogger(__name__)
-_exec_fast = _compiled()
 
 _SYS_BPF = 321  # x86_64
 _BPF_MAP_UPDATE_ELEM = 2
@@ -417,17 +415,13 @@ def _publisher(pins_fd: int) -> Callable[[int, abi.ExecPin], bool]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     lock = threading.Lock()  # the supervisor's thread and an approval's may publish at once
-    update = _exec_fast.map_update if _exec_fast is not None else None  # src/fast/_exec.c
 
     def publish(tid: int, pin: abi.ExecPin) -> bool:
-        if update is not None:
-            err = update(pins_fd, tid.to_bytes(4, sys.byteorder), pin.pack())
-        else:
-            with lock:
-                ctypes.memmove(key, tid.to_bytes(4, sys.byteorder), 4)
-                ctypes.memmove(value, pin.pack(), value_size)
-                ret = libc.syscall(_SYS_BPF, _BPF_MAP_UPDATE_ELEM, attr, len(attr))
-                err = ctypes.get_errno() if ret < 0 else 0
+        with lock:
+            ctypes.memmove(key, tid.to_bytes(4, sys.byteorder), 4)
+            ctypes.memmove(value, pin.pack(), value_size)
+            ret = libc.syscall(_SYS_BPF, _BPF_MAP_UPDATE_ELEM, attr, len(attr))
+            err = ctypes.get_errno() if ret < 0 else 0
         if err:
             logger.warning("exec check: the pin of thread %d is not held: %s", tid, os.strerror(err))
             return False

@@ -67,7 +67,7 @@ from evidence.probes import abi
 from evidence.probes.bpfsys import map_info
 
 logger = logging.getLogger(__name__)
-_fast = compiled()  # src/fast/_exec.c: receive, and `allow` (an allowed exec's answer in one call)
+_fast = compiled()  # src/fast/_exec.c: serve's wait and read, `allow` (an allowed exec's answer)
 
 # The kernel ABI (include/uapi/linux/seccomp.h), x86_64
 _NOTIF = struct.Struct("=QII iIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]}
@@ -103,9 +103,6 @@ class Notification:
 
 def receive(listener: int) -> Notification:
     """Wait for the next notification (ioctl NOTIF_RECV)."""
-    if _fast is not None:
-        nid, pid, nr, args = _fast.receive(listener)
-        return Notification(nid, pid, nr, args, time.monotonic_ns())
     buf = bytearray(_NOTIF.size)
     fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
     nid, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)

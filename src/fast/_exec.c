@@ -1,7 +1,7 @@
 /* The exec supervisor's usual request in C (issue 24's cost): agent/recorder/exec_resolve.py's
  * read_request for an execve by a caller whose root is the supervisor's (the same directory on the
- * same mount), naming its program by an absolute name, with an argv read whole. Every exec of a job with command rules
- * waits in the kernel while this runs, so its time is the job's.
+ * same mount), naming its program by an absolute name, with an argv read whole. Every exec of a
+ * job with command rules waits in the kernel while this runs, so its time is the job's.
  *
  * read_usual(pid, path_addr, argv_addr, root_dev, root_ino, root_mnt, heads, heads_max) returns
  * (path, argv, named, st_dev, st_ino, head): the path and argv as read from the caller's memory
@@ -13,12 +13,10 @@
  * stays the reference, then does it all, errors included: tests/unit/test_exec_fast.py holds the
  * two equal on generated names and arguments.
  *
- * map_update(fd, key, value): the pin published for the calling thread (exec_process.py), without
- * ctypes' cost on each exec; receive(listener), next_notification(listener, stop) and
- * allow(...): exec_supervisor.py's notification read (after its wait), and its answer to an exec
- * the rules allow (still pending? pinned, then let go on) in one call: no Python runs while the
- * caller waits for either. Their Python counterparts (serve's loop, receive, still_pending,
- * publish, respond) stay for the rest.
+ * next_notification(listener, stop) and allow(...): exec_supervisor.py's notification read (after
+ * its wait), and its answer to an exec the rules allow (still pending? pinned, then let go on) in
+ * one call: no Python runs while the caller waits for either. Their Python counterparts (serve's
+ * loop, receive, still_pending, publish, respond) are the path without the compiled module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -331,31 +329,6 @@ static int update_elem(int fd, const void *key, const void *value) {
     return syscall(SYS_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof attr) < 0 ? errno : 0;
 }
 
-/* One element updated (the exec check's pin of a thread: exec_process.py's publisher): 0, or the
- * errno the kernel gave. */
-static PyObject *map_update(PyObject *self, PyObject *args) {
-    int fd;
-    Py_buffer key, value;
-    if (!PyArg_ParseTuple(args, "iy*y*", &fd, &key, &value)) return NULL;
-    int err = update_elem(fd, key.buf, value.buf);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&value);
-    return PyLong_FromLong(err);
-}
-
-/* exec_supervisor.receive: the next notification, (id, pid, nr, args), or OSError. */
-static PyObject *receive(PyObject *self, PyObject *args) {
-    int listener;
-    if (!PyArg_ParseTuple(args, "i", &listener)) return NULL;
-    struct seccomp_notif n;
-    memset(&n, 0, sizeof n);
-    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &n) < 0) return PyErr_SetFromErrno(PyExc_OSError);
-    return Py_BuildValue("(KIi(KKKKKK))", (unsigned long long)n.id, n.pid, n.data.nr,
-                         (unsigned long long)n.data.args[0], (unsigned long long)n.data.args[1],
-                         (unsigned long long)n.data.args[2], (unsigned long long)n.data.args[3],
-                         (unsigned long long)n.data.args[4], (unsigned long long)n.data.args[5]);
-}
-
 /* exec_supervisor.ExecSupervisor.serve's wait: the next notification, (id, pid, nr, args,
  * CLOCK_MONOTONIC ns when read), once the listener has one (poll with the GIL let go, then RECV at
  * once: the caller waits in the kernel meanwhile); None when `stop` is readable or every process
@@ -399,8 +372,8 @@ static PyObject *next_notification(PyObject *self, PyObject *args) {
 }
 
 /* An allowed exec answered at once (exec_supervisor.ExecSupervisor._finish's usual case): while the
- * notification `id` is still pending (NOTIF_ID_VALID), its pin goes into the map (`key`, `value`,
- * as map_update), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). (status, when the
+ * notification `id` is still pending (NOTIF_ID_VALID), its pin goes into the map (`key`, `value`:
+ * the caller sizes them as the map's), then the kernel goes on with the call (NOTIF_SEND, CONTINUE). (status, when the
  * answer was sent, CLOCK_MONOTONIC ns, 0 if it was not); status 0: answered; 1: not pending any more
  * (nothing done); 2: answered, but its caller went away meanwhile; -errno: the pin was not held
  * (nothing answered: the caller refuses it); OSError: the answer failed otherwise. */
@@ -443,9 +416,6 @@ done:
 static PyMethodDef methods[] = {
     {"read_usual", read_usual, METH_VARARGS,
      "The usual exec request read and resolved (exec_resolve.read_request's), or None."},
-    {"map_update", map_update, METH_VARARGS,
-     "bpf(BPF_MAP_UPDATE_ELEM, BPF_ANY) of (fd, key, value): 0 or the errno (the caller sizes key and value)."},
-    {"receive", receive, METH_VARARGS, "SECCOMP_IOCTL_NOTIF_RECV: (id, pid, nr, args)."},
     {"next_notification", next_notification, METH_VARARGS,
      "(listener, stop): the next notification (id, pid, nr, args, monotonic ns), or None: stopped or gone."},
     {"allow", allow, METH_VARARGS,

@@ -237,18 +237,6 @@ def test_a_head_read_in_c_is_the_one_python_keeps(tmp_path: Path) -> None:
     assert exec_resolve._HEADS[key] == got[-1]
 
 
-@needs_fast
-def test_a_pin_map_update_reports_the_kernels_error() -> None:
-    """map_update on something that is not a map: the kernel's errno, not an exception."""
-    assert exec_resolve._fast is not None
-    r, w = os.pipe()
-    try:
-        assert exec_resolve._fast.map_update(r, b"\0" * 4, b"\0" * 8) != 0
-    finally:
-        os.close(r)
-        os.close(w)
-
-
 def test_proc_self_is_the_callers_process_and_thread_self_its_thread() -> None:
     """As the kernel reads them for the caller (a thread id): /proc/self/ its thread group's,
     /proc/thread-self/ its own task's (exec_resolve._caller_path; the C path leaves /proc/ to it)."""
