@@ -199,7 +199,20 @@ def test_a_killed_agents_isolated_run_with_a_policy_is_recovered_whole(tmp_path:
 
 def _state(pid: int) -> str:
     """The one-letter state of process `pid` (/proc/<pid>/stat): T stopped, Z exited, not reaped."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return _state_of(f"/proc/{pid}/stat")
+
+
+def _state_of(stat: str) -> str:
+    try:
+        return Path(stat).read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of process `pid` is stopped (state T)."""
+    threads = [t.name for t in Path(f"/proc/{pid}/task").iterdir()]
+    return all(_state_of(f"/proc/{pid}/task/{tid}/stat") == "T" for tid in threads)
 
 
 def _until(what: str, check: Any, proc: subprocess.Popen[str]) -> None:
@@ -233,6 +246,9 @@ def _job_that_stops(tmp_path: Path, shared: Path, bundle: Path, *, kill: bool) -
         time.sleep(2.5)  # the spool is flushed at least once a second: all the job did is in it
         if kill:
             os.kill(proc.pid, signal.SIGSTOP)  # its end must not be seen: the job's exit is not read
+            # SIGSTOP is only queued by kill(2): a thread of `evidence run` already woken in waitid
+            # would still reap the job if it exited before that thread stopped
+            _until("`evidence run` stops", lambda: _all_stopped(proc.pid), proc)
         os.kill(job, signal.SIGCONT)
         if kill:
             _until("the job exits (a zombie: its parent is stopped)", lambda: _state(job) == "Z", proc)
