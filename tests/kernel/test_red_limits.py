@@ -1,9 +1,9 @@
 """Issue 25's red team: memory a job under `limits.memory` leaves behind in shared memory (a file
 in /dev/shm, a System V segment nobody removes) is charged to the run while it runs, and stays
 taken after the run ends and its cgroup is gone: run after run, each within its limit, a job
-holds as much of the host's memory as it likes. Not fixed: the command runs with the host's
-/dev/shm and IPC namespace (agent/recorder/launch.py would give it private ones); a strict xfail
-until then. The charge during the run is asserted (the limit holds while it runs)."""
+held as much of the host's memory as it liked. Fixed: the command runs with an IPC namespace and a
+/dev/shm of the run's own (agent/recorder/exec_helper.py private_ipc), which die with it. The
+charge during the run is asserted too (the limit holds while it runs)."""
 
 from __future__ import annotations
 
@@ -77,11 +77,6 @@ def test_shared_memory_is_charged_to_the_run_while_it_runs(place: Path) -> None:
         Path(f"/dev/shm/{name}").unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a run's /dev/shm files and System V segments outlive it, and the memory with them "
-    "(the command shares the host's /dev/shm and IPC namespace)",
-)
 def test_shared_memory_a_run_leaves_does_not_outlive_it(place: Path) -> None:
     name = f"evidence-red-{uuid.uuid4().hex}"
     seg = -1
