@@ -92,6 +92,12 @@ _COMPAT = {
         "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
         "execs, connects) is not recorded",
     ),
+    "IPC_NOT_PRIVATE": (
+        "the run's processes were not started by evidence: they keep the IPC namespace and /dev/shm "
+        "they had (the host's, or their container's)",
+        "they can use the System V segments, semaphores, message queues and /dev/shm files of every "
+        "process that shares them, and what they leave there outlives the run, outside its limits.memory",
+    ),
 }
 _made: dict[str, Degradation] = {}
 
@@ -105,7 +111,7 @@ def __getattr__(name: str) -> Degradation:
     if name not in _made:
         from evidence.bundle.format import Degradation
 
-        reason, impact = _COMPAT[name]
+        reason, impact = _COMPAT[name]  # IPC_NOT_PRIVATE too
         _made[name] = Degradation(component="isolation", reason=reason, impact=impact)
     return _made[name]
 
@@ -119,7 +125,7 @@ IPC_PRIVATE = (
     "of the host's), gone with its last process"
 )
 IPC_SHARED = "shared with the host (see the degradation)"
-IPC_ADOPTED = "shared with the host (processes evidence did not start: see the degradation)"
+IPC_ADOPTED = "not made private (processes evidence did not start: see the degradation)"
 _SHARED_IMPACT = (
     "the job can read and write the host's System V segments, semaphores and message queues and its "
     "/dev/shm files as its uid allows, and what it leaves there (files, segments, their memory) "
