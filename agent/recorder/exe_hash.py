@@ -158,11 +158,18 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+def _here(root: int | None, path: str) -> bool:
+    """Whether `path` is read here rather than in `root`: no root, a relative name, or a name
+    through /proc (the correlator names the program of a process in a mount namespace of its own
+    by its /proc/PID/root, a magic link that RESOLVE_IN_ROOT does not follow)."""
+    return root is None or not path.startswith("/") or path.startswith("/proc/")
+
+
 def open_in(root: int | None, path: str, flags: int) -> int:
     """Open `path` as a process whose root directory `root` is (a descriptor: openat2
-    RESOLVE_IN_ROOT, so that `..` and absolute symlinks stay in it) names it; here when `root` is
-    None or `path` is relative. Raises OSError."""
-    if root is None or not path.startswith("/"):
+    RESOLVE_IN_ROOT, so that `..` and absolute symlinks stay in it) names it; here when `_here`.
+    Raises OSError."""
+    if root is None or _here(root, path):
         return os.open(path, flags)
     how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT)
     fd = _libc.syscall(
@@ -179,7 +186,7 @@ def open_in(root: int | None, path: str, flags: int) -> int:
 
 
 def _stat_in(root: int | None, path: str) -> os.stat_result:
-    if root is None:
+    if _here(root, path):
         return os.stat(path)
     fd = open_in(root, path, _O_PATH | os.O_CLOEXEC)
     try:
@@ -269,7 +276,7 @@ class ExeHasher:
         except OSError:
             return False
         target = target.removesuffix(" (deleted)")
-        if root is not None:  # its name is the job's: not to be resolved here
+        if not _here(root, filename):  # its name is the job's: not to be resolved here
             return target == filename
         return target in (filename, os.path.realpath(filename))
 
