@@ -321,3 +321,43 @@ def test_through_an_agent_an_unprivileged_client_with_net_gets_its_own(
     assert proc.returncode != 0 and proc.stdout.split()[0] == "0", proc.stdout + proc.stderr
     assert "the host's secret" not in proc.stdout
     assert manifest["capabilities"]["ipc"] == IPC_PRIVATE
+
+
+def test_the_hosts_later_mounts_reach_the_job_and_the_jobs_do_not_reach_the_host(place: Path) -> None:
+    """The job's mount namespace is a slave of the host's: a mount the host makes while the run
+    runs (below a shared mount) appears in it; one the job makes (as root: nobody cannot) does
+    not appear on the host."""
+    top = place / "shared"
+    top.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(top)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(top)], check=True)
+        for d in ("late", "theirs"):
+            (top / d).mkdir()
+        script = f"""
+            mount -t tmpfs none {top}/theirs && touch {top}/theirs/by-the-job
+            touch {top}/started
+            i=0; while [ ! -e {top}/late/marker ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
+            cat {top}/late/marker
+        """
+        bundle = place / "mounts.tar.gz"
+        job = subprocess.Popen(
+            [sys.executable, "-m", "evidence", "run", "--bundle", str(bundle), "--", "/bin/sh", "-c", script],
+            cwd=place, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            for _ in range(600):
+                if (top / "started").exists() or job.poll() is not None:
+                    break
+                subprocess.run(["sleep", "0.05"], check=True)
+            subprocess.run(["mount", "-t", "tmpfs", "none", str(top / "late")], check=True)
+            (top / "late" / "marker").write_text("the host's later mount\n")
+            out, err = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        assert "the host's later mount" in out, out + err
+        assert not (top / "theirs" / "by-the-job").exists()  # the job's tmpfs stayed the job's
+    finally:
+        subprocess.run(["umount", "-R", str(top)], check=False)
