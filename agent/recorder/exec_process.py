@@ -474,9 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     if not msg or not fds:
         return 2
     config = pickle.loads(msg)  # from the parent that started this process: the run's own rules
-    if config.get("join"):  # the job's mount namespace, before anything resolves a name
-        join_mount_namespace(fds.pop())
     logging.basicConfig(format="evidence: exec supervisor: %(message)s", level=logging.WARNING)
+    if config.get("join"):  # the job's mount namespace, before anything resolves a name
+        try:
+            join_mount_namespace(fds.pop())
+        except OSError as e:  # nothing decided: the listener closes with this process (ENOSYS)
+            logger.error("cannot decide in the command's mount namespace: %s", e.strerror or e)
+            return 2
     logging.getLogger("evidence").setLevel(max(int(config["log_level"]), logging.WARNING))
     parent = _Parent(sock)
     sup = ExecSupervisor(
