@@ -193,7 +193,8 @@ def _child(
             if net is not None:  # before the run holds this process: the set-up is not the job's doing
                 ll.private_network(loopback=net == "loopback")
             if os.geteuid() == 0 or net is not None:  # root, or in a user namespace of its own (--net)
-                private_ipc()  # its own IPC and /dev/shm: else the agent says they are the host's
+                with contextlib.suppress(OSError):  # its own IPC and /dev/shm, else (a root without
+                    private_ipc()  # CAP_SYS_ADMIN) the agent reads back that they are the host's
             # before the agent is asked to take this process: it reads the filters back (it does
             # not take a client's word for them), and they stay for good
             ll.no_new_privs()
