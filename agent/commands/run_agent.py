@@ -32,6 +32,12 @@ With --net none|loopback, the forked child moves itself into a network namespace
 the agent takes it (policy/landlock_syscalls.py: private_network; a client that is not root does so
 inside a user namespace that maps only its own uid and gid), so that set-up is not part of the run;
 the agent puts the mode in the manifest (`network`).
+
+The forked child gives the command System V IPC and a /dev/shm of its own (exec_helper.private_ipc)
+when it can: as root, or inside the user namespace of --net; a client that is neither leaves them
+the host's. The agent reads back which (launch.py ipc_isolation: `capabilities.ipc`, a degradation
+when shared, a refusal with --fail-closed), and its exec supervisor decides in the command's mount
+namespace only when root made it (launch.py joinable_mount_namespace).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from evidence.agent.commands.client import AgentClient
 from evidence.agent.commands.finish import check_target, fetch_bundle
 from evidence.agent.commands.summary import signal_name, subjects_written, summary_line
 from evidence.agent.recorder.exec_filter import install_exec_filter
+from evidence.agent.recorder.exec_helper import private_ipc
 from evidence.agent.recorder.launch import Landlock, inherited_fds, isolation
 from evidence.errors import (
     EXIT_ERROR,
@@ -185,6 +192,9 @@ def _child(
         try:
             if net is not None:  # before the run holds this process: the set-up is not the job's doing
                 ll.private_network(loopback=net == "loopback")
+            if os.geteuid() == 0 or net is not None:  # root, or in a user namespace of its own (--net)
+                with contextlib.suppress(OSError):  # its own IPC and /dev/shm, else (a root without
+                    private_ipc()  # CAP_SYS_ADMIN) the agent reads back that they are the host's
             # before the agent is asked to take this process: it reads the filters back (it does
             # not take a client's word for them), and they stay for good
             ll.no_new_privs()

@@ -188,6 +188,8 @@ class StandaloneRun:
         self._job_stderr = -1
         self.exec_rules = False
         self.approver: TtyApprover | None = None
+        self.ipc_why_not: str | None = None  # why the command shares the host's IPC and /dev/shm
+        self.ipc_degradations: list[Degradation] = []
 
     # -- prepare -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -240,9 +242,14 @@ class StandaloneRun:
             self._prepare_policy()
             if self.launcher is None:
                 self.launcher = self._launcher()
-            from evidence.agent.recorder.launch import COMPAT_REFUSED
+            from evidence.agent.recorder.launch import COMPAT_REFUSED, IPC_PRIVATE, IPC_SHARED, ipc_shared
 
+            if self.ipc_why_not is not None:  # not root in full (a container without CAP_SYS_ADMIN)
+                if self.args.fail_closed:
+                    raise PolicyError(f"the command cannot be isolated: {self.ipc_why_not}")
+                self.ipc_degradations = [ipc_shared(self.ipc_why_not)]
             self.capabilities = {
+                "ipc": IPC_SHARED if self.ipc_why_not else IPC_PRIVATE,
                 "isolation": self._isolation(),  # may refuse the options (UsageError)
                 "32bit_syscalls": "allowed, not recorded (--allow-32bit)"
                 if self.args.allow_32bit
@@ -267,15 +274,17 @@ class StandaloneRun:
 
     def _launcher(self) -> Launcher:
         """The command's launcher, started now: it waits for the run's set-up (launch)."""
-        from evidence.agent.recorder.launch import Launcher
+        from evidence.agent.recorder.launch import Launcher, private_ipc_unavailable
 
         netns = self.enforcement.netns if self.enforcement is not None else self.netns
+        self.ipc_why_not = private_ipc_unavailable()
         return Launcher(
             self.enforcement.environ if self.enforcement is not None else os.environ,
             self.cwd,
             self.inherited,
             netns.fd if netns is not None else None,
             exec_rules=self.exec_rules,
+            private_ipc=self.ipc_why_not is None,  # the run's own System V IPC and /dev/shm
         )
 
     def _isolation(self) -> str:
@@ -297,6 +306,7 @@ class StandaloneRun:
             self.degradations = isolation(abi)[2]  # a policy's domain before ABI 6: signals not scoped
         if self.args.allow_32bit:
             self.degradations = [*self.degradations, COMPAT_ALLOWED]
+        self.degradations = [*self.degradations, *self.ipc_degradations]
         if self.domain is None:
             return "none (--allow-setuid)" if self.args.allow_setuid else "no_new_privs only (no Landlock)"
         return f"no_new_privs, Landlock ABI {abi}" + (
@@ -384,6 +394,7 @@ class StandaloneRun:
         # the manifest's command is what that exec ran; its /etc/resolv.conf is the command's (the
         # helper becomes the command, in the same mounts). The run record says so before the
         # command can run: what recovery needs, whole (its pid, policy, degradations)
+        self.launcher.ready()  # its own IPC and /dev/shm made: its root is the run's from now on
         run.session.correlator.add_root(self.launcher.process.pid, os.getpid(), path_text(self.cwd))
         run.launched(self.launcher.process.pid)
         root = self.launcher.process.pid

@@ -66,6 +66,7 @@ from evidence.agent.daemon.wrappers import HandoverProbes, ObservedSpool
 from evidence.agent.recorder.approvals import ApprovalBroker
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.inventory import cgroup_pids, read_process, take_inventory
+from evidence.agent.recorder.launch import ipc_isolation
 from evidence.agent.recorder.recovery import unique_path
 from evidence.agent.recorder.run import Run, RunPlan
 from evidence.bundle.format import Degradation
@@ -353,6 +354,10 @@ class RecorderBackend:
             )
         # the client is not trusted to have given its command evidence's filters: read them back
         unfiltered, compat = filter_degradations(pid)
+        ipc, shared = ipc_isolation(pid)  # its own IPC and /dev/shm, read back too
+        if shared and enforcement is not None and enforcement.fail_closed:
+            raise UsageError(f"the command cannot be isolated: {shared[0].reason}", "drop --fail-closed")
+        unfiltered += shared
         listener = exec_listener(pid, pidfd, enforcement, spec)
         try:
             cg, misplaced = isolated_cgroup(sid, home, why_not, Path(mount))
@@ -369,7 +374,7 @@ class RecorderBackend:
                 session_id=sid,
                 detail=detail,
                 command=list(command),
-                launched=Launched(enforcement, net, compat, tuple(said), *subjects_of),
+                launched=Launched(enforcement, net, compat, tuple(said), *subjects_of, ipc=ipc),
             )
         except BaseException:
             cg.remove()

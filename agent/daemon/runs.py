@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 from evidence.agent.daemon.api import RunStatus
 from evidence.agent.daemon.wrappers import ObservedSpool
 from evidence.agent.recorder.description import Network
-from evidence.agent.recorder.launch import COMPAT_ADOPTED, COMPAT_NOT_REFUSED, COMPAT_REFUSED
+from evidence.agent.recorder.launch import (
+    COMPAT_ADOPTED,
+    COMPAT_NOT_REFUSED,
+    COMPAT_REFUSED,
+    IPC_ADOPTED,
+    IPC_NOT_PRIVATE,
+    IPC_SHARED,
+)
 from evidence.agent.recorder.run import Run, RunPlan
 from evidence.bundle.format import Degradation
 from evidence.errors import SetupError, UsageError
@@ -80,8 +87,8 @@ class PlanFields(TypedDict):
 ADOPTED = PlanFields(
     network=None,
     roots={},
-    capabilities={"32bit_syscalls": COMPAT_ADOPTED},
-    degradations=(COMPAT_NOT_REFUSED,),
+    capabilities={"32bit_syscalls": COMPAT_ADOPTED, "ipc": IPC_ADOPTED},
+    degradations=(COMPAT_NOT_REFUSED, IPC_NOT_PRIVATE),
 )
 
 
@@ -97,12 +104,13 @@ class Launched:
     degradations: tuple[Degradation, ...]
     subjects: tuple[str, ...] = ()  # `--subject`, collected as the client (uid, gid)
     subjects_as: tuple[int, int] | None = None
+    ipc: str = IPC_SHARED  # capabilities.ipc, read back (launch.py ipc_isolation)
 
     def plan(self) -> PlanFields:
         return PlanFields(
             network=self.network,
             roots=RunPlan.roots_of(self.enforcement),
-            capabilities={"32bit_syscalls": self.compat},
+            capabilities={"32bit_syscalls": self.compat, "ipc": self.ipc},
             degradations=self.degradations,
             subjects=self.subjects,
             subjects_as=self.subjects_as,

@@ -330,8 +330,13 @@ class Enforcement:
     def _exec_refused(self, filename: str, cwd: str | None, mntns: str | None) -> tuple[str, str | None]:
         """(the file, the rule) that refused an exec of the allowed name `filename`: the first of
         what the kernel opened to run it (exec_chain) that the exec rules do not allow; (filename,
-        None) when none is found (or the process's paths name other files than the recorder's)."""
-        if mntns is None and filename.startswith("/"):
+        None) when none is found (or the process's paths name other files than the recorder's, as
+        in its own /dev/shm: exec_helper.private_ipc)."""
+        if (
+            mntns is None
+            and filename.startswith("/")
+            and not filename.startswith(("/dev/shm/", "/dev/mqueue/"))
+        ):
             for path in exec_chain(filename, cwd):
                 rule = self._file_rule(path, "exec")
                 if rule is not None:

@@ -2,7 +2,10 @@
 /proc/<pid>/exe (the very file the kernel mapped: a replaced or bind-mounted path cannot lie about
 it), cached by (device, inode, mtime, size, ctime) so a program run 10,000 times is hashed once.
 
-The /proc reads go through `proc_root` (a fake tree in unit tests). What a successful exec record
+The /proc reads go through `proc_root` (a fake tree in unit tests). A file read by its name is
+read as the run's processes name it: from the run's root (`RunHashes.in_root_of`: a descriptor of
+the root of its first process, taken before the command runs, in the command's own mount
+namespace, where /dev/shm is the run's: openat2 RESOLVE_IN_ROOT), not as the recorder would. What a successful exec record
 gains (docs/bundle-format.md, process.exec):
 
 - `sha256`, `size`, `hash_source`: of the file the exec named. `hash_source` is "exe" when it was read
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -41,7 +45,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final, Literal, cast
+from typing import TYPE_CHECKING, Final, Literal, TypeVar, cast
 
 from evidence.bundle.format import Degradation
 from evidence.bundle.record_types import ExeHash
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from evidence.bundle.record_types import ExecRecord, SpoolRecord
 
 HashSource = Literal["exe", "inode", "path"]
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +148,63 @@ def run_budget_setting() -> tuple[int, float]:
     return int(out[0]), out[1]
 
 
-def read_head(path: str, size: int) -> tuple[bytes, os.stat_result] | None:
+_NR_OPENAT2 = 437
+_RESOLVE_IN_ROOT = 0x10
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _here(root: int | None, path: str) -> bool:
+    """Whether `path` is read here rather than in `root`: no root, a relative name, or a name
+    through /proc (the correlator names the program of a process in a mount namespace of its own
+    by its /proc/PID/root, a magic link that RESOLVE_IN_ROOT does not follow)."""
+    return root is None or not path.startswith("/") or path.startswith("/proc/")
+
+
+def open_in(root: int | None, path: str, flags: int) -> int:
+    """Open `path` as a process whose root directory `root` is (a descriptor: openat2
+    RESOLVE_IN_ROOT, so that `..` and absolute symlinks stay in it) names it; here when `_here`.
+    Raises OSError."""
+    if root is None or _here(root, path):
+        return os.open(path, flags)
+    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT)
+    fd = _libc.syscall(
+        _NR_OPENAT2,
+        ctypes.c_int(root),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(24),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _stat_in(root: int | None, path: str) -> os.stat_result:
+    if _here(root, path):
+        return os.stat(path)
+    fd = open_in(root, path, _O_PATH | os.O_CLOEXEC)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+_O_PATH = 0o10000000
+
+
+def read_head(path: str, size: int, root: int | None = None) -> tuple[bytes, os.stat_result] | None:
     """The first `size` bytes of the regular file at `path` (and its stat), None when it is not one
-    or cannot be read. Opened without blocking: the job can put a FIFO at the path of a program it
+    or cannot be read (`root`: as open_in). Opened without blocking: the job can put a FIFO at the path of a program it
     ran (rename is atomic), and a plain open of it as root would wait for a writer for ever (found by
     the red team: `evidence run` hung after writing its bundle, the agent's hash workers for good)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        fd = open_in(root, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return None
     try:
@@ -207,11 +262,11 @@ class ExeHasher:
     def _exe(self, pid: int) -> str:
         return f"{self.proc_root}/{pid}/exe"
 
-    def _matches(self, pid: int, filename: str, exe_st: os.stat_result) -> bool:
+    def _matches(self, pid: int, filename: str, exe_st: os.stat_result, root: int | None = None) -> bool:
         """Whether /proc/<pid>/exe (stat `exe_st`) still names the file `filename` names: the same
         inode (a symlink, a bind mount), or the name it had when it was replaced or removed."""
         try:
-            st = os.stat(filename)
+            st = _stat_in(root, filename)
             if (st.st_dev, st.st_ino) == (exe_st.st_dev, exe_st.st_ino):
                 return True
         except OSError:
@@ -221,28 +276,33 @@ class ExeHasher:
         except OSError:
             return False
         target = target.removesuffix(" (deleted)")
+        if not _here(root, filename):  # its name is the job's: not to be resolved here
+            return target == filename
         return target in (filename, os.path.realpath(filename))
 
-    def lookup(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash | None:
+    def lookup(
+        self, pid: int, filename: str, ident: Ident | None = None, root: int | None = None
+    ) -> FileHash | None:
         """A cached answer for the program `pid` runs when /proc/<pid>/exe still names `filename`'s
-        file, else None (not cached, a script, a process gone or moved on: see `hash`)."""
+        file, else None (not cached, a script, a process gone or moved on: see `hash`). `root`: the
+        run's root (open_in)."""
         try:
             st = os.stat(self._exe(pid))
         except OSError:
-            return self._gone(filename, ident)
+            return self._gone(filename, ident, root)
         with self._lock:
             hit = self._cache.get(_key(st))
-        if hit is None or not self._matches(pid, filename, st):
+        if hit is None or not self._matches(pid, filename, st, root):
             return None
         self.stats["hits"] += 1
         return dataclasses.replace(hit, source="exe") if hit.source != "exe" else hit
 
-    def _gone(self, filename: str, ident: Ident | None) -> FileHash | None:
+    def _gone(self, filename: str, ident: Ident | None, root: int | None = None) -> FileHash | None:
         """A process gone already (most short-lived ones are, by the time their record is read): its
         file is read by path, so a cached answer for the file at that path, unless it is a script
         (whose record needs its interpreter too)."""
         try:
-            st = os.stat(filename)
+            st = _stat_in(root, filename)
         except OSError:
             return None
         key = _key(st)
@@ -254,10 +314,12 @@ class ExeHasher:
         source: HashSource = "inode" if ident is not None and _ident(st) == ident else "path"
         return dataclasses.replace(hit, source=source) if hit.sha256 and hit.source != source else hit
 
-    def hash_exec(self, pid: int, filename: str, ident: Ident | None = None) -> ExeHash:
+    def hash_exec(
+        self, pid: int, filename: str, ident: Ident | None = None, root: int | None = None
+    ) -> ExeHash:
         """The fields a successful exec record gains (see the module's docstring). `ident`: the file
-        the kernel mapped (for a script, its interpreter)."""
-        head, key = self._head(filename)
+        the kernel mapped (for a script, its interpreter); `root`: the run's root (open_in)."""
+        head, key = self._head(filename, root)
         interp = shebang_interpreter(head) if head else None
         if interp is not None and key is not None:
             with self._lock:
@@ -265,30 +327,32 @@ class ExeHasher:
                     self._scripts.clear()
                 self._scripts.add(key)
         if interp is None:
-            return self._program(pid, filename, ident).fields()
+            return self._program(pid, filename, ident, root).fields()
         # a script: the kernel runs the interpreter (/proc/<pid>/exe) with the script as argument
-        out = self._file(filename).fields()
+        out = self._file(filename, None, root).fields()
         out["interpreter"] = interp
-        out.update(self._program(pid, interp, ident).interpreter_fields())
+        out.update(self._program(pid, interp, ident, root).interpreter_fields())
         return out
 
-    def _program(self, pid: int, filename: str, ident: Ident | None = None) -> FileHash:
-        got = self._via_exe(pid, filename)
+    def _program(
+        self, pid: int, filename: str, ident: Ident | None = None, root: int | None = None
+    ) -> FileHash:
+        got = self._via_exe(pid, filename, root)
         if got is not None:
             return got
-        by_path = self._file(filename, ident)  # gone, or already running something else: by its path
+        by_path = self._file(filename, ident, root)  # gone, or already running something else: by its path
         if by_path.reason == UNREADABLE:
             return dataclasses.replace(by_path, reason=GONE)
         return by_path
 
-    def _via_exe(self, pid: int, filename: str) -> FileHash | None:
+    def _via_exe(self, pid: int, filename: str, root: int | None = None) -> FileHash | None:
         try:
             fd = os.open(self._exe(pid), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
-            if not self._matches(pid, filename, st):
+            if not self._matches(pid, filename, st, root):
                 return None
             # the process may have exec'd again between the open and the check
             try:
@@ -303,14 +367,14 @@ class ExeHasher:
 
     # -- files --------------------------------------------------------------------------------------
 
-    def _head(self, filename: str) -> tuple[bytes, FileKey | None]:
-        head = read_head(filename, SHEBANG_MAX)
+    def _head(self, filename: str, root: int | None = None) -> tuple[bytes, FileKey | None]:
+        head = read_head(filename, SHEBANG_MAX, root)
         return (head[0], _key(head[1])) if head is not None else (b"", None)
 
-    def _file(self, path: str, ident: Ident | None = None) -> FileHash:
+    def _file(self, path: str, ident: Ident | None = None, root: int | None = None) -> FileHash:
         """By its path: "inode" when it is the file `ident` says ran, else "path"."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = open_in(root, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return FileHash(None, None, None, UNREADABLE)
         try:
@@ -404,13 +468,45 @@ class RunHashes:
         self.spent_bytes = 0
         self.spent_seconds = 0.0
         self.not_hashed: collections.Counter[str] = collections.Counter()  # reason -> execs
+        self._root = -1  # the run's root (in_root_of), -1: names are read here
+        self._root_lock = threading.Lock()
+
+    def in_root_of(self, pid: int) -> None:
+        """The run's names are those process `pid` (its first, before its command runs) sees: read
+        through its root directory, in its mount namespace, from now on (a descriptor held until
+        the run's hashes are closed; the namespace's /dev/shm is gone once the run's last process
+        is, and a name in it then names nothing). Kept as it was when the root cannot be read."""
+        try:
+            fd = os.open(f"/proc/{pid}/root", _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            logger.warning("run %s: the root of process %d cannot be read: %s", self.name, pid, e.strerror)
+            return
+        with self._root_lock:
+            old, self._root = self._root, fd
+        if old >= 0:
+            os.close(old)
+
+    def _root_dup(self) -> int | None:
+        """A descriptor of the run's root for one exec's reads (the caller closes it), None when
+        there is none: the run's own can be closed meanwhile."""
+        with self._root_lock:
+            return os.dup(self._root) if self._root >= 0 else None
+
+    def _with_root(self, read: Callable[[int | None], _T]) -> _T:
+        root = self._root_dup()
+        try:
+            return read(root)
+        finally:
+            if root is not None:
+                os.close(root)
 
     @property
     def over_budget(self) -> bool:
         return self.spent_bytes >= self.max_bytes or self.spent_seconds >= self.max_seconds
 
     def __call__(self, pid: int, filename: str, ident: Ident | None = None) -> ExeHash | Pending:
-        hit = self.owner.hasher.lookup(pid, filename, ident)
+        hasher = self.owner.hasher
+        hit = self._with_root(lambda root: hasher.lookup(pid, filename, ident, root))
         if hit is not None:
             return hit.fields()
         if self.over_budget:
@@ -441,7 +537,9 @@ class RunHashes:
         hasher.reset_read()
         t0 = time.monotonic()
         try:
-            job.future.set_result(hasher.hash_exec(job.pid, job.filename, job.ident))
+            job.future.set_result(
+                self._with_root(lambda root: hasher.hash_exec(job.pid, job.filename, job.ident, root))
+            )
         except Exception as e:  # a hashing bug must never lose the exec record (Pending.apply)
             job.future.set_exception(e)
         finally:
@@ -451,6 +549,10 @@ class RunHashes:
     def close(self) -> None:
         """The run is over: what is still queued is not hashed (its records were settled)."""
         self.owner.forget(self)
+        with self._root_lock:
+            root, self._root = self._root, -1
+        if root >= 0:
+            os.close(root)
 
     def degradation(self) -> Degradation | None:
         """What the bundle says when the budget kept execs of this run from being hashed."""

@@ -1,4 +1,4 @@
-"""The command launcher's child side: `python -I -m evidence.agent.recorder.exec_helper SPEC_FD`.
+"""The command launcher's child side: `python -I -m evidence.agent.recorder.exec_helper SPEC_FD [STATUS_FD]`.
 
 `evidence run` starts this with `subprocess.Popen` and no `preexec_fn` (which is unsafe while the
 recorder's threads run). It is started early and waits; then it becomes the command: it reads its
@@ -7,6 +7,12 @@ the network namespace, sets no_new_privs and the Landlock domain, joins the cgro
 signal mask and dispositions a command expects, and execs. The cgroup is joined last, through the
 descriptor opened first, so nothing of this helper's own start is recorded and Landlock cannot stand
 in the way of the join.
+
+Given STATUS_FD, the helper first gives itself the run's own System V IPC and /dev/shm
+(`private_ipc`: an IPC namespace, and a mount namespace whose /dev/shm and /dev/mqueue are fresh),
+before it reads its instructions, and says `N` on STATUS_FD once they are made (the recorder then
+takes the helper's root for the run: what its names mean), or `S<text>` and exits when they cannot
+be. Everything after (Landlock's rules, which name paths) is made inside them.
 
 The answer goes to STATUS_FD, which is close-on-exec: `R` just before the exec, then EOF when it
 succeeded or `E<errno>` when it failed (after the join: the failed exec is recorded); `S<text>` when
@@ -17,6 +23,7 @@ it starts in a few tens of milliseconds.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -50,6 +57,41 @@ class LaunchMessage(TypedDict):
     allow_32bit: bool
     # the policy's command rules: a Unix socket to hand the exec filter's listener to the recorder
     exec_listener_sock: int | None
+
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000
+SHM = "/dev/shm"
+MQUEUE = "/dev/mqueue"
+
+
+def private_ipc() -> None:
+    """Give the calling process (single-threaded, CAP_SYS_ADMIN in its user namespace) System V IPC
+    and POSIX shared memory of its own, which die with the last process that uses them: a new IPC
+    namespace (segments, semaphores, message queues), a new mount namespace whose mounts are slaves
+    of the caller's (the host's later mounts still reach it, nothing mounted in it reaches the host)
+    with a fresh tmpfs on /dev/shm (nosuid, nodev, mode 1777: its pages are charged to the cgroup of
+    whoever writes them, the run's) and the new namespace's mqueue on /dev/mqueue (a host queue is
+    not reachable by its name there). Where the caller has no /dev/shm (or /dev/mqueue) there is
+    none to share. Raises OSError."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    check(libc.unshare(_CLONE_NEWIPC | _CLONE_NEWNS), "unshare(CLONE_NEWIPC|CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    if os.path.isdir(SHM):
+        check(
+            libc.mount(b"tmpfs", SHM.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777"),
+            f"mount tmpfs on {SHM}",
+        )
+    if os.path.isdir(MQUEUE):
+        flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+        check(libc.mount(b"mqueue", MQUEUE.encode(), b"mqueue", flags, None), f"mount mqueue on {MQUEUE}")
 
 
 EXIT_SETUP = 71  # the recorder reports set-up failures itself; this code is only seen if it cannot
@@ -88,7 +130,13 @@ def _exec_listener_hand_over() -> Callable[[int], None]:
     return hand_over
 
 
-def main(spec_fd: int) -> NoReturn:
+def main(spec_fd: int, private_status: int | None = None) -> NoReturn:
+    if private_status is not None:  # first, alone: nothing of the run is made outside them
+        try:
+            private_ipc()
+        except OSError as e:
+            _fail(private_status, b"S" + str(e).encode(errors="replace"), EXIT_SETUP)
+        os.write(private_status, b"N")
     with os.fdopen(spec_fd, "rb") as f:
         raw = f.read()
     if not raw:  # the recorder gave up before the command was to run: run nothing
@@ -144,4 +192,4 @@ def main(spec_fd: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -20,6 +20,13 @@ Fail closed, as in one process: the parent never keeps a copy of the listener, s
 death (a crash, a kill) fails the job's waiting and later execs (ENOSYS) and the parent says so;
 the parent's death closes the socket and the child stops (its listener closed with it: the same
 ENOSYS), whichever thread of the parent started it (no PR_SET_PDEATHSIG, which follows a thread).
+The child decides in the command's mount namespace (`joinable_mount_namespace`, launch.py): when
+the run's first process has one of its own that only root could have made (evidence's launcher
+gives every command its own /dev/shm), the child joins it before it reads a request, so the names a
+job passes mean for the supervisor what they mean for the job (a program in the job's /dev/shm is
+that file, not the host's of the same name) and a caller whose root is the job's is taken as ours
+(the usual path, in C). Nothing else moves: the child is a process of its own.
+
 The child runs in a session of its own (a Ctrl-C at the terminal is the job's and `evidence
 run`'s to handle, not the supervisor's), as root, outside the run's cgroup: the job can neither
 signal nor trace it. Its pins go into the kernel's map with bpf(2) on the map's descriptor,
@@ -44,9 +51,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from evidence.agent.recorder import exec_resolve
 from evidence.agent.recorder.approvals import Asked
 from evidence.agent.recorder.exec_resolve import ExecRequest
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, RoundTrips
+from evidence.agent.recorder.launch import joinable_mount_namespace
 from evidence.policy.commands import CommandDecision
 from evidence.policy.governance import CommandsPolicy
 from evidence.probes import abi
@@ -212,8 +221,16 @@ class SupervisorProcess:
                 "max_waiting": self.max_waiting,
                 "log_level": logging.getLogger("evidence").getEffectiveLevel(),
             }
+            mount_ns = joinable_mount_namespace(self.root_pid)
+            config["join"] = mount_ns is not None
             fds = [self.listener] + ([self.pins_fd] if self.pins_fd is not None else [])
-            socket.send_fds(ours, [pickle.dumps(config)], fds)
+            try:
+                socket.send_fds(
+                    ours, [pickle.dumps(config)], fds + ([mount_ns] if mount_ns is not None else [])
+                )
+            finally:
+                if mount_ns is not None:
+                    os.close(mount_ns)
         except BaseException:
             if ours is not None:
                 ours.close()
@@ -430,14 +447,40 @@ def _publisher(pins_fd: int) -> Callable[[int, abi.ExecPin], bool]:
     return publish
 
 
+_CLONE_NEWNS = 0x00020000
+
+
+def join_mount_namespace(fd: int) -> None:
+    """Move this process (single-threaded: setns refuses a mount namespace to a process whose
+    threads share its root) into the mount namespace `fd` names, and take its root as ours from
+    then on (exec_resolve caches this process's root and namespace). Raises OSError."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        if libc.setns(fd, _CLONE_NEWNS) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns(CLONE_NEWNS): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.chdir("/")
+    exec_resolve.forget_own_root()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     sock = socket.socket(fileno=int(args[0]))
-    msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 2)
+    msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 3)
     if not msg or not fds:
         return 2
     config = pickle.loads(msg)  # from the parent that started this process: the run's own rules
     logging.basicConfig(format="evidence: exec supervisor: %(message)s", level=logging.WARNING)
+    if config.get("join"):  # the job's mount namespace, before anything resolves a name
+        try:
+            join_mount_namespace(fds.pop())
+        except OSError as e:  # nothing decided: the listener closes with this process (ENOSYS)
+            logger.error("cannot decide in the command's mount namespace: %s", e.strerror or e)
+            return 2
     logging.getLogger("evidence").setLevel(max(int(config["log_level"]), logging.WARNING))
     parent = _Parent(sock)
     sup = ExecSupervisor(

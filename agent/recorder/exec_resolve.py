@@ -415,6 +415,13 @@ def _our_root_mount() -> tuple[int, int, int]:
     return _own_root_mount[0]
 
 
+def forget_own_root() -> None:
+    """This process has moved into another mount namespace (exec_process.join_mount_namespace):
+    its root and namespace are read again when next needed."""
+    _own_root_mount.clear()
+    _own_mntns.clear()
+
+
 def identity(path: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of `path` here, None when it names nothing."""
     try:

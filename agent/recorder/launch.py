@@ -7,6 +7,11 @@ Python code between fork and exec; the helper does the set-up in its own process
 command, keeping its pid. The helper is started early and waits, so its interpreter's start overlaps
 with the probes' compile. The two talk over two pipes: the instructions go in as JSON, and the
 helper's answer comes back on a close-on-exec pipe: `R` then EOF means the command is running.
+
+A run's command gets System V IPC and a /dev/shm of its own (`private_ipc`): the helper makes them
+first thing, in its own process, which becomes the command; they die with the run's last process,
+and with them what the job left there and the memory it held (issue 24's red team). `ready` waits
+until they are made: from then on the helper's root (/proc/PID/root) is what the run's names mean.
 """
 
 from __future__ import annotations
@@ -87,6 +92,12 @@ _COMPAT = {
         "the kernel's syscall tracepoints skip them: what a process does through them (opens, writes, "
         "execs, connects) is not recorded",
     ),
+    "IPC_NOT_PRIVATE": (
+        "the run's processes were not started by evidence: they keep the IPC namespace and /dev/shm "
+        "they had (the host's, or their container's)",
+        "they can use the System V segments, semaphores, message queues and /dev/shm files of every "
+        "process that shares them, and what they leave there outlives the run, outside its limits.memory",
+    ),
 }
 _made: dict[str, Degradation] = {}
 
@@ -100,13 +111,110 @@ def __getattr__(name: str) -> Degradation:
     if name not in _made:
         from evidence.bundle.format import Degradation
 
-        reason, impact = _COMPAT[name]
+        reason, impact = _COMPAT[name]  # IPC_NOT_PRIVATE too
         _made[name] = Degradation(component="isolation", reason=reason, impact=impact)
     return _made[name]
 
 
 # capabilities.32bit_syscalls of a run of processes evidence did not start (with COMPAT_NOT_REFUSED)
 COMPAT_ADOPTED = "not refused, not recorded (processes evidence did not start: see the degradation)"
+
+# capabilities.ipc: System V IPC, POSIX message queues and /dev/shm (exec_helper.private_ipc)
+IPC_PRIVATE = (
+    "private: an IPC namespace and a tmpfs on /dev/shm of the run's own (a mount namespace, slave "
+    "of the host's), gone with its last process"
+)
+IPC_SHARED = "shared with the host (see the degradation)"
+IPC_ADOPTED = "not made private (processes evidence did not start: see the degradation)"
+_SHARED_IMPACT = (
+    "the job can read and write the host's System V segments, semaphores and message queues and its "
+    "/dev/shm files as its uid allows, and what it leaves there (files, segments, their memory) "
+    "outlives the run, outside its limits.memory, for a later run of another user to find"
+)
+
+
+def ipc_shared(reason: str) -> Degradation:
+    """What a run says when its command shares the host's IPC and /dev/shm, and why."""
+    from evidence.bundle.format import Degradation
+
+    return Degradation(component="isolation", reason=reason, impact=_SHARED_IMPACT)
+
+
+def private_ipc_unavailable() -> str | None:
+    """Why this process cannot give a command IPC and /dev/shm of its own (exec_helper.private_ipc:
+    unshare and mount need CAP_SYS_ADMIN), None when it can."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"CapEff:"):
+                    if int(line.split()[1], 16) & (1 << 21):  # CAP_SYS_ADMIN
+                        return None
+                    return "evidence runs without CAP_SYS_ADMIN: the command's IPC namespace and /dev/shm are the host's"
+    except (OSError, ValueError):
+        pass
+    return "evidence's capabilities cannot be read: the command's IPC namespace and /dev/shm are the host's"
+
+
+_NS_GET_USERNS = 0xB701  # ioctl on a namespace's descriptor: its owning user namespace
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def ipc_isolation(pid: int) -> tuple[str, list[Degradation]]:
+    """capabilities.ipc of a run whose first process `pid` was set up by a client (`run --agent`),
+    read back from the kernel rather than taken from the client: its IPC namespace is not this
+    process's, and /dev/shm in its mount namespace is a file system other than this process's
+    /dev/shm (and the degradation when not)."""
+    try:
+        theirs = os.stat(f"/proc/{pid}/ns/ipc")
+        private = not _same_file(theirs, os.stat("/proc/self/ns/ipc"))
+        if private and os.path.isdir(f"/proc/{pid}/root/dev/shm") and os.path.isdir("/dev/shm"):
+            private = os.stat(f"/proc/{pid}/root/dev/shm").st_dev != os.stat("/dev/shm").st_dev
+    except OSError as e:
+        return IPC_SHARED, [
+            ipc_shared(f"the namespaces of the command's process cannot be read: {e.strerror}")
+        ]
+    if private:
+        return IPC_PRIVATE, []
+    return IPC_SHARED, [
+        ipc_shared(
+            "the command's process has the host's IPC namespace or /dev/shm: its client could not "
+            "make its own (not root and no --net, which runs it in a user namespace; or not "
+            "`evidence run --agent`, or an older one)"
+        )
+    ]
+
+
+def joinable_mount_namespace(pid: int) -> int | None:
+    """A descriptor of the mount namespace of process `pid` (the run's first, before its command
+    runs) for the exec supervisor to join (exec_process.py), when it is not this process's and is
+    owned by this process's user namespace: only a process with CAP_SYS_ADMIN there (root, evidence's
+    launcher) could have made its mounts or can change them. None otherwise: a namespace made in a
+    user namespace of a client's own (`run --agent` by a user) has mounts that client can change at
+    any time, so names in it are judged from outside, as any namespace of the job's own (its
+    execs' names that lead elsewhere than here count as `foreign`). Raises OSError when the process
+    cannot be read."""
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _same_file(os.fstat(fd), os.stat("/proc/self/ns/mnt")):
+            os.close(fd)
+            return None
+        import fcntl
+
+        owner = fcntl.ioctl(fd, _NS_GET_USERNS)
+        try:
+            ours = _same_file(os.fstat(owner), os.stat("/proc/self/ns/user"))
+        finally:
+            os.close(owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not ours:
+        os.close(fd)
+        return None
+    return fd
 
 
 MAKE_BLOCK = 1 << 11  # LANDLOCK_ACCESS_FS_MAKE_BLOCK: handled and granted everywhere, restricts nothing
@@ -203,11 +311,15 @@ class Launcher:
         netns_fd: int | None = None,
         *,
         exec_rules: bool = False,
+        private_ipc: bool = False,
     ) -> None:
-        """`exec_rules`: the command's execs are decided by the recorder (LaunchSpec.supervise)."""
+        """`exec_rules`: the command's execs are decided by the recorder (LaunchSpec.supervise);
+        `private_ipc`: the helper gives itself IPC and /dev/shm of its own first (`ready`)."""
         spec_r, self._spec_w = os.pipe()
         self._status_r, status_w = os.pipe()
         self._status_fd = status_w
+        self._early = b""  # what the helper said before its instructions (`ready`)
+        self._waiting = private_ipc
         self._netns_fd = netns_fd
         self._sock: socket.socket | None = None
         theirs: socket.socket | None = None
@@ -217,7 +329,7 @@ class Launcher:
         ours = [fd for fd in (spec_r, status_w, netns_fd, self._sock_fd) if fd is not None]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", "-m", HELPER, str(spec_r)],
+                [sys.executable, "-I", "-m", HELPER, str(spec_r), *([str(status_w)] if private_ipc else [])],
                 env=dict(env),
                 cwd=cwd,
                 pass_fds=(*keep_fds, *ours),
@@ -235,9 +347,22 @@ class Launcher:
             if theirs is not None:
                 theirs.close()
 
+    def ready(self) -> None:
+        """Wait until the helper has made its private IPC and /dev/shm (Launcher's `private_ipc`):
+        from then on its root and mount namespace are the command's. Its failure is `go`'s to
+        report (LaunchError)."""
+        if not self._waiting:
+            return
+        self._waiting = False
+        with contextlib.suppress(OSError):
+            self._early = os.read(self._status_r, 1)
+        if self._early == b"N":
+            self._early = b""
+
     def go(self, spec: LaunchSpec) -> Launched:
         """Start the command; returns once it runs (or its exec failed). Raises LaunchError when the
         set-up failed."""
+        self.ready()
         message: LaunchMessage = {
             "argv": list(spec.argv),
             "oom_score_adj": spec.oom_score_adj,
@@ -256,7 +381,7 @@ class Launcher:
             pass  # the helper died before reading: its status pipe says so
         if self._sock is not None:
             self._take_listener(spec)
-        answer = b""
+        answer = self._early
         with os.fdopen(self._status_r, "rb") as r:
             while chunk := r.read(4096):
                 answer += chunk

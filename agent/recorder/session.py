@@ -136,6 +136,8 @@ class Session:
         self.pid = pid
         self.claimed = True
         self.correlator.root_pid = pid
+        if self.hashes is not None:  # its names are the run's (a /dev/shm of its own)
+            self.hashes.in_root_of(pid)
 
     def adopts(self, pid: int) -> None:
         """Process `pid`, already running, is the run's (the pid the client named): not a claim."""

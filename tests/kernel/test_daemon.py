@@ -304,8 +304,13 @@ def test_killed_agent_spool_recovered_on_restart(tmp_path: Path, cgroups: Path, 
         manifest, events = read_bundle(bundle)
         assert manifest["cut_short"] is True and manifest["session_id"] == sid
         assert manifest["labels"] == {"job": "killed"} and manifest["attached_late"] is True
-        # the run's own degradation (an adopted cgroup's 32-bit calls are not refused), then recovery's
-        assert [e["data"]["component"] for e in of_type(events, "degradation")] == ["isolation", "agent"]
+        # the run's own degradations (an adopted cgroup's 32-bit calls are not refused, its IPC and
+        # /dev/shm not made private), then recovery's
+        assert [e["data"]["component"] for e in of_type(events, "degradation")] == [
+            "isolation",
+            "isolation",
+            "agent",
+        ]
         assert str(job.marker) in _paths(events)
         assert any(e["data"]["pid"] == job.proc.pid for e in of_type(events, "inventory"))
         assert sorted(p.name for p in spool.iterdir()) == []

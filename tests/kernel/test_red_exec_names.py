@@ -59,7 +59,8 @@ def _default_deny(*extra: str) -> str:
 
 def _no_violations_nor_degradations(events: list[dict]) -> None:  # type: ignore[type-arg]
     assert of_type(events, "policy.violation") == []
-    assert [e["data"] for e in of_type(events, "degradation")] == []
+    # through the agent an unprivileged client's command shares the host's IPC: said, and nothing else
+    assert [e["data"] for e in of_type(events, "degradation") if "IPC" not in e["data"]["reason"]] == []
 
 
 def test_a_shebang_line_is_split_as_the_kernel_splits_it(place: Path) -> None:

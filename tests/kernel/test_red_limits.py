@@ -1,12 +1,13 @@
 """Issue 25's red team: memory a job under `limits.memory` leaves behind in shared memory (a file
 in /dev/shm, a System V segment nobody removes) is charged to the run while it runs, and stays
 taken after the run ends and its cgroup is gone: run after run, each within its limit, a job
-holds as much of the host's memory as it likes. Not fixed: the command runs with the host's
-/dev/shm and IPC namespace (agent/recorder/launch.py would give it private ones); a strict xfail
-until then. The charge during the run is asserted (the limit holds while it runs)."""
+held as much of the host's memory as it liked. Fixed: the command runs with an IPC namespace and a
+/dev/shm of the run's own (agent/recorder/exec_helper.py private_ipc), which die with it. The
+charge during the run is asserted too (the limit holds while it runs)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import textwrap
@@ -34,7 +35,7 @@ libc.shmat.restype = ctypes.c_void_p
 seg = libc.shmget(0, 24 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600, never IPC_RMID
 addr = libc.shmat(seg, None, 0)
 ctypes.memset(addr, 1, 24 << 20)  # touched: memory
-print(seg, flush=True)
+print(seg, os.readlink("/proc/self/ns/ipc"), os.readlink("/proc/self/ns/mnt"), flush=True)
 """
 
 TOO_MUCH = """\
@@ -44,6 +45,18 @@ with open(f"/dev/shm/{sys.argv[1]}", "wb") as f:
         f.write(os.urandom(1 << 20))
         print(i, flush=True)
 """
+
+
+def _namespaces_in_use() -> set[str]:
+    """The IPC and mount namespaces of every process on the host (as /proc/PID/ns/* read)."""
+    out = set()
+    for pid in Path("/proc").iterdir():
+        for kind in ("ipc", "mnt"):
+            try:
+                out.add(os.readlink(pid / "ns" / kind))
+            except OSError:
+                continue
+    return out
 
 
 @pytest.fixture
@@ -77,11 +90,6 @@ def test_shared_memory_is_charged_to_the_run_while_it_runs(place: Path) -> None:
         Path(f"/dev/shm/{name}").unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a run's /dev/shm files and System V segments outlive it, and the memory with them "
-    "(the command shares the host's /dev/shm and IPC namespace)",
-)
 def test_shared_memory_a_run_leaves_does_not_outlive_it(place: Path) -> None:
     name = f"evidence-red-{uuid.uuid4().hex}"
     seg = -1
@@ -92,6 +100,9 @@ def test_shared_memory_a_run_leaves_does_not_outlive_it(place: Path) -> None:
         segments = Path("/proc/sysvipc/shm").read_text().split("\n")[1:]
         kept = [line.split() for line in segments if line.split() and int(line.split()[1]) == seg]
         assert not left.exists() and not kept, (left.exists(), kept)
+        # and the job's own namespaces, which held them, are gone: no process is in them any more
+        theirs = set(proc.stdout.split()[1:3])
+        assert theirs and not theirs & _namespaces_in_use(), theirs
     finally:
         Path(f"/dev/shm/{name}").unlink(missing_ok=True)
         if seg >= 0:

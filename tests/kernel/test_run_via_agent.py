@@ -298,7 +298,8 @@ def test_the_command_stays_below_the_clients_cgroup_so_its_limits_still_apply(
     cg = run_cgroup(events)
     assert cg.parent == job_cgroup and cg.name == f"evidence-{manifest['session_id']}"
     assert not cg.exists() and job_cgroup.exists()  # the run's cgroup is gone, the job's stays
-    assert not of_type(events, "degradation")
+    # an unprivileged client's command shares the host's IPC (test_private_ipc.py): nothing else said
+    assert not [e for e in of_type(events, "degradation") if "IPC" not in e["data"]["reason"]]
     assert [e["data"]["argv"] for e in of_type(events, "process.exec")] == [["/bin/cat", "/proc/self/cgroup"]]
 
     # while a run records the job's cgroup, a run of its own is refused: it would take the command
@@ -342,7 +343,7 @@ def test_where_the_command_could_leave_a_cgroup_below_the_clients_it_goes_elsewh
     cg = run_cgroup(events)
     assert cg.parent.name == "evidence" and cg.parent.parent == find_cgroup2_mount()  # the agent's place
     assert _cgroup_line(stdout) == f"0::/evidence/{cg.name}", stdout
-    (d,) = [e["data"] for e in of_type(events, "degradation")]
+    (d,) = [e["data"] for e in of_type(events, "degradation") if "IPC" not in e["data"]["reason"]]
     why = {"root": "runs as root", "delegated": "is delegated", "threaded": "is threaded"}[case]
     assert d["component"] == "cgroup" and why in d["reason"] and "limits" in d["impact"], d
     lint = subprocess.run(

@@ -300,10 +300,12 @@ class GatedHasher(exe_hash.ExeHasher):
         self.gates: dict[str, threading.Event] = {}
         self.started = threading.Semaphore(0)
 
-    def lookup(self, pid: int, filename: str, ident: object = None) -> None:
+    def lookup(self, pid: int, filename: str, ident: object = None, root: object = None) -> None:
         return None
 
-    def hash_exec(self, pid: int, filename: str, ident: object = None) -> dict[str, object]:
+    def hash_exec(
+        self, pid: int, filename: str, ident: object = None, root: object = None
+    ) -> dict[str, object]:
         self.asked.append(filename)
         self.started.release()
         self.gates.setdefault(filename, threading.Event()).wait(30)
