@@ -225,13 +225,27 @@ class RecorderProbes:
             raise ValueError("the exec check's key is 16 bytes")
         k0, k1 = struct.unpack("<QQ", key)
         with self._exec_lock:
-            if not self.bpf.raw_tracepoint_fds.get(b"sched_process_exec"):
-                more = self.bpf.load_func(EXEC_HASH.encode(), self.bpf.RAW_TRACEPOINT)
-                self.bpf[b"exec_tail"][_U32.pack(0)] = _U32.pack(more.fd)
-                self.bpf.attach_raw_tracepoint(tp=b"sched_process_exec", fn_name=EXEC_CHECK.encode())
+            self._attach_exec_check()
             self.bpf[b"exec_guard"][_U32.pack(slot)] = abi.EXEC_GUARD.struct.pack(k0, k1, 1)
             self._exec_checked.add(slot)
             self.bpf[b"exec_guarded"][_U32.pack(0)] = _U64.pack(len(self._exec_checked))
+
+    def prepare_execs(self) -> None:
+        """Load and attach the exec check's programs now (their verifier's ~0.1 s of CPU), so that
+        `enforce_execs` finds them: `evidence run` calls it on a thread of its own while it sets the
+        run up, once it knows the run has command rules. Until a run is checked, the program only
+        looks its slot up. Raises ObjectError as `enforce_execs` would (which then tries again)."""
+        with self._exec_lock:
+            self._attach_exec_check()
+
+    def _attach_exec_check(self) -> None:
+        """(with _exec_lock) The exec check attached, its two programs verified side by side."""
+        if self.bpf.raw_tracepoint_fds.get(b"sched_process_exec"):
+            return
+        raw = self.bpf.RAW_TRACEPOINT
+        objcache.load_side_by_side(self.bpf, [(EXEC_HASH.encode(), raw, 0), (EXEC_CHECK.encode(), raw, 0)], 2)
+        self.bpf[b"exec_tail"][_U32.pack(0)] = _U32.pack(self.bpf.load_func(EXEC_HASH.encode(), raw).fd)
+        self.bpf.attach_raw_tracepoint(tp=b"sched_process_exec", fn_name=EXEC_CHECK.encode())
 
     def release_execs(self, slot: int) -> None:
         """Stop checking run `slot`'s execs (its run ended); its key is wiped from the kernel."""

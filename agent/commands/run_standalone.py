@@ -7,7 +7,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -80,6 +82,32 @@ class _InThread(Generic[T]):
         self._t.join()
         if self._error is None and self._value is not None:
             cleanup(self._value)
+
+
+def _names_commands(policy: str) -> bool:
+    """Whether the policy file `policy` (a path; `default` has no command rules) has a top-level
+    `commands:` line: a guess made before it is parsed, to start what its rules need early."""
+    if policy == "default":
+        return False
+    try:  # a regular file only: a pipe (`--policy <(...)`) read here would be read once, by this
+        fd = os.open(policy, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            return re.search(rb"(?m)^commands\s*:", f.read(1 << 20)) is not None
+    except OSError:
+        return False
+
+
+def _prepare_execs(loading: _InThread[RecorderProbes]) -> None:
+    """The exec check's programs loaded and attached once the probes are (a refusal is left to
+    the run's enforce, which tries again and says so)."""
+    from evidence.probes.bpfsys import ObjectError
+
+    try:
+        loading.result().prepare_execs()
+    except (ObjectError, OSError) as e:
+        logger.debug("the exec check's programs were not loaded ahead: %s", e)
 
 
 class _SignalForwarder:
@@ -187,6 +215,7 @@ class StandaloneRun:
         # the run's approvals and the terminal that answers them
         self._job_stderr = -1
         self.exec_rules = False
+        self._exec_check: _InThread[None] | None = None  # its programs loaded while the run is set up
         self.approver: TtyApprover | None = None
         self.ipc_why_not: str | None = None  # why the command shares the host's IPC and /dev/shm
         self.ipc_degradations: list[Degradation] = []
@@ -229,6 +258,12 @@ class StandaloneRun:
             self.watchdog = Watchdog(parent_death=True)
             if not args.policy and not args.net:
                 self.launcher = self._launcher()
+            elif args.policy and _names_commands(args.policy):
+                # the exec supervisor's process, when the policy will likely need one: its imports
+                # run beside the load (unused, it exits with this process)
+                from evidence.agent.recorder.exec_process import prespawn
+
+                prespawn()
             # the load's Python first (a few tens of ms), alone: from then on it is the kernel's work
             # (the verifier, on two threads) and this thread's imports run beside it, not against it
             rendered.wait(timeout=2.0)
@@ -240,6 +275,8 @@ class StandaloneRun:
 
                 self.signer = load_signer(args.sign_key)
             self._prepare_policy()
+            if self.exec_rules and not args.dry_run:
+                self._exec_check = _InThread(lambda: _prepare_execs(loading))
             if self.launcher is None:
                 self.launcher = self._launcher()
             from evidence.agent.recorder.launch import COMPAT_REFUSED, IPC_PRIVATE, IPC_SHARED, ipc_shared
@@ -256,6 +293,7 @@ class StandaloneRun:
                 else COMPAT_REFUSED,
             }
         except BaseException:
+            self._join_exec_check()
             loading.discard(lambda probes: probes.close(background=True))
             self.close()
             raise
@@ -271,6 +309,12 @@ class StandaloneRun:
         except BaseException:
             self.close()
             raise
+
+    def _join_exec_check(self) -> None:
+        """Wait for the exec check's programs (before the probes are used for it, or closed)."""
+        if self._exec_check is not None:
+            self._exec_check.discard(lambda _none: None)
+            self._exec_check = None
 
     def _launcher(self) -> Launcher:
         """The command's launcher, started now: it waits for the run's set-up (launch)."""
@@ -545,6 +589,7 @@ class StandaloneRun:
                 logger.warning("cannot remove %s: its watchdog will kill what is left", self.cgroup.path)
                 self.watchdog = None
             self.cgroup = None
+        self._join_exec_check()
         if self.recorder is not None:
             self.recorder.close(background=True)  # the process exits next: let a child pay for detaching
             self.recorder = None
