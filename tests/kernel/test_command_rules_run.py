@@ -184,7 +184,17 @@ def test_the_recorder_killed_while_an_exec_waits(place: Path) -> None:
     assert not after.exists()
     rec = evidence("recover")  # the run's records are left for recover, which writes its bundle
     assert rec.returncode == 0 and "(cut short)" in rec.stderr, rec.stderr
-    recovered = Path(rec.stdout.split()[-1])
+
+    # ours among what it wrote (another run killed on this machine may be recovered with it), by
+    # the command it claimed: its manifest's command is empty when its first exec's record was not
+    # flushed before the kill (bundle/command.py judge)
+    def claimed(p: str) -> list[str]:
+        manifest = read_bundle(p)[0]
+        return list(manifest.get("claimed_command") or manifest["command"])
+
+    ours = [Path(p) for p in rec.stdout.split() if str(place) in " ".join(claimed(p))]
+    assert len(ours) == 1, (rec.stdout, rec.stderr)
+    (recovered,) = ours
     _, events = read_bundle(recovered)
     recovered.unlink()
     # (the supervisor's records are kept in memory until the run finishes, as the connect guard's
