@@ -1,0 +1,216 @@
+"""The reader's fast path over event lines in C (src/fast/_verify.c) against its Python loop
+(bundle/fastpath.py `fast_python`, the reference): the same events passed, the same content hashes
+and counts, the same line it stops at, on good lines and on generated damage; and lint (which the
+agent's fleet publisher runs on every bundle it indexes) says the same of any bundle either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evidence.bundle import fastpath
+from evidence.bundle import format as fmt
+from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
+from tests.unit.test_hostile import HOSTILE
+from tests.unit.test_lint_same import _outcome, _rule_runs
+
+needs_c = pytest.mark.skipif(fastpath._verify is None, reason="the compiled module is not built (make setup)")
+
+
+def test_pure_python_leaves_it_unused() -> None:
+    code = "from evidence.bundle import fastpath; print(fastpath._verify is None)"
+    env = {**os.environ, "EVIDENCE_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+@pytest.fixture(scope="module")
+def valid() -> tuple[fastpath.Context, list[bytes]]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        recs = [*records(), *(open_(10_000 + i, f"{WS}/src/f{i}.c", ["read"]) for i in range(30))]
+        manifest, lines = members(write(Path(t) / "a.tar.gz", recs, labels={"job": "x"}))
+    ctx = fastpath.Context(
+        manifest["run_id"], manifest["source"], fmt.MAX_LINE, fmt.labels_attribute(manifest.get("labels"))
+    )
+    return ctx, list(lines)
+
+
+def _run(c: bool, lines: list[bytes], seq: int, ctx: fastpath.Context, take: int | None = None) -> Any:
+    """What the fast path makes of `lines`: the events it yields, the Passed, or the error raised."""
+    passed = fastpath.Passed()
+    it = fastpath._fast_c(lines, seq, ctx, passed) if c else fastpath.fast_python(lines, seq, ctx, passed)
+    got = []
+    try:
+        for ev in it:
+            got.append(ev)
+            if take is not None and len(got) == take:
+                it.close()  # type: ignore[attr-defined]
+                break
+    except Exception as e:
+        return type(e), str(e)
+    return got, passed.n, passed.hashes, passed.counts
+
+
+@needs_c
+def test_good_lines_pass_the_same(valid: tuple[fastpath.Context, list[bytes]]) -> None:
+    ctx, lines = valid
+    body = lines[1:-1]  # between run.started (the careful path's) and run.finished (it stops there)
+    got = _run(True, body, 1, ctx)
+    assert got == _run(False, body, 1, ctx)
+    assert got[1] == len(body) and len(got[2]) == len(body)
+    assert _run(True, lines, 0, ctx) == _run(False, lines, 0, ctx) == ([], 0, [], {})  # the first: careful
+    assert _run(True, body, 1, ctx, take=2) == _run(False, body, 1, ctx, take=2)  # closed early
+    assert _run(True, body, 2, ctx) == _run(False, body, 2, ctx) == ([], 0, [], {})  # not its seq
+
+
+_EDITS = st.sampled_from(
+    ["byte", "drop", "swap", "repeat", "field", "space", "escape", "order", "dup", "other"]
+)
+
+
+@needs_c
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    where=st.integers(min_value=0),
+    at=st.integers(min_value=0),
+    byte=st.integers(min_value=0, max_value=255),
+    how=_EDITS,
+    value=st.sampled_from(
+        [
+            None,
+            0,
+            -1,
+            2**64,
+            1.5,
+            "x",
+            "",
+            "\u2028",
+            "\x7f",
+            "é",
+            [],
+            {},
+            {"a": 1},
+            True,
+            "2023-11-14T22:13:20Z",
+        ]
+    ),
+)
+def test_damaged_lines_stop_where_python_stops(
+    valid: tuple[fastpath.Context, list[bytes]], where: int, at: int, byte: int, how: str, value: Any
+) -> None:
+    """A byte changed, a line dropped, swapped or repeated, a field given any JSON value (a float,
+    an int past 64 bits, a string to escape), whitespace, a needless escape, keys out of order, a
+    key twice, a line that is not an object: the same events pass, then both stop at the same line,
+    with the same hashes and counts."""
+    ctx, lines = valid
+    lines = lines[1:-1]
+    i = where % len(lines)
+    line = lines[i]
+    if how == "byte":
+        lines[i] = line[: at % len(line)] + bytes([byte]) + line[at % len(line) + 1 :]
+    elif how == "drop":
+        del lines[i]
+    elif how == "swap":
+        j = (i + 1 + at) % len(lines)
+        lines[i], lines[j] = lines[j], lines[i]
+    elif how == "repeat":
+        lines.insert(i, line)
+    elif how == "field":  # canonical still: the envelope's or the data's field changed
+        ev = orjson.loads(line)
+        target = ev if at % 2 else ev["data"]
+        target[sorted(target)[byte % len(target)]] = value
+        try:
+            lines[i] = orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:
+            lines[i] = line.replace(b'"data":{', b'"data":{"big":' + str(2**70).encode() + b",", 1)
+    elif how == "space":
+        k = at % len(line)
+        lines[i] = line[:k] + b" " + line[k:]
+    elif how == "escape":
+        lines[i] = line.replace(b"/", b"\\/", 1) if byte % 2 else line.replace(b"a", b"\\u0061", 1)
+    elif how == "order":
+        ev = orjson.loads(line)
+        lines[i] = orjson.dumps(dict(reversed(list(ev.items()))))
+    elif how == "dup":
+        lines[i] = line[:-1] + b',"type":"dev.evidence.file.open"}'
+    else:
+        lines[i] = json.dumps(value).encode()
+    assert _run(True, lines, 1, ctx) == _run(False, lines, 1, ctx)
+
+
+@needs_c
+def test_an_unexpected_error_is_raised_both_ways(
+    valid: tuple[fastpath.Context, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx, lines = valid
+
+    def boom(data: Any) -> None:
+        raise RuntimeError("a check that fails")
+
+    tails = fastpath._TYPES[fmt.FILE_OPEN][:2]
+    monkeypatch.setitem(fastpath._TYPES, fmt.FILE_OPEN, (*tails, boom))
+    assert (
+        _run(True, lines[1:-1], 1, ctx)
+        == _run(False, lines[1:-1], 1, ctx)
+        == (RuntimeError, "a check that fails")
+    )
+
+
+def _both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """lint's outcome with the loop in C, and with the Python loop (in this process, one thread)."""
+    monkeypatch.setattr(fastpath.Helper, "usable", staticmethod(lambda: False))
+    c = _outcome(path, parallel=False)
+    with monkeypatch.context() as m:
+        m.setattr(fastpath, "_verify", None)
+        python = _outcome(path, parallel=False)
+    return c, python
+
+
+@needs_c
+@pytest.mark.parametrize("k", range(len(_rule_runs())))
+def test_the_rules_bundles_lint_the_same(k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c, python = _both(write(tmp_path / "a.tar.gz", _rule_runs()[k]), monkeypatch)
+    assert c == python and not c[2]
+
+
+@needs_c
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_bundles_lint_the_same(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, _ = HOSTILE[case]
+    manifest, lines = members(write(tmp_path / "valid.tar.gz"))
+    c, python = _both(make(tmp_path / f"{case}.tar.gz", dict(manifest), list(lines)), monkeypatch)
+    assert c == python and c[2]
+
+
+@needs_c
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    where=st.integers(min_value=0), at=st.integers(min_value=0), byte=st.integers(0, 255), fix=st.booleans()
+)
+def test_damaged_bundles_lint_the_same(
+    where: int,
+    at: int,
+    byte: int,
+    fix: bool,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tmp = tmp_path_factory.mktemp("d")
+    recs = [*records(), *(open_(10_000 + i, f"{WS}/src/f{i}.c", ["read", "write"]) for i in range(20))]
+    manifest, lines = members(write(tmp / "a.tar.gz", recs))
+    lines = list(lines)
+    i = where % len(lines)
+    lines[i] = lines[i][: at % len(lines[i])] + bytes([byte]) + lines[i][at % len(lines[i]) + 1 :]
+    c, python = _both(rebuild(tmp / "d.tar.gz", manifest, lines, fix_root=fix), monkeypatch)
+    assert c == python
