@@ -13,6 +13,8 @@ import pickle
 import signal
 import struct
 import threading
+import types
+import typing
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -101,6 +103,50 @@ _TYPES = {
 _ERRORS = (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError)
 _verify = native.compiled("evidence.bundle._verify")  # `fast`'s loop in C (src/fast/_verify.c)
 
+# the data checks of the C path: each type's model as a spec _verify.valid reads, the same tests as
+# schemas.compile_checker's (exact types, literals of the same type, unions, lists, dicts of str
+# keys, the time pattern on the time fields); a model with a field it cannot say: its Python check
+_T_STR, _T_INT, _T_BOOL, _T_NONE, _T_LIT, _T_UNION, _T_LIST, _T_DICT = range(8)
+_Spec = tuple[Any, ...]
+
+
+def _test(ann: Any) -> _Spec | None:
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if ann is str:
+        return (_T_STR,)
+    if ann is int:
+        return (_T_INT,)
+    if ann is bool:
+        return (_T_BOOL,)
+    if ann is type(None):
+        return (_T_NONE,)
+    if origin is typing.Literal:
+        return (_T_LIT, args) if all(type(a) in (str, int, bool) for a in args) else None
+    if origin in (typing.Union, types.UnionType):
+        parts = [_test(a) for a in args]
+        return None if None in parts else (_T_UNION, tuple(parts))
+    if origin is list and len(args) == 1:
+        item = _test(args[0])
+        return None if item is None else (_T_LIST, item)
+    if origin is dict and len(args) == 2 and args[0] is str:
+        value = _test(args[1])
+        return None if value is None else (_T_DICT, value)
+    return None
+
+
+def _spec(model: Any) -> _Spec | None:
+    fields = []
+    for name, field in model.model_fields.items():
+        test = _test(field.annotation)
+        if test is None or (name in schemas.TIME_FIELDS and field.annotation is not str):
+            return None
+        fields.append((name, field.is_required(), name in schemas.TIME_FIELDS, test))
+    return tuple(fields)
+
+
+_SPECS = {etype: spec for etype, model in fmt.DATA_MODELS.items() if (spec := _spec(model)) is not None}
+
 
 def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
     """The fast path over `lines`, the first of which is event `seq`: makes every check the careful
@@ -123,6 +169,7 @@ def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Itera
         *_envelope_parts(ctx),
         _CORE_MIDDLE,
         _TYPES,
+        _SPECS,
         orjson.loads,
         orjson.dumps,
         orjson.OPT_SORT_KEYS,

@@ -6,12 +6,14 @@
  * holds both equal on good lines and on generated damage. Built by `make setup` (setup.py) as
  * evidence.bundle._verify; EVIDENCE_PURE_PYTHON=1 leaves it unused.
  *
- * lines(lines, seq, before_id, before_seq, before_subject, middle, types, loads, dumps, option,
- *       is_time, hashes, counts, errors) -> an iterator
+ * lines(lines, seq, before_id, before_seq, before_subject, middle, types, specs, loads, dumps,
+ *       option, is_time, hashes, counts, errors) -> an iterator
  *   lines: a list of bytes, the first of which is event `seq`; before_id, before_seq,
  *   before_subject: the constant bytes of a line (fastpath._envelope_parts), middle: those of a
  *   content hash's core (fastpath._CORE_MIDDLE); types: fastpath._TYPES (type -> (line tail, core
- *   tail, data check)); loads, dumps, option: orjson's; is_time: the time pattern's match; hashes,
+ *   tail, data check)); specs: fastpath._SPECS (type -> its data check's spec: that check made
+ *   here, `valid` below; a type without one is checked by its Python check); loads, dumps, option:
+ *   orjson's; is_time: the time pattern's match; hashes,
  *   counts: a Passed's (each event's content hash in hex appended, its type counted); errors: the
  *   exceptions that end the fast path without a word (any other is raised).
  *   Each next() checks the next line and returns its event if it passes, else ends (StopIteration)
@@ -23,6 +25,10 @@
  *     line == b'{"data":' + dumps(data, option) + before_id + seq + before_seq + seq
  *             + before_subject + dumps(subject) + b',"time":"' + time + line_tail
  *   and its content hash is sha256(b'{"data":' + dumps(data) + middle + dumps(subject) + core_tail).
+ *
+ * valid(spec, data) -> bool
+ *   Whether `data` passes the check `spec` describes: schemas.compile_checker's check of the same
+ *   model says None (valid) exactly then (tests/unit/test_lint_fast.py holds both equal).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,7 +51,7 @@ typedef struct {
     Py_ssize_t n;    /* events returned */
     int over;        /* a line did not pass, or the lines ended */
     PyObject *before_id, *before_seq, *before_subject, *middle; /* bytes */
-    PyObject *types, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
+    PyObject *types, *specs, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
     EVP_MD_CTX *ctx;
     Buf core;
 } Lines;
@@ -58,6 +64,7 @@ static void lines_dealloc(Lines *self) {
     Py_CLEAR(self->before_subject);
     Py_CLEAR(self->middle);
     Py_CLEAR(self->types);
+    Py_CLEAR(self->specs);
     Py_CLEAR(self->loads);
     Py_CLEAR(self->dumps);
     Py_CLEAR(self->option);
@@ -73,6 +80,7 @@ static void lines_dealloc(Lines *self) {
 static int lines_traverse(Lines *self, visitproc visit, void *arg) {
     Py_VISIT(self->lines);
     Py_VISIT(self->types);
+    Py_VISIT(self->specs);
     Py_VISIT(self->loads);
     Py_VISIT(self->dumps);
     Py_VISIT(self->option);
@@ -102,6 +110,123 @@ static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t 
 
 #define BYTES(o) PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)
 
+/* --- the data checks (fastpath._spec: each event type's model as a spec, compiled once) ---------
+ * A spec is a tuple of fields (name, required, is_time, test); a test is (tag,) or (tag, arg):
+ * STR, INT, BOOL exact types, NONE None, LIT (arg: the literals: the same exact type and equal to
+ * one), UNION (arg: the tests, one passes), LIST (arg: every item's test), DICT (arg: the test of
+ * every value, every key an exact str). What schemas.compile_checker's checks test, the same way. */
+enum { T_STR, T_INT, T_BOOL, T_NONE, T_LIT, T_UNION, T_LIST, T_DICT };
+
+/* 1 v passes, 0 it does not, -1 an error (a spec that is not one) */
+static int passes(PyObject *t, PyObject *v) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 1) goto bad;
+    long tag = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+    if (tag == -1 && PyErr_Occurred()) return -1;
+    PyObject *arg = PyTuple_GET_SIZE(t) > 1 ? PyTuple_GET_ITEM(t, 1) : NULL;
+    switch (tag) {
+    case T_STR:
+        return PyUnicode_CheckExact(v);
+    case T_INT:
+        return PyLong_CheckExact(v);
+    case T_BOOL:
+        return PyBool_Check(v);
+    case T_NONE:
+        return v == Py_None;
+    case T_LIT:
+        if (!arg || !PyTuple_CheckExact(arg)) goto bad;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(arg); k++) {
+            PyObject *a = PyTuple_GET_ITEM(arg, k); /* str, int or bool: equal without Python code */
+            if (Py_TYPE(v) != Py_TYPE(a)) continue;
+            int eq = PyObject_RichCompareBool(v, a, Py_EQ);
+            if (eq) return eq;
+        }
+        return 0;
+    case T_UNION:
+        if (!arg || !PyTuple_CheckExact(arg)) goto bad;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(arg); k++) {
+            int r = passes(PyTuple_GET_ITEM(arg, k), v);
+            if (r) return r;
+        }
+        return 0;
+    case T_LIST:
+        if (!arg) goto bad;
+        if (!PyList_CheckExact(v)) return 0;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(v); k++) {
+            int r = passes(arg, PyList_GET_ITEM(v, k));
+            if (r <= 0) return r;
+        }
+        return 1;
+    case T_DICT: {
+        if (!arg) goto bad;
+        if (!PyDict_CheckExact(v)) return 0;
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(v, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return 0;
+        }
+        pos = 0;
+        while (PyDict_Next(v, &pos, &key, &value)) {
+            int r = passes(arg, value);
+            if (r <= 0) return r;
+        }
+        return 1;
+    }
+    }
+bad:
+    PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+    return -1;
+}
+
+/* schemas.TIME_PATTERN: ^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$ (as a
+ * Python pattern, $ at the very end: \Z), on a str */
+static int time_form(PyObject *v) {
+    static const char form[] = "dddd-dd-ddTdd:dd:dd.dddddddddZ";
+    if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) != 30) return 0;
+    int kind = PyUnicode_KIND(v);
+    const void *data = PyUnicode_DATA(v);
+    for (Py_ssize_t k = 0; k < 30; k++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, k);
+        if (form[k] == 'd' ? (c < '0' || c > '9') : c != (Py_UCS4)form[k]) return 0;
+    }
+    return 1;
+}
+
+/* 1 `d` is valid data for `spec` (the Python check says None), 0 not, -1 an error */
+static int valid_data(PyObject *spec, PyObject *d) {
+    if (!PyTuple_CheckExact(spec)) {
+        PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+        return -1;
+    }
+    if (!PyDict_CheckExact(d)) return 0;
+    Py_ssize_t seen = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(spec); k++) {
+        PyObject *f = PyTuple_GET_ITEM(spec, k);
+        if (!PyTuple_CheckExact(f) || PyTuple_GET_SIZE(f) != 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(f, 0))) {
+            PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+            return -1;
+        }
+        PyObject *v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(f, 0)); /* a str key: no Python code */
+        if (!v) {
+            if (PyErr_Occurred()) return -1;
+            if (PyObject_IsTrue(PyTuple_GET_ITEM(f, 1))) return 0; /* required */
+            continue;
+        }
+        seen++;
+        int r = passes(PyTuple_GET_ITEM(f, 3), v);
+        if (r <= 0) return r;
+        if (PyTuple_GET_ITEM(f, 2) == Py_True && !time_form(v)) return 0;
+    }
+    return seen == PyDict_GET_SIZE(d); /* no field the model does not have */
+}
+
+static PyObject *valid(PyObject *module, PyObject *args) {
+    PyObject *spec, *data;
+    if (!PyArg_ParseTuple(args, "OO", &spec, &data)) return NULL;
+    int r = valid_data(spec, data);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
 /* 1: the line passed (its hash and count taken); 0: it did not (nothing taken); -1: an error. */
 static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     /* ev["type"], then types[...]: not a dict (TypeError), no such key or type (KeyError), an
@@ -128,13 +253,26 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     PyObject *line_tail = PyTuple_GET_ITEM(known, 0), *core_tail = PyTuple_GET_ITEM(known, 1);
     PyObject *d = NULL, *s = NULL;
     int r = 0;
-    PyObject *why = PyObject_CallOneArg(PyTuple_GET_ITEM(known, 2), data);
-    if (!why) {
-        r = quiet(self);
+    int valid;
+    PyObject *spec = PyDict_GetItemWithError(self->specs, etype); /* the check in C, when it has one */
+    if (spec) {
+        valid = valid_data(spec, data);
+        if (valid < 0) {
+            r = -1;
+            goto out;
+        }
+    } else if (PyErr_Occurred()) {
+        r = -1;
         goto out;
+    } else {
+        PyObject *why = PyObject_CallOneArg(PyTuple_GET_ITEM(known, 2), data);
+        if (!why) {
+            r = quiet(self);
+            goto out;
+        }
+        valid = why == Py_None;
+        Py_DECREF(why);
     }
-    int valid = why == Py_None;
-    Py_DECREF(why);
     /* data.get("last_time"): a valid data is a dict (else AttributeError: the end) */
     if (!valid || !PyUnicode_CheckExact(time) || !PyDict_CheckExact(data)) goto out;
     PyObject *last = PyDict_GetItemWithError(data, s_last_time);
@@ -277,12 +415,12 @@ static PyTypeObject LinesType = {
 };
 
 static PyObject *lines(PyObject *module, PyObject *args) {
-    PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *loads, *dumps, *option, *is_time,
-        *hashes, *counts, *errors;
+    PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *specs, *loads, *dumps, *option,
+        *is_time, *hashes, *counts, *errors;
     Py_ssize_t seq;
-    if (!PyArg_ParseTuple(args, "O!nSSSSO!OOOOO!O!O", &PyList_Type, &list, &seq, &before_id, &before_seq,
-                          &before_subject, &middle, &PyDict_Type, &types, &loads, &dumps, &option, &is_time,
-                          &PyList_Type, &hashes, &PyDict_Type, &counts, &errors))
+    if (!PyArg_ParseTuple(args, "O!nSSSSO!O!OOOOO!O!O", &PyList_Type, &list, &seq, &before_id, &before_seq,
+                          &before_subject, &middle, &PyDict_Type, &types, &PyDict_Type, &specs, &loads, &dumps,
+                          &option, &is_time, &PyList_Type, &hashes, &PyDict_Type, &counts, &errors))
         return NULL;
     if (!PyBytes_CheckExact(before_id) || !PyBytes_CheckExact(before_seq) || !PyBytes_CheckExact(before_subject) ||
         !PyBytes_CheckExact(middle)) {
@@ -302,6 +440,7 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     self->before_subject = Py_NewRef(before_subject);
     self->middle = Py_NewRef(middle);
     self->types = Py_NewRef(types);
+    self->specs = Py_NewRef(specs);
     self->loads = Py_NewRef(loads);
     self->dumps = Py_NewRef(dumps);
     self->option = Py_NewRef(option);
@@ -320,6 +459,7 @@ static PyObject *lines(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"lines", lines, METH_VARARGS, "An iterator over the events of lines that pass the fast path."},
+    {"valid", valid, METH_VARARGS, "Whether data passes a data check's spec (what the fast path checks)."},
     {NULL, NULL, 0, NULL},
 };
 

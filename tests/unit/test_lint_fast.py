@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evidence.bundle import fastpath
+from evidence.bundle import fastpath, schemas
 from evidence.bundle import format as fmt
 from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
 from tests.unit.test_hostile import HOSTILE
@@ -160,6 +162,7 @@ def test_an_unexpected_error_is_raised_both_ways(
 
     tails = fastpath._TYPES[fmt.FILE_OPEN][:2]
     monkeypatch.setitem(fastpath._TYPES, fmt.FILE_OPEN, (*tails, boom))
+    monkeypatch.delitem(fastpath._SPECS, fmt.FILE_OPEN)  # (a type without a check in C calls Python's)
     assert (
         _run(True, lines[1:-1], 1, ctx)
         == _run(False, lines[1:-1], 1, ctx)
@@ -214,3 +217,118 @@ def test_damaged_bundles_lint_the_same(
     lines[i] = lines[i][: at % len(lines[i])] + bytes([byte]) + lines[i][at % len(lines[i]) + 1 :]
     c, python = _both(rebuild(tmp / "d.tar.gz", manifest, lines, fix_root=fix), monkeypatch)
     assert c == python
+
+
+# --- the data checks in C: schemas.compile_checker's checks, the same answer on any value --------------
+
+
+def _literals() -> list[Any]:
+    out: list[Any] = []
+
+    def walk(ann: Any) -> None:
+        if typing.get_origin(ann) is typing.Literal:
+            out.extend(typing.get_args(ann))
+        for a in typing.get_args(ann):
+            walk(a)
+
+    for model in fmt.DATA_MODELS.values():
+        for field in model.model_fields.values():
+            walk(field.annotation)
+    return out
+
+
+_TIME = "2026-11-27T20:00:00.000000001Z"
+_scalar = st.sampled_from(
+    [None, True, False, 0, 1, -1, 2**63, 0.0, 1.5, "", "x", _TIME, _TIME + "\n", _TIME.replace("T", "t"),
+     "２０２６-11-27T20:00:00.000000001Z", _TIME[:-1] + "z", "0" * 30, *_literals()]
+)  # fmt: skip
+_value = st.recursive(
+    _scalar,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["a", "read", ""]), inner, max_size=2)
+    ),
+    max_leaves=5,
+)
+
+
+@st.composite
+def _data(draw: st.DrawFn) -> tuple[str, Any]:
+    """An event type and a data value for it: a valid one (optional fields there or not), then up
+    to three damages: a field given any value, a field dropped (even a required one), a field the
+    model does not have or a key that is not a string; now and then no object at all."""
+    etype = draw(st.sampled_from(sorted(fmt.DATA_MODELS)))
+    fields = fmt.DATA_MODELS[etype].model_fields
+    d: dict[Any, Any] = {}
+    for name, field in fields.items():
+        if field.is_required() or draw(st.booleans()):
+            d[name] = draw(_good(field.annotation, name))
+    for _ in range(draw(st.integers(0, 3))):
+        how = draw(st.integers(0, 2))
+        name = draw(st.sampled_from(sorted(fields)))
+        if how == 0:
+            d[name] = draw(_value)
+        elif how == 1:
+            d.pop(name, None)
+        else:
+            d[draw(st.sampled_from(["extra", 1, "pid"]))] = draw(_value)
+    if draw(st.integers(0, 19)) == 0:
+        return etype, draw(_value)
+    return etype, d
+
+
+def _good(ann: Any, name: str) -> st.SearchStrategy[Any]:
+    origin = typing.get_origin(ann)
+    if name in ("first_time", "last_time", "requested_at"):
+        return st.just(_TIME)
+    if ann is str:
+        return st.text(max_size=5)
+    if ann is int:
+        return st.integers(-5, 5)
+    if ann is bool:
+        return st.booleans()
+    if ann is type(None):
+        return st.none()
+    if origin is typing.Literal:
+        return st.sampled_from(typing.get_args(ann))
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(_good(a, name) for a in typing.get_args(ann)))
+    if origin is list:
+        return st.lists(_good(typing.get_args(ann)[0], name), max_size=3)
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=3), _good(typing.get_args(ann)[1], name), max_size=2)
+    raise TypeError(ann)
+
+
+@needs_c
+def test_every_type_has_its_check_in_c() -> None:
+    assert set(fastpath._SPECS) == set(fmt.DATA_MODELS)
+
+
+@needs_c
+@settings(max_examples=3000, deadline=None)
+@given(case=_data())
+def test_the_data_checks_in_c_say_what_python_says(case: tuple[str, Any]) -> None:
+    etype, data = case
+    try:
+        python = schemas.DATA_CHECKERS[etype](data) is None
+    except TypeError:  # (its reason sorts the keys: one that is not a string, which JSON never has)
+        python = False  # the fast path's end too (TypeError is among what ends it)
+    assert fastpath._verify.valid(fastpath._SPECS[etype], data) == python
+
+
+@needs_c
+def test_a_valid_and_a_few_invalid_data_by_hand() -> None:
+    spec = fastpath._SPECS[fmt.FILE_OPEN]
+    good = {
+        "access": ["read"], "count": 1, "exe": None, "first_time": _TIME, "flags": ["O_RDONLY"],
+        "last_time": _TIME, "path": "/a", "pid": 1, "ppid": 0, "raw_path": "a", "result": 0,
+    }  # fmt: skip
+    assert schemas.DATA_CHECKERS[fmt.FILE_OPEN](good) is None and fastpath._verify.valid(spec, good)
+    for bad in (
+        {"count": True}, {"count": 1.0}, {"access": ["read", "fly"]}, {"access": "read"},
+        {"result": 1}, {"result": False}, {"last_time": _TIME + "\n"}, {"flags": [1]}, {"mystery": 1},
+    ):  # fmt: skip
+        data = {**good, **bad}
+        assert schemas.DATA_CHECKERS[fmt.FILE_OPEN](data) is not None
+        assert not fastpath._verify.valid(spec, data)
+    assert not fastpath._verify.valid(spec, {k: v for k, v in good.items() if k != "pid"})
