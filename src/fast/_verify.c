@@ -17,7 +17,7 @@
  *   counts: a Passed's (each event's content hash in hex appended, its type counted); errors: the
  *   exceptions that end the fast path without a word (any other is raised).
  *   Each next() checks the next line and returns its event if it passes, else ends (StopIteration)
- *   there for good; `n` is how many it returned. Per line, as `fast`:
+ *   there for good. Per line, as `fast`:
  *     ev = loads(line); line_tail, core_tail, check = types[ev["type"]]
  *     data, time, subject = ev["data"], ev["time"], ev["subject"]
  *     type(subject) is str and check(data) is None and type(time) is str
@@ -48,7 +48,6 @@ typedef struct {
     PyObject *lines; /* a list of bytes */
     Py_ssize_t next; /* the index of the next line */
     Py_ssize_t seq;  /* its event's seq */
-    Py_ssize_t n;    /* events returned */
     int over;        /* a line did not pass, or the lines ended */
     PyObject *before_id, *before_seq, *before_subject, *middle; /* bytes */
     PyObject *types, *specs, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
@@ -392,16 +391,8 @@ static PyObject *lines_next(Lines *self) {
     }
     self->next++;
     self->seq++;
-    self->n++;
     return ev;
 }
-
-static PyObject *lines_n(Lines *self, void *closure) { return PyLong_FromSsize_t(self->n); }
-
-static PyGetSetDef lines_getset[] = {
-    {"n", (getter)lines_n, NULL, "events returned", NULL},
-    {NULL},
-};
 
 static PyTypeObject LinesType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "evidence.bundle._verify.Lines",
@@ -411,7 +402,6 @@ static PyTypeObject LinesType = {
     .tp_traverse = (traverseproc)lines_traverse,
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)lines_next,
-    .tp_getset = lines_getset,
 };
 
 static PyObject *lines(PyObject *module, PyObject *args) {
@@ -431,7 +421,6 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     if (!self) return NULL;
     self->next = 0;
     self->seq = seq;
-    self->n = 0;
     self->over = 0;
     self->core = (Buf){0};
     self->lines = Py_NewRef(list);
