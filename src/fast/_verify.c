@@ -100,6 +100,20 @@ static int quiet(Lines *self) {
     return -1;
 }
 
+/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
+static inline int decimal(char *tmp, long long v) {
+    char rev[20];
+    int n = 0, k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        rev[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[k++] = '-';
+    while (n) tmp[k++] = rev[--n];
+    return k;
+}
+
 /* Whether b[*at..] starts with s[0..n), moving *at past it. */
 static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t n) {
     if (memcmp(b + *at, s, (size_t)n) != 0) return 0;
@@ -295,7 +309,7 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
         if (!matched) goto out;
     }
     char digits[32];
-    Py_ssize_t dn = (Py_ssize_t)snprintf(digits, sizeof digits, "%zd", self->seq);
+    Py_ssize_t dn = decimal(digits, (long long)self->seq);
     PyObject *call[2] = {data, self->option};
     d = PyObject_Vectorcall(self->dumps, call, 1, kw_option);
     if (!d) {

@@ -43,10 +43,23 @@
 
 #define PUT_LIT(b, s) put((b), (s), sizeof(s) - 1)
 
+/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
+static inline int decimal(char *tmp, long long v) {
+    char rev[20];
+    int n = 0, k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        rev[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[k++] = '-';
+    while (n) tmp[k++] = rev[--n];
+    return k;
+}
+
 static inline int put_ssize(Buf *b, Py_ssize_t v) {
     char tmp[32];
-    int n = snprintf(tmp, sizeof tmp, "%zd", v);
-    return put(b, tmp, (size_t)n);
+    return put(b, tmp, (size_t)decimal(tmp, (long long)v));
 }
 
 /* printable ASCII (what str.isascii() and str.isprintable() both take) */
@@ -77,8 +90,7 @@ static int put_value(Buf *b, PyObject *v) {
         }
         if (!overflow) {
             char tmp[32];
-            int n = snprintf(tmp, sizeof tmp, "%lld", x);
-            return put(b, tmp, (size_t)n) ? -1 : 1;
+            return put(b, tmp, (size_t)decimal(tmp, x)) ? -1 : 1;
         }
         PyObject *s = PyObject_Str(v); /* str(int): digits and a sign, printable */
         if (!s) {
