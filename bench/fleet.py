@@ -329,6 +329,7 @@ def agent_child(args: argparse.Namespace) -> int:
                 "cpu_s": cpu,
                 "lint_s": lint_cpu[0],
                 "threads": threads,
+                "load": os.getloadavg()[0],  # the machine's: what else ran beside it (2 CPUs)
             }
         )
     )
@@ -381,6 +382,7 @@ def print_agent(agents: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{k} {v / a['offered_s'] * 100:.1f}%" for k, v in sorted(a["threads"].items()) if v
         )
         row("  by thread", [threads])
+    row("  load average (1 min) at its end", [f"{a.get('load', float('nan')):.1f}" for a in done])
     met = "met" if max(share) <= 5.0 else "missed"
     print(f"{'the whole, over the runs':44} {min(share):.1f} to {max(share):.1f}% (target <= 5%: {met})")
 
