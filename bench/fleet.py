@@ -289,14 +289,15 @@ def agent_child(args: argparse.Namespace) -> int:
         tick = 0.01  # the recorder's observer hands records over about this often
         per_tick = max(1, round(per_run * rate * tick))
         k = 0
-        handing = 0.0  # the feeding thread's CPU in submit and bundle_written (the rest is this harness's)
+        handing = (
+            0.0  # the feeding thread's CPU in submit_many and bundle_written (the rest is this harness's)
+        )
         for r, (bundle, manifest) in enumerate(zip(bundles, manifests, strict=True)):
             for start in range(0, per_run, per_tick):
                 # made as the recorder makes them, just before it hands them over (not counted)
                 events = [event(names[r], i) for i in range(start, min(per_run, start + per_tick))]
                 c0 = time.thread_time()
-                for e in events:
-                    pub.submit(e)
+                pub.submit_many(events)  # as the agent's backend hands a run's records over
                 handing += time.thread_time() - c0
                 k += 1
                 time.sleep(max(0.0, t0 + k * tick - time.monotonic()))  # on the rate's schedule
@@ -316,7 +317,7 @@ def agent_child(args: argparse.Namespace) -> int:
     # agent's publishing costs, its recorder's hand-over included
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime) - threads.pop("MainThread", 0.0)
     cpu += handing
-    threads["hand-over (submit, bundle_written)"] = handing
+    threads["hand-over (submit_many, bundle_written)"] = handing
     print(
         json.dumps(
             {

@@ -135,6 +135,16 @@ class FleetPublisher:
                 batch, self._overflow = self._overflow, []
             self._to_outbox(batch)
 
+    def submit_many(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Hand a batch of live events over (the recorder's: each run's records as it observes
+        them), as `submit` each, in one call while the queue has room for them all."""
+        pending = self._pending
+        if len(pending) + len(events) <= self._queue_size:
+            pending.extend(events)
+        else:
+            for event in events:
+                self.submit(event)
+
     def bundle_written(self, path: Path, manifest: Mapping[str, Any] | None = None) -> None:
         """A finished bundle: into the outbox (a hard link, or a copy), to be sent when it can."""
         try:

@@ -281,3 +281,25 @@ def test_the_outbox_lets_a_bundle_go_only_when_the_bucket_holds_it_with_its_dige
         assert reg.value("evidence_fleet_bundles_stored_total") == 0
     finally:
         late.close()
+
+
+def test_events_handed_over_in_batches_arrive_once_each_past_the_queue_too(
+    tmp_path: Path, server: Server
+) -> None:
+    """submit_many (the agent's backend hands each run's records over that way): within the queue's
+    room in one call, past it event by event into the outbox; every event once, in order."""
+    reg = m.Registry()
+    sink = NatsSink(servers=[server.url], node="node-a", batch_interval=0.05, batch_size=50, ack_timeout=2.0)
+    pub = FleetPublisher(sink, tmp_path / "outbox", registry=reg, backoff=Backoff(0.1, 0.5), queue_size=100)
+    pub.submit_many([event("h1", i) for i in range(40)])  # room: queued at once
+    assert len(pub._pending) == 40
+    pub.submit_many([event("h1", i) for i in range(40, 400)])  # past the room: the rest to the outbox
+    pub.start()
+    try:
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 400, what="events acked")
+    finally:
+        pub.close()
+    ids = [e["id"] for e in stream_events(server.url)]
+    assert (
+        sorted(ids, key=lambda i: int(i.split(":")[1])) == [f"h1:{i}" for i in range(400)] and len(ids) == 400
+    )
