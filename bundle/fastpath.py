@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import types
 import typing
@@ -167,6 +168,8 @@ def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator
 def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
     if seq == 0:
         return iter(())
+    if seq + len(lines) > sys.maxsize:  # seqs past what the C counts in (no bundle has as many)
+        return fast_python(lines, seq, ctx, passed)
     it: Iterator[EventJSON] = _verify.lines(
         lines if type(lines) is list else list(lines),
         seq,

@@ -243,8 +243,7 @@ static PyObject *valid(PyObject *module, PyObject *args) {
 /* 1: the line passed (its hash and count taken); 0: it did not (nothing taken); -1: an error. */
 static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     /* ev["type"], then types[...]: not a dict (TypeError), no such key or type (KeyError), an
-     * unhashable type (TypeError) all end it, as they do the Python path. ev is this line's own
-     * dict, which nothing else holds: the values borrowed from it stay while it does. */
+     * unhashable type (TypeError) all end it, as they do the Python path. */
     if (!PyDict_CheckExact(ev)) return 0;
     PyObject *etype = PyDict_GetItemWithError(ev, s_type);
     if (!etype) return PyErr_Occurred() ? quiet(self) : 0;
@@ -262,7 +261,12 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     PyObject *subject = PyDict_GetItemWithError(ev, s_subject);
     if (!subject) return PyErr_Occurred() ? quiet(self) : 0;
     if (!PyUnicode_CheckExact(subject)) return 0;
-    Py_INCREF(known); /* held while the check (Python) runs */
+    /* held from here on: a check or the time pattern may be Python, which could change the dict */
+    Py_INCREF(known);
+    Py_INCREF(etype);
+    Py_INCREF(data);
+    Py_INCREF(time);
+    Py_INCREF(subject);
     PyObject *line_tail = PyTuple_GET_ITEM(known, 0), *core_tail = PyTuple_GET_ITEM(known, 1);
     PyObject *d = NULL, *s = NULL;
     int r = 0;
@@ -380,6 +384,10 @@ out:
     Py_XDECREF(d);
     Py_XDECREF(s);
     Py_DECREF(known);
+    Py_DECREF(etype);
+    Py_DECREF(data);
+    Py_DECREF(time);
+    Py_DECREF(subject);
     return r;
 }
 
@@ -404,7 +412,10 @@ static PyObject *lines_next(Lines *self) {
         return NULL; /* r == 0: the end, quietly; r < 0: the error set */
     }
     self->next++;
-    self->seq++;
+    if (self->seq == PY_SSIZE_T_MAX) /* the next line's seq is past what this counts: the caller's */
+        self->over = 1;              /* (fastpath takes such lines in Python) */
+    else
+        self->seq++;
     return ev;
 }
 

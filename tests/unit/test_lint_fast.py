@@ -332,3 +332,72 @@ def test_a_valid_and_a_few_invalid_data_by_hand() -> None:
         assert schemas.DATA_CHECKERS[fmt.FILE_OPEN](data) is not None
         assert not fastpath._verify.valid(spec, data)
     assert not fastpath._verify.valid(spec, {k: v for k, v in good.items() if k != "pid"})
+
+
+@needs_c
+def test_seqs_past_what_c_counts_go_the_python_way(valid: tuple[fastpath.Context, list[bytes]]) -> None:
+    """No bundle has 2**63 lines, but the C path never passes what the Python path does not: the
+    line after seq 2**63 - 1 is checked as seq 2**63, not a wrapped one."""
+    ctx, lines = valid
+    top = 2**63 - 1
+
+    def at(seq: int, line: bytes) -> bytes:
+        ev = orjson.loads(line)
+        ev["seq"], ev["id"] = seq, f"{ctx.run_id}:{seq}"
+        return orjson.dumps(ev, option=orjson.OPT_SORT_KEYS)
+
+    good = lines[5]
+    for seqs in ([top, top + 1], [top, -(2**63)], [top - 1, top], [top + 1, top + 2]):
+        body = [at(s, good) for s in seqs]
+        got = _run(True, body, seqs[0], ctx)
+        assert got == _run(False, body, seqs[0], ctx), seqs
+    assert _run(True, [at(top, good), at(top + 1, good)], top, ctx)[1] == 2  # both passed (in Python)
+    for after in (top + 1, -(2**63)):  # the C iterator itself stops after seq 2**63 - 1, wraps never
+        passed = fastpath.Passed()
+        it = fastpath._verify.lines(
+            [at(top, good), at(after, good)], top, *fastpath._envelope_parts(ctx), fastpath._CORE_MIDDLE,
+            fastpath._TYPES, fastpath._SPECS, orjson.loads, orjson.dumps, orjson.OPT_SORT_KEYS, fastpath.TIME,
+            passed.hashes, passed.counts, fastpath._ERRORS,
+        )  # fmt: skip
+        assert len(list(it)) == passed.n == 1
+
+
+_BORROWED = """
+import orjson, sys
+from evidence.bundle import fastpath
+from evidence.bundle import format as fmt
+which, line, seq, ctx = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), orjson.loads(sys.argv[4])
+held = {}
+def loads(b):
+    held["ev"] = orjson.loads(b)
+    return held["ev"]
+real = fastpath._TYPES[fmt.FILE_OPEN][2]
+def check(data):  # replaces a value of the line's dict with an equal one: the old one is freed
+    ev = held["ev"]
+    ev[which] = orjson.loads(orjson.dumps(ev[which]))
+    return real(data)
+types = {**fastpath._TYPES, fmt.FILE_OPEN: (*fastpath._TYPES[fmt.FILE_OPEN][:2], check)}
+passed = fastpath.Passed()
+it = fastpath._verify.lines([line], seq, *fastpath._envelope_parts(fastpath.Context(*ctx)), fastpath._CORE_MIDDLE,
+    types, {}, loads, orjson.dumps, orjson.OPT_SORT_KEYS, fastpath.TIME, passed.hashes, passed.counts,
+    fastpath._ERRORS)
+print(len(list(it)), passed.hashes == [fmt.content_hash(orjson.loads(line))])
+"""
+
+
+@needs_c
+@pytest.mark.parametrize("which", ["type", "data", "time", "subject"])
+def test_values_a_python_check_replaces_are_still_held(
+    valid: tuple[fastpath.Context, list[bytes]], which: str
+) -> None:
+    """The C path holds what it read of the line (its type, data, time, subject) while a Python
+    check runs (a type without a check in C), so a check that changes the line's dict frees nothing
+    still read (PYTHONMALLOC=debug makes a read of freed memory show)."""
+    ctx, lines = valid
+    line = lines[5]
+    seq = orjson.loads(line)["seq"]
+    args = [which, line.decode(), str(seq), json.dumps([ctx.run_id, ctx.source, ctx.line, ctx.labels])]
+    env = {**os.environ, "PYTHONMALLOC": "debug"}
+    out = subprocess.run([sys.executable, "-c", _BORROWED, *args], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True"]
