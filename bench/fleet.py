@@ -13,15 +13,18 @@ publisher (agent/daemon/fleet.py: outbox on disk, the events' own connection, ob
 - the publishers' CPU per 1,000 events (all of them in this one process).
 Then the agent's own CPU for publishing, in a process of its own (`--agent-child`): one publisher, as
 the agent has, fed as a recorder feeds it, at `--runs-per-min` runs a minute of `--events-per-run`
-events each (the events handed over every 10 ms, a run's bundle, with as many events, at its end),
+events each (the events handed over every 10 ms in one call, as the agent's backend hands a run's
+records over, a run's bundle, with as many events, at its end),
 for `--seconds`, against the R1 server, `--agent-runs` times (3; each a process of its own with
-sessions of its own); its CPU (getrusage, every thread) from the first event to the last
+sessions of its own; the machine's load average printed beside each, since what else runs moves
+the figure); its CPU (getrusage, every thread) from the first event to the last
 acknowledgement, over the time the load was offered, as a share of one core, and by part: the lint
 of each bundle for its index entry (measured around it, in the one thread it runs in, inflating
 included), the rest (events, bundles, index). The bundles are made before the clock starts; the
 events as the recorder makes them, just before each hand-over (what making them costs is the
 recorder's, not counted, and so is the feeding thread's own CPU but its hand-over calls).
-EVIDENCE_PURE_PYTHON=1 measures the agent without its compiled parts (src/fast: framing, acknowledgements).
+EVIDENCE_PURE_PYTHON=1 measures the agent without its compiled parts (src/fast: framing,
+acknowledgements, the reader's fast path its lint runs).
 Targets (issue 25): 1,000 runs/min and 20,000 events/s into R1; run to listed p99 <= 2 s; <= 5% of a
 core at 100 runs/min. A missed target is printed, not failed; the exit code is about correctness
 (every event and bundle acknowledged, the index complete).
