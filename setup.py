@@ -27,6 +27,16 @@ _EXTENSIONS = [
         extra_compile_args=["-O2"],
         optional=True,
     ),
+    # the verifying reader's fast path over event lines (bundle/fastpath.py `fast`: lint, verify, the
+    # fleet publisher's index entries)
+    Extension(
+        "evidence.bundle._verify",
+        sources=["src/fast/_verify.c"],
+        depends=["src/fast/buf.h"],
+        libraries=["crypto"],  # OpenSSL's SHA-256 (libssl-dev)
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
     # the fleet publisher's framing of live events and its acknowledgements' read (fleet_wire.py)
     Extension(
         "evidence.agent.daemon._wire",

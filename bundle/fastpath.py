@@ -12,14 +12,17 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
+import types
+import typing
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import orjson
 
-from evidence.bundle import container, schemas
+from evidence.bundle import container, native, schemas
 from evidence.bundle import format as fmt
 from evidence.bundle.read_types import EventJSON
 
@@ -49,9 +52,13 @@ class Context:
 class Passed:
     """What passed the fast path, in order: the root hash and the counts take it in."""
 
-    n: int = 0  # events
     hashes: list[str] = dataclasses.field(default_factory=list)  # their content hashes (hex)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # by type
+
+    @property
+    def n(self) -> int:
+        """Events (each has its content hash)."""
+        return len(self.hashes)
 
     def root_bytes(self) -> bytes:
         return ("\n".join(self.hashes) + "\n").encode() if self.hashes else b""
@@ -98,11 +105,91 @@ _TYPES = {
 }
 
 
+_ERRORS = (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError)
+_verify = native.compiled("evidence.bundle._verify")  # `fast`'s loop in C (src/fast/_verify.c)
+
+# the data checks of the C path: each type's model as a spec _verify.valid reads, the same tests as
+# schemas.compile_checker's (exact types, literals of the same type, unions, lists, dicts of str
+# keys, the time pattern on the time fields); a model with a field it cannot say: its Python check
+_T_STR, _T_INT, _T_BOOL, _T_NONE, _T_LIT, _T_UNION, _T_LIST, _T_DICT = range(8)
+_Spec = tuple[Any, ...]
+
+
+def _test(ann: Any) -> _Spec | None:
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if ann is str:
+        return (_T_STR,)
+    if ann is int:
+        return (_T_INT,)
+    if ann is bool:
+        return (_T_BOOL,)
+    if ann is type(None):
+        return (_T_NONE,)
+    if origin is typing.Literal:
+        return (_T_LIT, args) if all(type(a) in (str, int, bool) for a in args) else None
+    if origin in (typing.Union, types.UnionType):
+        parts = [_test(a) for a in args]
+        return None if None in parts else (_T_UNION, tuple(parts))
+    if origin is list and len(args) == 1:
+        item = _test(args[0])
+        return None if item is None else (_T_LIST, item)
+    if origin is dict and len(args) == 2 and args[0] is str:
+        value = _test(args[1])
+        return None if value is None else (_T_DICT, value)
+    return None
+
+
+def _spec(model: Any) -> _Spec | None:
+    fields = []
+    for name, field in model.model_fields.items():
+        test = _test(field.annotation)
+        if test is None or (name in schemas.TIME_FIELDS and field.annotation is not str):
+            return None
+        fields.append((name, field.is_required(), name in schemas.TIME_FIELDS, test))
+    return tuple(fields)
+
+
+_SPECS = {etype: spec for etype, model in fmt.DATA_MODELS.items() if (spec := _spec(model)) is not None}
+
+
 def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
     """The fast path over `lines`, the first of which is event `seq`: makes every check the careful
     path makes, yields each event that passes (adding it to `passed`) and stops at the first that
     does not, without saying why; and at the first event whose place in the run needs checking (the
-    first event, run.started, run.finished). The caller goes on from there with the careful path."""
+    first event, run.started, run.finished). The caller goes on from there with the careful path.
+    In C when built (src/fast/_verify.c: the same steps, in the same order, with the same
+    functions); `fast_python`, the reference, otherwise."""
+    if _verify is None:
+        return fast_python(lines, seq, ctx, passed)
+    return _fast_c(lines, seq, ctx, passed)
+
+
+def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
+    if seq == 0:
+        return iter(())
+    if seq + len(lines) > sys.maxsize:  # seqs past what the C counts in (no bundle has as many)
+        return fast_python(lines, seq, ctx, passed)
+    it: Iterator[EventJSON] = _verify.lines(
+        lines if type(lines) is list else list(lines),
+        seq,
+        *_envelope_parts(ctx),
+        _CORE_MIDDLE,
+        _TYPES,
+        _SPECS,
+        orjson.loads,
+        orjson.dumps,
+        orjson.OPT_SORT_KEYS,
+        TIME,
+        passed.hashes,
+        passed.counts,
+        _ERRORS,
+    )
+    return it
+
+
+def fast_python(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
+    """`fast` in Python: the reference the C path matches."""
     before_id, before_seq, before_subject = _envelope_parts(ctx)
     types = _TYPES
     loads = orjson.loads
@@ -113,7 +200,7 @@ def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator
     join = b"".join
     add_hash = passed.hashes.append
     counts = passed.counts
-    errors = (orjson.JSONDecodeError, orjson.JSONEncodeError, AttributeError, KeyError, TypeError)
+    errors = _ERRORS
     if seq == 0:
         return
     for line in lines:
@@ -145,7 +232,6 @@ def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator
             return
         add_hash(sha256(join((b'{"data":', d, _CORE_MIDDLE, s, core_tail))).hexdigest())
         counts[etype] = counts.get(etype, 0) + 1
-        passed.n += 1
         seq += 1
         yield ev
 

@@ -444,10 +444,11 @@ class RecorderBackend:
             from evidence.agent.daemon.delivery import live_events  # the agent extra's cloudevents
 
             events, run.seq = live_events(run.session.session_id, run.seq, recs, run.extensions)
-            for sink in (self.streamer, self.fleet):
-                if sink is not None:
-                    for event in events:
-                        sink.submit(event)
+            if self.streamer is not None:
+                for event in events:
+                    self.streamer.submit(event)
+            if self.fleet is not None:
+                self.fleet.submit_many(events)
 
     def update_labels(
         self, session_id: str, labels: Mapping[str, str], bundle_name: str | None = None

@@ -22,10 +22,12 @@ the layout, and the events' own:
   again, oldest first, with backoff: JetStream drops a message whose id it stored within the
   stream's duplicate window (10 minutes when the agent made the stream).
 - bundles: put into the node's object store bucket (`evidence-bundles-<node>`) under
-  `<node>.<session>` unless it has it already; its info read
-  back; only when the server's size and SHA-256 are the bundle's is the index entry written and the
-  bundle removed from the outbox. An object of that name with another digest is an error (logged,
-  counted, retried with backoff): nothing is overwritten.
+  `<node>.<session>` unless it has it already (the name looked up first: bundle/fleet/client.py
+  `put_new` writes the chunks and the meta nats-py's put writes, without its own look-up or a read
+  back: the meta JetStream acknowledged names the SHA-256 of the bytes sent, which must be the
+  job's); only when the bucket holds it with the bundle's size and SHA-256 is the index entry
+  written and the bundle removed from the outbox. An object of that name with another digest is an
+  error (logged, counted, retried with backoff): nothing is overwritten.
 
 A restarted agent sends what its outbox holds. Refusals (a permission violation, a full stream) are
 errors in the log and in `evidence_fleet_errors_total`, never a crash.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -48,7 +51,15 @@ from typing import TYPE_CHECKING, Any
 from evidence.agent.daemon import metrics as m
 from evidence.agent.daemon.delivery import Backoff
 from evidence.agent.daemon.fleet_outbox import BundleJob, Outbox
-from evidence.agent.daemon.fleet_wire import DUPLICATE, STORED, TOO_LARGE, EventWire, Segment, frame
+from evidence.agent.daemon.fleet_wire import (
+    DUPLICATE,
+    STORED,
+    TOO_LARGE,
+    EventWire,
+    Segment,
+    frame,
+    frame_known,
+)
 from evidence.bundle.fleet import names
 
 if TYPE_CHECKING:
@@ -96,6 +107,7 @@ class FleetPublisher:
         self._queue_size = queue_size
         self._overflow: list[Mapping[str, Any]] = []
         self._overflow_lock = threading.Lock()
+        self._collect_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,6 +134,16 @@ class FleetPublisher:
                     return
                 batch, self._overflow = self._overflow, []
             self._to_outbox(batch)
+
+    def submit_many(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Hand a batch of live events over (the recorder's: each run's records as it observes
+        them), as `submit` each, in one call while the queue has room for them all."""
+        pending = self._pending
+        if len(pending) + len(events) <= self._queue_size:
+            pending.extend(events)
+        else:
+            for event in events:
+                self.submit(event)
 
     def bundle_written(self, path: Path, manifest: Mapping[str, Any] | None = None) -> None:
         """A finished bundle: into the outbox (a hard link, or a copy), to be sent when it can."""
@@ -152,9 +174,16 @@ class FleetPublisher:
             self._subjects[session] = subject
         return subject
 
+    def _named(self, session: Any) -> bytes | None:
+        return self._subject(session) if type(session) is str else None
+
     def _segment(self, batch: Sequence[Mapping[str, Any]], no: int) -> Segment:
         """Events framed as segment `no` (an event without a usable session is left out)."""
         known = self._subjects
+        if type(batch) is list:  # the usual batch: all of it in C (new sessions named on the way)
+            made = frame_known(no, self.inbox, known, batch, self._named)
+            if made is not None:
+                return made
         subjects: list[bytes] = []
         events: list[Mapping[str, Any]] = []
         for event in batch:
@@ -219,11 +248,12 @@ class FleetPublisher:
         """Up to a batch: after `wait` seconds unless a whole batch is there already."""
         if wait > 0 and len(self._pending) < self.sink.batch_size:
             self._stop.wait(wait)
-        batch: list[Mapping[str, Any]] = []
         pending = self._pending
-        with contextlib.suppress(IndexError):
-            for _ in range(min(self.sink.batch_size, len(pending))):
-                batch.append(pending.popleft())
+        with self._collect_lock:  # one taker at a time: the deque holds at least what it counted
+            take = min(self.sink.batch_size, len(pending))
+            batch: list[Mapping[str, Any]] = list(
+                itertools.starmap(pending.popleft, itertools.repeat((), take))
+            )
         with self._overflow_lock:
             if self._overflow and len(batch) < self.sink.batch_size:
                 take = self.sink.batch_size - len(batch)
@@ -477,7 +507,7 @@ class FleetPublisher:
     async def _send_bundle(self, js: JetStreamContext, job: BundleJob) -> bool:
         from nats.js.errors import ObjectNotFoundError
 
-        from evidence.bundle.fleet.client import object_digest
+        from evidence.bundle.fleet.client import object_digest, put_new
 
         digest = object_digest(job.sha256)
         try:
@@ -488,14 +518,14 @@ class FleetPublisher:
                 info = await store.get_info(job.key)
             except ObjectNotFoundError:
                 info = None
-            if info is None:
+            if info is None:  # not there: put (else it is ours already, or another's, said below)
+                bucket = names.bundle_bucket(self.node)
                 if job.size <= SMALL_BUNDLE:  # in one read, not a thread hop a 128 KiB chunk
-                    await store.put(job.key, job.path.read_bytes())
+                    await put_new(js, bucket, job.key, job.path.read_bytes(), job.sha256, job.size)
                 else:
                     with open(job.path, "rb") as f:
-                        await store.put(job.key, f)
-                info = await store.get_info(job.key)  # what the server holds, not what we sent
-            if info.digest != digest or info.size != job.size:
+                        await put_new(js, bucket, job.key, f, job.sha256, job.size)
+            elif info.digest != digest or info.size != job.size:
                 self._error(
                     "bundle",
                     f"the bucket holds another bundle under {job.key} ({info.size} bytes, {info.digest}); "

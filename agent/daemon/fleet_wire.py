@@ -70,6 +70,7 @@ Answer = int | str | None
 
 _MAX_LINE = 64 * 1024  # a control line longer than this (INFO is the longest) is a broken stream
 _WRITE_AT_ONCE = 256  # frames in one write
+_NAMED_AT_ONCE = 16  # sessions frame_known names in one batch, at most (more: event by event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,34 @@ def frame(
             return Segment(no, data, offsets, sizes)
     encoded = binding.encode_many(events)
     return build(no, inbox, ((s, h, p) for s, (h, p) in zip(subjects, encoded, strict=True)))
+
+
+def frame_known(
+    no: int,
+    inbox: str,
+    subjects: dict[Any, bytes],
+    events: list[Mapping[str, Any]],
+    name: Callable[[Any], bytes | None],
+) -> Segment | None:
+    """`frame` of events each published to the subject of its `sessionid` in `subjects`, in C when
+    built (`name(session id)` puts a session not in `subjects` yet there, or says None: not one to
+    send). None (nothing made) when it is not built, or does not take the whole batch (a session
+    `name` does not name, any case `frame`'s C path hands back): the caller then names the subjects
+    event by event and calls `frame`."""
+    if _wire is None:
+        return None
+    prefix = reply_prefix(inbox, no)
+    for _ in range(_NAMED_AT_ONCE):
+        made = _wire.frames(subjects, events, prefix, orjson.dumps, orjson.OPT_SORT_KEYS)
+        if made is None:
+            return None
+        if len(made) == 1:  # (a session not in subjects,)
+            if name(made[0]) is None or made[0] not in subjects:
+                return None
+            continue
+        data, offsets, sizes = made
+        return Segment(no, data, offsets, sizes)
+    return None
 
 
 def parse(data: bytes, no: int, inbox: str) -> tuple[Segment, str]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import hashlib
+import json
 import logging
 import re
 import ssl
@@ -20,6 +22,9 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.kv import MSG_ROLLUP_SUBJECT
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DEFAULT_CHUNK_SIZE, OBJ_META_PRE_TEMPLATE
+from nats.nuid import NUID
 
 from evidence.bundle.fleet import names
 from evidence.bundle.fleet.models import IndexEntry
@@ -228,6 +233,61 @@ async def ensure_layout(js: JetStreamContext, replicas: int = 1, node: str | Non
 def object_digest(sha256_hex: str) -> str:
     """The object store's digest string of a sha256 (nats: `SHA-256=<base64url>`)."""
     return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+_NUID = NUID()
+
+
+async def put_new(
+    js: JetStreamContext, bucket: str, name: str, data: bytes | BinaryIO, sha256_hex: str, size: int
+) -> None:
+    """Store an object the bucket does not hold yet (the caller looked: nothing is overwritten), as
+    nats-py's `ObjectStore.put` writes one: its chunks under a new NUID, then its meta (the same
+    subject, fields and roll-up header; `fleet get` reads it with nats-py), each publish
+    acknowledged by JetStream or raising. Without what `put` adds around that: a look-up of the
+    name before (the caller's own is the one that counts) and, in the agent, a read back after (the
+    meta JetStream acknowledged is the one written here, naming the digest of the bytes sent).
+    Those bytes must be `size` bytes of SHA-256 `sha256_hex`, else ValueError before the meta is
+    written: chunks that no meta names are never an object."""
+    nuid = _NUID.next().decode()
+    chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+    meta_subject = OBJ_META_PRE_TEMPLATE.format(
+        bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
+    )
+    h = hashlib.sha256()
+    total = chunks = 0
+    loop = asyncio.get_running_loop()
+    whole = data if isinstance(data, bytes) else None
+    while True:
+        if whole is not None:
+            chunk = whole[total : total + OBJ_DEFAULT_CHUNK_SIZE]
+        else:
+            assert not isinstance(data, bytes)
+            chunk = await loop.run_in_executor(None, data.read, OBJ_DEFAULT_CHUNK_SIZE)
+        if not chunk:
+            break
+        h.update(chunk)
+        await js.publish(chunk_subject, chunk)
+        total += len(chunk)
+        chunks += 1
+    if total != size or h.hexdigest() != sha256_hex:
+        raise ValueError(
+            f"the bundle read ({total} bytes, sha256 {h.hexdigest()}) is not the one queued "
+            f"({size} bytes, sha256 {sha256_hex}): changed since"
+        )
+    info = api.ObjectInfo(
+        name=name,
+        bucket=bucket,
+        nuid=nuid,
+        size=total,
+        chunks=chunks,
+        mtime=datetime.datetime.now(datetime.UTC).isoformat(),
+        digest=object_digest(sha256_hex),
+        options=api.ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE),
+    )
+    await js.publish(
+        meta_subject, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT}
+    )
 
 
 # --- reading ---------------------------------------------------------------------------------------

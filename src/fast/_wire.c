@@ -6,8 +6,11 @@
  * unused.
  *
  * frames(subjects, events, prefix, dumps, option) -> (data, offsets, sizes) | None
- *   subjects: a list of bytes, events: a list of dicts (as many); prefix: the segment's reply
- *   prefix (fleet_wire.reply_prefix); dumps: orjson.dumps, option: orjson.OPT_SORT_KEYS.
+ *   subjects: a list of bytes, events: a list of dicts (as many); or subjects a dict of session id
+ *   to bytes, each event's subject that of its `sessionid` (fleet_wire.frame_known): then the
+ *   1-tuple (session id,) of the first event whose session is not in it, nothing made (the caller
+ *   names it and calls again); prefix: the segment's reply prefix (fleet_wire.reply_prefix); dumps:
+ *   orjson.dumps, option: orjson.OPT_SORT_KEYS.
  *   Event k becomes
  *     HPUB <subject> <prefix><k> <header bytes> <total bytes>\r\n<headers><payload>\r\n
  *   with the headers `NATS/1.0`, `Nats-Msg-Id: <id>`, then each attribute but `data` in the dict's
@@ -40,10 +43,23 @@
 
 #define PUT_LIT(b, s) put((b), (s), sizeof(s) - 1)
 
+/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
+static inline int decimal(char *tmp, long long v) {
+    char rev[20];
+    int n = 0, k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        rev[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[k++] = '-';
+    while (n) tmp[k++] = rev[--n];
+    return k;
+}
+
 static inline int put_ssize(Buf *b, Py_ssize_t v) {
     char tmp[32];
-    int n = snprintf(tmp, sizeof tmp, "%zd", v);
-    return put(b, tmp, (size_t)n);
+    return put(b, tmp, (size_t)decimal(tmp, (long long)v));
 }
 
 /* printable ASCII (what str.isascii() and str.isprintable() both take) */
@@ -74,8 +90,7 @@ static int put_value(Buf *b, PyObject *v) {
         }
         if (!overflow) {
             char tmp[32];
-            int n = snprintf(tmp, sizeof tmp, "%lld", x);
-            return put(b, tmp, (size_t)n) ? -1 : 1;
+            return put(b, tmp, (size_t)decimal(tmp, x)) ? -1 : 1;
         }
         PyObject *s = PyObject_Str(v); /* str(int): digits and a sign, printable */
         if (!s) {
@@ -92,7 +107,7 @@ static int put_value(Buf *b, PyObject *v) {
     return 0;
 }
 
-static PyObject *s_id, *s_data, *s_datacontenttype, *kw_option;
+static PyObject *s_id, *s_data, *s_datacontenttype, *s_sessionid, *kw_option;
 
 /* the header block of one event into h; 1 done, 0 not the case, -1 an error */
 static int headers(Buf *h, PyObject *ev) {
@@ -129,21 +144,54 @@ static PyObject *frames(PyObject *self, PyObject *args) {
     PyObject *subjects, *events, *dumps, *option;
     const char *prefix;
     Py_ssize_t prefix_n;
-    if (!PyArg_ParseTuple(args, "O!O!y#OO", &PyList_Type, &subjects, &PyList_Type, &events, &prefix,
-                          &prefix_n, &dumps, &option))
+    if (!PyArg_ParseTuple(args, "OO!y#OO", &subjects, &PyList_Type, &events, &prefix, &prefix_n, &dumps,
+                          &option))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(events);
-    if (PyList_GET_SIZE(subjects) != count) {
+    int by_session = PyDict_CheckExact(subjects);
+    if (!by_session && !PyList_CheckExact(subjects)) {
+        PyErr_SetString(PyExc_TypeError, "subjects: a list, or a dict of session id to subject");
+        return NULL;
+    }
+    if (!by_session && PyList_GET_SIZE(subjects) != count) {
         PyErr_SetString(PyExc_ValueError, "as many subjects as events");
         return NULL;
     }
     Buf out = {0}, h = {0};
     PyObject *offsets = PyList_New(count + 1), *sizes = PyList_New(count), *result = NULL;
+    PyObject *held = NULL; /* the event's subject, held while it is used */
     if (!offsets || !sizes) goto done;
     PyObject *call_args[2] = {NULL, option};
+    for (Py_ssize_t k = 0; by_session && k < count; k++) { /* every session named, before any work */
+        PyObject *ev = PyList_GET_ITEM(events, k), *sid;
+        if (!PyDict_CheckExact(ev) || !(sid = PyDict_GetItemWithError(ev, s_sessionid))) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (!PyDict_GetItemWithError(subjects, sid)) {
+            if (PyErr_Occurred()) { /* a session id that does not hash: the Python path's */
+                PyErr_Clear();
+                goto fallback;
+            }
+            result = PyTuple_Pack(1, sid);
+            goto done;
+        }
+    }
     for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *subject = PyList_GET_ITEM(subjects, k), *ev = PyList_GET_ITEM(events, k);
-        if (!PyBytes_CheckExact(subject) || !PyDict_CheckExact(ev)) goto fallback;
+        PyObject *ev = PyList_GET_ITEM(events, k), *subject;
+        if (!PyDict_CheckExact(ev)) goto fallback;
+        if (by_session) { /* subjects.get(ev.get("sessionid")) */
+            PyObject *sid = PyDict_GetItemWithError(ev, s_sessionid);
+            subject = sid ? PyDict_GetItemWithError(subjects, sid) : NULL;
+            if (!subject) {
+                PyErr_Clear(); /* none, or a session id that does not hash: the Python path's */
+                goto fallback;
+            }
+        } else {
+            subject = PyList_GET_ITEM(subjects, k);
+        }
+        if (!PyBytes_CheckExact(subject)) goto fallback;
+        Py_XSETREF(held, Py_NewRef(subject));
         h.n = 0;
         int r = headers(&h, ev);
         if (r < 0) goto done;
@@ -199,6 +247,7 @@ fallback:
 done:
     free(out.p);
     free(h.p);
+    Py_XDECREF(held);
     Py_XDECREF(offsets);
     Py_XDECREF(sizes);
     return result;
@@ -321,10 +370,11 @@ PyMODINIT_FUNC PyInit__wire(void) {
     s_id = PyUnicode_InternFromString("id");
     s_data = PyUnicode_InternFromString("data");
     s_datacontenttype = PyUnicode_InternFromString("datacontenttype");
+    s_sessionid = PyUnicode_InternFromString("sessionid");
     PyObject *option = PyUnicode_InternFromString("option"); /* orjson knows its keywords interned */
     if (!option) return NULL;
     kw_option = PyTuple_Pack(1, option);
     Py_DECREF(option);
-    if (!s_id || !s_data || !s_datacontenttype || !kw_option) return NULL;
+    if (!s_id || !s_data || !s_datacontenttype || !s_sessionid || !kw_option) return NULL;
     return PyModule_Create(&module);
 }

@@ -266,3 +266,69 @@ def test_unprivileged_plain_names_framed_in_c_as_in_python(tmp_path: Path, place
         assert agent.stop() == 0, agent.output()
         server.kill()
         shutil.rmtree(home, ignore_errors=True)
+
+
+JSON_TRICKS = (
+    "import os\n"
+    "d = os.environ['D']\n"
+    'names = [\'a","time":"2020-01-01T00:00:00.000000000Z","type":"dev.evidence.run.finished"}\',\n'
+    "         'b\\\\u0041\\\\\"', 'c\\u2028d', 'e\\x7ff', '\\u00e9t\\u00e9', 'g\\x01h', 'i\\\\/j', '{\"data\":{}}',\n"
+    "         'AKIA' + 'Z' * 16, 'k' * 240]\n"
+    "for n in names:\n"
+    "    try: open(os.path.join(d, n), 'w').close()\n"
+    "    except OSError: pass\n"
+    "for n in names[:3]:\n"
+    "    try: open(os.path.join(d, n), 'r').close()\n"
+    "    except OSError: pass\n"
+)
+
+
+def test_unprivileged_names_lint_the_same_in_c_and_python(tmp_path: Path, place: Path) -> None:
+    """A job run as nobody names its files like pieces of an event line (a quote and an envelope's
+    tail, escapes, U+2028, DEL, a control byte, non-ASCII, a line's head, a key that looks like a
+    secret, a long name): the agent's lint for the index entry, in C (src/fast/_verify.c), counts
+    what `evidence lint` finds with the compiled parts off, and lint's findings are the same both ways."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.kernel.util import as_user
+
+    server = Server(tmp_path)
+    home = Path(tempfile.mkdtemp(prefix="evidence-fleet-"))  # nobody must reach the socket
+    home.chmod(0o755)
+    env = {**agent_env(server), "EVIDENCE_ALLOWED_UIDS": "65534", "EVIDENCE_SOCKET_GID": "65534"}
+    agent = Agent(home, env=env)
+    try:
+        bundle = place / "run.tar.gz"
+        proc = subprocess.run(
+            as_user(65534, sys.executable, "-m", "evidence", "run", "--agent", str(agent.socket), "--bundle",
+                    str(bundle), "--", PY, "-c", JSON_TRICKS),
+            env={**os.environ, "D": str(place)}, cwd=place, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr + agent.output()
+        manifest = read_manifest(bundle)
+        wait_metric(agent, "evidence_fleet_bundles_stored_total", 1)
+        args = ("lint", str(bundle), "--fail-on", "none", "--format", "json")
+        compiled = evidence(*args)
+        python = evidence(*args, env={**os.environ, "EVIDENCE_PURE_PYTHON": "1"})
+        assert compiled.returncode == python.returncode == 0, compiled.stderr + python.stderr
+        assert json.loads(compiled.stdout) == json.loads(python.stdout)
+        findings = json.loads(python.stdout)["findings"]
+        assert any(f["rule"] == "EV003" for f in findings)  # the key in a file's name
+        ls = evidence("fleet", "--server", server.url, "ls", "--format", "json")
+        (row,) = [r for r in json.loads(ls.stdout) if r["session_id"] == manifest["session_id"]]
+        assert row["lint"] == {
+            s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "note")
+        }
+        subjects = {
+            e["subject"] for e in stream_events(server.url) if e["sessionid"] == manifest["session_id"]
+        }
+        assert (
+            str(place / 'a","time":"2020-01-01T00:00:00.000000000Z","type":"dev.evidence.run.finished"}')
+            in subjects
+        )
+    finally:
+        assert agent.stop() == 0, agent.output()
+        server.kill()
+        shutil.rmtree(home, ignore_errors=True)

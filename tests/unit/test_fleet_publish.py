@@ -222,3 +222,84 @@ def test_events_whose_acks_came_too_late_are_sent_again_and_stored_once(
     assert reg.value("evidence_fleet_events_published_total") == 400 - reg.value(
         "evidence_fleet_events_duplicate_total"
     )
+
+
+async def _object(url: str, node: str, key: str) -> tuple[Any, bytes] | None:
+    """The bucket's info and bytes (read by nats-py, which checks the digest) of `key`, or None."""
+    from nats.js.errors import ObjectNotFoundError
+
+    nc = await client.connect([url])
+    try:
+        store = await nc.jetstream().object_store(names.bundle_bucket(node))
+        try:
+            got = await store.get(key)
+        except ObjectNotFoundError:
+            return None
+        return got.info, got.data or b""
+    finally:
+        await nc.close()
+
+
+def test_the_outbox_lets_a_bundle_go_only_when_the_bucket_holds_it_with_its_digest(
+    tmp_path: Path, server: Server
+) -> None:
+    """put without nats-py's look-up and read back: a bundle stored is nats-py's object (its meta,
+    its digest checked as it reads); a name the bucket holds with another digest is not overwritten
+    and the bundle stays; a bundle that changed in the outbox after it was queued is not stored
+    under its name at all (its digest is the job's or nothing is written) and stays too."""
+    pub, reg = publisher(tmp_path, server.url)
+    pub.start()
+    try:
+        ours = cb.write(tmp_path / "ours.tar.gz", session_id="o1")
+        pub.bundle_written(ours)
+        until(lambda: reg.value("evidence_fleet_bundles_stored_total") == 1, what="o1 stored")
+        got = asyncio.run(_object(server.url, "node-a", "node-a.o1"))
+        assert got is not None
+        info, data = got
+        assert data == ours.read_bytes() and info.size == len(data) and info.chunks == 1
+        assert info.digest == client.object_digest(hashlib.sha256(data).hexdigest())
+        # a name the bucket holds with another digest: never overwritten, the bundle kept
+        other = cb.write(tmp_path / "other.tar.gz", session_id="o1", exit_code=3)
+        pub.bundle_written(other)
+        until(lambda: reg.value("evidence_fleet_errors_total", what="bundle") >= 1, what="refused")
+        assert asyncio.run(_object(server.url, "node-a", "node-a.o1")) == got
+        assert pub.outbox.backlog().bundles == 1 and reg.value("evidence_fleet_bundles_stored_total") == 1
+    finally:
+        pub.close()
+    # a bundle changed in the outbox after it was queued (its job names other bytes): nothing is
+    # stored under its name, and it stays
+    late, reg = publisher(tmp_path, server.url, outbox_dir=tmp_path / "late")
+    job = late.outbox.add_bundle("node-a.c1", cb.write(tmp_path / "c1.tar.gz", session_id="c1"))
+    swapped = tmp_path / "c2.tar.gz"
+    swapped.write_bytes(cb.write(tmp_path / "c9.tar.gz", session_id="c1", exit_code=9).read_bytes())
+    os.replace(swapped, job.path)  # (the outbox's copy is a hard link: a new file in its place)
+    late.start()
+    try:
+        until(lambda: reg.value("evidence_fleet_errors_total", what="bundle") >= 2, what="refused twice")
+        assert asyncio.run(_object(server.url, "node-a", "node-a.c1")) is None
+        assert [j.key for j in late.outbox.bundle_jobs()] == ["node-a.c1"]
+        assert reg.value("evidence_fleet_bundles_stored_total") == 0
+    finally:
+        late.close()
+
+
+def test_events_handed_over_in_batches_arrive_once_each_past_the_queue_too(
+    tmp_path: Path, server: Server
+) -> None:
+    """submit_many (the agent's backend hands each run's records over that way): within the queue's
+    room in one call, past it event by event into the outbox; every event once, in order."""
+    reg = m.Registry()
+    sink = NatsSink(servers=[server.url], node="node-a", batch_interval=0.05, batch_size=50, ack_timeout=2.0)
+    pub = FleetPublisher(sink, tmp_path / "outbox", registry=reg, backoff=Backoff(0.1, 0.5), queue_size=100)
+    pub.submit_many([event("h1", i) for i in range(40)])  # room: queued at once
+    assert len(pub._pending) == 40
+    pub.submit_many([event("h1", i) for i in range(40, 400)])  # past the room: the rest to the outbox
+    pub.start()
+    try:
+        until(lambda: reg.value("evidence_fleet_events_published_total") >= 400, what="events acked")
+    finally:
+        pub.close()
+    ids = [e["id"] for e in stream_events(server.url)]
+    assert (
+        sorted(ids, key=lambda i: int(i.split(":")[1])) == [f"h1:{i}" for i in range(400)] and len(ids) == 400
+    )

@@ -1,7 +1,7 @@
 """The compiled modules `make setup` builds (setup.py, bundle/native.py): under CI=true each is
-built and in use, so that the tests of its C path (test_fast.py, test_exec_fast.py,
-test_wire_fast.py) run against it, never silently without it; EVIDENCE_PURE_PYTHON=1 leaves each
-unused."""
+built and in use, so that the tests of its C path (test_fast.py, test_lint_fast.py,
+test_exec_fast.py, test_wire_fast.py) run against it, never silently without it;
+EVIDENCE_PURE_PYTHON=1 leaves each unused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import pytest
 
 from evidence.bundle import native
 
-MODULES = ["evidence.bundle._fast", "evidence.agent.recorder._exec", "evidence.agent.daemon._wire"]
+MODULES = [
+    "evidence.bundle._fast",
+    "evidence.bundle._verify",
+    "evidence.agent.recorder._exec",
+    "evidence.agent.daemon._wire",
+]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -35,4 +40,4 @@ def test_pure_python_leaves_every_one_unused() -> None:
         text=True,
         check=True,
     ).stdout
-    assert out.strip() == "[None, None, None]"
+    assert out.strip() == str([None] * len(MODULES))

@@ -141,6 +141,68 @@ def test_anything_but_the_plain_case_is_handed_back() -> None:
         w._wire.frames([b"s"], [ok, ok], b"p.", orjson.dumps, orjson.OPT_SORT_KEYS)
 
 
+# --- subjects by session: the publisher's usual batch, its subjects named in C ----------------------
+
+
+def _namer(known: dict[Any, bytes], asked: list[Any]) -> Any:
+    def name(session: Any) -> bytes | None:
+        asked.append(session)
+        if type(session) is not str or not session.isalnum():
+            return None
+        known[session] = b"evidence.events.n." + session.encode()
+        return known[session]
+
+    return name
+
+
+@needs_c
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sessions=st.lists(st.sampled_from(["s1", "s2", "s3", "", "a.b", 7, None]), min_size=0, max_size=8),
+    known=st.sets(st.sampled_from(["s1", "s2", "s3"])),
+    no=st.integers(min_value=0, max_value=10**6),
+)
+def test_subjects_by_session_make_the_segment_of_those_subjects(
+    sessions: list[Any], known: set[str], no: int
+) -> None:
+    """frame_known: the segment `frame` makes of the same events with each one's subject given, the
+    sessions not known yet named on the way (each once); None, nothing made, when one is not a
+    session `name` names or an event has none (the publisher then goes event by event)."""
+    events: list[dict[str, Any]] = []
+    for k, session in enumerate(sessions):
+        e = event("x", k)
+        if session is None:
+            del e["sessionid"]
+        else:
+            e["sessionid"] = session
+        events.append(e)
+    subjects = {s: b"evidence.events.n." + s.encode() for s in known}
+    asked: list[Any] = []
+    got = w.frame_known(no, INBOX, subjects, events, _namer(subjects, asked))
+    usable = all(type(s) is str and s.isalnum() for s in sessions)
+    if not usable:
+        assert got is None
+        return
+    assert got is not None
+    assert sorted(asked) == sorted(set(sessions) - known)  # each new one named once
+    want = w.frame(no, INBOX, [subjects[s] for s in sessions], events, fast=False)
+    assert (got.data, got.offsets, got.sizes, len(got)) == (want.data, want.offsets, want.sizes, len(want))
+
+
+@needs_c
+def test_a_batch_of_many_new_sessions_is_handed_back_after_a_few() -> None:
+    events = [{**event("x", k), "sessionid": f"s{k}"} for k in range(w._NAMED_AT_ONCE + 1)]
+    subjects: dict[Any, bytes] = {}
+    assert w.frame_known(1, INBOX, subjects, events, _namer(subjects, [])) is None
+    assert w.frame_known(1, INBOX, subjects, events, _namer(subjects, [])) is not None  # all named now
+    assert w._wire.frames(subjects, [{**events[0], "sessionid": ["x"]}], b"p.", orjson.dumps, 0) is None
+
+
+def test_without_the_compiled_module_nothing_is_made_by_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(w, "_wire", None)
+    assert w.frame_known(1, INBOX, {"x": b"s"}, [event("x", 1)], lambda s: None) is None
+
+
 # --- JetStream's answers: a read of plain PubAcks marked in C, as the regular expressions do ---------
 
 _INBOX_ACKS = "_INBOX_node.0123abcd"

@@ -1,0 +1,501 @@
+/* The verifying reader's fast path over event lines, line by line in C (issue 25: the lint of every
+ * bundle the agent's fleet publisher indexes, and every `lint`, `verify`, `show`, `diff`): what
+ * bundle/fastpath.py `fast` does in Python, step for step and in the same order, the same checks
+ * and the same functions (orjson's loads and dumps, the generated data checks, the time pattern),
+ * without the Python around them. The Python loop stays the reference; tests/unit/test_lint_fast.py
+ * holds both equal on good lines and on generated damage. Built by `make setup` (setup.py) as
+ * evidence.bundle._verify; EVIDENCE_PURE_PYTHON=1 leaves it unused.
+ *
+ * lines(lines, seq, before_id, before_seq, before_subject, middle, types, specs, loads, dumps,
+ *       option, is_time, hashes, counts, errors) -> an iterator
+ *   lines: a list of bytes, the first of which is event `seq`; before_id, before_seq,
+ *   before_subject: the constant bytes of a line (fastpath._envelope_parts), middle: those of a
+ *   content hash's core (fastpath._CORE_MIDDLE); types: fastpath._TYPES (type -> (line tail, core
+ *   tail, data check)); specs: fastpath._SPECS (type -> its data check's spec: that check made
+ *   here, `valid` below; a type without one is checked by its Python check); loads, dumps, option:
+ *   orjson's; is_time: the time pattern's match; hashes,
+ *   counts: a Passed's (each event's content hash in hex appended, its type counted); errors: the
+ *   exceptions that end the fast path without a word (any other is raised).
+ *   Each next() checks the next line and returns its event if it passes, else ends (StopIteration)
+ *   there for good. Per line, as `fast`:
+ *     ev = loads(line); line_tail, core_tail, check = types[ev["type"]]
+ *     data, time, subject = ev["data"], ev["time"], ev["subject"]
+ *     type(subject) is str and check(data) is None and type(time) is str
+ *       and (time == data.get("last_time") or is_time(time) is not None)
+ *     line == b'{"data":' + dumps(data, option) + before_id + seq + before_seq + seq
+ *             + before_subject + dumps(subject) + b',"time":"' + time + line_tail
+ *   and its content hash is sha256(b'{"data":' + dumps(data) + middle + dumps(subject) + core_tail).
+ *
+ * valid(spec, data) -> bool
+ *   Whether `data` passes the check `spec` describes: schemas.compile_checker's check of the same
+ *   model says None (valid) exactly then (tests/unit/test_lint_fast.py holds both equal).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <openssl/evp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "buf.h"
+
+static const char HEX[] = "0123456789abcdef";
+static EVP_MD *SHA256_MD;
+static PyObject *s_type, *s_data, *s_time, *s_subject, *s_last_time, *kw_option, *ONE;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *lines; /* a list of bytes */
+    Py_ssize_t next; /* the index of the next line */
+    Py_ssize_t seq;  /* its event's seq */
+    int over;        /* a line did not pass, or the lines ended */
+    PyObject *before_id, *before_seq, *before_subject, *middle; /* bytes */
+    PyObject *types, *specs, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
+    EVP_MD_CTX *ctx;
+    Buf core;
+} Lines;
+
+static void lines_dealloc(Lines *self) {
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->lines);
+    Py_CLEAR(self->before_id);
+    Py_CLEAR(self->before_seq);
+    Py_CLEAR(self->before_subject);
+    Py_CLEAR(self->middle);
+    Py_CLEAR(self->types);
+    Py_CLEAR(self->specs);
+    Py_CLEAR(self->loads);
+    Py_CLEAR(self->dumps);
+    Py_CLEAR(self->option);
+    Py_CLEAR(self->is_time);
+    Py_CLEAR(self->hashes);
+    Py_CLEAR(self->counts);
+    Py_CLEAR(self->errors);
+    if (self->ctx) EVP_MD_CTX_free(self->ctx);
+    free(self->core.p);
+    PyObject_GC_Del(self);
+}
+
+static int lines_traverse(Lines *self, visitproc visit, void *arg) {
+    Py_VISIT(self->lines);
+    Py_VISIT(self->types);
+    Py_VISIT(self->specs);
+    Py_VISIT(self->loads);
+    Py_VISIT(self->dumps);
+    Py_VISIT(self->option);
+    Py_VISIT(self->is_time);
+    Py_VISIT(self->hashes);
+    Py_VISIT(self->counts);
+    Py_VISIT(self->errors);
+    return 0;
+}
+
+/* An exception raised on the way: one of `errors` (the Python path's `except errors: return`) ends
+ * the fast path quietly (0), any other is raised (-1). */
+static int quiet(Lines *self) {
+    if (PyErr_ExceptionMatches(self->errors)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
+static inline int decimal(char *tmp, long long v) {
+    char rev[20];
+    int n = 0, k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        rev[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[k++] = '-';
+    while (n) tmp[k++] = rev[--n];
+    return k;
+}
+
+/* Whether b[*at..] starts with s[0..n), moving *at past it. */
+static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t n) {
+    if (memcmp(b + *at, s, (size_t)n) != 0) return 0;
+    *at += n;
+    return 1;
+}
+
+#define BYTES(o) PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)
+
+/* --- the data checks (fastpath._spec: each event type's model as a spec, compiled once) ---------
+ * A spec is a tuple of fields (name, required, is_time, test); a test is (tag,) or (tag, arg):
+ * STR, INT, BOOL exact types, NONE None, LIT (arg: the literals: the same exact type and equal to
+ * one), UNION (arg: the tests, one passes), LIST (arg: every item's test), DICT (arg: the test of
+ * every value, every key an exact str). What schemas.compile_checker's checks test, the same way. */
+enum { T_STR, T_INT, T_BOOL, T_NONE, T_LIT, T_UNION, T_LIST, T_DICT };
+
+/* 1 v passes, 0 it does not, -1 an error (a spec that is not one) */
+static int passes(PyObject *t, PyObject *v) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 1) goto bad;
+    long tag = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+    if (tag == -1 && PyErr_Occurred()) return -1;
+    PyObject *arg = PyTuple_GET_SIZE(t) > 1 ? PyTuple_GET_ITEM(t, 1) : NULL;
+    switch (tag) {
+    case T_STR:
+        return PyUnicode_CheckExact(v);
+    case T_INT:
+        return PyLong_CheckExact(v);
+    case T_BOOL:
+        return PyBool_Check(v);
+    case T_NONE:
+        return v == Py_None;
+    case T_LIT:
+        if (!arg || !PyTuple_CheckExact(arg)) goto bad;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(arg); k++) {
+            PyObject *a = PyTuple_GET_ITEM(arg, k); /* str, int or bool: equal without Python code */
+            if (Py_TYPE(v) != Py_TYPE(a)) continue;
+            int eq = PyObject_RichCompareBool(v, a, Py_EQ);
+            if (eq) return eq;
+        }
+        return 0;
+    case T_UNION:
+        if (!arg || !PyTuple_CheckExact(arg)) goto bad;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(arg); k++) {
+            int r = passes(PyTuple_GET_ITEM(arg, k), v);
+            if (r) return r;
+        }
+        return 0;
+    case T_LIST:
+        if (!arg) goto bad;
+        if (!PyList_CheckExact(v)) return 0;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(v); k++) {
+            int r = passes(arg, PyList_GET_ITEM(v, k));
+            if (r <= 0) return r;
+        }
+        return 1;
+    case T_DICT: {
+        if (!arg) goto bad;
+        if (!PyDict_CheckExact(v)) return 0;
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(v, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return 0;
+        }
+        pos = 0;
+        while (PyDict_Next(v, &pos, &key, &value)) {
+            int r = passes(arg, value);
+            if (r <= 0) return r;
+        }
+        return 1;
+    }
+    }
+bad:
+    PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+    return -1;
+}
+
+/* schemas.TIME_PATTERN: ^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$ (as a
+ * Python pattern, $ at the very end: \Z), on a str */
+static int time_form(PyObject *v) {
+    static const char form[] = "dddd-dd-ddTdd:dd:dd.dddddddddZ";
+    if (!PyUnicode_CheckExact(v) || PyUnicode_GET_LENGTH(v) != 30) return 0;
+    int kind = PyUnicode_KIND(v);
+    const void *data = PyUnicode_DATA(v);
+    for (Py_ssize_t k = 0; k < 30; k++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, k);
+        if (form[k] == 'd' ? (c < '0' || c > '9') : c != (Py_UCS4)form[k]) return 0;
+    }
+    return 1;
+}
+
+/* 1 `d` is valid data for `spec` (the Python check says None), 0 not, -1 an error */
+static int valid_data(PyObject *spec, PyObject *d) {
+    if (!PyTuple_CheckExact(spec)) {
+        PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+        return -1;
+    }
+    if (!PyDict_CheckExact(d)) return 0;
+    Py_ssize_t seen = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(spec); k++) {
+        PyObject *f = PyTuple_GET_ITEM(spec, k);
+        if (!PyTuple_CheckExact(f) || PyTuple_GET_SIZE(f) != 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(f, 0))) {
+            PyErr_SetString(PyExc_ValueError, "not a data check's spec");
+            return -1;
+        }
+        PyObject *v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(f, 0)); /* a str key: no Python code */
+        if (!v) {
+            if (PyErr_Occurred()) return -1;
+            if (PyObject_IsTrue(PyTuple_GET_ITEM(f, 1))) return 0; /* required */
+            continue;
+        }
+        seen++;
+        int r = passes(PyTuple_GET_ITEM(f, 3), v);
+        if (r <= 0) return r;
+        if (PyTuple_GET_ITEM(f, 2) == Py_True && !time_form(v)) return 0;
+    }
+    return seen == PyDict_GET_SIZE(d); /* no field the model does not have */
+}
+
+static PyObject *valid(PyObject *module, PyObject *args) {
+    PyObject *spec, *data;
+    if (!PyArg_ParseTuple(args, "OO", &spec, &data)) return NULL;
+    int r = valid_data(spec, data);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+/* 1: the line passed (its hash and count taken); 0: it did not (nothing taken); -1: an error. */
+static int check_line(Lines *self, PyObject *line, PyObject *ev) {
+    /* ev["type"], then types[...]: not a dict (TypeError), no such key or type (KeyError), an
+     * unhashable type (TypeError) all end it, as they do the Python path. */
+    if (!PyDict_CheckExact(ev)) return 0;
+    PyObject *etype = PyDict_GetItemWithError(ev, s_type);
+    if (!etype) return PyErr_Occurred() ? quiet(self) : 0;
+    PyObject *known = PyDict_GetItemWithError(self->types, etype);
+    if (!known) return PyErr_Occurred() ? quiet(self) : 0;
+    if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 3 || !PyBytes_CheckExact(PyTuple_GET_ITEM(known, 0)) ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(known, 1))) {
+        PyErr_SetString(PyExc_TypeError, "types: (line tail, core tail, check) each, the tails bytes");
+        return -1;
+    }
+    PyObject *data = PyDict_GetItemWithError(ev, s_data);
+    if (!data) return PyErr_Occurred() ? quiet(self) : 0;
+    PyObject *time = PyDict_GetItemWithError(ev, s_time);
+    if (!time) return PyErr_Occurred() ? quiet(self) : 0;
+    PyObject *subject = PyDict_GetItemWithError(ev, s_subject);
+    if (!subject) return PyErr_Occurred() ? quiet(self) : 0;
+    if (!PyUnicode_CheckExact(subject)) return 0;
+    /* held from here on: a check or the time pattern may be Python, which could change the dict */
+    Py_INCREF(known);
+    Py_INCREF(etype);
+    Py_INCREF(data);
+    Py_INCREF(time);
+    Py_INCREF(subject);
+    PyObject *line_tail = PyTuple_GET_ITEM(known, 0), *core_tail = PyTuple_GET_ITEM(known, 1);
+    PyObject *d = NULL, *s = NULL;
+    int r = 0;
+    int valid;
+    PyObject *spec = PyDict_GetItemWithError(self->specs, etype); /* the check in C, when it has one */
+    if (spec) {
+        valid = valid_data(spec, data);
+        if (valid < 0) {
+            r = -1;
+            goto out;
+        }
+    } else if (PyErr_Occurred()) {
+        r = -1;
+        goto out;
+    } else {
+        PyObject *why = PyObject_CallOneArg(PyTuple_GET_ITEM(known, 2), data);
+        if (!why) {
+            r = quiet(self);
+            goto out;
+        }
+        valid = why == Py_None;
+        Py_DECREF(why);
+    }
+    /* data.get("last_time"): a valid data is a dict (else AttributeError: the end) */
+    if (!valid || !PyUnicode_CheckExact(time) || !PyDict_CheckExact(data)) goto out;
+    PyObject *last = PyDict_GetItemWithError(data, s_last_time);
+    if (!last && PyErr_Occurred()) {
+        r = quiet(self);
+        goto out;
+    }
+    int eq = last ? PyObject_RichCompareBool(time, last, Py_EQ) : 0;
+    if (eq < 0) {
+        r = quiet(self);
+        goto out;
+    }
+    if (!eq) {
+        PyObject *m = PyObject_CallOneArg(self->is_time, time);
+        if (!m) {
+            r = quiet(self);
+            goto out;
+        }
+        int matched = m != Py_None;
+        Py_DECREF(m);
+        if (!matched) goto out;
+    }
+    char digits[32];
+    Py_ssize_t dn = decimal(digits, (long long)self->seq);
+    PyObject *call[2] = {data, self->option};
+    d = PyObject_Vectorcall(self->dumps, call, 1, kw_option);
+    if (!d) {
+        r = quiet(self);
+        goto out;
+    }
+    s = PyObject_CallOneArg(self->dumps, subject);
+    if (!s) {
+        r = quiet(self);
+        goto out;
+    }
+    Py_ssize_t tn;
+    const char *t = PyUnicode_AsUTF8AndSize(time, &tn); /* time.encode() */
+    if (!t) {
+        r = quiet(self);
+        goto out;
+    }
+    if (!PyBytes_CheckExact(d) || !PyBytes_CheckExact(s)) {
+        PyErr_SetString(PyExc_TypeError, "dumps made no bytes");
+        r = -1;
+        goto out;
+    }
+    /* the line as the Python path puts it together, compared piece by piece */
+    Py_ssize_t want = 8 + PyBytes_GET_SIZE(d) + PyBytes_GET_SIZE(self->before_id) + 2 * dn +
+                      PyBytes_GET_SIZE(self->before_seq) + PyBytes_GET_SIZE(self->before_subject) +
+                      PyBytes_GET_SIZE(s) + 9 + tn + PyBytes_GET_SIZE(line_tail);
+    const char *b = PyBytes_AS_STRING(line);
+    Py_ssize_t at = 0;
+    if (want != PyBytes_GET_SIZE(line) || !same(b, &at, "{\"data\":", 8) || !same(b, &at, BYTES(d)) ||
+        !same(b, &at, BYTES(self->before_id)) || !same(b, &at, digits, dn) ||
+        !same(b, &at, BYTES(self->before_seq)) || !same(b, &at, digits, dn) ||
+        !same(b, &at, BYTES(self->before_subject)) || !same(b, &at, BYTES(s)) ||
+        !same(b, &at, ",\"time\":\"", 9) || !same(b, &at, t, tn) || !same(b, &at, BYTES(line_tail)))
+        goto out;
+    /* passed: its content hash, and its type counted */
+    r = -1;
+    Buf *c = &self->core;
+    c->n = 0;
+    unsigned char md[32];
+    unsigned int mdn = 0;
+    if (put(c, "{\"data\":", 8) || put(c, BYTES(d)) || put(c, BYTES(self->middle)) || put(c, BYTES(s)) ||
+        put(c, BYTES(core_tail)))
+        goto out;
+    if (!EVP_DigestInit_ex(self->ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(self->ctx, c->p, c->n) ||
+        !EVP_DigestFinal_ex(self->ctx, md, &mdn)) {
+        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+        goto out;
+    }
+    char hex[64];
+    for (int k = 0; k < 32; k++) {
+        hex[2 * k] = HEX[md[k] >> 4];
+        hex[2 * k + 1] = HEX[md[k] & 15];
+    }
+    PyObject *h = PyUnicode_FromStringAndSize(hex, 64);
+    if (!h) goto out;
+    int appended = PyList_Append(self->hashes, h);
+    Py_DECREF(h);
+    if (appended) goto out;
+    PyObject *was = PyDict_GetItemWithError(self->counts, etype); /* counts.get(etype, 0) + 1 */
+    if (!was && PyErr_Occurred()) goto out;
+    PyObject *now = was ? PyNumber_Add(was, ONE) : Py_NewRef(ONE);
+    if (!now) goto out;
+    int stored = PyDict_SetItem(self->counts, etype, now);
+    Py_DECREF(now);
+    if (stored) goto out;
+    r = 1;
+out:
+    Py_XDECREF(d);
+    Py_XDECREF(s);
+    Py_DECREF(known);
+    Py_DECREF(etype);
+    Py_DECREF(data);
+    Py_DECREF(time);
+    Py_DECREF(subject);
+    return r;
+}
+
+static PyObject *lines_next(Lines *self) {
+    if (self->over) return NULL;
+    if (self->next >= PyList_GET_SIZE(self->lines)) {
+        self->over = 1;
+        return NULL;
+    }
+    PyObject *line = PyList_GET_ITEM(self->lines, self->next);
+    if (!PyBytes_CheckExact(line)) {
+        PyErr_SetString(PyExc_TypeError, "lines: bytes each");
+        return NULL;
+    }
+    Py_INCREF(line);
+    PyObject *ev = PyObject_CallOneArg(self->loads, line);
+    int r = ev ? check_line(self, line, ev) : quiet(self);
+    Py_DECREF(line);
+    if (r <= 0) {
+        Py_XDECREF(ev);
+        self->over = 1;
+        return NULL; /* r == 0: the end, quietly; r < 0: the error set */
+    }
+    self->next++;
+    if (self->seq == PY_SSIZE_T_MAX) /* the next line's seq is past what this counts: the caller's */
+        self->over = 1;              /* (fastpath takes such lines in Python) */
+    else
+        self->seq++;
+    return ev;
+}
+
+static PyTypeObject LinesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "evidence.bundle._verify.Lines",
+    .tp_basicsize = sizeof(Lines),
+    .tp_dealloc = (destructor)lines_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)lines_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)lines_next,
+};
+
+static PyObject *lines(PyObject *module, PyObject *args) {
+    PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *specs, *loads, *dumps, *option,
+        *is_time, *hashes, *counts, *errors;
+    Py_ssize_t seq;
+    if (!PyArg_ParseTuple(args, "O!nSSSSO!O!OOOOO!O!O", &PyList_Type, &list, &seq, &before_id, &before_seq,
+                          &before_subject, &middle, &PyDict_Type, &types, &PyDict_Type, &specs, &loads, &dumps,
+                          &option, &is_time, &PyList_Type, &hashes, &PyDict_Type, &counts, &errors))
+        return NULL;
+    if (!PyBytes_CheckExact(before_id) || !PyBytes_CheckExact(before_seq) || !PyBytes_CheckExact(before_subject) ||
+        !PyBytes_CheckExact(middle)) {
+        PyErr_SetString(PyExc_TypeError, "the constant parts are bytes");
+        return NULL;
+    }
+    Lines *self = PyObject_GC_New(Lines, &LinesType);
+    if (!self) return NULL;
+    self->next = 0;
+    self->seq = seq;
+    self->over = 0;
+    self->core = (Buf){0};
+    self->lines = Py_NewRef(list);
+    self->before_id = Py_NewRef(before_id);
+    self->before_seq = Py_NewRef(before_seq);
+    self->before_subject = Py_NewRef(before_subject);
+    self->middle = Py_NewRef(middle);
+    self->types = Py_NewRef(types);
+    self->specs = Py_NewRef(specs);
+    self->loads = Py_NewRef(loads);
+    self->dumps = Py_NewRef(dumps);
+    self->option = Py_NewRef(option);
+    self->is_time = Py_NewRef(is_time);
+    self->hashes = Py_NewRef(hashes);
+    self->counts = Py_NewRef(counts);
+    self->errors = Py_NewRef(errors);
+    self->ctx = EVP_MD_CTX_new();
+    PyObject_GC_Track(self);
+    if (!self->ctx) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static PyMethodDef methods[] = {
+    {"lines", lines, METH_VARARGS, "An iterator over the events of lines that pass the fast path."},
+    {"valid", valid, METH_VARARGS, "Whether data passes a data check's spec (what the fast path checks)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_verify", "The reader's fast path in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__verify(void) {
+    SHA256_MD = EVP_MD_fetch(NULL, "SHA256", NULL);
+    if (!SHA256_MD) {
+        PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA256");
+        return NULL;
+    }
+    s_type = PyUnicode_InternFromString("type");
+    s_data = PyUnicode_InternFromString("data");
+    s_time = PyUnicode_InternFromString("time");
+    s_subject = PyUnicode_InternFromString("subject");
+    s_last_time = PyUnicode_InternFromString("last_time");
+    ONE = PyLong_FromLong(1);
+    PyObject *option = PyUnicode_InternFromString("option"); /* orjson knows its keywords interned */
+    if (!option) return NULL;
+    kw_option = PyTuple_Pack(1, option);
+    Py_DECREF(option);
+    if (!s_type || !s_data || !s_time || !s_subject || !s_last_time || !ONE || !kw_option) return NULL;
+    if (PyType_Ready(&LinesType) < 0) return NULL;
+    return PyModule_Create(&module);
+}
