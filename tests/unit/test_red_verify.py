@@ -228,14 +228,14 @@ def _good(ann: Any, name: str) -> st.SearchStrategy[Any]:
 
 
 @st.composite
-def _data(draw: st.DrawFn, etype: str) -> Any:
-    """Valid data for `etype`, then now and then a few damages."""
+def _data(draw: st.DrawFn, etype: str, clean: bool = False) -> Any:
+    """Valid data for `etype`, then (unless clean) now and then a few damages."""
     fields = fmt.DATA_MODELS[etype].model_fields
     d: dict[str, Any] = {}
     for name, field in fields.items():
         if field.is_required() or draw(st.booleans()):
             d[name] = draw(_good(field.annotation, name))
-    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2, 3]))):
+    for _ in range(0 if clean else draw(st.sampled_from([0, 0, 0, 1, 2, 3]))):
         how = draw(st.integers(0, 2))
         name = draw(st.sampled_from(sorted(fields)))
         if how == 0:
@@ -244,7 +244,7 @@ def _data(draw: st.DrawFn, etype: str) -> Any:
             d.pop(name, None)
         else:
             d[draw(st.sampled_from(["extra", "Pid", "pid ", "last_time", "first_time"]))] = draw(_value)
-    if draw(st.integers(0, 29)) == 0:
+    if not clean and draw(st.integers(0, 29)) == 0:
         return draw(_value)
     return d
 
@@ -289,9 +289,19 @@ def _respell(line: bytes, how: int, k: int) -> bytes:
 
 @st.composite
 def _case(draw: st.DrawFn) -> tuple[list[bytes], int]:
-    """Three lines from seq on: good, a candidate, good."""
+    """Three lines from seq on: good, a candidate, good. Half the candidates are valid events (of
+    any type, with any valid data), so that what passes is compared as much as what stops."""
     ctx = _ctx()
     seq = draw(st.sampled_from([1, 9, 10, 99, 2**31, 2**62]))
+    if draw(st.booleans()):
+        etype = draw(st.sampled_from(sorted(fastpath._TYPES)))
+        data = draw(_data(etype, clean=True))
+        time = draw(st.sampled_from([data.get("last_time", TIME), TIME, TIME2]))
+        subject = draw(
+            st.text(max_size=6) | st.sampled_from(["é", "\U0001f600", "\u2028", "\x00", "\\", '"'])
+        )
+        line = _dumps(_event(ctx, seq + 1, etype, data, subject, time))
+        return [_good_line(ctx, seq), line, _good_line(ctx, seq + 2)], seq
     etype = draw(st.sampled_from(sorted(fastpath._TYPES)) | st.sampled_from(_ODD_TYPES))
     data = draw(_data(etype)) if type(etype) is str and etype in fmt.DATA_MODELS else draw(_value)
     last = data.get("last_time") if type(data) is dict else None
@@ -807,3 +817,52 @@ def test_the_time_pattern_is_the_one_the_c_restates() -> None:
     """_verify.c's time_form spells schemas.TIME_PATTERN out by hand: the pattern is unchanged."""
     assert schemas.TIME_PATTERN == r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$"
     assert re.fullmatch(r"\^.*\$", schemas.TIME_PATTERN)
+
+
+_near_time = st.one_of(
+    st.from_regex(r"\A[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z\Z"),
+    st.text(alphabet="0123456789-T:.Zzt \n\u0661\uff10\x00", min_size=28, max_size=32),
+    st.builds(
+        lambda at, c: TIME[:at] + c + TIME[at + 1 :],
+        st.integers(0, 30),
+        st.sampled_from(["", "0", "9", "/", ":", "\u0660", "\uff19", "\U0001d7ce", "Z", "T", "\n", "\x00"]),
+    ),
+)
+
+
+@needs_c
+@settings(max_examples=_EXAMPLES * 5, deadline=None)
+@given(text=_near_time)
+def test_the_time_fields_in_c_match_the_pattern(text: str) -> None:
+    """The C's own reading of TIME_PATTERN (time_form) against Python's regex, on strings near a
+    time: other digits, a character more or less, a newline at the end."""
+    spec = fastpath._SPECS[fmt.POLICY_APPROVAL]
+    data = {"argv": [], "argv_truncated": False, "depth": 0, "id": "a", "message": None, "pid": 1,
+            "program": "p", "requested_at": text, "rule": "r", "state": "requested"}  # fmt: skip
+    python = schemas.DATA_CHECKERS[fmt.POLICY_APPROVAL](data) is None
+    assert python is (fastpath.TIME(text) is not None)
+    assert _C.valid(spec, data) is python
+
+
+@needs_c
+@pytest.mark.parametrize("where", [1, 2_700, 5_000, 7_999])
+def test_a_damage_pieces_deep_lints_the_same(
+    where: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bundles of several pieces (container.CHUNK each), one event damaged deep inside: the same
+    outcome three ways, and with the helper process (parallel) as in one."""
+    recs = [*records(), *(open_(10_000 + i, f"{WS}/src/{i}/é.c", ["read"]) for i in range(8_000))]
+    manifest, lines = members(write(tmp_path / "a.tar.gz", recs))
+    lines = list(lines)
+    lines[where] = _set(lines[where], "data", "ppid", True)
+    path = _rebuild(tmp_path / "d.tar.gz", manifest, lines, "root and counts")
+    c, python, careful = _three(path, monkeypatch)
+    assert c == python == careful and c[2]
+    monkeypatch.undo()
+    monkeypatch.setattr(fastpath, "_verify", _C)
+    try:
+        _, findings, dropped, signature = lint.lint_signed(str(path), parallel=True)
+        parallel: Any = ([f.as_dict() for f in findings], dropped, [], signature.keyids)
+    except reader.VerificationError as e:
+        parallel = [], 0, e.problems, ()
+    assert parallel == c
