@@ -205,14 +205,14 @@ _SCALARS = [
     *_literals(),
 ]  # fmt: skip
 _scalar = st.sampled_from(_SCALARS)
-_value = st.recursive(
-    _scalar,
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.dictionaries(st.sampled_from(["a", "read", "", "pid", "last_time", "é"]), inner, max_size=2)
-    ),
-    max_leaves=6,
-)
+
+
+def _nest(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.sampled_from(["a", "read", "", "pid", "last_time", "é"])
+    return st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=2)
+
+
+_value = st.recursive(_scalar, _nest, max_leaves=6)
 
 
 def _good(ann: Any, name: str) -> st.SearchStrategy[Any]:
