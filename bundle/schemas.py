@@ -324,6 +324,8 @@ def compile_checker(model: type[BaseModel]) -> Checker:
 
     def learn(shape: tuple[Any, ...]) -> Callable[[dict[str, Any]], bool]:
         """The "valid" test for dicts whose keys are exactly `shape`, in this order."""
+        if len(shapes) >= MAX_SHAPES:  # no room: the general check, no code compiled for a shape not kept
+            return never
         if not (namespace["REQUIRED"] <= set(shape) <= namespace["ALLOWED"]):
             valid = never  # the general check says what is wrong
         else:
