@@ -15,6 +15,7 @@ agent recovers its own spools when it starts; `evidence recover` does it for `ev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -110,6 +111,25 @@ def hold(path: Path) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def spool_dir_lock(spool_dir: Path, *, exclusive: bool) -> Iterator[None]:
+    """The spool directory's own lock (flock of the directory): shared by a live run while its
+    spool has no locked run record (from the spool's creation until its record is written and held,
+    and while the record is replaced by a new file), exclusive while `leftovers` are chosen, so that
+    a concurrent `evidence recover` never takes the spool of a run that is still alive. Nothing is
+    locked when the directory cannot be opened (it does not exist yet: nothing to recover)."""
+    try:
+        fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _alive(meta_path: Path) -> bool:
     try:
         fd = os.open(meta_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -128,11 +148,14 @@ def leftovers(spool_dir: Path) -> list[Path]:
     """The spools in spool_dir whose recorder is gone (none of a live run)."""
     if not spool_dir.is_dir():
         return []
-    return [
-        s
-        for s in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}"))
-        if not _alive(spool_dir / s.name.replace(SPOOL_SUFFIX, RUN_META_SUFFIX))
-    ]
+    with spool_dir_lock(spool_dir, exclusive=True):  # no live run between its spool and its record
+        # a run that ends removes its spool, then its record: a record gone since the spool was
+        # listed is a finished run's, whose spool is gone too (looked at again, after the record)
+        return [
+            s
+            for s in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}"))
+            if not _alive(spool_dir / s.name.replace(SPOOL_SUFFIX, RUN_META_SUFFIX)) and s.exists()
+        ]
 
 
 def recover_spools(

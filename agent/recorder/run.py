@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from evidence.agent.recorder.description import Detail, Network
 from evidence.agent.recorder.kernel import capabilities_in_force
-from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, write_run_record
+from evidence.agent.recorder.recovery import RUN_META_SUFFIX, hold, spool_dir_lock, write_run_record
 from evidence.bundle.format import Artifacts, Degradation
 from evidence.bundle.record_types import DenialRecord, ExitRecord, LimitRecord, SpoolRecord
 from evidence.errors import PolicyError
@@ -138,30 +138,35 @@ class Run:
         capabilities = dict(plan.capabilities)
         if self.limits is not None:
             capabilities["limits"] = _limits_text(self.limits)
-        try:
-            self._session = self.recorder.start(
-                cgroup,
-                list(plan.command),
-                plan.cwd,
-                detail=plan.detail,
-                labels=plan.labels,
-                attached_late=plan.attached_late,
-                session_id=plan.session_id,
-                wrap_spool=wrap_spool,
-                roots=plan.roots,
-                network=plan.network,
-                capabilities=capabilities,
-                degradations=plan.degradations,
-            )
-        except BaseException:
-            self.close_limits()
-            raise
-        if self.enforcement is not None:
-            self.enforcement.enforce_on(
-                self._session, watch=self._watch_exits if self.limits is not None else None, tell=self.tell
-            )
-        self._session.degrade(*said)
-        self.save()
+        # until its record is written and held (save), the run's spool is locked by the directory's
+        # lock: an `evidence recover` meanwhile would take it for a dead run's
+        with spool_dir_lock(self.record_dir, exclusive=False):
+            try:
+                self._session = self.recorder.start(
+                    cgroup,
+                    list(plan.command),
+                    plan.cwd,
+                    detail=plan.detail,
+                    labels=plan.labels,
+                    attached_late=plan.attached_late,
+                    session_id=plan.session_id,
+                    wrap_spool=wrap_spool,
+                    roots=plan.roots,
+                    network=plan.network,
+                    capabilities=capabilities,
+                    degradations=plan.degradations,
+                )
+            except BaseException:
+                self.close_limits()
+                raise
+            if self.enforcement is not None:
+                self.enforcement.enforce_on(
+                    self._session,
+                    watch=self._watch_exits if self.limits is not None else None,
+                    tell=self.tell,
+                )
+            self._session.degrade(*said)
+            self.save()
         return self._session
 
     def _apply_limits(self, cgroup: Path) -> list[Degradation]:
@@ -298,16 +303,19 @@ class Run:
         if self._session is None:
             return None
         try:
-            path = write_run_record(self.record_dir, self._session.describe(**self.where, **ended))
+            # a new file replaces the record, unlocked until held below: the directory's lock
+            # meanwhile (spool_dir_lock)
+            with spool_dir_lock(self.record_dir, exclusive=False):
+                path = write_run_record(self.record_dir, self._session.describe(**self.where, **ended))
+                if self._held:
+                    if self._lock_fd >= 0:
+                        os.close(self._lock_fd)  # the record was replaced: hold the new one
+                    self._lock_fd = hold(path)
         except OSError as e:
             if self._held:  # `evidence run`: no record, no run (recover could take a live spool)
                 raise
             logger.warning("run %s: cannot write its recovery record: %s", self.session_id, e)
             return None
-        if self._held:
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)  # the record was replaced: hold the new one
-            self._lock_fd = hold(path)
         return path
 
     # ---- finish -------------------------------------------------------------------------------
