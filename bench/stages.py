@@ -47,7 +47,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STAGES = ("decode", "correlate", "spool", "make", "write", "compress")
-BATCH = 16384  # records per Recorder._process call (pipeline.COALESCE)
 CGID = 7
 
 
@@ -71,7 +70,7 @@ class _Ring:
     def wake(self) -> None:
         pass
 
-    def read(self) -> list[bytes]:
+    def read(self, max_records: int = 65536) -> list[bytes]:
         return []
 
 
@@ -86,7 +85,7 @@ class _Probes:
 def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     """Every stage over `n` records of `case`: {stage: cpu seconds, ..., "sha256": the bundle's}."""
     from evidence.agent.recorder import decode as d
-    from evidence.agent.recorder import recording
+    from evidence.agent.recorder import pipeline, recording
     from evidence.agent.recorder.correlate import Correlator
     from evidence.bundle import writer as _w
     from evidence.bundle.deflate import Deflater
@@ -154,8 +153,9 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
 
     spool.write_many = timed  # type: ignore[method-assign]
     t0 = time.thread_time()
-    for i in range(0, n, BATCH):
-        rec._process(raws[i : i + BATCH])
+    batch = pipeline.COALESCE  # records per Recorder._process call: the tree's own
+    for i in range(0, n, batch):
+        rec._process(raws[i : i + batch])
     spool.close()
     total = time.thread_time() - t0
     del raws
