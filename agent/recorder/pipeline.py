@@ -94,6 +94,23 @@ class _Spilled:
         self.offset, self.count, self.size = offset, count, size
 
 
+def _split(data: bytes, count: int) -> list[bytes]:
+    """A spilled batch's records: `count` lengths (array "I"), then their bytes. In C when built
+    (src/fast/_fast.c: spilled; 0.2 us a record here, on the correlator's thread)."""
+    if _fast is not None:
+        return cast("list[bytes]", _fast.spilled(data, count))
+    if not 0 <= count <= len(data) // 4:
+        raise ValueError("fewer lengths than records")
+    lengths = array.array("I")
+    lengths.frombytes(data[: 4 * count])
+    out: list[bytes] = []
+    at = 4 * count
+    for n in lengths:
+        out.append(data[at : at + n])
+        at += n
+    return out
+
+
 class _Spill:
     """The poller's overflow: batches of raw records in a file, read back in order by the
     correlator. The file is emptied whenever every batch in it has been read back."""
@@ -127,13 +144,7 @@ class _Spill:
     def read(self, item: _Spilled) -> list[bytes]:
         assert self.file is not None
         data = os.pread(self.file, item.size, item.offset)
-        lengths = array.array("I")
-        lengths.frombytes(data[: 4 * item.count])
-        out: list[bytes] = []
-        at = 4 * item.count
-        for n in lengths:
-            out.append(data[at : at + n])
-            at += n
+        out = _split(data, item.count)
         with self.lock:
             self.waiting -= 1
             if not self.waiting:  # every batch read back: the file starts again
@@ -558,7 +569,7 @@ _TS = struct.Struct("<Q")  # struct hdr: ts
 # what makes an open other than plain for the C path (correlate.py's, and the kernel's aggregation)
 _NOT_PLAIN = dec.F_FNAME_FAULT | dec.F_KNAME | dec.F_STATE | dec.F_IN_ROOT | dec.F_OTHER_NS | dec.F_FIRST
 
-_fast = compiled()  # the C hot path: process_opens
+_fast = compiled()  # the C hot path: process_opens, spilled
 _OPEN_LINE_HEAD = b'{"k":"open","t":'
 
 

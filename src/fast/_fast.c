@@ -7,7 +7,8 @@
  * - ring_read: RingBuffer.read's loop (given to the ring by the pipeline: probes/ imports nothing);
  * - process_opens: Pipeline._process's loop over the plain opens that follow one of the same run;
  * - open_plain: Correlator.open_record's plain case (an absolute name, through its directory's
- *   cached names, the descriptor entered in the process's table).
+ *   cached names, the descriptor entered in the process's table);
+ * - spilled: _Spill.read's records of a batch the poller wrote to disk (a flood's, nearly all).
  * The run id's behaviour (bundle/run_id.py):
  * - file_items: Behaviour.add of plain opens whose path no normalisation rule can change, with each
  *   new item's line in a sorted run.
@@ -776,7 +777,7 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         Py_XDECREF(ppid);
         goto fail;
     }
-    rec = PyDict_New();
+    rec = _PyDict_NewPresized(13); /* (its keys below: no table grown on the way) */
     int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
               PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
     Py_DECREF(pid);
@@ -1248,8 +1249,42 @@ done:
     return out;
 }
 
+/* spilled(data, count): _Spill.read's records of a batch read back: `count` lengths (native
+ * unsigned 32-bit, as array("I") writes them), then the records' bytes, each sliced as Python
+ * slices (past the end: what there is). */
+static PyObject *fast_spilled(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*n", &data, &count)) return NULL;
+    PyObject *out = NULL;
+    if (count < 0 || count > data.len / 4) {
+        PyErr_SetString(PyExc_ValueError, "fewer lengths than records");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (!out) goto done;
+    const char *d = data.buf;
+    size_t size = (size_t)data.len, at = 4 * (size_t)count;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint32_t n;
+        memcpy(&n, d + 4 * k, 4);
+        size_t start = at < size ? at : size, end = at + n < size ? at + n : size;
+        PyObject *rec = PyBytes_FromStringAndSize(d + start, (Py_ssize_t)(end - start));
+        if (!rec) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, k, rec);
+        at += n;
+    }
+done:
+    PyBuffer_Release(&data);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
+    {"spilled", fast_spilled, METH_VARARGS, "A spilled batch's records read back (see above)."},
     {"merge_items", fast_merge_items, METH_VARARGS, "The run id's sorted runs merged into a hash (see above)."},
     {"translate", fast_translate, METH_VARARGS, "data.translate(table), without the GIL (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
