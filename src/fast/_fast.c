@@ -777,7 +777,7 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         Py_XDECREF(ppid);
         goto fail;
     }
-    rec = _PyDict_NewPresized(13); /* (its keys below: no table grown on the way) */
+    rec = PyDict_New();
     int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
               PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
     Py_DECREF(pid);
