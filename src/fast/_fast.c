@@ -164,23 +164,50 @@ static int field_cmp(const void *a, const void *b) {
 
 static EVP_MD *SHA256_MD;
 
-/* the content hash of core[0..n) as 64 hex digits and a newline, onto `out` */
-static int put_hash(Buf *out, EVP_MD_CTX *ctx, const char *core, size_t n) {
+/* the content hash of core[0..n) as 64 hex digits and a newline at o[0..65): 1, or 0 when OpenSSL
+ * failed (no Python error set: called without the GIL) */
+static int hash_into(char *o, EVP_MD_CTX *ctx, const char *core, size_t n) {
     unsigned char md[32];
     unsigned int len = 0;
     if (!EVP_DigestInit_ex(ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(ctx, core, n) ||
-        !EVP_DigestFinal_ex(ctx, md, &len)) {
-        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
-        return -1;
-    }
-    if (buf_grow(out, 65)) return -1;
-    char *o = out->p + out->n;
+        !EVP_DigestFinal_ex(ctx, md, &len))
+        return 0;
     for (int k = 0; k < 32; k++) {
         o[2 * k] = HEX[md[k] >> 4];
         o[2 * k + 1] = HEX[md[k] & 15];
     }
     o[64] = '\n';
-    out->n += 65;
+    return 1;
+}
+
+/* A batch's content hash cores, one after the other (`cores`), and where each ends (`ends`, size_t
+ * offsets), hashed at the batch's end with the GIL let go (SHA-256 is a third of an open's event:
+ * the poller and the compressing threads run meanwhile). */
+static int end_core(Buf *cores, Buf *ends) {
+    size_t at = cores->n;
+    return put(ends, (const char *)&at, sizeof at);
+}
+
+static int put_hashes(Buf *out, EVP_MD_CTX *ctx, const Buf *cores, const Buf *ends) {
+    size_t count = ends->n / sizeof(size_t), from = 0;
+    if (!count) return 0;
+    if (buf_grow(out, 65 * count)) return -1;
+    const char *e = ends->p;
+    char *o = out->p + out->n;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t k = 0; k < count && ok; k++) {
+        size_t to;
+        memcpy(&to, e + k * sizeof to, sizeof to);
+        ok = hash_into(o + 65 * k, ctx, cores->p + from, to - from);
+        from = to;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+        return -1;
+    }
+    out->n += 65 * count;
     return 0;
 }
 
@@ -291,7 +318,7 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
     if (!all_bytes(consts, 5)) return NULL;
-    Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0};
+    Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0}, ends = {0};
     if (bytes_buf(&lines)) return NULL;
     Field fields[64], given[64];
     /* the last record's keys in its order (borrowed: the records are alive in `items` until this
@@ -393,22 +420,20 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
             put(&lines, "\n", 1))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
-        core.n = 0;
         if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_mid) ||
-            put(&core, subj.p, subj.n) || put_bytes(&core, open_type))
+            put(&core, subj.p, subj.n) || put_bytes(&core, open_type) || end_core(&core, &ends))
             goto fail;
-        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
         seq++;
     }
-    if (PyErr_Occurred()) goto fail;
+    if (PyErr_Occurred() || put_hashes(&hashes, ctx, &core, &ends)) goto fail;
     PyObject *out = result(i, &lines, &hashes, longest);
     EVP_MD_CTX_free(ctx);
-    free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    free(hashes.p), free(data.p), free(subj.p), free(core.p), free(ends.p);
     return out;
 fail:
     EVP_MD_CTX_free(ctx);
     bytes_buf_drop(&lines);
-    free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    free(hashes.p), free(data.p), free(subj.p), free(core.p), free(ends.p);
     return NULL;
 }
 
@@ -429,7 +454,7 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "the data's parts are bytes");
             return NULL;
         }
-    Buf lines = {0}, hashes = {0}, data = {0}, core = {0};
+    Buf lines = {0}, hashes = {0}, data = {0}, core = {0}, ends = {0};
     size_t longest = 0;
     if (bytes_buf(&lines)) return NULL;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
@@ -456,19 +481,20 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
             put_bytes(&lines, after_seq) || put(&lines, clock.when, (size_t)clock.when_n) || put_bytes(&lines, end))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
-        core.n = 0;
-        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end)) goto fail;
-        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
+        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end) ||
+            end_core(&core, &ends))
+            goto fail;
         seq++;
     }
+    if (put_hashes(&hashes, ctx, &core, &ends)) goto fail;
     PyObject *out = result(i, &lines, &hashes, longest);
     EVP_MD_CTX_free(ctx);
-    free(hashes.p), free(data.p), free(core.p);
+    free(hashes.p), free(data.p), free(core.p), free(ends.p);
     return out;
 fail:
     EVP_MD_CTX_free(ctx);
     bytes_buf_drop(&lines);
-    free(hashes.p), free(data.p), free(core.p);
+    free(hashes.p), free(data.p), free(core.p), free(ends.p);
     return NULL;
 }
 
