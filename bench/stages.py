@@ -5,8 +5,10 @@ No kernel and no root: raw open records as the probes write them (probes/abi.py'
 through the recorder's real code, stage by stage, as a full-detail run of bench/bench.py's
 workloads would send them:
 - decode: the one unpack per open that Recorder._process makes (OPEN_REC), over every record;
-- correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing);
-- spool: SpoolWriter.write_many (orjson lines, zstandard) and the run id's Behaviour it feeds;
+- correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing), in
+  batches of the tree's pipeline.COALESCE (the poller's reads and spill are not in it);
+- spool: SpoolWriter.write_many (orjson lines; their zstandard compression, for a flood's batches a
+  thread's of its own, is not in it) and the run id's Behaviour it feeds;
 - make: the events' lines and content hashes made as the records are spooled (bundle/premade.py,
   as Recorder.start sets it up for a full-detail run), while the job runs (their compression into
   the premade files is a thread's of its own, not in it: about 0.35 s of CPU a million);

@@ -2,10 +2,11 @@
 each run's spool.
 
 - poller: waits on the ring buffer (wakeups are batched by the probes, and it polls on a short timer),
-  lets records gather a few milliseconds after a wakeup (GATHER_SECONDS), collects the raw records
-  into a batch and hands whole batches to a bounded queue. When the queue is
-  full it stops reading, so back-pressure lands in the kernel's ring buffer, where every record that
-  does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
+  lets records gather a few milliseconds after a wakeup (GATHER_SECONDS), reads the raw records in
+  batches of at most READ_RECORDS and hands them to a queue: in memory up to HELD_RECORDS, past it
+  written to a spill file and read back by the correlator in order. When that is full too
+  (SPILL_BYTES) it stops reading, so back-pressure lands in the kernel's ring buffer, where every
+  record that does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
 - correlator: takes the batches waiting in the queue together (COALESCE), decodes them (opens, the
   bulk of any run, in one unpack each), routes records to their run by slot, correlates them and appends
   the results to the run's zstandard spool on disk, so memory stays flat however long the run is.
@@ -68,8 +69,8 @@ GATHER_SECONDS = 0.005  # after a wakeup, the poller waits this long before it r
 COALESCE = 8192  # records: the correlator processes the batches waiting in the queue together, up to this
 # (a batch's records, their spool lines and event lines are in memory together, and its event lines
 # twice more while they are compressed, one piece queued and one compressing (bundle/premade.py):
-# 8,192 distinct opens are about 20 MB in all; 16,384 made a flood's peak RSS ~20 MB higher, and
-# 65,536 80 MB, for no less CPU)
+# 8,192 distinct opens are about 20 MB in all, 16,384 twice that; 65,536 made a flood's peak RSS
+# 80 MB higher than 16,384, for no less CPU, and 8,192 costs no more CPU than 16,384 either)
 # Each run's spool is flushed to disk at least this often while records arrive (and within this
 # long after the last ones): a recorder killed with SIGKILL leaves at most about this much unwritten.
 FLUSH_SECONDS = 1.0
