@@ -5,8 +5,10 @@ No kernel and no root: raw open records as the probes write them (probes/abi.py'
 through the recorder's real code, stage by stage, as a full-detail run of bench/bench.py's
 workloads would send them:
 - decode: the one unpack per open that Recorder._process makes (OPEN_REC), over every record;
-- correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing);
-- spool: SpoolWriter.write_many (orjson lines, zstandard) and the run id's Behaviour it feeds;
+- correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing), in
+  batches of the tree's pipeline.COALESCE (the poller's reads and spill are not in it);
+- spool: SpoolWriter.write_many (orjson lines; their zstandard compression, for a flood's batches a
+  thread's of its own, is not in it) and the run id's Behaviour it feeds;
 - make: the events' lines and content hashes made as the records are spooled (bundle/premade.py,
   as Recorder.start sets it up for a full-detail run), while the job runs (their compression into
   the premade files is a thread's of its own, not in it: about 0.35 s of CPU a million);
@@ -47,7 +49,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STAGES = ("decode", "correlate", "spool", "make", "write", "compress")
-BATCH = 16384  # records per Recorder._process call (pipeline.COALESCE)
 CGID = 7
 
 
@@ -71,7 +72,7 @@ class _Ring:
     def wake(self) -> None:
         pass
 
-    def read(self) -> list[bytes]:
+    def read(self, max_records: int = 65536) -> list[bytes]:
         return []
 
 
@@ -86,7 +87,7 @@ class _Probes:
 def measure(case: str, n: int, work: Path) -> dict[str, Any]:
     """Every stage over `n` records of `case`: {stage: cpu seconds, ..., "sha256": the bundle's}."""
     from evidence.agent.recorder import decode as d
-    from evidence.agent.recorder import recording
+    from evidence.agent.recorder import pipeline, recording
     from evidence.agent.recorder.correlate import Correlator
     from evidence.bundle import writer as _w
     from evidence.bundle.deflate import Deflater
@@ -154,8 +155,9 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
 
     spool.write_many = timed  # type: ignore[method-assign]
     t0 = time.thread_time()
-    for i in range(0, n, BATCH):
-        rec._process(raws[i : i + BATCH])
+    batch = pipeline.COALESCE  # records per Recorder._process call: the tree's own
+    for i in range(0, n, batch):
+        rec._process(raws[i : i + batch])
     spool.close()
     total = time.thread_time() - t0
     del raws

@@ -2,10 +2,11 @@
 each run's spool.
 
 - poller: waits on the ring buffer (wakeups are batched by the probes, and it polls on a short timer),
-  lets records gather a few milliseconds after a wakeup (GATHER_SECONDS), collects the raw records
-  into a batch and hands whole batches to a bounded queue. When the queue is
-  full it stops reading, so back-pressure lands in the kernel's ring buffer, where every record that
-  does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
+  lets records gather a few milliseconds after a wakeup (GATHER_SECONDS), reads the raw records in
+  batches of at most READ_RECORDS and hands them to a queue: in memory up to HELD_RECORDS, past it
+  written to a spill file and read back by the correlator in order. When that is full too
+  (SPILL_BYTES) it stops reading, so back-pressure lands in the kernel's ring buffer, where every
+  record that does not fit is counted as lost, per run and kind. Nothing is dropped in user space.
 - correlator: takes the batches waiting in the queue together (COALESCE), decodes them (opens, the
   bulk of any run, in one unpack each), routes records to their run by slot, correlates them and appends
   the results to the run's zstandard spool on disk, so memory stays flat however long the run is.
@@ -18,6 +19,7 @@ each run's spool.
 from __future__ import annotations
 
 import array
+import ctypes
 import logging
 import os
 import queue
@@ -46,17 +48,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50
-QUEUE_BATCHES = 256  # batches (or spilled batches) read from the ring and not yet correlated, at most
+# batches (or spilled batches) read from the ring and not yet correlated, at most: what bounds their
+# memory is HELD_RECORDS (the rest are on disk, a small _Spilled each) and SPILL_BYTES. (256 was
+# reached by a 2 x 1M distinct flood on a busy machine, batches of ~3,000 records: the poller waited
+# with the ring buffer filling, and it lost records while the spill file had room.)
+QUEUE_BATCHES = 4096
 # Raw records held in memory between the poller and the correlator, at most: past it, batches go to
 # a file beside the spools (a _Spilled stands for each in the queue, in order) and come back when
 # the correlator reaches them, so a flood the correlator is behind on costs disk, not memory. Past
 # SPILL_BYTES on disk the poller waits (back-pressure goes to the ring buffer, which counts loss).
-HELD_RECORDS = int(os.environ.get("EVIDENCE_HELD_RECORDS", "131072"))
+# (32,768: about 8 MB of bytes objects; 131,072 held 30 MB more of a flood's peak RSS, and reading a
+# batch back costs the correlator a pread and a slice a record, about 1% of what it does with them)
+HELD_RECORDS = int(os.environ.get("EVIDENCE_HELD_RECORDS", "32768"))
 SPILL_BYTES = 4 * 1024 * 1024 * 1024
+# Raw records the poller reads from the ring buffer at a time, at most: a poller that comes back to
+# a full ring (64 MiB, ~300,000 opens) took 65,536 at a time, 15 MB of bytes objects and their spill
+# written from a copy of them, the largest of a flood's peaks of memory
+READ_RECORDS = 8192
 GATHER_SECONDS = 0.005  # after a wakeup, the poller waits this long before it reads (see _poll_loop)
-COALESCE = 16384  # records: the correlator processes the batches waiting in the queue together, up to this
-# (a batch's records, their spool lines and event lines are in memory together: 16,384 distinct opens
-# are about 25 MB; 65,536 made a flood's peak RSS 80 MB higher, for no less CPU)
+COALESCE = 8192  # records: the correlator processes the batches waiting in the queue together, up to this
+# (a batch's records, their spool lines and event lines are in memory together, and its event lines
+# twice more while they are compressed, one piece queued and one compressing (bundle/premade.py):
+# 8,192 distinct opens are about 20 MB in all, 16,384 twice that; 65,536 made a flood's peak RSS
+# 80 MB higher than 16,384, for no less CPU, and 8,192 costs no more CPU than 16,384 either)
 # Each run's spool is flushed to disk at least this often while records arrive (and within this
 # long after the last ones): a recorder killed with SIGKILL leaves at most about this much unwritten.
 FLUSH_SECONDS = 1.0
@@ -81,6 +95,23 @@ class _Spilled:
         self.offset, self.count, self.size = offset, count, size
 
 
+def _split(data: bytes, count: int) -> list[bytes]:
+    """A spilled batch's records: `count` lengths (array "I"), then their bytes. In C when built
+    (src/fast/_fast.c: spilled; 0.2 us a record here, on the correlator's thread)."""
+    if _fast is not None:
+        return cast("list[bytes]", _fast.spilled(data, count))
+    if not 0 <= count <= len(data) // 4:
+        raise ValueError("fewer lengths than records")
+    lengths = array.array("I")
+    lengths.frombytes(data[: 4 * count])
+    out: list[bytes] = []
+    at = 4 * count
+    for n in lengths:
+        out.append(data[at : at + n])
+        at += n
+    return out
+
+
 class _Spill:
     """The poller's overflow: batches of raw records in a file, read back in order by the
     correlator. The file is emptied whenever every batch in it has been read back."""
@@ -94,7 +125,8 @@ class _Spill:
 
     def write(self, batch: list[bytes]) -> _Spilled:
         lengths = array.array("I", map(len, batch))
-        data = lengths.tobytes() + b"".join(batch)
+        data = b"".join(batch)
+        size = len(lengths) * lengths.itemsize + len(data)
         with self.lock:
             if self.file is None:
                 if self.directory is not None:
@@ -103,22 +135,17 @@ class _Spill:
                 os.unlink(name)  # (the recorder's alone, gone with it)
                 self.file = fd
             offset = self.end
-            self.end += len(data)
+            self.end += size
             self.waiting += 1
             fd = self.file
-        os.pwrite(fd, data, offset)
-        return _Spilled(offset, len(batch), len(data))
+        # (the lengths and the records not joined again: the batch is in memory once more, not twice)
+        os.pwritev(fd, [lengths, data], offset)
+        return _Spilled(offset, len(batch), size)
 
     def read(self, item: _Spilled) -> list[bytes]:
         assert self.file is not None
         data = os.pread(self.file, item.size, item.offset)
-        lengths = array.array("I")
-        lengths.frombytes(data[: 4 * item.count])
-        out: list[bytes] = []
-        at = 4 * item.count
-        for n in lengths:
-            out.append(data[at : at + n])
-            at += n
+        out = _split(data, item.count)
         with self.lock:
             self.waiting -= 1
             if not self.waiting:  # every batch read back: the file starts again
@@ -194,7 +221,7 @@ class Pipeline:
 
     def _drain_ring(self) -> None:
         while True:
-            batch = self._ring.read()
+            batch = self._ring.read(READ_RECORDS)
             if not batch:
                 return
             item: list[bytes] | _Spilled = batch
@@ -285,9 +312,12 @@ class Pipeline:
 
     def _flush_spools(self) -> None:
         """Flush the spools written to since the last flush (on the correlator thread, the only one
-        that writes to a live run's spool; a finished run's spool is closed by finish())."""
+        that writes to a live run's spool; a finished run's spool is closed by finish()), and hand
+        the allocator's free pages back (release_free_memory)."""
+        written = False
         with self._lock:  # finish() marks a run finished under it before it touches the spool
             for session in self._sessions.values():
+                written = written or session.dirty
                 if session.held and not session.finished:
                     self._write(session, [])
                 if session.dirty and not session.finished:
@@ -296,6 +326,8 @@ class Pipeline:
                         session.spool.flush()
                     except (OSError, ValueError) as e:
                         logger.warning("flush of %s failed: %s", session.spool.path, e)
+        if written:
+            release_free_memory()
 
     def _process(self, batch: list[bytes]) -> None:
         """Decode, correlate and spool a batch. Opens, by far the most frequent records, take one
@@ -512,11 +544,33 @@ class Pipeline:
         session.dirty = True
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim  # glibc's (not musl's)
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Give the pages of memory freed since back to the system (glibc's malloc_trim(0): about 1 ms).
+    A batch's buffers are freed on the threads that made them (the correlator's, the premade
+    lines' compressor's), whose malloc arenas keep their free pages resident; a flood's batches
+    left 30-45 MB of them, counted in the recorder's RSS until the run's end and under the bundle
+    writer's own. Called by the correlator once a second while records come, and before a bundle
+    is written."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 _TS = struct.Struct("<Q")  # struct hdr: ts
 # what makes an open other than plain for the C path (correlate.py's, and the kernel's aggregation)
 _NOT_PLAIN = dec.F_FNAME_FAULT | dec.F_KNAME | dec.F_STATE | dec.F_IN_ROOT | dec.F_OTHER_NS | dec.F_FIRST
 
-_fast = compiled()  # the C hot path: process_opens
+_fast = compiled()  # the C hot path: process_opens, spilled
 _OPEN_LINE_HEAD = b'{"k":"open","t":'
 
 

@@ -22,7 +22,7 @@ from evidence.agent.recorder import decode as dec
 from evidence.agent.recorder import exe_hash
 from evidence.agent.recorder.correlate import Correlator
 from evidence.agent.recorder.description import Capabilities, Detail, Network
-from evidence.agent.recorder.pipeline import DRAIN_SECONDS, FLUSH_SECONDS, Pipeline
+from evidence.agent.recorder.pipeline import DRAIN_SECONDS, FLUSH_SECONDS, Pipeline, release_free_memory
 from evidence.agent.recorder.procfs import (
     cgroup_mount_of,
     cgroup_of,
@@ -334,6 +334,7 @@ class Recorder(Pipeline):
         behaviour, session.behaviour = session.behaviour, None  # made into a run id once: a retry reads
         premade = session.premade.made() if session.premade is not None else None  # used once
         session.premade = None
+        release_free_memory()  # the recording's free pages, before the writer's own come
         try:
             manifest = write_bundle(
                 bundle_path,

@@ -7,7 +7,8 @@
  * - ring_read: RingBuffer.read's loop (given to the ring by the pipeline: probes/ imports nothing);
  * - process_opens: Pipeline._process's loop over the plain opens that follow one of the same run;
  * - open_plain: Correlator.open_record's plain case (an absolute name, through its directory's
- *   cached names, the descriptor entered in the process's table).
+ *   cached names, the descriptor entered in the process's table);
+ * - spilled: _Spill.read's records of a batch the poller wrote to disk (a flood's, nearly all).
  * The run id's behaviour (bundle/run_id.py):
  * - file_items: Behaviour.add of plain opens whose path no normalisation rule can change, with each
  *   new item's line in a sorted run.
@@ -163,23 +164,50 @@ static int field_cmp(const void *a, const void *b) {
 
 static EVP_MD *SHA256_MD;
 
-/* the content hash of core[0..n) as 64 hex digits and a newline, onto `out` */
-static int put_hash(Buf *out, EVP_MD_CTX *ctx, const char *core, size_t n) {
+/* the content hash of core[0..n) as 64 hex digits and a newline at o[0..65): 1, or 0 when OpenSSL
+ * failed (no Python error set: called without the GIL) */
+static int hash_into(char *o, EVP_MD_CTX *ctx, const char *core, size_t n) {
     unsigned char md[32];
     unsigned int len = 0;
     if (!EVP_DigestInit_ex(ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(ctx, core, n) ||
-        !EVP_DigestFinal_ex(ctx, md, &len)) {
-        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
-        return -1;
-    }
-    if (buf_grow(out, 65)) return -1;
-    char *o = out->p + out->n;
+        !EVP_DigestFinal_ex(ctx, md, &len))
+        return 0;
     for (int k = 0; k < 32; k++) {
         o[2 * k] = HEX[md[k] >> 4];
         o[2 * k + 1] = HEX[md[k] & 15];
     }
     o[64] = '\n';
-    out->n += 65;
+    return 1;
+}
+
+/* A batch's content hash cores, one after the other (`cores`), and where each ends (`ends`, size_t
+ * offsets), hashed at the batch's end with the GIL let go (SHA-256 is a third of an open's event:
+ * the poller and the compressing threads run meanwhile). */
+static int end_core(Buf *cores, Buf *ends) {
+    size_t at = cores->n;
+    return put(ends, (const char *)&at, sizeof at);
+}
+
+static int put_hashes(Buf *out, EVP_MD_CTX *ctx, const Buf *cores, const Buf *ends) {
+    size_t count = ends->n / sizeof(size_t), from = 0;
+    if (!count) return 0;
+    if (buf_grow(out, 65 * count)) return -1;
+    const char *e = ends->p;
+    char *o = out->p + out->n;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t k = 0; k < count && ok; k++) {
+        size_t to;
+        memcpy(&to, e + k * sizeof to, sizeof to);
+        ok = hash_into(o + 65 * k, ctx, cores->p + from, to - from);
+        from = to;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+        return -1;
+    }
+    out->n += 65 * count;
     return 0;
 }
 
@@ -240,8 +268,34 @@ static int all_bytes(PyObject *const *xs, int n) {
     return 1;
 }
 
+/* A Buf whose bytes are a bytes object's own, grown in place (realloc: a large one is remapped,
+ * not copied) and cut to its length at the end: a batch's lines (10 MB for 16,384 distinct opens)
+ * are never held twice, as a buffer and as its copy. 0, or -1 with MemoryError set. */
+static int bytes_buf(Buf *b) {
+    b->bytes = PyBytes_FromStringAndSize(NULL, 1 << 16);
+    if (!b->bytes) return -1;
+    b->p = PyBytes_AS_STRING(b->bytes);
+    b->n = 0;
+    b->cap = 1 << 16;
+    return 0;
+}
+
+/* the bytes of a bytes_buf, its own from now (NULL with an error set) */
+static PyObject *bytes_buf_take(Buf *b) {
+    PyObject *o = b->bytes;
+    b->bytes = NULL;
+    b->p = NULL;
+    if (o && _PyBytes_Resize(&o, (Py_ssize_t)b->n)) return NULL;
+    return o;
+}
+
+static void bytes_buf_drop(Buf *b) {
+    Py_CLEAR(b->bytes);
+    b->p = NULL;
+}
+
 static PyObject *result(Py_ssize_t i, Buf *lines, Buf *hashes, size_t longest) {
-    PyObject *l = PyBytes_FromStringAndSize(lines->p ? lines->p : "", (Py_ssize_t)lines->n);
+    PyObject *l = bytes_buf_take(lines);
     PyObject *h = l ? PyBytes_FromStringAndSize(hashes->p ? hashes->p : "", (Py_ssize_t)hashes->n) : NULL;
     PyObject *out = h ? Py_BuildValue("(nNNn)", i, l, h, (Py_ssize_t)longest) : NULL;
     if (!out) {
@@ -264,7 +318,8 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
     if (!all_bytes(consts, 5)) return NULL;
-    Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0};
+    Buf lines = {0}, hashes = {0}, data = {0}, subj = {0}, core = {0}, ends = {0};
+    if (bytes_buf(&lines)) return NULL;
     Field fields[64], given[64];
     /* the last record's keys in its order (borrowed: the records are alive in `items` until this
      * returns), and where each went in the sorted order: a record with the same keys in the same
@@ -273,7 +328,10 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
     int order[64], n_before = -1;
     size_t longest = 0;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (!ctx) return PyErr_NoMemory();
+    if (!ctx) {
+        bytes_buf_drop(&lines);
+        return PyErr_NoMemory();
+    }
     Py_ssize_t count = PyList_GET_SIZE(items);
     for (; i < count; i++) {
         PyObject *rec = PyList_GET_ITEM(items, i);
@@ -362,21 +420,20 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
             put(&lines, "\n", 1))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
-        core.n = 0;
         if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_mid) ||
-            put(&core, subj.p, subj.n) || put_bytes(&core, open_type))
+            put(&core, subj.p, subj.n) || put_bytes(&core, open_type) || end_core(&core, &ends))
             goto fail;
-        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
         seq++;
     }
-    if (PyErr_Occurred()) goto fail;
+    if (PyErr_Occurred() || put_hashes(&hashes, ctx, &core, &ends)) goto fail;
     PyObject *out = result(i, &lines, &hashes, longest);
     EVP_MD_CTX_free(ctx);
-    free(lines.p), free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    free(hashes.p), free(data.p), free(subj.p), free(core.p), free(ends.p);
     return out;
 fail:
     EVP_MD_CTX_free(ctx);
-    free(lines.p), free(hashes.p), free(data.p), free(subj.p), free(core.p);
+    bytes_buf_drop(&lines);
+    free(hashes.p), free(data.p), free(subj.p), free(core.p), free(ends.p);
     return NULL;
 }
 
@@ -397,10 +454,14 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "the data's parts are bytes");
             return NULL;
         }
-    Buf lines = {0}, hashes = {0}, data = {0}, core = {0};
+    Buf lines = {0}, hashes = {0}, data = {0}, core = {0}, ends = {0};
     size_t longest = 0;
+    if (bytes_buf(&lines)) return NULL;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (!ctx) return PyErr_NoMemory();
+    if (!ctx) {
+        bytes_buf_drop(&lines);
+        return PyErr_NoMemory();
+    }
     Py_ssize_t count = PyList_GET_SIZE(items);
     for (; i < count; i++) {
         PyObject *tv = PyList_GET_ITEM(items, i);
@@ -420,18 +481,20 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
             put_bytes(&lines, after_seq) || put(&lines, clock.when, (size_t)clock.when_n) || put_bytes(&lines, end))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
-        core.n = 0;
-        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end)) goto fail;
-        if (put_hash(&hashes, ctx, core.p, core.n)) goto fail;
+        if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end) ||
+            end_core(&core, &ends))
+            goto fail;
         seq++;
     }
+    if (put_hashes(&hashes, ctx, &core, &ends)) goto fail;
     PyObject *out = result(i, &lines, &hashes, longest);
     EVP_MD_CTX_free(ctx);
-    free(lines.p), free(hashes.p), free(data.p), free(core.p);
+    free(hashes.p), free(data.p), free(core.p), free(ends.p);
     return out;
 fail:
     EVP_MD_CTX_free(ctx);
-    free(lines.p), free(hashes.p), free(data.p), free(core.p);
+    bytes_buf_drop(&lines);
+    free(hashes.p), free(data.p), free(core.p), free(ends.p);
     return NULL;
 }
 
@@ -1212,8 +1275,42 @@ done:
     return out;
 }
 
+/* spilled(data, count): _Spill.read's records of a batch read back: `count` lengths (native
+ * unsigned 32-bit, as array("I") writes them), then the records' bytes, each sliced as Python
+ * slices (past the end: what there is). */
+static PyObject *fast_spilled(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*n", &data, &count)) return NULL;
+    PyObject *out = NULL;
+    if (count < 0 || count > data.len / 4) {
+        PyErr_SetString(PyExc_ValueError, "fewer lengths than records");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (!out) goto done;
+    const char *d = data.buf;
+    size_t size = (size_t)data.len, at = 4 * (size_t)count;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint32_t n;
+        memcpy(&n, d + 4 * k, 4);
+        size_t start = at < size ? at : size, end = at + n < size ? at + n : size;
+        PyObject *rec = PyBytes_FromStringAndSize(d + start, (Py_ssize_t)(end - start));
+        if (!rec) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, k, rec);
+        at += n;
+    }
+done:
+    PyBuffer_Release(&data);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
+    {"spilled", fast_spilled, METH_VARARGS, "A spilled batch's records read back (see above)."},
     {"merge_items", fast_merge_items, METH_VARARGS, "The run id's sorted runs merged into a hash (see above)."},
     {"translate", fast_translate, METH_VARARGS, "data.translate(table), without the GIL (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},

@@ -6,13 +6,23 @@
 typedef struct {
     char *p;
     size_t n, cap;
+    PyObject *bytes; /* when set, p is its buffer (bytes_buf: a result made in place, not copied) */
 } Buf;
 
-/* Room for `more` bytes: 0, or -1 with MemoryError set. */
-static int buf_grow(Buf *b, size_t more) {
-    if (b->n + more <= b->cap) return 0;
+/* buf_grow's growing: 0, or -1 with MemoryError set. */
+static int buf_grow_slow(Buf *b, size_t more) {
     size_t cap = b->cap ? b->cap : 1 << 16;
     while (cap < b->n + more) cap *= 2;
+    if (b->bytes) { /* (on failure _PyBytes_Resize drops it and sets MemoryError) */
+        if (_PyBytes_Resize(&b->bytes, (Py_ssize_t)cap)) {
+            b->p = NULL;
+            b->n = b->cap = 0;
+            return -1;
+        }
+        b->p = PyBytes_AS_STRING(b->bytes);
+        b->cap = cap;
+        return 0;
+    }
     char *p = realloc(b->p, cap);
     if (!p) {
         PyErr_NoMemory();
@@ -21,6 +31,11 @@ static int buf_grow(Buf *b, size_t more) {
     b->p = p;
     b->cap = cap;
     return 0;
+}
+
+/* Room for `more` bytes: 0, or -1 with MemoryError set (the usual case, room already, inline). */
+static inline int buf_grow(Buf *b, size_t more) {
+    return b->n + more <= b->cap ? 0 : buf_grow_slow(b, more);
 }
 
 static inline int put(Buf *b, const char *s, size_t n) {

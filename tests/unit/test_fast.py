@@ -473,3 +473,33 @@ def test_merged_runs_past_the_read_and_the_hash_pieces(tmp_path: Any) -> None:
     python, c = _merged(tmp_path, runs, lines[::11], False)
     assert len(python) > 2 << 20
     assert c == python
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=40), st.integers(0, 2**14), st.booleans())
+def test_c_and_python_read_a_spilled_batch_alike(records: list[bytes], cut: int, whole: bool) -> None:
+    """A batch the poller spilled (its lengths, then its records) comes back the same from C and
+    from Python: whole, or cut short anywhere (each record as far as the bytes go; fewer bytes than
+    the lengths: ValueError from both)."""
+    import array
+
+    from evidence.agent.recorder import pipeline
+
+    data = array.array("I", map(len, records)).tobytes() + b"".join(records)
+    if not whole:
+        data = data[:cut]
+
+    def read(fast: object) -> object:
+        saved = pipeline._fast
+        pipeline._fast = fast
+        try:
+            return pipeline._split(data, len(records))
+        except ValueError:
+            return ValueError
+        finally:
+            pipeline._fast = saved
+
+    assert read(sink._fast) == read(None)
+    if whole:
+        assert read(sink._fast) == records

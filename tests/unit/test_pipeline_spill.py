@@ -25,7 +25,7 @@ class _Ring:
     def wake(self) -> None:
         pass
 
-    def read(self) -> list[bytes]:
+    def read(self, max_records: int = 65536) -> list[bytes]:
         with self.lock:
             return self.batches.pop(0) if self.batches else []
 
@@ -101,3 +101,52 @@ def test_a_consumer_behind_but_correlating_is_waited_for(
     finally:
         rec.close()
     assert seen == [r for b in batches for r in b]
+
+
+class _FloodRing(_Ring):
+    """A ring of `count` records, read as the real one is: at most max_records at a time."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__([])
+        self.records = [b"%d" % i for i in range(count)]
+        self.largest = 0
+
+    def read(self, max_records: int = 65536) -> list[bytes]:
+        with self.lock:
+            out, self.records = self.records[:max_records], self.records[max_records:]
+        self.largest = max(self.largest, len(out))
+        return out
+
+
+def test_a_flood_is_read_off_the_ring_in_small_batches_while_the_correlator_is_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poller reads READ_RECORDS at a time (not a whole ring's worth of bytes objects at once),
+    and more batches than the 256 that once bounded the queue go to disk while the correlator is
+    held back: the ring is emptied (nothing waits in it to be lost) and every record comes back in
+    order."""
+    monkeypatch.setattr(pipeline, "HELD_RECORDS", 50)
+    monkeypatch.setattr(pipeline, "READ_RECORDS", 7)
+    ring = _FloodRing(7 * 1000)
+    want = list(ring.records)
+    seen: list[bytes] = []
+    gate = threading.Event()
+
+    def process(self: recording.Recorder, batch: list[bytes]) -> None:
+        gate.wait(20)
+        seen.extend(batch)
+
+    monkeypatch.setattr(recording.Recorder, "_process", process)
+    rec = recording.Recorder(tmp_path / "spool", probes=_Probes(ring))  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 20
+        while ring.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ring.records  # all read while the correlator still waits
+        assert rec._spill.waiting > 256
+        gate.set()
+        assert rec.drain(20)
+    finally:
+        rec.close()
+    assert ring.largest == 7
+    assert seen == want

@@ -30,7 +30,7 @@ class FakeRing:
     def wake(self) -> None:
         pass
 
-    def read(self) -> list[bytes]:
+    def read(self, max_records: int = 65536) -> list[bytes]:
         with self.lock:
             out, self.pending = self.pending, []
         return out
