@@ -100,20 +100,6 @@ static int quiet(Lines *self) {
     return -1;
 }
 
-/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
-static inline int decimal(char *tmp, long long v) {
-    char rev[20];
-    int n = 0, k = 0;
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    do {
-        rev[n++] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
-    if (v < 0) tmp[k++] = '-';
-    while (n) tmp[k++] = rev[--n];
-    return k;
-}
-
 /* Whether b[*at..] starts with s[0..n), moving *at past it. */
 static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t n) {
     if (memcmp(b + *at, s, (size_t)n) != 0) return 0;

@@ -43,20 +43,6 @@
 
 #define PUT_LIT(b, s) put((b), (s), sizeof(s) - 1)
 
-/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
-static inline int decimal(char *tmp, long long v) {
-    char rev[20];
-    int n = 0, k = 0;
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    do {
-        rev[n++] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
-    if (v < 0) tmp[k++] = '-';
-    while (n) tmp[k++] = rev[--n];
-    return k;
-}
-
 static inline int put_ssize(Buf *b, Py_ssize_t v) {
     char tmp[32];
     return put(b, tmp, (size_t)decimal(tmp, (long long)v));

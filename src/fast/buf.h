@@ -45,4 +45,18 @@ static inline int put(Buf *b, const char *s, size_t n) {
     return 0;
 }
 
+/* the decimal digits of v (as "%lld" writes them) into tmp (at least 21 bytes); their count */
+static inline int decimal(char *tmp, long long v) {
+    char rev[20];
+    int n = 0, k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        rev[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[k++] = '-';
+    while (n) tmp[k++] = rev[--n];
+    return k;
+}
+
 #endif
