@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,20 @@ def governance_checks(root: bool) -> list[Check]:
             "the one decided (the race after an allowed exec stays open: a degradation); Linux 5.3+",
         )
     )
+    ok, why = private_ipc() if root else (False, "needs root")
+    out.append(
+        Check(
+            "private IPC and /dev/shm",
+            ok,
+            why,
+            False,
+            ""
+            if ok
+            else "without it a run's command shares the host's System V IPC and /dev/shm, and what it "
+            "leaves there outlives the run (a degradation; --fail-closed refuses): evidence needs "
+            "CAP_SYS_ADMIN (a privileged container)",
+        )
+    )
     from evidence.agent.recorder import limits
 
     try:
@@ -270,6 +285,23 @@ def governance_checks(root: bool) -> list[Check]:
             )
         )
     return out
+
+
+def private_ipc() -> tuple[bool, str]:
+    """Whether a run's command can be given System V IPC and a /dev/shm of its own, tried for real
+    as the launcher does it (exec_helper.private_ipc: new IPC and mount namespaces, a tmpfs on
+    /dev/shm) in a child process, whose namespaces die with it."""
+    code = "from evidence.agent.recorder.exec_helper import private_ipc; private_ipc()"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"the probe could not run: {e}"
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return False, lines[-1] if lines else f"the probe exited {done.returncode}"
+    return True, "an IPC namespace and a mount namespace with a tmpfs on /dev/shm were made"
 
 
 def user_notification() -> tuple[bool, str]:
