@@ -151,6 +151,98 @@ def test_damaged_lines_stop_where_python_stops(
     assert _run(True, lines, 1, ctx) == _run(False, lines, 1, ctx)
 
 
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(codec="utf-8"), max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _as_dumped(line: bytes) -> tuple[int, int, int] | None:
+    return fastpath._verify.as_dumped(line)
+
+
+@needs_c
+@settings(max_examples=1500, deadline=None)
+@given(data=_JSON, subject=st.text(max_size=6), cut=st.integers(min_value=0), byte=st.integers(0, 255))
+def test_a_line_said_to_be_as_dumped_is(data: Any, subject: str, cut: int, byte: int) -> None:
+    """The C path skips orjson.dumps for a line `as_dumped` vouches for: whenever it does, the line
+    is exactly dumps(loads(line)) with sorted keys, and its spans are the data's and the subject's
+    dumps. Good lines of any content and the same with one byte changed, dropped or doubled."""
+    good = orjson.dumps({"data": data, "subject": subject, "z": 1}, option=orjson.OPT_SORT_KEYS)
+    k = cut % len(good)
+    for line in (good, good[:k] + bytes([byte]) + good[k + 1 :], good[:k] + good[k + 1 :], good[:k] + good[k:]):
+        spans = _as_dumped(line)
+        try:
+            ev = orjson.loads(line)
+        except orjson.JSONDecodeError:  # the fast path asks only of lines loads took (valid UTF-8)
+            continue
+        if spans is None:
+            continue
+        assert orjson.dumps(ev, option=orjson.OPT_SORT_KEYS) == line
+        data_end, subject_at, subject_end = spans
+        assert line[8:data_end] == orjson.dumps(ev["data"], option=orjson.OPT_SORT_KEYS)
+        if "subject" in ev:
+            assert line[subject_at:subject_end] == orjson.dumps(ev["subject"])
+        else:
+            assert subject_at == subject_end == -1
+
+
+@pytest.mark.parametrize(
+    ("line", "vouched"),
+    [
+        (b'{"data":{"a":1,"b":[true,false,null,"x\x7f\xc3\xa9"]},"subject":"/s","z":-12}', True),
+        (b'{"data":{"a":123456789012345678},"subject":"s"}', True),  # 18 digits: in 64 bits
+        (b'{"data":{"a":1234567890123456789},"subject":"s"}', False),  # 19: may not be
+        (b'{"data":{"a":-0},"subject":"s"}', False),  # loads makes 0
+        (b'{"data":{"a":1.0},"subject":"s"}', False),  # floats: dumps' own form
+        (b'{"data":{"a":1e2},"subject":"s"}', False),
+        (b'{"data":{"a":"x\ny"},"subject":"s"}', False),  # an escape: dumps' choice
+        (b'{"data":{"a":"x\/y"},"subject":"s"}', False),  # a needless one
+        (b'{"data":{"b":1,"a":1},"subject":"s"}', False),  # out of order
+        (b'{"data":{"a":1,"a":1},"subject":"s"}', False),  # a key twice
+        (b'{"data":{"ab":1,"a":1},"subject":"s"}', False),  # a prefix goes first
+        (b'{"data":{"z":1,"\xc3\xa9":1},"subject":"s"}', True),  # byte order: what Rust sorts by
+        (b'{"data":{"\xc3\xa9":1,"z":1},"subject":"s"}', False),
+        (b'{"data":{},"data":{},"subject":"s"}', False),
+        (b'{"data":{}, "subject":"s"}', False),  # whitespace
+        (b'{"data":{},"subject":"s"} ', False),
+        (b'{"data":{},"subject":"s"}x', False),
+        (b'{"data":' + b"[" * 70 + b"]" * 70 + b',"subject":"s"}', False),  # deeper than it looks
+        (b'{"a":{},"subject":"s"}', False),  # the first key not "data"
+        (b'{"data":{}}', True),  # no subject: (-1, -1)
+    ],
+)
+@needs_c
+def test_what_as_dumped_vouches_for(line: bytes, vouched: bool) -> None:
+    assert (_as_dumped(line) is not None) == vouched
+    if vouched:
+        assert orjson.dumps(orjson.loads(line), option=orjson.OPT_SORT_KEYS) == line
+
+
+@needs_c
+def test_other_loads_or_dumps_make_every_dumps(
+    valid: tuple[fastpath.Context, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`as_dumped` assumes orjson's loads and dumps with sorted keys: given others, the C path
+    calls them for every line, as the reference does."""
+    ctx, lines = valid
+    calls = []
+    real = orjson.dumps
+
+    def dumps(v: Any, option: int | None = None) -> bytes:
+        calls.append(v)
+        return real(v, option=option) if option is not None else real(v)
+
+    monkeypatch.setattr(fastpath.orjson, "dumps", dumps)
+    got = _run(True, lines[1:-1], 1, ctx)
+    assert got[1] == len(lines) - 2 and len(calls) >= 2 * got[1]  # (and the envelope's labels)
+
+
 @needs_c
 def test_an_unexpected_error_is_raised_both_ways(
     valid: tuple[fastpath.Context, list[bytes]], monkeypatch: pytest.MonkeyPatch
