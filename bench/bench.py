@@ -15,7 +15,10 @@ Command rules (case `exec-commands`): 5k fork+exec under `--policy` with a 20-ru
 section against the same run under the same policy without it, interleaved, whole process wall and
 peak RSS each; and the exec supervisor's own time per exec, from receiving the notification to
 responding, as its process reports it (agent/recorder/exec_process.py, exec_supervisor.RoundTrips):
-median and p99 of each run.
+median and p99 of each run. Beside them, the floor of the mechanism on this machine: the same loop
+untraced under the least supervisor there is (`workloads notify`, C: answers "go on" at once, and
+again after busy-waiting the run's median round trip), since what a stopped exec costs here is not
+only the supervisor's time: a virtual CPU left idle meanwhile is slow to wake.
 The floor (bench/floor.py, case `floor`): the 300k open/close loop in-loop untraced, with empty
 programs on openat's tracepoints, with a minimal recorder of a cgroup's opens, and under `evidence
 run`, interleaved: how much of an open's cost is the tracepoints', any recorder's, and ours.
@@ -676,11 +679,14 @@ def run_commands_case(
     bases: list[Sample] = []
     without: list[Sample] = []
     with_rules: list[Sample] = []
+    floors: list[Sample] = []  # under the least supervisor there is (workloads.c notify), at once
+    floors_rt: list[tuple[float, Sample]] = []  # the same taking the run's round trip before answering
     trues: list[float] = []
     errs: list[str] = []
     bundle = work / "exec-commands.tar.gz"
     for i in range(args.repeat):
         bases.append(measure(workload))
+        floors.append(measure([str(exe), "notify", "0", *workload]))
         without.append(
             measure(
                 [
@@ -714,6 +720,10 @@ def run_commands_case(
                 errs,
             )
         )
+        last = errs[-1].splitlines() if errs else []
+        this_run, _ = _round_trip_figures([line for line in last if "execs decided" in line])
+        if this_run:
+            floors_rt.append((this_run[0], measure([str(exe), "notify", str(round(this_run[0])), *workload])))
         trues.append(
             loop_wall(
                 [
@@ -773,6 +783,23 @@ def run_commands_case(
         out.append(
             f"  supervisor round trip, median of the runs' medians {statistics.median(medians):.0f} us, "
             f"of their p99s {statistics.median(p99s):.0f} us"
+        )
+    # what user notification itself costs here: the same loop under a C supervisor that does
+    # nothing but answer, at once and after as much busy time as ours took (the wake-ups of an idle
+    # virtual CPU grow with that time): the part of the cost ours could still cut is the rest
+    b0 = med(s.wall for s in bases)
+    f0 = med(s.wall for s in floors)
+    out.append(
+        f"  the floor, untraced, under a C supervisor answering at once:       {f0:>7.2f} s"
+        f"  ({(f0 - b0) / n * 1e6:+.0f} us per exec, {f0 / b0:.2f}x untraced)"
+    )
+    if floors_rt:
+        rt = med(r for r, _ in floors_rt)
+        f1 = med(s.wall for _, s in floors_rt)
+        out.append(
+            f"  the floor, untraced, answering after the round trip ({rt:.0f} us):  {f1:>7.2f} s"
+            f"  ({(f1 - b0) / n * 1e6:+.0f} us per exec, {f1 / b0:.2f}x untraced; ours"
+            f" {(w1 - w0) / n * 1e6:+.0f} us, {w1 / w0:.2f}x)"
         )
     return Row(
         case="exec-commands",
