@@ -133,7 +133,7 @@ def commands_policy() -> str:
 class Sample:
     loop_ns: int  # the work's own time, as the workload prints it
     wall: float  # the whole process, s
-    rss_kib: int  # peak RSS (wait4: the process and the descendants it waited for)
+    rss_kib: int  # peak RSS (wait4 in workloads.c `rss`: the process and the descendants it waited for)
     tail: float  # s from the end of the work (the workload's CLOCK_REALTIME) to the process's exit
 
 
@@ -214,14 +214,24 @@ def wait_released(timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+_RSS_WRAPPER: Path | None = None  # the compiled workloads, once made: measure's peak RSS goes through it
+
+
 def measure(cmd: list[str], err_out: list[str] | None = None) -> Sample:
     """Run cmd to its end, its stdout and stderr to temp files, once no earlier run's probes are
     being released (wait_released). The tail is taken with the clock the workload printed its end
     with (CLOCK_REALTIME), right after wait4 returns."""
     wait_released()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r") as peak,
+    ):
+        # the peak RSS through workloads.c `rss` (a small process forks the command): a child
+        # spawned from here would start with this process's high-water mark
+        how = [str(_RSS_WRAPPER), "rss", peak.name] if _RSS_WRAPPER is not None else []
         t = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err)
+        p = subprocess.Popen([*how, *cmd], stdout=out, stderr=err)
         _, status, usage = os.wait4(p.pid, 0)
         exited_ns = time.time_ns()
         wall = time.monotonic() - t
@@ -229,12 +239,13 @@ def measure(cmd: list[str], err_out: list[str] | None = None) -> Sample:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        rss_kib = int(peak.read() or 0) if how else usage.ru_maxrss
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed ({p.returncode}): {stderr.strip()[-500:]}")
     if err_out is not None:
         err_out.append(stderr)
     loop_ns, end_ns = (int(x) for x in stdout.strip().splitlines()[-1].split())
-    return Sample(loop_ns, wall, usage.ru_maxrss, (exited_ns - end_ns) / 1e9)
+    return Sample(loop_ns, wall, rss_kib, (exited_ns - end_ns) / 1e9)
 
 
 def iter_events(bundle: Path, type_: str) -> Iterator[dict[str, Any]]:
@@ -437,6 +448,8 @@ def main() -> int:
         checks: list[tuple[str, object, object]] = []
         pythons = [*([args.baseline] if args.baseline else []), args.python]
         exe = compile_workloads(work)
+        global _RSS_WRAPPER
+        _RSS_WRAPPER = exe
         # the probe cache filled before any case: else the first traced run of the first case compiles
         # (seconds, and clang's memory in its peak RSS), which is the cold start row's figure, not a case's
         for py in pythons:
@@ -854,7 +867,7 @@ def print_table(
         " `evidence run -- true` (run beside\neach case's runs, the same way: standalone or through the"
         f" agent; at the end, {true_rec:.2f} s and {true_agent:.2f} s); in-loop: the workload's own\nloop"
         " time, traced / untraced; tail: from the"
-        "\nend of the command's work (its children waited for) to `evidence run`'s exit. RSS: peak (wait4;"
+        "\nend of the command's work (its children waited for) to `evidence run`'s exit. RSS: peak (wait4 by a small process that forks it;"
         " through the agent, the client's"
         + (f":\nthe agent's own peak was {agent_rss / 1024:.0f} MB" if agent_rss else "")
         + f"). `evidence run -- true` adds {true_adds:.2f} s (starting Python alone: {py_start:.2f} s)."

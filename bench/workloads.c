@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -108,8 +109,29 @@ static int notify(long work_us, char **cmd) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+// rss FILE CMD [ARGS...]: CMD's peak RSS in KiB (ru_maxrss: it and the descendants it waited for)
+// written to FILE, its exit status passed on. CMD is forked from this small process, not spawned
+// by bench.py: a process starts with the high-water mark of the memory it was started from (exec
+// counts the old memory's), and Python spawns with vfork, so bench.py's child would report at
+// least bench.py's own peak (~40 MB for a loop of opens that needs 1).
+static int rss(const char *file, char **cmd) {
+    pid_t p = fork();
+    if (p == 0) {
+        execvp(cmd[0], cmd);
+        perror(cmd[0]);
+        _exit(127);
+    }
+    int st = 0;
+    struct rusage ru;
+    if (p < 0 || wait4(p, &st, 0, &ru) < 0) return 125;
+    FILE *f = fopen(file, "w");
+    if (!f || fprintf(f, "%ld\n", ru.ru_maxrss) < 0 || fclose(f) != 0) return 125;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
 int main(int argc, char **argv) {
     if (argc >= 4 && !strcmp(argv[1], "notify")) return notify(atol(argv[2]), argv + 3);
+    if (argc >= 4 && !strcmp(argv[1], "rss")) return rss(argv[2], argv + 3);
     if (argc >= 3 && !strcmp(argv[1], "run")) {
         // run CMD [ARGS...]: the command's own wall, its exit status passed on
         long long t0 = now_ns();
@@ -127,7 +149,7 @@ int main(int argc, char **argv) {
         return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     }
     if (argc < 3) {
-        fprintf(stderr, "usage: %s open|exec|connect|distinct N [PATH...] | run CMD [ARGS...] | notify WORK_US CMD [ARGS...]\n", argv[0]);
+        fprintf(stderr, "usage: %s open|exec|connect|distinct N [PATH...] | run CMD [ARGS...] | notify WORK_US CMD [ARGS...] | rss FILE CMD [ARGS...]\n", argv[0]);
         return 2;
     }
     long n = atol(argv[2]);
