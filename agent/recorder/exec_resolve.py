@@ -536,6 +536,26 @@ def _loads(pid: int, program: str, argv: tuple[str, ...], root: str) -> str | No
         return payload  # a name that cannot be resolved is judged as written
 
 
+# (raw path, raw argv, the file's name here, its st_dev and st_ino, its first bytes)
+Usual = tuple[bytes, list[bytes], bytes, int, int, bytes]
+
+
+def read_usual(pid: int, nr: int, args: tuple[int, ...]) -> Usual | None:
+    """The usual request, read and resolved in C (src/fast/_exec.c read_usual) as read_request
+    does it: an execve of an absolute name, argv whole, by a caller whose root is ours, naming a
+    file of a name of its own; None for any other (read_request's other ways)."""
+    if nr != NR_EXECVE or _fast is None:
+        return None
+    got: Usual | None = _fast.read_usual(pid, args[0], args[1], *_our_root_mount(), _HEADS, _HEADS_MAX)
+    return got
+
+
+def usual_request(pid: int, got: Usual) -> ExecRequest:
+    """The request of a `read_usual`."""
+    raw_path, raw_argv, named, dev, ino, head = got
+    return _request(pid, raw_path, raw_argv, False, AT_FDCWD, False, "/", _decode(named), (dev, ino), head)
+
+
 def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
     """Read and resolve what the exec system call `nr` with arguments `args` of thread `pid` asks
     for (raises OSError when it cannot be read)."""
@@ -546,13 +566,9 @@ def read_request(pid: int, nr: int, args: tuple[int, ...]) -> ExecRequest:
         path_addr, argv_addr, flags = args[1], args[2], args[4]
     else:
         raise OSError(errno.ENOSYS, f"system call {nr} is not an exec")
-    if nr == NR_EXECVE and _fast is not None:
-        got = _fast.read_usual(pid, path_addr, argv_addr, *_our_root_mount(), _HEADS, _HEADS_MAX)
-        if got is not None:  # the usual request, read and resolved in C as below
-            raw_path, raw_argv, named, dev, ino, head = got
-            return _request(
-                pid, raw_path, raw_argv, False, dirfd, False, "/", _decode(named), (dev, ino), head
-            )
+    got = read_usual(pid, nr, args)
+    if got is not None:  # the usual request, read and resolved in C as below
+        return usual_request(pid, got)
     memory = CallerMemory(pid)
     memory.prefetch(path_addr, argv_addr)
     raw_path, cut = memory.string(path_addr)

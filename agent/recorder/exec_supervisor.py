@@ -53,11 +53,15 @@ from evidence.agent.recorder.exec_check import Publish, bprm_filename, pin_exec
 from evidence.agent.recorder.exec_filter import install_exec_filter as install_exec_filter
 from evidence.agent.recorder.exec_resolve import (
     ExecRequest,
+    Usual,
     compiled,
     identity,
+    is_dynamic_loader,
     loader_payload,
     proc_depth,
     read_request,
+    read_usual,
+    usual_request,
 )
 from evidence.bundle.record_types import AuditRecord, DenialRecord
 from evidence.policy.commands import DECISION_PRIORITY, CommandDecision, Decider, exec_notice, notice
@@ -426,8 +430,14 @@ class ExecSupervisor:
     def answer(self, note: Notification) -> ExecDecision | None:
         """Decide one notification. An `approve` decision waits for its approver on a thread of
         its own (the job's other execs are answered meanwhile): None is returned for it."""
+        outright = None
         try:
-            req = read_request(note.pid, note.nr, note.args)
+            usual = read_usual(note.pid, note.nr, note.args) if self._quick else None
+            if usual is not None:
+                outright = self._allowed_outright(note, usual)
+                req = usual_request(note.pid, usual) if outright is None else None
+            else:
+                req = read_request(note.pid, note.nr, note.args)
         except (OSError, ValueError) as e:  # ValueError: a name no system call takes (a NUL in it)
             depth = self.depth_of(note.pid, self.root_pid)
             why = (e.strerror if isinstance(e, OSError) else None) or str(e)
@@ -439,6 +449,19 @@ class ExecSupervisor:
                 None, CommandDecision("deny"), depth, False, "the request could not be read"
             )
             return self._finish(note, refused)
+        if outright is not None:
+            assert usual is not None
+            done = self._allow_outright(note, usual, *outright)
+            if done is not None:
+                return done
+            _program, decision, depth = outright
+            try:
+                req = usual_request(note.pid, usual)
+            except Exception:  # for the record only: the exec is refused either way
+                req = None
+            refused = ExecDecision(req, decision, depth, False, "what would run cannot be pinned")
+            return self._finish(note, refused)
+        assert req is not None
         if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
             # failed as the kernel would fail it, undecided: nobody is asked or told, nothing recorded
@@ -468,6 +491,56 @@ class ExecSupervisor:
             target=self._ask, args=(note, req, decision, depth), name=f"exec-approval-{note.pid}", daemon=True
         ).start()
         return None
+
+    # -- the usual exec the rules simply allow, answered without the whole request (issue 24: each
+    # microsecond the job waits costs it about two here, an idle virtual CPU being slow to wake)
+
+    @functools.cached_property
+    def _quick(self) -> bool:
+        """Whether `_allow_outright` may answer: pinned and answered in C, told only of records."""
+        return _fast is not None and self.pins_fd >= 0 and self.record_only and not self.dry_run
+
+    def _allowed_outright(self, note: Notification, usual: Usual) -> tuple[str, CommandDecision, int] | None:
+        """(program, decision, depth) when `usual` names a plain program (no `#!` line, not the
+        dynamic loader, the same file by its name here as for the caller) that the rules simply
+        allow: what `answer` would decide from its whole request (no interpreter, nothing loaded,
+        not foreign: decide_request is the program's decision); else None, and `answer` decides
+        from the whole request."""
+        _raw_path, raw_argv, named, dev, ino, head = usual
+        if head.startswith(b"#!"):
+            return None
+        program = named.decode("utf-8", "surrogateescape")
+        if is_dynamic_loader(program) or identity(program) != (dev, ino):
+            return None
+        decider = self._decider
+        depth = self.depth_of(note.pid, self.root_pid) if decider.needs_depth(program) else 0
+        if depth < 0:  # a depth nobody can say: decide_request's way
+            return None
+        decision = decider(program, tuple(a.decode("utf-8", "surrogateescape") for a in raw_argv), depth)
+        return (program, decision, depth) if decision.decision == "allow" else None
+
+    def _allow_outright(
+        self, note: Notification, usual: Usual, program: str, decision: CommandDecision, depth: int
+    ) -> ExecDecision | None:
+        """`_allow_at_once` for an `_allowed_outright` exec: pinned and let go on in one call; the
+        result, or None when it cannot be pinned or the pin was not held (`answer` then refuses it
+        from the whole request)."""
+        _raw_path, raw_argv, _named, dev, ino, _head = usual
+        pin = pin_exec(self.check_key, (dev, ino), raw_argv, script=None, truncated=False)
+        if pin is None or _fast is None:  # an arg area past what the check holds: refused there
+            return None
+        with self._lock:
+            if self.listener < 0:
+                return ExecDecision(None, decision, depth, True)
+            status, sent = _fast.allow(
+                self.listener, note.id, self.pins_fd, note.pid.to_bytes(4, sys.byteorder), pin.pack()
+            )
+            if status == 0 and note.received_ns:
+                self.round_trips.add(sent - note.received_ns)  # read to response sent
+        if status < 0:
+            logger.warning("exec check: the pin of thread %d is not held: %s", note.pid, os.strerror(-status))
+            return None
+        return ExecDecision(None, decision, depth, True)  # nothing recorded: not `recordable`
 
     def _finish(self, note: Notification, result: ExecDecision, timed: bool = True) -> ExecDecision:
         at_once = self._allow_at_once(note, result, timed)
