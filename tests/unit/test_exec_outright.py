@@ -89,7 +89,9 @@ def _check(commands: CommandsPolicy, usual: Usual, depth: int) -> tuple[Any, Any
     depth=st.integers(min_value=-1, max_value=4),
     args=st.lists(st.sampled_from([b"-x", b"-xy", b"y", b"", b"\xff", b"--"]), max_size=3),
 )
-def test_what_the_shortcut_allows_the_whole_request_allows(policy: str, depth: int, args: list[bytes]) -> None:
+def test_what_the_shortcut_allows_the_whole_request_allows(
+    policy: str, depth: int, args: list[bytes]
+) -> None:
     commands = CommandsPolicy.model_validate(POLICIES[policy])
     quick, whole = _check(commands, _usual(TRUE, [b"true", *args]), depth)
     if quick is not None:
