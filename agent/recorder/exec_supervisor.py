@@ -527,20 +527,29 @@ class ExecSupervisor:
         from the whole request)."""
         _raw_path, raw_argv, _named, dev, ino, _head = usual
         pin = pin_exec(self.check_key, (dev, ino), raw_argv, script=None, truncated=False)
-        if pin is None or _fast is None:  # an arg area past what the check holds: refused there
+        if pin is None:  # an arg area past what the check holds: refused there
             return None
+        if self._pin_and_go(note, pin, timed=True) < 0:
+            return None
+        return ExecDecision(None, decision, depth, True)  # nothing recorded: not `recordable`
+
+    def _pin_and_go(self, note: Notification, pin: abi.ExecPin, *, timed: bool) -> int:
+        """src/fast/_exec.c allow: while `note` is pending, `pin` into the map for its thread,
+        then CONTINUE. Its status (0 answered, 1 not pending any more, 2 answered as its caller went
+        away, -errno the pin not held: nothing answered), 1 when the listener is closed."""
+        assert _fast is not None
         with self._lock:
             if self.listener < 0:
-                return ExecDecision(None, decision, depth, True)
+                return 1
+            status: int
             status, sent = _fast.allow(
                 self.listener, note.id, self.pins_fd, note.pid.to_bytes(4, sys.byteorder), pin.pack()
             )
-            if status == 0 and note.received_ns:
+            if status == 0 and timed and note.received_ns:
                 self.round_trips.add(sent - note.received_ns)  # read to response sent
-        if status < 0:
+        if status < 0:  # fail closed: it could not be checked
             logger.warning("exec check: the pin of thread %d is not held: %s", note.pid, os.strerror(-status))
-            return None
-        return ExecDecision(None, decision, depth, True)  # nothing recorded: not `recordable`
+        return status
 
     def _finish(self, note: Notification, result: ExecDecision, timed: bool = True) -> ExecDecision:
         at_once = self._allow_at_once(note, result, timed)
@@ -597,16 +606,8 @@ class ExecSupervisor:
         pin = self.decided(req)
         if pin is None:
             return None
-        with self._lock:
-            if self.listener < 0:
-                return result
-            status, sent = _fast.allow(
-                self.listener, note.id, self.pins_fd, req.pid.to_bytes(4, sys.byteorder), pin.pack()
-            )
-            if status == 0 and timed and note.received_ns:
-                self.round_trips.add(sent - note.received_ns)  # read to response sent
-        if status < 0:  # fail closed: it could not be checked
-            logger.warning("exec check: the pin of thread %d is not held: %s", req.pid, os.strerror(-status))
+        status = self._pin_and_go(note, pin, timed=timed)
+        if status < 0:
             return ExecDecision(req, result.decision, result.depth, False, "what would run cannot be pinned")
         # 2: answered as its caller went away, which `_finish` records too (1: not pending: nothing)
         if status != 1 and (not self.record_only or recordable(result)):
