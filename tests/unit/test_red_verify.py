@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -34,6 +35,7 @@ import random
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import types
@@ -47,9 +49,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evidence.bundle import fastpath, lint, reader, schemas, verify
+from evidence.bundle import attestation, canonical, fastpath, lint, reader, schemas, signing, verify
 from evidence.bundle import format as fmt
-from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
+from tests.unit.conftest_bundles import WS, members, open_, pack, rebuild, records, write
 
 _SO = os.environ.get("EVIDENCE_RED_VERIFY_SO")
 _EXAMPLES = int(os.environ.get("EVIDENCE_RED_EXAMPLES", "300"))
@@ -1226,3 +1228,113 @@ def test_every_part_of_a_real_run_spelled_other_ways() -> None:
                 tried += 1
                 passed += c[1] == 3
     assert tried > 1000 and passed  # (a few spellings are dumps' own: `\\/` of no "/", and so on)
+
+
+def _respelled(old: bytes, new: bytes) -> Callable[[list[bytes]], None]:
+    """The first `old` of the open of src/é0.c written as `new`."""
+
+    def damage(ls: list[bytes]) -> None:
+        k = next(i for i, b in enumerate(ls) if "src/é0.c".encode() in b)
+        assert old in ls[k], (old, ls[k])
+        ls[k] = ls[k].replace(old, new, 1)
+
+    return damage
+
+
+# lines of a run without labels (as_dumped vouches for them) written another way that loads takes,
+# or with values at as_dumped's edges: (damage, whether the bundle is still valid)
+_SPELLINGS: dict[str, tuple[Callable[[list[bytes]], None], bool]] = {
+    "as written": (lambda ls: None, True),
+    "data keys swapped": (_respelled(b'{"access":["read"],"count":1,', b'{"count":1,"access":["read"],'), False),
+    "a data key twice": (_respelled(b'"data":{', b'"data":{"pid":7,'), False),
+    "the data twice": (_respelled(b'{"data":', b'{"data":{},"data":'), False),
+    "the subject twice": (_respelled(b'"subject":', b'"subject":"x","subject":'), False),
+    "result -0": (_respelled(b'"result":0', b'"result":-0'), False),
+    "result 0.0": (_respelled(b'"result":0', b'"result":0.0'), False),
+    "count 1e0": (_respelled(b'"count":1', b'"count":1e0'), False),
+    "a path escaped": (_respelled(b'"path":"/', b'"path":"\\/'), False),
+    "a path \\u escaped": (_respelled(b'src/\xc3\xa9', b"src/\\u00e9"), False),
+    "a space in the data": (_respelled(b'"data":{', b'"data": {'), False),
+    "pid of 18 digits": (_respelled(b'"pid":101', b'"pid":999999999999999999'), True),
+    "pid of 19 digits": (_respelled(b'"pid":101', b'"pid":9223372036854775807'), True),
+    "pid of 20 digits": (_respelled(b'"pid":101', b'"pid":18446744073709551615'), True),
+    "pid past 64 bits": (_respelled(b'"pid":101', b'"pid":18446744073709551616'), False),
+    "pid -(2**63)": (_respelled(b'"pid":101', b'"pid":-9223372036854775808'), True),
+    "a path of every width": (_respelled(b"src/\xc3\xa9", "src/\x7f\u07ff\uffff\U0010ffff".encode()), True),
+    "a path with U+2028": (_respelled(b"src/\xc3\xa9", "src/\u2028".encode()), True),
+}  # fmt: skip
+
+_CLI_ALL = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from evidence import cli
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        o, e = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+            rc = cli.main(argv)
+        out.append([rc, o.getvalue(), e.getvalue()])
+    print(json.dumps(out))
+    """
+)
+
+
+@needs_c
+def test_lint_and_verify_of_respelled_signed_bundles_are_the_same_with_and_without_the_c(
+    tmp_path: Path,
+) -> None:
+    """The signer's own key on a bundle whose events are written another way (so that the signature
+    holds and only the reader's checks stand between the lines and a pass): `evidence lint` and
+    `evidence verify` say the same, exit code and words, with the C (its as_dumped shortcut) and
+    with EVIDENCE_PURE_PYTHON=1; and pass exactly the bundles still valid."""
+    if _SO:
+        pytest.skip("the CLI imports the built module, not EVIDENCE_RED_VERIFY_SO")
+    private, public, _ = signing.generate(tmp_path / "key")
+    recs = [*records(), *(open_(10_000 + i, f"{WS}/src/é{i}.c", ["read"]) for i in range(3))]
+    manifest, lines = members(write(tmp_path / "a.tar.gz", recs))
+    assert "labels" not in orjson.loads(lines[3]) and _C.as_dumped(lines[3]) is not None
+    argvs = []
+    for k, name in enumerate(_SPELLINGS):
+        damaged = list(lines)
+        _SPELLINGS[name][0](damaged)
+        unsigned = rebuild(tmp_path / f"u{k}.tar.gz", manifest, damaged, fix_root=True, fix_counts=True)
+        with tarfile.open(unsigned, "r:gz") as tar:
+            got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+        m, body = got[fmt.MANIFEST_NAME], got[fmt.EVENTS_NAME]
+        st = attestation.statement(
+            orjson.loads(m), hashlib.sha256(m).hexdigest(), hashlib.sha256(body).hexdigest()
+        )
+        envelope = attestation.envelope(canonical.dumps(st), [signing.load_signer(private)])
+        path = pack(tmp_path / f"s{k}.tar.gz", [(fmt.MANIFEST_NAME, m), (fmt.EVENTS_NAME, body),
+                                                 (fmt.ATTESTATION_NAME, envelope)])  # fmt: skip
+        argvs += [["lint", str(path)], ["verify", str(path), "--key", str(public)]]
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    env.pop("EVIDENCE_PURE_PYTHON", None)
+    run = [sys.executable, "-c", _CLI_ALL, json.dumps(argvs)]
+    c = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout)
+    pure = {**env, "EVIDENCE_PURE_PYTHON": "1"}
+    python = json.loads(subprocess.run(run, env=pure, capture_output=True, text=True, check=True).stdout)
+    assert c == python
+    for k, (name, (_, still_valid)) in enumerate(_SPELLINGS.items()):
+        (lint_rc, _, lint_err), (verify_rc, _, verify_err) = c[2 * k], c[2 * k + 1]
+        assert "Traceback" not in lint_err + verify_err
+        assert (lint_rc == 0) == (verify_rc == 0) == still_valid, (name, lint_err, verify_err)
+
+
+@needs_c
+@pytest.mark.parametrize("size", [1, 1 << 16, 16 << 20])
+def test_huge_lines_as_dumped(size: int) -> None:
+    """A line of `size` bytes of non-ASCII with nothing to escape (as_dumped vouches for it: the
+    C hashes its bytes as they are), and the same with one escape at its very end (not vouched)."""
+    ctx = _ctx(False)
+    subject = ("é\u2028\U0010ffff\x7f" * size)[:size]
+    good = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject}, subject, TIME))
+    assert _C.as_dumped(good) is not None
+    slash = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject + "/"}, subject, TIME))
+    escaped = slash.replace(b'/"},"datacontenttype"', b'\\/"},"datacontenttype"', 1)
+    assert escaped != slash and orjson.loads(escaped) == orjson.loads(slash) and _C.as_dumped(escaped) is None
+    for line in (good, slash, escaped, good[:-2] + b'\\"}'):
+        c = _run(True, [line], 1, ctx)
+        assert c == _run(False, [line], 1, ctx)
+        assert c[1] == (line in (good, slash))
+    assert _run(True, [good], 1, ctx)[2] == [_careful(good, 1, ctx)]
