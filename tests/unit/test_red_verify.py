@@ -23,8 +23,10 @@ is skipped then: the CLI imports the normal build):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -33,6 +35,7 @@ import random
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import types
@@ -46,9 +49,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evidence.bundle import fastpath, lint, reader, schemas, verify
+from evidence.bundle import attestation, canonical, fastpath, lint, reader, schemas, signing, verify
 from evidence.bundle import format as fmt
-from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
+from tests.unit.conftest_bundles import WS, members, open_, pack, rebuild, records, write
 
 _SO = os.environ.get("EVIDENCE_RED_VERIFY_SO")
 _EXAMPLES = int(os.environ.get("EVIDENCE_RED_EXAMPLES", "300"))
@@ -967,3 +970,375 @@ def test_a_bundle_of_many_shapes_does_not_compile_a_check_per_event(monkeypatch:
     for d in shapes * 2:
         assert check(d) is None
     assert len(compiled) <= schemas.MAX_SHAPES
+
+
+# --- the "as dumped" shortcut (as_dumped: a line the C hashes as it is, without dumps) -------------
+# Its claim: whenever as_dumped vouches for a line orjson.loads takes, the line is exactly
+# dumps(loads(line)) with sorted keys, line[8:data_end] the data's dumps and
+# line[subject_at:subject_end] the top-level subject's. A forger's way around it would be a line
+# that is not canonical but that it vouches for: the C would then hash bytes the reference never
+# makes. So: JSON written every way orjson.loads takes (and a few it does not), near canonical.
+# (A Python bytes object ends in a NUL, which hides a one-byte over-read from AddressSanitizer; for
+# reads past a line, a C file that #includes src/fast/_verify.c and calls sure_line on exact-size
+# malloc'd copies of 140,000 lines (these tests' spellings, cut, spliced and with bytes changed),
+# built with -fsanitize=address,undefined and -lpython3.11, found none.)
+
+# characters at the edges of UTF-8's widths, of orjson's escaping and of key order (byte order is
+# code point order; UTF-16's is not: U+E000..U+FFFF sort after the surrogates there)
+_EDGE = ["a", "b", "z", "/", "0", "\x7f", "\x80", "é", "\u07ff", "\u0800", "\u2028", "\u2029", "\ud7ff",
+         "\ue000", "\ufeff", "\ufffe", "\uffff", "\U00010000", "\U0001f600", "\U0010ffff", "\x1f", "\x00",
+         '"', "\\", "\t"]  # fmt: skip
+_EDGE_TEXT = st.text(st.sampled_from(_EDGE), max_size=4) | st.text(max_size=3)
+_KEY = st.sampled_from(["", "a", "ab", "b", "data", "dat", "datas", "subject", "subjec", "subjectt", "time",
+                        "type", "é", "\uffff", "\U00010000"]) | _EDGE_TEXT  # fmt: skip
+_WIDE_INT = (
+    st.integers(1, 20)
+    .flatmap(lambda n: st.integers(10 ** (n - 1) if n > 1 else 0, 10**n - 1))
+    .flatmap(lambda v: st.sampled_from([v, -v]))
+)
+_EDGE_INT = st.sampled_from([0, 1, -1, 10**17, 10**18 - 1, -(10**18 - 1), 10**18, -(10**18), 2**63 - 1,
+                             -(2**63), 2**63, 2**64 - 1, 10**19 - 1, -(10**19 - 1)])  # fmt: skip
+_ANY = st.recursive(
+    st.none() | st.booleans() | _WIDE_INT | _EDGE_INT | st.floats(allow_nan=False, allow_infinity=False)
+    | _EDGE_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEY, inner, max_size=4),
+    max_leaves=10,
+)  # fmt: skip
+
+
+def _spell(v: Any, r: random.Random, p: float, at: list[int] | None = None) -> bytes:
+    """`v` as JSON text: each part as orjson.dumps writes it with sorted keys, but with chance `p`
+    another way (most of them ways orjson.loads takes to the same value); or, given `at` ([k]),
+    the k-th part only (in the order written, from 0)."""
+    if at is None:
+        odd = r.random() < p
+    else:
+        odd = at[0] == 0
+        at[0] -= 1
+    if v is None or type(v) is bool:
+        return orjson.dumps(v) if not odd else r.choice([b" " + orjson.dumps(v), orjson.dumps(v) + b"\t"])
+    if type(v) is int:
+        s = str(v).encode()
+        if not odd:
+            return s
+        return r.choice([s + b".0", s + b"e0", s + b"E+0", b"-0" if v == 0 else s + b"0e-1", b"0" + s,
+                         b"+" + s, b" " + s, s + b"\r", s + b".", str(float(v)).encode()])  # fmt: skip
+    if type(v) is float:
+        s = orjson.dumps(v)
+        return s if not odd else r.choice([s + b"0", s + b"e0", repr(v).encode(), s.replace(b"e", b"E")])
+    if type(v) is str:
+        if not odd or not v:
+            return orjson.dumps(v) if not odd else b' ""'
+        k = r.randrange(len(v))
+        ch = v[k]
+        code = ord(ch)
+        if code > 0xFFFF:  # as a surrogate pair, in either case of hex
+            hi, lo = 0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)
+            esc = (f"\\u{hi:04x}\\u{lo:04x}" if r.random() < 0.5 else f"\\u{hi:04X}\\u{lo:04X}").encode()
+        else:
+            esc = r.choice(
+                [f"\\u{code:04x}", f"\\u{code:04X}", "\\/" if ch == "/" else f"\\u{code:04x}"]
+            ).encode()
+        return orjson.dumps(v[:k])[:-1] + esc + orjson.dumps(v[k + 1 :])[1:]
+    if type(v) is list:
+        items = [_spell(x, r, p, at) for x in v]
+        sep = b"," if not odd else r.choice([b", ", b" ,", b",\n"])
+        return b"[" + sep.join(items) + b"]"
+    assert type(v) is dict
+    pairs = [
+        (orjson.dumps(k) if at is not None or r.random() >= p else _spell(k, r, 1.0), _spell(x, r, p, at))
+        for k, x in sorted(v.items(), key=lambda kv: kv[0].encode())
+    ]
+    if odd and pairs:
+        how = r.randrange(4)
+        if how == 0:  # another order
+            r.shuffle(pairs)
+        elif how == 1:  # a key twice (the last one's value is what loads keeps)
+            k = r.randrange(len(pairs))
+            pairs.insert(k, (pairs[k][0], _spell(r.choice([0, "x", None, [], {}]), r, 0)))
+        elif how == 2:
+            return b"{" + b", ".join(k + b":" + x for k, x in pairs) + b"}"
+        else:
+            return b"{" + b",".join(k + b" : " + x for k, x in pairs) + b"}"
+    return b"{" + b",".join(k + b":" + x for k, x in pairs) + b"}"
+
+
+def _claim_holds(line: bytes) -> bool:
+    """as_dumped's claim on `line` (True when it does not vouch, or loads refuses the line)."""
+    spans = _C.as_dumped(line)
+    if spans is None:
+        return True
+    try:
+        ev = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return True
+    data_end, subject_at, subject_end = spans
+    if type(ev) is not dict or orjson.dumps(ev, option=SORT) != line:
+        return False
+    if line[8:data_end] != orjson.dumps(ev["data"], option=SORT):
+        return False
+    if "subject" in ev:
+        return line[subject_at:subject_end] == orjson.dumps(ev["subject"])
+    return subject_at == subject_end == -1
+
+
+@needs_c
+@settings(max_examples=_EXAMPLES * 10, deadline=None)
+@given(
+    data=_ANY,
+    rest=st.dictionaries(st.sampled_from(["e", "subject", "subjecu", "time", "z", "\uffff", "\U00010000"]), _ANY,
+                         max_size=3),
+    seed=st.integers(0, 2**32),
+    p=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
+)  # fmt: skip
+def test_as_dumped_vouches_only_for_lines_as_dumps_writes_them(
+    data: Any, rest: dict[str, Any], seed: int, p: float
+) -> None:
+    """Lines `{"data":...,...}` with values at the edges (keys of every UTF-8 width and ones that
+    are prefixes of each other, empty keys, 1 to 20 digit integers either sign, floats, strings
+    with every character orjson escapes or might), each part now and then spelled another way:
+    an escape for any character (a surrogate pair for one past U+FFFF, either case of hex, `\\/`),
+    numbers as 1.0, 1e0, -0, 01, +1, whitespace anywhere, keys out of order or twice, a key
+    itself escaped. as_dumped vouches for none that is not exactly dumps(loads(line))."""
+    r = random.Random(seed)
+    body = {"data": data, **rest}
+    line = b'{"data":' + _spell(data, r, p)
+    for k in sorted(rest, key=str.encode):
+        line += (
+            b"," + (orjson.dumps(k) if r.random() >= p else _spell(k, r, 1.0)) + b":" + _spell(rest[k], r, p)
+        )
+    line += b"}"
+    assert _claim_holds(line), line
+    if p == 0.0:  # as orjson writes it, where it can (integers in 64 bits)
+        with contextlib.suppress(orjson.JSONEncodeError):
+            assert line == orjson.dumps(body, option=SORT)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"data":{"\xef\xbf\xbf":1,"\xf0\x90\x80\x80":2}}',  # U+FFFF before U+10000: byte order
+        b'{"data":{"\xee\x80\x80":1,"\xf0\x9f\x98\x80":2}}',  # U+E000 before U+1F600
+        b'{"data":{"":1,"\x7f":2,"\xc2\x80":3}}',
+        b'{"data":{"a":{"subject":1}},"subject":"s"}',  # a nested subject is not the subject
+        b'{"data":{"subject":"n"},"subject":"s","z":{"subject":"m"}}',
+        b'{"data":[{"data":1},{"data":2}],"subject":"s"}',
+        b'{"data":"\xe2\x80\xa8\xe2\x80\xa9\xef\xbb\xbf\x7f","subject":"\xf4\x8f\xbf\xbf"}',
+        b'{"data":-999999999999999999,"subject":""}',  # 18 digits, negative
+        b'{"data":[-1,0,1,100000000000000000],"subject":"s"}',
+        b'{"data":' + b'{"a":' * 63 + b"1" + b"}" * 63 + b',"subject":"s"}',  # as deep as it goes
+    ],
+)
+def test_as_dumped_at_its_edges(line: bytes) -> None:
+    """Lines as dumps writes them, at the edges of as_dumped's rules: vouched for, and right."""
+    assert orjson.dumps(orjson.loads(line), option=SORT) == line
+    assert _C.as_dumped(line) is not None
+    assert _claim_holds(line)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"data":{"\xf0\x90\x80\x80":2,"\xef\xbf\xbf":1}}',  # UTF-16's order, not orjson's
+        b'{"data":1,"subject":"a","subject":"a"}',  # the same subject twice
+        b'{"data":1,"data":1,"subject":"a"}',
+        b'{"data":{"a":1,"a":1}}',
+        b'{"data":{"":1,"":1}}',  # an empty key twice
+        b'{"data":{"a":[{"b":1,"b":1}]}}',  # twice deep down
+        b'{"data":1,"subject":"\\u0073"}',
+        b'{"data":1,"s\\u0075bject":"a"}',  # an escaped key
+        b'{"data":1000000000000000000,"subject":"s"}',  # 19 digits
+        b'{"data":-9223372036854775808,"subject":"s"}',
+        b'{"data":18446744073709551615,"subject":"s"}',
+        b'{"data":18446744073709551616,"subject":"s"}',  # past 64 bits: a float
+        b'{"data":100000000000000000000,"subject":"s"}',
+        b'{"data":-0,"subject":"s"}',
+        b'{"data":0.0,"subject":"s"}',
+        b'{"data":1E2,"subject":"s"}',
+        b'{"data":' + b'{"a":' * 64 + b"1" + b"}" * 64 + b',"subject":"s"}',  # one deeper
+        b'{"data":1,"subject":"s"}\x00',
+        b'{"data":1,"subject":"s"}\n',
+        b'{"data" :1}',
+        b'{"data":1 }',
+    ],
+)
+def test_as_dumped_refuses_what_it_cannot_vouch_for(line: bytes) -> None:
+    assert _C.as_dumped(line) is None
+
+
+@needs_c
+@settings(max_examples=_EXAMPLES * 5, deadline=None)
+@given(
+    labelled=st.sampled_from([False, False, True]),  # (labels are escaped: never as_dumped then)
+    etype=st.sampled_from(sorted(fastpath._TYPES)),
+    subject=_EDGE_TEXT | st.text(st.sampled_from(_EDGE[:-5]), max_size=4),  # (the last five: escaped)
+    seed=st.integers(0, 2**32),
+    p=st.sampled_from([0.0, 0.01, 0.05, 1.0, 1.0, 1.0]),
+    data=st.data(),
+)
+def test_events_spelled_every_way_pass_in_c_as_in_python(
+    labelled: bool, etype: str, subject: str, seed: int, p: float, data: st.DataObject
+) -> None:
+    """Valid events of every type (data with edge strings and integers where its model allows)
+    written with one part, or a part now and then, spelled another way that loads takes: the C (which hashes a
+    line as_dumped vouches for as it is) and the Python loop agree on every line, and every event
+    that passes is one the careful path passes, with its content hash."""
+    ctx = _ctx(labelled)
+    r = random.Random(seed)
+    d = data.draw(_data(etype, clean=True))
+    time = d.get("last_time", TIME) if type(d) is dict else TIME
+    ev = _event(ctx, 2, etype, d, subject, time)
+    if p == 1.0:  # one part: mostly of the data (whose dumps the C may take from the line)
+        parts, data_parts = [10**9], [10**9]
+        _spell(ev, r, 0.0, parts)
+        _spell(d, r, 0.0, data_parts)
+        k = 1 + r.randrange(10**9 - data_parts[0]) if r.random() < 0.8 else r.randrange(10**9 - parts[0])
+        line = _spell(ev, r, p, [k])
+    else:
+        line = _spell(ev, r, p)
+    lines = [_good_line(ctx, 1), line, _good_line(ctx, 3)]
+    c = _run(True, lines, 1, ctx)
+    assert c == _run(False, lines, 1, ctx), line
+    for k in range(c[1]):
+        assert _careful(lines[k], 1 + k, ctx) == c[2][k], line
+    if p == 0.0 and _careful(line, 2, ctx) is not None:
+        assert c[1] == 3  # (nothing passed that should not be; and what should, did)
+
+
+@needs_c
+def test_every_part_of_a_real_run_spelled_other_ways() -> None:
+    """Every event of a real run (no labels, so that as_dumped vouches for its lines), each of its
+    parts in turn spelled a dozen other ways: the C and the Python loop agree on every one, and
+    pass none the careful path does not."""
+    with tempfile.TemporaryDirectory() as t:
+        recs = [*records(), *(open_(10_000 + i, f"{WS}/src/é{i}.c", ["read", "write"]) for i in range(3))]
+        _, run = members(write(Path(t) / "a.tar.gz", recs))
+    ctx = _ctx(False)
+    tried = passed = 0
+    for base in run[1:-1]:
+        ev = orjson.loads(base)
+        ev = _event(ctx, 2, ev["type"], ev["data"], ev["subject"], ev["time"])
+        parts = [10**9]
+        _spell(ev, random.Random(0), 0.0, parts)
+        for k in range(10**9 - parts[0]):
+            for seed in range(12):
+                line = _spell(ev, random.Random(seed), 1.0, [k])
+                lines = [_good_line(ctx, 1), line, _good_line(ctx, 3)]
+                c = _run(True, lines, 1, ctx)
+                assert c == _run(False, lines, 1, ctx), line
+                assert c[1] < 3 or _careful(line, 2, ctx) == c[2][1], line
+                tried += 1
+                passed += c[1] == 3
+    assert tried > 1000 and passed  # (a few spellings are dumps' own: `\\/` of no "/", and so on)
+
+
+def _respelled(old: bytes, new: bytes) -> Callable[[list[bytes]], None]:
+    """The first `old` of the open of src/é0.c written as `new`."""
+
+    def damage(ls: list[bytes]) -> None:
+        k = next(i for i, b in enumerate(ls) if "src/é0.c".encode() in b)
+        assert old in ls[k], (old, ls[k])
+        ls[k] = ls[k].replace(old, new, 1)
+
+    return damage
+
+
+# lines of a run without labels (as_dumped vouches for them) written another way that loads takes,
+# or with values at as_dumped's edges: (damage, whether the bundle is still valid)
+_SPELLINGS: dict[str, tuple[Callable[[list[bytes]], None], bool]] = {
+    "as written": (lambda ls: None, True),
+    "data keys swapped": (_respelled(b'{"access":["read"],"count":1,', b'{"count":1,"access":["read"],'), False),
+    "a data key twice": (_respelled(b'"data":{', b'"data":{"pid":7,'), False),
+    "the data twice": (_respelled(b'{"data":', b'{"data":{},"data":'), False),
+    "the subject twice": (_respelled(b'"subject":', b'"subject":"x","subject":'), False),
+    "result -0": (_respelled(b'"result":0', b'"result":-0'), False),
+    "result 0.0": (_respelled(b'"result":0', b'"result":0.0'), False),
+    "count 1e0": (_respelled(b'"count":1', b'"count":1e0'), False),
+    "a path escaped": (_respelled(b'"path":"/', b'"path":"\\/'), False),
+    "a path \\u escaped": (_respelled(b'src/\xc3\xa9', b"src/\\u00e9"), False),
+    "a space in the data": (_respelled(b'"data":{', b'"data": {'), False),
+    "pid of 18 digits": (_respelled(b'"pid":101', b'"pid":999999999999999999'), True),
+    "pid of 19 digits": (_respelled(b'"pid":101', b'"pid":9223372036854775807'), True),
+    "pid of 20 digits": (_respelled(b'"pid":101', b'"pid":18446744073709551615'), True),
+    "pid past 64 bits": (_respelled(b'"pid":101', b'"pid":18446744073709551616'), False),
+    "pid -(2**63)": (_respelled(b'"pid":101', b'"pid":-9223372036854775808'), True),
+    "a path of every width": (_respelled(b"src/\xc3\xa9", "src/\x7f\u07ff\uffff\U0010ffff".encode()), True),
+    "a path with U+2028": (_respelled(b"src/\xc3\xa9", "src/\u2028".encode()), True),
+}  # fmt: skip
+
+_CLI_ALL = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from evidence import cli
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        o, e = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+            rc = cli.main(argv)
+        out.append([rc, o.getvalue(), e.getvalue()])
+    print(json.dumps(out))
+    """
+)
+
+
+@needs_c
+def test_lint_and_verify_of_respelled_signed_bundles_are_the_same_with_and_without_the_c(
+    tmp_path: Path,
+) -> None:
+    """The signer's own key on a bundle whose events are written another way (so that the signature
+    holds and only the reader's checks stand between the lines and a pass): `evidence lint` and
+    `evidence verify` say the same, exit code and words, with the C (its as_dumped shortcut) and
+    with EVIDENCE_PURE_PYTHON=1; and pass exactly the bundles still valid."""
+    if _SO:
+        pytest.skip("the CLI imports the built module, not EVIDENCE_RED_VERIFY_SO")
+    private, public, _ = signing.generate(tmp_path / "key")
+    recs = [*records(), *(open_(10_000 + i, f"{WS}/src/é{i}.c", ["read"]) for i in range(3))]
+    manifest, lines = members(write(tmp_path / "a.tar.gz", recs))
+    assert "labels" not in orjson.loads(lines[3]) and _C.as_dumped(lines[3]) is not None
+    argvs = []
+    for k, name in enumerate(_SPELLINGS):
+        damaged = list(lines)
+        _SPELLINGS[name][0](damaged)
+        unsigned = rebuild(tmp_path / f"u{k}.tar.gz", manifest, damaged, fix_root=True, fix_counts=True)
+        with tarfile.open(unsigned, "r:gz") as tar:
+            got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+        m, body = got[fmt.MANIFEST_NAME], got[fmt.EVENTS_NAME]
+        st = attestation.statement(
+            orjson.loads(m), hashlib.sha256(m).hexdigest(), hashlib.sha256(body).hexdigest()
+        )
+        envelope = attestation.envelope(canonical.dumps(st), [signing.load_signer(private)])
+        path = pack(tmp_path / f"s{k}.tar.gz", [(fmt.MANIFEST_NAME, m), (fmt.EVENTS_NAME, body),
+                                                 (fmt.ATTESTATION_NAME, envelope)])  # fmt: skip
+        argvs += [["lint", str(path)], ["verify", str(path), "--key", str(public)]]
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    env.pop("EVIDENCE_PURE_PYTHON", None)
+    run = [sys.executable, "-c", _CLI_ALL, json.dumps(argvs)]
+    c = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout)
+    pure = {**env, "EVIDENCE_PURE_PYTHON": "1"}
+    python = json.loads(subprocess.run(run, env=pure, capture_output=True, text=True, check=True).stdout)
+    assert c == python
+    for k, (name, (_, still_valid)) in enumerate(_SPELLINGS.items()):
+        (lint_rc, _, lint_err), (verify_rc, _, verify_err) = c[2 * k], c[2 * k + 1]
+        assert "Traceback" not in lint_err + verify_err
+        assert (lint_rc == 0) == (verify_rc == 0) == still_valid, (name, lint_err, verify_err)
+
+
+@needs_c
+@pytest.mark.parametrize("size", [1, 1 << 16, 16 << 20])
+def test_huge_lines_as_dumped(size: int) -> None:
+    """A line of `size` bytes of non-ASCII with nothing to escape (as_dumped vouches for it: the
+    C hashes its bytes as they are), and the same with one escape at its very end (not vouched)."""
+    ctx = _ctx(False)
+    subject = ("é\u2028\U0010ffff\x7f" * size)[:size]
+    good = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject}, subject, TIME))
+    assert _C.as_dumped(good) is not None
+    slash = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject + "/"}, subject, TIME))
+    escaped = slash.replace(b'/"},"datacontenttype"', b'\\/"},"datacontenttype"', 1)
+    assert escaped != slash and orjson.loads(escaped) == orjson.loads(slash) and _C.as_dumped(escaped) is None
+    for line in (good, slash, escaped, good[:-2] + b'\\"}'):
+        c = _run(True, [line], 1, ctx)
+        assert c == _run(False, [line], 1, ctx)
+        assert c[1] == (line in (good, slash))
+    assert _run(True, [good], 1, ctx)[2] == [_careful(good, 1, ctx)]
