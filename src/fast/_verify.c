@@ -116,8 +116,9 @@ static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t 
  * line's time) can be skipped. `sure` says so only where that holds for certain, for a line that
  * orjson.loads took (valid JSON and UTF-8, its integers in 64 bits or floats): no byte outside a
  * string but the structure's own (no whitespace), every object's keys in strictly increasing byte
- * order (Rust's str order, orjson's OPT_SORT_KEYS; and so no key twice), no backslash in any string
- * (orjson writes escapes one way; a line with any is left to dumps), no byte below 0x20 in one,
+ * order (Rust's str order, orjson's OPT_SORT_KEYS; and so no key twice), no escape in a key and
+ * only orjson's own in a value (`sure_string`: a line with another is left to dumps), no byte
+ * below 0x20 in a string,
  * integers written the one way with at most 18 digits (longer may be past 64 bits, where loads
  * makes a float; "-0" loads as 0), no fraction or exponent (floats: dumps' own form), true, false,
  * null. Anything else: not sure (0), and the caller makes dumps as the reference does. */
@@ -130,7 +131,14 @@ typedef struct {
 
 static int sure_value(Scan *c, int depth);
 
-static int sure_string(Scan *c) { /* at the opening quote: 1 and past the closing one, or 0 */
+static int hexdigit(char ch) { /* a lowercase hex digit's value (orjson writes no other), or -1 */
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+}
+
+/* At the opening quote: 1 and past the closing one, or 0. In a value, the escapes orjson writes
+ * are its own: \" and \\, \b \t \n \f \r, and \u00xx (lowercase) for the other bytes below 0x20,
+ * nothing else escaped; a key has none (keys with escapes sort by what they stand for). */
+static int sure_string(Scan *c, int key) {
     const char *b = c->b;
     Py_ssize_t i = c->at + 1, n = c->n;
     for (; i < n; i++) {
@@ -139,7 +147,17 @@ static int sure_string(Scan *c) { /* at the opening quote: 1 and past the closin
             c->at = i + 1;
             return 1;
         }
-        if (ch == '\\' || ch < 0x20) return 0;
+        if (ch < 0x20) return 0;
+        if (ch != '\\') continue;
+        if (key || i + 1 >= n) return 0;
+        char e = b[++i];
+        if (e == '"' || e == '\\' || e == 'b' || e == 't' || e == 'n' || e == 'f' || e == 'r') continue;
+        if (e != 'u' || n - i < 5 || b[i + 1] != '0' || b[i + 2] != '0') return 0;
+        int hi = hexdigit(b[i + 3]), lo = hexdigit(b[i + 4]);
+        if (hi < 0 || hi > 1 || lo < 0) return 0;
+        int v = hi * 16 + lo; /* below 0x20: the ones without a short form */
+        if (v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d) return 0;
+        i += 4;
     }
     return 0;
 }
@@ -156,7 +174,7 @@ static int sure_object(Scan *c, int depth) {
     for (;;) {
         if (c->at >= c->n || b[c->at] != '"') return 0;
         Py_ssize_t key = c->at + 1;
-        if (!sure_string(c)) return 0;
+        if (!sure_string(c, 1)) return 0;
         Py_ssize_t key_n = c->at - 1 - key;
         if (last) { /* strictly after the key before it, as bytes (a prefix first) */
             int cmp = memcmp(last, b + key, (size_t)(last_n < key_n ? last_n : key_n));
@@ -215,7 +233,7 @@ static int sure_value(Scan *c, int depth) {
     const char *b = c->b;
     switch (b[c->at]) {
     case '"':
-        return sure_string(c);
+        return sure_string(c, 0);
     case '{':
         return sure_object(c, depth);
     case '[':
@@ -576,23 +594,11 @@ static PyTypeObject LinesType = {
 
 /* 1 when loads, dumps and option are orjson's loads, dumps and OPT_SORT_KEYS (what `sure` assumes),
  * 0 when not, -1 with an exception. */
+static PyObject *ORJSON_LOADS, *ORJSON_DUMPS, *ORJSON_SORT_KEYS; /* as the module was imported */
+
 static int is_orjson(PyObject *loads, PyObject *dumps, PyObject *option) {
-    PyObject *orjson = PyImport_ImportModule("orjson");
-    if (!orjson) return -1;
-    PyObject *l = PyObject_GetAttrString(orjson, "loads"), *d = PyObject_GetAttrString(orjson, "dumps"),
-             *o = PyObject_GetAttrString(orjson, "OPT_SORT_KEYS");
-    Py_DECREF(orjson);
-    int r = -1;
-    if (l && d && o) {
-        r = 0;
-        if (l == loads && d == dumps && PyLong_CheckExact(option)) {
-            r = PyObject_RichCompareBool(option, o, Py_EQ);
-        }
-    }
-    Py_XDECREF(l);
-    Py_XDECREF(d);
-    Py_XDECREF(o);
-    return r;
+    if (loads != ORJSON_LOADS || dumps != ORJSON_DUMPS || !PyLong_CheckExact(option)) return 0;
+    return PyObject_RichCompareBool(option, ORJSON_SORT_KEYS, Py_EQ);
 }
 
 static PyObject *lines(PyObject *module, PyObject *args) {
@@ -683,6 +689,13 @@ PyMODINIT_FUNC PyInit__verify(void) {
     kw_option = PyTuple_Pack(1, option);
     Py_DECREF(option);
     if (!s_type || !s_data || !s_time || !s_subject || !s_last_time || !ONE || !kw_option) return NULL;
+    PyObject *orjson = PyImport_ImportModule("orjson"); /* what `sure` lines assume: orjson's own */
+    if (!orjson) return NULL;
+    ORJSON_LOADS = PyObject_GetAttrString(orjson, "loads");
+    ORJSON_DUMPS = PyObject_GetAttrString(orjson, "dumps");
+    ORJSON_SORT_KEYS = PyObject_GetAttrString(orjson, "OPT_SORT_KEYS");
+    Py_DECREF(orjson);
+    if (!ORJSON_LOADS || !ORJSON_DUMPS || !ORJSON_SORT_KEYS) return NULL;
     if (PyType_Ready(&LinesType) < 0) return NULL;
     return PyModule_Create(&module);
 }

@@ -206,7 +206,10 @@ def test_a_line_said_to_be_as_dumped_is(data: Any, subject: str, cut: int, byte:
         (b'{"data":{"a":-0},"subject":"s"}', False),  # loads makes 0
         (b'{"data":{"a":1.0},"subject":"s"}', False),  # floats: dumps' own form
         (b'{"data":{"a":1e2},"subject":"s"}', False),
-        (b'{"data":{"a":"x\\ny"},"subject":"s"}', False),  # an escape: dumps' choice
+        (b'{"data":{"a":"x\\ny\\"\\\\\\u001f\\t"},"subject":"s"}', True),  # orjson's own escapes
+        (b'{"data":{"a":"x\\u000a"},"subject":"s"}', False),  # not the one it writes (\\n)
+        (b'{"data":{"a":"x\\u001F"},"subject":"s"}', False),  # nor in capitals
+        (b'{"data":{"a\\n":1},"subject":"s"}', False),  # a key's: sorted by what it stands for
         (b'{"data":{"a":"x\\/y"},"subject":"s"}', False),  # a needless one
         (b'{"data":{"a":"x\ny"},"subject":"s"}', False),  # a control byte (loads refuses it)
         (b'{"data":{"b":1,"a":1},"subject":"s"}', False),  # out of order
