@@ -49,7 +49,6 @@ typedef struct {
     Py_ssize_t next; /* the index of the next line */
     Py_ssize_t seq;  /* its event's seq */
     int over;        /* a line did not pass, or the lines ended */
-    int native;      /* loads, dumps and option are orjson's (sorted keys): `sure` lines need no dumps */
     PyObject *before_id, *before_seq, *before_subject, *middle; /* bytes */
     PyObject *types, *specs, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
     EVP_MD_CTX *ctx;
@@ -109,169 +108,6 @@ static inline int same(const char *b, Py_ssize_t *at, const char *s, Py_ssize_t 
 }
 
 #define BYTES(o) PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)
-
-/* --- lines already as dumps would write them ----------------------------------------------------
- * Most lines are, byte for byte, orjson.dumps(orjson.loads(line), option=OPT_SORT_KEYS): then the
- * data's and the subject's dumps are the line's own bytes, and making them again (about half of a
- * line's time) can be skipped. `sure` says so only where that holds for certain, for a line that
- * orjson.loads took (valid JSON and UTF-8, its integers in 64 bits or floats): no byte outside a
- * string but the structure's own (no whitespace), every object's keys in strictly increasing byte
- * order (Rust's str order, orjson's OPT_SORT_KEYS; and so no key twice), no escape in a key and
- * only orjson's own in a value (`sure_string`: a line with another is left to dumps), no byte
- * below 0x20 in a string,
- * integers written the one way with at most 18 digits (longer may be past 64 bits, where loads
- * makes a float; "-0" loads as 0), no fraction or exponent (floats: dumps' own form), true, false,
- * null. Anything else: not sure (0), and the caller makes dumps as the reference does. */
-typedef struct {
-    const char *b;
-    Py_ssize_t n, at;
-    Py_ssize_t first_end;               /* the end of the top object's first value */
-    Py_ssize_t subject_at, subject_end; /* the top object's "subject" value, when it has one */
-} Scan;
-
-static int sure_value(Scan *c, int depth);
-
-static int hexdigit(char ch) { /* a lowercase hex digit's value (orjson writes no other), or -1 */
-    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
-}
-
-/* At the opening quote: 1 and past the closing one, or 0. In a value, the escapes orjson writes
- * are its own: \" and \\, \b \t \n \f \r, and \u00xx (lowercase) for the other bytes below 0x20,
- * nothing else escaped; a key has none (keys with escapes sort by what they stand for). */
-static int sure_string(Scan *c, int key) {
-    const char *b = c->b;
-    Py_ssize_t i = c->at + 1, n = c->n;
-    for (; i < n; i++) {
-        unsigned char ch = (unsigned char)b[i];
-        if (ch == '"') {
-            c->at = i + 1;
-            return 1;
-        }
-        if (ch < 0x20) return 0;
-        if (ch != '\\') continue;
-        if (key || i + 1 >= n) return 0;
-        char e = b[++i];
-        if (e == '"' || e == '\\' || e == 'b' || e == 't' || e == 'n' || e == 'f' || e == 'r') continue;
-        if (e != 'u' || n - i < 5 || b[i + 1] != '0' || b[i + 2] != '0') return 0;
-        int hi = hexdigit(b[i + 3]), lo = hexdigit(b[i + 4]);
-        if (hi < 0 || hi > 1 || lo < 0) return 0;
-        int v = hi * 16 + lo; /* below 0x20: the ones without a short form */
-        if (v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d) return 0;
-        i += 4;
-    }
-    return 0;
-}
-
-static int sure_object(Scan *c, int depth) {
-    const char *b = c->b;
-    c->at++; /* { */
-    if (c->at < c->n && b[c->at] == '}') {
-        c->at++;
-        return 1;
-    }
-    const char *last = NULL;
-    Py_ssize_t last_n = 0;
-    for (;;) {
-        if (c->at >= c->n || b[c->at] != '"') return 0;
-        Py_ssize_t key = c->at + 1;
-        if (!sure_string(c, 1)) return 0;
-        Py_ssize_t key_n = c->at - 1 - key;
-        if (last) { /* strictly after the key before it, as bytes (a prefix first) */
-            int cmp = memcmp(last, b + key, (size_t)(last_n < key_n ? last_n : key_n));
-            if (cmp > 0 || (cmp == 0 && last_n >= key_n)) return 0;
-        }
-        last = b + key;
-        last_n = key_n;
-        if (c->at >= c->n || b[c->at] != ':') return 0;
-        c->at++;
-        Py_ssize_t value = c->at;
-        if (!sure_value(c, depth + 1)) return 0;
-        if (depth == 0) {
-            if (c->first_end < 0) c->first_end = c->at;
-            if (key_n == 7 && !memcmp(b + key, "subject", 7)) {
-                c->subject_at = value;
-                c->subject_end = c->at;
-            }
-        }
-        if (c->at >= c->n) return 0;
-        if (b[c->at] == '}') {
-            c->at++;
-            return 1;
-        }
-        if (b[c->at] != ',') return 0;
-        c->at++;
-    }
-}
-
-static int sure_array(Scan *c, int depth) {
-    const char *b = c->b;
-    c->at++; /* [ */
-    if (c->at < c->n && b[c->at] == ']') {
-        c->at++;
-        return 1;
-    }
-    for (;;) {
-        if (!sure_value(c, depth + 1)) return 0;
-        if (c->at >= c->n) return 0;
-        if (b[c->at] == ']') {
-            c->at++;
-            return 1;
-        }
-        if (b[c->at] != ',') return 0;
-        c->at++;
-    }
-}
-
-static int sure_word(Scan *c, const char *w, Py_ssize_t n) {
-    if (c->n - c->at < n || memcmp(c->b + c->at, w, (size_t)n)) return 0;
-    c->at += n;
-    return 1;
-}
-
-static int sure_value(Scan *c, int depth) {
-    if (depth > 64 || c->at >= c->n) return 0;
-    const char *b = c->b;
-    switch (b[c->at]) {
-    case '"':
-        return sure_string(c, 0);
-    case '{':
-        return sure_object(c, depth);
-    case '[':
-        return sure_array(c, depth);
-    case 't':
-        return sure_word(c, "true", 4);
-    case 'f':
-        return sure_word(c, "false", 5);
-    case 'n':
-        return sure_word(c, "null", 4);
-    default: {
-        Py_ssize_t i = c->at;
-        if (b[i] == '-') i++;
-        Py_ssize_t first = i;
-        while (i < c->n && b[i] >= '0' && b[i] <= '9') i++;
-        Py_ssize_t digits = i - first;
-        if (digits == 0 || digits > 18) return 0;
-        if (b[first] == '0' && (digits > 1 || first > c->at)) return 0; /* 01, -0 */
-        if (i < c->n && (b[i] == '.' || b[i] == 'e' || b[i] == 'E')) return 0;
-        c->at = i;
-        return 1;
-    }
-    }
-}
-
-/* Whether `line` is for certain as dumps writes it (above), its top value an object whose first
- * key is "data": then the data's dumps is b[8 .. *data_end) and the subject's b[*subject_at ..
- * *subject_end) (-1: no "subject" key). */
-static int sure_line(const char *b, Py_ssize_t n, Py_ssize_t *data_end, Py_ssize_t *subject_at,
-                     Py_ssize_t *subject_end) {
-    if (n < 9 || memcmp(b, "{\"data\":", 8)) return 0;
-    Scan c = {b, n, 0, -1, -1, -1};
-    if (!sure_object(&c, 0) || c.at != n) return 0;
-    *data_end = c.first_end;
-    *subject_at = c.subject_at;
-    *subject_end = c.subject_end;
-    return 1;
-}
 
 /* --- the data checks (fastpath._spec: each event type's model as a spec, compiled once) ---------
  * A spec is a tuple of fields (name, required, is_time, test); a test is (tag,) or (tag, arg):
@@ -464,36 +300,16 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     }
     char digits[32];
     Py_ssize_t dn = decimal(digits, (long long)self->seq);
-    const char *b = PyBytes_AS_STRING(line);
-    const char *dp, *sp; /* dumps(data, option) and dumps(subject): dl, sl bytes */
-    Py_ssize_t dl, sl, data_end, subject_at, subject_end;
-    if (self->native && sure_line(b, PyBytes_GET_SIZE(line), &data_end, &subject_at, &subject_end) &&
-        subject_at >= 0) { /* they are the line's own bytes */
-        dp = b + 8;
-        dl = data_end - 8;
-        sp = b + subject_at;
-        sl = subject_end - subject_at;
-    } else {
-        PyObject *call[2] = {data, self->option};
-        d = PyObject_Vectorcall(self->dumps, call, 1, kw_option);
-        if (!d) {
-            r = quiet(self);
-            goto out;
-        }
-        s = PyObject_CallOneArg(self->dumps, subject);
-        if (!s) {
-            r = quiet(self);
-            goto out;
-        }
-        if (!PyBytes_CheckExact(d) || !PyBytes_CheckExact(s)) {
-            PyErr_SetString(PyExc_TypeError, "dumps made no bytes");
-            r = -1;
-            goto out;
-        }
-        dp = PyBytes_AS_STRING(d);
-        dl = PyBytes_GET_SIZE(d);
-        sp = PyBytes_AS_STRING(s);
-        sl = PyBytes_GET_SIZE(s);
+    PyObject *call[2] = {data, self->option};
+    d = PyObject_Vectorcall(self->dumps, call, 1, kw_option);
+    if (!d) {
+        r = quiet(self);
+        goto out;
+    }
+    s = PyObject_CallOneArg(self->dumps, subject);
+    if (!s) {
+        r = quiet(self);
+        goto out;
     }
     Py_ssize_t tn;
     const char *t = PyUnicode_AsUTF8AndSize(time, &tn); /* time.encode() */
@@ -501,14 +317,21 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
         r = quiet(self);
         goto out;
     }
+    if (!PyBytes_CheckExact(d) || !PyBytes_CheckExact(s)) {
+        PyErr_SetString(PyExc_TypeError, "dumps made no bytes");
+        r = -1;
+        goto out;
+    }
     /* the line as the Python path puts it together, compared piece by piece */
-    Py_ssize_t want = 8 + dl + PyBytes_GET_SIZE(self->before_id) + 2 * dn + PyBytes_GET_SIZE(self->before_seq) +
-                      PyBytes_GET_SIZE(self->before_subject) + sl + 9 + tn + PyBytes_GET_SIZE(line_tail);
+    Py_ssize_t want = 8 + PyBytes_GET_SIZE(d) + PyBytes_GET_SIZE(self->before_id) + 2 * dn +
+                      PyBytes_GET_SIZE(self->before_seq) + PyBytes_GET_SIZE(self->before_subject) +
+                      PyBytes_GET_SIZE(s) + 9 + tn + PyBytes_GET_SIZE(line_tail);
+    const char *b = PyBytes_AS_STRING(line);
     Py_ssize_t at = 0;
-    if (want != PyBytes_GET_SIZE(line) || !same(b, &at, "{\"data\":", 8) || !same(b, &at, dp, dl) ||
+    if (want != PyBytes_GET_SIZE(line) || !same(b, &at, "{\"data\":", 8) || !same(b, &at, BYTES(d)) ||
         !same(b, &at, BYTES(self->before_id)) || !same(b, &at, digits, dn) ||
         !same(b, &at, BYTES(self->before_seq)) || !same(b, &at, digits, dn) ||
-        !same(b, &at, BYTES(self->before_subject)) || !same(b, &at, sp, sl) ||
+        !same(b, &at, BYTES(self->before_subject)) || !same(b, &at, BYTES(s)) ||
         !same(b, &at, ",\"time\":\"", 9) || !same(b, &at, t, tn) || !same(b, &at, BYTES(line_tail)))
         goto out;
     /* passed: its content hash, and its type counted */
@@ -517,7 +340,7 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     c->n = 0;
     unsigned char md[32];
     unsigned int mdn = 0;
-    if (put(c, "{\"data\":", 8) || put(c, dp, dl) || put(c, BYTES(self->middle)) || put(c, sp, sl) ||
+    if (put(c, "{\"data\":", 8) || put(c, BYTES(d)) || put(c, BYTES(self->middle)) || put(c, BYTES(s)) ||
         put(c, BYTES(core_tail)))
         goto out;
     if (!EVP_DigestInit_ex(self->ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(self->ctx, c->p, c->n) ||
@@ -592,15 +415,6 @@ static PyTypeObject LinesType = {
     .tp_iternext = (iternextfunc)lines_next,
 };
 
-/* 1 when loads, dumps and option are orjson's loads, dumps and OPT_SORT_KEYS (what `sure` assumes),
- * 0 when not, -1 with an exception. */
-static PyObject *ORJSON_LOADS, *ORJSON_DUMPS, *ORJSON_SORT_KEYS; /* as the module was imported */
-
-static int is_orjson(PyObject *loads, PyObject *dumps, PyObject *option) {
-    if (loads != ORJSON_LOADS || dumps != ORJSON_DUMPS || !PyLong_CheckExact(option)) return 0;
-    return PyObject_RichCompareBool(option, ORJSON_SORT_KEYS, Py_EQ);
-}
-
 static PyObject *lines(PyObject *module, PyObject *args) {
     PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *specs, *loads, *dumps, *option,
         *is_time, *hashes, *counts, *errors;
@@ -619,7 +433,6 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     self->next = 0;
     self->seq = seq;
     self->over = 0;
-    self->native = 0;
     self->core = (Buf){0};
     self->lines = Py_NewRef(list);
     self->before_id = Py_NewRef(before_id);
@@ -637,11 +450,6 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     self->errors = Py_NewRef(errors);
     self->ctx = EVP_MD_CTX_new();
     PyObject_GC_Track(self);
-    self->native = is_orjson(loads, dumps, option);
-    if (self->native < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
     if (!self->ctx) {
         Py_DECREF(self);
         return PyErr_NoMemory();
@@ -649,23 +457,8 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     return (PyObject *)self;
 }
 
-static PyObject *as_dumped(PyObject *module, PyObject *arg) {
-    (void)module;
-    if (!PyBytes_CheckExact(arg)) {
-        PyErr_SetString(PyExc_TypeError, "a line: bytes");
-        return NULL;
-    }
-    Py_ssize_t data_end, subject_at, subject_end;
-    if (!sure_line(PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg), &data_end, &subject_at, &subject_end))
-        Py_RETURN_NONE;
-    return Py_BuildValue("(nnn)", data_end, subject_at, subject_end);
-}
-
 static PyMethodDef methods[] = {
     {"lines", lines, METH_VARARGS, "An iterator over the events of lines that pass the fast path."},
-    {"as_dumped", as_dumped, METH_O,
-     "(data end, subject start, subject end; -1 without one) when a line is for certain as orjson.dumps "
-     "writes it with sorted keys, its first key \"data\" (the fast path then makes no dumps); else None."},
     {"valid", valid, METH_VARARGS, "Whether data passes a data check's spec (what the fast path checks)."},
     {NULL, NULL, 0, NULL},
 };
@@ -689,13 +482,6 @@ PyMODINIT_FUNC PyInit__verify(void) {
     kw_option = PyTuple_Pack(1, option);
     Py_DECREF(option);
     if (!s_type || !s_data || !s_time || !s_subject || !s_last_time || !ONE || !kw_option) return NULL;
-    PyObject *orjson = PyImport_ImportModule("orjson"); /* what `sure` lines assume: orjson's own */
-    if (!orjson) return NULL;
-    ORJSON_LOADS = PyObject_GetAttrString(orjson, "loads");
-    ORJSON_DUMPS = PyObject_GetAttrString(orjson, "dumps");
-    ORJSON_SORT_KEYS = PyObject_GetAttrString(orjson, "OPT_SORT_KEYS");
-    Py_DECREF(orjson);
-    if (!ORJSON_LOADS || !ORJSON_DUMPS || !ORJSON_SORT_KEYS) return NULL;
     if (PyType_Ready(&LinesType) < 0) return NULL;
     return PyModule_Create(&module);
 }

@@ -23,7 +23,6 @@ is skipped then: the CLI imports the normal build):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import hashlib
@@ -972,16 +971,10 @@ def test_a_bundle_of_many_shapes_does_not_compile_a_check_per_event(monkeypatch:
     assert len(compiled) <= schemas.MAX_SHAPES
 
 
-# --- the "as dumped" shortcut (as_dumped: a line the C hashes as it is, without dumps) -------------
-# Its claim: whenever as_dumped vouches for a line orjson.loads takes, the line is exactly
-# dumps(loads(line)) with sorted keys, line[8:data_end] the data's dumps and
-# line[subject_at:subject_end] the top-level subject's. A forger's way around it would be a line
-# that is not canonical but that it vouches for: the C would then hash bytes the reference never
-# makes. So: JSON written every way orjson.loads takes (and a few it does not), near canonical.
-# (A Python bytes object ends in a NUL, which hides a one-byte over-read from AddressSanitizer; for
-# reads past a line, a C file that #includes src/fast/_verify.c and calls sure_line on exact-size
-# malloc'd copies of 140,000 lines (these tests' spellings, cut, spliced and with bytes changed),
-# built with -fsanitize=address,undefined and -lpython3.11, found none.)
+# --- JSON spelled every way loads takes ----------------------------------------------------------
+# A forger's way past the C would be a line that is not canonical but that it passes: it would
+# then hash bytes the reference never makes. So: events written every way orjson.loads takes (and a
+# few it does not), near canonical, through the C and the Python loop alike.
 
 # characters at the edges of UTF-8's widths, of orjson's escaping and of key order (byte order is
 # code point order; UTF-16's is not: U+E000..U+FFFF sort after the surrogates there)
@@ -989,21 +982,6 @@ _EDGE = ["a", "b", "z", "/", "0", "\x7f", "\x80", "é", "\u07ff", "\u0800", "\u2
          "\ue000", "\ufeff", "\ufffe", "\uffff", "\U00010000", "\U0001f600", "\U0010ffff", "\x1f", "\x00",
          '"', "\\", "\t"]  # fmt: skip
 _EDGE_TEXT = st.text(st.sampled_from(_EDGE), max_size=4) | st.text(max_size=3)
-_KEY = st.sampled_from(["", "a", "ab", "b", "data", "dat", "datas", "subject", "subjec", "subjectt", "time",
-                        "type", "é", "\uffff", "\U00010000"]) | _EDGE_TEXT  # fmt: skip
-_WIDE_INT = (
-    st.integers(1, 20)
-    .flatmap(lambda n: st.integers(10 ** (n - 1) if n > 1 else 0, 10**n - 1))
-    .flatmap(lambda v: st.sampled_from([v, -v]))
-)
-_EDGE_INT = st.sampled_from([0, 1, -1, 10**17, 10**18 - 1, -(10**18 - 1), 10**18, -(10**18), 2**63 - 1,
-                             -(2**63), 2**63, 2**64 - 1, 10**19 - 1, -(10**19 - 1)])  # fmt: skip
-_ANY = st.recursive(
-    st.none() | st.booleans() | _WIDE_INT | _EDGE_INT | st.floats(allow_nan=False, allow_infinity=False)
-    | _EDGE_TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEY, inner, max_size=4),
-    max_leaves=10,
-)  # fmt: skip
 
 
 def _spell(v: Any, r: random.Random, p: float, at: list[int] | None = None) -> bytes:
@@ -1063,115 +1041,10 @@ def _spell(v: Any, r: random.Random, p: float, at: list[int] | None = None) -> b
     return b"{" + b",".join(k + b":" + x for k, x in pairs) + b"}"
 
 
-def _claim_holds(line: bytes) -> bool:
-    """as_dumped's claim on `line` (True when it does not vouch, or loads refuses the line)."""
-    spans = _C.as_dumped(line)
-    if spans is None:
-        return True
-    try:
-        ev = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return True
-    data_end, subject_at, subject_end = spans
-    if type(ev) is not dict or orjson.dumps(ev, option=SORT) != line:
-        return False
-    if line[8:data_end] != orjson.dumps(ev["data"], option=SORT):
-        return False
-    if "subject" in ev:
-        return line[subject_at:subject_end] == orjson.dumps(ev["subject"])
-    return subject_at == subject_end == -1
-
-
-@needs_c
-@settings(max_examples=_EXAMPLES * 10, deadline=None)
-@given(
-    data=_ANY,
-    rest=st.dictionaries(st.sampled_from(["e", "subject", "subjecu", "time", "z", "\uffff", "\U00010000"]), _ANY,
-                         max_size=3),
-    seed=st.integers(0, 2**32),
-    p=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
-)  # fmt: skip
-def test_as_dumped_vouches_only_for_lines_as_dumps_writes_them(
-    data: Any, rest: dict[str, Any], seed: int, p: float
-) -> None:
-    """Lines `{"data":...,...}` with values at the edges (keys of every UTF-8 width and ones that
-    are prefixes of each other, empty keys, 1 to 20 digit integers either sign, floats, strings
-    with every character orjson escapes or might), each part now and then spelled another way:
-    an escape for any character (a surrogate pair for one past U+FFFF, either case of hex, `\\/`),
-    numbers as 1.0, 1e0, -0, 01, +1, whitespace anywhere, keys out of order or twice, a key
-    itself escaped. as_dumped vouches for none that is not exactly dumps(loads(line))."""
-    r = random.Random(seed)
-    body = {"data": data, **rest}
-    line = b'{"data":' + _spell(data, r, p)
-    for k in sorted(rest, key=str.encode):
-        line += (
-            b"," + (orjson.dumps(k) if r.random() >= p else _spell(k, r, 1.0)) + b":" + _spell(rest[k], r, p)
-        )
-    line += b"}"
-    assert _claim_holds(line), line
-    if p == 0.0:  # as orjson writes it, where it can (integers in 64 bits)
-        with contextlib.suppress(orjson.JSONEncodeError):
-            assert line == orjson.dumps(body, option=SORT)
-
-
-@needs_c
-@pytest.mark.parametrize(
-    "line",
-    [
-        b'{"data":{"\xef\xbf\xbf":1,"\xf0\x90\x80\x80":2}}',  # U+FFFF before U+10000: byte order
-        b'{"data":{"\xee\x80\x80":1,"\xf0\x9f\x98\x80":2}}',  # U+E000 before U+1F600
-        b'{"data":{"":1,"\x7f":2,"\xc2\x80":3}}',
-        b'{"data":{"a":{"subject":1}},"subject":"s"}',  # a nested subject is not the subject
-        b'{"data":{"subject":"n"},"subject":"s","z":{"subject":"m"}}',
-        b'{"data":[{"data":1},{"data":2}],"subject":"s"}',
-        b'{"data":"\xe2\x80\xa8\xe2\x80\xa9\xef\xbb\xbf\x7f","subject":"\xf4\x8f\xbf\xbf"}',
-        b'{"data":-999999999999999999,"subject":""}',  # 18 digits, negative
-        b'{"data":[-1,0,1,100000000000000000],"subject":"s"}',
-        b'{"data":' + b'{"a":' * 63 + b"1" + b"}" * 63 + b',"subject":"s"}',  # as deep as it goes
-    ],
-)
-def test_as_dumped_at_its_edges(line: bytes) -> None:
-    """Lines as dumps writes them, at the edges of as_dumped's rules: vouched for, and right."""
-    assert orjson.dumps(orjson.loads(line), option=SORT) == line
-    assert _C.as_dumped(line) is not None
-    assert _claim_holds(line)
-
-
-@needs_c
-@pytest.mark.parametrize(
-    "line",
-    [
-        b'{"data":{"\xf0\x90\x80\x80":2,"\xef\xbf\xbf":1}}',  # UTF-16's order, not orjson's
-        b'{"data":1,"subject":"a","subject":"a"}',  # the same subject twice
-        b'{"data":1,"data":1,"subject":"a"}',
-        b'{"data":{"a":1,"a":1}}',
-        b'{"data":{"":1,"":1}}',  # an empty key twice
-        b'{"data":{"a":[{"b":1,"b":1}]}}',  # twice deep down
-        b'{"data":1,"subject":"\\u0073"}',
-        b'{"data":1,"s\\u0075bject":"a"}',  # an escaped key
-        b'{"data":1000000000000000000,"subject":"s"}',  # 19 digits
-        b'{"data":-9223372036854775808,"subject":"s"}',
-        b'{"data":18446744073709551615,"subject":"s"}',
-        b'{"data":18446744073709551616,"subject":"s"}',  # past 64 bits: a float
-        b'{"data":100000000000000000000,"subject":"s"}',
-        b'{"data":-0,"subject":"s"}',
-        b'{"data":0.0,"subject":"s"}',
-        b'{"data":1E2,"subject":"s"}',
-        b'{"data":' + b'{"a":' * 64 + b"1" + b"}" * 64 + b',"subject":"s"}',  # one deeper
-        b'{"data":1,"subject":"s"}\x00',
-        b'{"data":1,"subject":"s"}\n',
-        b'{"data" :1}',
-        b'{"data":1 }',
-    ],
-)
-def test_as_dumped_refuses_what_it_cannot_vouch_for(line: bytes) -> None:
-    assert _C.as_dumped(line) is None
-
-
 @needs_c
 @settings(max_examples=_EXAMPLES * 5, deadline=None)
 @given(
-    labelled=st.sampled_from([False, False, True]),  # (labels are escaped: never as_dumped then)
+    labelled=st.sampled_from([False, False, True]),
     etype=st.sampled_from(sorted(fastpath._TYPES)),
     subject=_EDGE_TEXT | st.text(st.sampled_from(_EDGE[:-5]), max_size=4),  # (the last five: escaped)
     seed=st.integers(0, 2**32),
@@ -1182,15 +1055,15 @@ def test_events_spelled_every_way_pass_in_c_as_in_python(
     labelled: bool, etype: str, subject: str, seed: int, p: float, data: st.DataObject
 ) -> None:
     """Valid events of every type (data with edge strings and integers where its model allows)
-    written with one part, or a part now and then, spelled another way that loads takes: the C (which hashes a
-    line as_dumped vouches for as it is) and the Python loop agree on every line, and every event
+    written with one part, or a part now and then, spelled another way that loads takes: the C and
+    the Python loop agree on every line, and every event
     that passes is one the careful path passes, with its content hash."""
     ctx = _ctx(labelled)
     r = random.Random(seed)
     d = data.draw(_data(etype, clean=True))
     time = d.get("last_time", TIME) if type(d) is dict else TIME
     ev = _event(ctx, 2, etype, d, subject, time)
-    if p == 1.0:  # one part: mostly of the data (whose dumps the C may take from the line)
+    if p == 1.0:  # one part: mostly of the data
         parts, data_parts = [10**9], [10**9]
         _spell(ev, r, 0.0, parts)
         _spell(d, r, 0.0, data_parts)
@@ -1209,7 +1082,7 @@ def test_events_spelled_every_way_pass_in_c_as_in_python(
 
 @needs_c
 def test_every_part_of_a_real_run_spelled_other_ways() -> None:
-    """Every event of a real run (no labels, so that as_dumped vouches for its lines), each of its
+    """Every event of a real run, each of its
     parts in turn spelled a dozen other ways: the C and the Python loop agree on every one, and
     pass none the careful path does not."""
     with tempfile.TemporaryDirectory() as t:
@@ -1245,8 +1118,8 @@ def _respelled(old: bytes, new: bytes) -> Callable[[list[bytes]], None]:
     return damage
 
 
-# lines of a run without labels (as_dumped vouches for them) written another way that loads takes,
-# or with values at as_dumped's edges: (damage, whether the bundle is still valid)
+# lines of a run written another way that loads takes, or with values at the edges of 64 bits and
+# UTF-8: (damage, whether the bundle is still valid)
 _SPELLINGS: dict[str, tuple[Callable[[list[bytes]], None], bool]] = {
     "as written": (lambda ls: None, True),
     "data keys swapped": (_respelled(b'{"access":["read"],"count":1,', b'{"count":1,"access":["read"],'), False),
@@ -1289,14 +1162,13 @@ def test_lint_and_verify_of_respelled_signed_bundles_are_the_same_with_and_witho
 ) -> None:
     """The signer's own key on a bundle whose events are written another way (so that the signature
     holds and only the reader's checks stand between the lines and a pass): `evidence lint` and
-    `evidence verify` say the same, exit code and words, with the C (its as_dumped shortcut) and
-    with EVIDENCE_PURE_PYTHON=1; and pass exactly the bundles still valid."""
+    `evidence verify` say the same, exit code and words, with the C and with
+    EVIDENCE_PURE_PYTHON=1; and pass exactly the bundles still valid."""
     if _SO:
         pytest.skip("the CLI imports the built module, not EVIDENCE_RED_VERIFY_SO")
     private, public, _ = signing.generate(tmp_path / "key")
     recs = [*records(), *(open_(10_000 + i, f"{WS}/src/é{i}.c", ["read"]) for i in range(3))]
     manifest, lines = members(write(tmp_path / "a.tar.gz", recs))
-    assert "labels" not in orjson.loads(lines[3]) and _C.as_dumped(lines[3]) is not None
     argvs = []
     for k, name in enumerate(_SPELLINGS):
         damaged = list(lines)
@@ -1327,16 +1199,15 @@ def test_lint_and_verify_of_respelled_signed_bundles_are_the_same_with_and_witho
 
 @needs_c
 @pytest.mark.parametrize("size", [1, 1 << 16, 16 << 20])
-def test_huge_lines_as_dumped(size: int) -> None:
-    """A line of `size` bytes of non-ASCII with nothing to escape (as_dumped vouches for it: the
-    C hashes its bytes as they are), and the same with one escape at its very end (not vouched)."""
+def test_huge_lines_of_every_width(size: int) -> None:
+    """A line of `size` bytes of non-ASCII with nothing to escape, and the same with one needless
+    escape at its very end: the C and the Python loop agree, and pass the first only."""
     ctx = _ctx(False)
     subject = ("é\u2028\U0010ffff\x7f" * size)[:size]
     good = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject}, subject, TIME))
-    assert _C.as_dumped(good) is not None
     slash = _dumps(_event(ctx, 1, fmt.LOSS, {"count": 1, "kind": subject + "/"}, subject, TIME))
     escaped = slash.replace(b'/"},"datacontenttype"', b'\\/"},"datacontenttype"', 1)
-    assert escaped != slash and orjson.loads(escaped) == orjson.loads(slash) and _C.as_dumped(escaped) is None
+    assert escaped != slash and orjson.loads(escaped) == orjson.loads(slash)
     for line in (good, slash, escaped, good[:-2] + b'\\"}'):
         c = _run(True, [line], 1, ctx)
         assert c == _run(False, [line], 1, ctx)
