@@ -330,7 +330,8 @@ def test_names_not_utf8_links_to_the_loader_and_threads_exec_at_once(place: Path
     workspace glob) is refused by its name or a link's to it, a copy named `\\xffbad` runs; a link
     in the workspace to the dynamic loader (`ok/tool /usr/bin/id`) is the loader by the name it
     leads to (allowed by its own rule; the whole path judges what it loads: id refused, true run); eight threads of one process exec at once, one
-    of them id: true runs, id never does, and nothing is left pinned wrong (no violation)."""
+    of them id: true runs, id never does, and nothing is left pinned wrong (no violation); an
+    execve with a NULL argv runs true and refuses id."""
     ok = place / "ok"
     ok.mkdir()
     ok.chmod(0o777)
@@ -348,6 +349,16 @@ def test_names_not_utf8_links_to_the_loader_and_threads_exec_at_once(place: Path
     show("xffbad", run([ok + b"/\\xffbad"]))
     show("tool", run([ok + b"/tool", b"/usr/bin/id"]))
     show("tool_true", run([ok + b"/tool", b"/usr/bin/true"]))
+
+    def null_argv(path):  # argv NULL: the kernel gives the program an argv of one empty string
+        pid = os.fork()
+        if pid == 0:
+            libc.syscall(59, ctypes.c_char_p(path), None, None)
+            os._exit(100 + ctypes.get_errno())
+        return ended(os.waitpid(pid, 0)[1])
+
+    show("null_true", null_argv(b"/usr/bin/true"))
+    show("null_id", null_argv(b"/usr/bin/id"))
 
     def together(n):
         go = threading.Barrier(n)
@@ -379,7 +390,8 @@ def test_names_not_utf8_links_to_the_loader_and_threads_exec_at_once(place: Path
     assert _uid_lines(out) == [], out
     ended = _ended(out)
     assert ended["bad"] == ended["link"] == ended["tool"] == EACCES, out
-    assert ended["xffbad"] == ended["tool_true"] == ("exit", 0), out
+    assert ended["xffbad"] == ended["tool_true"] == ended["null_true"] == ("exit", 0), out
+    assert ended["null_id"] == EACCES, out
     assert ended["threads"] == ("exit", 40), out  # true won every time (id refused: its thread went on)
     refused = _refused(events)
     assert refused[f"{ok}/bad\\xff"].startswith("commands.rules[2]"), refused
