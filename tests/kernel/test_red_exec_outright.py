@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.kernel.test_command_rules_run import _refused, _run
+from tests.kernel.test_red_exec_fast import _ended
 from tests.kernel.util import PY, of_type
 
 pytestmark = pytest.mark.kernel
@@ -65,15 +66,6 @@ def _job(
     job.write_text(PRELUDE + textwrap.dedent(body))
     job.chmod(0o644)
     return _run(place, commands, f"{before} {PY} {job}; echo job=$?", approvals=approvals)
-
-
-def _ended(out: str) -> dict[str, tuple[str, int]]:
-    got = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[1] in ("exit", "signal"):
-            got[parts[0]] = (parts[1], int(parts[2]))
-    return got
 
 
 def _uid_lines(out: str) -> list[str]:
