@@ -193,16 +193,6 @@ class CallerMemory:
         return argv, True
 
 
-def read_string(pid: int, addr: int, limit: int = PATH_MAX) -> tuple[bytes, bool]:
-    """A NUL-terminated string of the caller's, and whether it was cut at `limit`."""
-    return CallerMemory(pid).string(addr, limit)
-
-
-def read_argv(pid: int, addr: int) -> tuple[list[bytes], bool]:
-    """argv (a NULL-terminated array of pointers) and whether it was cut at MAX_ARGC/MAX_ARGV_BYTES."""
-    return CallerMemory(pid).argv(addr)
-
-
 @dataclass(frozen=True)
 class ExecRequest:
     """What an exec asks for, as the supervisor read and resolved it."""
