@@ -47,10 +47,10 @@ class _SpillSet:
         self.owner = owner
         self.items: set[tuple[Any, ...]] = set()
         self.runs: list[IO[bytes]] = []
-        # the items' lines in a sorted run (repr, a tab, canonical JSON, a newline): made by the C
-        # path as it adds an item (Behaviour.add_many), else when the run is sorted (`added`)
-        self.lines: list[bytes] = []
-        self.added: list[tuple[Any, ...]] = []
+        self.added: list[tuple[Any, ...]] = []  # the items' order, for their lines when sorted
+        # the C path's items (plain opens' file items, Behaviour.add_many): kept as their lines in
+        # a sorted run (repr, a tab, canonical JSON, a newline) alone, no Python object each
+        self.fast: Any = _fast.LineSet() if _fast is not None else None
 
     def add(self, item: tuple[Any, ...]) -> None:
         if item not in self.items:
@@ -60,25 +60,44 @@ class _SpillSet:
             if self.owner.held > self.owner.budget:
                 self.owner.spill()
 
+    def __len__(self) -> int:
+        """The items held in memory (Python's and the C path's: one item may be in both)."""
+        return len(self.items) + (len(self.fast) if self.fast is not None else 0)
+
     def __bool__(self) -> bool:
-        return bool(self.items or self.runs)
+        return bool(len(self) or self.runs)
 
     def spill(self) -> None:
-        run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
-        run.write(b"".join(self._sorted()))  # (one write: writelines' calls were 2/3 of a spill)
-        run.seek(0)
-        self.runs.append(run)
-        self.owner.held -= len(self.items)
+        """The items held go to disk as sorted runs: Python's one, the C path's another (sorted and
+        written without the GIL); the merge takes them all (canonical_items, hash_items)."""
+        held = len(self)
+        if self.items:
+            run = self._run()
+            run.write(
+                b"".join(self._sorted(fast=False))
+            )  # (one write: writelines' calls were 2/3 of a spill)
+            run.seek(0)
+        if self.fast is not None and len(self.fast):
+            run = self._run()
+            self.fast.spill(run.fileno())  # (on the descriptor: the file object's buffer is empty)
+            run.seek(0)
+        self.owner.held -= held
         self.items = set()
-        self.lines, self.added = [], []
+        self.added = []
 
-    def _sorted(self) -> list[bytes]:
-        """The items' lines, sorted: by their repr's UTF-8 bytes, as code points sort, the order of
-        sorted(items, key=repr) (no repr holds a tab or a newline, and one item has one repr)."""
+    def _run(self) -> IO[bytes]:
+        run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
+        self.runs.append(run)
+        return run
+
+    def _sorted(self, fast: bool = True) -> list[bytes]:
+        """The lines of the items held in memory (`fast`: the C path's too), sorted: by their
+        repr's UTF-8 bytes, as code points sort, the order of sorted(items, key=repr) (no repr holds
+        a tab or a newline, and one item has one repr); an item both in Python's set and the C
+        path's, twice (taken once by the merge)."""
         dumps = canonical.dumps_unchecked
-        lines = self.lines + [
-            repr(i).encode("utf-8", "surrogatepass") + b"\t" + dumps(i) + b"\n" for i in self.added
-        ]
+        lines = self.fast.lines() if fast and self.fast is not None else []
+        lines += [repr(i).encode("utf-8", "surrogatepass") + b"\t" + dumps(i) + b"\n" for i in self.added]
         lines.sort()
         return lines
 
@@ -152,7 +171,7 @@ class Behaviour:
 
     def spill(self) -> None:
         """Past the budget: the set holding the most items goes to disk."""
-        max(self.sets, key=lambda s: len(s.items)).spill()
+        max(self.sets, key=len).spill()
 
     def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
         """Add records as they are spooled; an item that is bytes is a spool line the recorder made
@@ -160,7 +179,7 @@ class Behaviour:
         add = self.add
         if self.fast_roots is not None and recs.__class__ is list:
             # plain opens' file items in C (their paths their own normal form), the rest below
-            added, recs = _fast.file_items(recs, self.files.items, self.fast_roots, self.files.lines)
+            added, recs = self.files.fast.add_files(recs, self.fast_roots)
             self.held += added
             if self.held > self.budget:
                 self.spill()

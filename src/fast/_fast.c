@@ -10,8 +10,8 @@
  *   cached names, the descriptor entered in the process's table);
  * - spilled: _Spill.read's records of a batch the poller wrote to disk (a flood's, nearly all).
  * The run id's behaviour (bundle/run_id.py):
- * - file_items: Behaviour.add of plain opens whose path no normalisation rule can change, with each
- *   new item's line in a sorted run.
+ * - LineSet: Behaviour.add of plain opens whose path no normalisation rule can change, each
+ *   item kept as its line in a sorted run alone (no Python object an item), spilled sorted.
  * Full detail's events (bundle/premade.py, bundle/sink.py EventSink._full_batch):
  * - marked: a repeated open's spool line as its time;
  * - opens(items, i, seq, consts): the events of the plain open records items[i], items[i+1], ...
@@ -521,11 +521,6 @@ static int needs_normal(const char *s, Py_ssize_t n, PyObject *roots) {
 
 static PyObject *ACCESS, *RESULT;
 
-/* file_items(records, items, roots, lines): what Behaviour.add adds to its files for each open of
- * `records` whose path is its own normal form (needs_normal), added to the set `items` here, and
- * the line of each new one in a sorted run to `lines` (bundle/run_id.py _SpillSet).
- * Returns (how many were new, the records it did not take: every other kind, and opens whose
- * path the Normalizer may change, for Behaviour.add); a spool line (bytes) adds nothing. */
 static int put_repr(Buf *b, PyObject *v, int depth);
 
 /* whether list `l` holds the very items of tuple `t` (a tuple made of it before, unchanged) */
@@ -536,17 +531,188 @@ static int same_items(PyObject *l, PyObject *t) {
     return 1;
 }
 
-static PyObject *fast_file_items(PyObject *self, PyObject *args) {
-    PyObject *recs, *items, *roots, *lines;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyList_Type, &recs, &PySet_Type, &items, &PyTuple_Type, &roots,
-                          &PyList_Type, &lines))
-        return NULL;
-    Buf line = {0};
+/* LineSet: the run id's file items of plain opens (bundle/run_id.py _SpillSet.fast), each kept as
+ * its line in a sorted run (repr, a tab, canonical JSON, a newline) and nothing else: no tuple, no
+ * bytes object, no set entry of Python's per item. The lines sit back to back in one arena, found
+ * again through a table keyed by the item's hash (its fields' hashes, Python's keyed ones, mixed as
+ * a tuple's: a job cannot flood it with names made to collide), compared by their bytes. A spill
+ * sorts them as Python sorts bytes (memcmp, then the shorter first) and writes them to a file
+ * without the GIL. An item the Python path also holds (Behaviour.add's, in the set's `items`) may
+ * be in both: the merge of the sorted runs takes each line once (_SpillSet.canonical_items). */
+typedef struct {
+    PyObject_HEAD
+    char *arena;
+    size_t used, cap;
+    size_t *off;     /* line k: arena + off[k], len[k] bytes, its newline included */
+    uint32_t *len;
+    Py_hash_t *hash; /* line k's item hash */
+    size_t count, lcap;
+    uint32_t *table; /* open addressing: 0 empty, else k + 1 */
+    size_t tmask;    /* the table's size - 1 (a power of two); 0 before the first line */
+} LineSet;
+
+static void lineset_clear(LineSet *ls) {
+    free(ls->arena), free(ls->off), free(ls->len), free(ls->hash), free(ls->table);
+    ls->arena = NULL, ls->off = NULL, ls->len = NULL, ls->hash = NULL, ls->table = NULL;
+    ls->used = ls->cap = ls->count = ls->lcap = ls->tmask = 0;
+}
+
+static void lineset_dealloc(LineSet *ls) {
+    lineset_clear(ls);
+    Py_TYPE(ls)->tp_free((PyObject *)ls);
+}
+
+static Py_ssize_t lineset_len(LineSet *ls) { return (Py_ssize_t)ls->count; }
+
+/* the table twice as large (or its first), every line entered again: 0, or -1 with MemoryError */
+static int lineset_grow_table(LineSet *ls) {
+    size_t size = ls->tmask ? 2 * (ls->tmask + 1) : 1 << 12;
+    uint32_t *t = calloc(size, sizeof *t);
+    if (!t) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t k = 0; k < ls->count; k++) {
+        size_t at = (size_t)ls->hash[k] & (size - 1);
+        while (t[at]) at = (at + 1) & (size - 1);
+        t[at] = (uint32_t)(k + 1);
+    }
+    free(ls->table);
+    ls->table = t;
+    ls->tmask = size - 1;
+    return 0;
+}
+
+/* `line` (n bytes) of item hash h entered: 1 new, 0 already there, -1 with an error set */
+static int lineset_add(LineSet *ls, const char *line, size_t n, Py_hash_t h) {
+    if (n >= UINT32_MAX || ls->count >= UINT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "a line set past 2^32 lines or a line past 4 GiB");
+        return -1;
+    }
+    if ((ls->count + 1) * 2 > ls->tmask + 1 && lineset_grow_table(ls)) return -1; /* at most half full */
+    size_t at = (size_t)h & ls->tmask;
+    for (uint32_t e; (e = ls->table[at]); at = (at + 1) & ls->tmask) {
+        size_t k = e - 1;
+        if (ls->hash[k] == h && ls->len[k] == n && !memcmp(ls->arena + ls->off[k], line, n)) return 0;
+    }
+    if (ls->count == ls->lcap) {
+        size_t lcap = ls->lcap ? 2 * ls->lcap : 1 << 12;
+        size_t *off = realloc(ls->off, lcap * sizeof *off);
+        if (off) ls->off = off;
+        uint32_t *len = off ? realloc(ls->len, lcap * sizeof *len) : NULL;
+        if (len) ls->len = len;
+        Py_hash_t *hash = len ? realloc(ls->hash, lcap * sizeof *hash) : NULL;
+        if (!hash) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        ls->hash = hash;
+        ls->lcap = lcap;
+    }
+    if (ls->used + n > ls->cap) {
+        size_t cap = ls->cap ? ls->cap : 1 << 16;
+        while (cap < ls->used + n) cap *= 2;
+        char *arena = realloc(ls->arena, cap);
+        if (!arena) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        ls->arena = arena;
+        ls->cap = cap;
+    }
+    memcpy(ls->arena + ls->used, line, n);
+    ls->off[ls->count] = ls->used;
+    ls->len[ls->count] = (uint32_t)n;
+    ls->hash[ls->count] = h;
+    ls->used += n;
+    ls->count++;
+    ls->table[at] = (uint32_t)ls->count;
+    return 1;
+}
+
+/* an item's hash from its fields' (Python's keyed hashes), mixed as CPython mixes a tuple's */
+static Py_hash_t item_hash(PyObject *const *fields, int n) {
+    uint64_t acc = 0x27D4EB2F165667C5ULL;
+    for (int k = 0; k < n; k++) {
+        Py_hash_t h = PyObject_Hash(fields[k]);
+        if (h == -1) return -1;
+        acc += (uint64_t)h * 0xC2B2AE3D27D4EB4FULL;
+        acc = (acc << 31) | (acc >> 33);
+        acc *= 0x9E3779B185EBCA87ULL;
+    }
+    Py_hash_t out = (Py_hash_t)acc;
+    return out == -1 ? 1546275796 : out;
+}
+
+typedef struct {
+    const char *p;
+    uint32_t n;
+} LineRef;
+
+static int line_cmp(const void *a, const void *b) {
+    const LineRef *x = a, *y = b;
+    int c = memcmp(x->p, y->p, x->n < y->n ? x->n : y->n);
+    return c ? c : (x->n > y->n) - (x->n < y->n);
+}
+
+/* spill(fd): the lines, sorted, written to file descriptor fd (at its position), then forgotten */
+static PyObject *lineset_spill(LineSet *ls, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    LineRef *refs = ls->count ? malloc(ls->count * sizeof *refs) : NULL;
+    char *out = ls->count ? malloc(ls->used) : NULL;
+    if (ls->count && (!refs || !out)) {
+        free(refs), free(out);
+        return PyErr_NoMemory();
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t k = 0; k < ls->count; k++) refs[k] = (LineRef){ls->arena + ls->off[k], ls->len[k]};
+    qsort(refs, ls->count, sizeof *refs, line_cmp);
+    size_t w = 0;
+    for (size_t k = 0; k < ls->count; k++) {
+        memcpy(out + w, refs[k].p, refs[k].n);
+        w += refs[k].n;
+    }
+    for (size_t done = 0; done < w && !err;) {
+        ssize_t r = write(fd, out + done, w - done);
+        if (r < 0 && errno != EINTR) err = errno;
+        if (r > 0) done += (size_t)r;
+    }
+    Py_END_ALLOW_THREADS
+    free(refs), free(out);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    lineset_clear(ls);
+    Py_RETURN_NONE;
+}
+
+/* lines(): a list of the lines as bytes, in the order they came */
+static PyObject *lineset_lines(LineSet *ls, PyObject *unused) {
+    PyObject *out = PyList_New((Py_ssize_t)ls->count);
+    for (size_t k = 0; out && k < ls->count; k++) {
+        PyObject *b = PyBytes_FromStringAndSize(ls->arena + ls->off[k], ls->len[k]);
+        if (!b) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)k, b);
+    }
+    return out;
+}
+
+/* add_files(records, roots): what Behaviour.add adds to its files for each open of `records` whose
+ * path is its own normal form (needs_normal), as lines here. Returns (how many were new, the
+ * records it did not take: every other kind, opens whose path the Normalizer may change, and those
+ * with a value not written here, for Behaviour.add); a spool line (bytes) adds nothing. */
+static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
+    PyObject *recs, *roots;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &recs, &PyTuple_Type, &roots)) return NULL;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); k++)
         if (!PyBytes_CheckExact(PyTuple_GET_ITEM(roots, k))) {
             PyErr_SetString(PyExc_TypeError, "roots are bytes");
             return NULL;
         }
+    Buf line = {0};
     PyObject *rest = PyList_New(0);
     if (!rest) return NULL;
     PyObject *last_list = NULL, *last_acc = NULL; /* the last access list and its tuple */
@@ -578,24 +744,30 @@ static PyObject *fast_file_items(PyObject *self, PyObject *args) {
                             last_list = access; /* (compared by identity, its items checked each time) */
                         }
                     }
-                    PyObject *item = acc ? PyTuple_Pack(3, path, acc, res) : NULL;
-                    Py_XDECREF(acc);
-                    if (!item) goto fail;
-                    int had = PySet_Contains(items, item), r = 1;
-                    if (!had) { /* its line in a sorted run: repr, a tab, canonical JSON (_SpillSet) */
-                        line.n = 0;
-                        r = put_repr(&line, item, 0) || put(&line, "\t", 1) ? -1 : put_value(&line, item, 0);
-                        PyObject *made = r == 1 && !put(&line, "\n", 1)
-                                             ? PyBytes_FromStringAndSize(line.p, (Py_ssize_t)line.n)
-                                             : NULL;
-                        if (r == 1 && (!made || PySet_Add(items, item) < 0 || PyList_Append(lines, made) < 0))
-                            r = -1;
-                        Py_XDECREF(made);
+                    if (!acc) goto fail;
+                    /* its line in a sorted run: repr, a tab, canonical JSON (_SpillSet), as of the
+                     * tuple (path, access, result); r 0: a value not written here, for Behaviour.add */
+                    PyObject *fields[3] = {path, acc, res};
+                    line.n = 0;
+                    int r = put(&line, "(", 1) || put_repr(&line, path, 1) || put(&line, ", ", 2) ||
+                                    put_repr(&line, acc, 1) || put(&line, ", ", 2) || put_repr(&line, res, 1) ||
+                                    put(&line, ")\t[", 3)
+                                ? -1
+                                : put_value(&line, path, 1);
+                    if (r == 1 && put(&line, ",", 1)) r = -1;
+                    if (r == 1) r = put_value(&line, acc, 1);
+                    if (r == 1 && put(&line, ",", 1)) r = -1;
+                    if (r == 1) r = put_value(&line, res, 1);
+                    if (r == 1 && put(&line, "]\n", 2)) r = -1;
+                    if (r == 1) {
+                        Py_hash_t h = item_hash(fields, 3);
+                        int got = h == -1 ? -1 : lineset_add(ls, line.p, line.n, h);
+                        if (got < 0) r = -1;
+                        else added += got;
                     }
-                    Py_DECREF(item);
-                    if (had < 0 || r < 0) goto fail;
-                    added += !had && r == 1;
-                    took = had || r == 1; /* (r 0: a value not written here, for Behaviour.add) */
+                    Py_DECREF(acc);
+                    if (r < 0) goto fail;
+                    took = r == 1;
                 }
             }
         }
@@ -610,6 +782,26 @@ fail:
     Py_DECREF(rest);
     return NULL;
 }
+
+static PyMethodDef lineset_methods[] = {
+    {"add_files", (PyCFunction)lineset_add_files, METH_VARARGS, "Plain opens' file items added (see above)."},
+    {"spill", (PyCFunction)lineset_spill, METH_VARARGS, "The lines sorted into a file, then forgotten."},
+    {"lines", (PyCFunction)lineset_lines, METH_NOARGS, "The lines as bytes, in the order they came."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods lineset_seq = {.sq_length = (lenfunc)lineset_len};
+
+static PyTypeObject LineSetType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "evidence.bundle._fast.LineSet",
+    .tp_basicsize = sizeof(LineSet),
+    .tp_dealloc = (destructor)lineset_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The run id's file items of plain opens, as their lines (see above).",
+    .tp_methods = lineset_methods,
+    .tp_as_sequence = &lineset_seq,
+    .tp_new = PyType_GenericNew,
+};
 
 /* repr(v) onto `b` for what behaviour items hold, as Python writes it: a printable ASCII string
  * without quote or backslash as itself in single quotes, an int in decimal, None, True, False, a
@@ -1316,7 +1508,6 @@ static PyMethodDef methods[] = {
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
-    {"file_items", fast_file_items, METH_VARARGS, "Behaviour's file items of plain opens (see above)."},
     {"opens", fast_opens, METH_VARARGS, "The events of plain open records from items[i] (see the module's head)."},
     {"repeats", fast_repeats, METH_VARARGS, "The events of repeats (times) from items[i] (see the module's head)."},
     {NULL, NULL, 0, NULL},
@@ -1355,5 +1546,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     if (!S_PID || !S_PPID || !S_EXE || !S_FDS || !S_RAW_PATH || !S_DIRFD || !S_FLAGS || !S_MODE || !S_NLINK ||
         !S_WRITE || !S_CREATE || !ZERO || !MAGIC)
         return NULL;
-    return PyModule_Create(&module);
+    if (PyType_Ready(&LineSetType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddObjectRef(m, "LineSet", (PyObject *)&LineSetType) < 0) Py_CLEAR(m);
+    return m;
 }
