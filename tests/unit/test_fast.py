@@ -218,6 +218,33 @@ def test_c_and_python_make_the_same_run_id(tmp_path: Any, recs: list[Any]) -> No
         assert fast == _behaviour(recs, False, roots, tmp_path)
 
 
+@needs_fast
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_opened, max_size=40))
+def test_the_line_set_holds_each_item_once_and_spills_them_sorted(tmp_path: Any, recs: list[Any]) -> None:
+    """_fast.LineSet: an item's line (repr, a tab, canonical JSON) once however often it comes, as
+    the Python path writes it, and a spill writes them sorted as Python sorts bytes, then holds none."""
+    lines = sink._fast.LineSet()
+    added, rest = lines.add_files(recs + recs, ())
+    want = set()
+    for r in recs:
+        if r not in rest:
+            item = (r["path"], tuple(r["access"]), r["result"])
+            want.add(
+                repr(item).encode("utf-8", "surrogatepass")
+                + b"\t"
+                + run_id.canonical.dumps_unchecked(item)
+                + b"\n"
+            )
+    assert added == len(lines) == len(want)
+    assert sorted(lines.lines()) == sorted(want)
+    path = tmp_path / "run"
+    with open(path, "wb") as f:
+        lines.spill(f.fileno())
+    assert path.read_bytes() == b"".join(sorted(want))
+    assert len(lines) == 0 and lines.lines() == []
+
+
 _line = st.one_of(
     st.integers(0, 2**70).map(lambda t: b'{"k":"open","t":%d,"pid":1}\n' % t),
     st.sampled_from(
