@@ -16,6 +16,7 @@ import heapq
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -51,6 +52,10 @@ class _SpillSet:
         # the C path's items (plain opens' file items, Behaviour.add_many): kept as their lines in
         # a sorted run (repr, a tab, canonical JSON, a newline) alone, no Python object each
         self.fast: Any = _fast.LineSet() if _fast is not None else None
+        # its spill on a thread of its own (sorted and written without the GIL, beside the
+        # correlator): one at a time, waited for before the runs are read (_settle)
+        self._spilling: threading.Thread | None = None
+        self._spill_error: BaseException | None = None
 
     def add(self, item: tuple[Any, ...]) -> None:
         if item not in self.items:
@@ -78,12 +83,30 @@ class _SpillSet:
             )  # (one write: writelines' calls were 2/3 of a spill)
             run.seek(0)
         if self.fast is not None and len(self.fast):
-            run = self._run()
-            self.fast.spill(run.fileno())  # (on the descriptor: the file object's buffer is empty)
-            run.seek(0)
+            self._settle()  # (two sets' lines held at most: the one spilling and the one filling)
+            taken, run = self.fast.take(), self._run()
+
+            def spill() -> None:
+                try:
+                    taken.spill(run.fileno())  # (on the descriptor: the file object's buffer is empty)
+                    run.seek(0)
+                except BaseException as e:  # noqa: BLE001 - raised by _settle, on the set's own thread
+                    self._spill_error = e
+
+            self._spilling = threading.Thread(target=spill, name="evidence-run-id-spill", daemon=True)
+            self._spilling.start()
         self.owner.held -= held
         self.items = set()
         self.added = []
+
+    def _settle(self) -> None:
+        """Wait for the C path's spill under way, and raise its error."""
+        if self._spilling is not None:
+            self._spilling.join()
+            self._spilling = None
+        error, self._spill_error = self._spill_error, None
+        if error is not None:
+            raise error
 
     def _run(self) -> IO[bytes]:
         run = tempfile.TemporaryFile(dir=self.owner.tmp_dir)  # noqa: SIM115 - read back by canonical_items, closed by close()
@@ -106,6 +129,7 @@ class _SpillSet:
         lines merged as bytes (in key order: a key's tab sorts before any character of a longer
         key, whose repr holds none below a space), an item spilled in one run and added again after
         it (the same line) taken once."""
+        self._settle()
         lines: Iterator[bytes] = iter(self._sorted())
         if self.runs:
             lines = heapq.merge(lines, *self.runs)
@@ -119,6 +143,7 @@ class _SpillSet:
         """canonical_items joined by commas, into `update` (a hash's) in pieces: merged in C
         without the GIL when built (src/fast/_fast.c: merge_items; 2M items 0.1 s, not 1), else
         a few thousand at a time."""
+        self._settle()
         if _fast is not None:
             for run in self.runs:
                 run.flush()  # (read by its descriptor, from its start)
@@ -136,6 +161,9 @@ class _SpillSet:
             update(sep + b",".join(batch))
 
     def close(self) -> None:
+        if self._spilling is not None:
+            self._spilling.join()  # (its error, if any, goes with the runs: nothing reads them now)
+            self._spilling = None
         for run in self.runs:
             run.close()
 

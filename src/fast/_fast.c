@@ -689,6 +689,17 @@ static PyObject *lineset_spill(LineSet *ls, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* take(): a new LineSet holding these lines, this one left empty (for a spill on another thread) */
+static PyObject *lineset_take(LineSet *ls, PyObject *unused) {
+    LineSet *t = (LineSet *)PyType_GenericNew(Py_TYPE(ls), NULL, NULL);
+    if (!t) return NULL;
+    t->arena = ls->arena, t->used = ls->used, t->cap = ls->cap, t->off = ls->off, t->len = ls->len;
+    t->hash = ls->hash, t->count = ls->count, t->lcap = ls->lcap, t->table = ls->table, t->tmask = ls->tmask;
+    ls->arena = NULL, ls->off = NULL, ls->len = NULL, ls->hash = NULL, ls->table = NULL;
+    ls->used = ls->cap = ls->count = ls->lcap = ls->tmask = 0;
+    return (PyObject *)t;
+}
+
 /* lines(): a list of the lines as bytes, in the order they came */
 static PyObject *lineset_lines(LineSet *ls, PyObject *unused) {
     PyObject *out = PyList_New((Py_ssize_t)ls->count);
@@ -787,6 +798,7 @@ static PyMethodDef lineset_methods[] = {
     {"add_files", (PyCFunction)lineset_add_files, METH_VARARGS, "Plain opens' file items added (see above)."},
     {"spill", (PyCFunction)lineset_spill, METH_VARARGS, "The lines sorted into a file, then forgotten."},
     {"lines", (PyCFunction)lineset_lines, METH_NOARGS, "The lines as bytes, in the order they came."},
+    {"take", (PyCFunction)lineset_take, METH_NOARGS, "A new set of these lines, this one left empty."},
     {NULL, NULL, 0, NULL},
 };
 
