@@ -33,7 +33,7 @@ import orjson
 import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
-from evidence.bundle.sink import Caps, EventSink, FullWriter, compiled
+from evidence.bundle.sink import Caps, EventSink, FullWriter, Hashed, compiled
 
 _fast = compiled()  # the C hot path: _marked, put_run_id
 
@@ -90,12 +90,15 @@ class _File:
     let go of the GIL), one piece queued at most, so that they run beside the correlator; read
     back at 3 GB/s. (zstandard's own thread, `threads=1`, spins the writing one while it waits.)"""
 
-    def __init__(self, tmp_dir: Path | None) -> None:
+    def __init__(self, tmp_dir: Path | None, defers: bool = False) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._z = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
-        self._buf: list[bytes] = []
+        # the content hashes' file: the C path's hashes are taken unhashed (sink.Hashed) and hashed
+        # on this file's thread, without the GIL (src/fast/_fast.c hash_cores), not the correlator's
+        self.defers = defers and _fast is not None
+        self._buf: list[Hashed] = []
         self._size = 0
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[list[Hashed] | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ended = False
@@ -121,6 +124,13 @@ class _File:
     def add_lines(self, lines: bytes) -> None:
         self.feed(lines)
 
+    def add_deferred(self, pieces: list[Hashed]) -> None:
+        """Content hashes, as lines or as the C path deferred them (a batch's cores and ends)."""
+        self._buf += pieces
+        self._size += sum(len(p) if isinstance(p, bytes) else len(p[1]) // 8 * 65 for p in pieces)
+        if self._size >= _WRITE_AT:
+            self.flush()
+
     def flush(self) -> None:
         """What was fed handed to the compressing thread (started with the first piece)."""
         if self._buf:
@@ -131,14 +141,18 @@ class _File:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._compress, name="evidence-premade", daemon=True)
                 self._thread.start()
-            self._queue.put(b"".join(self._buf))  # (waits while a piece is still queued)
-            self._buf.clear()
+            self._queue.put(self._buf)  # (waits while a piece is still queued)
+            self._buf = []
             self._size = 0
 
     def _compress(self) -> None:
-        while (piece := self._queue.get()) is not None:
+        while (pieces := self._queue.get()) is not None:
             if self._error is None:
                 try:
+                    piece = b"".join(
+                        p if isinstance(p, bytes) else _fast.hash_cores(*p)  # (deferred: the GIL let go)
+                        for p in pieces
+                    )
                     self.file.write(self._z.compress(piece))
                 except Exception as e:  # noqa: BLE001 - said by flush or end, on the feeding thread
                     self._error = e
@@ -239,7 +253,7 @@ class Premade:
     ) -> None:
         self.caps = caps or Caps()
         self.lines = _File(tmp_dir)
-        self.hashes = _File(tmp_dir)
+        self.hashes = _File(tmp_dir, defers=True)
         self.capped: dict[str, int] = {}
         self.failed = False
         self.ended = False

@@ -51,6 +51,19 @@ class Roots(Protocol):
     def add_lines(self, lines: bytes) -> None: ...
 
 
+# a batch's content hashes: 64 hex digits and a newline each, or their cores and ends as the C path
+# defers them for a Roots that `defers` (src/fast/_fast.c hash_cores hashes them)
+Hashed = bytes | tuple[bytes, bytes]
+
+
+class Deferring(Roots, Protocol):
+    """Roots that take hashes the C path deferred (bundle/premade.py: hashed on its own thread)."""
+
+    defers: bool
+
+    def add_deferred(self, pieces: list[Hashed]) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class _Split:
     """An event's canonical data cut where its record's time stands (the quoted RFC 3339 time, as
@@ -266,8 +279,10 @@ class EventSink:
         prev, split, tried = before
         dumps = _dumps
         fast = _fast if self.use_fast else None
+        # the C path's content hashes left to the Roots' own thread, if it has one
+        defer = fast is not None and getattr(self.root, "defers", False)
         pieces: list[bytes] = []  # lines made in C, and the Python path's joined, in order
-        hashed: list[bytes] = []  # their content hashes (64 hex digits and a newline each), in order
+        hashed: list[Hashed] = []  # their content hashes (Hashed), in order
         longest = 0
         made: dict[str, int] = {}  # events made in C, by type
         second_text = fmt._second  # noqa: SLF001 - format_time's own, cached
@@ -285,12 +300,12 @@ class EventSink:
                 # with their data cut at their time; what it does not take is made below
                 if item.__class__ is not int:
                     done = fast.opens(
-                        items, i, seq, id_, runid, after_source, core_mid, open_type, second_text
+                        items, i, seq, id_, runid, after_source, core_mid, open_type, second_text, defer
                     )
                 elif tried and split is not None:
                     etype, parts, after_seq, end, core_end = split
                     done = fast.repeats(
-                        items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text
+                        items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text, defer
                     )
                 else:
                     done = (i, b"", b"", 0)
@@ -408,7 +423,10 @@ class EventSink:
             state.prev, state.split, state.tried = before
             return False
         state.prev, state.split, state.tried = prev, split, tried
-        self.root.add_lines(join(hashed))
+        if defer:
+            cast(Deferring, self.root).add_deferred(hashed)
+        else:
+            self.root.add_lines(join(cast("list[bytes]", hashed)))
         self.out.feed(join(pieces))
         self.size += size
         self.seq = seq

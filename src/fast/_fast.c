@@ -21,7 +21,10 @@
  * - repeats(items, i, seq, parts, consts): the events of the repeats items[i], ... (ints: a record's
  *   time, the record before repeated at it), its data cut at its time (`parts`).
  *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
- *   and a newline each, the longest line's length).
+ *   and a newline each, the longest line's length); with `defer` true, in place of the hashes
+ *   what they are taken over, (cores, ends), for
+ * - hash_cores(cores, ends): those hashes, made without the GIL on the premade hashes' file's own
+ *   thread (bundle/premade.py), not the correlator's.
  * - merge_items(fds, lines, update): the run id's sorted runs (bundle/run_id.py _SpillSet) merged
  *   and their items handed to the hash, reading and merging without the GIL;
  * - translate(data, table): bytes.translate, without the GIL: the run id put in the premade lines
@@ -305,6 +308,57 @@ static PyObject *result(Py_ssize_t i, Buf *lines, Buf *hashes, size_t longest) {
     return out;
 }
 
+/* opens' and repeats' result: (the index it stopped at, the lines, their content hashes, the
+ * longest line's length); `defer`: in place of the hashes, (cores, ends) as bytes, which
+ * hash_cores hashes later, on another thread (bundle/premade.py: the correlator's goes on). */
+static PyObject *batch_result(Py_ssize_t i, Buf *lines, Buf *hashes, EVP_MD_CTX *ctx, const Buf *core,
+                              const Buf *ends, size_t longest, int defer) {
+    if (!defer) return put_hashes(hashes, ctx, core, ends) ? NULL : result(i, lines, hashes, longest);
+    PyObject *pending = Py_BuildValue("(y#y#)", core->p ? core->p : "", (Py_ssize_t)core->n,
+                                      ends->p ? ends->p : "", (Py_ssize_t)ends->n);
+    PyObject *l = pending ? bytes_buf_take(lines) : NULL;
+    PyObject *out = l ? Py_BuildValue("(nNNn)", i, l, pending, (Py_ssize_t)longest) : NULL;
+    if (!out) {
+        Py_XDECREF(l);
+        Py_XDECREF(pending);
+    }
+    return out;
+}
+
+/* hash_cores(cores, ends): the content hashes that opens or repeats deferred (64 hex digits and a
+ * newline each), hashed without the GIL */
+static PyObject *fast_hash_cores(PyObject *self, PyObject *args) {
+    Py_buffer cores, ends;
+    if (!PyArg_ParseTuple(args, "y*y*", &cores, &ends)) return NULL;
+    PyObject *out = NULL;
+    Buf hashes = {0};
+    size_t count = (size_t)ends.len / sizeof(size_t), last = 0;
+    int ok = (size_t)ends.len % sizeof(size_t) == 0;
+    for (size_t k = 0; ok && k < count; k++) {
+        size_t to;
+        memcpy(&to, (const char *)ends.buf + k * sizeof to, sizeof to);
+        ok = to >= last && to <= (size_t)cores.len;
+        last = to;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "the cores' ends are not theirs");
+        goto done;
+    }
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (!ctx) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Buf c = {.p = cores.buf, .n = (size_t)cores.len}, e = {.p = ends.buf, .n = (size_t)ends.len};
+    if (bytes_buf(&hashes) == 0 && put_hashes(&hashes, ctx, &c, &e) == 0) out = bytes_buf_take(&hashes);
+    bytes_buf_drop(&hashes);
+    EVP_MD_CTX_free(ctx);
+done:
+    PyBuffer_Release(&cores);
+    PyBuffer_Release(&ends);
+    return out;
+}
+
 static PyObject *K, *T, *N, *TL, *PATH, *OPEN;
 
 /* opens(items, i, seq, id_, runid, after_source, core_mid, open_type, second_text) */
@@ -313,8 +367,9 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
     Py_ssize_t i;
     unsigned long long seq;
     Clock clock = {.second = -1};
-    if (!PyArg_ParseTuple(args, "O!nKOOOOOO", &PyList_Type, &items, &i, &seq, &id_, &runid, &after_source,
-                          &core_mid, &open_type, &clock.second_text))
+    int defer = 0;
+    if (!PyArg_ParseTuple(args, "O!nKOOOOOO|p", &PyList_Type, &items, &i, &seq, &id_, &runid, &after_source,
+                          &core_mid, &open_type, &clock.second_text, &defer))
         return NULL;
     PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
     if (!all_bytes(consts, 5)) return NULL;
@@ -425,8 +480,9 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
             goto fail;
         seq++;
     }
-    if (PyErr_Occurred() || put_hashes(&hashes, ctx, &core, &ends)) goto fail;
-    PyObject *out = result(i, &lines, &hashes, longest);
+    if (PyErr_Occurred()) goto fail;
+    PyObject *out = batch_result(i, &lines, &hashes, ctx, &core, &ends, longest, defer);
+    if (!out) goto fail;
     EVP_MD_CTX_free(ctx);
     free(hashes.p), free(data.p), free(subj.p), free(core.p), free(ends.p);
     return out;
@@ -443,8 +499,9 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
     Py_ssize_t i;
     unsigned long long seq;
     Clock clock = {.second = -1};
-    if (!PyArg_ParseTuple(args, "O!nKO!OOOOOO", &PyList_Type, &items, &i, &seq, &PyTuple_Type, &parts, &id_,
-                          &runid, &after_seq, &end, &core_end, &clock.second_text))
+    int defer = 0;
+    if (!PyArg_ParseTuple(args, "O!nKO!OOOOOO|p", &PyList_Type, &items, &i, &seq, &PyTuple_Type, &parts, &id_,
+                          &runid, &after_seq, &end, &core_end, &clock.second_text, &defer))
         return NULL;
     PyObject *consts[] = {id_, runid, after_seq, end, core_end};
     if (!all_bytes(consts, 5)) return NULL;
@@ -486,8 +543,8 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
             goto fail;
         seq++;
     }
-    if (put_hashes(&hashes, ctx, &core, &ends)) goto fail;
-    PyObject *out = result(i, &lines, &hashes, longest);
+    PyObject *out = batch_result(i, &lines, &hashes, ctx, &core, &ends, longest, defer);
+    if (!out) goto fail;
     EVP_MD_CTX_free(ctx);
     free(hashes.p), free(data.p), free(core.p), free(ends.p);
     return out;
@@ -1516,6 +1573,7 @@ static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
     {"spilled", fast_spilled, METH_VARARGS, "A spilled batch's records read back (see above)."},
     {"merge_items", fast_merge_items, METH_VARARGS, "The run id's sorted runs merged into a hash (see above)."},
+    {"hash_cores", fast_hash_cores, METH_VARARGS, "The content hashes opens or repeats deferred (see above)."},
     {"translate", fast_translate, METH_VARARGS, "data.translate(table), without the GIL (see above)."},
     {"process_opens", fast_process_opens, METH_VARARGS, "_process's loop over plain opens (see above)."},
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},

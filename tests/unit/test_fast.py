@@ -530,3 +530,24 @@ def test_c_and_python_read_a_spilled_batch_alike(records: list[bytes], cut: int,
     assert read(sink._fast) == read(None)
     if whole:
         assert read(sink._fast) == records
+
+
+@needs_fast
+@given(st.lists(st.binary(max_size=600), max_size=20))
+def test_deferred_content_hashes_are_sha256_of_each_core(cores: list[bytes]) -> None:
+    """hash_cores (the hashes opens and repeats defer to the premade file's thread): each core's
+    sha256 in hex and a newline, in order; ends that are not the cores' are refused, not read."""
+    import hashlib
+    import struct
+
+    ends, at = [], 0
+    for c in cores:
+        at += len(c)
+        ends.append(at)
+    packed = struct.pack(f"{len(ends)}N", *ends)  # (native: size_t)
+    want = b"".join(hashlib.sha256(c).hexdigest().encode() + b"\n" for c in cores)
+    assert sink._fast.hash_cores(b"".join(cores), packed) == want
+    with pytest.raises(ValueError):
+        sink._fast.hash_cores(b"".join(cores), packed + struct.pack("N", at + 1))
+    with pytest.raises(ValueError):
+        sink._fast.hash_cores(b"", packed + b"x")
