@@ -38,6 +38,7 @@
 #include <Python.h>
 #include <openssl/evp.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -1127,6 +1128,70 @@ static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
     return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink);
 }
 
+/* The open record's layout this file knows (agent/recorder/decode.py OPEN_REC): its fields read
+ * here, no call of `unpack`, when the struct `unpack` belongs to has this format (else, the call). */
+static const char OPEN_FORMAT[] = "<QQIIIHHqQQiIHHHHQQ";
+#define OPEN_SIZE 88
+
+/* 1: `unpack` is the bound unpack_from of a struct of OPEN_FORMAT, its path at OPEN_SIZE; 0: not */
+static int known_layout(PyObject *unpack, Py_ssize_t path_off) {
+    if (path_off != OPEN_SIZE) return 0;
+    PyObject *st = PyObject_GetAttrString(unpack, "__self__");
+    if (!st) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *fmt = PyObject_GetAttrString(st, "format");
+    Py_DECREF(st);
+    if (!fmt) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = PyUnicode_Check(fmt) && PyUnicode_CompareWithASCIIString(fmt, OPEN_FORMAT) == 0;
+    Py_DECREF(fmt);
+    return same;
+}
+
+static inline unsigned long long le_u(const char *p, int n) {
+    unsigned long long v = 0;
+    for (int k = n - 1; k >= 0; k--) v = (v << 8) | (unsigned char)p[k];
+    return v;
+}
+
+/* the fields of an open record process_opens uses */
+typedef struct {
+    unsigned long long ts, cgid, tgid, rino;
+    long long run, flags, ret, dfd, oflags, mode, nlink, plen;
+} OpenFields;
+
+/* read at OPEN_FORMAT's places (rs: at least OPEN_SIZE bytes) */
+static void open_read(const char *rs, OpenFields *o) {
+    o->ts = le_u(rs, 8), o->cgid = le_u(rs + 8, 8), o->run = (long long)le_u(rs + 16, 4);
+    o->tgid = le_u(rs + 20, 4), o->flags = (long long)le_u(rs + 30, 2), o->ret = (long long)le_u(rs + 32, 8);
+    o->dfd = (long long)(int32_t)(uint32_t)le_u(rs + 56, 4), o->oflags = (long long)le_u(rs + 60, 4);
+    o->mode = (long long)le_u(rs + 64, 2), o->nlink = (long long)le_u(rs + 66, 2);
+    o->plen = (long long)le_u(rs + 70, 2), o->rino = le_u(rs + 80, 8);
+}
+
+/* the same from unpack's tuple (any other layout): 0; 1, not such a tuple; -1, an error set */
+static int open_unpacked(PyObject *f, OpenFields *o) {
+    if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) < 18) return 1;
+    /* ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, _, plen, dino, rino */
+    o->ts = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
+    o->cgid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 1));
+    o->run = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 2));
+    o->tgid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 3));
+    o->flags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 6));
+    o->ret = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 7));
+    o->dfd = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 10));
+    o->oflags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 11));
+    o->mode = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 12));
+    o->nlink = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 13));
+    o->plen = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 15));
+    o->rino = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 17));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
  *               wall_offset, cgroups, <open_plain's caches>)
  * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
@@ -1150,6 +1215,9 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
         return NULL;
     }
+    int direct = known_layout(unpack, path_off);
+    long long wall = PyLong_AsLongLong(wall_offset);
+    if (wall == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0), *last_rec = NULL;
     if (!out) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(batch), last = -1;
@@ -1162,51 +1230,52 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         Py_ssize_t rn = PyBytes_GET_SIZE(raw);
         if (rn < path_off || rn < kind_off + 2 || memcmp(rs + kind_off, PyBytes_AS_STRING(open_kind), 2)) break;
         if (rn - 8 == tail_n && !memcmp(rs + 8, tail, (size_t)tail_n)) break; /* a repeat: _process's */
-        PyObject *f = PyObject_CallOneArg(unpack, raw);
-        if (!f) goto fail;
-        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) < 18) {
-            Py_DECREF(f);
+        OpenFields o;
+        if (direct) {
+            open_read(rs, &o);
+        } else {
+            PyObject *f = PyObject_CallOneArg(unpack, raw);
+            int r = f ? open_unpacked(f, &o) : -1;
+            Py_XDECREF(f);
+            if (r > 0 || (r < 0 && !PyErr_Occurred())) break;
+            if (r < 0) goto fail;
+        }
+        if (o.run != run || (o.flags & stop_flags) || o.plen < 1 || path_off + o.plen > rn || rs[path_off] != '/')
             break;
-        }
-        /* ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, _, plen, dino, rino */
-        long long frun = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 2)), flags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 6));
-        long long plen = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 15));
-        if (PyErr_Occurred()) {
-            Py_DECREF(f);
-            goto fail;
-        }
-        if (frun != run || (flags & stop_flags) || plen < 1 || path_off + plen > rn || rs[path_off] != '/') {
-            Py_DECREF(f);
-            break;
-        }
         if (cgroups != Py_None) {
-            PyObject *named = PyDict_GetItemWithError(cgroups, PyTuple_GET_ITEM(f, 1));
+            PyObject *cg = PyLong_FromUnsignedLongLong(o.cgid);
+            PyObject *named = cg ? PyDict_GetItemWithError(cgroups, cg) : NULL;
+            Py_XDECREF(cg);
             if (!named || !PyTuple_Check(named) || PyTuple_GET_SIZE(named) < 1 ||
                 PyTuple_GET_ITEM(named, 0) != Py_None) {
-                Py_DECREF(f);
                 if (PyErr_Occurred()) goto fail;
                 break;
             }
         }
-        PyObject *p = PyDict_GetItemWithError(procs, PyTuple_GET_ITEM(f, 3));
+        PyObject *tg = PyLong_FromUnsignedLongLong(o.tgid);
+        PyObject *p = tg ? PyDict_GetItemWithError(procs, tg) : NULL;
+        Py_XDECREF(tg);
         if (!p) {
-            Py_DECREF(f);
             if (PyErr_Occurred()) goto fail;
             break;
         }
         Py_INCREF(p);
-        PyObject *t = PyNumber_Add(PyTuple_GET_ITEM(f, 0), wall_offset);
-        PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)plen) : NULL;
-        long long dfd = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 10)), oflags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 11)),
-                  mode = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 12)), ret = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 7)),
-                  nlink = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 13));
-        PyObject *rec = path && !PyErr_Occurred()
-                            ? open_core(&c, p, t, path, dfd, oflags, mode, ret, PyTuple_GET_ITEM(f, 17), nlink)
-                            : NULL;
+        long long sum;
+        PyObject *t;
+        if (o.ts <= (unsigned long long)LLONG_MAX && !__builtin_add_overflow((long long)o.ts, wall, &sum)) {
+            t = PyLong_FromLongLong(sum);
+        } else {
+            PyObject *ts = PyLong_FromUnsignedLongLong(o.ts);
+            t = ts ? PyNumber_Add(ts, wall_offset) : NULL;
+            Py_XDECREF(ts);
+        }
+        PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
+        PyObject *rino = path ? (o.ret >= 0 ? PyLong_FromUnsignedLongLong(o.rino) : Py_NewRef(Py_None)) : NULL;
+        PyObject *rec = rino ? open_core(&c, p, t, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink) : NULL;
         Py_XDECREF(t);
         Py_XDECREF(path);
+        Py_XDECREF(rino);
         Py_DECREF(p);
-        Py_DECREF(f);
         if (!rec) goto fail;
         if (rec == Py_None) {
             Py_DECREF(rec);
