@@ -11,8 +11,8 @@ content hashes, which depend on neither, go to a second file. Both are temporary
 spool (bounded by the caps: at most Caps.decompressed bytes of lines).
 
 When the bundle is written (bundle/writer.py), the premade lines are used if what they assumed
-holds: the same labels, the same number of head events, no cap reached, not signed (a signed
-bundle's trace reads every event's data). The run id replaces PLACEHOLDER (bytes no canonical JSON
+holds: the same labels, the same number of head events, no cap reached (a signed bundle's trace,
+which sees every event's data, is fed the spool's records again: sink.feed_trace). The run id replaces PLACEHOLDER (bytes no canonical JSON
 line holds: orjson escapes every control character, and UTF-8 has no 0xff), by one translation of
 each piece, and the lines go to the Deflater as they are; else the writer makes the events from the
 spool, as it always did. Both give the same bytes (tests/unit/test_premade.py).
@@ -215,13 +215,11 @@ class Made:
     lines: _File
     hashes: _File
 
-    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None, signed: bool) -> bool:
+    def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None) -> bool:
         """Whether the lines are the bundle's: what they assumed holds."""
         why = (
             "it failed or reached a cap"
             if not self.ok
-            else "signed"
-            if signed
             else "its labels changed"
             if dict(labels) != self.labels
             else f"{head} events before its records, not {self.head}"

@@ -278,6 +278,12 @@ class Trace:
                     }
                 )
 
+    def open_data(self, d: Mapping[str, Any]) -> None:
+        """feed_at of an open that neither writes nor creates, from what its data holds (the
+        writer's full detail: its record, bundle/sink.py feed_trace): only its path, result and
+        access are read."""
+        self._open(d)
+
     def _open(self, d: Mapping[str, Any]) -> None:
         path = d.get("path")
         if not isinstance(path, str) or d.get("result") != 0:

@@ -260,7 +260,8 @@ class EventSink:
         at once: one hand-over to the deflater, one to the root hash, the counts once. A batch that
         does not fit is made again event by event, each checked as _put checks it, and so is all
         that follows (past a cap, every event is counted, none written). A signed bundle's trace
-        sees every event's data: its events are made one by one. Either way the bytes are the same."""
+        sees every event's data: fed each batch's records once the batch is taken (feed_trace), or
+        each event as _full_each writes it. Either way the bytes are the same."""
         full = FullWriter(self, capped)
         full.add(marked)
         full.end()
@@ -487,6 +488,35 @@ class EventSink:
         return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
 
 
+_WRITES = frozenset(("write", "create"))  # an open with these: the provenance tie reads its time
+
+
+def feed_trace(
+    trace: runtime_trace.Trace, marked: Iterable[SpoolRecord | int], prev: SpoolRecord | None
+) -> SpoolRecord | None:
+    """A signed bundle's trace fed the events of `marked` (write_full's items, all written), as
+    emit and _full_each feed it; `prev`: the record before them (the one a first repeat repeats).
+    Returns the last record. An open that neither writes nor creates is taken as its record: the
+    trace reads its path, result and access, which its event's data holds as they are (a repeat:
+    the same), and not its time."""
+    open_data = trace.open_data
+    for item in marked:
+        if item.__class__ is int:
+            assert prev is not None  # a repeat follows a record
+            rec = prev
+        else:
+            rec = prev = cast(SpoolRecord, item)
+        if rec["k"] == "open" and _WRITES.isdisjoint(rec.get("access") or ()):
+            open_data(rec)
+            continue
+        if item.__class__ is int:
+            rec = rec.copy()
+            rec["t"] = item
+        etype, _, t_ns, data = to_event(rec)
+        trace.feed_at(etype, t_ns, data)
+    return prev
+
+
 class FullWriter:
     """EventSink.write_full fed a part at a time (the recorder's records as it spools them:
     bundle/premade.py): the same batches of _FULL_BATCH, cut at the same records, so the same caps
@@ -501,10 +531,6 @@ class FullWriter:
         self.largest = 0  # the most bytes of lines one batch took in
 
     def add(self, marked: Iterable[SpoolRecord | int]) -> None:
-        sink = self.sink
-        if sink.trace is not None:  # a signed bundle's trace sees every event: one by one
-            sink._full_each(marked, self.state, self.capped)
-            return
         batch = self.batch
         items = marked if marked.__class__ is list else list(marked)
         at, count = 0, len(items)
@@ -516,10 +542,12 @@ class FullWriter:
                 self._take()
 
     def _take(self) -> None:
-        before = self.sink.size
+        before, prev = self.sink.size, self.state.prev
         if self.near_cap or not self.sink._full_batch(self.batch, self.state):
             self.near_cap = True
-            self.sink._full_each(self.batch, self.state, self.capped)
+            self.sink._full_each(self.batch, self.state, self.capped)  # (feeds a trace as it writes)
+        elif self.sink.trace is not None:  # a signed bundle's: every event of the batch was written
+            feed_trace(self.sink.trace, self.batch, prev)
         self.largest = max(self.largest, self.sink.size - before)
         self.batch.clear()
 

@@ -45,7 +45,7 @@ from evidence.bundle.run_id import MEMORY_ITEMS as MEMORY_ITEMS
 from evidence.bundle.run_id import RECORDING_ITEMS as RECORDING_ITEMS
 from evidence.bundle.run_id import Behaviour as Behaviour
 from evidence.bundle.sink import Caps as Caps
-from evidence.bundle.sink import Event
+from evidence.bundle.sink import Event, feed_trace
 from evidence.bundle.sink import EventSink as _EventSink
 from evidence.files import atomic_write
 
@@ -346,7 +346,7 @@ def _write_bundle(
     run_id, body = _read(meta, records, tmp_dir=out_dir, behaviour=behaviour, lines=lines)
     heads = list(_head(meta))
     if premade is not None and not (
-        isinstance(body, _FullDetail) and premade.usable(meta.labels, len(heads), caps, signer is not None)
+        isinstance(body, _FullDetail) and premade.usable(meta.labels, len(heads), caps)
     ):
         premade = None
     with tempfile.TemporaryFile(dir=out_dir) as deflated:
@@ -363,6 +363,8 @@ def _write_bundle(
             capped: dict[str, int] = {}
             if premade is not None:
                 _take_premade(sink, root, premade, run_id)
+                if sink.trace is not None:  # a signed bundle's trace: fed the records, read again
+                    feed_trace(sink.trace, cast(_FullDetail, body).marked(), None)
             elif isinstance(body, _FullDetail):
                 sink.write_full(body.marked(), capped)
             else:

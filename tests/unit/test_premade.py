@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from evidence.agent.recorder.pipeline import _line_around_time
@@ -179,7 +180,7 @@ def test_a_degradation_or_labels_said_during_the_run(tmp_path: Path, when: str) 
         w.write_many(items[:cut])  # type: ignore[arg-type]
         premade.restart({"team": "a"}, 2)  # what Session.degrade and update_labels call
         w.write_many(items[cut:])  # type: ignore[arg-type]
-    assert premade.made().usable(meta.labels, 2, None, False) == (cut == 0)
+    assert premade.made().usable(meta.labels, 2, None) == (cut == 0)
     fast, _ = _write(tmp_path, "fast.tar.gz", path, premade, meta=meta, reads=cut != 0)
     slow, _ = _write(tmp_path, "slow.tar.gz", path, None, meta=meta)
     assert fast == slow
@@ -201,3 +202,32 @@ def test_a_session_restarts_its_premade_when_it_degrades(tmp_path: Path) -> None
     assert (premade.head, premade.labels, premade.sink.seq) == (2, {"k": "v"}, 2)
     spool.close()
     premade.close()
+
+
+@pytest.mark.parametrize("files", [1000, 3])
+@pytest.mark.parametrize("n", [300, 5000])
+def test_a_signed_full_bundle_takes_the_premade_lines_and_its_trace_is_its_events(
+    tmp_path: Path, n: int, files: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signed, the premade lines are taken (the spool is read again only for the trace): the same
+    bytes as made from the spool, and the attestation's runtime trace is what the bundle's own
+    events make (every event fed in order, as a reader would: past the trace's budgets too, where
+    each open and repeat of a path not listed counts)."""
+    from evidence.bundle import attestation, runtime_trace
+    from evidence.bundle.signing import generate, load_signer
+    from tests.unit.test_runtime_trace import statement_of
+
+    monkeypatch.setattr(runtime_trace, "MAX_FILES_BY_NAME", files)
+
+    items = _items(n, 11)
+    premade = Premade(tmp_path, {}, 1)
+    spool = _spool(tmp_path, items, premade, 11)
+    signer = load_signer(generate(tmp_path / "key")[0])
+    fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade, signer=signer)
+    slow, _ = _write(tmp_path, "slow.tar.gz", spool, None, signer=signer)
+    assert fast == slow
+    trace = runtime_trace.Trace()
+    bundle = open_bundle(tmp_path / "fast.tar.gz")
+    trace.feed_events(bundle.events())
+    want = runtime_trace.predicate(manifest, attestation.predicate(manifest), trace)  # type: ignore[arg-type]
+    assert statement_of(tmp_path / "fast.tar.gz")["predicate"] == orjson.loads(orjson.dumps(want))
