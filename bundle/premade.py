@@ -27,13 +27,16 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, TYPE_CHECKING, cast
 
 import orjson
 import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.sink import Caps, EventSink, FullWriter, Hashed, compiled
+
+if TYPE_CHECKING:
+    from evidence.bundle import runtime_trace
 
 _fast = compiled()  # the C hot path: _marked, put_run_id
 
@@ -214,6 +217,8 @@ class Made:
     ok: bool  # nothing failed, no cap reached
     lines: _File
     hashes: _File
+    # a signed bundle's runtime trace, fed the records' events as they came (None: not signed)
+    trace: runtime_trace.Trace | None = None
 
     def usable(self, labels: Mapping[str, str], head: int, caps: Caps | None) -> bool:
         """Whether the lines are the bundle's: what they assumed holds."""
@@ -248,8 +253,11 @@ class Premade:
         labels: Mapping[str, str],
         head: int,
         caps: Caps | None = None,
+        *,
+        signed: bool = False,
     ) -> None:
         self.caps = caps or Caps()
+        self.signed = signed  # the bundle will be signed: its trace is fed as the lines are made
         self.lines = _File(tmp_dir)
         self.hashes = _File(tmp_dir, defers=True)
         self.capped: dict[str, int] = {}
@@ -267,6 +275,10 @@ class Premade:
         self.sink._runid = self.sink._runid.replace(standin, PLACEHOLDER)
         self.sink._source = self.sink._source.replace(standin, PLACEHOLDER)
         self.sink.seq = head
+        if self.signed:  # (FullWriter feeds it each batch's records: sink.feed_trace)
+            from evidence.bundle import runtime_trace
+
+            self.sink.trace = runtime_trace.Trace()
         self._full = FullWriter(self.sink, self.capped)
         self._made = False  # whether any record came
 
@@ -322,6 +334,7 @@ class Premade:
             ok,
             self.lines,
             self.hashes,
+            self.sink.trace,
         )
 
     def close(self) -> None:

@@ -239,7 +239,7 @@ class RecorderBackend:
             return ObservedSpool(inner, lambda recs: self._observe(made[0], recs))
 
         try:
-            session = run.start(cgroup, wrap_spool=observed)
+            session = run.start(cgroup, wrap_spool=observed, signed=self.signer is not None)
         except FileNotFoundError:
             raise UsageError(f"{cgroup} is gone") from None
         spool = cast(ObservedSpool, session.spool)

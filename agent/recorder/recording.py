@@ -98,13 +98,15 @@ class Recorder(Pipeline):
         network: Network = None,
         capabilities: Mapping[str, str] | None = None,
         degradations: Sequence[Degradation] = (),
+        signed: bool = False,
     ) -> Session:
         """Start recording `cgroup_path` (a new run slot). `wrap_spool` wraps the run's spool before
         the cgroup is tracked, so that the wrapper sees every record the run gets. `max_distinct`:
         the run's cap on distinct summary keys (default: the recorder's). `roots`: the run's private
         tmp and workspace ({placeholder: path}), which its run id names by their placeholders.
         `network`, `capabilities` (over the recorder's) and `degradations`: what the run's command
-        runs under, known before the run starts (agent/recorder/run.py: RunPlan)."""
+        runs under, known before the run starts (agent/recorder/run.py: RunPlan). `signed`: its
+        bundle will be signed (full detail's premade lines then feed the trace as they are made)."""
         from evidence.agent.recorder.cgroups import CgroupNames, cgroup_id
 
         with self._lock:
@@ -174,7 +176,9 @@ class Recorder(Pipeline):
                 )
             session.degrade(*degradations)
             if detail == "full":  # its events' lines made as its records come (a plain spool sees them all)
-                session.premade = Premade(self.spool_dir, session.labels, 1 + len(session.degradations))
+                session.premade = Premade(
+                    self.spool_dir, session.labels, 1 + len(session.degradations), signed=signed
+                )
                 raw.events = session.premade.add
             self.probes.track(session.cgroup_id, slot)
         logger.info("run %s: recording cgroup %s (slot %d)", sid, cgroup_path, slot)

@@ -130,9 +130,16 @@ class Run:
         return self._session
 
     # ---- start --------------------------------------------------------------------------------
-    def start(self, cgroup: Path, *, wrap_spool: Callable[[SpoolWriter], Spool] | None = None) -> Session:
+    def start(
+        self,
+        cgroup: Path,
+        *,
+        wrap_spool: Callable[[SpoolWriter], Spool] | None = None,
+        signed: bool = False,
+    ) -> Session:
         """Record `cgroup` from now on, as the plan says; the policy, if any, attached to it (its
-        connect guard holds the cgroup before the command is in it). Writes the run record."""
+        connect guard holds the cgroup before the command is in it). Writes the run record.
+        `signed`: its bundle will be signed (Recorder.start)."""
         plan = self.plan
         said = self._apply_limits(cgroup)  # before the command is in the cgroup
         capabilities = dict(plan.capabilities)
@@ -155,6 +162,7 @@ class Run:
                     network=plan.network,
                     capabilities=capabilities,
                     degradations=plan.degradations,
+                    signed=signed,
                 )
             except BaseException:
                 self.close_limits()

@@ -204,15 +204,17 @@ def test_a_session_restarts_its_premade_when_it_degrades(tmp_path: Path) -> None
     premade.close()
 
 
+@pytest.mark.parametrize("during", [True, False])
 @pytest.mark.parametrize("files", [1000, 3])
 @pytest.mark.parametrize("n", [300, 5000])
 def test_a_signed_full_bundle_takes_the_premade_lines_and_its_trace_is_its_events(
-    tmp_path: Path, n: int, files: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, n: int, files: int, during: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Signed, the premade lines are taken (the spool is read again only for the trace): the same
-    bytes as made from the spool, and the attestation's runtime trace is what the bundle's own
-    events make (every event fed in order, as a reader would: past the trace's budgets too, where
-    each open and repeat of a path not listed counts)."""
+    """Signed, the premade lines are taken, its trace fed as they were made (`during`: the recorder
+    knew it would sign) or from the spool read again: the same bytes as made from the spool, and
+    the attestation's runtime trace is what the bundle's own events make (every event fed in
+    order, as a reader would: past the trace's budgets too, where each open and repeat of a path
+    not listed counts)."""
     from evidence.bundle import attestation, runtime_trace
     from evidence.bundle.signing import generate, load_signer
     from tests.unit.test_runtime_trace import statement_of
@@ -220,7 +222,7 @@ def test_a_signed_full_bundle_takes_the_premade_lines_and_its_trace_is_its_event
     monkeypatch.setattr(runtime_trace, "MAX_FILES_BY_NAME", files)
 
     items = _items(n, 11)
-    premade = Premade(tmp_path, {}, 1)
+    premade = Premade(tmp_path, {}, 1, signed=during)
     spool = _spool(tmp_path, items, premade, 11)
     signer = load_signer(generate(tmp_path / "key")[0])
     fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade, signer=signer)
