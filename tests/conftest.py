@@ -3,7 +3,9 @@ cannot run is a failure, not a skip: CI runs as root on a kernel that has everyt
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,14 @@ def _require_kernel(request: pytest.FixtureRequest) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"kernel test cannot run under CI: {missing}")
         pytest.skip(missing)
+
+
+@pytest.fixture(autouse=True)
+def _evidence_logger_as_it_was() -> Iterator[None]:
+    """A test that calls the CLI's `main` in-process gives the `evidence` logger a handler on that
+    test's sys.stderr (a capture, closed when the test ends): put the logger back after each test,
+    so that a later test's records (a publisher thread's among them) do not go to a closed file."""
+    lg = logging.getLogger("evidence")
+    handlers, level, propagate = lg.handlers[:], lg.level, lg.propagate
+    yield
+    lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate

@@ -216,7 +216,8 @@ class FleetPublisher:
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
-            loop.call_soon_threadsafe(wake.set)
+            with contextlib.suppress(RuntimeError):  # its loop ended (closed): nothing to wake
+                loop.call_soon_threadsafe(wake.set)
 
     # --- the thread ---------------------------------------------------------------------------------
 

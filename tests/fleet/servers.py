@@ -4,6 +4,7 @@ random free ports, a temp store directory each, killed at teardown. No fakes of 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ class Server:
         self.dir = tmp / f"nats-{name}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.http_port: int | None = None
         self.config = self.dir / "server.conf"
         self.config.write_text(
             f'server_name: "{name}"\nlisten: "127.0.0.1:{self.port}"\n'
@@ -45,6 +47,8 @@ class Server:
         """A server from a configuration file as written (its client port given for the checks)."""
         self = cls.__new__(cls)
         self.name, self.dir, self.port, self.config = name, config.parent, port, config
+        http = re.search(r'^http: "[^"]*:(\d+)"', config.read_text(), re.M)
+        self.http_port = int(http.group(1)) if http else None
         self.log = self.dir / "server.log"
         self.proc = None
         self.start()

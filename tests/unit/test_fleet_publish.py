@@ -19,7 +19,7 @@ from evidence.agent.daemon.delivery import Backoff
 from evidence.agent.daemon.fleet import FleetPublisher
 from evidence.agent.daemon.settings import NatsSink
 from evidence.bundle.fleet import binding, client, names
-from tests.fleet.servers import Server
+from tests.fleet.servers import Server, free_port
 from tests.fleet.wait import until
 from tests.unit import conftest_bundles as cb
 
@@ -303,3 +303,17 @@ def test_events_handed_over_in_batches_arrive_once_each_past_the_queue_too(
     assert (
         sorted(ids, key=lambda i: int(i.split(":")[1])) == [f"h1:{i}" for i in range(400)] and len(ids) == 400
     )
+
+
+def test_a_bundle_handed_over_after_close_waits_in_the_outbox(tmp_path: Path) -> None:
+    """The publisher's loop has ended (closed: its loop closed): a bundle the recorder finishes
+    later goes into the outbox for the next start, and a second close is harmless; neither raises
+    into the caller (the recorder's finishing thread)."""
+    pub, reg = publisher(tmp_path, f"nats://127.0.0.1:{free_port()}")  # nothing listens there
+    pub.start()
+    pub.close()
+    assert pub._thread is not None and not pub._thread.is_alive()
+    pub.bundle_written(cb.write(tmp_path / "late.tar.gz", session_id="late"))
+    pub.close()
+    assert [job.key for job in pub.outbox.bundle_jobs()] == ["node-a.late"]
+    assert reg.value("evidence_fleet_errors_total", what="outbox") == 0
