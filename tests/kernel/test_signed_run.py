@@ -67,3 +67,55 @@ def test_a_key_owned_by_the_jobs_uid_runs_nothing(tmp_path: Path) -> None:
         "run", "--sign-key", str(key), "--bundle", str(tmp_path / "b.tar.gz"), "--", "/bin/true"
     )
     assert signed.returncode == 0, signed.stderr
+
+
+def test_a_signed_full_detail_run_traces_what_its_events_say(tmp_path: Path) -> None:
+    """Full detail, signed: the events' lines made as the run records and the runtime trace fed as
+    they are made (the recorder knows at the start that it signs): the bundle verifies with its key,
+    and the attestation's trace is what the bundle's own events make, fed in order as a reader
+    would, past the trace's budget of files by name (a job as nobody: distinct names, repeats of
+    one, a file written)."""
+    import base64
+
+    import orjson
+
+    from evidence.bundle import attestation, runtime_trace
+    from evidence.bundle.reader import open_bundle
+
+    key = tmp_path / "evidence-key"
+    assert evidence("keygen", "--out", str(key)).returncode == 0
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="evidence-signed-"))  # (nobody cannot reach into tmp_path)
+    work.chmod(0o777)
+    job = (
+        "import os\n"
+        "for i in range(3000):\n"
+        "    try: open(f'/nonexistent/{i}')\n"
+        "    except OSError: pass\n"
+        "for i in range(200): open('/etc/hostname').close()\n"
+        f"for i in range(1500): open('{work}/f%d' % (i % 1200), 'w').close()\n"
+    )
+    bundle = tmp_path / "run.tar.gz"
+    proc = evidence(
+        "run", "--detail", "full", "--sign-key", str(key), "--bundle", str(bundle), "--",
+        "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+        "/usr/bin/python3", "-c", job,
+    )  # fmt: skip
+    shutil.rmtree(work)
+    assert proc.returncode == 0, proc.stderr
+    verified = evidence("verify", str(bundle), "--key", f"{key}.pub")
+    assert verified.returncode == 0, verified.stderr
+    read = open_bundle(bundle)
+    manifest = read.manifest
+    assert manifest["counts"]["dev.evidence.file.open"] >= 4700
+    trace = runtime_trace.Trace()
+    trace.feed_events(read.events())
+    want = runtime_trace.predicate(manifest, attestation.predicate(manifest), trace)
+    with tarfile.open(bundle, "r:gz") as tar:
+        member = tar.extractfile("attestation.intoto.json")
+        assert member is not None
+        statement = orjson.loads(base64.b64decode(orjson.loads(member.read())["payload"]))
+    assert statement["predicate"] == orjson.loads(orjson.dumps(want))
+    assert statement["predicate"]["metadata"]["evidenceOmitted"]["files"] > 0  # past the budget
