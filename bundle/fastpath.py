@@ -184,6 +184,7 @@ def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Itera
         passed.hashes,
         passed.counts,
         _ERRORS,
+        (fmt.DATACONTENTTYPE, ctx.id_prefix, ctx.labels, ctx.run_id, ctx.source, fmt.SPECVERSION),
     )
     return it
 
