@@ -8,7 +8,8 @@
  *
  * lines(lines, seq, before_id, before_seq, before_subject, middle, types, specs, loads, dumps,
  *       option, is_time, hashes, counts, errors[, envelope]) -> an iterator
- *   lines: a list of bytes, the first of which is event `seq`; before_id, before_seq,
+ *   lines: a list of bytes, or a piece (bytes of lines each ending with a newline, read in place:
+ *   what follows the last newline is no line), the first of which is event `seq`; before_id, before_seq,
  *   before_subject: the constant bytes of a line (fastpath._envelope_parts), middle: those of a
  *   content hash's core (fastpath._CORE_MIDDLE); types: fastpath._TYPES (type -> (line tail, core
  *   tail, data check)); specs: fastpath._SPECS (type -> its data check's spec: that check made
@@ -30,6 +31,8 @@
  *   With an envelope, `shortcut` first tries the line without loads of all of it (its data alone);
  *   it passes exactly the lines the steps above pass, with the same event, and leaves the rest to
  *   them (tests/unit/test_verify_shortcut.py).
+ *
+ * shape(piece) -> (lines, the longest line's length), of a piece as `lines` reads it.
  *
  * valid(spec, data) -> bool
  *   Whether `data` passes the check `spec` describes: schemas.compile_checker's check of the same
@@ -471,10 +474,8 @@ static PyObject *event(Lines *self, PyObject *data, PyObject *id, PyObject *seq,
 
 /* 1: the line passed, *out its event (its hash and count taken); 0: no verdict (nothing taken, no
  * error set: check_line decides); -1: an error. */
-static int shortcut(Lines *self, PyObject *line, PyObject **out) {
+static int shortcut(Lines *self, const char *b, Py_ssize_t n, PyObject **out) {
     *out = NULL;
-    const char *b = PyBytes_AS_STRING(line);
-    Py_ssize_t n = PyBytes_GET_SIZE(line);
     if (!self->envelope || n < 8 || memcmp(b, DATA_OPEN, 8) != 0) return 0;
     /* the type: the line ends with its tail, b'","type":' + dumps(etype) + b'}' (the last line's
      * type first: runs are mostly one type) */
@@ -606,29 +607,49 @@ out:
 
 static PyObject *lines_next(Lines *self) {
     if (self->over) return NULL;
-    if (self->next >= PyList_GET_SIZE(self->lines)) {
-        self->over = 1;
-        return NULL;
+    PyObject *line = NULL; /* the line as bytes: the list's item, or made from the piece when needed */
+    const char *b;
+    Py_ssize_t n, step;
+    if (PyBytes_CheckExact(self->lines)) { /* a piece: the lines each end with a newline */
+        Py_ssize_t size = PyBytes_GET_SIZE(self->lines);
+        const char *at = PyBytes_AS_STRING(self->lines) + self->next;
+        const char *nl = self->next < size ? memchr(at, '\n', (size_t)(size - self->next)) : NULL;
+        if (!nl) { /* (what follows the last newline is no line, as for piece.split(b"\n")[:-1]) */
+            self->over = 1;
+            return NULL;
+        }
+        b = at;
+        n = nl - at;
+        step = n + 1;
+    } else {
+        if (self->next >= PyList_GET_SIZE(self->lines)) {
+            self->over = 1;
+            return NULL;
+        }
+        line = PyList_GET_ITEM(self->lines, self->next);
+        if (!PyBytes_CheckExact(line)) {
+            PyErr_SetString(PyExc_TypeError, "lines: bytes each");
+            return NULL;
+        }
+        Py_INCREF(line);
+        b = PyBytes_AS_STRING(line);
+        n = PyBytes_GET_SIZE(line);
+        step = 1;
     }
-    PyObject *line = PyList_GET_ITEM(self->lines, self->next);
-    if (!PyBytes_CheckExact(line)) {
-        PyErr_SetString(PyExc_TypeError, "lines: bytes each");
-        return NULL;
-    }
-    Py_INCREF(line);
     PyObject *ev = NULL;
-    int r = shortcut(self, line, &ev);
+    int r = shortcut(self, b, n, &ev);
+    if (r == 0 && !line && !(line = PyBytes_FromStringAndSize(b, n))) r = -1;
     if (r == 0) {
         ev = PyObject_CallOneArg(self->loads, line);
         r = ev ? check_line(self, line, ev) : quiet(self);
     }
-    Py_DECREF(line);
+    Py_XDECREF(line);
     if (r <= 0) {
         Py_XDECREF(ev);
         self->over = 1;
         return NULL; /* r == 0: the end, quietly; r < 0: the error set */
     }
-    self->next++;
+    self->next += step;
     if (self->seq == PY_SSIZE_T_MAX) /* the next line's seq is past what this counts: the caller's */
         self->over = 1;              /* (fastpath takes such lines in Python) */
     else
@@ -650,10 +671,14 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *specs, *loads, *dumps, *option,
         *is_time, *hashes, *counts, *errors, *envelope = Py_None;
     Py_ssize_t seq;
-    if (!PyArg_ParseTuple(args, "O!nSSSSO!O!OOOOO!O!O|O", &PyList_Type, &list, &seq, &before_id, &before_seq,
+    if (!PyArg_ParseTuple(args, "OnSSSSO!O!OOOOO!O!O|O", &list, &seq, &before_id, &before_seq,
                           &before_subject, &middle, &PyDict_Type, &types, &PyDict_Type, &specs, &loads, &dumps,
                           &option, &is_time, &PyList_Type, &hashes, &PyDict_Type, &counts, &errors, &envelope))
         return NULL;
+    if (!PyList_Check(list) && !PyBytes_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "lines: a list of bytes, or a piece (bytes) of lines each ending with a newline");
+        return NULL;
+    }
     if (envelope != Py_None) {
         int ok = PyTuple_CheckExact(envelope) && PyTuple_GET_SIZE(envelope) == 6;
         for (Py_ssize_t k = 0; ok && k < 6; k++) {
@@ -702,8 +727,25 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     return (PyObject *)self;
 }
 
+/* A piece's (lines, the longest line's length): its lines each end with a newline, what follows
+ * the last is no line; (len(lines), max(map(len, lines), default=0)) of piece.split(b"\n")[:-1]. */
+static PyObject *shape(PyObject *module, PyObject *arg) {
+    if (!PyBytes_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "shape: bytes");
+        return NULL;
+    }
+    const char *p = PyBytes_AS_STRING(arg), *end = p + PyBytes_GET_SIZE(arg);
+    Py_ssize_t lines = 0, most = 0;
+    for (const char *nl; p < end && (nl = memchr(p, '\n', (size_t)(end - p))); p = nl + 1) {
+        lines++;
+        if (nl - p > most) most = nl - p;
+    }
+    return Py_BuildValue("(nn)", lines, most);
+}
+
 static PyMethodDef methods[] = {
     {"lines", lines, METH_VARARGS, "An iterator over the events of lines that pass the fast path."},
+    {"shape", shape, METH_O, "A piece's (lines, the longest line's length)."},
     {"valid", valid, METH_VARARGS, "Whether data passes a data check's spec (what the fast path checks)."},
     {NULL, NULL, 0, NULL},
 };

@@ -42,8 +42,9 @@ def _run_of(labels: bool) -> tuple[fastpath.Context, tuple[bytes, ...]]:
     return ctx, tuple(lines)
 
 
-def _run(c: bool, lines: list[bytes], seq: int, ctx: fastpath.Context, loads: Any = None) -> Any:
-    """(events as lists of (key, value, type) in order, n, hashes, counts), or the error raised."""
+def _run(c: bool, lines: list[bytes] | bytes, seq: int, ctx: fastpath.Context, loads: Any = None) -> Any:
+    """(events as lists of (key, value, type) in order, n, hashes, counts), or the error raised.
+    `lines` a list, or a piece (bytes: the C reads its lines in place)."""
     passed = fastpath.Passed()
     if c:
         it = _C.lines(
@@ -52,7 +53,9 @@ def _run(c: bool, lines: list[bytes], seq: int, ctx: fastpath.Context, loads: An
             fastpath._ERRORS, _envelope(ctx),
         )  # fmt: skip
     else:
-        it = fastpath.fast_python(lines, seq, ctx, passed)
+        it = fastpath.fast_python(
+            fastpath.split(lines) if isinstance(lines, bytes) else lines, seq, ctx, passed
+        )
     try:
         got = [[(k, v, type(v)) for k, v in ev.items()] for ev in it]
     except Exception as e:
@@ -65,8 +68,13 @@ def _envelope(ctx: fastpath.Context) -> tuple[Any, ...]:
 
 
 def _same(lines: list[bytes], seq: int, ctx: fastpath.Context) -> Any:
+    """The C over the list and over the same lines as a piece, and the Python loop: the same."""
     c = _run(True, lines, seq, ctx)
     assert c == _run(False, lines, seq, ctx)
+    if not any(b"\n" in line for line in lines):
+        piece = b"".join(line + b"\n" for line in lines)
+        assert _run(True, piece, seq, ctx) == c
+        assert _run(True, piece + b"no newline after it", seq, ctx) == c  # (no line, as split says)
     return c
 
 
@@ -103,7 +111,7 @@ def test_a_runs_lines_pass_without_loads_of_the_whole_line(labels: bool) -> None
         return orjson.loads(b)
 
     got = _run(True, body, 1, ctx, loads=loads)
-    assert got == _run(False, body, 1, ctx)
+    assert got == _run(False, body, 1, ctx) == _run(True, b"".join(line + b"\n" for line in body), 1, ctx)
     assert got[1] == len(body)
     assert len(seen) == len(body) and not any(b.startswith(b'{"data":') for b in seen)
     for ev, line in zip(got[0], body, strict=True):  # what loads makes of the whole line
@@ -224,3 +232,26 @@ def test_an_envelope_that_is_not_one_is_refused() -> None:
         with pytest.raises(TypeError):
             _C.lines(*args, bad)
     assert len(list(_C.lines(*args, None))) == 1  # None: no shortcut, the whole line
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(
+    piece=st.binary(max_size=64) | st.lists(st.sampled_from([b"\n", b"a", b"\n\n", b"xyz" * 9])).map(b"".join)
+)
+def test_a_pieces_shape_is_its_split_lines(piece: bytes) -> None:
+    lines = fastpath.split(piece)
+    assert _C.shape(piece) == (len(lines), max(map(len, lines), default=0))
+    with pytest.raises(TypeError):
+        _C.shape(bytearray(piece))
+
+
+@needs_c
+def test_a_piece_that_is_not_bytes_is_refused() -> None:
+    ctx, lines = _run_of(False)
+    for odd in (bytearray(b"".join(line + b"\n" for line in lines[1:3])), "x\n", 1, (lines[1],)):
+        with pytest.raises(TypeError):
+            _C.lines(
+                odd, 1, *fastpath._envelope_parts(ctx), fastpath._CORE_MIDDLE, fastpath._TYPES, fastpath._SPECS,
+                orjson.loads, orjson.dumps, SORT, fastpath.TIME, [], {}, fastpath._ERRORS, _envelope(ctx),
+            )  # fmt: skip
