@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import mmap
@@ -153,25 +154,42 @@ def _spec(model: Any) -> _Spec | None:
 _SPECS = {etype: spec for etype, model in fmt.DATA_MODELS.items() if (spec := _spec(model)) is not None}
 
 
-def fast(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
-    """The fast path over `lines`, the first of which is event `seq`: makes every check the careful
+def fast(lines: list[bytes] | bytes, seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
+    """The fast path over `lines` (a list, or a piece: bytes of lines each ending with a newline,
+    which the C reads in place), the first of which is event `seq`: makes every check the careful
     path makes, yields each event that passes (adding it to `passed`) and stops at the first that
     does not, without saying why; and at the first event whose place in the run needs checking (the
     first event, run.started, run.finished). The caller goes on from there with the careful path.
     In C when built (src/fast/_verify.c: the same steps, in the same order, with the same
     functions); `fast_python`, the reference, otherwise."""
     if _verify is None:
-        return fast_python(lines, seq, ctx, passed)
+        return fast_python(split(lines) if isinstance(lines, bytes) else lines, seq, ctx, passed)
     return _fast_c(lines, seq, ctx, passed)
 
 
-def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
+def split(piece: bytes) -> list[bytes]:
+    """A piece's lines (each ends with a newline; what follows the last is no line)."""
+    lines = piece.split(b"\n")
+    lines.pop()
+    return lines
+
+
+def shape(piece: bytes) -> tuple[int, int]:
+    """A piece's (lines, the longest line's length), without a list of its lines when built."""
+    if _verify is None:
+        lines = split(piece)
+        return len(lines), max(map(len, lines), default=0)
+    n, most = _verify.shape(piece)
+    return int(n), int(most)
+
+
+def _fast_c(lines: list[bytes] | bytes, seq: int, ctx: Context, passed: Passed) -> Iterator[EventJSON]:
     if seq == 0:
         return iter(())
     if seq + len(lines) > sys.maxsize:  # seqs past what the C counts in (no bundle has as many)
-        return fast_python(lines, seq, ctx, passed)
+        return fast_python(split(lines) if isinstance(lines, bytes) else lines, seq, ctx, passed)
     it: Iterator[EventJSON] = _verify.lines(
-        lines if type(lines) is list else list(lines),
+        lines if type(lines) in (list, bytes) else list(lines),
         seq,
         *_envelope_parts(ctx),
         _CORE_MIDDLE,
@@ -184,6 +202,7 @@ def _fast_c(lines: list[bytes], seq: int, ctx: Context, passed: Passed) -> Itera
         passed.hashes,
         passed.counts,
         _ERRORS,
+        (fmt.DATACONTENTTYPE, ctx.id_prefix, ctx.labels, ctx.run_id, ctx.source, fmt.SPECVERSION),
     )
     return it
 
@@ -424,10 +443,15 @@ class Piece:
 
     @property
     def lines(self) -> list[bytes]:
+        """Its lines as a list (made when first asked: the C reads them in the piece itself)."""
         if self._lines is None:
-            self._lines = self.data.split(b"\n")
-            self._lines.pop()
+            self._lines = split(self.data)
         return self._lines
+
+    @functools.cached_property
+    def shape(self) -> tuple[int, int]:
+        """(its lines, the longest line's length) (bytes.count alone costs more than split)."""
+        return shape(self.data)
 
     def drop_lines(self) -> None:
         self._lines = None

@@ -7,15 +7,18 @@
  * evidence.bundle._verify; EVIDENCE_PURE_PYTHON=1 leaves it unused.
  *
  * lines(lines, seq, before_id, before_seq, before_subject, middle, types, specs, loads, dumps,
- *       option, is_time, hashes, counts, errors) -> an iterator
- *   lines: a list of bytes, the first of which is event `seq`; before_id, before_seq,
+ *       option, is_time, hashes, counts, errors[, envelope]) -> an iterator
+ *   lines: a list of bytes, or a piece (bytes of lines each ending with a newline, read in place:
+ *   what follows the last newline is no line), the first of which is event `seq`; before_id, before_seq,
  *   before_subject: the constant bytes of a line (fastpath._envelope_parts), middle: those of a
  *   content hash's core (fastpath._CORE_MIDDLE); types: fastpath._TYPES (type -> (line tail, core
  *   tail, data check)); specs: fastpath._SPECS (type -> its data check's spec: that check made
  *   here, `valid` below; a type without one is checked by its Python check); loads, dumps, option:
  *   orjson's; is_time: the time pattern's match; hashes,
  *   counts: a Passed's (each event's content hash in hex appended, its type counted); errors: the
- *   exceptions that end the fast path without a word (any other is raised).
+ *   exceptions that end the fast path without a word (any other is raised); envelope (optional:
+ *   None or left out, no shortcut): the values the constant parts were made of, (datacontenttype,
+ *   id prefix, labels or None, runid, source, specversion), for the shortcut below.
  *   Each next() checks the next line and returns its event if it passes, else ends (StopIteration)
  *   there for good. Per line, as `fast`:
  *     ev = loads(line); line_tail, core_tail, check = types[ev["type"]]
@@ -25,6 +28,11 @@
  *     line == b'{"data":' + dumps(data, option) + before_id + seq + before_seq + seq
  *             + before_subject + dumps(subject) + b',"time":"' + time + line_tail
  *   and its content hash is sha256(b'{"data":' + dumps(data) + middle + dumps(subject) + core_tail).
+ *   With an envelope, `shortcut` first tries the line without loads of all of it (its data alone);
+ *   it passes exactly the lines the steps above pass, with the same event, and leaves the rest to
+ *   them (tests/unit/test_verify_shortcut.py).
+ *
+ * shape(piece) -> (lines, the longest line's length), of a piece as `lines` reads it.
  *
  * valid(spec, data) -> bool
  *   Whether `data` passes the check `spec` describes: schemas.compile_checker's check of the same
@@ -51,6 +59,10 @@ typedef struct {
     int over;        /* a line did not pass, or the lines ended */
     PyObject *before_id, *before_seq, *before_subject, *middle; /* bytes */
     PyObject *types, *specs, *loads, *dumps, *option, *is_time, *hashes, *counts, *errors;
+    /* the envelope's values, for the shortcut (NULL: no shortcut): (datacontenttype, id prefix,
+     * labels or None, runid, source, specversion), checked against the constant parts */
+    PyObject *envelope;
+    PyObject *last_type, *last_known; /* the type of the last line the shortcut took, and its types entry */
     EVP_MD_CTX *ctx;
     Buf core;
 } Lines;
@@ -71,6 +83,9 @@ static void lines_dealloc(Lines *self) {
     Py_CLEAR(self->hashes);
     Py_CLEAR(self->counts);
     Py_CLEAR(self->errors);
+    Py_CLEAR(self->envelope);
+    Py_CLEAR(self->last_type);
+    Py_CLEAR(self->last_known);
     if (self->ctx) EVP_MD_CTX_free(self->ctx);
     free(self->core.p);
     PyObject_GC_Del(self);
@@ -87,6 +102,9 @@ static int lines_traverse(Lines *self, visitproc visit, void *arg) {
     Py_VISIT(self->hashes);
     Py_VISIT(self->counts);
     Py_VISIT(self->errors);
+    Py_VISIT(self->envelope);
+    Py_VISIT(self->last_type);
+    Py_VISIT(self->last_known);
     return 0;
 }
 
@@ -226,6 +244,41 @@ static PyObject *valid(PyObject *module, PyObject *args) {
     return PyBool_FromLong(r);
 }
 
+/* A line that passed: its content hash, sha256(b'{"data":' + d + middle + s + core_tail), appended
+ * in hex to hashes, and its type counted. 0, or -1 with an error set. */
+static int take(Lines *self, PyObject *etype, const char *d, Py_ssize_t dn, const char *s, Py_ssize_t sn,
+                PyObject *core_tail) {
+    Buf *c = &self->core;
+    c->n = 0;
+    unsigned char md[32];
+    unsigned int mdn = 0;
+    if (put(c, "{\"data\":", 8) || put(c, d, (size_t)dn) || put(c, BYTES(self->middle)) || put(c, s, (size_t)sn) ||
+        put(c, BYTES(core_tail)))
+        return -1;
+    if (!EVP_DigestInit_ex(self->ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(self->ctx, c->p, c->n) ||
+        !EVP_DigestFinal_ex(self->ctx, md, &mdn)) {
+        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+        return -1;
+    }
+    char hex[64];
+    for (int k = 0; k < 32; k++) {
+        hex[2 * k] = HEX[md[k] >> 4];
+        hex[2 * k + 1] = HEX[md[k] & 15];
+    }
+    PyObject *h = PyUnicode_FromStringAndSize(hex, 64);
+    if (!h) return -1;
+    int appended = PyList_Append(self->hashes, h);
+    Py_DECREF(h);
+    if (appended) return -1;
+    PyObject *was = PyDict_GetItemWithError(self->counts, etype); /* counts.get(etype, 0) + 1 */
+    if (!was && PyErr_Occurred()) return -1;
+    PyObject *now = was ? PyNumber_Add(was, ONE) : Py_NewRef(ONE);
+    if (!now) return -1;
+    int stored = PyDict_SetItem(self->counts, etype, now);
+    Py_DECREF(now);
+    return stored ? -1 : 0;
+}
+
 /* 1: the line passed (its hash and count taken); 0: it did not (nothing taken); -1: an error. */
 static int check_line(Lines *self, PyObject *line, PyObject *ev) {
     /* ev["type"], then types[...]: not a dict (TypeError), no such key or type (KeyError), an
@@ -335,36 +388,10 @@ static int check_line(Lines *self, PyObject *line, PyObject *ev) {
         !same(b, &at, ",\"time\":\"", 9) || !same(b, &at, t, tn) || !same(b, &at, BYTES(line_tail)))
         goto out;
     /* passed: its content hash, and its type counted */
-    r = -1;
-    Buf *c = &self->core;
-    c->n = 0;
-    unsigned char md[32];
-    unsigned int mdn = 0;
-    if (put(c, "{\"data\":", 8) || put(c, BYTES(d)) || put(c, BYTES(self->middle)) || put(c, BYTES(s)) ||
-        put(c, BYTES(core_tail)))
-        goto out;
-    if (!EVP_DigestInit_ex(self->ctx, SHA256_MD, NULL) || !EVP_DigestUpdate(self->ctx, c->p, c->n) ||
-        !EVP_DigestFinal_ex(self->ctx, md, &mdn)) {
-        PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
+    if (take(self, etype, BYTES(d), BYTES(s), core_tail)) {
+        r = -1;
         goto out;
     }
-    char hex[64];
-    for (int k = 0; k < 32; k++) {
-        hex[2 * k] = HEX[md[k] >> 4];
-        hex[2 * k + 1] = HEX[md[k] & 15];
-    }
-    PyObject *h = PyUnicode_FromStringAndSize(hex, 64);
-    if (!h) goto out;
-    int appended = PyList_Append(self->hashes, h);
-    Py_DECREF(h);
-    if (appended) goto out;
-    PyObject *was = PyDict_GetItemWithError(self->counts, etype); /* counts.get(etype, 0) + 1 */
-    if (!was && PyErr_Occurred()) goto out;
-    PyObject *now = was ? PyNumber_Add(was, ONE) : Py_NewRef(ONE);
-    if (!now) goto out;
-    int stored = PyDict_SetItem(self->counts, etype, now);
-    Py_DECREF(now);
-    if (stored) goto out;
     r = 1;
 out:
     Py_XDECREF(d);
@@ -377,27 +404,252 @@ out:
     return r;
 }
 
+/* --- the shortcut: the line taken apart where its constant parts are -----------------------------
+ * The line `fast` passes is b'{"data":' + D + before_id + seq + before_seq + seq + before_subject + S
+ * + b',"time":"' + T + line_tail (D = dumps(data, option), S = dumps(subject), T = time.encode()).
+ * So rather than loads of the whole line (every envelope attribute made a Python object: about
+ * half of the line's parsing) the shortcut finds the type, T, S and D in the line's bytes, from
+ * the end: the type by its line_tail; T back to the quote that opens it (T has none); S back to
+ * its opening quote (it must be text JSON writes as is: UTF-8 with no '"', '\' or control byte,
+ * which dumps writes unchanged, so it has no quote inside); before it the constant parts and the
+ * seq's digits, compared; D the rest, after b'{"data":'. It loads D alone, decodes S and T, makes
+ * check_line's checks with the same functions in the same order, compares dumps(data, option)
+ * with D, and builds the event loads would make of the line (the same keys in the same order,
+ * equal values; the envelope's constant values shared). A line it passes is then exactly what
+ * check_line compares the line with, and loads(line) is that event: it passes a line only when
+ * check_line passes it, with the same event, hash and count. Anything else (a part not where it
+ * should be, an escape in S or T, D not dumps' own, a check that fails or raises one of `errors`)
+ * is no verdict: check_line then decides, as before, from loads of the whole line. */
+
+static const char DATA_OPEN[] = "{\"data\":";
+static PyObject *s_datacontenttype, *s_id, *s_labels, *s_runid, *s_seq, *s_source, *s_specversion;
+
+/* Whether b[0..n) is text JSON writes as is between quotes: no '"', '\' or control byte. */
+static inline int plain_text(const char *b, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        unsigned char c = (unsigned char)b[k];
+        if (c < 0x20 || c == '"' || c == '\\') return 0;
+    }
+    return 1;
+}
+
+/* The str of UTF-8 bytes; NULL with no error set if they are not valid UTF-8 (which loads refuses
+ * too), NULL with the error set for any other failure. */
+static PyObject *utf8(const char *b, Py_ssize_t n) {
+    PyObject *u = PyUnicode_DecodeUTF8(b, n, NULL);
+    if (!u && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
+    return u;
+}
+
+/* id_prefix + the seq's digits */
+static PyObject *event_id(PyObject *prefix, const char *digits, Py_ssize_t dn) {
+    if (!PyUnicode_IS_ASCII(prefix)) return PyUnicode_FromFormat("%U%.*s", prefix, (int)dn, digits);
+    Py_ssize_t pn = PyUnicode_GET_LENGTH(prefix);
+    PyObject *u = PyUnicode_New(pn + dn, 127);
+    if (!u) return NULL;
+    memcpy(PyUnicode_DATA(u), PyUnicode_DATA(prefix), (size_t)pn);
+    memcpy((char *)PyUnicode_DATA(u) + pn, digits, (size_t)dn);
+    return u;
+}
+
+/* The event loads makes of a line that is exactly its canonical dump: its keys in the line's
+ * order (sorted), the envelope's values those of `envelope`. */
+static PyObject *event(Lines *self, PyObject *data, PyObject *id, PyObject *seq, PyObject *subject, PyObject *time,
+                       PyObject *etype) {
+    PyObject *e = self->envelope; /* (datacontenttype, id prefix, labels or None, runid, source, specversion) */
+    PyObject *labels = PyTuple_GET_ITEM(e, 2);
+    PyObject *ev = _PyDict_NewPresized(11); /* as loads makes it: no growing on the way */
+    if (!ev) return NULL;
+    if (PyDict_SetItem(ev, s_data, data) || PyDict_SetItem(ev, s_datacontenttype, PyTuple_GET_ITEM(e, 0)) ||
+        PyDict_SetItem(ev, s_id, id) || (labels != Py_None && PyDict_SetItem(ev, s_labels, labels)) ||
+        PyDict_SetItem(ev, s_runid, PyTuple_GET_ITEM(e, 3)) || PyDict_SetItem(ev, s_seq, seq) ||
+        PyDict_SetItem(ev, s_source, PyTuple_GET_ITEM(e, 4)) ||
+        PyDict_SetItem(ev, s_specversion, PyTuple_GET_ITEM(e, 5)) || PyDict_SetItem(ev, s_subject, subject) ||
+        PyDict_SetItem(ev, s_time, time) || PyDict_SetItem(ev, s_type, etype)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* 1: the line passed, *out its event (its hash and count taken); 0: no verdict (nothing taken, no
+ * error set: check_line decides); -1: an error. */
+static int shortcut(Lines *self, const char *b, Py_ssize_t n, PyObject **out) {
+    *out = NULL;
+    if (!self->envelope || n < 8 || memcmp(b, DATA_OPEN, 8) != 0) return 0;
+    /* the type: the line ends with its tail, b'","type":' + dumps(etype) + b'}' (the last line's
+     * type first: runs are mostly one type) */
+    PyObject *etype = NULL, *known = NULL, *key, *value;
+    Py_ssize_t tn = 0;
+    if (self->last_type) {
+        value = PyDict_GetItemWithError(self->types, self->last_type);
+        if (!value && PyErr_Occurred()) return -1;
+        if (value && value == self->last_known) {
+            tn = PyBytes_GET_SIZE(PyTuple_GET_ITEM(value, 0));
+            if (tn < n - 8 && memcmp(b + n - tn, PyBytes_AS_STRING(PyTuple_GET_ITEM(value, 0)), (size_t)tn) == 0) {
+                etype = self->last_type;
+                known = value;
+            }
+        }
+    }
+    for (Py_ssize_t pos = 0; !etype && PyDict_Next(self->types, &pos, &key, &value);) {
+        if (!PyUnicode_CheckExact(key) || !PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 3 ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(value, 0)) || !PyBytes_CheckExact(PyTuple_GET_ITEM(value, 1)))
+            continue;
+        PyObject *tail = PyTuple_GET_ITEM(value, 0);
+        tn = PyBytes_GET_SIZE(tail);
+        if (tn < n - 8 && memcmp(b + n - tn, PyBytes_AS_STRING(tail), (size_t)tn) == 0) {
+            etype = key;
+            known = value;
+            Py_XSETREF(self->last_type, Py_NewRef(key));
+            Py_XSETREF(self->last_known, Py_NewRef(value));
+        }
+    }
+    if (!etype || tn < 12 || memcmp(b + n - tn, "\",\"type\":\"", 10) != 0 || memcmp(b + n - 2, "\"}", 2) != 0)
+        return 0;
+    Py_ssize_t en; /* the type in the tail is the key's own UTF-8 */
+    const char *et = PyUnicode_AsUTF8AndSize(etype, &en);
+    if (!et) return -1;
+    if (en != tn - 12 || memcmp(et, b + n - tn + 10, (size_t)en) != 0 || !plain_text(et, en)) return 0;
+    /* T: back from the tail to the quote that opens it (T has none), after ,"time": */
+    Py_ssize_t t_end = n - tn;
+    const char *q = memrchr(b + 8, '"', (size_t)(t_end - 8));
+    if (!q || q - b < 16 + 2 || memcmp(q - 8, ",\"time\":", 8) != 0) return 0;
+    Py_ssize_t t_start = q - b + 1, s_end = q - b - 8;
+    /* S: back to the quote that opens it (S has none inside), after the constant parts and the
+     * seq's digits, which end D */
+    if (b[s_end - 1] != '"') return 0;
+    q = memrchr(b + 8, '"', (size_t)(s_end - 1 - 8));
+    if (!q) return 0;
+    Py_ssize_t s_start = q - b;
+    char digits[32];
+    Py_ssize_t dn = decimal(digits, (long long)self->seq);
+    Py_ssize_t d_end = s_start - PyBytes_GET_SIZE(self->before_id) - 2 * dn - PyBytes_GET_SIZE(self->before_seq) -
+                       PyBytes_GET_SIZE(self->before_subject);
+    Py_ssize_t at = d_end;
+    if (d_end <= 8 || !same(b, &at, BYTES(self->before_id)) || !same(b, &at, digits, dn) ||
+        !same(b, &at, BYTES(self->before_seq)) || !same(b, &at, digits, dn) ||
+        !same(b, &at, BYTES(self->before_subject)) || at != s_start)
+        return 0;
+    if (!plain_text(b + s_start + 1, s_end - s_start - 2) || !plain_text(b + t_start, t_end - t_start)) return 0;
+    Py_INCREF(etype);
+    Py_INCREF(known);
+    PyObject *subject = NULL, *time = NULL, *dbytes = NULL, *data = NULL, *d = NULL, *id = NULL, *seq = NULL;
+    int r = 0;
+    subject = utf8(b + s_start + 1, s_end - s_start - 2);
+    if (!subject) goto fail;
+    time = utf8(b + t_start, t_end - t_start);
+    if (!time) goto fail;
+    dbytes = PyBytes_FromStringAndSize(b + 8, d_end - 8);
+    if (!dbytes) goto fail;
+    data = PyObject_CallOneArg(self->loads, dbytes);
+    if (!data) goto quietly;
+    /* check_line's checks, in its order, with its functions */
+    int valid;
+    PyObject *spec = PyDict_GetItemWithError(self->specs, etype);
+    if (spec) {
+        valid = valid_data(spec, data);
+        if (valid < 0) goto fail;
+    } else if (PyErr_Occurred()) {
+        goto fail;
+    } else {
+        PyObject *why = PyObject_CallOneArg(PyTuple_GET_ITEM(known, 2), data);
+        if (!why) goto quietly;
+        valid = why == Py_None;
+        Py_DECREF(why);
+    }
+    if (!valid || !PyDict_CheckExact(data)) goto out;
+    PyObject *last = PyDict_GetItemWithError(data, s_last_time);
+    if (!last && PyErr_Occurred()) goto quietly;
+    int eq = last ? PyObject_RichCompareBool(time, last, Py_EQ) : 0;
+    if (eq < 0) goto quietly;
+    if (!eq) {
+        PyObject *m = PyObject_CallOneArg(self->is_time, time);
+        if (!m) goto quietly;
+        int matched = m != Py_None;
+        Py_DECREF(m);
+        if (!matched) goto out;
+    }
+    PyObject *call[2] = {data, self->option};
+    d = PyObject_Vectorcall(self->dumps, call, 1, kw_option);
+    if (!d) goto quietly;
+    if (!PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) != d_end - 8 || memcmp(PyBytes_AS_STRING(d), b + 8, (size_t)(d_end - 8)) != 0)
+        goto out;
+    id = event_id(PyTuple_GET_ITEM(self->envelope, 1), digits, dn);
+    if (!id) goto fail;
+    seq = PyLong_FromSsize_t(self->seq);
+    if (!seq) goto fail;
+    *out = event(self, data, id, seq, subject, time, etype);
+    if (!*out) goto fail;
+    if (take(self, etype, b + 8, d_end - 8, b + s_start, s_end - s_start, PyTuple_GET_ITEM(known, 1))) {
+        Py_CLEAR(*out);
+        goto fail;
+    }
+    r = 1;
+    goto out;
+quietly: /* one of `errors`: check_line decides (it meets the same, or not) */
+    r = quiet(self);
+    goto out;
+fail:
+    r = PyErr_Occurred() ? -1 : 0;
+out:
+    Py_XDECREF(subject);
+    Py_XDECREF(time);
+    Py_XDECREF(dbytes);
+    Py_XDECREF(data);
+    Py_XDECREF(d);
+    Py_XDECREF(id);
+    Py_XDECREF(seq);
+    Py_DECREF(etype);
+    Py_DECREF(known);
+    return r;
+}
+
 static PyObject *lines_next(Lines *self) {
     if (self->over) return NULL;
-    if (self->next >= PyList_GET_SIZE(self->lines)) {
-        self->over = 1;
-        return NULL;
+    PyObject *line = NULL; /* the line as bytes: the list's item, or made from the piece when needed */
+    const char *b;
+    Py_ssize_t n, step;
+    if (PyBytes_CheckExact(self->lines)) { /* a piece: the lines each end with a newline */
+        Py_ssize_t size = PyBytes_GET_SIZE(self->lines);
+        const char *at = PyBytes_AS_STRING(self->lines) + self->next;
+        const char *nl = self->next < size ? memchr(at, '\n', (size_t)(size - self->next)) : NULL;
+        if (!nl) { /* (what follows the last newline is no line, as for piece.split(b"\n")[:-1]) */
+            self->over = 1;
+            return NULL;
+        }
+        b = at;
+        n = nl - at;
+        step = n + 1;
+    } else {
+        if (self->next >= PyList_GET_SIZE(self->lines)) {
+            self->over = 1;
+            return NULL;
+        }
+        line = PyList_GET_ITEM(self->lines, self->next);
+        if (!PyBytes_CheckExact(line)) {
+            PyErr_SetString(PyExc_TypeError, "lines: bytes each");
+            return NULL;
+        }
+        Py_INCREF(line);
+        b = PyBytes_AS_STRING(line);
+        n = PyBytes_GET_SIZE(line);
+        step = 1;
     }
-    PyObject *line = PyList_GET_ITEM(self->lines, self->next);
-    if (!PyBytes_CheckExact(line)) {
-        PyErr_SetString(PyExc_TypeError, "lines: bytes each");
-        return NULL;
+    PyObject *ev = NULL;
+    int r = shortcut(self, b, n, &ev);
+    if (r == 0 && !line && !(line = PyBytes_FromStringAndSize(b, n))) r = -1;
+    if (r == 0) {
+        ev = PyObject_CallOneArg(self->loads, line);
+        r = ev ? check_line(self, line, ev) : quiet(self);
     }
-    Py_INCREF(line);
-    PyObject *ev = PyObject_CallOneArg(self->loads, line);
-    int r = ev ? check_line(self, line, ev) : quiet(self);
-    Py_DECREF(line);
+    Py_XDECREF(line);
     if (r <= 0) {
         Py_XDECREF(ev);
         self->over = 1;
         return NULL; /* r == 0: the end, quietly; r < 0: the error set */
     }
-    self->next++;
+    self->next += step;
     if (self->seq == PY_SSIZE_T_MAX) /* the next line's seq is past what this counts: the caller's */
         self->over = 1;              /* (fastpath takes such lines in Python) */
     else
@@ -417,12 +669,28 @@ static PyTypeObject LinesType = {
 
 static PyObject *lines(PyObject *module, PyObject *args) {
     PyObject *list, *before_id, *before_seq, *before_subject, *middle, *types, *specs, *loads, *dumps, *option,
-        *is_time, *hashes, *counts, *errors;
+        *is_time, *hashes, *counts, *errors, *envelope = Py_None;
     Py_ssize_t seq;
-    if (!PyArg_ParseTuple(args, "O!nSSSSO!O!OOOOO!O!O", &PyList_Type, &list, &seq, &before_id, &before_seq,
+    if (!PyArg_ParseTuple(args, "OnSSSSO!O!OOOOO!O!O|O", &list, &seq, &before_id, &before_seq,
                           &before_subject, &middle, &PyDict_Type, &types, &PyDict_Type, &specs, &loads, &dumps,
-                          &option, &is_time, &PyList_Type, &hashes, &PyDict_Type, &counts, &errors))
+                          &option, &is_time, &PyList_Type, &hashes, &PyDict_Type, &counts, &errors, &envelope))
         return NULL;
+    if (!PyList_Check(list) && !PyBytes_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "lines: a list of bytes, or a piece (bytes) of lines each ending with a newline");
+        return NULL;
+    }
+    if (envelope != Py_None) {
+        int ok = PyTuple_CheckExact(envelope) && PyTuple_GET_SIZE(envelope) == 6;
+        for (Py_ssize_t k = 0; ok && k < 6; k++) {
+            PyObject *v = PyTuple_GET_ITEM(envelope, k);
+            ok = PyUnicode_CheckExact(v) || (k == 2 && v == Py_None);
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError,
+                            "envelope: (datacontenttype, id prefix, labels or None, runid, source, specversion)");
+            return NULL;
+        }
+    }
     if (!PyBytes_CheckExact(before_id) || !PyBytes_CheckExact(before_seq) || !PyBytes_CheckExact(before_subject) ||
         !PyBytes_CheckExact(middle)) {
         PyErr_SetString(PyExc_TypeError, "the constant parts are bytes");
@@ -448,6 +716,8 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     self->hashes = Py_NewRef(hashes);
     self->counts = Py_NewRef(counts);
     self->errors = Py_NewRef(errors);
+    self->envelope = envelope == Py_None ? NULL : Py_NewRef(envelope);
+    self->last_type = self->last_known = NULL;
     self->ctx = EVP_MD_CTX_new();
     PyObject_GC_Track(self);
     if (!self->ctx) {
@@ -457,8 +727,25 @@ static PyObject *lines(PyObject *module, PyObject *args) {
     return (PyObject *)self;
 }
 
+/* A piece's (lines, the longest line's length): its lines each end with a newline, what follows
+ * the last is no line; (len(lines), max(map(len, lines), default=0)) of piece.split(b"\n")[:-1]. */
+static PyObject *shape(PyObject *module, PyObject *arg) {
+    if (!PyBytes_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "shape: bytes");
+        return NULL;
+    }
+    const char *p = PyBytes_AS_STRING(arg), *end = p + PyBytes_GET_SIZE(arg);
+    Py_ssize_t lines = 0, most = 0;
+    for (const char *nl; p < end && (nl = memchr(p, '\n', (size_t)(end - p))); p = nl + 1) {
+        lines++;
+        if (nl - p > most) most = nl - p;
+    }
+    return Py_BuildValue("(nn)", lines, most);
+}
+
 static PyMethodDef methods[] = {
     {"lines", lines, METH_VARARGS, "An iterator over the events of lines that pass the fast path."},
+    {"shape", shape, METH_O, "A piece's (lines, the longest line's length)."},
     {"valid", valid, METH_VARARGS, "Whether data passes a data check's spec (what the fast path checks)."},
     {NULL, NULL, 0, NULL},
 };
@@ -476,6 +763,14 @@ PyMODINIT_FUNC PyInit__verify(void) {
     s_time = PyUnicode_InternFromString("time");
     s_subject = PyUnicode_InternFromString("subject");
     s_last_time = PyUnicode_InternFromString("last_time");
+    s_datacontenttype = PyUnicode_InternFromString("datacontenttype");
+    s_id = PyUnicode_InternFromString("id");
+    s_labels = PyUnicode_InternFromString("labels");
+    s_runid = PyUnicode_InternFromString("runid");
+    s_seq = PyUnicode_InternFromString("seq");
+    s_source = PyUnicode_InternFromString("source");
+    s_specversion = PyUnicode_InternFromString("specversion");
+    if (!s_datacontenttype || !s_id || !s_labels || !s_runid || !s_seq || !s_source || !s_specversion) return NULL;
     ONE = PyLong_FromLong(1);
     PyObject *option = PyUnicode_InternFromString("option"); /* orjson knows its keywords interned */
     if (!option) return NULL;

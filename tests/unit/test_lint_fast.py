@@ -48,10 +48,18 @@ def valid() -> tuple[fastpath.Context, list[bytes]]:
     return ctx, list(lines)
 
 
-def _run(c: bool, lines: list[bytes], seq: int, ctx: fastpath.Context, take: int | None = None) -> Any:
-    """What the fast path makes of `lines`: the events it yields, the Passed, or the error raised."""
+def _run(
+    c: bool, lines: list[bytes] | bytes, seq: int, ctx: fastpath.Context, take: int | None = None
+) -> Any:
+    """What the fast path makes of `lines` (the C's: a list, or a piece of lines each ending with a
+    newline): the events it yields, the Passed, or the error raised."""
     passed = fastpath.Passed()
-    it = fastpath._fast_c(lines, seq, ctx, passed) if c else fastpath.fast_python(lines, seq, ctx, passed)
+    if c:
+        it = fastpath._fast_c(lines, seq, ctx, passed)
+    else:
+        it = fastpath.fast_python(
+            fastpath.split(lines) if isinstance(lines, bytes) else lines, seq, ctx, passed
+        )
     got = []
     try:
         for ev in it:
@@ -71,6 +79,7 @@ def test_good_lines_pass_the_same(valid: tuple[fastpath.Context, list[bytes]]) -
     got = _run(True, body, 1, ctx)
     assert got == _run(False, body, 1, ctx)
     assert got[1] == len(body) and len(got[2]) == len(body)
+    assert _run(True, b"".join(line + b"\n" for line in body), 1, ctx) == got  # the C over a piece
     assert _run(True, lines, 0, ctx) == _run(False, lines, 0, ctx) == ([], 0, [], {})  # the first: careful
     assert _run(True, body, 1, ctx, take=2) == _run(False, body, 1, ctx, take=2)  # closed early
     assert _run(True, body, 2, ctx) == _run(False, body, 2, ctx) == ([], 0, [], {})  # not its seq
@@ -148,7 +157,10 @@ def test_damaged_lines_stop_where_python_stops(
         lines[i] = line[:-1] + b',"type":"dev.evidence.file.open"}'
     else:
         lines[i] = json.dumps(value).encode()
-    assert _run(True, lines, 1, ctx) == _run(False, lines, 1, ctx)
+    got = _run(True, lines, 1, ctx)
+    assert got == _run(False, lines, 1, ctx)
+    if not any(b"\n" in line for line in lines):  # the same lines as a piece, read in place by the C
+        assert _run(True, b"".join(line + b"\n" for line in lines), 1, ctx) == got
 
 
 @needs_c
