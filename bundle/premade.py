@@ -79,16 +79,18 @@ def put_run_id(lines: bytes, table: bytes) -> bytes:
 _STANDIN = "R" * RUN_ID_LENGTH  # the run id the sink is made with, then replaced by PLACEHOLDER
 _OPEN_HEAD = b'{"k":"open","t":'  # a repeated open's spool line (agent/recorder/pipeline.py)
 _WRITE_AT = 1 << 20  # bytes of lines gathered before a write to the file
-_LEVEL = 1  # the files' zstandard level
+_LEVEL = -3  # the files' zstandard level
 
 
 class _File:
     """A temporary file written in large pieces: the sink's `out` (lines) or its `root` (the
     content hashes, one hex digest and a newline each, as format.RootHasher takes them). Stored as
-    zstandard at level 1: a flood's lines are most of a full run's bytes (650 bytes an event, the
+    zstandard at level -3: a flood's lines are most of a full run's bytes (650 bytes an event, the
     run's constants in each, 1.3 GB for 2 x 1M opens), and written raw into the page cache they
     cost the correlator's thread up to 1.5 s for 600 MB where the pages had to be found (2 s of the
-    10 s it spent on a 2 x 1M flood); compressed, about 25x, at 1.7 GB/s. The compression and the
+    10 s it spent on a 2 x 1M flood); compressed, about 19x, at 2.3 GB/s (level 1: 27x at 1.7
+    GB/s, and the correlator waited 1.8 s of a 2 x 1M flood for this thread, which shares the CPUs
+    with the job: 1.6 s at -3, the flood's whole run 9.1-9.3 -> 8.6 s). The compression and the
     writes are a thread's of their own (`_compress`: zstandard's compressobj and the file's writes
     let go of the GIL), one piece queued at most, so that they run beside the correlator; read
     back at 3 GB/s. (zstandard's own thread, `threads=1`, spins the writing one while it waits.)"""
