@@ -361,3 +361,13 @@ def namespace(
         result=result,
         **extra,
     )
+
+
+def damaged(tmp: Path, recs: list[dict[str, Any]], where: int, at: int, byte: int, fix: bool) -> Path:
+    """A bundle of `recs` with one byte of one event line replaced (line `where`, byte `at`, both
+    taken modulo), rebuilt with its root hash fixed (`fix`) or not: the hypothesis tests' damage."""
+    manifest, lines = members(write(tmp / "a.tar.gz", recs))
+    lines = list(lines)
+    i = where % len(lines)
+    lines[i] = lines[i][: at % len(lines[i])] + bytes([byte]) + lines[i][at % len(lines[i]) + 1 :]
+    return rebuild(tmp / "d.tar.gz", manifest, lines, fix_root=fix)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from evidence.bundle import fastpath, schemas
 from evidence.bundle import format as fmt
-from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
+from tests.unit.conftest_bundles import WS, damaged, members, open_, records, write
 from tests.unit.test_hostile import HOSTILE
 from tests.unit.test_lint_same import _outcome, _rule_runs
 
@@ -223,11 +223,7 @@ def test_damaged_bundles_lint_the_same(
 ) -> None:
     tmp = tmp_path_factory.mktemp("d")
     recs = [*records(), *(open_(10_000 + i, f"{WS}/src/f{i}.c", ["read", "write"]) for i in range(20))]
-    manifest, lines = members(write(tmp / "a.tar.gz", recs))
-    lines = list(lines)
-    i = where % len(lines)
-    lines[i] = lines[i][: at % len(lines[i])] + bytes([byte]) + lines[i][at % len(lines[i]) + 1 :]
-    c, python = _both(rebuild(tmp / "d.tar.gz", manifest, lines, fix_root=fix), monkeypatch)
+    c, python = _both(damaged(tmp, recs, where, at, byte, fix), monkeypatch)
     assert c == python
 
 

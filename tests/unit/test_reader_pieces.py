@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from evidence.bundle import container, fastpath, reader, verify
-from tests.unit.conftest_bundles import WS, members, open_, rebuild, records, write
+from tests.unit.conftest_bundles import WS, damaged, members, open_, records, write
 from tests.unit.test_hostile import HOSTILE
 from tests.unit.test_lint_same import _outcome, _rule_runs
 
@@ -70,9 +70,5 @@ def test_damaged_bundles_read_the_same_in_any_pieces(
 ) -> None:
     tmp = tmp_path_factory.mktemp("d")
     recs = [*records(), *(open_(10_000 + i, f"{WS}/src/f{i}.c", ["read", "write"]) for i in range(200))]
-    manifest, lines = members(write(tmp / "a.tar.gz", recs))
-    lines = list(lines)
-    i = where % len(lines)
-    lines[i] = lines[i][: at % len(lines[i])] + bytes([byte]) + lines[i][at % len(lines[i]) + 1 :]
-    got = _outcomes(rebuild(tmp / "d.tar.gz", manifest, lines, fix_root=fix), monkeypatch)
+    got = _outcomes(damaged(tmp, recs, where, at, byte, fix), monkeypatch)
     assert all(g == got[0] for g in got)

@@ -22,7 +22,10 @@ from hypothesis import strategies as st
 from evidence.bundle import fastpath
 from evidence.bundle import format as fmt
 from tests.unit.conftest_bundles import WS, members, open_, records, write
-from tests.unit.test_red_verify import _C  # the build under test (EVIDENCE_RED_VERIFY_SO: a sanitizer's)
+from tests.unit.test_red_verify import (  # the build under test (EVIDENCE_RED_VERIFY_SO: a sanitizer's)
+    _C,
+    _event,
+)
 
 needs_c = pytest.mark.skipif(_C is None, reason="the compiled module is not built (make setup)")
 SORT = orjson.OPT_SORT_KEYS
@@ -79,20 +82,7 @@ def _same(lines: list[bytes], seq: int, ctx: fastpath.Context) -> Any:
 
 
 def _line(ctx: fastpath.Context, seq: int, **over: Any) -> bytes:
-    ev = {
-        "data": {"count": 3, "kind": "ring", "where": "kernel"},
-        "datacontenttype": fmt.DATACONTENTTYPE,
-        "id": f"{ctx.run_id}:{seq}",
-        "runid": ctx.run_id,
-        "seq": seq,
-        "source": ctx.source,
-        "specversion": fmt.SPECVERSION,
-        "subject": "loss",
-        "time": TIME,
-        "type": fmt.LOSS,
-    }
-    if ctx.labels is not None:
-        ev["labels"] = ctx.labels
+    ev = _event(ctx, seq, fmt.LOSS, {"count": 3, "kind": "ring", "where": "kernel"}, "loss", TIME)
     ev.update(over)
     return orjson.dumps(ev, option=SORT)
 
