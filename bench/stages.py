@@ -8,10 +8,12 @@ workloads would send them:
 - correlate: the rest of Recorder._process (the repeat cache, Correlator.open_record, routing), in
   batches of the tree's pipeline.COALESCE (the poller's reads and spill are not in it);
 - spool: SpoolWriter.write_many (orjson lines; their zstandard compression, for a flood's batches a
-  thread's of its own, is not in it) and the run id's Behaviour it feeds;
-- make: the events' lines and content hashes made as the records are spooled (bundle/premade.py,
-  as Recorder.start sets it up for a full-detail run), while the job runs (their compression into
-  the premade files is a thread's of its own, not in it: about 0.35 s of CPU a million);
+  thread's of its own, is not in it) and the run id's Behaviour it feeds (its C path's spills of
+  sorted lines are a thread's of their own, not in it);
+- make: the events' lines made as the records are spooled (bundle/premade.py, as Recorder.start
+  sets it up for a full-detail run), while the job runs (their content hashes and their
+  compression into the premade files are the files' threads', not in it: about 0.35 s of CPU a
+  million for the compression);
 - write: write_bundle at the run's end, its own thread (the premade lines with the run id put in,
   the root hash), the deflate threads' time left out;
 - compress: what the writer's Deflater does to the events (sha256, CRC-32, deflate in chunks on
