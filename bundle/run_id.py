@@ -78,9 +78,8 @@ class _SpillSet:
         held = len(self)
         if self.items:
             run = self._run()
-            run.write(
-                b"".join(self._sorted(fast=False))
-            )  # (one write: writelines' calls were 2/3 of a spill)
+            lines = self._sorted(fast=False)
+            run.write(b"".join(lines))  # (one write: writelines' calls were 2/3 of a spill)
             run.seek(0)
         if self.fast is not None and len(self.fast):
             self._settle()  # (two sets' lines held at most: the one spilling and the one filling)
