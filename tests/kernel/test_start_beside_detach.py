@@ -20,20 +20,26 @@ from evidence.probes.loader import ATTACH_LOCK, attaching
 pytestmark = pytest.mark.kernel
 
 # loads the probes, leaves them to an evidence-detach as `evidence run` does, says its pid, exits
+# (the child names itself after the fork, while close() returns: looked for until it has)
 RUN = """
-import contextlib
 import os
+import time
 from evidence.probes.loader import load_probes
 p = load_probes()
 p.close(background=True)
-for pid in os.listdir("/proc"):
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        continue
-    comm, _, rest = stat.partition("(")[2].rpartition(")")
-    if comm == "evidence-detach" and int(rest.split()[1]) == os.getpid():
-        print(pid, flush=True)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    for pid in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
+        if comm == "evidence-detach" and int(rest.split()[1]) == os.getpid():
+            print(pid, flush=True)
+            raise SystemExit(0)
+    time.sleep(0.01)
+raise SystemExit("no evidence-detach child named itself within 30 s")
 """
 
 
