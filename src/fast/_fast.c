@@ -1128,8 +1128,9 @@ static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
     return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink);
 }
 
-/* The open record's layout this file knows (agent/recorder/decode.py OPEN_REC): its fields read
- * here, no call of `unpack`, when the struct `unpack` belongs to has this format (else, the call). */
+/* The open record's layout this file knows (agent/recorder/decode.py OPEN_REC): its fields are read
+ * here in place; process_opens takes nothing when the struct `unpack` belongs to has another format
+ * (the Python path then takes every record; tests/unit/test_fast.py holds the two formats equal). */
 static const char OPEN_FORMAT[] = "<QQIIIHHqQQiIHHHHQQ";
 #define OPEN_SIZE 88
 
@@ -1173,33 +1174,15 @@ static void open_read(const char *rs, OpenFields *o) {
     o->plen = (long long)le_u(rs + 70, 2), o->rino = le_u(rs + 80, 8);
 }
 
-/* the same from unpack's tuple (any other layout): 0; 1, not such a tuple; -1, an error set */
-static int open_unpacked(PyObject *f, OpenFields *o) {
-    if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) < 18) return 1;
-    /* ts, cgid, run, tgid, _, _, flags, ret, exe_tok, tok, dfd, oflags, mode, nlink, _, plen, dino, rino */
-    o->ts = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 0));
-    o->cgid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 1));
-    o->run = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 2));
-    o->tgid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 3));
-    o->flags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 6));
-    o->ret = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 7));
-    o->dfd = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 10));
-    o->oflags = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 11));
-    o->mode = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 12));
-    o->nlink = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 13));
-    o->plen = PyLong_AsLongLong(PyTuple_GET_ITEM(f, 15));
-    o->rino = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(f, 17));
-    return PyErr_Occurred() ? -1 : 0;
-}
-
 /* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
  *               wall_offset, cgroups, <open_plain's caches>)
  * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
  * opens of run `run` (not a repeat of the record before: its bytes after the time differ from
  * `last_tail`, none of `stop_flags`, an absolute name, a process in `procs`, the run's own cgroup:
- * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s, in
- * the order _process names them. Returns (the index it stopped at, their records, the last one's
- * bytes after its time or None, its record or None). */
+ * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s,
+ * read in place (open_read) when unpack's struct has OPEN_FORMAT, else none is taken. Returns (the
+ * index it stopped at, their records, the last one's bytes after its time or None, its record or
+ * None). */
 static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     PyObject *batch, *last_tail, *unpack, *open_kind, *procs, *wall_offset, *cgroups;
     Py_ssize_t i, kind_off, path_off;
@@ -1215,7 +1198,7 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
         return NULL;
     }
-    int direct = known_layout(unpack, path_off);
+    if (!known_layout(unpack, path_off)) return Py_BuildValue("(n[]OO)", i, Py_None, Py_None);
     long long wall = PyLong_AsLongLong(wall_offset);
     if (wall == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0), *last_rec = NULL;
@@ -1231,15 +1214,7 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         if (rn < path_off || rn < kind_off + 2 || memcmp(rs + kind_off, PyBytes_AS_STRING(open_kind), 2)) break;
         if (rn - 8 == tail_n && !memcmp(rs + 8, tail, (size_t)tail_n)) break; /* a repeat: _process's */
         OpenFields o;
-        if (direct) {
-            open_read(rs, &o);
-        } else {
-            PyObject *f = PyObject_CallOneArg(unpack, raw);
-            int r = f ? open_unpacked(f, &o) : -1;
-            Py_XDECREF(f);
-            if (r > 0 || (r < 0 && !PyErr_Occurred())) break;
-            if (r < 0) goto fail;
-        }
+        open_read(rs, &o);
         if (o.run != run || (o.flags & stop_flags) || o.plen < 1 || path_off + o.plen > rn || rs[path_off] != '/')
             break;
         if (cgroups != Py_None) {
@@ -1688,5 +1663,6 @@ PyMODINIT_FUNC PyInit__fast(void) {
     if (PyType_Ready(&LineSetType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddObjectRef(m, "LineSet", (PyObject *)&LineSetType) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddStringConstant(m, "OPEN_FORMAT", OPEN_FORMAT) < 0) Py_CLEAR(m);
     return m;
 }

@@ -551,3 +551,14 @@ def test_deferred_content_hashes_are_sha256_of_each_core(cores: list[bytes]) -> 
         sink._fast.hash_cores(b"".join(cores), packed + struct.pack("N", at + 1))
     with pytest.raises(ValueError):
         sink._fast.hash_cores(b"", packed + b"x")
+
+
+@needs_fast
+def test_the_c_reads_opens_in_the_layout_the_probes_write() -> None:
+    """process_opens reads an open record's fields in place at OPEN_FORMAT's places, and takes none
+    of another layout's: the probes' layout must be the one it knows, else full detail's opens all
+    go the slow way without a word."""
+    from evidence.agent.recorder import decode
+
+    assert sink._fast.OPEN_FORMAT == decode.OPEN_REC.format
+    assert decode.OPEN_PATH_OFF == decode.OPEN_REC.size
