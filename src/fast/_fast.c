@@ -298,15 +298,19 @@ static void bytes_buf_drop(Buf *b) {
     b->p = NULL;
 }
 
+/* (i, a, b, longest), or NULL with an error set (a or b NULL: one was not made); a's and b's
+ * references are let go either way (Py_BuildValue's "N" would take them even when it fails) */
+static PyObject *quad(Py_ssize_t i, PyObject *a, PyObject *b, size_t longest) {
+    PyObject *out = a && b ? Py_BuildValue("(nOOn)", i, a, b, (Py_ssize_t)longest) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return out;
+}
+
 static PyObject *result(Py_ssize_t i, Buf *lines, Buf *hashes, size_t longest) {
     PyObject *l = bytes_buf_take(lines);
     PyObject *h = l ? PyBytes_FromStringAndSize(hashes->p ? hashes->p : "", (Py_ssize_t)hashes->n) : NULL;
-    PyObject *out = h ? Py_BuildValue("(nNNn)", i, l, h, (Py_ssize_t)longest) : NULL;
-    if (!out) {
-        Py_XDECREF(l);
-        Py_XDECREF(h);
-    }
-    return out;
+    return quad(i, l, h, longest);
 }
 
 /* opens' and repeats' result: (the index it stopped at, the lines, their content hashes, the
@@ -318,12 +322,7 @@ static PyObject *batch_result(Py_ssize_t i, Buf *lines, Buf *hashes, EVP_MD_CTX 
     PyObject *pending = Py_BuildValue("(y#y#)", core->p ? core->p : "", (Py_ssize_t)core->n,
                                       ends->p ? ends->p : "", (Py_ssize_t)ends->n);
     PyObject *l = pending ? bytes_buf_take(lines) : NULL;
-    PyObject *out = l ? Py_BuildValue("(nNNn)", i, l, pending, (Py_ssize_t)longest) : NULL;
-    if (!out) {
-        Py_XDECREF(l);
-        Py_XDECREF(pending);
-    }
-    return out;
+    return quad(i, l, pending, longest);
 }
 
 /* hash_cores(cores, ends): the content hashes that opens or repeats deferred (64 hex digits and a
