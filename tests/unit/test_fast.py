@@ -560,5 +560,5 @@ def test_the_c_reads_opens_in_the_layout_the_probes_write() -> None:
     go the slow way without a word."""
     from evidence.agent.recorder import decode
 
-    assert sink._fast.OPEN_FORMAT == decode.OPEN_REC.format
-    assert decode.OPEN_PATH_OFF == decode.OPEN_REC.size
+    assert decode.OPEN_REC.format == sink._fast.OPEN_FORMAT
+    assert decode.OPEN_REC.size == decode.OPEN_PATH_OFF
