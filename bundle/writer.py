@@ -358,23 +358,20 @@ def _write_bundle(
             # events, fed after them, change nothing of it (run.started and degradations: no
             # exec, open, connect or DNS answer)
             fed = (
-                premade is not None
-                and premade.trace is not None
-                and {h[0] for h in heads} <= {fmt.RUN_STARTED, fmt.DEGRADATION}
+                premade.trace
+                if premade is not None and {h[0] for h in heads} <= {fmt.RUN_STARTED, fmt.DEGRADATION}
+                else None
             )
-            if signer is not None and fed:
-                assert premade is not None  # (for mypy: fed says so)
-                sink.trace = premade.trace
-            elif signer is not None:  # only a signed bundle needs the trace (and its imports)
+            if signer is not None:  # only a signed bundle needs the trace (and its imports)
                 from evidence.bundle import runtime_trace
 
-                sink.trace = runtime_trace.Trace()
+                sink.trace = fed if fed is not None else runtime_trace.Trace()
             for head in heads:
                 sink.emit(*head)
             capped: dict[str, int] = {}
             if premade is not None:
                 _take_premade(sink, root, premade, run_id)
-                if sink.trace is not None and not fed:  # signed: the records read again for it
+                if sink.trace is not None and fed is None:  # signed: the records read again for it
                     feed_trace(sink.trace, cast(_FullDetail, body).marked(), None)
             elif isinstance(body, _FullDetail):
                 sink.write_full(body.marked(), capped)

@@ -431,9 +431,8 @@ class StandaloneRun:
             run.notices = NoticeWriter(self._job_stderr)
             self._job_stderr = -1  # the writer's now
             run.notices.start()
-        run.start(
-            self.cgroup.path, signed=self.signer is not None
-        )  # with its policy, and its run record written
+        # with its policy, and its run record written
+        run.start(self.cgroup.path, signed=self.signer is not None)
         self.watchdog.watch(self.cgroup.path, self.session_id)
         # the helper becomes the command (same pid): known as the run's root before it can exec, so
         # its exec record, however soon the consumer thread reads it, is the root's (depth 0), and
