@@ -98,6 +98,8 @@ class _File:
     def __init__(self, tmp_dir: Path | None, defers: bool = False) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
         self._z = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
+        # the C writer: a thread that never takes the GIL (src/fast/zfile.h); else `_compress`'s
+        self._c = None if _fast is None else _fast.ZFile(self.file.fileno(), _LEVEL)
         # the content hashes' file: the C path's hashes are taken unhashed (sink.Hashed) and hashed
         # on this file's thread, without the GIL (src/fast/_fast.c hash_cores), not the correlator's
         self.defers = defers and _fast is not None
@@ -141,6 +143,11 @@ class _File:
         if self._buf:
             if self._ended:
                 raise ValueError("written after it was read")
+            if self._c is not None:
+                self._c.put(self._buf)  # (waits while a piece is still queued; raises its thread's error)
+                self._buf = []
+                self._size = 0
+                return
             if self._error is not None:
                 raise self._error
             if self._thread is None:
@@ -174,8 +181,13 @@ class _File:
         if self._ended:
             return
         self.flush()
-        self._stop()
         self._ended = True
+        if self._c is not None:
+            self._c.end()  # the frame ended
+            if self.file.closed:  # (written through a descriptor of its own: not read back now)
+                raise ValueError("the premade file was closed")
+            return
+        self._stop()
         if self._error is not None:
             raise self._error
         self.file.write(self._z.flush())  # the frame ended (the file stays open)
@@ -200,6 +212,8 @@ class _File:
     def close(self) -> None:
         self._buf.clear()
         self._ended = True
+        if self._c is not None:
+            self._c.close()
         self._stop()
         self.file.close()
 

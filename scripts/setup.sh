@@ -18,6 +18,7 @@ command -v cc >/dev/null || need_apt+=(gcc)
 /usr/bin/python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_path("include") + "/Python.h"))' \
   || need_apt+=(python3-dev)
 [ -e /usr/include/openssl/evp.h ] || need_apt+=(libssl-dev)
+[ -e /usr/include/zstd.h ] || need_apt+=(libzstd-dev)  # the premade files' writer thread (src/fast/zfile.h)
 need_headers=
 ls -d /usr/src/linux-headers-*-common >/dev/null 2>&1 || [ -e "/lib/modules/$(uname -r)/build" ] || need_headers=1
 if [ ${#need_apt[@]} -gt 0 ] || [ -n "$need_headers" ]; then

@@ -28,7 +28,9 @@
  * - merge_items(fds, lines, update): the run id's sorted runs (bundle/run_id.py _SpillSet) merged
  *   and their items handed to the hash, reading and merging without the GIL;
  * - translate(data, table): bytes.translate, without the GIL: the run id put in the premade lines
- *   at the run's end (bundle/writer.py _take_premade).
+ *   at the run's end (bundle/writer.py _take_premade);
+ * - ZFile: the premade files' compression and writes on a thread that never takes the GIL
+ *   (src/fast/zfile.h).
  *
  * Canonical JSON as orjson writes it with sorted keys (bundle/canonical.py): '"' and '\\' escaped,
  * control characters as \b \t \n \f \r or \u00xx (lowercase), everything else as its UTF-8; keys
@@ -1612,6 +1614,8 @@ done:
     return out;
 }
 
+#include "zfile.h"
+
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
     {"spilled", fast_spilled, METH_VARARGS, "A spilled batch's records read back (see above)."},
@@ -1659,9 +1663,10 @@ PyMODINIT_FUNC PyInit__fast(void) {
     if (!S_PID || !S_PPID || !S_EXE || !S_FDS || !S_RAW_PATH || !S_DIRFD || !S_FLAGS || !S_MODE || !S_NLINK ||
         !S_WRITE || !S_CREATE || !ZERO || !MAGIC)
         return NULL;
-    if (PyType_Ready(&LineSetType) < 0) return NULL;
+    if (PyType_Ready(&LineSetType) < 0 || PyType_Ready(&ZFileType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddObjectRef(m, "LineSet", (PyObject *)&LineSetType) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddObjectRef(m, "ZFile", (PyObject *)&ZFileType) < 0) Py_CLEAR(m);
     if (m && PyModule_AddStringConstant(m, "OPEN_FORMAT", OPEN_FORMAT) < 0) Py_CLEAR(m);
     return m;
 }

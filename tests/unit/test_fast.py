@@ -3,6 +3,7 @@ same lines, content hashes, counts and caps decisions on generated record stream
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -562,3 +563,85 @@ def test_the_c_reads_opens_in_the_layout_the_probes_write() -> None:
 
     assert decode.OPEN_REC.format == sink._fast.OPEN_FORMAT
     assert decode.OPEN_REC.size == decode.OPEN_PATH_OFF
+
+
+def _cores_and_ends(cores: list[bytes]) -> tuple[bytes, bytes]:
+    import struct
+
+    ends, at = [], 0
+    for c in cores:
+        at += len(c)
+        ends.append(at)
+    return b"".join(cores), struct.pack(f"{len(ends)}N", *ends)
+
+
+@needs_fast
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.one_of(st.binary(max_size=3000), st.lists(st.binary(max_size=300), max_size=8)),
+        max_size=12,
+    ),
+    st.integers(1, 4),
+)
+def test_zfile_writes_its_pieces_and_deferred_hashes_as_one_frame(
+    tmp_path: Path, pieces: list[bytes | list[bytes]], per_put: int
+) -> None:
+    """ZFile (the premade files' writer thread, src/fast/zfile.h): what is put, in order, in one
+    zstandard frame that zstandard reads back; a deferred piece (cores, ends) as hash_cores makes
+    its hashes. Puts of any size, one after the other, each waiting for the one queued before."""
+    import tempfile
+
+    import zstandard
+
+    want = b""
+    given_pieces: list[Any] = []
+    for p in pieces:
+        if isinstance(p, bytes):
+            want += p
+            given_pieces.append(p)
+        else:
+            cores, ends = _cores_and_ends(p)
+            want += sink._fast.hash_cores(cores, ends)
+            given_pieces.append((cores, ends))
+    with tempfile.TemporaryFile(dir=tmp_path) as f:
+        z = sink._fast.ZFile(f.fileno(), -3)
+        for i in range(0, len(given_pieces), per_put):
+            z.put(given_pieces[i : i + per_put])
+        z.end()
+        z.end()  # (once is enough: nothing more)
+        f.seek(0)
+        assert zstandard.ZstdDecompressor().stream_reader(f).read() == want
+        with pytest.raises(ValueError):
+            z.put([b"after its end"])
+
+
+@needs_fast
+def test_zfile_says_its_threads_error_and_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    """A full disk (/dev/full) is raised by the next put or by end (OSError, ENOSPC), never lost; a
+    piece that is neither bytes nor (cores, ends), or ends that are not the cores', is refused at
+    once; close() without end() stops the thread."""
+    import errno
+
+    with open("/dev/full", "wb") as full:
+        z = sink._fast.ZFile(full.fileno(), -3)
+        with pytest.raises(OSError) as caught:  # noqa: PT012 - the error comes by a put or by end
+            for _ in range(64):
+                z.put([bytes(range(256)) * 4096])
+            z.end()
+        assert caught.value.errno == errno.ENOSPC
+        z.close()
+    with open(tmp_path / "f", "wb") as f:
+        z = sink._fast.ZFile(f.fileno(), -3)
+        with pytest.raises(TypeError):
+            z.put([b"a", "text"])
+        with pytest.raises(TypeError):
+            z.put((b"a",))
+        cores, ends = _cores_and_ends([b"x", b"yz"])
+        with pytest.raises(ValueError):
+            z.put([(cores[:2], ends)])
+        z.put([b"kept", (cores, ends)])
+        z.close()
+        z.close()
+    with pytest.raises(ValueError):
+        sink._fast.ZFile(0, 10**6)  # not a zstandard level

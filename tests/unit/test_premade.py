@@ -14,6 +14,7 @@ import pytest
 
 from evidence.agent.recorder.pipeline import _line_around_time
 from evidence.bundle import format as fmt
+from evidence.bundle import premade as premade_module
 from evidence.bundle.premade import PLACEHOLDER, Premade
 from evidence.bundle.reader import open_bundle
 from evidence.bundle.spool import SpoolWriter, read_spool, read_spool_lines
@@ -150,11 +151,16 @@ def test_what_the_lines_assumed_does_not_hold_the_spool_makes_them(tmp_path: Pat
     list(open_bundle(tmp_path / "fast.tar.gz").events())  # verifies
 
 
-def test_a_premade_never_stops_the_spool(tmp_path: Path) -> None:
-    """A premade whose file fails (closed under it) gives up, at the latest when its lines end (they
-    are compressed, and zstandard writes when it has made a block); the spool keeps every record."""
+def test_a_premade_never_stops_the_spool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A premade whose file fails (its disk full: /dev/full) gives up, at the latest when its lines
+    end (they are compressed, and zstandard writes when it has made a block); the spool, opened after
+    it, keeps every record."""
+    full = open("/dev/full", "w+b")  # noqa: SIM115 - the premade's to close
+    made = iter([full])
+    real = premade_module.tempfile.TemporaryFile
+    monkeypatch.setattr(premade_module.tempfile, "TemporaryFile", lambda **kw: next(made, None) or real(**kw))
     premade = Premade(tmp_path, {}, 1)
-    premade.lines.file.close()
+    assert premade.lines.file is full
     items = _items(3000, 4)
     spool = _spool(tmp_path, items, premade, 4)
     assert not premade.end()
@@ -163,6 +169,22 @@ def test_a_premade_never_stops_the_spool(tmp_path: Path) -> None:
     fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade)
     assert manifest["events"] == len(items) + 2
     assert fmt.FILE_OPEN in manifest["counts"]
+
+
+def test_a_premade_file_closed_under_it_never_writes_into_another(tmp_path: Path) -> None:
+    """Its file closed under it, and the descriptor's number taken by the spool opened next: the
+    premade's writes (its compressing thread's, src/fast/zfile.h) never go to the spool, which keeps
+    every record whole; the bundle is still written, with every event."""
+    premade = Premade(tmp_path, {}, 1)
+    premade.lines.file.close()
+    items = _items(3000, 4)
+    spool = _spool(tmp_path, items, premade, 4)
+    premade.end()
+    assert sum(1 for _ in read_spool_lines(spool)) == len(items)
+    fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade)
+    slow, _ = _write(tmp_path, "slow.tar.gz", spool, None)
+    assert manifest["events"] == len(items) + 2
+    assert fast == slow
 
 
 @pytest.mark.parametrize("when", ["before its records", "after its first records"])
