@@ -146,6 +146,7 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
             made[0] += time.thread_time() - t
 
         spool.events = timed_make
+        session.premade = premade  # (as Recorder.start sets it: the correlator makes the data with it)
     rec._sessions[1] = session
     spooled = [0.0]
     write_many = spool.write_many

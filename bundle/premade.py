@@ -91,9 +91,13 @@ class _File:
     10 s it spent on a 2 x 1M flood); compressed, about 19x, at 2.3 GB/s (level 1: 27x at 1.7
     GB/s, and the correlator waited 1.8 s of a 2 x 1M flood for this thread, which shares the CPUs
     with the job: 1.6 s at -3, the flood's whole run 9.1-9.3 -> 8.6 s). The compression and the
-    writes are a thread's of their own (`_compress`: zstandard's compressobj and the file's writes
-    let go of the GIL), one piece queued at most, so that they run beside the correlator; read
-    back at 3 GB/s. (zstandard's own thread, `threads=1`, spins the writing one while it waits.)"""
+    writes are a thread's of their own, one piece queued at most, so that they run beside the
+    correlator: with the compiled module a C thread that never takes the GIL (src/fast/zfile.h
+    ZFile, through a descriptor of its own: a file closed under it never takes its bytes); else
+    `_compress`, whose zstandard and writes let go of the GIL but which took it four times a piece
+    from a correlator holding it (it waited 2.5 s of a 2 x 1M flood for it, and the correlator 1.6 s
+    for it). Read back at 3 GB/s. (zstandard's own thread, `threads=1`, spins the writing one while
+    it waits.)"""
 
     def __init__(self, tmp_dir: Path | None, defers: bool = False) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()

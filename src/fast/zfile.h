@@ -129,6 +129,7 @@ static int zfile_piece(ZFile *z, const ZPiece *pc) { /* without the GIL: 0, or -
 
 static void *zfile_run(void *arg) {
     ZFile *z = arg;
+    pthread_setname_np(pthread_self(), "evidence-zfile"); /* (else the correlator's name, in /proc) */
     pthread_mutex_lock(&z->mu);
     for (;;) {
         while (!z->queued && !z->stop) pthread_cond_wait(&z->cv, &z->mu);
