@@ -173,3 +173,77 @@ def test_the_usual_allowed_exec_is_answered_in_c_and_the_kernel_finds_its_pin(pl
         (f"{ok}/prog", "commands.rules[3] (no-id)"),  # its interpreter's rule
         ("/usr/bin/id", "commands.rules[3] (no-id)"),
     ], refused
+
+
+RUNS_TRUE = """\
+import os, socket, sys
+from evidence.agent.recorder.exec_filter import send_listener
+from evidence.agent.recorder.exec_supervisor import install_exec_filter
+sock = socket.socket(fileno=int(sys.argv[1]))
+send_listener(sock, install_exec_filter())
+sock.close()
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.execv("/usr/bin/true", ["true"])
+        except OSError as e:
+            os._exit(100 + e.errno)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+def test_a_pin_the_map_does_not_take_is_refused_in_c_as_in_python(place: Path) -> None:
+    """Fail closed in C's answer too: the first exec of /usr/bin/true teaches the supervisor it is
+    allowed outright (the Python shortcut, whose pin the "map", a pipe, does not take: refused), the
+    next two are C's, whose pin is not taken either: each is refused with EACCES and recorded as
+    one that cannot be pinned; none runs."""
+    from evidence.agent.recorder import exec_supervisor
+    from evidence.agent.recorder.exec_check import new_key
+
+    if exec_supervisor._fast is None:
+        pytest.skip("the compiled module is not built (tests/unit/test_native.py fails under CI=true)")
+    commands = CommandsPolicy.model_validate({"default": "allow", "rules": []}, context={"variables": {}})
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        as_user(NOBODY, sys.executable, "-c", RUNS_TRUE, str(theirs.fileno())),
+        pass_fds=[theirs.fileno()],
+        cwd=place,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    decisions: list[ExecDecision] = []
+    told: list[str] = []
+    r, w = os.pipe()
+    sup = None
+    try:
+        ours.settimeout(30)
+        sup = ExecSupervisor(
+            receive_listener(ours),
+            commands,
+            proc.pid,
+            on_decision=decisions.append,
+            tell=told.append,
+            pins_fd=r,
+            check_key=new_key(),
+            record_only=True,
+        )
+        sup.start()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(OSError):
+            proc.kill()
+        if sup is not None:
+            sup.stop()
+        ours.close()
+        os.close(r)
+        os.close(w)
+    assert out.split() == ["113", "113", "113"], out + err
+    assert sup is not None and os.path.realpath("/usr/bin/true").encode() in sup._outright
+    assert sup.answered_in_c == 0
+    assert [(d.allowed, d.error) for d in decisions] == [(False, "what would run cannot be pinned")] * 3
+    assert len([line for line in told if "cannot be pinned" in line]) == 3, told
