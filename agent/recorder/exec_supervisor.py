@@ -22,6 +22,11 @@ A `#!` script is decided on the script and on its interpreter, the dynamic loade
 (`/lib64/ld-linux-x86-64.so.2 /usr/bin/curl`) on itself and on the program it loads, the more
 restrictive winning.
 
+The usual exec the rules allow (an execve of an absolute name that src/fast/_exec.c reads whole, of
+a program with no `#!` line that the rules allow whatever its argv and depth) is answered wholly in
+C once the Python path has met its program (`_serve_usual`): read, checked, pinned and let go on
+with no Python between the notification and the answer.
+
 CONTINUE lets the kernel read the path and argv again: another thread of the caller may rewrite
 them between the decision and the exec. That race is closed by a check of what the kernel really
 loaded: before it answers CONTINUE the supervisor pins what it allowed for the calling thread
