@@ -247,3 +247,40 @@ def test_a_pin_the_map_does_not_take_is_refused_in_c_as_in_python(place: Path) -
     assert sup.answered_in_c == 0
     assert [(d.allowed, d.error) for d in decisions] == [(False, "what would run cannot be pinned")] * 3
     assert len([line for line in told if "cannot be pinned" in line]) == 3, told
+
+
+def test_a_name_c_knows_bound_over_in_a_namespace_of_the_jobs_own_is_not_c_s(place: Path) -> None:
+    """Red team on the names C answers for: the job (nobody) runs /usr/bin/true until the
+    supervisor answers it in C, then binds /usr/bin/id over it in a user and mount namespace of its
+    own: the next exec of /usr/bin/true is not the usual request (its root mount is its own), so
+    the whole path judges it (the name leads elsewhere for it: `default: deny` refuses it); chrooted
+    back to evidence's root, the name is C's again and runs evidence's true. id never runs."""
+    from tests.kernel.test_red_exec_fast import _ended
+    from tests.kernel.test_red_exec_outright import RACE_RULES, _job, _refused, _uid_lines
+
+    body = """\
+    for i in range(5):
+        show(f"taught{i}", run([b"/usr/bin/true"]))
+    CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+    old = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    assert libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) == 0, ctypes.get_errno()
+    open("/proc/self/setgroups", "w").write("deny")
+    open("/proc/self/uid_map", "w").write("0 65534 1")
+    open("/proc/self/gid_map", "w").write("0 65534 1")
+    MS_REC, MS_PRIVATE, MS_BIND = 0x4000, 0x40000, 0x1000
+    assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0, ctypes.get_errno()
+    assert libc.mount(b"/usr/bin/id", b"/usr/bin/true", None, MS_BIND, None) == 0, ctypes.get_errno()
+    show("bound", run([b"/usr/bin/true"]))
+    os.fchdir(old)
+    os.chroot(".")
+    show("chrooted", run([b"/usr/bin/true"]))
+    """
+    proc, _, events = _job(place, RACE_RULES.replace("WS", str(place)), body)
+    out = proc.stdout
+    assert "job=0" in out, out + proc.stderr
+    assert _uid_lines(out) == [], out
+    ended = _ended(out)
+    assert all(ended[f"taught{i}"] == ("exit", 0) for i in range(5)), out
+    assert ended["bound"] == ("exit", 113), out
+    assert ended["chrooted"] == ("exit", 0), out
+    assert _refused(events).get("/usr/bin/true") == "commands.default", _refused(events)
