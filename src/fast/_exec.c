@@ -629,11 +629,16 @@ static PyObject *next_usual(PyObject *self, PyObject *args) {
     PyObject *head = PyTuple_GET_ITEM(usual, 5);
     unsigned long long dev = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(usual, 3));
     unsigned long long ino = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(usual, 4));
-    if (PyErr_Occurred()) goto done;
+    if (PyErr_Occurred()) { /* cannot be (read_usual made them): the notification is Python's */
+        PyErr_Clear();
+        goto python;
+    }
     if (PyBytes_GET_SIZE(head) >= 2 && !memcmp(PyBytes_AS_STRING(head), "#!", 2)) goto python;
     int in = PySet_Contains(outright, named);
-    if (in < 0) goto done;
-    if (!in) goto python;
+    if (in <= 0) { /* -1 cannot be (a bytes object hashes): Python's then */
+        PyErr_Clear();
+        goto python;
+    }
     struct stat here;
     if (stat(PyBytes_AS_STRING(named), &here) < 0 || (unsigned long long)here.st_dev != dev ||
         (unsigned long long)here.st_ino != ino)
