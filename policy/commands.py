@@ -167,6 +167,15 @@ class Decider:
         program matches it has a depth range other than `any`."""
         return any(rule.depth.min > 0 or rule.depth.max is not None for _i, rule, _r in self._matching(exe))
 
+    def allows_outright(self, exe: str) -> bool:
+        """Whether every exec of `exe` is allowed, whatever its argv (read whole or not) and its
+        depth: no rule whose program matches it has `args` patterns or a depth range other than
+        `any`, and the decision they (or `commands.default`) make is `allow`."""
+        rules = self._matching(exe)
+        if any(rule.args or rule.depth.min > 0 or rule.depth.max is not None for _i, rule, _r in rules):
+            return False
+        return self(exe, (), 0).decision == "allow"
+
     def __call__(
         self, exe: str, argv: Sequence[str], depth: int, *, truncated: bool = False
     ) -> CommandDecision:

@@ -536,8 +536,14 @@ def read_usual(pid: int, nr: int, args: tuple[int, ...]) -> Usual | None:
     file of a name of its own; None for any other (read_request's other ways)."""
     if nr != NR_EXECVE or _fast is None:
         return None
-    got: Usual | None = _fast.read_usual(pid, args[0], args[1], *_our_root_mount(), _HEADS, _HEADS_MAX)
+    got: Usual | None = _fast.read_usual(pid, args[0], args[1], *usual_context())
     return got
+
+
+def usual_context() -> tuple[int, int, int, dict[tuple[int, int, int, int, int], bytes], int]:
+    """What src/fast/_exec.c's read_usual takes besides the request: our root's (st_dev, st_ino,
+    mount id) and the heads cache with its bound (for the supervisor's `next_usual`)."""
+    return (*_our_root_mount(), _HEADS, _HEADS_MAX)
 
 
 def usual_request(pid: int, got: Usual) -> ExecRequest:

@@ -22,6 +22,11 @@ A `#!` script is decided on the script and on its interpreter, the dynamic loade
 (`/lib64/ld-linux-x86-64.so.2 /usr/bin/curl`) on itself and on the program it loads, the more
 restrictive winning.
 
+The usual exec the rules allow (an execve of an absolute name that src/fast/_exec.c reads whole, of
+a program with no `#!` line that the rules allow whatever its argv and depth) is answered wholly in
+C once the Python path has met its program (`_serve_usual`): read, checked, pinned and let go on
+with no Python between the notification and the answer.
+
 CONTINUE lets the kernel read the path and argv again: another thread of the caller may rewrite
 them between the decision and the exec. That race is closed by a check of what the kernel really
 loaded: before it answers CONTINUE the supervisor pins what it allowed for the calling thread
@@ -61,6 +66,7 @@ from evidence.agent.recorder.exec_resolve import (
     proc_depth,
     read_request,
     read_usual,
+    usual_context,
     usual_request,
 )
 from evidence.bundle.record_types import AuditRecord, DenialRecord
@@ -71,7 +77,10 @@ from evidence.probes import abi
 from evidence.probes.bpfsys import map_info
 
 logger = logging.getLogger(__name__)
-_fast = compiled()  # src/fast/_exec.c: serve's wait and read, `allow` (an allowed exec's answer)
+# src/fast/_exec.c: serve's wait and read, `next_usual` (that and the usual allowed exec's answer),
+# `allow` (an allowed exec's answer)
+_fast = compiled()
+OUTRIGHT_MAX = 4096  # names kept in ExecSupervisor._outright (then forgotten, and learnt again)
 
 # The kernel ABI (include/uapi/linux/seccomp.h), x86_64
 _NOTIF = struct.Struct("=QII iIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]}
@@ -349,6 +358,8 @@ class ExecSupervisor:
     # read to response issued, per exec decided on the supervisor's thread (bench/bench.py reads
     # the line stop() logs at INFO)
     round_trips: RoundTrips = field(init=False, default_factory=RoundTrips)
+    # execs `_serve_usual` left wholly to C (src/fast/_exec.c next_usual), answered or gone
+    answered_in_c: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self._waiting = threading.BoundedSemaphore(self.max_waiting)
@@ -395,6 +406,9 @@ class ExecSupervisor:
             self._stop_r = self._stop_w = self.listener = -1
 
     def serve(self) -> None:
+        if _fast is not None and self._quick and len(self.check_key) == 16:  # the usual allowed exec in C
+            self._serve_usual()
+            return
         if _fast is not None:  # the wait and the read in C: no Python runs while a caller waits
             while True:
                 try:
@@ -427,12 +441,60 @@ class ExecSupervisor:
                 return
             self.answer(note)
 
+    def _serve_usual(self) -> None:
+        """`serve` with src/fast/_exec.c next_usual: an exec whose name is in `_outright` (allowed
+        whatever its argv and depth), read whole, no `#!` line, the same file by its name here, is
+        pinned and let go on in C as `_allow_outright` would (no Python object made for it before
+        it is answered); every other one comes here read (`usual`) and is decided as `answer`
+        decides it, or refused when the rules allow it but its pin was not held."""
+        assert _fast is not None
+        outright, add = self._outright, self.round_trips.add
+        while True:
+            try:
+                got = _fast.next_usual(
+                    self.listener, self._stop_r, self.pins_fd, self.check_key, outright, *usual_context()
+                )
+            except OSError as e:
+                logger.error("exec supervisor: %s", e.strerror)
+                return
+            if got is None:  # stopped, or every process of the filter is gone
+                return
+            if type(got) is int:  # answered in C: its round trip, or -1 (nothing to answer any more)
+                self.answered_in_c += 1
+                if got >= 0:
+                    add(got)
+                continue
+            fields, usual, status = got
+            note = Notification(*fields)
+            if status == 1:  # C could not read it (out of memory, say): read again, its errors handled
+                self.answer(note)
+            elif status < 0:  # allowed outright in C, but the kernel's map did not take its pin
+                logger.warning(
+                    "exec check: the pin of thread %d is not held: %s", note.pid, os.strerror(-status)
+                )
+                self._refuse_unpinned(note, usual, None)
+            else:
+                self._answer(note, usual)
+
+    @functools.cached_property
+    def _outright(self) -> set[bytes]:
+        """The names (read_usual's `named`) of plain programs the rules allow whatever the argv and
+        the depth (`Decider.allows_outright`), not the dynamic loader: `_allowed_outright` adds
+        each it meets, and C's `next_usual` answers the next exec of one without Python."""
+        return set()
+
     def answer(self, note: Notification) -> ExecDecision | None:
         """Decide one notification. An `approve` decision waits for its approver on a thread of
         its own (the job's other execs are answered meanwhile): None is returned for it."""
+        return self._answer(note, None, read=self._quick)
+
+    def _answer(self, note: Notification, usual: Usual | None, *, read: bool = False) -> ExecDecision | None:
+        """`answer` with read_usual's `usual` when read already (None: not the usual request), or
+        (`read`) reading it first."""
         outright = None
         try:
-            usual = read_usual(note.pid, note.nr, note.args) if self._quick else None
+            if read:
+                usual = read_usual(note.pid, note.nr, note.args)
             if usual is not None:
                 outright = self._allowed_outright(note, usual)
                 req = usual_request(note.pid, usual) if outright is None else None
@@ -454,13 +516,7 @@ class ExecSupervisor:
             done = self._allow_outright(note, usual, *outright)
             if done is not None:
                 return done
-            _program, decision, depth = outright
-            try:
-                req = usual_request(note.pid, usual)
-            except Exception:  # for the record only: the exec is refused either way
-                req = None
-            refused = ExecDecision(req, decision, depth, False, "what would run cannot be pinned")
-            return self._finish(note, refused)
+            return self._refuse_unpinned(note, usual, outright)
         assert req is not None
         if req.identity is None and identity(req.program) is None:
             # the name leads to no file for the caller (a shell's PATH search tries each directory):
@@ -517,7 +573,31 @@ class ExecSupervisor:
         if depth < 0:  # a depth nobody can say: decide_request's way
             return None
         decision = decider(program, tuple(a.decode("utf-8", "surrogateescape") for a in raw_argv), depth)
-        return (program, decision, depth) if decision.decision == "allow" else None
+        if decision.decision != "allow":
+            return None
+        if named not in self._outright and decider.allows_outright(program):
+            if len(self._outright) >= OUTRIGHT_MAX:
+                self._outright.clear()
+            self._outright.add(named)  # its next exec is answered in C (`_serve_usual`)
+        return program, decision, depth
+
+    def _refuse_unpinned(
+        self, note: Notification, usual: Usual, outright: tuple[str, CommandDecision, int] | None
+    ) -> ExecDecision:
+        """Refuse an exec `_allowed_outright` allowed (`outright`; None: allowed by C's
+        `next_usual`, which takes only programs allowed whatever the argv and the depth) whose pin
+        could not be made or held: without a pin the kernel would kill it."""
+        if outright is None:
+            program = usual[2].decode("utf-8", "surrogateescape")
+            argv = tuple(a.decode("utf-8", "surrogateescape") for a in usual[1])
+            outright = (program, self._decider(program, argv, 0), 0)
+        _program, decision, depth = outright
+        try:
+            req = usual_request(note.pid, usual)
+        except Exception:  # for the record only: the exec is refused either way
+            req = None
+        refused = ExecDecision(req, decision, depth, False, "what would run cannot be pinned")
+        return self._finish(note, refused)
 
     def _allow_outright(
         self, note: Notification, usual: Usual, program: str, decision: CommandDecision, depth: int
