@@ -17,6 +17,9 @@
  *   waits (the GIL let go) while a piece is still queued: one at most, as the Python thread's
  *   queue held. An error of the thread's (OSError: the write; RuntimeError: zstd or OpenSSL) is
  *   raised by the next put or end, and nothing more is written after it.
+ * flush(): what was put before it compressed and written as far as zstandard can without ending
+ *   the frame (a flushed block: a reader of the file sees it all), waited for with the GIL let go
+ *   (the spool's flush, bundle/spool.py, once a second: a recovery reads what it holds).
  * end(): everything written and the frame ended; the thread is gone. Nothing is put after.
  * close(): the thread stopped, what it held let go (what was not written is not).
  */
@@ -34,6 +37,7 @@ typedef struct ZJob {
     PyObject *held; /* a tuple of the pieces' objects: alive until the thread is done */
     Py_ssize_t n;
     ZPiece *pieces;
+    uint64_t flush; /* a flush's number (from 1), after its pieces; 0: none */
     struct ZJob *next; /* on the done list */
 } ZJob;
 
@@ -53,6 +57,7 @@ typedef struct {
     size_t out_cap, hex_cap;
     int ended;
     int ready; /* the mutex and the condition made (tp_init got that far) */
+    uint64_t flushes, flushed; /* flushes asked for, and the last done */
 } ZFile;
 
 static void zjob_free(ZJob *j) { /* with the GIL */
@@ -141,7 +146,9 @@ static void *zfile_run(void *arg) {
         int failed = z->err != 0;
         pthread_mutex_unlock(&z->mu);
         for (Py_ssize_t k = 0; k < j->n && !failed; k++) failed = zfile_piece(z, &j->pieces[k]) != 0;
+        if (j->flush && !failed) failed = zfile_compress(z, NULL, 0, ZSTD_e_flush) != 0;
         pthread_mutex_lock(&z->mu);
+        if (j->flush) z->flushed = j->flush;
         z->working = NULL;
         j->next = z->done;
         z->done = j;
@@ -212,6 +219,8 @@ static int zfile_init(ZFile *z, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static PyObject *zfile_queue(ZFile *z, ZJob *j);
+
 static PyObject *zfile_put(ZFile *z, PyObject *arg) {
     if (!z->out || z->ended) {
         PyErr_SetString(PyExc_ValueError, "written after its end");
@@ -265,6 +274,12 @@ static PyObject *zfile_put(ZFile *z, PyObject *arg) {
             return NULL;
         }
     }
+    return zfile_queue(z, j);
+}
+
+/* `j` handed to the thread (its thread started with the first): None, or NULL with the thread's
+ * error set (j let go) */
+static PyObject *zfile_queue(ZFile *z, ZJob *j) {
     if (!z->started) {
         int r = pthread_create(&z->thread, NULL, zfile_run, z);
         if (r) {
@@ -299,6 +314,35 @@ static PyObject *zfile_put(ZFile *z, PyObject *arg) {
         return zfile_raise(z), NULL;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *zfile_flush(ZFile *z, PyObject *unused) {
+    if (!z->out || z->ended) {
+        PyErr_SetString(PyExc_ValueError, "flushed after its end");
+        return NULL;
+    }
+    zfile_reap(z);
+    if (zfile_raise(z)) return NULL;
+    ZJob *j = calloc(1, sizeof *j);
+    if (!j) return PyErr_NoMemory();
+    uint64_t mine = j->flush = ++z->flushes;
+    PyObject *queued = zfile_queue(z, j);
+    if (!queued) return NULL;
+    Py_DECREF(queued);
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&z->mu);
+    while (z->flushed < mine && !z->err) pthread_cond_wait(&z->cv, &z->mu);
+    failed = z->err != 0;
+    pthread_mutex_unlock(&z->mu);
+    Py_END_ALLOW_THREADS
+    zfile_reap(z);
+    if (failed) return zfile_raise(z), NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *zfile_fileno(ZFile *z, PyObject *unused) {
+    return PyLong_FromLong(z->fd);
 }
 
 static PyObject *zfile_end(ZFile *z, PyObject *unused) {
@@ -349,6 +393,8 @@ static void zfile_dealloc(ZFile *z) {
 
 static PyMethodDef zfile_methods[] = {
     {"put", (PyCFunction)zfile_put, METH_O, "Pieces written after those before (see above)."},
+    {"flush", (PyCFunction)zfile_flush, METH_NOARGS, "What was put written, a block flushed (see above)."},
+    {"fileno", (PyCFunction)zfile_fileno, METH_NOARGS, "Its own descriptor (-1 once closed)."},
     {"end", (PyCFunction)zfile_end, METH_NOARGS, "Everything written, the frame ended (see above)."},
     {"close", (PyCFunction)zfile_close, METH_NOARGS, "The thread stopped (see above)."},
     {NULL, NULL, 0, NULL},
