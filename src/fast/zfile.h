@@ -294,16 +294,18 @@ static PyObject *zfile_queue(ZFile *z, ZJob *j) {
     int failed;
     /* (the mutex is never held while the GIL is waited for: a thread holding the GIL may want it) */
     pthread_mutex_lock(&z->mu);
-    while (z->queued && !z->err) {
+    while (z->queued && !z->err && !z->stop) {
         pthread_mutex_unlock(&z->mu);
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&z->mu);
-        while (z->queued && !z->err) pthread_cond_wait(&z->cv, &z->mu);
+        while (z->queued && !z->err && !z->stop) pthread_cond_wait(&z->cv, &z->mu);
         pthread_mutex_unlock(&z->mu);
         Py_END_ALLOW_THREADS
         pthread_mutex_lock(&z->mu);
     }
-    failed = z->err != 0;
+    /* (stopped meanwhile: ended or closed by another thread, which nothing is written after) */
+    int stopped = z->stop;
+    failed = z->err != 0 || stopped;
     if (!failed) {
         z->queued = j;
         pthread_cond_broadcast(&z->cv);
@@ -311,6 +313,10 @@ static PyObject *zfile_queue(ZFile *z, ZJob *j) {
     pthread_mutex_unlock(&z->mu);
     if (failed) {
         zjob_free(j);
+        if (stopped && !z->err) {
+            PyErr_SetString(PyExc_ValueError, "written after its end");
+            return NULL;
+        }
         return zfile_raise(z), NULL;
     }
     Py_RETURN_NONE;

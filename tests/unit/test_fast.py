@@ -641,7 +641,12 @@ def test_zfile_says_its_threads_error_and_refuses_what_it_cannot_write(tmp_path:
         with pytest.raises(ValueError):
             z.put([(cores[:2], ends)])
         z.put([b"kept", (cores, ends)])
+        z.flush()
         z.close()
         z.close()
+        with pytest.raises(ValueError):  # closed: nothing is written after, nor flushed
+            z.put([b"after its close"])
+        with pytest.raises(ValueError):
+            z.flush()
     with pytest.raises(ValueError):
         sink._fast.ZFile(0, 10**6)  # not a zstandard level
