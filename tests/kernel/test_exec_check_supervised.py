@@ -23,23 +23,13 @@ from evidence.agent.recorder.kernel import mount_tracefs
 from evidence.policy.model import CommandsPolicy
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes
-from tests.kernel.util import as_user, in_cgroup
+from tests.kernel.util import EXEC_LAUNCHER, as_user, in_cgroup
 
 pytestmark = pytest.mark.kernel
 
 SLOT = 2
 NOBODY = 65534
 ROOT = Path(__file__).resolve().parents[2]
-
-LAUNCHER = """\
-import os, socket, sys
-from evidence.agent.recorder.exec_filter import send_listener
-from evidence.agent.recorder.exec_supervisor import install_exec_filter
-sock = socket.socket(fileno=int(sys.argv[1]))
-send_listener(sock, install_exec_filter())
-sock.close()
-os.execv(sys.argv[2], sys.argv[2:])
-"""
 
 # an exec with an empty argv (the kernel gives the program one empty argument)
 EMPTY_ARGV = "import ctypes, sys; ctypes.CDLL(None).execv(sys.argv[1].encode(), None)"
@@ -65,7 +55,7 @@ def test_what_the_supervisor_pins_is_what_the_kernel_loads_every_exec_runs(place
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", job)
+    argv = as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", job)
     proc = subprocess.Popen(
         in_cgroup(cg.procs_file(), *argv),
         pass_fds=[theirs.fileno()],

@@ -20,19 +20,9 @@ import pytest
 
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
 from evidence.policy.governance import CommandsPolicy
-from tests.kernel.util import as_user
+from tests.kernel.util import EXEC_LAUNCHER, as_user
 
 NOBODY = 65534
-
-LAUNCHER = """\
-import os, socket, sys
-from evidence.agent.recorder.exec_filter import send_listener
-from evidence.agent.recorder.exec_supervisor import install_exec_filter
-sock = socket.socket(fileno=int(sys.argv[1]))
-send_listener(sock, install_exec_filter())
-sock.close()
-os.execv(sys.argv[2], sys.argv[2:])
-"""
 
 
 def _commands(rules: list[dict[str, object]], default: str = "allow") -> CommandsPolicy:
@@ -46,7 +36,7 @@ def _run(
     decisions: list[ExecDecision] = []
     told: list[str] = []
     proc = subprocess.Popen(
-        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+        as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
         pass_fds=[theirs.fileno()],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -140,7 +130,7 @@ def test_default_deny_and_a_supervisor_gone_fails_closed(place: Path) -> None:
             NOBODY,
             sys.executable,
             "-c",
-            LAUNCHER,
+            EXEC_LAUNCHER,
             str(theirs.fileno()),
             "/bin/sh",
             "-c",
@@ -240,7 +230,7 @@ def test_what_the_supervisor_pins_is_what_the_kernel_loads(place: Path) -> None:
             NOBODY,
             sys.executable,
             "-c",
-            LAUNCHER,
+            EXEC_LAUNCHER,
             str(theirs.fileno()),
             "/bin/sh",
             "-c",
@@ -338,7 +328,7 @@ def test_a_dry_run_lets_every_exec_run_and_records_what_would_have_been_refused(
             NOBODY,
             sys.executable,
             "-c",
-            LAUNCHER,
+            EXEC_LAUNCHER,
             str(theirs.fileno()),
             "/bin/sh",
             "-c",
@@ -398,7 +388,7 @@ def test_the_supervisor_times_each_exec_from_receive_to_respond(
     ]
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen(
-        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c",
+        as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c",
                 "i=0; while [ $i -lt 200 ]; do /bin/true; i=$((i+1)); done; echo done"),
         pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=place,
     )  # fmt: skip

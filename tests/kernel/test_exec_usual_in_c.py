@@ -27,23 +27,13 @@ from evidence.agent.recorder.kernel import mount_tracefs
 from evidence.policy.model import CommandsPolicy
 from evidence.probes.headers import ensure_headers
 from evidence.probes.loader import RecorderProbes
-from tests.kernel.util import as_user, in_cgroup
+from tests.kernel.util import EXEC_FILTER_PROLOGUE, EXEC_LAUNCHER, as_user, in_cgroup
 
 pytestmark = pytest.mark.kernel
 
 SLOT = 3
 NOBODY = 65534
 ROOT = Path(__file__).resolve().parents[2]
-
-LAUNCHER = """\
-import os, socket, sys
-from evidence.agent.recorder.exec_filter import send_listener
-from evidence.agent.recorder.exec_supervisor import install_exec_filter
-sock = socket.socket(fileno=int(sys.argv[1]))
-send_listener(sock, install_exec_filter())
-sock.close()
-os.execv(sys.argv[2], sys.argv[2:])
-"""
 
 # `run(path, argv)`: a child execs `path` with `argv` (None: a NULL argv) and says how it ended:
 # ("exit", code), 100 + errno when the exec failed, or ("signal", n)
@@ -112,7 +102,7 @@ def test_the_usual_allowed_exec_is_answered_in_c_and_the_kernel_finds_its_pin(pl
     check = ExecCheck(probes, SLOT)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), sys.executable, "-S")
+    argv = as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), sys.executable, "-S")
     proc = subprocess.Popen(
         in_cgroup(cg.procs_file(), *argv, str(place / "job.py"), str(place)),
         pass_fds=[theirs.fileno()],
@@ -175,13 +165,9 @@ def test_the_usual_allowed_exec_is_answered_in_c_and_the_kernel_finds_its_pin(pl
     ], refused
 
 
-RUNS_TRUE = """\
-import os, socket, sys
-from evidence.agent.recorder.exec_filter import send_listener
-from evidence.agent.recorder.exec_supervisor import install_exec_filter
-sock = socket.socket(fileno=int(sys.argv[1]))
-send_listener(sock, install_exec_filter())
-sock.close()
+RUNS_TRUE = (
+    EXEC_FILTER_PROLOGUE
+    + """\
 for _ in range(3):
     pid = os.fork()
     if pid == 0:
@@ -191,6 +177,7 @@ for _ in range(3):
             os._exit(100 + e.errno)
     print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
+)
 
 
 def test_a_pin_the_map_does_not_take_is_refused_in_c_as_in_python(place: Path) -> None:
@@ -256,25 +243,15 @@ def test_a_name_c_knows_bound_over_in_a_namespace_of_the_jobs_own_is_not_c_s(pla
     the whole path judges it (the name leads elsewhere for it: `default: deny` refuses it); chrooted
     back to evidence's root, the name is C's again and runs evidence's true. id never runs."""
     from tests.kernel.test_red_exec_fast import _ended
-    from tests.kernel.test_red_exec_outright import RACE_RULES, _job, _refused, _uid_lines
+    from tests.kernel.test_red_exec_outright import BIND_OVER_TRUE, RACE_RULES, _job, _refused, _uid_lines
 
-    body = """\
+    body = (
+        """\
     for i in range(5):
         show(f"taught{i}", run([b"/usr/bin/true"]))
-    CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
-    old = os.open("/", os.O_PATH | os.O_DIRECTORY)
-    assert libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) == 0, ctypes.get_errno()
-    open("/proc/self/setgroups", "w").write("deny")
-    open("/proc/self/uid_map", "w").write("0 65534 1")
-    open("/proc/self/gid_map", "w").write("0 65534 1")
-    MS_REC, MS_PRIVATE, MS_BIND = 0x4000, 0x40000, 0x1000
-    assert libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0, ctypes.get_errno()
-    assert libc.mount(b"/usr/bin/id", b"/usr/bin/true", None, MS_BIND, None) == 0, ctypes.get_errno()
-    show("bound", run([b"/usr/bin/true"]))
-    os.fchdir(old)
-    os.chroot(".")
-    show("chrooted", run([b"/usr/bin/true"]))
-    """
+"""
+        + BIND_OVER_TRUE
+    )
     proc, _, events = _job(place, RACE_RULES.replace("WS", str(place)), body)
     out = proc.stdout
     assert "job=0" in out, out + proc.stderr

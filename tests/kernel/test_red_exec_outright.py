@@ -274,14 +274,9 @@ def test_a_file_rewritten_into_a_script_after_its_read_is_killed_and_recorded(pl
     assert seen["refused"] + seen["killed"] >= 1, seen  # the script was seen at least once
 
 
-def test_a_bind_mount_or_a_chroot_back_to_our_root_in_a_namespace_of_the_jobs_own(place: Path) -> None:
-    """In a user and mount namespace of its own (`unshare -Urm`), the job binds /usr/bin/id over
-    /usr/bin/true: an exec of /usr/bin/true there is not the shortcut's (its root mount is its
-    own), the name leads elsewhere for it than for evidence, so `default: deny` refuses it. Then it
-    chroots back to the root it had before (an O_PATH descriptor of evidence's own root kept across
-    unshare): its root is now ours by device, inode and mount (C's test passes), but a walk from it
-    sees evidence's mounts, not the bind: /usr/bin/true there is true (runs), never id."""
-    body = """\
+# The job, in a user and mount namespace of its own, binds /usr/bin/id over /usr/bin/true and runs
+# it ("bound"), then chroots back to the root it had before and runs it again ("chrooted")
+BIND_OVER_TRUE = """\
     CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
     old = os.open("/", os.O_PATH | os.O_DIRECTORY)
     assert libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) == 0, ctypes.get_errno()
@@ -295,7 +290,17 @@ def test_a_bind_mount_or_a_chroot_back_to_our_root_in_a_namespace_of_the_jobs_ow
     os.fchdir(old)
     os.chroot(".")
     show("chrooted", run([b"/usr/bin/true"]))
-    """
+"""
+
+
+def test_a_bind_mount_or_a_chroot_back_to_our_root_in_a_namespace_of_the_jobs_own(place: Path) -> None:
+    """In a user and mount namespace of its own (`unshare -Urm`), the job binds /usr/bin/id over
+    /usr/bin/true: an exec of /usr/bin/true there is not the shortcut's (its root mount is its
+    own), the name leads elsewhere for it than for evidence, so `default: deny` refuses it. Then it
+    chroots back to the root it had before (an O_PATH descriptor of evidence's own root kept across
+    unshare): its root is now ours by device, inode and mount (C's test passes), but a walk from it
+    sees evidence's mounts, not the bind: /usr/bin/true there is true (runs), never id."""
+    body = BIND_OVER_TRUE
     proc, _, events = _job(place, RACE_RULES.replace("WS", str(place)), body)
     out = proc.stdout
     assert "job=0" in out, out + proc.stderr

@@ -14,6 +14,19 @@ from typing import Any
 
 PY = "/usr/bin/python3"  # Debian's python: no pyenv shims in the recorded process tree
 
+# The exec supervisor's tests' launchers: the job's own process installs the seccomp filter that
+# sends its execs to a supervisor and hands the listener over the socket whose descriptor is argv[1]
+EXEC_FILTER_PROLOGUE = """\
+import os, socket, sys
+from evidence.agent.recorder.exec_filter import send_listener
+from evidence.agent.recorder.exec_supervisor import install_exec_filter
+sock = socket.socket(fileno=int(sys.argv[1]))
+send_listener(sock, install_exec_filter())
+sock.close()
+"""
+# ... then runs argv[2:] under the filter
+EXEC_LAUNCHER = EXEC_FILTER_PROLOGUE + "os.execv(sys.argv[2], sys.argv[2:])\n"
+
 
 def evidence(
     *args: str, cwd: str | Path | None = None, timeout: float = 120, **kw: Any
