@@ -7,7 +7,9 @@ beforehand (`evidence run`'s launcher, agent/recorder/exec_helper.py; `PrivateNe
 same in the calling process). Creating it in the parent means the setup runs with the recorder's
 privileges and errors are reported before anything is run; the child only does one syscall. The
 namespace is removed afterwards; sockets still open in it keep it alive until they close. Network
-first, then Landlock.
+first, then Landlock. A recorder killed before it removed its namespace (SIGKILL, a crash) leaves it
+named after its pid: the next one to create a namespace removes those whose recorder is gone
+(`remove_stale`), so that killed runs do not pile namespaces up in /run/netns.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Literal
@@ -50,6 +53,45 @@ def private_network_problem(pid: int, client: int, proc_root: Path = Path("/proc
     return None
 
 
+_NAME = re.compile(r"evidence-(\d+)-[0-9a-f]{8}")  # PrivateNetns's names: its creator's pid, 4 random bytes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - the recorder runs as root
+        return True
+    return True
+
+
+def remove_stale(run_dir: Path = Path("/run/netns")) -> list[str]:
+    """Remove the namespaces PrivateNetns left when its process died before removing them (their
+    names: PrivateNetns's, with the pid of a process that is gone); the names removed. A pid
+    taken again by another process keeps its namespace until that one is gone too."""
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or _alive(int(m[1])):
+            continue
+        try:
+            from pyroute2 import netns
+
+            netns.remove(name)
+        except OSError as e:
+            logger.warning("cannot remove the stale network namespace %s: %s", name, e)
+            continue
+        removed.append(name)
+    if removed:
+        logger.info("removed %d network namespaces of recorders that are gone", len(removed))
+    return removed
+
+
 class PrivateNetns:
     """A throwaway network namespace: empty (`none`) or with loopback up (`loopback`)."""
 
@@ -69,6 +111,7 @@ class PrivateNetns:
             from pyroute2 import NetNS, netns
         except ImportError as e:  # pragma: no cover - pyroute2 is a dependency
             raise SetupError("pyroute2 is not available") from e
+        remove_stale()
         try:
             netns.create(self.name)
         except OSError as e:
