@@ -18,8 +18,8 @@ from typing import Any
 from evidence.agent.recorder.approvals import ApprovalBroker, ApprovalRequest
 from evidence.agent.recorder.exec_supervisor import ExecDecision, ExecSupervisor, receive_listener
 from evidence.policy.governance import ApprovalsPolicy, CommandsPolicy
-from tests.kernel.test_exec_supervisor import LAUNCHER, NOBODY
-from tests.kernel.util import as_user
+from tests.kernel.test_exec_supervisor import NOBODY
+from tests.kernel.util import EXEC_LAUNCHER, as_user
 
 OWNER = 1000
 
@@ -34,7 +34,7 @@ def _commands() -> CommandsPolicy:
 def _launch(script: str, cwd: Path) -> tuple[subprocess.Popen[str], socket.socket]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen(
-        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+        as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
         pass_fds=[theirs.fileno()],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -165,7 +165,7 @@ def test_a_supervisor_killed_while_an_exec_waits_fails_that_exec(place: Path) ->
             NOBODY,
             sys.executable,
             "-c",
-            LAUNCHER,
+            EXEC_LAUNCHER,
             str(theirs.fileno()),
             "/bin/sh",
             "-c",

@@ -21,8 +21,8 @@ from evidence.agent.recorder.cgroups import RunCgroup, find_cgroup2_mount
 from evidence.agent.recorder.exec_supervisor import ExecSupervisor, receive_listener
 from evidence.policy.model import ApprovalsPolicy
 from tests.kernel.test_approvals import _commands, _launch
-from tests.kernel.test_exec_supervisor import LAUNCHER, NOBODY
-from tests.kernel.util import as_user, in_cgroup
+from tests.kernel.test_exec_supervisor import NOBODY
+from tests.kernel.util import EXEC_LAUNCHER, as_user, in_cgroup
 from tests.unit.test_api import NOT_THE_AGENT
 from tests.unit.test_approvals_api import ApprovalsBackend
 
@@ -137,7 +137,9 @@ def test_the_job_cannot_approve_its_own_exec_through_the_api(place: Path) -> Non
     proc = subprocess.Popen(
         in_cgroup(
             cg.procs_file(),
-            *as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+            *as_user(
+                NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script
+            ),
         ),
         pass_fds=[theirs.fileno()],
         stdin=subprocess.DEVNULL,

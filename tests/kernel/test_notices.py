@@ -12,8 +12,8 @@ from pathlib import Path
 from evidence.agent.recorder.exec_supervisor import ExecSupervisor, receive_listener
 from evidence.agent.recorder.notices import NoticeWriter
 from evidence.policy.governance import CommandsPolicy
-from tests.kernel.test_exec_supervisor import LAUNCHER, NOBODY
-from tests.kernel.util import as_user
+from tests.kernel.test_exec_supervisor import NOBODY
+from tests.kernel.util import EXEC_LAUNCHER, as_user
 
 
 def _job(script: str, cwd: Path, *, quiet: bool) -> tuple[str, str]:
@@ -24,7 +24,7 @@ def _job(script: str, cwd: Path, *, quiet: bool) -> tuple[str, str]:
     err_r, err_w = os.pipe()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen(
-        as_user(NOBODY, sys.executable, "-c", LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
+        as_user(NOBODY, sys.executable, "-c", EXEC_LAUNCHER, str(theirs.fileno()), "/bin/sh", "-c", script),
         pass_fds=[theirs.fileno()],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,

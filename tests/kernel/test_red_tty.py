@@ -13,9 +13,9 @@ from pathlib import Path
 import pexpect
 
 from tests.kernel.test_daemon import Agent
-from tests.kernel.test_exec_supervisor import LAUNCHER
 from tests.kernel.test_policy_via_agent import agent  # noqa: F401 - the module's agent fixture
 from tests.kernel.test_tty_approver import RECORDER, TERMINAL_OWNER
+from tests.kernel.util import EXEC_LAUNCHER
 
 TOGGLER = """\
 import os, signal, termios, time
@@ -129,7 +129,7 @@ def _answered(place: Path, job: str, answer: str, timeout: int) -> tuple[str, st
     request is answered `answer` on the recorder's terminal."""
     child = pexpect.spawn(
         sys.executable,
-        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        ["-c", RECORDER, EXEC_LAUNCHER, job, str(TERMINAL_OWNER)],
         encoding="utf-8",
         timeout=timeout,
         cwd=str(place),

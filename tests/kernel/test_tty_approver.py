@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pexpect
 
-from tests.kernel.test_exec_supervisor import LAUNCHER
+from tests.kernel.util import EXEC_LAUNCHER
 
 TERMINAL_OWNER = 1000
 
@@ -64,7 +64,7 @@ def test_a_person_answers_held_execs_on_the_recorders_terminal(place: Path) -> N
     job = "/usr/bin/id -u; echo rc=$?; /usr/bin/id -g \"$(printf 'a\\033[2Jb')\"; echo rc2=$?"
     child = pexpect.spawn(
         sys.executable,
-        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        ["-c", RECORDER, EXEC_LAUNCHER, job, str(TERMINAL_OWNER)],
         encoding="utf-8",
         timeout=60,
         cwd=str(place),
@@ -103,7 +103,7 @@ def test_keys_typed_before_the_question_answer_nothing(place: Path) -> None:
     job = "while [ ! -e go ]; do /bin/sleep 0.05; done; /usr/bin/id -u; echo rc=$?"
     child = pexpect.spawn(
         sys.executable,
-        ["-c", RECORDER, LAUNCHER, job, str(TERMINAL_OWNER)],
+        ["-c", RECORDER, EXEC_LAUNCHER, job, str(TERMINAL_OWNER)],
         encoding="utf-8",
         timeout=60,
         cwd=str(place),
@@ -132,7 +132,7 @@ def test_a_recorder_in_the_background_of_its_terminal_asks_once_back_in_the_fore
     exec held: the approver waits for the foreground instead."""
     child = pexpect.spawn(
         sys.executable,
-        ["-c", RECORDER, LAUNCHER, "/usr/bin/id -u; echo rc=$?", str(TERMINAL_OWNER), "background"],
+        ["-c", RECORDER, EXEC_LAUNCHER, "/usr/bin/id -u; echo rc=$?", str(TERMINAL_OWNER), "background"],
         encoding="utf-8",
         timeout=60,
         cwd=str(place),
