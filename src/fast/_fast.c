@@ -194,20 +194,42 @@ static int end_core(Buf *cores, Buf *ends) {
     return put(ends, (const char *)&at, sizeof at);
 }
 
-static int put_hashes(Buf *out, EVP_MD_CTX *ctx, const Buf *cores, const Buf *ends) {
-    size_t count = ends->n / sizeof(size_t), from = 0;
-    if (!count) return 0;
-    if (buf_grow(out, 65 * count)) return -1;
-    const char *e = ends->p;
-    char *o = out->p + out->n;
-    int ok = 1;
-    Py_BEGIN_ALLOW_THREADS
-    for (size_t k = 0; k < count && ok; k++) {
+/* the content hashes of `count` cores, one after the other at `cores`, each ending where `ends`
+ * (size_t offsets) says, at o[0..65 * count): 1, or 0 when OpenSSL failed (no Python call: put_hashes
+ * and zfile.h's thread call it without the GIL) */
+static int hash_run(char *o, EVP_MD_CTX *ctx, const char *cores, const char *ends, size_t count) {
+    size_t from = 0;
+    for (size_t k = 0; k < count; k++) {
         size_t to;
-        memcpy(&to, e + k * sizeof to, sizeof to);
-        ok = hash_into(o + 65 * k, ctx, cores->p + from, to - from);
+        memcpy(&to, ends + k * sizeof to, sizeof to);
+        if (!hash_into(o + 65 * k, ctx, cores + from, to - from)) return 0;
         from = to;
     }
+    return 1;
+}
+
+/* whether `ends` (n bytes of size_t offsets) are a run of cores' ends within `cores_n` bytes: in
+ * order, none past them (what hash_run reads; hash_cores and ZFile.put check what they are given) */
+static int ends_fit(const char *ends, size_t n, size_t cores_n) {
+    if (n % sizeof(size_t)) return 0;
+    size_t last = 0;
+    for (size_t k = 0; k < n / sizeof(size_t); k++) {
+        size_t to;
+        memcpy(&to, ends + k * sizeof to, sizeof to);
+        if (to < last || to > cores_n) return 0;
+        last = to;
+    }
+    return 1;
+}
+
+static int put_hashes(Buf *out, EVP_MD_CTX *ctx, const Buf *cores, const Buf *ends) {
+    size_t count = ends->n / sizeof(size_t);
+    if (!count) return 0;
+    if (buf_grow(out, 65 * count)) return -1;
+    char *o = out->p + out->n;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = hash_run(o, ctx, cores->p, ends->p, count);
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_SetString(PyExc_RuntimeError, "sha256 failed");
@@ -334,15 +356,7 @@ static PyObject *fast_hash_cores(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*", &cores, &ends)) return NULL;
     PyObject *out = NULL;
     Buf hashes = {0};
-    size_t count = (size_t)ends.len / sizeof(size_t), last = 0;
-    int ok = (size_t)ends.len % sizeof(size_t) == 0;
-    for (size_t k = 0; ok && k < count; k++) {
-        size_t to;
-        memcpy(&to, (const char *)ends.buf + k * sizeof to, sizeof to);
-        ok = to >= last && to <= (size_t)cores.len;
-        last = to;
-    }
-    if (!ok) {
+    if (!ends_fit(ends.buf, (size_t)ends.len, (size_t)cores.len)) {
         PyErr_SetString(PyExc_ValueError, "the cores' ends are not theirs");
         goto done;
     }

@@ -1,6 +1,6 @@
 /* ZFile: a file written as one zstandard frame by a thread of its own that never takes the GIL
  * (bundle/premade.py _File: full detail's premade lines and their content hashes). Included by
- * _fast.c after hash_into.
+ * _fast.c after hash_run and ends_fit.
  *
  * Why: the Python thread that compressed the premade lines took the GIL four times a piece (the
  * queue, the join, back from the compression, back from the write), each time from a correlator
@@ -110,7 +110,7 @@ static int zfile_compress(ZFile *z, const char *p, size_t n, ZSTD_EndDirective m
 
 static int zfile_piece(ZFile *z, const ZPiece *pc) { /* without the GIL: 0, or -1 with z->err set */
     if (!pc->deferred) return zfile_compress(z, pc->a, pc->an, ZSTD_e_continue);
-    size_t count = pc->bn / sizeof(size_t), from = 0;
+    size_t count = pc->bn / sizeof(size_t);
     if (65 * count > z->hex_cap) {
         char *h = realloc(z->hex, 65 * count);
         if (!h) {
@@ -120,14 +120,9 @@ static int zfile_piece(ZFile *z, const ZPiece *pc) { /* without the GIL: 0, or -
         z->hex = h;
         z->hex_cap = 65 * count;
     }
-    for (size_t k = 0; k < count; k++) {
-        size_t to;
-        memcpy(&to, pc->b + k * sizeof to, sizeof to);
-        if (!hash_into(z->hex + 65 * k, z->md, pc->a + from, to - from)) {
-            z->err = -1;
-            return -1;
-        }
-        from = to;
+    if (!hash_run(z->hex, z->md, pc->a, pc->b, count)) {
+        z->err = -1;
+        return -1;
     }
     return zfile_compress(z, z->hex, 65 * count, ZSTD_e_continue);
 }
@@ -259,16 +254,7 @@ static PyObject *zfile_put(ZFile *z, PyObject *arg) {
         pc->deferred = 1;
         pc->a = PyBytes_AS_STRING(c), pc->an = (size_t)PyBytes_GET_SIZE(c);
         pc->b = PyBytes_AS_STRING(e), pc->bn = (size_t)PyBytes_GET_SIZE(e);
-        /* the ends, checked here as hash_cores checks them: within the cores, in order */
-        int ok = pc->bn % sizeof(size_t) == 0;
-        size_t last = 0;
-        for (size_t i = 0; ok && i < pc->bn / sizeof(size_t); i++) {
-            size_t to;
-            memcpy(&to, pc->b + i * sizeof to, sizeof to);
-            ok = to >= last && to <= pc->an;
-            last = to;
-        }
-        if (!ok) {
+        if (!ends_fit(pc->b, pc->bn, pc->an)) { /* (as hash_cores checks them) */
             PyErr_SetString(PyExc_ValueError, "the cores' ends are not theirs");
             zjob_free(j);
             return NULL;
