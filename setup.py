@@ -14,7 +14,7 @@ _EXTENSIONS = [
     Extension(
         "evidence.bundle._fast",
         sources=["src/fast/_fast.c"],
-        depends=["src/fast/buf.h", "src/fast/zfile.h"],
+        depends=["src/fast/buf.h", "src/fast/zfile.h", "src/fast/lines.h"],
         libraries=["crypto", "zstd"],  # OpenSSL's SHA-256 (libssl-dev), libzstd (libzstd-dev)
         extra_compile_args=["-O2"],
         optional=True,

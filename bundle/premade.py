@@ -10,6 +10,13 @@ count of head events known when the run started, with PLACEHOLDER where the run 
 content hashes, which depend on neither, go to a second file. Both are temporary files beside the
 spool (bounded by the caps: at most Caps.decompressed bytes of lines).
 
+With the compiled module, and unless the bundle is signed, the lines are made on a thread of the
+Premade's own (`evidence-premade`) from the records' spool lines, which the spool hands over as it
+takes them: bytes, which nothing changes, whose plain opens' events C makes with the GIL let go
+(src/fast/lines.h), beside the correlator. The same batches and the same bytes as from the records
+(tests/unit/test_premade.py); one batch waits for the thread at most. A signed bundle's trace reads
+the records themselves: its lines are made on the correlator's thread, from them.
+
 When the bundle is written (bundle/writer.py), the premade lines are used if what they assumed
 holds: the same labels, the same number of head events, no cap reached (a signed bundle's trace,
 which sees every event's data, is fed the spool's records again: sink.feed_trace). The run id replaces PLACEHOLDER (bytes no canonical JSON
@@ -283,7 +290,11 @@ class Premade:
         self.capped: dict[str, int] = {}
         self.failed = False
         self.ended = False
-        self._lock = threading.Lock()  # add() on the correlator's thread, restart() on others
+        self._lock = threading.Lock()  # the lines made on one thread, restart() on others
+        # the spool lines' batches to make lines of, on `_thread` (one queued at most), or None:
+        # made on the correlator's (no compiled module, or a signed bundle's trace to feed)
+        self._queue: queue.Queue[bytes | None] | None = None if signed or _fast is None else queue.Queue(1)
+        self._thread: threading.Thread | None = None
         self._start(labels, head)
 
     def _start(self, labels: Mapping[str, str], head: int) -> None:
@@ -310,18 +321,51 @@ class Premade:
             if not self._made and not self.failed and (dict(labels) != self.labels or head != self.head):
                 self._start(labels, head)
 
-    def add(self, recs: Sequence[SpoolRecord | bytes]) -> None:
+    def add(self, recs: Sequence[SpoolRecord | bytes], lines: bytes | None = None) -> None:
         """Records as they are spooled, in order; an item that is bytes is a spool line that repeats
-        the record before it but for its time (agent/recorder/pipeline.py: a repeated open)."""
+        the record before it but for its time (agent/recorder/pipeline.py: a repeated open).
+        `lines`: their spool lines, joined (SpoolWriter's), made here when not given."""
         if self.failed or self.ended or not recs:
             return
+        if self._queue is None:
+            self._add(_marked(recs))
+            return
+        if lines is None:
+            dumps = orjson.dumps
+            lines = b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in recs)
+        with self._lock:
+            self._made = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._make, name="evidence-premade", daemon=True)
+            self._thread.start()
+        self._queue.put(lines)  # (waits while a batch is still queued)
+
+    def _add(self, items: Sequence[SpoolRecord | int | bytes]) -> None:
         with self._lock:
             self._made = True
             try:
-                self._full.add(_marked(recs))
+                self._full.add(items)
             except Exception:  # never in the way of the recording: the writer reads the spool instead
                 logger.exception("full detail's lines could not be made as the run went: made at its end")
                 self.fail()
+
+    def _make(self) -> None:
+        """The thread's: the lines' batches made in order (a spool line a record: FullWriter's items)."""
+        assert self._queue is not None
+        while (lines := self._queue.get()) is not None:
+            if not self.failed:
+                items: list[SpoolRecord | int | bytes] = lines.split(b"\n")
+                if not items[-1]:
+                    items.pop()  # (after the last newline)
+                self._add(items)
+
+    def _stop(self) -> None:
+        """The thread's batches made, and the thread gone (not called on it)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            assert self._queue is not None
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def fail(self) -> None:
         self.close()
@@ -331,6 +375,9 @@ class Premade:
         reached, nothing failed)."""
         if not self.failed and not self.ended:
             self.ended = True
+            self._stop()
+            if self.failed:  # (on the thread)
+                return False
             try:
                 self._full.end()
                 self.lines.end()
@@ -359,6 +406,7 @@ class Premade:
 
     def close(self) -> None:
         self.failed = True  # its files are gone: never used after
+        self._stop()  # (the thread makes nothing more: failed)
         self.lines.close()
         self.hashes.close()
 

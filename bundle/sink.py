@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import orjson
+
 from evidence.bundle import canonical, native
 from evidence.bundle import format as fmt
 from evidence.bundle.record_types import SpoolRecord
@@ -246,14 +248,15 @@ class EventSink:
         self.seq += 1
         return True
 
-    def write_full(self, marked: Iterable[SpoolRecord | int], capped: dict[str, int]) -> None:
+    def write_full(self, marked: Iterable[SpoolRecord | int | bytes], capped: dict[str, int]) -> None:
         """Full detail: an event per record, under the caps (what they leave out counted by type
         in `capped`). `marked` (_FullDetail.marked): the records, a record that repeats the one
         before it but for its time (a loop opening one file: the recorder spools each repeat as the
         same line with its own time) as its time alone. Such a repeat makes the same event but for
         its times, so its data is put together from the canonical bytes of the first one's, cut at
         its time (_split_at_time), instead of made and serialised again: a flood of one open is
-        written about three times as fast. The bytes are the same.
+        written about three times as fast. The bytes are the same. An item may also be a record's
+        spool line (bytes, bundle/premade.py), whose event C makes without the GIL where it can.
 
         The events are made _FULL_BATCH at a time and, when the whole batch fits under the caps
         (which is then true of each of its events: the checks of _put pass for every one), taken in
@@ -266,7 +269,7 @@ class EventSink:
         full.add(marked)
         full.end()
 
-    def _full_batch(self, items: list[SpoolRecord | int], state: _Repeats) -> bool:
+    def _full_batch(self, items: list[SpoolRecord | int | bytes], state: _Repeats) -> bool:
         """Make the events of `items` and take them in if all fit under the caps (True); else take
         in none and leave `state` as it was (False), for _full_each to make them one by one."""
         before = (state.prev, state.split, state.tried)
@@ -297,9 +300,12 @@ class EventSink:
         while i < count:
             item = items[i]
             if fast is not None:
-                # the C path (src/fast/_fast.c) from here, as far as it goes: plain opens, or repeats
-                # with their data cut at their time; what it does not take is made below
-                if item.__class__ is not int:
+                # the C path (src/fast/_fast.c) from here, as far as it goes: plain opens (as spool
+                # lines, made without the GIL: src/fast/lines.h; or as records), or repeats with their
+                # data cut at their time; what it does not take is made below
+                if item.__class__ is bytes:
+                    done = fast.open_lines(items, i, seq, id_, runid, after_source, core_mid, open_type, defer)
+                elif item.__class__ is not int:
                     done = fast.opens(
                         items, i, seq, id_, runid, after_source, core_mid, open_type, second_text, defer
                     )
@@ -321,7 +327,7 @@ class EventSink:
                     if item.__class__ is int:
                         made[etype] = made.get(etype, 0) + n
                     else:
-                        prev = cast(SpoolRecord, items[done[0] - 1])
+                        prev = cast(SpoolRecord, _record(items[done[0] - 1]))
                         split, tried = None, False
                         made[fmt.FILE_OPEN] = made.get(fmt.FILE_OPEN, 0) + n
                     pieces.append(done[1])
@@ -331,6 +337,8 @@ class EventSink:
                     i = done[0]
                     continue
             i += 1
+            if item.__class__ is bytes:  # a spool line the C path did not take: its record
+                item = _record(item)
             if item.__class__ is int:
                 t = item
                 assert prev is not None  # a repeat follows a record
@@ -438,11 +446,13 @@ class EventSink:
         return True
 
     def _full_each(
-        self, marked: Iterable[SpoolRecord | int], state: _Repeats, capped: dict[str, int]
+        self, marked: Iterable[SpoolRecord | int | bytes], state: _Repeats, capped: dict[str, int]
     ) -> None:
         """write_full's events one by one, each under the caps (_put)."""
         prev, split, tried = state.prev, state.split, state.tried
         for item in marked:
+            if item.__class__ is bytes:
+                item = _record(item)
             if item.__class__ is int:
                 t = item
                 assert prev is not None  # a repeat follows a record
@@ -488,11 +498,16 @@ class EventSink:
         return split.etype, split.parts, after_seq, b'"' + ty + b"\n", self._core_mid + s + ty
 
 
+def _record(item: SpoolRecord | int | bytes) -> SpoolRecord | int:
+    """write_full's item, a spool line (bytes: the record's JSON, bundle/premade.py) parsed."""
+    return cast(SpoolRecord, orjson.loads(item)) if item.__class__ is bytes else cast("SpoolRecord | int", item)
+
+
 _WRITES = frozenset(("write", "create"))  # an open with these: the provenance tie reads its time
 
 
 def feed_trace(
-    trace: runtime_trace.Trace, marked: Iterable[SpoolRecord | int], prev: SpoolRecord | None
+    trace: runtime_trace.Trace, marked: Iterable[SpoolRecord | int | bytes], prev: SpoolRecord | None
 ) -> SpoolRecord | None:
     """A signed bundle's trace fed the events of `marked` (write_full's items, all written), as
     emit and _full_each feed it; `prev`: the record before them (the one a first repeat repeats).
@@ -501,6 +516,8 @@ def feed_trace(
     the same), and not its time."""
     open_data = trace.open_data
     for item in marked:
+        if item.__class__ is bytes:
+            item = _record(item)
         if item.__class__ is int:
             assert prev is not None  # a repeat follows a record
             rec = prev
@@ -526,11 +543,11 @@ class FullWriter:
         self.sink = sink
         self.capped = capped
         self.state = _Repeats()
-        self.batch: list[SpoolRecord | int] = []
+        self.batch: list[SpoolRecord | int | bytes] = []
         self.near_cap = False
         self.largest = 0  # the most bytes of lines one batch took in
 
-    def add(self, marked: Iterable[SpoolRecord | int]) -> None:
+    def add(self, marked: Iterable[SpoolRecord | int | bytes]) -> None:
         batch = self.batch
         items = marked if marked.__class__ is list else list(marked)
         at, count = 0, len(items)

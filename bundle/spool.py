@@ -52,8 +52,9 @@ class SpoolWriter:
     ) -> None:
         self.path = Path(path)
         self.feed = feed
-        # full detail's lines made as records are spooled (bundle/premade.py: Premade.add), if set
-        self.events: Callable[[Sequence[SpoolRecord | bytes]], None] | None = None
+        # full detail's lines made as records are spooled (bundle/premade.py: Premade.add), if set:
+        # given the records and their spool lines (bytes, joined)
+        self.events: Callable[[Sequence[SpoolRecord | bytes], bytes], None] | None = None
         # a new file, never through a symlink or over one already there
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._raw: IO[bytes] = os.fdopen(fd, "wb")
@@ -80,7 +81,7 @@ class SpoolWriter:
             if self.feed is not None:
                 self.feed(records)
             if self.events is not None:
-                self.events(records)
+                self.events(records, data)
 
     def _write(self, data: bytes) -> None:
         """The Python path's: compressed here while batches are small, then on `_compress`'s thread."""

@@ -23,6 +23,8 @@
  *   Each returns (the index it stopped at, the lines joined, their content hashes as 64 hex digits
  *   and a newline each, the longest line's length); with `defer` true, in place of the hashes
  *   what they are taken over, (cores, ends), for
+ * - open_lines(items, i, seq, consts): opens() from the spool's lines (bytes), with the GIL let go:
+ *   the premade's own thread makes them beside the correlator (src/fast/lines.h);
  * - hash_cores(cores, ends): those hashes, made without the GIL on the premade hashes' file's own
  *   thread (bundle/premade.py), not the correlator's.
  * - merge_items(fds, lines, update): the run id's sorted runs (bundle/run_id.py _SpillSet) merged
@@ -1629,6 +1631,7 @@ done:
 }
 
 #include "zfile.h"
+#include "lines.h"
 
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
@@ -1640,6 +1643,7 @@ static PyMethodDef methods[] = {
     {"open_plain", fast_open_plain, METH_VARARGS, "An open's record, as Correlator.open_record makes it (see above)."},
     {"marked", fast_marked, METH_VARARGS, "Records with a repeated open's line as its time (see above)."},
     {"opens", fast_opens, METH_VARARGS, "The events of plain open records from items[i] (see the module's head)."},
+    {"open_lines", fast_open_lines, METH_VARARGS, "opens() from spool lines, without the GIL (src/fast/lines.h)."},
     {"repeats", fast_repeats, METH_VARARGS, "The events of repeats (times) from items[i] (see the module's head)."},
     {NULL, NULL, 0, NULL},
 };

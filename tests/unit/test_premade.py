@@ -141,7 +141,8 @@ def test_what_the_lines_assumed_does_not_hold_the_spool_makes_them(tmp_path: Pat
         premade = Premade(tmp_path, {}, 1, caps)
     spool = _spool(tmp_path, items, premade, 9)
     if what == "failed":
-        premade.add([b"not a line"])  # a line that is no repeated open: parsed, fails, given up
+        premade.add([b"not a line\n"])  # a line that is no repeated open: parsed, fails, given up
+        assert not premade.end()  # (said when its lines end: they may be made on a thread)
         assert premade.failed
     fast, manifest = _write(tmp_path, "fast.tar.gz", spool, premade, meta=meta, caps=caps, **over)
     slow, _ = _write(tmp_path, "slow.tar.gz", spool, None, meta=meta, caps=caps, **over)
