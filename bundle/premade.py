@@ -297,6 +297,12 @@ class Premade:
         self._thread: threading.Thread | None = None
         self._start(labels, head)
 
+    @property
+    def from_lines(self) -> bool:
+        """Whether the lines are made from the spool's lines alone (on the Premade's thread), so
+        that a plain open may be spooled as its line, never a dict (agent/recorder/pipeline.py)."""
+        return self._queue is not None
+
     def _start(self, labels: Mapping[str, str], head: int) -> None:
         self.labels = dict(labels)
         self.head = head  # events before the records' (run.started, degradations): their seq start

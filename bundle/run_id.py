@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from evidence.bundle import canonical
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.record_types import SpoolRecord
@@ -201,8 +203,10 @@ class Behaviour:
         max(self.sets, key=len).spill()
 
     def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
-        """Add records as they are spooled; an item that is bytes is a spool line the recorder made
-        from the record before it (a repeated open, the same but for its time): nothing new here."""
+        """Add records as they are spooled; an item that is bytes is an open's spool line: a repeated
+        open's (the record before it but for its time: nothing new), or, with the compiled module, a
+        plain open's (agent/recorder/pipeline.py: process_opens), which the C path reads (what it
+        returns it did not take, and is parsed here)."""
         add = self.add
         if self.fast_roots is not None and recs.__class__ is list:
             # plain opens' file items in C (their paths their own normal form), the rest below
@@ -213,6 +217,8 @@ class Behaviour:
         for rec in recs:
             if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
                 add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__
+            elif _fast is not None:  # (a plain open's, or a repeat: the same item again)
+                add(orjson.loads(rec))
 
     def add(self, rec: SpoolRecord) -> None:
         norm = self.norm

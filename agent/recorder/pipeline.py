@@ -470,6 +470,9 @@ class Pipeline:
                 # as this loop's: tests/unit/test_fast.py), the rest here
                 corr = session.correlator
                 if corr.fast:
+                    # (as spool lines, not dicts, where only readers of lines read them: no dict,
+                    # no orjson)
+                    as_lines = _opens_as_lines(session)
                     at, made, tail_after, rec_after = _fast.process_opens(
                         batch,
                         at,
@@ -483,11 +486,17 @@ class Pipeline:
                         corr.procs,
                         corr.wall_offset_ns,
                         None if corr.cgroup_name is None else corr._cgroups,
+                        as_lines,
                         *corr.fast_caches(),
                     )
                     if made:
                         got += made
-                        last_tail, last_rec, last_line = tail_after, rec_after, None
+                        if rec_after.__class__ is bytes:  # its repeats: its line around their times
+                            last_tail, last_line = tail_after, _line_split_at_time(rec_after)
+                        else:
+                            last_tail, last_rec, last_line = tail_after, rec_after, None
+                        if as_lines:
+                            lined.add(run)
         self.stats["decode_errors"] += errors
         self.stats["stray"] += stray
         for slot, spooled in out.items():
@@ -513,9 +522,12 @@ class Pipeline:
         still being computed (exe_hash.settle). `settle=False`: no record of `recs` is an exec (none
         can wait for a hash), so only records held back before need it. `lines`: some of `recs` are
         spool lines already (bytes), for a SpoolWriter; they become records again if anything else
-        is to look at them (a hash to settle, records held back, an observer set meanwhile)."""
-        if lines and not (settle or session.held or session.observer is not None):
-            # spool lines, only ever for a plain SpoolWriter (_takes_lines), and nothing to look at them
+        is to look at them (an exec's hash not ready, records held back, an observer set meanwhile)."""
+        if lines and not session.held and session.observer is None and (
+            not settle or exe_hash.settle(recs) == len(recs)  # (settle passes lines by: opens)
+        ):
+            # spool lines, only ever for a plain SpoolWriter (_takes_lines), and nothing to look at
+            # them but an exec's hash, which was ready
             cast(SpoolWriter, session.spool).write_many(recs)
             session.records += len(recs)
             session.dirty = True
@@ -585,6 +597,21 @@ def _takes_lines(session: Session, flags: int) -> bool:
         and session.observer is None
         and type(session.spool) is SpoolWriter
     )
+
+
+def _opens_as_lines(session: Session) -> bool:
+    """Whether process_opens may hand `session`'s plain opens over as their spool lines: its spool
+    takes lines (_takes_lines), and what reads its records reads lines too: the run id's Behaviour
+    (bundle/run_id.py add_many) and full detail's Premade when it makes its events from the spool's
+    lines (not a signed bundle's, whose trace reads the records)."""
+    return _takes_lines(session, 0) and (session.premade is None or session.premade.from_lines)
+
+
+def _line_split_at_time(line: bytes) -> tuple[bytes, bytes]:
+    """_line_around_time of an open's spool line (process_opens's, with its newline)."""
+    if not line.startswith(_OPEN_LINE_HEAD):  # pragma: no cover - open_line writes "k", then "t"
+        raise ValueError("an open's line that does not start with its kind and time")
+    return _OPEN_LINE_HEAD, line[line.index(b",", len(_OPEN_LINE_HEAD)) :]
 
 
 def _line_around_time(rec: Correlated) -> tuple[bytes, bytes]:

@@ -573,6 +573,8 @@ fail:
     return NULL;
 }
 
+#include "lines.h" /* open_lines, and the spool lines' reader add_files uses */
+
 /* needs_normal(path, roots): whether Normalizer.text may change `path` (bundle/normalize.py): it
  * is one of the roots or below one, or it holds what a builtin rule starts from ("/proc/", "tmp",
  * 32 hex digits). 0: it is its own normal form. */
@@ -609,8 +611,8 @@ static int same_items(PyObject *l, PyObject *t) {
 /* LineSet: the run id's file items of plain opens (bundle/run_id.py _SpillSet.fast), each kept as
  * its line in a sorted run (repr, a tab, canonical JSON, a newline) and nothing else: no tuple, no
  * bytes object, no set entry of Python's per item. The lines sit back to back in one arena, found
- * again through a table keyed by the item's hash (its fields' hashes, Python's keyed ones, mixed as
- * a tuple's: a job cannot flood it with names made to collide), compared by their bytes. A spill
+ * again through a table keyed by the hash of the line's bytes (Python's keyed one, _Py_HashBytes: a
+ * job cannot flood it with names made to collide), compared by their bytes. A spill
  * sorts them as Python sorts bytes (memcmp, then the shorter first) and writes them to a file
  * without the GIL. An item the Python path also holds (Behaviour.add's, in the set's `items`) may
  * be in both: the merge of the sorted runs takes each line once (_SpillSet.canonical_items). */
@@ -705,20 +707,6 @@ static int lineset_add(LineSet *ls, const char *line, size_t n, Py_hash_t h) {
     return 1;
 }
 
-/* an item's hash from its fields' (Python's keyed hashes), mixed as CPython mixes a tuple's */
-static Py_hash_t item_hash(PyObject *const *fields, int n) {
-    uint64_t acc = 0x27D4EB2F165667C5ULL;
-    for (int k = 0; k < n; k++) {
-        Py_hash_t h = PyObject_Hash(fields[k]);
-        if (h == -1) return -1;
-        acc += (uint64_t)h * 0xC2B2AE3D27D4EB4FULL;
-        acc = (acc << 31) | (acc >> 33);
-        acc *= 0x9E3779B185EBCA87ULL;
-    }
-    Py_hash_t out = (Py_hash_t)acc;
-    return out == -1 ? 1546275796 : out;
-}
-
 typedef struct {
     const char *p;
     uint32_t n;
@@ -786,10 +774,71 @@ static PyObject *lineset_lines(LineSet *ls, PyObject *unused) {
     return out;
 }
 
+/* a JSON string's content at v[1..vn-1) as repr writes the string, when both are the bytes
+ * themselves: printable ASCII without an escape, a quote or a backslash (put_repr's own case) */
+static int plain_text(const char *v, size_t vn) {
+    if (vn < 2 || v[0] != '"' || v[vn - 1] != '"') return 0;
+    for (size_t k = 1; k + 1 < vn; k++)
+        if (v[k] < 0x20 || v[k] > 0x7e || v[k] == '\'' || v[k] == '\\' || v[k] == '"') return 0;
+    return 1;
+}
+
+/* The file item of an open's spool line (s, n: orjson's JSON of the record), as add_files makes it
+ * of the record, into `item`: 1; 0 when it is not one taken here (Behaviour.add's, after parsing:
+ * another kind, a path the Normalizer may change or not plain_text, a value of another form). */
+static int line_item(Buf *item, const char *s, size_t n, PyObject *roots) {
+    LField f[LFIELDS];
+    int nf;
+    unsigned long long t;
+    const char *path;
+    size_t path_n;
+    if (!read_line(s, n, f, &nf, &t, &path, &path_n) || !plain_text(path, path_n) ||
+        needs_normal(path + 1, (Py_ssize_t)path_n - 2, roots))
+        return 0;
+    const LField *access = NULL, *res = NULL;
+    for (int k = 0; k < nf; k++) {
+        if (key_is(&f[k], "access", 6)) access = &f[k];
+        else if (key_is(&f[k], "result", 6)) res = &f[k];
+    }
+    if (!access || !res || access->v[0] != '[') return 0;
+    item->n = 0;
+    if (put(item, "(", 1) || put(item, "'", 1) || put(item, path + 1, path_n - 2) || put(item, "', (", 4)) return -1;
+    /* the access list's strings, as a tuple's repr */
+    const char *a = access->v + 1, *e = access->v + access->vn - 1;
+    int count = 0;
+    while (a < e) {
+        const char *end = skip_value(a, e, 1);
+        if (!end || !plain_text(a, (size_t)(end - a))) return 0;
+        if ((count && put(item, ", ", 2)) || put(item, "'", 1) || put(item, a + 1, (size_t)(end - a) - 2) ||
+            put(item, "'", 1))
+            return -1;
+        count++;
+        if (end < e && *end != ',') return 0;
+        a = end + (end < e);
+    }
+    if (put(item, count == 1 ? ",), " : "), ", count == 1 ? 4 : 3)) return -1;
+    /* the result: a small integer as itself, or a plain string */
+    if (res->v[0] == '"') {
+        if (!plain_text(res->v, res->vn)) return 0;
+        if (put(item, "'", 1) || put(item, res->v + 1, res->vn - 2) || put(item, "'", 1)) return -1;
+    } else {
+        const char *d = res->v + (res->v[0] == '-');
+        if (res->vn > 19 || d >= res->v + res->vn || *d < '0' || *d > '9') return 0;
+        if (put(item, res->v, res->vn)) return -1;
+    }
+    if (put(item, ")\t[", 3) || put(item, path, path_n) || put(item, ",", 1) || put(item, access->v, access->vn) ||
+        put(item, ",", 1) || put(item, res->v, res->vn) || put(item, "]\n", 2))
+        return -1;
+    return 1;
+}
+
 /* add_files(records, roots): what Behaviour.add adds to its files for each open of `records` whose
  * path is its own normal form (needs_normal), as lines here. Returns (how many were new, the
  * records it did not take: every other kind, opens whose path the Normalizer may change, and those
- * with a value not written here, for Behaviour.add); a spool line (bytes) adds nothing. */
+ * with a value not written here, for Behaviour.add). An open's spool line (bytes: process_opens's)
+ * is read as its record (line_item), and one that repeats the line before it but for its time (the
+ * same bytes after it) adds nothing; a line not taken is in what it returns, for Behaviour.add_many
+ * to parse. */
 static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
     PyObject *recs, *roots;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &recs, &PyTuple_Type, &roots)) return NULL;
@@ -803,10 +852,35 @@ static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
     if (!rest) return NULL;
     PyObject *last_list = NULL, *last_acc = NULL; /* the last access list and its tuple */
     Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
+    const char *tail_before = NULL; /* the line before: its bytes after its time (none: a record) */
+    size_t tail_before_n = 0;
+    static const char HEAD[] = "{\"k\":\"open\",\"t\":";
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i);
-        if (PyBytes_CheckExact(rec)) continue;
         int took = 0;
+        if (PyBytes_CheckExact(rec)) {
+            const char *ls_ = PyBytes_AS_STRING(rec);
+            size_t ln = (size_t)PyBytes_GET_SIZE(rec), at = sizeof HEAD - 1;
+            const char *tail = NULL;
+            if (ln > at && !memcmp(ls_, HEAD, at)) {
+                while (at < ln && ls_[at] >= '0' && ls_[at] <= '9') at++;
+                tail = ls_ + at;
+            }
+            if (tail && tail_before && ln - at == tail_before_n && !memcmp(tail, tail_before, tail_before_n))
+                continue; /* a repeat: the same item */
+            tail_before = tail, tail_before_n = tail ? ln - at : 0;
+            int r = line_item(&line, ls_, ln, roots);
+            if (r < 0) goto fail;
+            if (r == 1) {
+                int got = lineset_add(ls, line.p, line.n, _Py_HashBytes(line.p, (Py_ssize_t)line.n));
+                if (got < 0) goto fail;
+                added += got;
+                continue;
+            }
+            if (PyList_Append(rest, rec) < 0) goto fail;
+            continue;
+        }
+        tail_before = NULL;
         if (PyDict_CheckExact(rec)) {
             PyObject *k = PyDict_GetItemWithError(rec, K);
             PyObject *path = k ? PyDict_GetItemWithError(rec, PATH) : NULL;
@@ -833,7 +907,6 @@ static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
                     if (!acc) goto fail;
                     /* its line in a sorted run: repr, a tab, canonical JSON (_SpillSet), as of the
                      * tuple (path, access, result); r 0: a value not written here, for Behaviour.add */
-                    PyObject *fields[3] = {path, acc, res};
                     line.n = 0;
                     int r = put(&line, "(", 1) || put_repr(&line, path, 1) || put(&line, ", ", 2) ||
                                     put_repr(&line, acc, 1) || put(&line, ", ", 2) || put_repr(&line, res, 1) ||
@@ -846,8 +919,7 @@ static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
                     if (r == 1) r = put_value(&line, res, 1);
                     if (r == 1 && put(&line, "]\n", 2)) r = -1;
                     if (r == 1) {
-                        Py_hash_t h = item_hash(fields, 3);
-                        int got = h == -1 ? -1 : lineset_add(ls, line.p, line.n, h);
+                        int got = lineset_add(ls, line.p, line.n, _Py_HashBytes(line.p, (Py_ssize_t)line.n));
                         if (got < 0) r = -1;
                         else added += got;
                     }
@@ -994,9 +1066,37 @@ typedef struct {
     Py_ssize_t limit;
 } Caches;
 
-/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL */
+/* The record's spool line (orjson.dumps of the dict open_core makes, and a newline: the same keys in
+ * the same order, each value as put_value writes it, which is orjson's way) into `b`: 1; 0 when a
+ * value is one put_value does not write (the dict is made instead); -1 with an error set. */
+static int open_line(Buf *b, PyObject *t, PyObject *pid, PyObject *ppid, PyObject *exe, PyObject *path,
+                     PyObject *raw_path, long long dfd, PyObject *names, PyObject *access, PyObject *mode,
+                     PyObject *res, long long nlink) {
+    b->n = 0;
+    struct {
+        const char *key;
+        PyObject *v;
+    } parts[] = {{"{\"k\":\"open\",\"t\":", t}, {",\"pid\":", pid},          {",\"ppid\":", ppid},
+                 {",\"exe\":", exe},               {",\"path\":", path},        {",\"raw_path\":", raw_path},
+                 {",\"dirfd\":", NULL},            {",\"flags\":", names},      {",\"access\":", access},
+                 {",\"mode\":", mode},             {",\"result\":", res}};
+    for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++) {
+        if (put(b, parts[k].key, strlen(parts[k].key))) return -1;
+        int r = 1;
+        if (parts[k].v)
+            r = put_value(b, parts[k].v, 0);
+        else if (dfd == -100 ? put(b, "null", 4) : put_i64(b, dfd))
+            r = -1;
+        if (r <= 0) return r;
+    }
+    if (nlink > 1 && (put(b, ",\"nlink\":", 9) || put_i64(b, nlink))) return -1;
+    return put(b, "}\n", 2) ? -1 : 1;
+}
+
+/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL. With
+ * `line`, the record's spool line (bytes, open_line's) in place of its dict, where it can be made. */
 static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, long long dfd, long long oflags,
-                           long long mode, long long ret, PyObject *rino, long long nlink) {
+                           long long mode, long long ret, PyObject *rino, long long nlink, Buf *line) {
     PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
              *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
     Py_ssize_t limit = c->limit;
@@ -1082,6 +1182,24 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         Py_XDECREF(ppid);
         goto fail;
     }
+    if (line) {
+        PyObject *m = creates ? PyLong_FromLongLong(mode) : Py_NewRef(Py_None);
+        int r = m ? open_line(line, t, pid, ppid, exe, path, raw_path, dfd, names, access, m, res, nlink) : -1;
+        Py_XDECREF(m);
+        if (r == 1) rec = PyBytes_FromStringAndSize(line->p, (Py_ssize_t)line->n);
+        if (r < 0 || (r == 1 && !rec)) {
+            Py_DECREF(pid);
+            Py_DECREF(ppid);
+            Py_DECREF(exe);
+            goto fail;
+        }
+    }
+    if (rec) {
+        Py_DECREF(pid);
+        Py_DECREF(ppid);
+        Py_DECREF(exe);
+        goto fds;
+    }
     rec = PyDict_New();
     int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
               PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
@@ -1102,6 +1220,7 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         if (!tmp || PyDict_SetItem(rec, S_NLINK, tmp)) goto fail;
         Py_CLEAR(tmp);
     }
+fds:
     if (ret >= 0) { /* the descriptor now names `path` (while it names inode `rino`) */
         PyObject *fds = PyObject_GetAttr(p, S_FDS);
         if (!fds) goto fail;
@@ -1142,7 +1261,7 @@ static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
                           &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
                           &c.result_cache))
         return NULL;
-    return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink);
+    return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink, NULL);
 }
 
 /* The open record's layout this file knows (agent/recorder/decode.py OPEN_REC): its fields are read
@@ -1192,25 +1311,28 @@ static void open_read(const char *rs, OpenFields *o) {
 }
 
 /* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
- *               wall_offset, cgroups, <open_plain's caches>)
+ *               wall_offset, cgroups, as_lines, <open_plain's caches>)
  * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
  * opens of run `run` (not a repeat of the record before: its bytes after the time differ from
  * `last_tail`, none of `stop_flags`, an absolute name, a process in `procs`, the run's own cgroup:
  * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s,
- * read in place (open_read) when unpack's struct has OPEN_FORMAT, else none is taken. Returns (the
- * index it stopped at, their records, the last one's bytes after its time or None, its record or
- * None). */
+ * read in place (open_read) when unpack's struct has OPEN_FORMAT, else none is taken. `as_lines`: a
+ * record as its spool line (bytes: open_line), not a dict, wherever one can be made (for a run whose
+ * spool takes lines: pipeline.py _takes_lines). Returns (the index it stopped at, their records, the
+ * last one's bytes after its time or None, its record or None). */
 static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     PyObject *batch, *last_tail, *unpack, *open_kind, *procs, *wall_offset, *cgroups;
     Py_ssize_t i, kind_off, path_off;
     long long run, stop_flags;
+    int as_lines;
     Caches c;
-    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
+    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOpO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
                           &kind_off, &PyBytes_Type, &open_kind, &path_off, &stop_flags, &PyDict_Type, &procs,
-                          &wall_offset, &cgroups, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
-                          &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
-                          &c.result_cache))
+                          &wall_offset, &cgroups, &as_lines, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs,
+                          &c.dir_names, &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of,
+                          &PyDict_Type, &c.result_cache))
         return NULL;
+    Buf line = {0};
     if (!PyBytes_CheckExact(last_tail) || PyBytes_GET_SIZE(open_kind) != 2) {
         PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
         return NULL;
@@ -1263,7 +1385,9 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         }
         PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
         PyObject *rino = path ? (o.ret >= 0 ? PyLong_FromUnsignedLongLong(o.rino) : Py_NewRef(Py_None)) : NULL;
-        PyObject *rec = rino ? open_core(&c, p, t, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink) : NULL;
+        PyObject *rec =
+            rino ? open_core(&c, p, t, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink, as_lines ? &line : NULL)
+                 : NULL;
         Py_XDECREF(t);
         Py_XDECREF(path);
         Py_XDECREF(rino);
@@ -1285,8 +1409,10 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     PyObject *lt = last < 0 ? Py_NewRef(Py_None)
                             : PyBytes_FromStringAndSize(tail, tail_n);
     if (!lt) goto fail;
+    free(line.p);
     return Py_BuildValue("(nNNN)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None));
 fail:
+    free(line.p);
     Py_DECREF(out);
     Py_XDECREF(last_rec);
     return NULL;
@@ -1631,7 +1757,6 @@ done:
 }
 
 #include "zfile.h"
-#include "lines.h"
 
 static PyMethodDef methods[] = {
     {"ring_read", fast_ring_read, METH_VARARGS, "RingBuffer.read's loop (see above)."},
