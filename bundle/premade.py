@@ -360,7 +360,7 @@ class Premade:
         assert self._queue is not None
         while (lines := self._queue.get()) is not None:
             if not self.failed:
-                items: list[SpoolRecord | int | bytes] = lines.split(b"\n")
+                items = lines.split(b"\n")
                 if not items[-1]:
                     items.pop()  # (after the last newline)
                 self._add(items)

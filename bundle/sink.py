@@ -304,7 +304,9 @@ class EventSink:
                 # lines, made without the GIL: src/fast/lines.h; or as records), or repeats with their
                 # data cut at their time; what it does not take is made below
                 if item.__class__ is bytes:
-                    done = fast.open_lines(items, i, seq, id_, runid, after_source, core_mid, open_type, defer)
+                    done = fast.open_lines(
+                        items, i, seq, id_, runid, after_source, core_mid, open_type, defer
+                    )
                 elif item.__class__ is not int:
                     done = fast.opens(
                         items, i, seq, id_, runid, after_source, core_mid, open_type, second_text, defer
@@ -500,7 +502,9 @@ class EventSink:
 
 def _record(item: SpoolRecord | int | bytes) -> SpoolRecord | int:
     """write_full's item, a spool line (bytes: the record's JSON, bundle/premade.py) parsed."""
-    return cast(SpoolRecord, orjson.loads(item)) if item.__class__ is bytes else cast("SpoolRecord | int", item)
+    return (
+        cast(SpoolRecord, orjson.loads(item)) if item.__class__ is bytes else cast("SpoolRecord | int", item)
+    )
 
 
 _WRITES = frozenset(("write", "create"))  # an open with these: the provenance tie reads its time

@@ -685,7 +685,7 @@ def settle(recs: Sequence[SpoolRecord | bytes], wait: bool = False) -> int:
     how many of `recs`, from the start, can be spooled now: records stay in order, so those after a
     pending one wait too. (An item that is bytes is an open's spool line: it waits for nothing.)"""
     for i, rec in enumerate(recs):
-        if rec.__class__ is bytes or rec["k"] != "exec":  # only an exec's record waits for a hash
+        if isinstance(rec, bytes) or rec["k"] != "exec":  # only an exec's record waits for a hash
             continue
         pending = rec.get(PENDING)
         if not isinstance(pending, Pending):  # None: its fields are there already

@@ -523,8 +523,13 @@ class Pipeline:
         can wait for a hash), so only records held back before need it. `lines`: some of `recs` are
         spool lines already (bytes), for a SpoolWriter; they become records again if anything else
         is to look at them (an exec's hash not ready, records held back, an observer set meanwhile)."""
-        if lines and not session.held and session.observer is None and (
-            not settle or exe_hash.settle(recs) == len(recs)  # (settle passes lines by: opens)
+        if (
+            lines
+            and not session.held
+            and session.observer is None
+            and (
+                not settle or exe_hash.settle(recs) == len(recs)  # (settle passes lines by: opens)
+            )
         ):
             # spool lines, only ever for a plain SpoolWriter (_takes_lines), and nothing to look at
             # them but an exec's hash, which was ready

@@ -126,6 +126,48 @@ def test_c_and_python_write_the_same_bytes(items: list[Any]) -> None:
     assert _written(items, True) == _written(items, False)
 
 
+def _spool_lines(items: list[Any]) -> list[Any]:
+    """`items` as a recorder spools them: each record, and each repeat (a time: the record before
+    it at that time), as its spool line (orjson's JSON); a record orjson refuses stays a record."""
+    import orjson
+
+    out: list[Any] = []
+    prev: dict[str, Any] | None = None
+    for it in items:
+        rec = dict(prev or {}, t=it) if isinstance(it, int) else it
+        prev = rec if not isinstance(it, int) else prev
+        try:
+            out.append(orjson.dumps(rec) + b"\n")
+        except TypeError:  # past 64 bits, not UTF-8: never in a spool
+            out.append(it)
+    return out
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_item, max_size=40))
+def test_c_makes_the_same_events_from_spool_lines(items: list[Any]) -> None:
+    """open_lines (src/fast/lines.h): the events of records given as their spool lines are the
+    Python path's of the records, whatever C takes and leaves (another kind, a float, an object,
+    "n", a time past 64 bits), and C takes the plain opens' lines."""
+    from evidence.bundle import canonical
+
+    while items and isinstance(items[0], int):  # a repeat follows a record
+        items.pop(0)
+    lines = _spool_lines(items)
+    assert _written(lines, True) == _written(items, False) == _written(lines, False)
+    s = EventSink(_Out(), "run-" + "5" * 32)
+    plain = {
+        "k": "open", "t": 1_700_000_000_000_000_000, "pid": 1, "ppid": 0, "exe": None, "path": "/a",
+        "raw_path": "/a", "dirfd": None, "flags": ["O_RDONLY"], "access": ["read"], "mode": None, "result": 0,
+    }  # fmt: skip
+    took = sink._fast.open_lines(
+        [canonical.dumps_unchecked(plain)] * 2, 0, 0, s._id, s._runid, s._source + b',"subject":',
+        s._core_mid, s._type(fmt.FILE_OPEN), False,
+    )  # fmt: skip
+    assert took[0] == 2
+
+
 @needs_fast
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_open, st.lists(st.one_of(_time, st.just(None)), min_size=1, max_size=3000))

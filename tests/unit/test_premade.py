@@ -22,20 +22,24 @@ from evidence.bundle.writer import RECORDING_ITEMS, Behaviour, Caps, write_bundl
 from tests.unit import conftest_bundles as cb
 
 
-def _items(n: int, seed: int) -> list[dict[str, Any] | bytes]:
-    """What a recorder spools: records, and repeated opens as their spool line (pipeline.py)."""
+def _items(n: int, seed: int, plain_lines: bool = True) -> list[dict[str, Any] | bytes]:
+    """What a recorder spools: records, plain opens as their spool line (pipeline.py: process_opens;
+    not for a signed run's, `plain_lines` False), and repeated opens as their spool line (pipeline.py)."""
     rng = random.Random(seed)
     out: list[dict[str, Any] | bytes] = []
     odd = ["/w/\u00e9\u4e2d\U0001f600", '/w/q"b\\s', "/w/ctl\x01\x1f\x7f", "/w/\u2028l", "/w/\0nul"]
     for i in range(n):
         r = rng.random()
-        if r < 0.4 and out and isinstance(out[-1], dict | bytes):
-            last = next(x for x in reversed(out) if isinstance(x, dict))
+        if r < 0.4 and out:
+            last = out[-1] if isinstance(out[-1], dict) else orjson.loads(out[-1])
             if last["k"] == "open":  # a repeat of it, as the pipeline spools it: its line, its own time
-                head, tail = _line_around_time(last)  # type: ignore[arg-type]
+                head, tail = _line_around_time(last)
                 out.append(head + b"%d" % (cb.T0 + 10 * i) + tail)
                 continue
-        if r < 0.7:
+        if r < 0.55 and plain_lines:
+            plain = cb.open_(10 * i, f"/w/d{i % 3}/f{i}", ["read"], result="ENOENT" if i % 2 else 0)
+            out.append(orjson.dumps(plain) + b"\n")
+        elif r < 0.7:
             out.append(cb.open_(10 * i, f"/w/d{i % 3}/f{i}", ["read"], result="ENOENT" if i % 2 else 0))
         elif r < 0.8:
             out.append(cb.open_(10 * i, rng.choice(odd), ["write", "create"]))
@@ -96,6 +100,33 @@ def test_premade_lines_are_the_bundle_made_from_the_spool(tmp_path: Path, seed: 
     assert manifest["events"] == n + 2
     events = list(open_bundle(tmp_path / "fast.tar.gz").events())  # verifies: hashes, seq, run id
     assert all(e["runid"] == manifest["run_id"] for e in events)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_signed_runs_premade_lines_are_made_from_its_records_alike(tmp_path: Path, seed: int) -> None:
+    """A signed bundle's premade lines are made on the correlator's thread from the records (its
+    trace reads them), the others' on the premade's own thread from the spool lines: the same bytes."""
+    items = _items(3000, seed, plain_lines=False)
+    signed, threaded = Premade(tmp_path, {}, 1, signed=True), Premade(tmp_path, {}, 1)
+    assert not signed.from_lines and threaded.from_lines
+    bundles = []
+    for k, premade in enumerate((signed, threaded)):
+        spool = _spool(tmp_path, items, premade, seed + 10 * k)
+        bundles.append(_write(tmp_path, f"b{k}.tar.gz", spool, premade, reads=False)[0])
+    assert bundles[0] == bundles[1]
+
+
+def test_a_premade_closed_with_batches_queued_stops_its_thread(tmp_path: Path) -> None:
+    """close() while the thread has a batch queued: the thread makes nothing more and is gone."""
+    premade = Premade(tmp_path, {}, 1)
+    items = _items(5000, 6)
+    for k in range(0, len(items), 500):
+        premade.add(items[k : k + 500])  # type: ignore[arg-type]
+    thread = premade._thread
+    assert thread is not None
+    premade.close()
+    assert not thread.is_alive() and premade._thread is None
+    assert premade.failed and not premade.end()
 
 
 def test_no_line_holds_the_placeholders_bytes_but_in_its_places(tmp_path: Path) -> None:
