@@ -86,11 +86,9 @@ static int put_i64(Buf *b, long long v) {
 
 static const char HEX[] = "0123456789abcdef";
 
-/* a JSON string of UTF-8 bytes s[0..n), escaped as orjson escapes */
-static int put_json_str(Buf *b, const char *s, size_t n) {
-    if (buf_grow(b, n * 6 + 2)) return -1;
-    char *o = b->p + b->n;
-    *o++ = '"';
+/* the UTF-8 bytes s[0..n) escaped as orjson escapes them in a JSON string, at o (room for 6 * n
+ * bytes); where they end */
+static inline char *escaped(char *o, const char *s, size_t n) {
     for (size_t k = 0; k < n; k++) {
         unsigned char c = (unsigned char)s[k];
         if (c >= 0x20 && c != '"' && c != '\\') {
@@ -114,10 +112,23 @@ static int put_json_str(Buf *b, const char *s, size_t n) {
                 *o++ = HEX[c & 15];
         }
     }
+    return o;
+}
+
+/* a JSON string of the UTF-8 bytes s[0..n) and then t[0..tn) (a name's two parts: its directory's
+ * and its own), escaped as orjson escapes */
+static int put_json_str2(Buf *b, const char *s, size_t n, const char *t, size_t tn) {
+    if (buf_grow(b, (n + tn) * 6 + 2)) return -1;
+    char *o = b->p + b->n;
+    *o++ = '"';
+    o = escaped(o, s, n);
+    o = escaped(o, t, tn);
     *o++ = '"';
     b->n = (size_t)(o - b->p);
     return 0;
 }
+
+static int put_json_str(Buf *b, const char *s, size_t n) { return put_json_str2(b, s, n, NULL, 0); }
 
 /* 1: written; 0: a value this does not write (the Python path does); -1: an error set */
 static int put_value(Buf *b, PyObject *v, int depth) {
@@ -1064,43 +1075,83 @@ static PyObject *cached(PyObject *cache, PyObject *key, PyObject *make) {
 typedef struct {
     PyObject *paths, *dirs, *dir_names, *open_flags, *flag_cache, *result_of, *result_cache;
     Py_ssize_t limit;
+    /* one call's memos (strong references, let go by caches_drop): the last directory looked up in
+     * `dirs` and its names, the last flags and their names and access */
+    PyObject *where, *known, *fl;
+    long long fl_oflags;
 } Caches;
+
+static void caches_drop(Caches *c) {
+    Py_CLEAR(c->where);
+    Py_CLEAR(c->known);
+    Py_CLEAR(c->fl);
+}
+
+/* A name as two runs of UTF-8 bytes, one after the other (a directory's resolved name and a leaf;
+ * b NULL: one run), borrowed from strings or a record that outlive its use. */
+typedef struct {
+    const char *a, *b;
+    Py_ssize_t an, bn;
+} Text;
+
+/* a string's UTF-8 as a Text: 1, or 0 for one that is not an exact str of UTF-8 (a lone surrogate) */
+static int text_of(PyObject *s, Text *t) {
+    if (!PyUnicode_CheckExact(s)) return 0;
+    t->a = PyUnicode_AsUTF8AndSize(s, &t->an);
+    t->b = NULL, t->bn = 0;
+    if (!t->a) PyErr_Clear();
+    return t->a != NULL;
+}
+
+static int text_starts(const Text *t, const char *prefix) {
+    size_t n = strlen(prefix), first = (size_t)t->an < n ? (size_t)t->an : n;
+    if (memcmp(t->a, prefix, first)) return 0;
+    return first == n || ((size_t)t->bn >= n - first && !memcmp(t->b, prefix + first, n - first));
+}
 
 /* The record's spool line (orjson.dumps of the dict open_core makes, and a newline: the same keys in
  * the same order, each value as put_value writes it, which is orjson's way) into `b`: 1; 0 when a
  * value is one put_value does not write (the dict is made instead); -1 with an error set. */
-static int open_line(Buf *b, PyObject *t, PyObject *pid, PyObject *ppid, PyObject *exe, PyObject *path,
-                     PyObject *raw_path, long long dfd, PyObject *names, PyObject *access, PyObject *mode,
-                     PyObject *res, long long nlink) {
+static int open_line(Buf *b, long long t, PyObject *pid, PyObject *ppid, PyObject *exe, const Text *path,
+                     const Text *raw_path, long long dfd, PyObject *names, PyObject *access, int creates,
+                     long long mode, PyObject *res, long long nlink) {
     b->n = 0;
-    struct {
-        const char *key;
-        PyObject *v;
-    } parts[] = {{"{\"k\":\"open\",\"t\":", t}, {",\"pid\":", pid},          {",\"ppid\":", ppid},
-                 {",\"exe\":", exe},               {",\"path\":", path},        {",\"raw_path\":", raw_path},
-                 {",\"dirfd\":", NULL},            {",\"flags\":", names},      {",\"access\":", access},
-                 {",\"mode\":", mode},             {",\"result\":", res}};
-    for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++) {
-        if (put(b, parts[k].key, strlen(parts[k].key))) return -1;
-        int r = 1;
-        if (parts[k].v)
-            r = put_value(b, parts[k].v, 0);
-        else if (dfd == -100 ? put(b, "null", 4) : put_i64(b, dfd))
-            r = -1;
-        if (r <= 0) return r;
-    }
+    int r;
+    if (put(b, "{\"k\":\"open\",\"t\":", 16) || put_i64(b, t) || put(b, ",\"pid\":", 7)) return -1;
+    if ((r = put_value(b, pid, 0)) <= 0) return r;
+    if (put(b, ",\"ppid\":", 8)) return -1;
+    if ((r = put_value(b, ppid, 0)) <= 0) return r;
+    if (put(b, ",\"exe\":", 7)) return -1;
+    if ((r = put_value(b, exe, 0)) <= 0) return r;
+    if (put(b, ",\"path\":", 8) || put_json_str2(b, path->a, (size_t)path->an, path->b, (size_t)path->bn) ||
+        put(b, ",\"raw_path\":", 12) ||
+        put_json_str2(b, raw_path->a, (size_t)raw_path->an, raw_path->b, (size_t)raw_path->bn) ||
+        put(b, ",\"dirfd\":", 9) || (dfd == -100 ? put(b, "null", 4) : put_i64(b, dfd)) ||
+        put(b, ",\"flags\":", 9))
+        return -1;
+    if ((r = put_value(b, names, 0)) <= 0) return r;
+    if (put(b, ",\"access\":", 10)) return -1;
+    if ((r = put_value(b, access, 0)) <= 0) return r;
+    if (put(b, ",\"mode\":", 8) || (creates ? put_i64(b, mode) : put(b, "null", 4)) || put(b, ",\"result\":", 10))
+        return -1;
+    if ((r = put_value(b, res, 0)) <= 0) return r;
     if (nlink > 1 && (put(b, ",\"nlink\":", 9) || put_i64(b, nlink))) return -1;
     return put(b, "}\n", 2) ? -1 : 1;
 }
 
-/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL. With
- * `line`, the record's spool line (bytes, open_line's) in place of its dict, where it can be made. */
-static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, long long dfd, long long oflags,
-                           long long mode, long long ret, PyObject *rino, long long nlink, Buf *line) {
+/* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL. Its
+ * time: `t`, or when NULL `t_ns`. With `line`, the record's spool line (bytes, open_line's) in place
+ * of its dict, where it can be made: then a name made here of its directory's and its leaf's bytes
+ * (a leaf of ASCII, the usual case) is never made a string, but where the descriptor table needs it. */
+static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, PyObject *raw, long long dfd,
+                           long long oflags, long long mode, long long ret, PyObject *rino, long long nlink,
+                           Buf *line) {
     PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
              *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
     Py_ssize_t limit = c->limit;
-    PyObject *raw_path = NULL, *path = NULL, *rec = NULL, *fl = NULL, *res = NULL, *tmp = NULL;
+    PyObject *raw_path = NULL, *path = NULL, *rec = NULL, *fl = NULL, *res = NULL, *tmp = NULL, *known = NULL;
+    Text path_t = {0}, raw_t = {0}; /* (lines: the names' bytes, when they are not strings) */
+    int texts = 0;
     PyObject *hit = PyDict_GetItemWithError(paths, raw);
     if (hit) {
         if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2) Py_RETURN_NONE;
@@ -1119,49 +1170,72 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         if (!nul || nul != leaf + ln - 1 || ln == 1 || (ln == 2 && leaf[0] == '.') ||
             (ln == 3 && leaf[0] == '.' && leaf[1] == '.'))
             Py_RETURN_NONE;
-        PyObject *where = PyBytes_FromStringAndSize(s, slash);
-        if (!where) return NULL;
-        PyObject *known = PyDict_GetItemWithError(dirs, where);
-        if (known) {
-            Py_INCREF(known);
-        } else if (!PyErr_Occurred()) {
-            if (PyDict_GET_SIZE(dirs) >= limit) PyDict_Clear(dirs);
-            known = PyObject_CallOneArg(dir_names, where);
-            if (known && PyDict_SetItem(dirs, where, known) < 0) Py_CLEAR(known);
+        if (c->where && PyBytes_GET_SIZE(c->where) == slash && !memcmp(PyBytes_AS_STRING(c->where), s, (size_t)slash)) {
+            known = Py_NewRef(c->known); /* the directory of the open before (a flood's opens share few) */
+        } else {
+            PyObject *where = PyBytes_FromStringAndSize(s, slash);
+            if (!where) return NULL;
+            known = PyDict_GetItemWithError(dirs, where);
+            if (known) {
+                Py_INCREF(known);
+            } else if (!PyErr_Occurred()) {
+                if (PyDict_GET_SIZE(dirs) >= limit) PyDict_Clear(dirs); /* (the memo is replaced below) */
+                known = PyObject_CallOneArg(dir_names, where);
+                if (known && PyDict_SetItem(dirs, where, known) < 0) Py_CLEAR(known);
+            }
+            if (known) {
+                Py_XSETREF(c->where, Py_NewRef(where));
+                Py_XSETREF(c->known, Py_NewRef(known));
+            }
+            Py_DECREF(where);
+            if (!known) return NULL;
         }
-        Py_DECREF(where);
-        if (!known) return NULL;
         if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) {
             Py_DECREF(known);
             Py_RETURN_NONE;
         }
-        PyObject *name = PyUnicode_DecodeUTF8(leaf, ln - 1, "backslashreplace");
-        if (!name) {
-            Py_DECREF(known);
-            return NULL;
-        }
         PyObject *given = PyTuple_GET_ITEM(known, 0), *resolved = PyTuple_GET_ITEM(known, 1);
-        int same = PyUnicode_CheckExact(given) && PyUnicode_CheckExact(resolved) &&
-                   (given == resolved || PyUnicode_Compare(given, resolved) == 0);
-        path = PyUnicode_Concat(resolved, name);
-        /* (a directory named as it resolves, the usual case: one string for both names) */
-        raw_path = path ? (same ? Py_NewRef(path) : PyUnicode_Concat(given, name)) : NULL;
-        Py_DECREF(name);
-        Py_DECREF(known);
-        if (!raw_path) goto fail;
-        /* names.MAGIC: another file each time, named by the Python path */
-        if (PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 0), 0,
-                                PY_SSIZE_T_MAX, -1) ||
-            PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 1), 0, PY_SSIZE_T_MAX, -1)) {
-            Py_DECREF(path);
-            Py_DECREF(raw_path);
-            Py_RETURN_NONE;
+        if (line && ret < 0) { /* (no descriptor to enter: the names need not be strings) */
+            int ascii = 1;
+            for (Py_ssize_t k = 0; k < ln - 1 && ascii; k++) ascii = (unsigned char)leaf[k] < 0x80;
+            if (ascii && text_of(resolved, &path_t) && text_of(given, &raw_t)) {
+                path_t.b = raw_t.b = leaf;
+                path_t.bn = raw_t.bn = ln - 1;
+                if (raw_t.an == path_t.an && !memcmp(raw_t.a, path_t.a, (size_t)path_t.an)) raw_t = path_t;
+                /* names.MAGIC: another file each time, named by the Python path */
+                if (text_starts(&path_t, "/proc/") || text_starts(&path_t, "/dev/fd/")) {
+                    Py_DECREF(known);
+                    Py_RETURN_NONE;
+                }
+                texts = 1;
+            }
+        }
+        if (!texts) {
+            PyObject *name = PyUnicode_DecodeUTF8(leaf, ln - 1, "backslashreplace");
+            if (!name) goto fail;
+            int same = PyUnicode_CheckExact(given) && PyUnicode_CheckExact(resolved) &&
+                       (given == resolved || PyUnicode_Compare(given, resolved) == 0);
+            path = PyUnicode_Concat(resolved, name);
+            /* (a directory named as it resolves, the usual case: one string for both names) */
+            raw_path = path ? (same ? Py_NewRef(path) : PyUnicode_Concat(given, name)) : NULL;
+            Py_DECREF(name);
+            if (!raw_path) goto fail;
+            /* names.MAGIC: another file each time, named by the Python path */
+            if (PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 0), 0, PY_SSIZE_T_MAX, -1) ||
+                PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(MAGIC, 1), 0, PY_SSIZE_T_MAX, -1))
+                goto none;
         }
     }
-    tmp = PyLong_FromLongLong(oflags);
-    fl = tmp ? cached(flag_cache, tmp, open_flags) : NULL;
-    Py_CLEAR(tmp);
-    if (!fl) goto fail;
+    if (c->fl && c->fl_oflags == oflags) {
+        fl = Py_NewRef(c->fl); /* (the open before's flags, the usual case) */
+    } else {
+        tmp = PyLong_FromLongLong(oflags);
+        fl = tmp ? cached(flag_cache, tmp, open_flags) : NULL;
+        Py_CLEAR(tmp);
+        if (!fl) goto fail;
+        Py_XSETREF(c->fl, Py_NewRef(fl));
+        c->fl_oflags = oflags;
+    }
     if (!PyTuple_CheckExact(fl) || PyTuple_GET_SIZE(fl) != 2) goto none;
     PyObject *names = PyTuple_GET_ITEM(fl, 0), *access = PyTuple_GET_ITEM(fl, 1);
     int writes = PySequence_Contains(access, S_WRITE), creates = PySequence_Contains(access, S_CREATE);
@@ -1182,10 +1256,10 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         Py_XDECREF(ppid);
         goto fail;
     }
-    if (line) {
-        PyObject *m = creates ? PyLong_FromLongLong(mode) : Py_NewRef(Py_None);
-        int r = m ? open_line(line, t, pid, ppid, exe, path, raw_path, dfd, names, access, m, res, nlink) : -1;
-        Py_XDECREF(m);
+    if (line && !t) {
+        int r = 1;
+        if (!texts && !(text_of(path, &path_t) && text_of(raw_path, &raw_t))) r = 0;
+        if (r) r = open_line(line, t_ns, pid, ppid, exe, &path_t, &raw_t, dfd, names, access, creates, mode, res, nlink);
         if (r == 1) rec = PyBytes_FromStringAndSize(line->p, (Py_ssize_t)line->n);
         if (r < 0 || (r == 1 && !rec)) {
             Py_DECREF(pid);
@@ -1200,12 +1274,35 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, PyObject *raw, l
         Py_DECREF(exe);
         goto fds;
     }
+    if (texts) { /* (a value open_line does not write: the names made strings after all) */
+        PyObject *leaf = PyUnicode_DecodeUTF8(path_t.b, path_t.bn, "strict");
+        PyObject *dir = leaf ? PyTuple_GET_ITEM(known, 1) : NULL, *given = leaf ? PyTuple_GET_ITEM(known, 0) : NULL;
+        path = leaf ? PyUnicode_Concat(dir, leaf) : NULL;
+        raw_path = path ? (raw_t.a == path_t.a ? Py_NewRef(path) : PyUnicode_Concat(given, leaf)) : NULL;
+        Py_XDECREF(leaf);
+        if (!raw_path) {
+            Py_DECREF(pid);
+            Py_DECREF(ppid);
+            Py_DECREF(exe);
+            goto fail;
+        }
+    }
+    if (!t) {
+        t = tmp = PyLong_FromLongLong(t_ns);
+        if (!t) {
+            Py_DECREF(pid);
+            Py_DECREF(ppid);
+            Py_DECREF(exe);
+            goto fail;
+        }
+    }
     rec = PyDict_New();
     int bad = !rec || PyDict_SetItem(rec, K, OPEN) || PyDict_SetItem(rec, T, t) || PyDict_SetItem(rec, S_PID, pid) ||
               PyDict_SetItem(rec, S_PPID, ppid) || PyDict_SetItem(rec, S_EXE, exe);
     Py_DECREF(pid);
     Py_DECREF(ppid);
     Py_DECREF(exe);
+    Py_CLEAR(tmp);
     if (bad || PyDict_SetItem(rec, PATH, path) || PyDict_SetItem(rec, S_RAW_PATH, raw_path)) goto fail;
     tmp = dfd == -100 ? Py_NewRef(Py_None) : PyLong_FromLongLong(dfd);
     if (!tmp || PyDict_SetItem(rec, S_DIRFD, tmp)) goto fail;
@@ -1231,20 +1328,23 @@ fds:
         Py_DECREF(fds);
         if (r < 0) goto fail;
     }
-    Py_DECREF(path);
-    Py_DECREF(raw_path);
+    Py_XDECREF(path);
+    Py_XDECREF(raw_path);
+    Py_XDECREF(known);
     Py_DECREF(fl);
     Py_DECREF(res);
     return rec;
 none:
     Py_XDECREF(path);
     Py_XDECREF(raw_path);
+    Py_XDECREF(known);
     Py_XDECREF(fl);
     Py_XDECREF(res);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(path);
     Py_XDECREF(raw_path);
+    Py_XDECREF(known);
     Py_XDECREF(fl);
     Py_XDECREF(res);
     Py_XDECREF(rec);
@@ -1255,13 +1355,15 @@ fail:
 static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
     PyObject *p, *t, *raw, *rino;
     long long dfd, oflags, mode, ret, nlink;
-    Caches c;
+    Caches c = {0};
     if (!PyArg_ParseTuple(args, "OOO!LLLLOLO!O!OnOO!OO!", &p, &t, &PyBytes_Type, &raw, &dfd, &oflags, &mode,
                           &ret, &rino, &nlink, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs, &c.dir_names,
                           &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
                           &c.result_cache))
         return NULL;
-    return open_core(&c, p, t, raw, dfd, oflags, mode, ret, rino, nlink, NULL);
+    PyObject *rec = open_core(&c, p, t, 0, raw, dfd, oflags, mode, ret, rino, nlink, NULL);
+    caches_drop(&c);
+    return rec;
 }
 
 /* The open record's layout this file knows (agent/recorder/decode.py OPEN_REC): its fields are read
@@ -1325,7 +1427,7 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     Py_ssize_t i, kind_off, path_off;
     long long run, stop_flags;
     int as_lines;
-    Caches c;
+    Caches c = {0};
     if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOpO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
                           &kind_off, &PyBytes_Type, &open_kind, &path_off, &stop_flags, &PyDict_Type, &procs,
                           &wall_offset, &cgroups, &as_lines, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs,
@@ -1374,20 +1476,21 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
             break;
         }
         Py_INCREF(p);
-        long long sum;
-        PyObject *t;
+        long long sum = 0;
+        PyObject *t = NULL; /* (NULL: its time is `sum`) */
+        int ok = 1;
         if (o.ts <= (unsigned long long)LLONG_MAX && !__builtin_add_overflow((long long)o.ts, wall, &sum)) {
-            t = PyLong_FromLongLong(sum);
+            if (!as_lines) ok = (t = PyLong_FromLongLong(sum)) != NULL;
         } else {
             PyObject *ts = PyLong_FromUnsignedLongLong(o.ts);
-            t = ts ? PyNumber_Add(ts, wall_offset) : NULL;
+            ok = (t = ts ? PyNumber_Add(ts, wall_offset) : NULL) != NULL;
             Py_XDECREF(ts);
         }
-        PyObject *path = t ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
+        PyObject *path = ok ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
         PyObject *rino = path ? (o.ret >= 0 ? PyLong_FromUnsignedLongLong(o.rino) : Py_NewRef(Py_None)) : NULL;
-        PyObject *rec =
-            rino ? open_core(&c, p, t, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink, as_lines ? &line : NULL)
-                 : NULL;
+        PyObject *rec = rino ? open_core(&c, p, t, sum, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink,
+                                         as_lines ? &line : NULL)
+                             : NULL;
         Py_XDECREF(t);
         Py_XDECREF(path);
         Py_XDECREF(rino);
@@ -1410,9 +1513,11 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
                             : PyBytes_FromStringAndSize(tail, tail_n);
     if (!lt) goto fail;
     free(line.p);
+    caches_drop(&c);
     return Py_BuildValue("(nNNN)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None));
 fail:
     free(line.p);
+    caches_drop(&c);
     Py_DECREF(out);
     Py_XDECREF(last_rec);
     return NULL;
