@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
-
 from evidence.bundle import canonical
 from evidence.bundle.normalize import Normalizer
 from evidence.bundle.record_types import SpoolRecord
@@ -203,10 +201,10 @@ class Behaviour:
         max(self.sets, key=len).spill()
 
     def add_many(self, recs: Iterable[SpoolRecord | bytes]) -> None:
-        """Add records as they are spooled; an item that is bytes is an open's spool line: a repeated
-        open's (the record before it but for its time: nothing new), or, with the compiled module, a
-        plain open's (agent/recorder/pipeline.py: process_opens), which the C path reads (what it
-        returns it did not take, and is parsed here)."""
+        """Add records as they are spooled; an item that is bytes is an open's spool line, which adds
+        nothing: a repeated open's (the record before it but for its time), or a plain open's whose
+        item the C path added as it made the line (agent/recorder/pipeline.py: process_opens, into
+        `fast_files`, counted by `took`)."""
         add = self.add
         if self.fast_roots is not None and recs.__class__ is list:
             # plain opens' file items in C (their paths their own normal form), the rest below
@@ -217,8 +215,19 @@ class Behaviour:
         for rec in recs:
             if rec.__class__ is not bytes:  # (not isinstance: this runs for every record spooled)
                 add(rec)  # type: ignore[arg-type] # a record: mypy does not narrow by __class__
-            elif _fast is not None:  # (a plain open's, or a repeat: the same item again)
-                add(orjson.loads(rec))
+
+    def fast_files(self) -> tuple[Any, tuple[bytes, ...]] | None:
+        """Where the C path adds plain opens' file items as it makes their spool lines (the files'
+        LineSet, its roots as add_files takes them), or None: not taken there."""
+        if self.fast_roots is None or self.files.fast is None or self.closed:
+            return None
+        return self.files.fast, self.fast_roots
+
+    def took(self, added: int) -> None:
+        """`added` items new to `fast_files`'s set (spilled past the budget, as add_many does)."""
+        self.held += added
+        if self.held > self.budget:
+            self.spill()
 
     def add(self, rec: SpoolRecord) -> None:
         norm = self.norm

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -43,6 +43,7 @@ from evidence.bundle.sink import compiled
 from evidence.bundle.spool import SpoolWriter
 
 if TYPE_CHECKING:
+    from evidence.bundle.run_id import Behaviour
     from evidence.probes.loader import RecorderProbes
 
 logger = logging.getLogger(__name__)
@@ -470,10 +471,10 @@ class Pipeline:
                 # as this loop's: tests/unit/test_fast.py), the rest here
                 corr = session.correlator
                 if corr.fast:
-                    # (as spool lines, not dicts, where only readers of lines read them: no dict,
-                    # no orjson)
-                    as_lines = _opens_as_lines(session)
-                    at, made, tail_after, rec_after = _fast.process_opens(
+                    # (as spool lines, not dicts, where only readers of lines read them, their
+                    # run id items added as the lines are made: no dict, no orjson)
+                    files = _opens_as_lines(session)
+                    at, made, tail_after, rec_after, added = _fast.process_opens(
                         batch,
                         at,
                         last_tail,
@@ -486,16 +487,18 @@ class Pipeline:
                         corr.procs,
                         corr.wall_offset_ns,
                         None if corr.cgroup_name is None else corr._cgroups,
-                        as_lines,
+                        *(files or (None, ())),
                         *corr.fast_caches(),
                     )
+                    if added:
+                        cast("Behaviour", session.behaviour).took(added)
                     if made:
                         got += made
                         if rec_after.__class__ is bytes:  # its repeats: its line around their times
                             last_tail, last_line = tail_after, _line_split_at_time(rec_after)
                         else:
                             last_tail, last_rec, last_line = tail_after, rec_after, None
-                        if as_lines:
+                        if files is not None:
                             lined.add(run)
         self.stats["decode_errors"] += errors
         self.stats["stray"] += stray
@@ -604,12 +607,17 @@ def _takes_lines(session: Session, flags: int) -> bool:
     )
 
 
-def _opens_as_lines(session: Session) -> bool:
-    """Whether process_opens may hand `session`'s plain opens over as their spool lines: its spool
-    takes lines (_takes_lines), and what reads its records reads lines too: the run id's Behaviour
-    (bundle/run_id.py add_many) and full detail's Premade when it makes its events from the spool's
-    lines (not a signed bundle's, whose trace reads the records)."""
-    return _takes_lines(session, 0) and (session.premade is None or session.premade.from_lines)
+def _opens_as_lines(session: Session) -> tuple[Any, tuple[bytes, ...]] | None:
+    """Where process_opens adds the run id's items of `session`'s plain opens that it hands over as
+    their spool lines (Behaviour.fast_files), or None: they are dicts. Lines when its spool takes lines
+    (_takes_lines, a plain SpoolWriter, which feeds this Behaviour), the Behaviour takes items in C,
+    and full detail's Premade, if any, makes its events from the spool's lines (not a signed
+    bundle's, whose trace reads the records)."""
+    if not _takes_lines(session, 0) or session.behaviour is None:
+        return None
+    if session.premade is not None and not session.premade.from_lines:
+        return None
+    return session.behaviour.fast_files()
 
 
 def _line_split_at_time(line: bytes) -> tuple[bytes, bytes]:

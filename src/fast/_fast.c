@@ -785,71 +785,11 @@ static PyObject *lineset_lines(LineSet *ls, PyObject *unused) {
     return out;
 }
 
-/* a JSON string's content at v[1..vn-1) as repr writes the string, when both are the bytes
- * themselves: printable ASCII without an escape, a quote or a backslash (put_repr's own case) */
-static int plain_text(const char *v, size_t vn) {
-    if (vn < 2 || v[0] != '"' || v[vn - 1] != '"') return 0;
-    for (size_t k = 1; k + 1 < vn; k++)
-        if (v[k] < 0x20 || v[k] > 0x7e || v[k] == '\'' || v[k] == '\\' || v[k] == '"') return 0;
-    return 1;
-}
-
-/* The file item of an open's spool line (s, n: orjson's JSON of the record), as add_files makes it
- * of the record, into `item`: 1; 0 when it is not one taken here (Behaviour.add's, after parsing:
- * another kind, a path the Normalizer may change or not plain_text, a value of another form). */
-static int line_item(Buf *item, const char *s, size_t n, PyObject *roots) {
-    LField f[LFIELDS];
-    int nf;
-    unsigned long long t;
-    const char *path;
-    size_t path_n;
-    if (!read_line(s, n, f, &nf, &t, &path, &path_n) || !plain_text(path, path_n) ||
-        needs_normal(path + 1, (Py_ssize_t)path_n - 2, roots))
-        return 0;
-    const LField *access = NULL, *res = NULL;
-    for (int k = 0; k < nf; k++) {
-        if (key_is(&f[k], "access", 6)) access = &f[k];
-        else if (key_is(&f[k], "result", 6)) res = &f[k];
-    }
-    if (!access || !res || access->v[0] != '[') return 0;
-    item->n = 0;
-    if (put(item, "(", 1) || put(item, "'", 1) || put(item, path + 1, path_n - 2) || put(item, "', (", 4)) return -1;
-    /* the access list's strings, as a tuple's repr */
-    const char *a = access->v + 1, *e = access->v + access->vn - 1;
-    int count = 0;
-    while (a < e) {
-        const char *end = skip_value(a, e, 1);
-        if (!end || !plain_text(a, (size_t)(end - a))) return 0;
-        if ((count && put(item, ", ", 2)) || put(item, "'", 1) || put(item, a + 1, (size_t)(end - a) - 2) ||
-            put(item, "'", 1))
-            return -1;
-        count++;
-        if (end < e && *end != ',') return 0;
-        a = end + (end < e);
-    }
-    if (put(item, count == 1 ? ",), " : "), ", count == 1 ? 4 : 3)) return -1;
-    /* the result: a small integer as itself, or a plain string */
-    if (res->v[0] == '"') {
-        if (!plain_text(res->v, res->vn)) return 0;
-        if (put(item, "'", 1) || put(item, res->v + 1, res->vn - 2) || put(item, "'", 1)) return -1;
-    } else {
-        const char *d = res->v + (res->v[0] == '-');
-        if (res->vn > 19 || d >= res->v + res->vn || *d < '0' || *d > '9') return 0;
-        if (put(item, res->v, res->vn)) return -1;
-    }
-    if (put(item, ")\t[", 3) || put(item, path, path_n) || put(item, ",", 1) || put(item, access->v, access->vn) ||
-        put(item, ",", 1) || put(item, res->v, res->vn) || put(item, "]\n", 2))
-        return -1;
-    return 1;
-}
-
 /* add_files(records, roots): what Behaviour.add adds to its files for each open of `records` whose
  * path is its own normal form (needs_normal), as lines here. Returns (how many were new, the
  * records it did not take: every other kind, opens whose path the Normalizer may change, and those
- * with a value not written here, for Behaviour.add). An open's spool line (bytes: process_opens's)
- * is read as its record (line_item), and one that repeats the line before it but for its time (the
- * same bytes after it) adds nothing; a line not taken is in what it returns, for Behaviour.add_many
- * to parse. */
+ * with a value not written here, for Behaviour.add); a spool line (bytes) adds nothing: a repeated
+ * open's, or a plain open's, whose item process_opens added as it made the line. */
 static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
     PyObject *recs, *roots;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &recs, &PyTuple_Type, &roots)) return NULL;
@@ -863,35 +803,10 @@ static PyObject *lineset_add_files(LineSet *ls, PyObject *args) {
     if (!rest) return NULL;
     PyObject *last_list = NULL, *last_acc = NULL; /* the last access list and its tuple */
     Py_ssize_t added = 0, n = PyList_GET_SIZE(recs);
-    const char *tail_before = NULL; /* the line before: its bytes after its time (none: a record) */
-    size_t tail_before_n = 0;
-    static const char HEAD[] = "{\"k\":\"open\",\"t\":";
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rec = PyList_GET_ITEM(recs, i);
+        if (PyBytes_CheckExact(rec)) continue;
         int took = 0;
-        if (PyBytes_CheckExact(rec)) {
-            const char *ls_ = PyBytes_AS_STRING(rec);
-            size_t ln = (size_t)PyBytes_GET_SIZE(rec), at = sizeof HEAD - 1;
-            const char *tail = NULL;
-            if (ln > at && !memcmp(ls_, HEAD, at)) {
-                while (at < ln && ls_[at] >= '0' && ls_[at] <= '9') at++;
-                tail = ls_ + at;
-            }
-            if (tail && tail_before && ln - at == tail_before_n && !memcmp(tail, tail_before, tail_before_n))
-                continue; /* a repeat: the same item */
-            tail_before = tail, tail_before_n = tail ? ln - at : 0;
-            int r = line_item(&line, ls_, ln, roots);
-            if (r < 0) goto fail;
-            if (r == 1) {
-                int got = lineset_add(ls, line.p, line.n, _Py_HashBytes(line.p, (Py_ssize_t)line.n));
-                if (got < 0) goto fail;
-                added += got;
-                continue;
-            }
-            if (PyList_Append(rest, rec) < 0) goto fail;
-            continue;
-        }
-        tail_before = NULL;
         if (PyDict_CheckExact(rec)) {
             PyObject *k = PyDict_GetItemWithError(rec, K);
             PyObject *path = k ? PyDict_GetItemWithError(rec, PATH) : NULL;
@@ -1075,16 +990,30 @@ static PyObject *cached(PyObject *cache, PyObject *key, PyObject *make) {
 typedef struct {
     PyObject *paths, *dirs, *dir_names, *open_flags, *flag_cache, *result_of, *result_cache;
     Py_ssize_t limit;
-    /* one call's memos (strong references, let go by caches_drop): the last directory looked up in
-     * `dirs` and its names, the last flags and their names and access */
-    PyObject *where, *known, *fl;
+    /* one call's memos (strong references, let go by caches_drop): the last two directories looked
+     * up in `dirs` and their names (two processes' opens interleave), the last flags and their names
+     * and access */
+    PyObject *where[2], *known[2], *fl;
+    int next; /* the memo's entry the next directory goes to */
     long long fl_oflags;
+    Buf item; /* a file item's line (open_core's, for `files`), its room kept from one to the next */
 } Caches;
 
+static void caches_forget_dirs(Caches *c) {
+    for (int k = 0; k < 2; k++) {
+        Py_CLEAR(c->where[k]);
+        Py_CLEAR(c->known[k]);
+    }
+}
+
 static void caches_drop(Caches *c) {
-    Py_CLEAR(c->where);
-    Py_CLEAR(c->known);
+    for (int k = 0; k < 2; k++) {
+        Py_CLEAR(c->where[k]);
+        Py_CLEAR(c->known[k]);
+    }
     Py_CLEAR(c->fl);
+    free(c->item.p);
+    c->item = (Buf){0};
 }
 
 /* A name as two runs of UTF-8 bytes, one after the other (a directory's resolved name and a leaf;
@@ -1139,13 +1068,43 @@ static int open_line(Buf *b, long long t, PyObject *pid, PyObject *ppid, PyObjec
     return put(b, "}\n", 2) ? -1 : 1;
 }
 
+/* An open's file item for the run id (Behaviour.add's, as add_files makes it of the record: repr, a
+ * tab, canonical JSON, a newline) of its path's bytes, its access and its result, into `item`: 1; 0
+ * when add_files would not take it (a path the Normalizer may change, or whose repr is not its
+ * bytes: not printable ASCII, a quote or a backslash in it); -1 with an error set. */
+static int file_item(Buf *item, const Text *path, PyObject *access, PyObject *res, PyObject *roots) {
+    item->n = 0;
+    if (put(item, "('", 2) || put(item, path->a, (size_t)path->an) || put(item, path->b, (size_t)path->bn))
+        return -1;
+    const char *ps = item->p + 2;
+    Py_ssize_t pn = path->an + path->bn;
+    for (Py_ssize_t k = 0; k < pn; k++)
+        if (ps[k] < 0x20 || ps[k] > 0x7e || ps[k] == '\'' || ps[k] == '\\') return 0;
+    if (needs_normal(ps, pn, roots)) return 0;
+    PyObject *acc = PyList_CheckExact(access) ? PyList_AsTuple(access) : Py_NewRef(access);
+    if (!acc) return -1;
+    int r = put(item, "', ", 3) || put_repr(item, acc, 1) || put(item, ", ", 2) || put_repr(item, res, 1) ||
+                    put(item, ")\t[", 3) ||
+                    put_json_str2(item, path->a, (size_t)path->an, path->b, (size_t)path->bn) || put(item, ",", 1)
+                ? -1
+                : put_value(item, acc, 1);
+    if (r == 1 && put(item, ",", 1)) r = -1;
+    if (r == 1) r = put_value(item, res, 1);
+    if (r == 1 && put(item, "]\n", 2)) r = -1;
+    Py_DECREF(acc);
+    return r;
+}
+
 /* open_plain's work: the record (new reference), Py_None (new reference: not taken), or NULL. Its
  * time: `t`, or when NULL `t_ns`. With `line`, the record's spool line (bytes, open_line's) in place
  * of its dict, where it can be made: then a name made here of its directory's and its leaf's bytes
- * (a leaf of ASCII, the usual case) is never made a string, but where the descriptor table needs it. */
+ * (a leaf of ASCII, the usual case) is never made a string, but where the descriptor table needs it;
+ * and its file item is added to `files` (the run id's LineSet, `roots` its roots as add_files takes
+ * them; counted in *added): a line is never read for it again (Behaviour.add_many passes lines by).
+ * A record whose item is not made here is a dict, for Behaviour.add_many. */
 static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, PyObject *raw, long long dfd,
                            long long oflags, long long mode, long long ret, PyObject *rino, long long nlink,
-                           Buf *line) {
+                           Buf *line, LineSet *files, PyObject *roots, Py_ssize_t *added) {
     PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
              *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
     Py_ssize_t limit = c->limit;
@@ -1170,8 +1129,13 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, 
         if (!nul || nul != leaf + ln - 1 || ln == 1 || (ln == 2 && leaf[0] == '.') ||
             (ln == 3 && leaf[0] == '.' && leaf[1] == '.'))
             Py_RETURN_NONE;
-        if (c->where && PyBytes_GET_SIZE(c->where) == slash && !memcmp(PyBytes_AS_STRING(c->where), s, (size_t)slash)) {
-            known = Py_NewRef(c->known); /* the directory of the open before (a flood's opens share few) */
+        int memo = -1;
+        for (int k = 0; k < 2 && memo < 0; k++)
+            if (c->where[k] && PyBytes_GET_SIZE(c->where[k]) == slash &&
+                !memcmp(PyBytes_AS_STRING(c->where[k]), s, (size_t)slash))
+                memo = k;
+        if (memo >= 0) {
+            known = Py_NewRef(c->known[memo]); /* a directory of the opens before (a flood's share few) */
         } else {
             PyObject *where = PyBytes_FromStringAndSize(s, slash);
             if (!where) return NULL;
@@ -1179,13 +1143,17 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, 
             if (known) {
                 Py_INCREF(known);
             } else if (!PyErr_Occurred()) {
-                if (PyDict_GET_SIZE(dirs) >= limit) PyDict_Clear(dirs); /* (the memo is replaced below) */
+                if (PyDict_GET_SIZE(dirs) >= limit) { /* (the memo's too: each entry made again) */
+                    PyDict_Clear(dirs);
+                    caches_forget_dirs(c);
+                }
                 known = PyObject_CallOneArg(dir_names, where);
                 if (known && PyDict_SetItem(dirs, where, known) < 0) Py_CLEAR(known);
             }
             if (known) {
-                Py_XSETREF(c->where, Py_NewRef(where));
-                Py_XSETREF(c->known, Py_NewRef(known));
+                Py_XSETREF(c->where[c->next], Py_NewRef(where));
+                Py_XSETREF(c->known[c->next], Py_NewRef(known));
+                c->next ^= 1;
             }
             Py_DECREF(where);
             if (!known) return NULL;
@@ -1260,6 +1228,13 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, 
         int r = 1;
         if (!texts && !(text_of(path, &path_t) && text_of(raw_path, &raw_t))) r = 0;
         if (r) r = open_line(line, t_ns, pid, ppid, exe, &path_t, &raw_t, dfd, names, access, creates, mode, res, nlink);
+        Buf *item = &c->item;
+        if (r == 1) r = file_item(item, &path_t, access, res, roots);
+        if (r == 1) {
+            int got = lineset_add(files, item->p, item->n, _Py_HashBytes(item->p, (Py_ssize_t)item->n));
+            if (got < 0) r = -1;
+            else *added += got;
+        }
         if (r == 1) rec = PyBytes_FromStringAndSize(line->p, (Py_ssize_t)line->n);
         if (r < 0 || (r == 1 && !rec)) {
             Py_DECREF(pid);
@@ -1361,7 +1336,7 @@ static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
                           &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
                           &c.result_cache))
         return NULL;
-    PyObject *rec = open_core(&c, p, t, 0, raw, dfd, oflags, mode, ret, rino, nlink, NULL);
+    PyObject *rec = open_core(&c, p, t, 0, raw, dfd, oflags, mode, ret, rino, nlink, NULL, NULL, NULL, NULL);
     caches_drop(&c);
     return rec;
 }
@@ -1413,33 +1388,46 @@ static void open_read(const char *rs, OpenFields *o) {
 }
 
 /* process_opens(batch, i, last_tail, run, unpack, kind_off, open_kind, path_off, stop_flags, procs,
- *               wall_offset, cgroups, as_lines, <open_plain's caches>)
+ *               wall_offset, cgroups, files, roots, <open_plain's caches>)
  * pipeline.Pipeline._process's loop over the raw records batch[i], ... as far as they are plain
  * opens of run `run` (not a repeat of the record before: its bytes after the time differ from
  * `last_tail`, none of `stop_flags`, an absolute name, a process in `procs`, the run's own cgroup:
  * `cgroups` None or its entry's name None) that open_core takes. Their fields are unpack(raw)'s,
- * read in place (open_read) when unpack's struct has OPEN_FORMAT, else none is taken. `as_lines`: a
- * record as its spool line (bytes: open_line), not a dict, wherever one can be made (for a run whose
- * spool takes lines: pipeline.py _takes_lines). Returns (the index it stopped at, their records, the
- * last one's bytes after its time or None, its record or None). */
+ * read in place (open_read) when unpack's struct has OPEN_FORMAT, else none is taken. `files`, the
+ * run id's LineSet (or None), and its `roots`: a record as its spool line (bytes: open_line), not a
+ * dict, wherever one can be made (for a run whose spool takes lines: pipeline.py _opens_as_lines),
+ * its file item added to `files` (open_core). Returns (the index it stopped at, their records, the
+ * last one's bytes after its time or None, its record or None, how many items were new to `files`). */
 static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     PyObject *batch, *last_tail, *unpack, *open_kind, *procs, *wall_offset, *cgroups;
     Py_ssize_t i, kind_off, path_off;
     long long run, stop_flags;
-    int as_lines;
+    PyObject *files, *roots;
+    Py_ssize_t added = 0;
     Caches c = {0};
-    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOpO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
+    if (!PyArg_ParseTuple(args, "O!nOLOnO!nLO!OOOOO!O!OnOO!OO!", &PyList_Type, &batch, &i, &last_tail, &run, &unpack,
                           &kind_off, &PyBytes_Type, &open_kind, &path_off, &stop_flags, &PyDict_Type, &procs,
-                          &wall_offset, &cgroups, &as_lines, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs,
+                          &wall_offset, &cgroups, &files, &roots, &PyDict_Type, &c.paths, &PyDict_Type, &c.dirs,
                           &c.dir_names, &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of,
                           &PyDict_Type, &c.result_cache))
         return NULL;
+    /* lines only with the run id's LineSet to add their items to */
+    int as_lines = files != Py_None;
+    if (as_lines && (!PyObject_TypeCheck(files, &LineSetType) || !PyTuple_CheckExact(roots))) {
+        PyErr_SetString(PyExc_TypeError, "files is a LineSet (or None), roots a tuple of bytes");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; as_lines && k < PyTuple_GET_SIZE(roots); k++)
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(roots, k))) {
+            PyErr_SetString(PyExc_TypeError, "roots are bytes");
+            return NULL;
+        }
     Buf line = {0};
     if (!PyBytes_CheckExact(last_tail) || PyBytes_GET_SIZE(open_kind) != 2) {
         PyErr_SetString(PyExc_TypeError, "last_tail is bytes, open_kind two bytes");
         return NULL;
     }
-    if (!known_layout(unpack, path_off)) return Py_BuildValue("(n[]OO)", i, Py_None, Py_None);
+    if (!known_layout(unpack, path_off)) return Py_BuildValue("(n[]OOn)", i, Py_None, Py_None, (Py_ssize_t)0);
     long long wall = PyLong_AsLongLong(wall_offset);
     if (wall == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0), *last_rec = NULL;
@@ -1489,7 +1477,7 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         PyObject *path = ok ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
         PyObject *rino = path ? (o.ret >= 0 ? PyLong_FromUnsignedLongLong(o.rino) : Py_NewRef(Py_None)) : NULL;
         PyObject *rec = rino ? open_core(&c, p, t, sum, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink,
-                                         as_lines ? &line : NULL)
+                                         as_lines ? &line : NULL, (LineSet *)files, roots, &added)
                              : NULL;
         Py_XDECREF(t);
         Py_XDECREF(path);
@@ -1514,7 +1502,7 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
     if (!lt) goto fail;
     free(line.p);
     caches_drop(&c);
-    return Py_BuildValue("(nNNN)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None));
+    return Py_BuildValue("(nNNNn)", i, out, lt, last_rec ? last_rec : Py_NewRef(Py_None), added);
 fail:
     free(line.p);
     caches_drop(&c);

@@ -34,12 +34,12 @@ static const char *skip_value(const char *s, const char *e, int depth) {
     if (s >= e) return NULL;
     switch (*s) {
         case '"':
-            for (s++; s < e; s++) {
-                if (*s == '\\') {
-                    s++;
-                    continue;
-                }
-                if (*s == '"') return s + 1;
+            for (s++; s < e;) { /* (memchr's: most strings hold no escape) */
+                const char *q = memchr(s, '"', (size_t)(e - s));
+                if (!q) return NULL;
+                const char *b = memchr(s, '\\', (size_t)(q - s));
+                if (!b) return q + 1;
+                s = b + 2; /* past the escape's backslash and the byte it escapes */
             }
             return NULL;
         case 'n': return e - s >= 4 && !memcmp(s, "null", 4) ? s + 4 : NULL;

@@ -13,7 +13,9 @@ from typing import Any
 from evidence.agent.recorder import decode as d
 from evidence.agent.recorder import recording
 from evidence.agent.recorder.correlate import Correlator
+from evidence.bundle.run_id import Behaviour
 from evidence.bundle.spool import SpoolWriter, read_spool
+from evidence.bundle.writer import RECORDING_ITEMS
 from tests.unit.test_recording_flush import FakeProbes
 
 RAW = [
@@ -154,7 +156,8 @@ def stopped_recorder(tmp_path: Path) -> tuple[recording.Recorder, recording.Sess
     one full-detail run in slot 1 spooling to a plain SpoolWriter."""
     rec = recording.Recorder(tmp_path, probes=FakeProbes())  # type: ignore[arg-type]
     rec.close()
-    spool = SpoolWriter(tmp_path / "s.spool.zst")
+    behaviour = Behaviour({}, RECORDING_ITEMS, tmp_path)  # fed by the spool, as Recorder.start sets it
+    spool = SpoolWriter(tmp_path / "s.spool.zst", feed=behaviour.add_many)
     session = recording.Session(
         slot=1,
         session_id="s",
@@ -167,6 +170,7 @@ def stopped_recorder(tmp_path: Path) -> tuple[recording.Recorder, recording.Sess
         spool=spool,
         correlator=correlator(),
         started_ns=0,
+        behaviour=behaviour,
     )
     rec._sessions[1] = session
     return rec, session, spool
