@@ -286,7 +286,8 @@ def test_the_line_set_holds_each_item_once_and_spills_them_sorted(tmp_path: Any,
     path = tmp_path / "run"
     with open(path, "wb") as f:
         lines.spill(f.fileno())
-    assert path.read_bytes() == b"".join(sorted(want))
+    with open(path, "rb") as f:  # (one zstandard frame, as _SpillSet reads it back)
+        assert b"".join(run_id._run_lines(f)) == b"".join(sorted(want))
     assert len(lines) == 0 and lines.lines() == []
 
 
@@ -501,15 +502,21 @@ def test_c_and_python_put_the_run_id_alike(pieces: list[bytes], cut: int, table:
         assert premade.put_run_id(part, table) == part.translate(table)
 
 
-def _merged(tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool) -> tuple[bytes, bytes]:
-    """(the Python path's items joined by commas, the C path's) of sorted runs on disk and held."""
+def _merged(
+    tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool, packed: int = 0
+) -> tuple[bytes, bytes]:
+    """(the Python path's items joined by commas, the C path's) of sorted runs on disk and held;
+    every `packed`th run (0: none) one zstandard frame, as the C path's spill writes it."""
     import tempfile
 
+    import zstandard
+
     part = run_id._SpillSet(run_id.Behaviour())
-    for lines in runs:
+    for k, lines in enumerate(runs):
         data = b"".join(sorted(lines))
+        data = data[:-1] if cut and data else data  # (a last line without its newline)
         f = tempfile.TemporaryFile(dir=tmp_path)  # noqa: SIM115 - closed below
-        f.write(data[:-1] if cut and data else data)  # (a last line without its newline)
+        f.write(zstandard.ZstdCompressor(level=1).compress(data) if packed and k % packed == 0 else data)
         f.seek(0)
         part.runs.append(f)
     part.lines = sorted(held)
@@ -530,15 +537,35 @@ _run_line = st.builds(
 @needs_fast
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    st.lists(st.lists(_run_line, max_size=25), max_size=6), st.lists(_run_line, max_size=25), st.booleans()
+    st.lists(st.lists(_run_line, max_size=25), max_size=6),
+    st.lists(_run_line, max_size=25),
+    st.booleans(),
+    st.integers(0, 2),
 )
 def test_c_and_python_merge_the_run_ids_runs_alike(
-    tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool
+    tmp_path: Any, runs: list[list[bytes]], held: list[bytes], cut: bool, packed: int
 ) -> None:
     """_fast.merge_items is canonical_items joined: the same lines in several runs and held (taken
-    once), keys that are prefixes of others, empty runs, a run's last line without its newline."""
-    python, c = _merged(tmp_path, runs, held, cut)
+    once), keys that are prefixes of others, empty runs, a run's last line without its newline,
+    runs as lines and runs as a zstandard frame (lineset_spill's) side by side."""
+    python, c = _merged(tmp_path, runs, held, cut, packed)
     assert c == python
+
+
+@needs_fast
+def test_a_spilled_run_cut_short_is_an_error_not_its_lines(tmp_path: Any) -> None:
+    """A run written as a zstandard frame (the C path's spill) and cut short: merge_items raises,
+    and never hashes the lines it could read as if they were all."""
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(level=1).compress(
+        b"".join(b"'%06d'\t[%d]\n" % (i, i) for i in range(50_000))
+    )
+    with open(tmp_path / "run", "w+b") as f:
+        f.write(frame[: len(frame) // 2])
+        f.flush()
+        with pytest.raises(OSError):
+            sink._fast.merge_items([f.fileno()], (), lambda piece: None)
 
 
 @needs_fast
@@ -547,7 +574,7 @@ def test_merged_runs_past_the_read_and_the_hash_pieces(tmp_path: Any) -> None:
     lines = [b"'%07d'\t[\"%s\"]\n" % (i, b"x" * (i % 90)) for i in range(40_000)]
     lines += [b"'long%d'\t" % k + b"y" * (300_000 + k) + b"\n" for k in range(3)]
     runs = [lines[k::3] for k in range(3)] + [lines[::7]]
-    python, c = _merged(tmp_path, runs, lines[::11], False)
+    python, c = _merged(tmp_path, runs, lines[::11], False, packed=2)
     assert len(python) > 2 << 20
     assert c == python
 
