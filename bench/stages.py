@@ -150,9 +150,9 @@ def measure(case: str, n: int, work: Path) -> dict[str, Any]:
         if getattr(premade, "from_lines", False):  # (its lines made on its own thread: timed there)
             add = premade._add
 
-            def timed_add(items: Any) -> None:
+            def timed_add(items: Any, **how: Any) -> None:
                 t = time.thread_time()
-                add(items)
+                add(items, **how)
                 made[1] += time.thread_time() - t
 
             premade._add = timed_add  # type: ignore[method-assign]

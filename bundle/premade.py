@@ -108,9 +108,9 @@ class _File:
 
     def __init__(self, tmp_dir: Path | None, defers: bool = False) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=tmp_dir)  # noqa: SIM115 - closed by close()
-        self._z = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
         # the C writer: a thread that never takes the GIL (src/fast/zfile.h); else `_compress`'s
         self._c = None if _fast is None else _fast.ZFile(self.file.fileno(), _LEVEL)
+        self._z: zstandard.ZstdCompressionObj | None = None  # the Python path's (_zo)
         # the content hashes' file: the C path's hashes are taken unhashed (sink.Hashed) and hashed
         # on this file's thread, without the GIL (src/fast/_fast.c hash_cores), not the correlator's
         self.defers = defers and _fast is not None
@@ -120,6 +120,12 @@ class _File:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ended = False
+
+    def _zo(self) -> zstandard.ZstdCompressionObj:
+        """The Python path's compressor, made when first used (the C thread's path needs none)."""
+        if self._z is None:
+            self._z = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
+        return self._z
 
     def feed(self, data: bytes) -> None:
         self._buf.append(data)
@@ -176,7 +182,7 @@ class _File:
                         p if isinstance(p, bytes) else _fast.hash_cores(*p)  # (deferred: the GIL let go)
                         for p in pieces
                     )
-                    self.file.write(self._z.compress(piece))
+                    self.file.write(self._zo().compress(piece))
                 except Exception as e:  # noqa: BLE001 - said by flush or end, on the feeding thread
                     self._error = e
 
@@ -201,7 +207,7 @@ class _File:
         self._stop()
         if self._error is not None:
             raise self._error
-        self.file.write(self._z.flush())  # the frame ended (the file stays open)
+        self.file.write(self._zo().flush())  # the frame ended (the file stays open)
         self.file.flush()
 
     def read(self, size: int) -> Iterator[bytes]:
@@ -334,7 +340,7 @@ class Premade:
         if self.failed or self.ended or not recs:
             return
         if self._queue is None:
-            self._add(_marked(recs))
+            self._add(recs, marked=False)
             return
         if lines is None:
             dumps = orjson.dumps
@@ -346,11 +352,13 @@ class Premade:
             self._thread.start()
         self._queue.put(lines)  # (waits while a batch is still queued)
 
-    def _add(self, items: Sequence[SpoolRecord | int | bytes]) -> None:
+    def _add(self, items: Sequence[SpoolRecord | int | bytes], marked: bool = True) -> None:
+        """`items` made into lines (FullWriter's items; else records and repeats' lines as the
+        spool took them, marked here): whatever fails gives the lines up, never the recording."""
         with self._lock:
             self._made = True
             try:
-                self._full.add(items)
+                self._full.add(items if marked else _marked(cast("Sequence[SpoolRecord | bytes]", items)))
             except Exception:  # never in the way of the recording: the writer reads the spool instead
                 logger.exception("full detail's lines could not be made as the run went: made at its end")
                 self.fail()

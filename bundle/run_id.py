@@ -183,7 +183,7 @@ def _run_lines(run: IO[bytes]) -> Iterator[bytes]:
         return
     run.seek(0)
     reader = zstandard.ZstdDecompressor().stream_reader(run, closefd=False)
-    yield from io.BufferedReader(reader)  # type: ignore[arg-type]
+    yield from io.BufferedReader(reader)
 
 
 class Behaviour:

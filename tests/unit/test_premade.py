@@ -36,7 +36,7 @@ def _items(n: int, seed: int, plain_lines: bool = True) -> list[dict[str, Any] |
                 head, tail = _line_around_time(last)
                 out.append(head + b"%d" % (cb.T0 + 10 * i) + tail)
                 continue
-        if r < 0.55 and plain_lines:
+        if r < 0.55 and plain_lines and premade_module._fast is not None:  # (the C path's only)
             plain = cb.open_(10 * i, f"/w/d{i % 3}/f{i}", ["read"], result="ENOENT" if i % 2 else 0)
             out.append(orjson.dumps(plain) + b"\n")
         elif r < 0.7:
@@ -102,6 +102,11 @@ def test_premade_lines_are_the_bundle_made_from_the_spool(tmp_path: Path, seed: 
     assert all(e["runid"] == manifest["run_id"] for e in events)
 
 
+# the premade's own thread is the compiled module's (tests/unit/test_native.py fails under CI without it)
+needs_fast = pytest.mark.skipif(premade_module._fast is None, reason="the compiled module is not built")
+
+
+@needs_fast
 @pytest.mark.parametrize("seed", [4, 5])
 def test_a_signed_runs_premade_lines_are_made_from_its_records_alike(tmp_path: Path, seed: int) -> None:
     """A signed bundle's premade lines are made on the correlator's thread from the records (its
@@ -116,6 +121,7 @@ def test_a_signed_runs_premade_lines_are_made_from_its_records_alike(tmp_path: P
     assert bundles[0] == bundles[1]
 
 
+@needs_fast
 def test_a_premade_closed_with_batches_queued_stops_its_thread(tmp_path: Path) -> None:
     """close() while the thread has a batch queued: the thread makes nothing more and is gone."""
     premade = Premade(tmp_path, {}, 1)
