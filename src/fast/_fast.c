@@ -1009,6 +1009,11 @@ typedef struct {
     int next; /* the memo's entry the next directory goes to */
     long long fl_oflags;
     Buf item; /* a file item's line (open_core's, for `files`), its room kept from one to the next */
+    /* process_opens's last two processes (two processes' opens interleave): their tgids, the Proc
+     * and its pid, ppid and exe (nothing that runs during one call changes them) */
+    unsigned long long tgid[2];
+    PyObject *proc[2], *who[2][3];
+    int pnext;
 } Caches;
 
 static void caches_forget_dirs(Caches *c) {
@@ -1022,6 +1027,8 @@ static void caches_drop(Caches *c) {
     for (int k = 0; k < 2; k++) {
         Py_CLEAR(c->where[k]);
         Py_CLEAR(c->known[k]);
+        Py_CLEAR(c->proc[k]);
+        for (int f = 0; f < 3; f++) Py_CLEAR(c->who[k][f]);
     }
     Py_CLEAR(c->fl);
     free(c->item.p);
@@ -1114,9 +1121,9 @@ static int file_item(Buf *item, const Text *path, PyObject *access, PyObject *re
  * and its file item is added to `files` (the run id's LineSet, `roots` its roots as add_files takes
  * them; counted in *added): a line is never read for it again (Behaviour.add_many passes lines by).
  * A record whose item is not made here is a dict, for Behaviour.add_many. */
-static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, PyObject *raw, long long dfd,
-                           long long oflags, long long mode, long long ret, PyObject *rino, long long nlink,
-                           Buf *line, LineSet *files, PyObject *roots, Py_ssize_t *added) {
+static PyObject *open_core(Caches *c, PyObject *p, PyObject *const *who, PyObject *t, long long t_ns, PyObject *raw,
+                           long long dfd, long long oflags, long long mode, long long ret, PyObject *rino,
+                           long long nlink, Buf *line, LineSet *files, PyObject *roots, Py_ssize_t *added) {
     PyObject *paths = c->paths, *dirs = c->dirs, *dir_names = c->dir_names, *open_flags = c->open_flags,
              *flag_cache = c->flag_cache, *result_of = c->result_of, *result_cache = c->result_cache;
     Py_ssize_t limit = c->limit;
@@ -1229,8 +1236,10 @@ static PyObject *open_core(Caches *c, PyObject *p, PyObject *t, long long t_ns, 
         Py_CLEAR(tmp);
         if (!res) goto fail;
     }
-    PyObject *pid = PyObject_GetAttr(p, S_PID), *ppid = pid ? PyObject_GetAttr(p, S_PPID) : NULL,
-             *exe = ppid ? PyObject_GetAttr(p, S_EXE) : NULL;
+    /* (`who`: p's pid, ppid and exe, read before; else read here) */
+    PyObject *pid = who ? Py_NewRef(who[0]) : PyObject_GetAttr(p, S_PID),
+             *ppid = who ? Py_NewRef(who[1]) : pid ? PyObject_GetAttr(p, S_PPID) : NULL,
+             *exe = who ? Py_NewRef(who[2]) : ppid ? PyObject_GetAttr(p, S_EXE) : NULL;
     if (!exe) {
         Py_XDECREF(pid);
         Py_XDECREF(ppid);
@@ -1348,7 +1357,7 @@ static PyObject *fast_open_plain(PyObject *self, PyObject *args) {
                           &c.limit, &c.open_flags, &PyDict_Type, &c.flag_cache, &c.result_of, &PyDict_Type,
                           &c.result_cache))
         return NULL;
-    PyObject *rec = open_core(&c, p, t, 0, raw, dfd, oflags, mode, ret, rino, nlink, NULL, NULL, NULL, NULL);
+    PyObject *rec = open_core(&c, p, NULL, t, 0, raw, dfd, oflags, mode, ret, rino, nlink, NULL, NULL, NULL, NULL);
     caches_drop(&c);
     return rec;
 }
@@ -1468,14 +1477,29 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
                 break;
             }
         }
-        PyObject *tg = PyLong_FromUnsignedLongLong(o.tgid);
-        PyObject *p = tg ? PyDict_GetItemWithError(procs, tg) : NULL;
-        Py_XDECREF(tg);
-        if (!p) {
-            if (PyErr_Occurred()) goto fail;
-            break;
+        int slot = c.proc[0] && c.tgid[0] == o.tgid ? 0 : c.proc[1] && c.tgid[1] == o.tgid ? 1 : -1;
+        if (slot < 0) {
+            PyObject *tg = PyLong_FromUnsignedLongLong(o.tgid);
+            PyObject *found = tg ? PyDict_GetItemWithError(procs, tg) : NULL;
+            Py_XDECREF(tg);
+            if (!found) {
+                if (PyErr_Occurred()) goto fail;
+                break;
+            }
+            slot = c.pnext;
+            c.pnext ^= 1;
+            Py_XSETREF(c.proc[slot], Py_NewRef(found));
+            c.tgid[slot] = o.tgid;
+            PyObject *names[3] = {S_PID, S_PPID, S_EXE};
+            for (int f = 0; f < 3; f++) {
+                Py_XSETREF(c.who[slot][f], PyObject_GetAttr(found, names[f]));
+                if (!c.who[slot][f]) {
+                    Py_CLEAR(c.proc[slot]);
+                    goto fail;
+                }
+            }
         }
-        Py_INCREF(p);
+        PyObject *p = Py_NewRef(c.proc[slot]);
         long long sum = 0;
         PyObject *t = NULL; /* (NULL: its time is `sum`) */
         int ok = 1;
@@ -1488,8 +1512,9 @@ static PyObject *fast_process_opens(PyObject *self, PyObject *args) {
         }
         PyObject *path = ok ? PyBytes_FromStringAndSize(rs + path_off, (Py_ssize_t)o.plen) : NULL;
         PyObject *rino = path ? (o.ret >= 0 ? PyLong_FromUnsignedLongLong(o.rino) : Py_NewRef(Py_None)) : NULL;
-        PyObject *rec = rino ? open_core(&c, p, t, sum, path, o.dfd, o.oflags, o.mode, o.ret, rino, o.nlink,
-                                         as_lines ? &line : NULL, (LineSet *)files, roots, &added)
+        PyObject *rec = rino ? open_core(&c, p, (PyObject *const *)c.who[slot], t, sum, path, o.dfd, o.oflags,
+                                         o.mode, o.ret, rino, o.nlink, as_lines ? &line : NULL, (LineSet *)files,
+                                         roots, &added)
                              : NULL;
         Py_XDECREF(t);
         Py_XDECREF(path);
