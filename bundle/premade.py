@@ -367,11 +367,16 @@ class Premade:
         """The thread's: the lines' batches made in order (a spool line a record: FullWriter's items)."""
         assert self._queue is not None
         while (lines := self._queue.get()) is not None:
-            if not self.failed:
+            if self.failed:
+                continue  # (taken off the queue all the same: add() and end() never wait on it)
+            try:
                 items = lines.split(b"\n")
                 if not items[-1]:
                     items.pop()  # (after the last newline)
                 self._add(items)
+            except BaseException:  # (what _add does not catch, MemoryError: given up, the queue still read)
+                logger.exception("full detail's lines could not be made as the run went: made at its end")
+                self.fail()
 
     def _stop(self) -> None:
         """The thread's batches made, and the thread gone (not called on it)."""

@@ -1713,7 +1713,7 @@ static int merge_next(MergeSrc *src) {
             }
             src->in_at = zin.pos;
             src->end = zout.pos;
-            src->pending = zout.pos == zout.size;
+            src->pending = r != 0 && zout.pos == zout.size; /* (a frame ended holds nothing more) */
             src->whole = r == 0;
             continue;
         }

@@ -553,6 +553,36 @@ def test_c_and_python_merge_the_run_ids_runs_alike(
 
 
 @needs_fast
+@pytest.mark.parametrize("size", [(1 << 18) - 1, 1 << 18, (1 << 18) + 1, 1 << 19])
+def test_a_spilled_run_that_fills_the_merges_buffer_is_read_whole(tmp_path: Any, size: int) -> None:
+    """A LineSet's spill whose lines fill merge_items' read buffer exactly (256 KiB, then twice
+    that): the frame's end decoded with the buffer's last byte is its end, not a run cut short (a
+    job picks its names' lengths)."""
+
+    def opened(path: str) -> dict[str, Any]:
+        return {"k": "open", "path": path, "access": ("read",), "result": 0}
+
+    def line_size(path: str) -> int:
+        one = sink._fast.LineSet()
+        one.add_files([opened(path)], ())
+        return len(one.lines()[0])
+
+    c = line_size("")  # an item's line: twice its name's length and this
+    n = 4000 + (size - 4000 * c) % 2  # (the names' lengths fill an even number of bytes)
+    base = [opened(f"/w/f{i:06d}") for i in range(n - 1)]
+    pad = (size - (n - 1) * line_size("/w/f000000") - c) // 2
+    lines = sink._fast.LineSet()
+    lines.add_files([*base, opened("/w/g" + "x" * (pad - 4))], ())
+    assert sum(map(len, lines.lines())) == size
+    want = b",".join(line[line.index(b"\t") + 1 : -1] for line in sorted(lines.lines()))
+    with open(tmp_path / "run", "w+b") as f:
+        lines.spill(f.fileno())
+        got: list[bytes] = []
+        sink._fast.merge_items([f.fileno()], (), got.append)
+    assert b"".join(got) == want
+
+
+@needs_fast
 def test_a_spilled_run_cut_short_is_an_error_not_its_lines(tmp_path: Any) -> None:
     """A run written as a zstandard frame (the C path's spill) and cut short: merge_items raises,
     and never hashes the lines it could read as if they were all."""

@@ -122,6 +122,26 @@ def test_a_signed_runs_premade_lines_are_made_from_its_records_alike(tmp_path: P
 
 
 @needs_fast
+def test_a_premade_whose_thread_dies_gives_up_and_never_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What its thread's own catch misses (a BaseException) gives the lines up: the correlator's
+    add() and end() go on, never waiting on a queue nobody reads."""
+    premade = Premade(tmp_path, {}, 1)
+
+    def dies(items: Any, **how: Any) -> None:
+        raise SystemExit("thread dies")
+
+    monkeypatch.setattr(premade, "_add", dies)
+    items = _items(3000, 7)
+    for k in range(0, len(items), 100):  # (more batches than the queue holds)
+        premade.add(items[k : k + 100])  # type: ignore[arg-type]
+    assert not premade.end()
+    assert premade.failed
+    premade.close()
+
+
+@needs_fast
 def test_a_premade_closed_with_batches_queued_stops_its_thread(tmp_path: Path) -> None:
     """close() while the thread has a batch queued: the thread makes nothing more and is gone."""
     premade = Premade(tmp_path, {}, 1)
