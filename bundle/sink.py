@@ -289,7 +289,6 @@ class EventSink:
         hashed: list[Hashed] = []  # their content hashes (Hashed), in order
         longest = 0
         made: dict[str, int] = {}  # events made in C, by type
-        second_text = fmt._second  # noqa: SLF001 - format_time's own, cached
         after_source = self._source + b',"subject":'
         core_mid = self._core_mid
         open_type = self._type(fmt.FILE_OPEN)
@@ -308,14 +307,10 @@ class EventSink:
                         items, i, seq, id_, runid, after_source, core_mid, open_type, defer
                     )
                 elif item.__class__ is not int:
-                    done = fast.opens(
-                        items, i, seq, id_, runid, after_source, core_mid, open_type, second_text, defer
-                    )
+                    done = fast.opens(items, i, seq, id_, runid, after_source, core_mid, open_type, defer)
                 elif tried and split is not None:
                     etype, parts, after_seq, end, core_end = split
-                    done = fast.repeats(
-                        items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text, defer
-                    )
+                    done = fast.repeats(items, i, seq, parts, id_, runid, after_seq, end, core_end, defer)
                 else:
                     done = (i, b"", b"", 0)
                 if done[0] > i:

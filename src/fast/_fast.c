@@ -45,6 +45,7 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <zstd.h>
@@ -254,52 +255,49 @@ static int put_hashes(Buf *out, EVP_MD_CTX *ctx, const Buf *cores, const Buf *en
     return 0;
 }
 
-/* The text of a time's second, "YYYY-MM-DDTHH:MM:SS", from format.py's _second (called once a
- * second of the records' times), and the time as format_time writes it: that, '.', nine digits, 'Z'. */
+/* A time as format.format_time writes it, "YYYY-MM-DDTHH:MM:SS.nnnnnnnnnZ" (WHEN_N bytes), its
+ * second's text made here (gmtime_r, as format._second's strftime writes it: UTC, four-digit years;
+ * another year is the Python path's) once a second of the records' times. No Python call: open_lines
+ * uses it with the GIL let go. */
+#define WHEN_N 30
 typedef struct {
-    PyObject *second_text; /* callable: seconds -> str */
     long long second;
-    char text[64];
-    Py_ssize_t text_n;
-    char when[96];
-    Py_ssize_t when_n;
+    char when[WHEN_N]; /* the second's text in its first 19 bytes */
 } Clock;
 
-/* 1: clock->when is t's; 0: a time this does not format; -1: an error */
+/* 1: c->when is t's (ns since the epoch, t >= 0); 0: a time this does not format */
+static int clock_set(Clock *c, long long t) {
+    if (t < 0) return 0;
+    long long sec = t / 1000000000LL, frac = t % 1000000000LL;
+    if (sec != c->second) {
+        time_t tt = (time_t)sec;
+        struct tm tm;
+        if ((long long)tt != sec || !gmtime_r(&tt, &tm) || tm.tm_year + 1900 < 1000 || tm.tm_year + 1900 > 9999)
+            return 0;
+        int v[6] = {tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec};
+        char *o = c->when;
+        for (int k = 3; k >= 0; k--) o[k] = (char)('0' + v[0] % 10), v[0] /= 10;
+        o += 4;
+        for (int f = 1; f < 6; f++) {
+            *o++ = f == 3 ? 'T' : f < 3 ? '-' : ':';
+            *o++ = (char)('0' + v[f] / 10);
+            *o++ = (char)('0' + v[f] % 10);
+        }
+        c->second = sec;
+    }
+    c->when[19] = '.';
+    for (int k = 8; k >= 0; k--) c->when[20 + k] = (char)('0' + frac % 10), frac /= 10;
+    c->when[29] = 'Z';
+    return 1;
+}
+
+/* clock_set of an int object: 1, 0 (not an int this formats), or -1 with an error set */
 static int clock_at(Clock *c, PyObject *tv) {
     if (!PyLong_CheckExact(tv)) return 0;
     int overflow = 0;
     long long t = PyLong_AsLongLongAndOverflow(tv, &overflow);
-    if (overflow || t < 0) {
-        if (t == -1 && PyErr_Occurred()) return -1;
-        return 0;
-    }
-    long long sec = t / 1000000000LL, frac = t % 1000000000LL;
-    if (sec != c->second) {
-        PyObject *s = PyObject_CallFunction(c->second_text, "L", sec);
-        if (!s) return -1;
-        Py_ssize_t n;
-        const char *u = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
-        if (!u || n > 60) {
-            Py_DECREF(s);
-            PyErr_Clear();
-            return 0;
-        }
-        memcpy(c->text, u, (size_t)n);
-        c->text_n = n;
-        c->second = sec;
-        Py_DECREF(s);
-    }
-    memcpy(c->when, c->text, (size_t)c->text_n);
-    char *o = c->when + c->text_n;
-    *o++ = '.';
-    for (int k = 8; k >= 0; k--) {
-        o[k] = (char)('0' + frac % 10);
-        frac /= 10;
-    }
-    o[9] = 'Z';
-    c->when_n = c->text_n + 11;
-    return 1;
+    if (t == -1 && PyErr_Occurred()) return -1;
+    return overflow ? 0 : clock_set(c, t);
 }
 
 static int all_bytes(PyObject *const *xs, int n) {
@@ -392,15 +390,15 @@ done:
 
 static PyObject *K, *T, *N, *TL, *PATH, *OPEN;
 
-/* opens(items, i, seq, id_, runid, after_source, core_mid, open_type, second_text) */
+/* opens(items, i, seq, id_, runid, after_source, core_mid, open_type) */
 static PyObject *fast_opens(PyObject *self, PyObject *args) {
     PyObject *items, *id_, *runid, *after_source, *core_mid, *open_type;
     Py_ssize_t i;
     unsigned long long seq;
     Clock clock = {.second = -1};
     int defer = 0;
-    if (!PyArg_ParseTuple(args, "O!nKOOOOOO|p", &PyList_Type, &items, &i, &seq, &id_, &runid, &after_source,
-                          &core_mid, &open_type, &clock.second_text, &defer))
+    if (!PyArg_ParseTuple(args, "O!nKOOOOO|p", &PyList_Type, &items, &i, &seq, &id_, &runid, &after_source,
+                          &core_mid, &open_type, &defer))
         return NULL;
     PyObject *consts[] = {id_, runid, after_source, core_mid, open_type};
     if (!all_bytes(consts, 5)) return NULL;
@@ -480,7 +478,7 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
             if (fields[f].made == 1) {
                 if (put(&data, "1", 1)) goto fail;
             } else if (fields[f].made) {
-                if (put(&data, "\"", 1) || put(&data, clock.when, (size_t)clock.when_n) || put(&data, "\"", 1))
+                if (put(&data, "\"", 1) || put(&data, clock.when, WHEN_N) || put(&data, "\"", 1))
                     goto fail;
             } else {
                 r = put_value(&data, fields[f].v, 0);
@@ -502,7 +500,7 @@ static PyObject *fast_opens(PyObject *self, PyObject *args) {
         if (put(&lines, "{\"data\":", 8) || put(&lines, data.p, data.n) || put_bytes(&lines, id_) ||
             put_u64(&lines, seq) || put_bytes(&lines, runid) || put_u64(&lines, seq) ||
             put_bytes(&lines, after_source) || put(&lines, subj.p, subj.n) || put(&lines, ",\"time\":\"", 9) ||
-            put(&lines, clock.when, (size_t)clock.when_n) || put(&lines, "\"", 1) || put_bytes(&lines, open_type) ||
+            put(&lines, clock.when, WHEN_N) || put(&lines, "\"", 1) || put_bytes(&lines, open_type) ||
             put(&lines, "\n", 1))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
@@ -524,15 +522,15 @@ fail:
     return NULL;
 }
 
-/* repeats(items, i, seq, parts, id_, runid, after_seq, end, core_end, second_text) */
+/* repeats(items, i, seq, parts, id_, runid, after_seq, end, core_end) */
 static PyObject *fast_repeats(PyObject *self, PyObject *args) {
     PyObject *items, *parts, *id_, *runid, *after_seq, *end, *core_end;
     Py_ssize_t i;
     unsigned long long seq;
     Clock clock = {.second = -1};
     int defer = 0;
-    if (!PyArg_ParseTuple(args, "O!nKO!OOOOOO|p", &PyList_Type, &items, &i, &seq, &PyTuple_Type, &parts, &id_,
-                          &runid, &after_seq, &end, &core_end, &clock.second_text, &defer))
+    if (!PyArg_ParseTuple(args, "O!nKO!OOOOO|p", &PyList_Type, &items, &i, &seq, &PyTuple_Type, &parts, &id_,
+                          &runid, &after_seq, &end, &core_end, &defer))
         return NULL;
     PyObject *consts[] = {id_, runid, after_seq, end, core_end};
     if (!all_bytes(consts, 5)) return NULL;
@@ -559,14 +557,14 @@ static PyObject *fast_repeats(PyObject *self, PyObject *args) {
         if (r == 0) break;
         data.n = 0;
         for (Py_ssize_t k = 0; k < nparts; k++) {
-            if (k && (put(&data, "\"", 1) || put(&data, clock.when, (size_t)clock.when_n) || put(&data, "\"", 1)))
+            if (k && (put(&data, "\"", 1) || put(&data, clock.when, WHEN_N) || put(&data, "\"", 1)))
                 goto fail;
             if (put_bytes(&data, PyTuple_GET_ITEM(parts, k))) goto fail;
         }
         size_t start = lines.n;
         if (put(&lines, "{\"data\":", 8) || put(&lines, data.p, data.n) || put_bytes(&lines, id_) ||
             put_u64(&lines, seq) || put_bytes(&lines, runid) || put_u64(&lines, seq) ||
-            put_bytes(&lines, after_seq) || put(&lines, clock.when, (size_t)clock.when_n) || put_bytes(&lines, end))
+            put_bytes(&lines, after_seq) || put(&lines, clock.when, WHEN_N) || put_bytes(&lines, end))
             goto fail;
         if (lines.n - start > longest) longest = lines.n - start;
         if (put(&core, "{\"data\":", 8) || put(&core, data.p, data.n) || put_bytes(&core, core_end) ||

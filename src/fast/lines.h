@@ -16,10 +16,9 @@
  * The Python path then parses that line and makes its event (bundle/sink.py _full_batch). The bytes
  * are opens()'s: each value is copied as orjson wrote it, which is how canonical JSON writes it
  * (orjson again, sorted keys: tests/unit/test_fast.py holds the two equal), and the keys are sorted
- * by their bytes. Times are formatted as format.format_time does (gmtime, years 1000-9999; another
+ * by their bytes. Times are formatted as format.format_time does (clock_set, years 1000-9999; another
  * year is the Python path's). Returns what opens() returns. `items` is not changed while the GIL is
  * let go: its caller's batch (FullWriter's), which no other thread holds. */
-#include <time.h>
 
 typedef struct {
     const char *k, *v; /* the key's bytes (no escape among them) and its value's JSON */
@@ -123,25 +122,6 @@ static int read_line(const char *s, size_t n, LField *given, int *ng, unsigned l
     return kind && timed && *path;
 }
 
-/* format.format_time's text of the second `sec` ("YYYY-MM-DDTHH:MM:SS"), at text[0..19): 1, or 0 for
- * a year it does not write with four digits */
-static int second_text(long long sec, char *text) {
-    time_t tt = (time_t)sec;
-    struct tm tm;
-    if ((long long)tt != sec || !gmtime_r(&tt, &tm) || tm.tm_year + 1900 < 1000 || tm.tm_year + 1900 > 9999)
-        return 0;
-    int v[6] = {tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec};
-    char *o = text;
-    for (int k = 3; k >= 0; k--) o[k] = (char)('0' + v[0] % 10), v[0] /= 10;
-    o += 4;
-    for (int f = 1; f < 6; f++) {
-        *o++ = f == 3 ? 'T' : f < 3 ? '-' : ':';
-        *o++ = (char)('0' + v[f] / 10);
-        *o++ = (char)('0' + v[f] % 10);
-    }
-    return 1;
-}
-
 typedef struct {
     const char *id_, *runid, *after_source, *core_mid, *open_type;
     size_t id_n, runid_n, after_source_n, core_mid_n, open_type_n;
@@ -164,8 +144,7 @@ static size_t make_from_lines(const char *const *lines, const size_t *ns, size_t
     const char *keys_before[LFIELDS];
     size_t kns_before[LFIELDS];
     int order[LFIELDS], n_before = -1;
-    long long second = -1;
-    char text[20], when[32];
+    Clock clock = {.second = -1};
     size_t made = 0;
     for (; made < count; made++) {
         int ng;
@@ -173,15 +152,7 @@ static size_t make_from_lines(const char *const *lines, const size_t *ns, size_t
         const char *path = NULL;
         size_t path_n = 0;
         if (!read_line(lines[made], ns[made], given, &ng, &t, &path, &path_n)) break;
-        long long sec = (long long)(t / 1000000000ULL), frac = (long long)(t % 1000000000ULL);
-        if (sec != second) {
-            if (!second_text(sec, text)) break;
-            second = sec;
-        }
-        memcpy(when, text, 19);
-        when[19] = '.';
-        for (int k = 8; k >= 0; k--) when[20 + k] = (char)('0' + frac % 10), frac /= 10;
-        when[29] = 'Z';
+        if (!clock_set(&clock, (long long)t)) break; /* (read_line: t <= LLONG_MAX) */
         int same = ng == n_before;
         for (int f = 0; f < ng && same; f++)
             same = given[f].kn == kns_before[f] && !memcmp(given[f].k, keys_before[f], given[f].kn);
@@ -217,7 +188,7 @@ static size_t make_from_lines(const char *const *lines, const size_t *ns, size_t
                 *w++ = '1';
             } else if (fields[f].made) {
                 *w++ = '"';
-                memcpy(w, when, 30), w += 30;
+                memcpy(w, clock.when, WHEN_N), w += WHEN_N;
                 *w++ = '"';
             } else {
                 memcpy(w, fields[f].v, fields[f].vn), w += fields[f].vn;
@@ -234,7 +205,7 @@ static size_t make_from_lines(const char *const *lines, const size_t *ns, size_t
         memcpy(w, c->after_source, c->after_source_n), w += c->after_source_n;
         memcpy(w, path, path_n), w += path_n;
         memcpy(w, ",\"time\":\"", 9), w += 9;
-        memcpy(w, when, 30), w += 30;
+        memcpy(w, clock.when, WHEN_N), w += WHEN_N;
         *w++ = '"';
         memcpy(w, c->open_type, c->open_type_n), w += c->open_type_n;
         *w++ = '\n';

@@ -181,6 +181,20 @@ def test_c_and_python_agree_across_batches_and_caps(rec: dict[str, Any], times: 
 
 
 @needs_fast
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=5))
+def test_c_formats_any_time_as_format_time(times: list[int]) -> None:
+    """The C clock (gmtime_r, src/fast/_fast.c clock_set), from records and from spool lines,
+    writes every time the recorder can hold (1970 to 2262) as format.format_time does."""
+    import orjson
+
+    recs = [{"k": "open", "t": t, "pid": 1, "ppid": 0, "exe": None, "path": "/a", "result": 0} for t in times]
+    want = _written(recs, False)
+    assert _written(recs, True) == want
+    assert _written([orjson.dumps(r) + b"\n" for r in recs], True) == want
+
+
+@needs_fast
 def test_c_path_makes_what_the_writer_always_made() -> None:
     """A plain open and its repeats: the C path's line is canonical JSON of the whole event."""
     rec = {
