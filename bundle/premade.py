@@ -41,6 +41,7 @@ import zstandard
 
 from evidence.bundle.record_types import SpoolRecord
 from evidence.bundle.sink import Caps, EventSink, FullWriter, Hashed, compiled
+from evidence.bundle.spool import spool_lines
 
 if TYPE_CHECKING:
     from evidence.bundle import runtime_trace
@@ -343,8 +344,7 @@ class Premade:
             self._add(recs, marked=False)
             return
         if lines is None:
-            dumps = orjson.dumps
-            lines = b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in recs)
+            lines = spool_lines(recs)
         with self._lock:
             self._made = True
         if self._thread is None:

@@ -25,6 +25,13 @@ from evidence.bundle.record_types import SpoolRecord
 _fast = compiled("evidence.bundle._fast")  # ZFile: the compressing thread that never takes the GIL
 
 
+def spool_lines(records: Sequence[SpoolRecord | bytes]) -> bytes:
+    """The spool's bytes of `records`: each record's JSON line (orjson's), an item that is bytes
+    as it is (a spool line already, with its newline)."""
+    dumps = orjson.dumps
+    return b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in records)
+
+
 class SpoolWriter:
     """`feed`, when given, is called with every batch of records as it is written (bytes items are
     spool lines already): the writer's Behaviour, so that the bundle's run id needs no pass here.
@@ -72,8 +79,7 @@ class SpoolWriter:
     def write_many(self, records: Sequence[SpoolRecord | bytes]) -> None:
         """Append records; an item that is bytes is a record's line already (with its newline)."""
         if records:
-            dumps = orjson.dumps
-            data = b"".join(r if r.__class__ is bytes else dumps(r) + b"\n" for r in records)
+            data = spool_lines(records)
             if self._c is not None:
                 self._c.put([data])  # (waits while a batch is still queued; raises the thread's error)
             else:

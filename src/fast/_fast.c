@@ -1022,9 +1022,8 @@ static void caches_forget_dirs(Caches *c) {
 }
 
 static void caches_drop(Caches *c) {
+    caches_forget_dirs(c);
     for (int k = 0; k < 2; k++) {
-        Py_CLEAR(c->where[k]);
-        Py_CLEAR(c->known[k]);
         Py_CLEAR(c->proc[k]);
         for (int f = 0; f < 3; f++) Py_CLEAR(c->who[k][f]);
     }
