@@ -621,20 +621,18 @@ def _opens_as_lines(session: Session) -> tuple[Any, tuple[bytes, ...]] | None:
 
 
 def _line_split_at_time(line: bytes) -> tuple[bytes, bytes]:
-    """_line_around_time of an open's spool line (process_opens's, with its newline)."""
-    if not line.startswith(_OPEN_LINE_HEAD):  # pragma: no cover - open_line writes "k", then "t"
+    """An open's spool line (with its newline) without its time: (before, after), the line being
+    before + the time in decimal + after."""
+    if not line.startswith(
+        _OPEN_LINE_HEAD
+    ):  # pragma: no cover - open_line and correlate.py make "k", then "t"
         raise ValueError("an open's line that does not start with its kind and time")
     return _OPEN_LINE_HEAD, line[line.index(b",", len(_OPEN_LINE_HEAD)) :]
 
 
 def _line_around_time(rec: Correlated) -> tuple[bytes, bytes]:
-    """An open record's spool line without its time: (before, after), the line being before + the
-    time in decimal + after (with the newline)."""
-    line = orjson.dumps(rec)
-    if not line.startswith(_OPEN_LINE_HEAD):  # pragma: no cover - correlate.py makes "k", then "t"
-        raise ValueError("an open record that does not start with its kind and time")
-    comma = line.index(b",", len(_OPEN_LINE_HEAD))
-    return _OPEN_LINE_HEAD, line[comma:] + b"\n"
+    """_line_split_at_time of an open record's spool line."""
+    return _line_split_at_time(orjson.dumps(rec) + b"\n")
 
 
 def _capped(session: Session, recs: Sequence[Correlated]) -> list[Correlated | bytes]:
